@@ -1,0 +1,87 @@
+"""MiniGPT: the small decoder-only transformer of the seed article, with no sharding code.
+
+Attribute names follow the article so that plan rules read naturally:
+``embedding_layer/token_emb/embedding``, ``transformer_blocks/3/mha/query/kernel``,
+``output_layer/kernel``. Sharding is the plan's job, never the model's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MiniGPTConfig:
+    maxlen: int = 256            # context length of the article's TinyStories run
+    vocab_size: int = 50257      # GPT-2 BPE; the byte tokenizer uses a padded 384-ish vocabulary
+    embed_dim: int = 256
+    num_heads: int = 8
+    feed_forward_dim: int = 256
+    num_transformer_blocks: int = 8
+    dropout_rate: float = 0.1
+
+
+class TokenAndPositionEmbedding(nnx.Module):
+    def __init__(self, maxlen: int, vocab_size: int, embed_dim: int, *, rngs: nnx.Rngs):
+        self.token_emb = nnx.Embed(vocab_size, embed_dim, rngs=rngs)
+        self.pos_emb = nnx.Embed(maxlen, embed_dim, rngs=rngs)
+
+    def __call__(self, tokens: jnp.ndarray) -> jnp.ndarray:
+        positions = jnp.arange(tokens.shape[1])[None, :]        # (1, T)
+        return self.token_emb(tokens) + self.pos_emb(positions)  # (B, T, C)
+
+
+class TransformerBlock(nnx.Module):
+    """Post-LN block: x = LN(x + Drop(MHA(x))); x = LN(x + Drop(MLP(x)))."""
+
+    def __init__(self, embed_dim: int, num_heads: int, feed_forward_dim: int,
+                 dropout_rate: float, *, rngs: nnx.Rngs):
+        self.mha = nnx.MultiHeadAttention(num_heads=num_heads, in_features=embed_dim,
+                                          decode=False, rngs=rngs)
+        self.dropout1 = nnx.Dropout(rate=dropout_rate)
+        self.layer_norm1 = nnx.LayerNorm(embed_dim, epsilon=1e-6, rngs=rngs)
+        self.linear1 = nnx.Linear(embed_dim, feed_forward_dim, rngs=rngs)
+        self.linear2 = nnx.Linear(feed_forward_dim, embed_dim, rngs=rngs)
+        self.dropout2 = nnx.Dropout(rate=dropout_rate)
+        self.layer_norm2 = nnx.LayerNorm(embed_dim, epsilon=1e-6, rngs=rngs)
+
+    def __call__(self, x: jnp.ndarray, *, rngs: nnx.Rngs | None = None,
+                 training: bool = False) -> jnp.ndarray:
+        seq_len = x.shape[1]
+        mask = nnx.make_causal_mask(jnp.ones((x.shape[0], seq_len)))    # (B, 1, T, T)
+        attention = self.mha(x, mask=mask, decode=False)                 # (B, T, C)
+        x = self.layer_norm1(x + self.dropout1(attention, deterministic=not training, rngs=rngs))
+        hidden = nnx.relu(self.linear1(x))                               # (B, T, F)
+        mlp = self.linear2(hidden)                                       # (B, T, C)
+        return self.layer_norm2(x + self.dropout2(mlp, deterministic=not training, rngs=rngs))
+
+
+class MiniGPT(nnx.Module):
+    """Token+position embedding, post-LN blocks, output projection. Defaults are the article's."""
+
+    def __init__(self, maxlen: int = 256, vocab_size: int = 50257, embed_dim: int = 256, num_heads: int = 8,
+                 feed_forward_dim: int = 256, num_transformer_blocks: int = 8, *,
+                 dropout_rate: float = 0.1, rngs: nnx.Rngs):
+        self.embedding_layer = TokenAndPositionEmbedding(maxlen, vocab_size, embed_dim, rngs=rngs)
+        self.transformer_blocks = nnx.List([
+            TransformerBlock(embed_dim, num_heads, feed_forward_dim, dropout_rate, rngs=rngs)
+            for _ in range(num_transformer_blocks)
+        ])
+        self.output_layer = nnx.Linear(embed_dim, vocab_size, rngs=rngs)
+
+    def __call__(self, tokens: jnp.ndarray, *, rngs: nnx.Rngs | None = None,
+                 training: bool = False) -> jnp.ndarray:
+        x = self.embedding_layer(tokens)                                 # (B, T, C)
+        for block in self.transformer_blocks:
+            x = block(x, rngs=rngs, training=training)
+        return self.output_layer(x)                                      # (B, T, V)
+
+
+def build(config: MiniGPTConfig = MiniGPTConfig(), *, seed: int = 0) -> MiniGPT:
+    """Construct a MiniGPT from a config (the factory plans name as ``minigpt_model:build``)."""
+    return MiniGPT(config.maxlen, config.vocab_size, config.embed_dim, config.num_heads,
+                   config.feed_forward_dim, config.num_transformer_blocks,
+                   dropout_rate=config.dropout_rate, rngs=nnx.Rngs(seed))

@@ -1,0 +1,27 @@
+"""shardplan: declarative sharding plans for JAX/Flax NNX models.
+
+    plan = shardplan.load_plan("plans/minigpt_dp_tp.yaml")
+    mesh = shardplan.make_mesh(plan)
+    report = shardplan.check(plan, model, mesh)
+    model = shardplan.apply_plan(plan, model, mesh)
+    optimizer = shardplan.shard_optimizer(plan, model, optax.adamw(3e-4), mesh)
+    batch = shardplan.shard_inputs(plan, {"tokens": tokens}, mesh)
+"""
+
+from shardplan.diagnostics import CODES, Diagnostic, PlanError
+from shardplan.loader import load_plan, parse_plan
+from shardplan.mesh import make_mesh
+from shardplan.report import Report, check
+from shardplan.schema import Plan
+
+__all__ = ["CODES", "Diagnostic", "Plan", "PlanError", "Report", "apply_plan", "check", "load_plan",
+           "make_mesh", "parse_plan", "shard_inputs", "shard_optimizer"]
+
+
+def __getattr__(name: str):
+    # The runtime half imports optax and places arrays; loading it lazily keeps `shardplan schema`
+    # and `validate` quick and lets the CLI set the device count before JAX starts.
+    if name in ("apply_plan", "shard_optimizer", "shard_inputs", "partition_spec"):
+        from shardplan import apply
+        return getattr(apply, name)
+    raise AttributeError(f"module 'shardplan' has no attribute {name!r}")

@@ -1,0 +1,94 @@
+"""Diagnostics: what the planner says about a plan, and the one exception the library raises."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+Severity = Literal["error", "warning"]
+
+# The stable codes. Each has a test with a bad plan that triggers it (tests/test_diagnostics.py).
+CODES: dict[str, str] = {
+    # reading the file
+    "unreadable-file": "the plan file cannot be read",
+    "unsupported-format": "the plan file's suffix is not .yaml, .yml or .toml",
+    "syntax-error": "the file is not well-formed YAML or TOML",
+    "duplicate-key": "a YAML mapping repeats a key",
+    "unknown-key": "a key the plan format does not define",
+    "missing-key": "a required key is absent",
+    "invalid-value": "a value has the wrong type or is out of range",
+    # rules against the model and mesh
+    "invalid-regex": "a rule's `match` is not a valid regular expression",
+    "unknown-axis": "a spec names an axis the mesh does not have",
+    "axis-repeated": "a spec uses the same mesh axis twice",
+    "spec-too-long": "a spec has more entries than the parameter has dims",
+    "not-divisible": "a dim is not divisible by the product of the axes sharding it",
+    "mesh-size-mismatch": "the mesh does not use exactly the available devices",
+    "mesh-fill-impossible": "a -1 mesh axis cannot be filled with the devices left",
+    "unmatched-param": "a parameter no rule matches",
+    "unused-rule": "a rule that matches no parameter",
+    "shadowed-rule": "a rule whose every match is taken by earlier rules",
+    "input-unknown-axis": "an input spec names an axis the mesh does not have",
+    "input-axis-repeated": "an input spec uses the same mesh axis twice",
+    "input-spec-too-long": "an input spec has more entries than the input has dims",
+    "input-not-divisible": "an input dim is not divisible by the axes sharding it",
+    "input-undeclared": "a batch input the plan's `inputs` does not name",
+    "replicated-large": "a large parameter is fully replicated although the plan shards others",
+    "zero1-no-data-axis": "`optimizer: zero1` but no data axis shards the batch inputs",
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Diagnostic:
+    """One finding about a plan. `rule` is the 0-based index into `params` (shown 1-based as #N)."""
+
+    code: str
+    severity: Severity
+    message: str
+    file: str | None = None
+    line: int | None = None
+    column: int | None = None
+    rule: int | None = None
+    path: str | None = None
+    hint: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.code not in CODES and not self.code.startswith("stage-") and not self.code.startswith("pipeline-"):
+            raise ValueError(f"Diagnostic requires a registered code, but got {self.code!r}")
+
+    @property
+    def location(self) -> str:
+        """`file:line:col`, as much of it as is known."""
+        parts = [self.file or "<plan>"]
+        if self.line is not None:
+            parts.append(str(self.line))
+            if self.column is not None:
+                parts.append(str(self.column))
+        return ":".join(parts)
+
+    def format(self) -> str:
+        text = f"{self.location}: {self.severity}[{self.code}] {self.message}"
+        if self.hint:
+            text += f"\n  hint: {self.hint}"
+        return text
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class PlanError(Exception):
+    """A plan cannot be used. `.diagnostics` lists every error (and the warnings found with them)."""
+
+    def __init__(self, diagnostics: list[Diagnostic]):
+        self.diagnostics = list(diagnostics)
+        errors = [d for d in self.diagnostics if d.severity == "error"] or self.diagnostics
+        lines = [d.format() for d in errors]
+        super().__init__(f"{len(errors)} error(s) in plan:\n" + "\n".join(lines))
+
+    @property
+    def errors(self) -> list[Diagnostic]:
+        return [d for d in self.diagnostics if d.severity == "error"]
+
+
+def errors_in(diagnostics: list[Diagnostic]) -> list[Diagnostic]:
+    return [d for d in diagnostics if d.severity == "error"]

@@ -1,0 +1,136 @@
+"""Layout arithmetic: shard shapes, which index ranges each device holds, bytes per device. Pure."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from shardplan.matching import NormalSpec
+from shardplan.schema import spec_axes
+
+# AdamW keeps two moments per parameter, each of the parameter's shape and dtype.
+ADAM_MOMENTS = 2
+
+
+def shard_shape(shape: tuple[int, ...], spec: NormalSpec, sizes: dict[str, int]) -> tuple[int, ...]:
+    """Shape of one device's shard.
+
+    >>> shard_shape((256, 1024), (None, ("model",)), {"data": 4, "model": 2})
+    (256, 512)
+    >>> shard_shape((8, 6), (("data", "model"),), {"data": 4, "model": 2})
+    (1, 6)
+    """
+    return tuple(n // _ways(spec[d] if d < len(spec) else None, sizes) for d, n in enumerate(shape))
+
+
+def _ways(entry: tuple[str, ...] | None, sizes: dict[str, int]) -> int:
+    return math.prod(sizes[a] for a in entry) if entry else 1
+
+
+def device_coords(sizes: dict[str, int], position: int) -> dict[str, int]:
+    """Coordinates along each axis of the device at flat `position` of the mesh (row-major)."""
+    coords = np.unravel_index(position, tuple(sizes.values()))
+    return {axis: int(c) for axis, c in zip(sizes, coords)}
+
+
+def index_ranges(shape: tuple[int, ...], spec: NormalSpec, sizes: dict[str, int],
+                 coords: dict[str, int]) -> tuple[tuple[int, int], ...]:
+    """[start, stop) per dim of the shard held by the device at `coords`.
+
+    An entry listing several axes splits the dim over their product, the first axis major.
+
+    >>> index_ranges((8, 4), (("data",), None), {"data": 4, "model": 2}, {"data": 2, "model": 1})
+    ((4, 6), (0, 4))
+    """
+    ranges = []
+    for dim, n in enumerate(shape):
+        entry = spec[dim] if dim < len(spec) else None
+        chunk = n // _ways(entry, sizes)
+        index = 0
+        for axis in entry or ():
+            index = index * sizes[axis] + coords[axis]
+        ranges.append((index * chunk, (index + 1) * chunk))
+    return tuple(ranges)
+
+
+def zero1_spec(shape: tuple[int, ...], spec: NormalSpec, sizes: dict[str, int],
+               data: tuple[str, ...]) -> NormalSpec:
+    """The spec of a parameter's optimizer state under ZeRO-1: also split over the data axes.
+
+    The data axes go on the first unsharded dim they divide, else on the first sharded dim whose
+    shard they divide; a parameter no dim of which divides stays as it is.
+
+    >>> zero1_spec((64, 32), (None, ("model",)), {"data": 4, "model": 2}, ("data",))
+    (('data',), ('model',))
+    """
+    if not data or any(a in spec_axes(spec) for a in data):
+        return spec
+    padded = list(spec) + [None] * (len(shape) - len(spec))
+    ways = math.prod(sizes[a] for a in data)
+    for want_unsharded in (True, False):
+        for dim, n in enumerate(shape):
+            entry = padded[dim]
+            if (entry is None) == want_unsharded and (n // _ways(entry, sizes)) % ways == 0:
+                padded[dim] = tuple(entry or ()) + tuple(data)
+                return _trim(tuple(padded))
+    return spec
+
+
+def _trim(spec: NormalSpec) -> NormalSpec:
+    while spec and spec[-1] is None:
+        spec = spec[:-1]
+    return spec
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ParamLayout:
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    itemsize: int
+    spec: NormalSpec
+    opt_spec: NormalSpec
+    rule: int | None            # 0-based index of the winning rule; None: unmatched
+    rule_line: int | None
+    shard_shape: tuple[int, ...]
+    opt_shard_shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def bytes_per_device(self) -> int:
+        return math.prod(self.shard_shape) * self.itemsize
+
+    @property
+    def opt_bytes_per_device(self) -> int:
+        return ADAM_MOMENTS * math.prod(self.opt_shard_shape) * self.itemsize
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeviceTotals:
+    position: int               # flat position in the mesh
+    device_id: int
+    coords: dict[str, int]
+    param_bytes: int
+    opt_bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.param_bytes + self.opt_bytes
+
+
+def device_totals(params: list[ParamLayout], sizes: dict[str, int], device_ids: list[int]) -> list[DeviceTotals]:
+    param_bytes = sum(p.bytes_per_device for p in params)
+    opt_bytes = sum(p.opt_bytes_per_device for p in params)
+    return [DeviceTotals(k, device_ids[k], device_coords(sizes, k), param_bytes, opt_bytes)
+            for k in range(len(device_ids))]
+
+
+def imbalance(totals: list[DeviceTotals]) -> float:
+    """Largest over smallest per-device total (1.0: perfectly balanced)."""
+    smallest = min(t.total for t in totals)
+    return max(t.total for t in totals) / smallest if smallest else 1.0

@@ -1,0 +1,269 @@
+"""Reading plan files: YAML (safe) or TOML, with every key's line kept for diagnostics."""
+
+from __future__ import annotations
+
+import difflib
+import re
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from shardplan.diagnostics import Diagnostic, PlanError
+from shardplan.schema import Plan
+
+Positions = dict[tuple, tuple[int, int]]
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read and check the structure of a plan file; raise `PlanError` on any mistake.
+
+    >>> plan = load_plan("plans/minigpt_dp.yaml")
+    >>> plan.mesh.axes
+    {'data': 8}
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PlanError([Diagnostic("unreadable-file", "error", f"cannot read plan: {exc}", file=str(path))]) from None
+    return parse_plan(text, file=str(path), fmt=_format_of(path))
+
+
+def _format_of(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix in (".yaml", ".yml"):
+        return "yaml"
+    if suffix == ".toml":
+        return "toml"
+    raise PlanError([Diagnostic("unsupported-format", "error",
+                                f"plan files must end in .yaml, .yml or .toml, but got {path.name!r}",
+                                file=str(path))])
+
+
+def parse_plan(text: str, *, file: str | None = None, fmt: str = "yaml") -> Plan:
+    """Parse plan text of format `fmt` ('yaml' or 'toml')."""
+    data, positions = _parse_yaml(text, file) if fmt == "yaml" else _parse_toml(text, file)
+    if not isinstance(data, dict):
+        raise PlanError([Diagnostic("invalid-value", "error",
+                                    f"a plan must be a mapping of keys, but got {type(data).__name__}",
+                                    file=file, line=1)])
+    try:
+        plan = Plan.model_validate(data)
+    except ValidationError as exc:
+        raise PlanError([_diagnostic_from(err, file, positions) for err in exc.errors()]) from None
+    return plan.with_source(file, positions)
+
+
+# ---------------------------------------------------------------------------------- YAML
+
+def _parse_yaml(text: str, file: str | None) -> tuple[Any, Positions]:
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None, {}
+        data = loader.construct_document(node)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line, col = (mark.line + 1, mark.column + 1) if mark else (None, None)
+        raise PlanError([Diagnostic("syntax-error", "error", f"invalid YAML: {exc.problem or exc}",
+                                    file=file, line=line, column=col)]) from None
+    except yaml.YAMLError as exc:
+        raise PlanError([Diagnostic("syntax-error", "error", f"invalid YAML: {exc}", file=file)]) from None
+    finally:
+        loader.dispose()
+    positions: Positions = {}
+    duplicates: list[Diagnostic] = []
+    _walk_yaml(node, (), positions, duplicates, file)
+    if duplicates:
+        raise PlanError(duplicates)
+    return data, positions
+
+
+def _walk_yaml(node: yaml.Node, prefix: tuple, positions: Positions,
+               duplicates: list[Diagnostic], file: str | None) -> None:
+    positions.setdefault(prefix, (node.start_mark.line + 1, node.start_mark.column + 1))
+    if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for key_node, value_node in node.value:
+            key = str(key_node.value)
+            where = (key_node.start_mark.line + 1, key_node.start_mark.column + 1)
+            if key in seen:
+                duplicates.append(Diagnostic("duplicate-key", "error",
+                                             f"key {_dotted(prefix + (key,))!r} appears twice in one mapping",
+                                             file=file, line=where[0], column=where[1],
+                                             hint="YAML keeps only the last value; remove one of them"))
+            seen.add(key)
+            positions[prefix + (key,)] = where
+            _walk_yaml(value_node, prefix + (key,), positions, duplicates, file)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            _walk_yaml(item, prefix + (index,), positions, duplicates, file)
+
+
+# ---------------------------------------------------------------------------------- TOML
+
+_TOML_ERROR_AT = re.compile(r"\(at line (\d+), column (\d+)\)")
+_TOML_HEADER = re.compile(r"^\s*(\[\[?)\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
+_TOML_KEY = re.compile(r"""^\s*((?:[A-Za-z0-9_-]+|"[^"]*"|'[^']*')(?:\s*\.\s*(?:[A-Za-z0-9_-]+|"[^"]*"|'[^']*'))*)\s*=""")
+
+
+def _parse_toml(text: str, file: str | None) -> tuple[Any, Positions]:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        found = _TOML_ERROR_AT.search(str(exc))
+        line, col = (int(found.group(1)), int(found.group(2))) if found else (None, None)
+        message = _TOML_ERROR_AT.sub("", str(exc)).strip()
+        raise PlanError([Diagnostic("syntax-error", "error", f"invalid TOML: {message}",
+                                    file=file, line=line, column=col)]) from None
+    return data, _toml_positions(text)
+
+
+def _toml_positions(text: str) -> Positions:
+    """Line of each header and key, by a line scan (tomllib keeps no positions).
+
+    Keys inside inline tables and arrays map to the line of the key that holds them,
+    which `Plan.locate` reaches through its longest-prefix lookup.
+    """
+    positions: Positions = {}
+    table: tuple = ()
+    array_counts: dict[tuple, int] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        header = _TOML_HEADER.match(raw)
+        if header and not _TOML_KEY.match(raw):
+            keys = _toml_keys(header.group(2))
+            if header.group(1) == "[[":
+                index = array_counts.get(keys, 0)
+                array_counts[keys] = index + 1
+                table = _resolve_arrays(keys, array_counts) + (index,)
+            else:
+                table = _resolve_arrays(keys, array_counts)
+            positions.setdefault(table, (number, 1))
+            continue
+        key = _TOML_KEY.match(raw)
+        if key:
+            column = len(raw) - len(raw.lstrip()) + 1
+            positions.setdefault(table + _toml_keys(key.group(1)), (number, column))
+    return positions
+
+
+def _resolve_arrays(keys: tuple, array_counts: dict[tuple, int]) -> tuple:
+    """Insert the current index after every prefix that names an array of tables."""
+    resolved: tuple = ()
+    for end in range(1, len(keys) + 1):
+        resolved += (keys[end - 1],)
+        count = array_counts.get(keys[:end])
+        if count and end < len(keys):
+            resolved += (count - 1,)
+    return resolved
+
+
+def _toml_keys(dotted: str) -> tuple:
+    return tuple(part.strip().strip("\"'") for part in re.findall(r"""\"[^\"]*\"|'[^']*'|[^.]+""", dotted))
+
+
+# ------------------------------------------------------------------------ pydantic errors
+
+def _diagnostic_from(err: dict, file: str | None, positions: Positions) -> Diagnostic:
+    loc = tuple(err["loc"])
+    clean = _strip_union_tags(loc)
+    line, col = _lookup(positions, clean)
+    where = _dotted(clean) or "<top level>"
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        key = clean[-1] if clean else ""
+        valid = _valid_keys_at(clean[:-1])
+        close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}?" if close else (f"valid keys here: {', '.join(valid)}" if valid else None)
+        return Diagnostic("unknown-key", "error", f"unknown key {where!r}", file=file, line=line, column=col, hint=hint)
+    if kind == "missing":
+        return Diagnostic("missing-key", "error", f"required key {where!r} is missing",
+                          file=file, line=line, column=col)
+    got = err.get("input")
+    expected = err.get("ctx", {}).get("expected")
+    hint = None
+    if kind == "literal_error" and isinstance(got, str) and expected:
+        close = difflib.get_close_matches(got, re.findall(r"'([^']*)'", expected), n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]!r}?" if close else None
+    shown = repr(got) if not isinstance(got, (dict, list)) or len(repr(got)) < 80 else type(got).__name__
+    message = err["msg"].removeprefix("Value error, ")
+    if ", but got" not in message:
+        message += f", but got {shown}"
+    return Diagnostic("invalid-value", "error", f"{where}: {message}", file=file, line=line, column=col, hint=hint)
+
+
+def _strip_union_tags(loc: tuple) -> tuple:
+    """Pydantic adds union member tags (`list[...]`, `literal[...]`, `str`) to error locations."""
+    tags = re.compile(r"^(list|literal|dict|str|int|none|nullable|union|function-after)\b|\[")
+    return tuple(part for part in loc if isinstance(part, int) or not tags.search(part) or part in _ALL_FIELDS)
+
+
+def _lookup(positions: Positions, keys: tuple) -> tuple[int | None, int | None]:
+    for end in range(len(keys), -1, -1):
+        if keys[:end] in positions:
+            return positions[keys[:end]]
+    return None, None
+
+
+def _dotted(keys: tuple) -> str:
+    text = ""
+    for key in keys:
+        text += f"[{key}]" if isinstance(key, int) else (f".{key}" if text else str(key))
+    return text
+
+
+def _valid_keys_at(loc: tuple) -> list[str]:
+    """Field names of the schema model found at `loc`, walking annotations from `Plan`."""
+    annotation: Any = Plan
+    for part in loc:
+        annotation = _step(annotation, part)
+        if annotation is None:
+            return []
+    model = _model_in(annotation)
+    return list(model.model_fields) if model else []
+
+
+def _step(annotation: Any, part: Any) -> Any:
+    model = _model_in(annotation)
+    if model is not None and isinstance(part, str) and part in model.model_fields:
+        return model.model_fields[part].annotation
+    for arg in typing.get_args(annotation):
+        origin = typing.get_origin(arg)
+        if origin is list and isinstance(part, int):
+            return typing.get_args(arg)[0]
+        if origin is dict and isinstance(part, str):
+            return typing.get_args(arg)[1]
+    origin = typing.get_origin(annotation)
+    if origin is list and isinstance(part, int):
+        return typing.get_args(annotation)[0]
+    if origin is dict and isinstance(part, str):
+        return typing.get_args(annotation)[1]
+    return None
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None
+
+
+def _collect_fields(model: type[BaseModel], seen: set) -> set[str]:
+    names = set(model.model_fields)
+    for field in model.model_fields.values():
+        for arg in (field.annotation, *typing.get_args(field.annotation)):
+            for inner in (arg, *typing.get_args(arg)):
+                if isinstance(inner, type) and issubclass(inner, BaseModel) and inner not in seen:
+                    seen.add(inner)
+                    names |= _collect_fields(inner, seen)
+    return names
+
+
+_ALL_FIELDS = _collect_fields(Plan, set())

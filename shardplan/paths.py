@@ -1,0 +1,38 @@
+"""Parameter paths of an NNX model: `transformer_blocks/3/mha/query/kernel`, with shape and dtype."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ParamInfo:
+    path: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def join_path(keys: tuple) -> str:
+    return "/".join(str(getattr(k, "key", k)) for k in keys)
+
+
+def param_infos(model: nnx.Module | nnx.State) -> list[ParamInfo]:
+    """Every `nnx.Param` of a model (real or from `nnx.eval_shape`), sorted by path.
+
+    >>> from flax import nnx
+    >>> [p.path for p in param_infos(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))]
+    ['bias', 'kernel']
+    """
+    state = nnx.state(model, nnx.Param) if isinstance(model, nnx.Module) else model
+    infos = []
+    for keys, variable in nnx.to_flat_state(state):
+        value = variable.get_value() if isinstance(variable, nnx.Variable) else variable
+        infos.append(ParamInfo(join_path(keys), tuple(value.shape), np.dtype(value.dtype)))
+    return sorted(infos, key=lambda info: info.path)

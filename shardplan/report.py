@@ -1,0 +1,105 @@
+"""`check`: a plan against a model and a mesh, as diagnostics plus the layout it would produce."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from shardplan.diagnostics import Diagnostic
+from shardplan.layout import DeviceTotals, ParamLayout, device_totals, imbalance, shard_shape, zero1_spec
+from shardplan.matching import compile_rules
+from shardplan.mesh import resolve_axes
+from shardplan.paths import ParamInfo, param_infos
+from shardplan.schema import Plan, format_spec
+from shardplan.validate import Placement, data_axes, validate_inputs, validate_optimizer, validate_params
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Report:
+    """What `check` found: diagnostics, the mesh, and per-parameter and per-device layout."""
+
+    plan: Plan
+    axes: dict[str, int]
+    device_ids: list[int]
+    diagnostics: list[Diagnostic]
+    params: list[ParamLayout]
+    devices: list[DeviceTotals]
+
+    @property
+    def errors(self) -> list[Diagnostic]:
+        return [d for d in self.diagnostics if d.severity == "error"]
+
+    @property
+    def warnings(self) -> list[Diagnostic]:
+        return [d for d in self.diagnostics if d.severity == "warning"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def layout_of(self, path: str) -> ParamLayout:
+        return next(p for p in self.params if p.path == path)
+
+    def to_json(self) -> dict:
+        return {
+            "plan": {"name": self.plan.name, "file": self.plan.file},
+            "mesh": {"axes": self.axes, "device_ids": self.device_ids},
+            "params": [_param_json(p) for p in self.params],
+            "devices": [{"position": d.position, "device_id": d.device_id, "coords": d.coords,
+                         "param_bytes": d.param_bytes, "opt_bytes": d.opt_bytes} for d in self.devices],
+            "imbalance": imbalance(self.devices) if self.devices else 1.0,
+            "diagnostics": [d.to_dict() for d in self.diagnostics],
+        }
+
+
+def _param_json(p: ParamLayout) -> dict:
+    return {"path": p.path, "shape": list(p.shape), "dtype": p.dtype, "spec": format_spec(p.spec),
+            "shard_shape": list(p.shard_shape), "bytes_per_device": p.bytes_per_device,
+            "opt_spec": format_spec(p.opt_spec), "opt_bytes_per_device": p.opt_bytes_per_device,
+            "rule": None if p.rule is None else p.rule + 1, "rule_line": p.rule_line}
+
+
+def check(plan: Plan, model, mesh=None, *, input_shapes: dict[str, tuple[int, ...]] | None = None) -> Report:
+    """Check `plan` against `model` (real or `nnx.eval_shape`) and `mesh` (default: all devices).
+
+    Never raises for plan mistakes: they are in `report.diagnostics`.
+
+    >>> import shardplan, minigpt_model
+    >>> from flax import nnx
+    >>> plan = shardplan.load_plan("plans/minigpt_dp_tp.yaml")
+    >>> model = nnx.eval_shape(lambda: minigpt_model.MiniGPT(rngs=nnx.Rngs(0)))
+    >>> shardplan.check(plan, model).ok
+    True
+    """
+    device_ids = _device_ids(mesh)
+    return check_params(plan, param_infos(model), device_ids, input_shapes=input_shapes)
+
+
+def _device_ids(mesh) -> list[int]:
+    if mesh is not None:
+        return [int(d.id) for d in mesh.devices.flat]
+    import jax
+    return [int(d.id) for d in jax.devices()]
+
+
+def check_params(plan: Plan, params: list[ParamInfo], device_ids: list[int], *,
+                 input_shapes: dict[str, tuple[int, ...]] | None = None) -> Report:
+    """`check` on parameter infos and device ids: pure, no JAX devices needed."""
+    rules, diagnostics = compile_rules(plan)
+    sizes, mesh_diagnostics = resolve_axes(plan, len(device_ids))
+    diagnostics += mesh_diagnostics
+    placements, found = validate_params(plan, params, rules, sizes)
+    diagnostics += found + validate_inputs(plan, sizes, input_shapes) + validate_optimizer(plan, sizes)
+    data = data_axes(plan, sizes) if plan.optimizer == "zero1" else ()
+    layouts = [_layout(p, sizes, data) for p in placements]
+    devices = device_totals(layouts, sizes, device_ids) if not mesh_diagnostics else []
+    return Report(plan, sizes, device_ids, diagnostics, layouts, devices)
+
+
+def _layout(placement: Placement, sizes: dict[str, int], data: tuple[str, ...]) -> ParamLayout:
+    param = placement.param
+    opt_spec = zero1_spec(param.shape, placement.spec, sizes, data) if placement.valid else placement.spec
+    return ParamLayout(param.path, param.shape, param.dtype.name, param.dtype.itemsize, placement.spec, opt_spec,
+                       placement.rule.index if placement.rule else None,
+                       placement.rule.line if placement.rule else None,
+                       shard_shape(param.shape, placement.spec, sizes),
+                       shard_shape(param.shape, opt_spec, sizes))

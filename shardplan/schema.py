@@ -1,0 +1,172 @@
+"""Plan format v1 as pydantic models: the single source of the JSON Schema and of type checks.
+
+Vocabulary: an *axis* is a mesh axis, a *dim* is a tensor dimension, a *rule* maps a path
+regex to a *spec* (one entry per dim), a *stage* is a pipeline stage, a *layer* one of the
+repeated modules a pipeline cuts into stages.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+
+# A spec entry: null or "_" (dim not sharded), an axis name, or a list of axis names
+# (dim sharded over their product, major to minor).
+SpecEntry = Union[None, str, list[str]]
+UNSHARDED = "_"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelRef(_Strict):
+    factory: str = Field(description="`module:callable` that builds the model; called with `rngs=` when it accepts it.",
+                         pattern=r"^[\w.]+:[\w.]+$")
+    config: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the factory.")
+
+
+class MeshConfig(_Strict):
+    axes: dict[str, int] = Field(description="Mesh axis name -> size, in mesh order; at most one size may be -1 "
+                                             "(filled with the remaining devices).", min_length=1)
+
+    @field_validator("axes")
+    @classmethod
+    def _sizes(cls, axes: dict[str, int]) -> dict[str, int]:
+        bad = {name: size for name, size in axes.items() if size < 1 and size != -1}
+        if bad:
+            raise ValueError(f"mesh axis sizes must be >= 1 or -1, but got {bad}")
+        if list(axes.values()).count(-1) > 1:
+            raise ValueError("at most one mesh axis may have size -1, but got "
+                             f"{[n for n, s in axes.items() if s == -1]}")
+        return axes
+
+
+class ParamRule(_Strict):
+    match: str = Field(description="Regular expression that must fully match a parameter path "
+                                   "(e.g. `transformer_blocks/\\d+/linear1/kernel`).")
+    spec: Union[Literal["replicated"], list[SpecEntry]] = Field(
+        description="One entry per leading dim: null/'_' (not sharded), an axis, or a list of axes; "
+                    "'replicated' is shorthand for [].")
+
+
+    @field_validator("spec", mode="before")
+    @classmethod
+    def _spec_shape(cls, spec: Any) -> Any:
+        return check_spec_shape(spec, allow_replicated=True)
+
+
+class StageRule(_Strict):
+    match: str = Field(description="Regular expression that must fully match a layer path (e.g. `transformer_blocks/[0-3]`).")
+    stage: int = Field(ge=0, description="Pipeline stage (0-based) of the matched layers.")
+
+
+class PipelineConfig(_Strict):
+    axis: str = Field(description="Mesh axis whose devices hold the stages.")
+    layers: str = Field(description="Path of the list of repeated, identically-shaped layers.")
+    stages: Union[Literal["even"], list[StageRule]] = Field(
+        default="even", description="Ordered stage rules (first full match wins) or 'even'.")
+    microbatches: int = Field(default=1, ge=1, description="Microbatches per step.")
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = Field(default="gpipe", description="Pipeline schedule.")
+    virtual_stages: int = Field(default=1, ge=1, description="Chunks per device for the interleaved schedule.")
+
+
+class Plan(_Strict):
+    """A parsed plan. `locate(...)` maps a key path to its file position."""
+
+    version: Literal[1] = Field(description="Plan format version.")
+    name: str | None = Field(default=None, description="Human-readable plan name.")
+    model: ModelRef | None = Field(default=None, description="Default model for the command line.")
+    mesh: MeshConfig = Field(description="The device mesh.")
+    inputs: dict[str, list[SpecEntry]] = Field(default_factory=dict,
+                                               description="Spec of each batch input, by name.")
+    params: list[ParamRule] = Field(min_length=1, description="Ordered rules; the first full match wins.")
+    unmatched: Literal["error", "warn", "replicate"] = Field(
+        default="error", description="What happens to a parameter no rule matches.")
+    optimizer: Literal["same", "zero1"] = Field(
+        default="same", description="same: optimizer state mirrors its parameter; zero1: also shard it over the data axis.")
+    pipeline: PipelineConfig | None = Field(default=None, description="Pipeline stages (needs a mesh axis named by `axis`).")
+
+    @field_validator("inputs", mode="before")
+    @classmethod
+    def _input_specs(cls, inputs: Any) -> Any:
+        if isinstance(inputs, dict):
+            for spec in inputs.values():
+                check_spec_shape(spec, allow_replicated=False)
+        return inputs
+
+    _file: str | None = PrivateAttr(default=None)
+    _positions: dict[tuple, tuple[int, int]] = PrivateAttr(default_factory=dict)
+
+    @property
+    def file(self) -> str | None:
+        return self._file
+
+    def locate(self, *keys: str | int) -> tuple[int | None, int | None]:
+        """(line, column) of the longest known prefix of `keys`, or (None, None)."""
+        for end in range(len(keys), -1, -1):
+            if keys[:end] in self._positions:
+                return self._positions[keys[:end]]
+        return None, None
+
+    def with_source(self, file: str | None, positions: dict[tuple, tuple[int, int]]) -> "Plan":
+        self._file = file
+        self._positions = dict(positions)
+        return self
+
+
+def check_spec_shape(spec: Any, *, allow_replicated: bool) -> Any:
+    """One clear message for a malformed spec instead of one per union member."""
+    if allow_replicated and spec == "replicated":
+        return spec
+    expected = ("a list of entries (null, '_', an axis name, or a list of axis names)"
+                + (" or 'replicated'" if allow_replicated else ""))
+    if not isinstance(spec, list):
+        raise ValueError(f"a spec must be {expected}, but got {spec!r}")
+    for entry in spec:
+        nested_ok = isinstance(entry, list) and all(isinstance(a, str) for a in entry)
+        if not (entry is None or isinstance(entry, str) or nested_ok):
+            raise ValueError(f"spec entries must be null, '_', an axis name or a list of axis names, but got {entry!r}")
+    return spec
+
+
+def normalize_spec(spec: Union[str, list[SpecEntry]]) -> tuple[tuple[str, ...] | None, ...]:
+    """Spec as a tuple of per-dim axis tuples (None: not sharded).
+
+    >>> normalize_spec([None, "model", ["data", "model"], "_"])
+    (None, ('model',), ('data', 'model'), None)
+    >>> normalize_spec("replicated")
+    ()
+    """
+    if spec == "replicated":
+        return ()
+    return tuple(_normalize_entry(entry) for entry in spec)
+
+
+def _normalize_entry(entry: SpecEntry) -> tuple[str, ...] | None:
+    if entry is None or entry == UNSHARDED:
+        return None
+    if isinstance(entry, str):
+        return (entry,)
+    axes = tuple(a for a in entry if a != UNSHARDED)
+    return axes or None
+
+
+def spec_axes(spec: tuple[tuple[str, ...] | None, ...]) -> list[str]:
+    return [axis for entry in spec if entry for axis in entry]
+
+
+def format_spec(spec: tuple[tuple[str, ...] | None, ...]) -> str:
+    """Human form, like PartitionSpec's repr without the class name: `(None, 'model')`."""
+    if not spec:
+        return "replicated"
+    parts = []
+    for entry in spec:
+        if entry is None:
+            parts.append("None")
+        elif len(entry) == 1:
+            parts.append(repr(entry[0]))
+        else:
+            parts.append("(" + ", ".join(repr(a) for a in entry) + ")")
+    return "(" + ", ".join(parts) + ")"

@@ -1,0 +1,297 @@
+"""Validation: every mistake a plan can make against a model and a mesh, as diagnostics.
+
+Pure: takes the plan, the model's parameter infos and the mesh axis sizes; needs no devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections import defaultdict
+
+from shardplan.diagnostics import Diagnostic
+from shardplan.matching import NormalSpec, Rule, assign
+from shardplan.paths import ParamInfo
+from shardplan.schema import Plan, format_spec, normalize_spec, spec_axes
+
+# A fully replicated parameter at least this large draws a warning when the plan shards others.
+REPLICATED_WARNING_BYTES = 1 << 20
+_MAX_NAMED = 4
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one parameter goes: its winning rule and the spec that will be applied.
+
+    `spec` is the rule's spec with invalid entries dropped, so a layout can still be shown
+    for a plan with errors; `valid` says whether it is the rule's spec unchanged.
+    """
+
+    param: ParamInfo
+    rule: Rule | None
+    spec: NormalSpec
+    valid: bool
+
+
+def validate_params(plan: Plan, params: list[ParamInfo], rules: list[Rule],
+                    sizes: dict[str, int]) -> tuple[list[Placement], list[Diagnostic]]:
+    winners = assign(rules, [p.path for p in params])
+    placements, problems = [], _Problems(plan)
+    for param in params:
+        rule = winners[param.path]
+        spec, valid = _checked_spec(param, rule, sizes, problems) if rule else ((), True)
+        placements.append(Placement(param, rule, spec, valid))
+    diagnostics = _rule_level(plan, rules, sizes) + problems.diagnostics()
+    diagnostics += _unmatched(plan, [p for p in params if winners[p.path] is None])
+    diagnostics += _unused_and_shadowed(plan, rules, params, winners)
+    diagnostics += _replicated_large(plan, placements, sizes)
+    return placements, sorted(diagnostics, key=lambda d: (d.line or 0, d.column or 0))
+
+
+def _rule_level(plan: Plan, rules: list[Rule], sizes: dict[str, int]) -> list[Diagnostic]:
+    """Problems of a rule's spec that do not depend on which parameter it meets."""
+    found = []
+    for rule in rules:
+        line, col = plan.locate("params", rule.index, "spec")
+        for axis in dict.fromkeys(spec_axes(rule.spec)):
+            if axis not in sizes:
+                found.append(_unknown_axis("unknown-axis", f"{rule.label} spec {format_spec(rule.spec)}",
+                                           axis, sizes, plan.file, line, col, rule=rule.index))
+        for axis in _repeated(spec_axes(rule.spec)):
+            found.append(Diagnostic(
+                "axis-repeated", "error",
+                f"{rule.label} spec {format_spec(rule.spec)} uses mesh axis {axis!r} twice; "
+                "a mesh axis can shard at most one dim of a parameter",
+                file=plan.file, line=line, column=col, rule=rule.index,
+                hint=f"keep {axis!r} on one dim; to shard one dim over several axes write a list, e.g. [[data, model]]"))
+    return found
+
+
+def _unknown_axis(code: str, subject: str, axis: str, sizes: dict[str, int], file, line, col, **where) -> Diagnostic:
+    close = difflib.get_close_matches(axis, list(sizes), n=1, cutoff=0.5)
+    hint = f"did you mean {close[0]!r}?" if close else f"mesh axes are {', '.join(sizes)}"
+    return Diagnostic(code, "error", f"{subject} names mesh axis {axis!r}, but the mesh has only {list(sizes)}",
+                      file=file, line=line, column=col, hint=hint, **where)
+
+
+def _repeated(axes: list[str]) -> list[str]:
+    return [axis for axis in dict.fromkeys(axes) if axes.count(axis) > 1]
+
+
+def _checked_spec(param: ParamInfo, rule: Rule, sizes: dict[str, int],
+                  problems: "_Problems") -> tuple[NormalSpec, bool]:
+    spec = rule.spec
+    usable = [entry if entry and all(a in sizes for a in entry) and not _repeated(spec_axes(spec)) else None
+              for entry in spec]
+    if len(spec) > len(param.shape):
+        problems.add(rule, "spec-too-long", param,
+                     f"{rule.label} spec {format_spec(spec)} has {len(spec)} entries, but {param.path} has rank "
+                     f"{len(param.shape)} (shape {param.shape})",
+                     hint=f"a rank-{len(param.shape)} parameter takes at most {len(param.shape)} spec entries, "
+                          f"e.g. spec: {_suggest(spec, param.shape)}; give such parameters their own rule before this one")
+        usable = usable[:len(param.shape)]
+    for dim, entry in enumerate(usable):
+        if not entry:
+            continue
+        product = math.prod(sizes[a] for a in entry)
+        if param.shape[dim] % product:
+            problems.add(rule, "not-divisible", param,
+                         f"{rule.label} shards dim {dim} of {param.path} (shape {param.shape}) over "
+                         f"{_axes_text(entry, sizes)}, but "
+                         f"{param.shape[dim]} is not divisible by {product}",
+                         hint=f"pad dim {dim} to {_round_up(param.shape[dim], product)} (a multiple of {product}) "
+                              f"or leave it unsharded (null) for this parameter")
+            usable[dim] = None
+    usable_spec = _trim(tuple(usable))
+    return usable_spec, usable_spec == _trim(spec)
+
+
+def _axes_text(entry: tuple[str, ...], sizes: dict[str, int]) -> str:
+    if len(entry) == 1:
+        return f"mesh axis {entry[0]!r} ({sizes[entry[0]]} devices)"
+    return " x ".join(f"{a!r}={sizes[a]}" for a in entry) + f" = {math.prod(sizes[a] for a in entry)} devices"
+
+
+def _suggest(spec: NormalSpec, shape: tuple[int, ...]) -> str:
+    kept = [entry for entry in spec if entry][: len(shape)]
+    return "[" + ", ".join(e[0] if len(e) == 1 else "[" + ", ".join(e) + "]" for e in kept) + "]" if kept else "replicated"
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _trim(spec: NormalSpec) -> NormalSpec:
+    spec = tuple(spec)
+    while spec and spec[-1] is None:
+        spec = spec[:-1]
+    return spec
+
+
+class _Problems:
+    """Per-parameter problems grouped by (rule, code): one diagnostic names the first and counts the rest."""
+
+    def __init__(self, plan: Plan):
+        self._plan = plan
+        self._groups: dict[tuple[int, str], list[tuple[ParamInfo, str, str]]] = defaultdict(list)
+
+    def add(self, rule: Rule, code: str, param: ParamInfo, message: str, hint: str) -> None:
+        self._groups[(rule.index, code)].append((param, message, hint))
+
+    def diagnostics(self) -> list[Diagnostic]:
+        found = []
+        for (index, code), items in self._groups.items():
+            param, message, hint = items[0]
+            others = [p.path for p, _, _ in items[1:]]
+            if others:
+                shown = ", ".join(others[:_MAX_NAMED]) + (f" and {len(others) - _MAX_NAMED} more" if len(others) > _MAX_NAMED else "")
+                message += f"; the same holds for {len(others)} more parameter(s) of this rule: {shown}"
+            line, col = self._plan.locate("params", index, "spec")
+            found.append(Diagnostic(code, "error", message, file=self._plan.file, line=line, column=col,
+                                    rule=index, path=param.path, hint=hint))
+        return found
+
+
+def _unmatched(plan: Plan, params: list[ParamInfo]) -> list[Diagnostic]:
+    if not params or plan.unmatched == "replicate":
+        return []
+    severity = "error" if plan.unmatched == "error" else "warning"
+    shown = ", ".join(f"{p.path} {p.shape}" for p in params[:_MAX_NAMED])
+    more = f" and {len(params) - _MAX_NAMED} more" if len(params) > _MAX_NAMED else ""
+    line, col = plan.locate("params")
+    return [Diagnostic("unmatched-param", severity,
+                       f"{len(params)} parameter(s) match no rule: {shown}{more}",
+                       file=plan.file, line=line, column=col, path=params[0].path,
+                       hint="add a rule for them (a final `- match: '.*'  spec: replicated` catches the rest), "
+                            "or set `unmatched: replicate` to replicate them silently")]
+
+
+def _unused_and_shadowed(plan: Plan, rules: list[Rule], params: list[ParamInfo],
+                         winners: dict[str, Rule | None]) -> list[Diagnostic]:
+    found = []
+    for rule in rules:
+        if rule.pattern is None:
+            continue
+        matched = [p.path for p in params if rule.matches(p.path)]
+        line, col = plan.locate("params", rule.index, "match")
+        if not matched:
+            close = difflib.get_close_matches(rule.source, [p.path for p in params], n=1, cutoff=0.6)
+            found.append(Diagnostic(
+                "unused-rule", "warning", f"{rule.label} matches no parameter of the model",
+                file=plan.file, line=line, column=col, rule=rule.index,
+                hint=(f"paths look like {close[0]!r}; " if close else "") +
+                     "patterns must match the whole path (re.fullmatch); run `shardplan inspect` to list the paths"))
+        elif all(winners[path] is not rule for path in matched):
+            takers = sorted({winners[path].index for path in matched})
+            found.append(Diagnostic(
+                "shadowed-rule", "warning",
+                f"{rule.label} is never used: all {len(matched)} parameter(s) it matches (e.g. {matched[0]}) are taken by "
+                f"earlier rule(s) {', '.join(f'#{i + 1}' for i in takers)}",
+                file=plan.file, line=line, column=col, rule=rule.index, path=matched[0],
+                hint="move it before the rule(s) that shadow it, or delete it"))
+    return found
+
+
+def _replicated_large(plan: Plan, placements: list[Placement], sizes: dict[str, int]) -> list[Diagnostic]:
+    used = {axis for p in placements for axis in spec_axes(p.spec) if sizes.get(axis, 1) > 1}
+    if not used:
+        return []
+    largest = max(used, key=lambda a: sizes[a])
+    found = []
+    for placement in placements:
+        param = placement.param
+        if placement.spec or not placement.valid or param.nbytes < REPLICATED_WARNING_BYTES:
+            continue
+        dims = [d for d, n in enumerate(param.shape) if n % sizes[largest] == 0]
+        where = (f"its dim {dims[0]} ({param.shape[dims[0]]}) divides by {largest}={sizes[largest]}"
+                 if dims else "pad one of its dims to shard it")
+        index = placement.rule.index if placement.rule else None
+        line, col = plan.locate("params", index) if index is not None else plan.locate("params")
+        found.append(Diagnostic(
+            "replicated-large", "warning",
+            f"{param.path} {param.shape} is fully replicated: {_human(param.nbytes)} on every device, "
+            f"while the plan shards other parameters over {sorted(used)}",
+            file=plan.file, line=line, column=col, rule=index, path=param.path,
+            hint=f"shard it ({where}) or replicate it deliberately with a rule of its own"))
+    return found
+
+
+def _human(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if nbytes < 1024 or unit == "TiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError
+
+
+def validate_inputs(plan: Plan, sizes: dict[str, int],
+                    shapes: dict[str, tuple[int, ...]] | None = None) -> list[Diagnostic]:
+    """Input specs against the mesh, and against the batch's shapes when given."""
+    found = []
+    for name, raw in plan.inputs.items():
+        spec = normalize_spec(raw)
+        line, col = plan.locate("inputs", name)
+        subject = f"input {name!r} spec {format_spec(spec)}"
+        for axis in dict.fromkeys(spec_axes(spec)):
+            if axis not in sizes:
+                found.append(_unknown_axis("input-unknown-axis", subject, axis, sizes, plan.file, line, col, path=name))
+        for axis in _repeated(spec_axes(spec)):
+            found.append(Diagnostic("input-axis-repeated", "error", f"{subject} uses mesh axis {axis!r} twice",
+                                    file=plan.file, line=line, column=col, path=name,
+                                    hint="a mesh axis can shard at most one dim of an input"))
+        if shapes is not None and name in shapes:
+            found += _input_shape(plan, name, spec, shapes[name], sizes, line, col)
+    if shapes is not None:
+        for name in shapes:
+            if name not in plan.inputs:
+                line, col = plan.locate("inputs")
+                close = difflib.get_close_matches(name, list(plan.inputs), n=1)
+                found.append(Diagnostic("input-undeclared", "error",
+                                        f"batch input {name!r} is not declared in the plan's inputs {list(plan.inputs)}",
+                                        file=plan.file, line=line, column=col, path=name,
+                                        hint=f"did you mean {close[0]!r}?" if close else
+                                        f"add `{name}: [data]` (or its spec) under `inputs:`"))
+    return found
+
+
+def _input_shape(plan: Plan, name: str, spec: NormalSpec, shape: tuple[int, ...],
+                 sizes: dict[str, int], line, col) -> list[Diagnostic]:
+    subject = f"input {name!r} spec {format_spec(spec)}"
+    if len(spec) > len(shape):
+        return [Diagnostic("input-spec-too-long", "error",
+                           f"{subject} has {len(spec)} entries, but the input has rank {len(shape)} (shape {shape})",
+                           file=plan.file, line=line, column=col, path=name,
+                           hint=f"give at most {len(shape)} entries")]
+    found = []
+    for dim, entry in enumerate(spec):
+        if not entry or any(a not in sizes for a in entry):
+            continue
+        product = math.prod(sizes[a] for a in entry)
+        if shape[dim] % product:
+            found.append(Diagnostic(
+                "input-not-divisible", "error",
+                f"{subject} shards dim {dim} of shape {shape} over {product} devices, but {shape[dim]} is not "
+                f"divisible by {product}", file=plan.file, line=line, column=col, path=name,
+                hint=f"use a batch size that is a multiple of {product}, e.g. {_round_up(shape[dim], product)}"))
+    return found
+
+
+def data_axes(plan: Plan, sizes: dict[str, int]) -> tuple[str, ...]:
+    """The axes that shard the batch dim of the inputs (the data-parallel axes)."""
+    for raw in plan.inputs.values():
+        spec = normalize_spec(raw)
+        if spec and spec[0]:
+            return tuple(a for a in spec[0] if a in sizes)
+    return ("data",) if "data" in sizes else ()
+
+
+def validate_optimizer(plan: Plan, sizes: dict[str, int]) -> list[Diagnostic]:
+    if plan.optimizer != "zero1" or data_axes(plan, sizes):
+        return []
+    line, col = plan.locate("optimizer")
+    return [Diagnostic("zero1-no-data-axis", "error",
+                       "`optimizer: zero1` shards optimizer state over the data axis, but no input spec shards its "
+                       "batch dim and the mesh has no axis named 'data'",
+                       file=plan.file, line=line, column=col,
+                       hint="declare the batch sharding under `inputs:` (e.g. `tokens: [data, null]`)")]
