@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+import shardplan
+
 
 def loss_fn(model: nnx.Module, tokens: jnp.ndarray, targets: jnp.ndarray,
             rngs: nnx.Rngs | None = None, training: bool = False) -> jnp.ndarray:
@@ -19,6 +21,7 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, tokens: jnp.ndarray,
                rngs: nnx.Rngs | None = None, training: bool = True) -> jnp.ndarray:
     loss, grads = nnx.value_and_grad(loss_fn)(model, tokens, targets, rngs, training)
     optimizer.update(model, grads)
+    shardplan.constrain(model, optimizer)
     return loss
 
 

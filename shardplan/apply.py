@@ -55,6 +55,8 @@ def _checked(plan: Plan, model, mesh) -> Report:
 
 
 def _place(variable: nnx.Variable, sharding: NamedSharding) -> None:
+    # The standard NNX metadata, so `nnx.get_partition_spec` and `constrain` know the plan.
+    variable.set_metadata(out_sharding=sharding.spec, mesh=sharding.mesh)
     value = variable.get_value()
     if isinstance(value, jax.ShapeDtypeStruct):
         variable.set_value(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding))
@@ -96,6 +98,34 @@ def _param_of(keys: tuple, by_path: dict, variable: nnx.Variable):
         if layout is not None and tuple(layout.shape) == tuple(shape or ()):
             return layout
     return None
+
+
+def constrain(*nodes) -> None:
+    """Pin every planned variable of `nodes` (models, optimizers) to its planned sharding.
+
+    Call it at the end of a jitted step, after `optimizer.update`: XLA is free to choose the
+    layout of a step's outputs and may, e.g., shard a replicated LayerNorm scale under FSDP.
+    Outside `jit` it moves arrays back to their planned layout.
+
+    >>> import optax, shardplan, minigpt_model
+    >>> from flax import nnx
+    >>> plan = shardplan.load_plan("plans/minigpt_fsdp.toml")
+    >>> mesh = shardplan.make_mesh(plan)
+    >>> model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(vocab_size=512, rngs=nnx.Rngs(0)), mesh)
+    >>> shardplan.constrain(model)
+    >>> model.output_layer.kernel.sharding.spec
+    PartitionSpec('data',)
+    """
+    for node in nodes:
+        for _, variable in nnx.to_flat_state(nnx.state(node)):
+            metadata = variable.get_metadata()
+            if "mesh" in metadata and isinstance(metadata.get("out_sharding"), PartitionSpec):
+                sharding = NamedSharding(metadata["mesh"], metadata["out_sharding"])
+                value = variable.get_value()
+                if isinstance(value, jax.core.Tracer):
+                    variable.set_value(jax.lax.with_sharding_constraint(value, sharding))
+                else:
+                    variable.set_value(jax.device_put(value, sharding))
 
 
 def shard_inputs(plan: Plan, batch: dict, mesh: jax.sharding.Mesh) -> dict:

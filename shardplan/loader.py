@@ -61,8 +61,9 @@ def parse_plan(text: str, *, file: str | None = None, fmt: str = "yaml") -> Plan
 # ---------------------------------------------------------------------------------- YAML
 
 def _parse_yaml(text: str, file: str | None) -> tuple[Any, Positions]:
-    loader = yaml.SafeLoader(text)
+    loader = None
     try:
+        loader = yaml.SafeLoader(text)
         node = loader.get_single_node()
         if node is None:
             return None, {}
@@ -75,7 +76,8 @@ def _parse_yaml(text: str, file: str | None) -> tuple[Any, Positions]:
     except yaml.YAMLError as exc:
         raise PlanError([Diagnostic("syntax-error", "error", f"invalid YAML: {exc}", file=file)]) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     positions: Positions = {}
     duplicates: list[Diagnostic] = []
     _walk_yaml(node, (), positions, duplicates, file)

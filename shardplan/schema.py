@@ -158,8 +158,8 @@ def spec_axes(spec: tuple[tuple[str, ...] | None, ...]) -> list[str]:
 
 
 def format_spec(spec: tuple[tuple[str, ...] | None, ...]) -> str:
-    """Human form, like PartitionSpec's repr without the class name: `(None, 'model')`."""
-    if not spec:
+    """Human form in PartitionSpec notation: `P(None, 'model')`; `replicated` for no sharding."""
+    if not any(spec):
         return "replicated"
     parts = []
     for entry in spec:
@@ -169,4 +169,4 @@ def format_spec(spec: tuple[tuple[str, ...] | None, ...]) -> str:
             parts.append(repr(entry[0]))
         else:
             parts.append("(" + ", ".join(repr(a) for a in entry) + ")")
-    return "(" + ", ".join(parts) + ")"
+    return "P(" + ", ".join(parts) + ")"

@@ -1,0 +1,221 @@
+"""`shardplan`: validate, inspect and explain plan files. Only this module turns errors into exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import sys
+import traceback
+
+from rich.console import Console
+
+from shardplan.diagnostics import PlanError
+from shardplan.loader import load_plan
+from shardplan.schema import Plan
+
+EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
+_UNREADABLE = {"unreadable-file", "unsupported-format"}
+
+DESCRIPTION = """\
+Declarative sharding plans for JAX/Flax NNX models.
+
+A plan file (YAML or TOML) maps parameter-path regexes to PartitionSpecs on a named
+device mesh. These commands check a plan against a model and show what every device
+would hold, before any array is allocated.
+
+exit status: 0 valid (warnings allowed), 1 invalid plan, 2 unreadable file or usage error
+"""
+
+EPILOG = """\
+examples:
+  shardplan validate plans/minigpt_dp_tp.yaml
+  shardplan inspect plans/minigpt_dp_tp.yaml --device 3
+  shardplan inspect plans/minigpt_fsdp.toml --json > layout.json
+  shardplan explain plans/minigpt_tp.yaml transformer_blocks/0/mha/query/kernel
+  shardplan schema > plan.schema.json
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardplan", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def model_args(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("plan", help="plan file (.yaml, .yml or .toml)")
+        sub.add_argument("--model", help="model factory module:callable (default: the plan's model.factory)")
+        sub.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                         help="factory keyword argument, overriding the plan's model.config (repeatable)")
+        sub.add_argument("--devices", type=int, metavar="N",
+                         help="simulate N CPU devices (default without an accelerator: as many as the plan's mesh "
+                              "needs, 8 for a -1 axis)")
+        sub.add_argument("--debug", action="store_true", help="show Python tracebacks")
+
+    validate = commands.add_parser("validate", help="check a plan against its model and mesh; print diagnostics")
+    model_args(validate)
+    validate.set_defaults(handler=_validate)
+
+    inspect = commands.add_parser("inspect", help="show the mesh, per-parameter layout and per-device bytes")
+    model_args(inspect)
+    inspect.add_argument("--device", type=int, metavar="ID", help="also show which index ranges device ID holds")
+    inspect.add_argument("--all-params", action="store_true",
+                         help="one row per parameter (default: repeated layers share a row)")
+    inspect.add_argument("--json", action="store_true", help="print the layout as JSON instead of tables")
+    inspect.add_argument("--svg", metavar="FILE", help="also save the printed view as an SVG image")
+    inspect.set_defaults(handler=_inspect)
+
+    explain = commands.add_parser("explain", help="which rule gives PATH its spec, and which rules it shadows")
+    explain.add_argument("plan", help="plan file")
+    explain.add_argument("path", help="parameter path, e.g. transformer_blocks/0/mha/query/kernel")
+    explain.add_argument("--debug", action="store_true", help="show Python tracebacks")
+    explain.set_defaults(handler=_explain)
+
+    schema = commands.add_parser("schema", help="print the JSON Schema of the plan format")
+    schema.set_defaults(handler=_schema, debug=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console(record=bool(getattr(args, "svg", None)), highlight=False)
+    err = Console(stderr=True, highlight=False)
+    try:
+        return args.handler(args, console)
+    except PlanError as exc:
+        from shardplan.render import render_diagnostics, render_verdict
+        render_diagnostics(err, exc.diagnostics)
+        if all(d.code in _UNREADABLE for d in exc.errors):
+            return EXIT_USAGE
+        render_verdict(err, exc.diagnostics)
+        return EXIT_INVALID
+    except UsageError as exc:
+        err.print(f"[bold red]error:[/] {exc}", highlight=False)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        return 130
+    except Exception as exc:  # a bug of ours, not the user's: say so briefly unless --debug
+        if args.debug:
+            traceback.print_exc()
+        else:
+            err.print(f"[bold red]internal error:[/] {type(exc).__name__}: {exc}\n(rerun with --debug for the traceback)")
+        return 3
+
+
+class UsageError(Exception):
+    """A mistake in the command line or the environment, not in the plan (exit 2)."""
+
+
+def _schema(args, console: Console) -> int:
+    print(json.dumps(Plan.model_json_schema(), indent=2))
+    return EXIT_OK
+
+
+def _validate(args, console: Console) -> int:
+    from shardplan.render import render_diagnostics, render_verdict
+    report = _report(args)
+    render_diagnostics(console, report.diagnostics)
+    render_verdict(console, report)
+    return EXIT_OK if report.ok else EXIT_INVALID
+
+
+def _inspect(args, console: Console) -> int:
+    from shardplan import render
+    report = _report(args)
+    if args.device is not None and args.device not in report.device_ids:
+        raise UsageError(f"--device requires one of the mesh's device ids {report.device_ids}, but got {args.device}")
+    if args.json:
+        data = report.to_json()
+        if args.device is not None:
+            data["device"] = render.device_detail_json(report, args.device)
+        print(json.dumps(data, indent=2))
+        return EXIT_OK if report.ok else EXIT_INVALID
+    render.render_mesh(console, report)
+    render.render_params(console, report, collapse=not args.all_params)
+    render.render_devices(console, report)
+    if args.device is not None:
+        render.render_device_detail(console, report, args.device)
+    render.render_diagnostics(console, report.diagnostics)
+    render.render_verdict(console, report)
+    if args.svg:
+        console.save_svg(args.svg, title=f"shardplan inspect {args.plan}")
+    return EXIT_OK if report.ok else EXIT_INVALID
+
+
+def _explain(args, console: Console) -> int:
+    from shardplan.matching import compile_rules, shadowing
+    from shardplan.render import render_diagnostics
+    from shardplan.schema import format_spec
+    plan = load_plan(args.plan)
+    rules, problems = compile_rules(plan)
+    render_diagnostics(console, problems)
+    winner, shadowed = shadowing(rules, args.path)
+    if winner is None:
+        console.print(f"[bold red]{args.path}[/]: no rule matches (unmatched: {plan.unmatched})")
+        return EXIT_INVALID
+    console.print(f"[bold]{args.path}[/] -> spec {format_spec(winner.spec)} from {winner.label} "
+                  f"at {plan.file}:{winner.line}")
+    for rule in shadowed:
+        console.print(f"  shadows {rule.label} (spec {format_spec(rule.spec)}) at {plan.file}:{rule.line}")
+    if not shadowed:
+        console.print("  no later rule matches this path")
+    return EXIT_OK
+
+
+def _report(args):
+    """Load the plan, set up the devices, build the model abstractly, and check."""
+    plan = load_plan(args.plan)
+    _setup_devices(args.devices, plan)
+    model = _abstract_model(args, plan)
+    from shardplan.report import check
+    return check(plan, model)
+
+
+def _abstract_model(args, plan: Plan):
+    from shardplan.models import ModelLoadError, build_model, parse_overrides
+    factory = args.model or (plan.model.factory if plan.model else None)
+    if factory is None:
+        raise UsageError(f"{args.plan} names no model (model.factory); pass --model module:callable")
+    config = dict(plan.model.config) if plan.model and not args.model else {}
+    try:
+        config.update(parse_overrides(args.config))
+        return build_model(factory, config)
+    except ModelLoadError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _setup_devices(requested: int | None, plan: Plan) -> None:
+    """Choose the device count before JAX starts its backend (it cannot change afterwards)."""
+    import jax
+    if requested is None and _has_accelerator():
+        return
+    count = requested if requested is not None else _needed_devices(plan)
+    if count < 1:
+        raise UsageError(f"--devices requires a positive count, but got {count}")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    try:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError as exc:  # backend already started (embedding callers): keep what exists
+        if len(jax.devices()) != count:
+            raise UsageError(f"cannot simulate {count} devices: JAX already started with {len(jax.devices())}") from exc
+
+
+def _needed_devices(plan: Plan) -> int:
+    fixed = math.prod(size for size in plan.mesh.axes.values() if size != -1)
+    return fixed * max(1, 8 // fixed) if -1 in plan.mesh.axes.values() else fixed
+
+
+def _has_accelerator() -> bool:
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms:
+        return platforms.split(",")[0] not in ("cpu", "")
+    return any(importlib.util.find_spec(name) is not None
+               for name in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu", "jax_rocm60_plugin"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

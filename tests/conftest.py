@@ -1,0 +1,35 @@
+"""Every test runs on 8 simulated CPU devices; set before anything starts JAX's backend."""
+
+import os
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import pytest  # noqa: E402
+
+from pathlib import Path  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+PLANS = REPO / "plans"
+
+# Small enough to compile in seconds, shaped so every shipped plan divides it on 8 devices.
+TINY_MINIGPT = dict(maxlen=16, vocab_size=128, embed_dim=64, num_heads=8, feed_forward_dim=128,
+                    num_transformer_blocks=2, dropout_rate=0.0)
+
+
+@pytest.fixture(autouse=True)
+def _repo_cwd(monkeypatch):
+    monkeypatch.chdir(REPO)
+
+
+@pytest.fixture
+def write_plan(tmp_path):
+    """Write plan text to a file and return its path (suffix picks the format)."""
+    def write(text: str, name: str = "plan.yaml") -> Path:
+        path = tmp_path / name
+        path.write_text(text)
+        return path
+    return write

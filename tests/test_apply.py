@@ -1,0 +1,112 @@
+"""Sharded training equals single-device training, and every array ends where the plan put it."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import minigpt_model
+import shardplan
+from minigpt_model.steps import train_step
+from shardplan.apply import partition_spec
+from shardplan.paths import join_path
+
+from conftest import PLANS, TINY_MINIGPT
+
+STEPS = 3
+REL_TOL = 1e-5
+SHIPPED = ["minigpt_dp.yaml", "minigpt_tp.yaml", "minigpt_dp_tp.yaml", "minigpt_fsdp.toml"]
+
+
+def _batches():
+    rng = np.random.default_rng(0)
+    return rng.integers(0, TINY_MINIGPT["vocab_size"], size=(STEPS, 8, TINY_MINIGPT["maxlen"] + 1), dtype=np.int32)
+
+
+def _train(model, optimizer, place):
+    losses = []
+    for batch in _batches():
+        tokens, targets = place(batch[:, :-1]), place(batch[:, 1:])
+        losses.append(float(train_step(model, optimizer, tokens, targets, training=False)))
+    return np.array(losses)
+
+
+@pytest.fixture(scope="module")
+def single_device_losses():
+    model = minigpt_model.MiniGPT(**TINY_MINIGPT, rngs=nnx.Rngs(0))
+    device = jax.devices()[0]
+    model = jax.device_put(model, device) if False else model
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    return _train(model, optimizer, lambda x: jax.device_put(x, device))
+
+
+def _sharded_run(plan_file: str, tx=None):
+    plan = shardplan.load_plan(PLANS / plan_file)
+    mesh = shardplan.make_mesh(plan)
+    model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**TINY_MINIGPT, rngs=nnx.Rngs(0)), mesh)
+    optimizer = shardplan.shard_optimizer(plan, model, tx or optax.adamw(1e-3), mesh)
+    losses = _train(model, optimizer, lambda x: shardplan.shard_inputs(plan, {"tokens": x}, mesh)["tokens"])
+    return plan, mesh, model, optimizer, losses
+
+
+@pytest.mark.parametrize("plan_file", SHIPPED)
+def test_sharded_training_matches_single_device(plan_file, single_device_losses):
+    plan, mesh, model, optimizer, losses = _sharded_run(plan_file)
+    np.testing.assert_allclose(losses, single_device_losses, rtol=REL_TOL)
+    report = shardplan.check(plan, model, mesh)
+    expected = {p.path: p for p in report.params}
+    # Every parameter ends with its planned sharding after the updates ...
+    for keys, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        layout = expected[join_path(keys)]
+        assert variable.get_value().sharding.spec == partition_spec(layout.spec), layout.path
+        assert variable.get_value().sharding.mesh.shape == mesh.shape
+    # ... and so does every AdamW moment.
+    moments = 0
+    for keys, variable in nnx.to_flat_state(nnx.state(optimizer.opt_state)):
+        path = join_path(keys)
+        layout = next((expected[p] for p in expected if path.endswith("/" + p)), None)
+        value = variable.get_value()
+        if layout is None:
+            assert value.sharding.is_fully_replicated, path
+            continue
+        moments += 1
+        assert value.sharding.spec == partition_spec(layout.opt_spec), path
+    assert moments == 2 * len(expected)
+
+
+def test_zero1_shards_optimizer_state_over_data(single_device_losses, tmp_path):
+    text = (PLANS / "minigpt_dp_tp.yaml").read_text() + "optimizer: zero1\n"
+    (PLANS_COPY := tmp_path / "zero1.yaml").write_text(text)
+    plan = shardplan.load_plan(PLANS_COPY)
+    mesh = shardplan.make_mesh(plan)
+    model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**TINY_MINIGPT, rngs=nnx.Rngs(0)), mesh)
+    optimizer = shardplan.shard_optimizer(plan, model, optax.adamw(1e-3), mesh)
+    losses = _train(model, optimizer, lambda x: shardplan.shard_inputs(plan, {"tokens": x}, mesh)["tokens"])
+    np.testing.assert_allclose(losses, single_device_losses, rtol=REL_TOL)
+    mu = optimizer.opt_state[0].mu
+    assert mu["output_layer"]["kernel"].get_value().sharding.spec == partition_spec((("data",), ("model",)))
+    assert model.output_layer.kernel.get_value().sharding.spec == partition_spec((None, ("model",)))
+    report = shardplan.check(plan, model, mesh)
+    assert report.devices[0].opt_bytes < 2 * report.devices[0].param_bytes / 3
+
+
+def test_shard_inputs_refuses_bad_batches():
+    plan = shardplan.load_plan(PLANS / "minigpt_dp_tp.yaml")
+    mesh = shardplan.make_mesh(plan)
+    with pytest.raises(shardplan.PlanError) as exc:
+        shardplan.shard_inputs(plan, {"tokens": np.zeros((6, 16), np.int32)}, mesh)
+    assert exc.value.errors[0].code == "input-not-divisible"
+    with pytest.raises(shardplan.PlanError) as exc:
+        shardplan.shard_inputs(plan, {"tokns": np.zeros((8, 16), np.int32)}, mesh)
+    assert "did you mean 'tokens'" in exc.value.errors[0].hint
+
+
+def test_apply_plan_on_abstract_model_carries_shardings():
+    plan = shardplan.load_plan(PLANS / "minigpt_tp.yaml")
+    mesh = shardplan.make_mesh(plan)
+    model = nnx.eval_shape(lambda: minigpt_model.MiniGPT(**TINY_MINIGPT, rngs=nnx.Rngs(0)))
+    model = shardplan.apply_plan(plan, model, mesh)
+    kernel = model.output_layer.kernel.get_value()
+    assert isinstance(kernel, jax.ShapeDtypeStruct)
+    assert kernel.sharding.spec == partition_spec((None, ("model",)))

@@ -1,0 +1,146 @@
+"""Every diagnostic code, triggered by a bad plan, with a message that names the culprit."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import shardplan
+from shardplan.paths import ParamInfo
+from shardplan.report import check_params
+
+F32 = np.dtype("float32")
+PARAMS = [
+    ParamInfo("blocks/0/attn/kernel", (64, 8, 8), F32),
+    ParamInfo("blocks/0/norm/scale", (64,), F32),
+    ParamInfo("blocks/1/attn/kernel", (64, 8, 8), F32),
+    ParamInfo("blocks/1/norm/scale", (64,), F32),
+    ParamInfo("head/kernel", (64, 1001), F32),
+]
+BIG = [ParamInfo("emb/embedding", (4096, 512), F32), ParamInfo("head/kernel", (512, 4096), F32)]
+
+HEAD = "version: 1\nmesh:\n  axes: {data: 4, model: 2}\ninputs:\n  tokens: [data, null]\n"
+
+# code -> (plan text, params, device count, input shapes, strings the diagnostic must contain, line)
+CASES = {
+    "unreadable-file": (None, PARAMS, 8, None, ["cannot read"], None),
+    "unsupported-format": ("json", PARAMS, 8, None, ["plan.json"], None),
+    "syntax-error": ("version: 1\nmesh: [\n", PARAMS, 8, None, ["invalid YAML"], 3),
+    "duplicate-key": ("version: 1\nversion: 1\n", PARAMS, 8, None, ["'version'"], 2),
+    "unknown-key": (HEAD + "params: [{match: '.*', spec: replicated}]\nunmatch: warn\n", PARAMS, 8, None,
+                    ["'unmatch'", "did you mean 'unmatched'"], 7),
+    "missing-key": ("version: 1\nparams: [{match: '.*', spec: replicated}]\n", PARAMS, 8, None, ["'mesh'"], 1),
+    "invalid-value": (HEAD + "params: [{match: '.*', spec: replicated}]\noptimizer: zero3\n", PARAMS, 8, None,
+                      ["optimizer", "zero3"], 7),
+    "invalid-regex": (HEAD + "params:\n  - {match: 'blocks/(\\d+/attn', spec: replicated}\n"
+                      "  - {match: '.*', spec: replicated}\n", PARAMS, 8, None, ["rule #1", "blocks/(", "regular"], 7),
+    "unknown-axis": (HEAD + "params:\n  - {match: '.*kernel', spec: [null, modle]}\n  - {match: '.*', spec: []}\n",
+                     PARAMS, 8, None, ["rule #1", "'modle'", "did you mean 'model'"], 7),
+    "axis-repeated": (HEAD + "params:\n  - {match: '.*attn/kernel', spec: [model, model]}\n"
+                      "  - {match: '.*', spec: []}\n", PARAMS, 8, None, ["rule #1", "'model' twice"], 7),
+    "spec-too-long": (HEAD + "params:\n  - {match: 'blocks/\\d+/norm/scale', spec: [null, model]}\n"
+                      "  - {match: '.*', spec: []}\n", PARAMS, 8, None,
+                      ["rule #1", "blocks/0/norm/scale", "rank 1", "(64,)", "blocks/1/norm/scale"], 7),
+    "not-divisible": (HEAD + "params:\n  - {match: 'head/kernel', spec: [null, model]}\n"
+                      "  - {match: '.*', spec: []}\n", PARAMS, 8, None,
+                      ["rule #1", "head/kernel", "1001", "'model' (2 devices)"], 7),
+    "mesh-size-mismatch": (HEAD + "params: [{match: '.*', spec: replicated}]\n", PARAMS, 6, None,
+                           ["requires 8 devices", "6 are available"], 3),
+    "mesh-fill-impossible": ("version: 1\nmesh: {axes: {data: -1, model: 4}}\n"
+                             "params: [{match: '.*', spec: replicated}]\n", PARAMS, 6, None,
+                             ["'data' = -1", "divisible", "6 % 4"], 2),
+    "unmatched-param": (HEAD + "params:\n  - {match: 'blocks/.*', spec: replicated}\n", PARAMS, 8, None,
+                        ["head/kernel", "(64, 1001)"], 6),
+    "unused-rule": (HEAD + "params:\n  - {match: 'block/\\d+/attn/kernel', spec: [model]}\n"
+                    "  - {match: '.*', spec: []}\n", PARAMS, 8, None, ["rule #1", "matches no parameter"], 7),
+    "shadowed-rule": (HEAD + "params:\n  - {match: '.*', spec: []}\n  - {match: 'head/kernel', spec: [model]}\n",
+                      PARAMS, 8, None, ["rule #2", "head/kernel", "rule(s) #1"], 8),
+    "input-unknown-axis": ("version: 1\nmesh: {axes: {data: 8}}\ninputs:\n  tokens: [dat, null]\n"
+                           "params: [{match: '.*', spec: []}]\n", PARAMS, 8, None,
+                           ["'tokens'", "'dat'", "did you mean 'data'"], 4),
+    "input-axis-repeated": ("version: 1\nmesh: {axes: {data: 8}}\ninputs:\n  tokens: [data, data]\n"
+                            "params: [{match: '.*', spec: []}]\n", PARAMS, 8, None, ["'tokens'", "'data' twice"], 4),
+    "input-spec-too-long": (HEAD + "params: [{match: '.*', spec: []}]\n", PARAMS, 8, {"tokens": (8,)},
+                            ["'tokens'", "rank 1"], 5),
+    "input-not-divisible": (HEAD + "params: [{match: '.*', spec: []}]\n", PARAMS, 8, {"tokens": (6, 16)},
+                            ["'tokens'", "6 is not divisible by 4"], 5),
+    "input-undeclared": (HEAD + "params: [{match: '.*', spec: []}]\n", PARAMS, 8,
+                         {"tokens": (8, 16), "token": (8, 16)}, ["'token'", "not declared"], 4),
+    "replicated-large": (HEAD + "params:\n  - {match: 'head/kernel', spec: [null, model]}\n"
+                         "  - {match: '.*', spec: []}\n", BIG, 8, None,
+                         ["emb/embedding", "8.0 MiB", "fully replicated"], 8),
+    "zero1-no-data-axis": ("version: 1\nmesh: {axes: {replica: 4, model: 2}}\n"
+                           "params: [{match: '.*', spec: []}]\noptimizer: zero1\n", PARAMS, 8, None,
+                           ["zero1", "data axis"], 4),
+}
+
+
+def trigger(tmp_path: Path, code: str) -> list[shardplan.Diagnostic]:
+    text, params, devices, input_shapes, _, _ = CASES[code]
+    if text is None:
+        path = tmp_path / "missing.yaml"
+    elif text == "json":
+        path = tmp_path / "plan.json"
+        path.write_text("{}")
+    else:
+        path = tmp_path / "plan.yaml"
+        path.write_text(text)
+    try:
+        plan = shardplan.load_plan(path)
+    except shardplan.PlanError as exc:
+        return exc.diagnostics
+    return check_params(plan, params, list(range(devices)), input_shapes=input_shapes).diagnostics
+
+
+def test_every_code_has_a_case():
+    assert set(CASES) == set(shardplan.CODES)
+
+
+@pytest.mark.parametrize("code", sorted(CASES))
+def test_code_is_triggered_and_names_the_culprit(tmp_path, code):
+    diagnostics = trigger(tmp_path, code)
+    found = [d for d in diagnostics if d.code == code]
+    assert found, f"{code} not raised; got {[d.format() for d in diagnostics]}"
+    text = found[0].format()
+    for needle in CASES[code][4]:
+        assert needle in text, f"{needle!r} missing from: {text}"
+    line = CASES[code][5]
+    if line is not None:
+        assert found[0].line == line, text
+    assert found[0].file is not None
+
+
+def test_valid_plan_has_no_diagnostics(tmp_path):
+    (tmp_path / "plan.yaml").write_text(HEAD + "params:\n  - {match: '.*attn/kernel', spec: [null, model]}\n"
+                                               "  - {match: '.*', spec: []}\n")
+    report = check_params(shardplan.load_plan(tmp_path / "plan.yaml"), PARAMS, list(range(8)))
+    assert report.diagnostics == []
+
+
+def test_rule_and_path_fields_are_filled(tmp_path):
+    (diag,) = [d for d in trigger(tmp_path, "not-divisible") if d.code == "not-divisible"]
+    assert (diag.rule, diag.path, diag.severity) == (0, "head/kernel", "error")
+    assert "pad dim 1 to 1002" in diag.hint
+
+
+def test_unmatched_severity_follows_plan(tmp_path):
+    text = HEAD + "params:\n  - {match: 'blocks/.*', spec: replicated}\nunmatched: "
+    for mode, expected in (("warn", ["warning"]), ("replicate", [])):
+        (tmp_path / "plan.yaml").write_text(text + mode + "\n")
+        report = check_params(shardplan.load_plan(tmp_path / "plan.yaml"), PARAMS, list(range(8)))
+        assert [d.severity for d in report.diagnostics if d.code == "unmatched-param"] == expected
+        assert report.layout_of("head/kernel").spec == ()
+
+
+def test_apply_plan_raises_with_every_error(tmp_path):
+    """apply_plan refuses a plan with errors before JAX sees it, listing each."""
+    from flax import nnx
+    (tmp_path / "plan.yaml").write_text(
+        "version: 1\nmesh: {axes: {data: 4, model: 2}}\nparams:\n"
+        "  - {match: 'bias', spec: [null, model]}\n  - {match: 'kernel', spec: [null, modle]}\n")
+    plan = shardplan.load_plan(tmp_path / "plan.yaml")
+    model = nnx.Linear(6, 5, rngs=nnx.Rngs(0))
+    with pytest.raises(shardplan.PlanError) as exc:
+        shardplan.apply_plan(plan, model, shardplan.make_mesh(plan))
+    assert {d.code for d in exc.value.errors} == {"spec-too-long", "unknown-axis"}
+    assert "bias" in str(exc.value) and "modle" in str(exc.value)
