@@ -156,10 +156,11 @@ def _explain(args, console: Console) -> int:
     if winner is None:
         console.print(f"[bold red]{args.path}[/]: no rule matches (unmatched: {plan.unmatched})")
         return EXIT_INVALID
-    console.print(f"[bold]{args.path}[/] -> spec {format_spec(winner.spec)} from {winner.label} "
-                  f"at {plan.file}:{winner.line}")
+    def named(rule) -> str:
+        return f"rule #{rule.index + 1} '{rule.source}' at {plan.file}:{rule.line}"
+    console.print(f"[bold]{args.path}[/] -> spec {format_spec(winner.spec)} from {named(winner)}")
     for rule in shadowed:
-        console.print(f"  shadows {rule.label} (spec {format_spec(rule.spec)}) at {plan.file}:{rule.line}")
+        console.print(f"  shadows {named(rule)} (spec {format_spec(rule.spec)})")
     if not shadowed:
         console.print("  no later rule matches this path")
     return EXIT_OK

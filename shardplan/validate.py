@@ -169,9 +169,11 @@ def _unmatched(plan: Plan, params: list[ParamInfo]) -> list[Diagnostic]:
 
 def _unused_and_shadowed(plan: Plan, rules: list[Rule], params: list[ParamInfo],
                          winners: dict[str, Rule | None]) -> list[Diagnostic]:
+    # Only rules that win no parameter need a scan of their own, which keeps large models fast.
+    won = {rule.index for rule in winners.values() if rule is not None}
     found = []
     for rule in rules:
-        if rule.pattern is None:
+        if rule.pattern is None or rule.index in won:
             continue
         matched = [p.path for p in params if rule.matches(p.path)]
         line, col = plan.locate("params", rule.index, "match")
@@ -182,15 +184,20 @@ def _unused_and_shadowed(plan: Plan, rules: list[Rule], params: list[ParamInfo],
                 file=plan.file, line=line, column=col, rule=rule.index,
                 hint=(f"paths look like {close[0]!r}; " if close else "") +
                      "patterns must match the whole path (re.fullmatch); run `shardplan inspect` to list the paths"))
-        elif all(winners[path] is not rule for path in matched):
+        else:
             takers = sorted({winners[path].index for path in matched})
             found.append(Diagnostic(
                 "shadowed-rule", "warning",
                 f"{rule.label} is never used: all {len(matched)} parameter(s) it matches (e.g. {matched[0]}) are taken by "
-                f"earlier rule(s) {', '.join(f'#{i + 1}' for i in takers)}",
+                f"earlier rule(s) {_rule_list(takers)}",
                 file=plan.file, line=line, column=col, rule=rule.index, path=matched[0],
                 hint="move it before the rule(s) that shadow it, or delete it"))
     return found
+
+
+def _rule_list(indices: list[int]) -> str:
+    shown = ", ".join(f"#{i + 1}" for i in indices[:_MAX_NAMED])
+    return shown + (f" and {len(indices) - _MAX_NAMED} more" if len(indices) > _MAX_NAMED else "")
 
 
 def _replicated_large(plan: Plan, placements: list[Placement], sizes: dict[str, int]) -> list[Diagnostic]:

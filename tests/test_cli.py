@@ -1,0 +1,110 @@
+"""The command line: exit codes, file:line diagnostics without tracebacks, inspect views."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from shardplan.cli import main
+
+from conftest import PLANS, REPO
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_validate_shipped_plans_exit_zero(capsys):
+    for name in ("minigpt_dp.yaml", "minigpt_tp.yaml", "minigpt_dp_tp.yaml", "minigpt_fsdp.toml"):
+        code, out, _ = run(capsys, "validate", str(PLANS / name))
+        assert code == 0, out
+        assert "valid" in out
+
+
+def test_validate_refuses_seed_tutorial_naming_rank_and_divisibility(capsys):
+    code, out, _ = run(capsys, "validate", "plans/seed_tutorial.yaml")
+    text = " ".join(out.split())
+    assert code == 1
+    assert "spec-too-long" in text and "transformer_blocks/0/layer_norm1/bias has rank 1" in text
+    assert "output_layer/bias has rank 1" in text and "transformer_blocks/0/linear1/bias" in text
+    assert "not-divisible" in text and "50257 is not divisible by 2" in text
+    assert "seed_tutorial.yaml:29" in text                                     # file:line of the output rule
+    assert "Traceback" not in out
+
+
+@pytest.mark.parametrize("text, name, line", [
+    ("version: 1\nmesh: {axes: {data: 8}\n", "bad.yaml", "bad.yaml:3"),
+    ("version = 1\n[mesh\n", "bad.toml", "bad.toml:2"),
+    ("version: 1\nmesh: {axes: {data: 8}}\nparams:\n  - {match: '.*', spek: []}\n", "typo.yaml", "typo.yaml:4"),
+    ("version: 1\nmesh: {axes: {data: eight}}\nparams: [{match: '.*', spec: []}]\n", "type.yaml", "type.yaml:2"),
+])
+def test_malformed_plans_exit_one_with_position(capsys, tmp_path, text, name, line):
+    path = tmp_path / name
+    path.write_text(text)
+    code, out, err = run(capsys, "validate", str(path), "--model", "minigpt_model:MiniGPT")
+    assert code == 1
+    assert line in err and "Traceback" not in err + out
+
+
+def test_unreadable_and_usage_errors_exit_two(capsys, tmp_path):
+    code, _, err = run(capsys, "validate", str(tmp_path / "nope.yaml"))
+    assert code == 2 and "cannot read" in err
+    plan = tmp_path / "nomodel.yaml"
+    plan.write_text("version: 1\nmesh: {axes: {data: -1}}\nparams: [{match: '.*', spec: []}]\n")
+    code, _, err = run(capsys, "validate", str(plan))
+    assert code == 2 and "--model" in err
+    code, _, err = run(capsys, "validate", str(plan), "--model", "no_such_module:Thing")
+    assert code == 2 and "no_such_module" in err
+    code, _, err = run(capsys, "inspect", "plans/minigpt_dp.yaml", "--device", "99")
+    assert code == 2 and "--device" in err
+
+
+def test_inspect_tables_and_device_view(capsys):
+    code, out, _ = run(capsys, "inspect", "plans/minigpt_dp_tp.yaml", "--device", "3", "--config", "vocab_size=512")
+    assert code == 0
+    assert "mesh data=4 x model=2 over 8 device(s)" in out
+    assert "transformer_blocks/*/mha/query/kernel" in out            # repeated layers folded
+    assert "Device 3 (mesh position data=1, model=1)" in out
+    assert "[256:512, 0:256]" in out                                 # token_emb rows held by model=1
+
+
+def test_inspect_json_is_complete(capsys):
+    code, out, _ = run(capsys, "inspect", "plans/minigpt_fsdp.toml", "--json", "--device", "5")
+    data = json.loads(out)
+    assert code == 0
+    assert data["mesh"]["axes"] == {"data": 8}
+    kernel = next(p for p in data["params"] if p["path"] == "output_layer/kernel")
+    assert kernel["spec"] == "P(None, 'data')" and kernel["shard_shape"] == [256, 6288]
+    assert data["device"]["params"]["output_layer/kernel"] == [[0, 256], [31440, 37728]]
+    assert len(data["devices"]) == 8 and data["imbalance"] == 1.0
+
+
+def test_inspect_svg(capsys, tmp_path):
+    target = tmp_path / "layout.svg"
+    code, _, _ = run(capsys, "inspect", "plans/minigpt_dp.yaml", "--svg", str(target))
+    assert code == 0 and target.read_text().startswith("<svg")
+
+
+def test_explain_names_rule_line_and_shadowed(capsys):
+    code, out, _ = run(capsys, "explain", "plans/minigpt_tp.yaml", "transformer_blocks/5/mha/out/kernel")
+    text = " ".join(out.split())
+    assert code == 0
+    assert "P('model')" in text and "rule #3" in text and "minigpt_tp.yaml:22" in text
+    assert "shadows rule #10 '.*'" in text
+    code, out, _ = run(capsys, "explain", "plans/seed_tutorial.yaml", "nowhere/kernel")
+    assert code == 1 and "no rule matches" in out
+
+
+def test_schema_prints_json_schema(capsys):
+    code, out, _ = run(capsys, "schema")
+    assert code == 0 and json.loads(out)["title"] == "Plan"
+
+
+def test_console_entry_simulates_devices_in_a_fresh_process():
+    result = subprocess.run([sys.executable, "-m", "shardplan", "validate", "plans/minigpt_dp_tp.yaml",
+                             "--devices", "4"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "mesh-size-mismatch" in result.stdout and "4 are available" in result.stdout

@@ -1,0 +1,55 @@
+"""The shipped plans: each documented, each valid (but the seed tutorial), layouts frozen as golden files.
+
+Regenerate the golden layouts after a deliberate change with SHARDPLAN_UPDATE_GOLDEN=1.
+"""
+
+import json
+import os
+
+import pytest
+
+import shardplan
+from shardplan.models import build_model
+
+from conftest import PLANS, REPO
+
+GOLDEN = REPO / "tests" / "golden"
+SHIPPED = sorted(p.name for p in PLANS.iterdir() if p.suffix in (".yaml", ".toml"))
+
+
+def _report(name):
+    plan = shardplan.load_plan(PLANS / name)
+    return shardplan.check(plan, build_model(plan.model.factory, plan.model.config))
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_plan_has_header_comment(name):
+    assert (PLANS / name).read_text().startswith("# ")
+
+
+@pytest.mark.parametrize("name", [n for n in SHIPPED if n != "seed_tutorial.yaml"])
+def test_shipped_plan_is_valid_without_warnings(name):
+    report = _report(name)
+    assert report.diagnostics == [], [d.format() for d in report.diagnostics]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_layout_matches_golden(name):
+    data = _report(name).to_json()
+    data["plan"]["file"] = f"plans/{name}"
+    for d in data["diagnostics"]:
+        d["file"] = f"plans/{name}"
+    golden = GOLDEN / f"{name}.json"
+    if os.environ.get("SHARDPLAN_UPDATE_GOLDEN"):
+        golden.write_text(json.dumps(data, indent=1) + "\n")
+    assert data == json.loads(golden.read_text())
+
+
+def test_seed_tutorial_is_refused_for_rank_and_divisibility():
+    report = _report("seed_tutorial.yaml")
+    codes = {(d.code, d.path) for d in report.errors}
+    assert ("spec-too-long", "transformer_blocks/0/layer_norm1/bias") in codes
+    assert ("spec-too-long", "transformer_blocks/0/linear1/bias") in codes
+    assert ("spec-too-long", "transformer_blocks/0/mha/out/bias") in codes
+    assert ("spec-too-long", "output_layer/bias") in codes
+    assert ("not-divisible", "output_layer/kernel") in codes
