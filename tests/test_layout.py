@@ -24,7 +24,7 @@ def test_normalize_spec_forms():
     ((256, 1024), (None, ("model",)), (256, 512)),
     ((8, 6), (("data", "model"),), (1, 6)),
     ((16,), (), (16,)),
-    ((4, 8, 6), (("model",), None, ("data",)), (2, 8, 2)),
+    ((4, 8, 8), (("model",), None, ("data",)), (2, 8, 2)),
 ])
 def test_shard_shape(shape, spec, expected):
     assert shard_shape(shape, spec, SIZES) == expected
