@@ -1,4 +1,4 @@
-"""The compiled training and evaluation steps: next-token cross-entropy, one `nnx.jit` each."""
+"""The compiled steps: next-token cross-entropy training (one `nnx.jit`) and evaluation."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ def loss_fn(model: nnx.Module, tokens: jnp.ndarray, targets: jnp.ndarray,
 
 @nnx.jit(static_argnames=("training",))
 def train_step(model: nnx.Module, optimizer: nnx.Optimizer, tokens: jnp.ndarray, targets: jnp.ndarray,
-               rngs: nnx.Rngs | None = None, training: bool = True) -> jnp.ndarray:
+               dropout_key: jax.Array | None = None, training: bool = True) -> jnp.ndarray:
+    """One AdamW step; dropout draws from `dropout_key` (derive it from the step for exact resumes)."""
+    rngs = nnx.Rngs(dropout=dropout_key) if dropout_key is not None else None
     loss, grads = nnx.value_and_grad(loss_fn)(model, tokens, targets, rngs, training)
     optimizer.update(model, grads)
     shardplan.constrain(model, optimizer)
@@ -30,6 +32,9 @@ def eval_step(model: nnx.Module, tokens: jnp.ndarray, targets: jnp.ndarray) -> j
     return loss_fn(model, tokens, targets)
 
 
-def split_batch(batch: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(B, T+1) token windows -> inputs (B, T) and next-token targets (B, T)."""
-    return batch[:, :-1], batch[:, 1:]
+def make_optimizer(*, lr: float, steps: int, warmup_steps: int, weight_decay: float,
+                   clip_norm: float) -> optax.GradientTransformation:
+    """AdamW on a warmup + cosine schedule (to 10% of the peak), after global-norm clipping."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, min(warmup_steps, steps - 1)),
+                                                  max(steps, 2), end_value=lr * 0.1)
+    return optax.chain(optax.clip_by_global_norm(clip_norm), optax.adamw(schedule, weight_decay=weight_decay))

@@ -83,7 +83,8 @@ def shard_optimizer(plan: Plan, model: nnx.Module, tx: optax.GradientTransformat
     report = _checked(plan, model, mesh)
     by_path = {layout.path: layout for layout in report.params}
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    for keys, variable in nnx.to_flat_state(nnx.state(optimizer.opt_state)):
+    # All of the optimizer's state, its step counter included, must live on the mesh.
+    for keys, variable in nnx.to_flat_state(nnx.state(optimizer)):
         layout = _param_of(keys, by_path, variable)
         spec = layout.opt_spec if layout else ()
         _place(variable, NamedSharding(mesh, partition_spec(spec)))

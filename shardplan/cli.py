@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
-import os
 import sys
 import traceback
 
@@ -189,33 +187,18 @@ def _abstract_model(args, plan: Plan):
 
 
 def _setup_devices(requested: int | None, plan: Plan) -> None:
-    """Choose the device count before JAX starts its backend (it cannot change afterwards)."""
-    import jax
-    if requested is None and _has_accelerator():
+    from shardplan.devices import DeviceSetupError, has_accelerator, simulate_cpu_devices
+    if requested is None and has_accelerator():
         return
-    count = requested if requested is not None else _needed_devices(plan)
-    if count < 1:
-        raise UsageError(f"--devices requires a positive count, but got {count}")
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     try:
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", count)
-    except RuntimeError as exc:  # backend already started (embedding callers): keep what exists
-        if len(jax.devices()) != count:
-            raise UsageError(f"cannot simulate {count} devices: JAX already started with {len(jax.devices())}") from exc
+        simulate_cpu_devices(requested if requested is not None else _needed_devices(plan))
+    except DeviceSetupError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _needed_devices(plan: Plan) -> int:
     fixed = math.prod(size for size in plan.mesh.axes.values() if size != -1)
     return fixed * max(1, 8 // fixed) if -1 in plan.mesh.axes.values() else fixed
-
-
-def _has_accelerator() -> bool:
-    platforms = os.environ.get("JAX_PLATFORMS", "")
-    if platforms:
-        return platforms.split(",")[0] not in ("cpu", "")
-    return any(importlib.util.find_spec(name) is not None
-               for name in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu", "jax_rocm60_plugin"))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,140 @@
+"""`minigpt`: train MiniGPT under a shardplan plan, and sample from its checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+
+from rich.console import Console
+
+DESCRIPTION = """\
+Train the article's MiniGPT, sharded by a shardplan plan, and sample from it.
+
+`minigpt train` alone trains on the built-in story corpus with plans/minigpt_dp_tp.yaml on
+8 simulated CPU devices (no download, a few minutes on two cores), checkpoints to runs/minigpt,
+and prints a sample at the end.
+"""
+
+EPILOG = """\
+examples:
+  minigpt train
+  minigpt train --plan plans/minigpt_fsdp.toml --steps 2000 --out runs/fsdp
+  minigpt train --out runs/fsdp --resume            # continue a run exactly where it stopped
+  minigpt train --data stories.txt --config embed_dim=256 --config num_transformer_blocks=8
+  minigpt sample --checkpoint runs/minigpt --prompt "Once upon a time" --temperature 0.8 --top-k 20
+
+exit status: 0 done, 1 bad plan, data or checkpoint, 2 usage error
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from minigpt_model.trainer import TrainConfig
+    defaults = TrainConfig()
+    parser = argparse.ArgumentParser(prog="minigpt", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = commands.add_parser("train", help="train under a plan (defaults: built-in corpus, dp x tp on 8 devices)")
+    train.add_argument("--plan", default=defaults.plan, help=f"plan file (default {defaults.plan})")
+    train.add_argument("--steps", type=int, default=defaults.steps, help="total optimizer steps")
+    train.add_argument("--batch-size", type=int, default=defaults.batch_size, help="global batch, in sequences")
+    train.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate (warmup, then cosine)")
+    train.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
+    train.add_argument("--eval-every", type=int, default=defaults.eval_every)
+    train.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every)
+    train.add_argument("--seed", type=int, default=defaults.seed)
+    train.add_argument("--data", nargs="+", default=[], metavar="FILE",
+                       help="text files, split into documents on --separator (default: built-in stories)")
+    train.add_argument("--separator", default=defaults.separator)
+    train.add_argument("--tokenizer", choices=["bytes", "gpt2"], default=defaults.tokenizer,
+                       help="bytes (built in) or gpt2 (tiktoken, files must be local)")
+    train.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                       help="model setting, e.g. embed_dim=256, num_transformer_blocks=8, maxlen=256")
+    train.add_argument("--out", default=defaults.out, help="run directory: checkpoints, metrics.jsonl, loss.png")
+    train.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    train.add_argument("--devices", type=int, metavar="N",
+                       help="simulate N CPU devices (default without an accelerator: 8)")
+    train.add_argument("--debug", action="store_true", help="show Python tracebacks")
+    train.set_defaults(handler=_train)
+
+    sample = commands.add_parser("sample", help="generate text from a run's latest checkpoint")
+    sample.add_argument("--checkpoint", required=True, metavar="DIR", help="run directory (the --out of train)")
+    sample.add_argument("--prompt", default="Once upon a time")
+    sample.add_argument("--max-tokens", type=int, default=200)
+    sample.add_argument("--temperature", type=float, default=0.8, help="0 picks the most likely token")
+    sample.add_argument("--top-k", type=int, default=20, help="sample among the k most likely tokens (0: all)")
+    sample.add_argument("--seed", type=int, default=0)
+    sample.add_argument("--debug", action="store_true", help="show Python tracebacks")
+    sample.set_defaults(handler=_sample)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console(highlight=False)
+    err = Console(stderr=True, highlight=False)
+    from minigpt_model.checkpoint import CheckpointError
+    from minigpt_model.data import DataError
+    from minigpt_model.tokenizer import TokenizerUnavailable
+    from minigpt_model.trainer import RunError
+    from shardplan import PlanError
+    from shardplan.devices import DeviceSetupError
+    from shardplan.models import ModelLoadError
+    try:
+        return args.handler(args, console)
+    except PlanError as exc:
+        from shardplan.render import render_diagnostics
+        render_diagnostics(err, exc.diagnostics)
+        return 1
+    except (RunError, DataError, CheckpointError, TokenizerUnavailable) as exc:
+        err.print(f"[bold red]error:[/] {exc}")
+        return 1
+    except (ModelLoadError, DeviceSetupError) as exc:
+        err.print(f"[bold red]error:[/] {exc}")
+        return 2
+    except KeyboardInterrupt:
+        err.print("interrupted; the last checkpoint is intact (continue with --resume)")
+        return 130
+    except Exception as exc:  # a bug of ours: say so briefly unless --debug
+        if args.debug:
+            traceback.print_exc()
+        else:
+            err.print(f"[bold red]internal error:[/] {type(exc).__name__}: {exc}\n(rerun with --debug for the traceback)")
+        return 3
+
+
+def _devices(requested: int | None) -> None:
+    from shardplan.devices import has_accelerator, simulate_cpu_devices
+    if requested is not None or not has_accelerator():
+        simulate_cpu_devices(requested or 8)
+
+
+def _train(args, console: Console) -> int:
+    _devices(args.devices)
+    from shardplan.models import parse_overrides
+    from minigpt_model.trainer import TrainConfig, train
+    config = TrainConfig(plan=args.plan, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                         warmup_steps=args.warmup_steps, eval_every=args.eval_every,
+                         checkpoint_every=args.checkpoint_every, seed=args.seed, data=tuple(args.data),
+                         separator=args.separator, tokenizer=args.tokenizer, out=args.out, resume=args.resume,
+                         model=parse_overrides(args.config))
+    result = train(config, console=console)
+    last = max(result.losses) if result.losses else config.steps
+    console.print(f"done: step {last}, run in {result.out}")
+    return 0
+
+
+def _sample(args, console: Console) -> int:
+    from minigpt_model.checkpoint import restore_for_inference
+    from minigpt_model.sampling import generate
+    model, tokenizer, model_config = restore_for_inference(args.checkpoint)
+    ids = generate(model, tokenizer.encode(args.prompt), maxlen=model_config["maxlen"], max_tokens=args.max_tokens,
+                   temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    from minigpt_model.tokenizer import END_OF_TEXT
+    console.print(args.prompt + tokenizer.decode(ids).split(END_OF_TEXT)[0])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
