@@ -27,7 +27,7 @@ from shardplan.render import render_summary
 
 # Small enough that the default run finishes in minutes on two CPU cores with 8 simulated
 # devices, large enough to learn the built-in stories; heads and widths divide 2, 4 and 8.
-DEFAULT_MODEL = dict(maxlen=128, embed_dim=128, num_heads=4, feed_forward_dim=512, num_transformer_blocks=4,
+DEFAULT_MODEL = dict(maxlen=128, embed_dim=128, num_heads=8, feed_forward_dim=512, num_transformer_blocks=4,
                      dropout_rate=0.1)
 
 
