@@ -12,7 +12,8 @@ from shardplan.matching import NormalSpec
 from shardplan.paths import join_path
 from shardplan.report import Report, check
 from shardplan.schema import Plan, normalize_spec
-from shardplan.validate import validate_inputs
+from shardplan.layout import zero1_spec
+from shardplan.validate import data_axes, validate_inputs, validate_optimizer
 
 
 def partition_spec(spec: NormalSpec) -> PartitionSpec:
@@ -41,10 +42,33 @@ def apply_plan(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Mo
     """
     report = _checked(plan, model, mesh)
     specs = {layout.path: layout.spec for layout in report.params}
+    if report.stage_map is not None:
+        return _pipelined(plan, model, mesh, report, specs)
     for keys, variable in nnx.to_flat_state(nnx.state(model)):
         spec = specs.get(join_path(keys), ()) if isinstance(variable, nnx.Param) else ()
         _place(variable, NamedSharding(mesh, partition_spec(spec)))
     return model
+
+
+def _pipelined(plan: Plan, model: nnx.Module, mesh, report: Report, specs: dict):
+    """Stack the layers stage-major and wrap the model; other modules are placed as usual."""
+    from shardplan.pipeline import Pipelined, stack
+    pipe, stage_map = plan.pipeline, report.stage_map
+    layers = getattr(model, pipe.layers)
+    graphdef = nnx.graphdef(layers[0])
+    stacked = nnx.merge(graphdef, stack([nnx.to_pure_dict(nnx.state(layer)) for layer in layers],
+                                        stage_map.stages, stage_map.virtual))
+    for keys, variable in nnx.to_flat_state(nnx.state(stacked)):
+        spec = specs.get(f"{pipe.layers}/0/{join_path(keys)}", ())
+        _place(variable, NamedSharding(mesh, partition_spec(((pipe.axis,), None, None) + tuple(spec))))
+    pipelined = Pipelined(model, layers=pipe.layers, stacked=stacked, mesh=mesh, axis=pipe.axis,
+                          schedule=pipe.schedule, microbatches=pipe.microbatches)
+    for keys, variable in nnx.to_flat_state(nnx.state(pipelined)):
+        path = join_path(keys)
+        if not path.startswith(pipe.layers + "/"):
+            spec = specs.get(path, ()) if isinstance(variable, nnx.Param) else ()
+            _place(variable, NamedSharding(mesh, partition_spec(spec)))
+    return pipelined
 
 
 def _checked(plan: Plan, model, mesh) -> Report:
@@ -80,25 +104,42 @@ def shard_optimizer(plan: Plan, model: nnx.Module, tx: optax.GradientTransformat
     >>> opt.opt_state[0].mu["output_layer"]["kernel"].sharding.spec
     PartitionSpec(None, 'model')
     """
-    report = _checked(plan, model, mesh)
-    by_path = {layout.path: layout for layout in report.params}
+    sizes = dict(mesh.shape)
+    problems = validate_optimizer(plan, sizes)
+    if problems:
+        raise PlanError(problems)
+    data = data_axes(plan, sizes) if plan.optimizer == "zero1" else ()
+    planned = _planned_specs(model)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     # All of the optimizer's state, its step counter included, must live on the mesh.
     for keys, variable in nnx.to_flat_state(nnx.state(optimizer)):
-        layout = _param_of(keys, by_path, variable)
-        spec = layout.opt_spec if layout else ()
-        _place(variable, NamedSharding(mesh, partition_spec(spec)))
+        shape = tuple(getattr(variable.get_value(), "shape", ()))
+        spec = _spec_of_state(keys, shape, planned)
+        _place(variable, NamedSharding(mesh, partition_spec(zero1_spec(shape, spec, sizes, data))))
     return optimizer
 
 
-def _param_of(keys: tuple, by_path: dict, variable: nnx.Variable):
-    """The parameter an optimizer-state leaf belongs to: the longest key suffix naming a parameter of its shape."""
-    shape = getattr(variable.get_value(), "shape", None)
+def _planned_specs(model: nnx.Module) -> dict[str, tuple]:
+    """Path -> (shape, spec) of every parameter, from the layout `apply_plan` recorded on it."""
+    planned = {}
+    for keys, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        metadata = variable.get_metadata()
+        if not isinstance(metadata.get("out_sharding"), PartitionSpec):
+            raise ValueError(f"shard_optimizer requires a model placed by apply_plan, but {join_path(keys)} "
+                             "carries no planned sharding")
+        spec = tuple(None if e is None else (e,) if isinstance(e, str) else tuple(e) for e in metadata["out_sharding"])
+        planned[join_path(keys)] = (tuple(variable.get_value().shape), spec)
+    return planned
+
+
+def _spec_of_state(keys: tuple, shape: tuple, planned: dict) -> tuple:
+    """The spec of the parameter an optimizer-state leaf belongs to (longest key suffix naming a parameter
+    of its shape); () for anything else, such as step counts."""
     for start in range(len(keys)):
-        layout = by_path.get(join_path(keys[start:]))
-        if layout is not None and tuple(layout.shape) == tuple(shape or ()):
-            return layout
-    return None
+        found = planned.get(join_path(keys[start:]))
+        if found is not None and found[0] == shape:
+            return found[1]
+    return ()
 
 
 def constrain(*nodes) -> None:

@@ -35,6 +35,18 @@ CODES: dict[str, str] = {
     "input-undeclared": "a batch input the plan's `inputs` does not name",
     "replicated-large": "a large parameter is fully replicated although the plan shards others",
     "zero1-no-data-axis": "`optimizer: zero1` but no data axis shards the batch inputs",
+    # pipelines
+    "pipeline-no-axis": "the pipeline's stage axis is not a mesh axis",
+    "pipeline-no-layers": "`pipeline.layers` names no top-level list of layers",
+    "pipeline-axis-in-spec": "a parameter spec uses the stage axis",
+    "pipeline-microbatches": "the microbatch count does not divide each data shard's batch",
+    "stage-invalid-regex": "a stage rule's `match` is not a valid regular expression",
+    "stage-unassigned": "a layer no stage rule matches",
+    "stage-out-of-range": "a stage index outside the stage axis",
+    "stage-unbalanced": "stages hold unequal numbers of layers",
+    "stage-noncontiguous": "a stage's layers are not consecutive (gpipe, 1f1b)",
+    "stage-not-circular": "interleaved chunks are not placed circularly",
+    "stage-layers-differ": "layers differ in parameters, shapes or specs and cannot be stacked",
 }
 
 
@@ -53,7 +65,7 @@ class Diagnostic:
     hint: str | None = None
 
     def __post_init__(self) -> None:
-        if self.code not in CODES and not self.code.startswith("stage-") and not self.code.startswith("pipeline-"):
+        if self.code not in CODES:
             raise ValueError(f"Diagnostic requires a registered code, but got {self.code!r}")
 
     @property

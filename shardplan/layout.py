@@ -96,6 +96,7 @@ class ParamLayout:
     rule_line: int | None
     shard_shape: tuple[int, ...]
     opt_shard_shape: tuple[int, ...]
+    stage: int | None = None    # pipeline stage holding it; None: every stage
 
     @property
     def nbytes(self) -> int:
@@ -123,11 +124,16 @@ class DeviceTotals:
         return self.param_bytes + self.opt_bytes
 
 
-def device_totals(params: list[ParamLayout], sizes: dict[str, int], device_ids: list[int]) -> list[DeviceTotals]:
-    param_bytes = sum(p.bytes_per_device for p in params)
-    opt_bytes = sum(p.opt_bytes_per_device for p in params)
-    return [DeviceTotals(k, device_ids[k], device_coords(sizes, k), param_bytes, opt_bytes)
-            for k in range(len(device_ids))]
+def device_totals(params: list[ParamLayout], sizes: dict[str, int], device_ids: list[int],
+                  stage_axis: str | None = None) -> list[DeviceTotals]:
+    """Bytes each device holds; a staged parameter counts only on devices of its stage."""
+    totals = []
+    for k, device_id in enumerate(device_ids):
+        coords = device_coords(sizes, k)
+        held = [p for p in params if p.stage is None or stage_axis is None or coords[stage_axis] == p.stage]
+        totals.append(DeviceTotals(k, device_id, coords, sum(p.bytes_per_device for p in held),
+                                   sum(p.opt_bytes_per_device for p in held)))
+    return totals
 
 
 def imbalance(totals: list[DeviceTotals]) -> float:

@@ -10,6 +10,7 @@ from shardplan.matching import compile_rules
 from shardplan.mesh import resolve_axes
 from shardplan.paths import ParamInfo, param_infos
 from shardplan.schema import Plan, format_spec
+from shardplan.stages import StageMap, check_microbatches, plan_stages
 from shardplan.validate import Placement, data_axes, validate_inputs, validate_optimizer, validate_params
 
 
@@ -23,6 +24,7 @@ class Report:
     diagnostics: list[Diagnostic]
     params: list[ParamLayout]
     devices: list[DeviceTotals]
+    stage_map: StageMap | None = None
 
     @property
     def errors(self) -> list[Diagnostic]:
@@ -47,15 +49,27 @@ class Report:
             "devices": [{"position": d.position, "device_id": d.device_id, "coords": d.coords,
                          "param_bytes": d.param_bytes, "opt_bytes": d.opt_bytes} for d in self.devices],
             "imbalance": imbalance(self.devices) if self.devices else 1.0,
+            "pipeline": _pipeline_json(self),
             "diagnostics": [d.to_dict() for d in self.diagnostics],
         }
+
+
+def _pipeline_json(report: "Report") -> dict | None:
+    if report.stage_map is None:
+        return None
+    from shardplan.schedules import bubble_fraction, timeline
+    pipe, stage_map = report.plan.pipeline, report.stage_map
+    grid = timeline(pipe.schedule, stage_map.stages, pipe.microbatches, stage_map.virtual)
+    return {"axis": pipe.axis, "schedule": pipe.schedule, "microbatches": pipe.microbatches,
+            "virtual_stages": stage_map.virtual, "stage_of_layer": list(stage_map.stage_of),
+            "ticks": len(grid), "bubble": bubble_fraction(grid)}
 
 
 def _param_json(p: ParamLayout) -> dict:
     return {"path": p.path, "shape": list(p.shape), "dtype": p.dtype, "spec": format_spec(p.spec),
             "shard_shape": list(p.shard_shape), "bytes_per_device": p.bytes_per_device,
             "opt_spec": format_spec(p.opt_spec), "opt_bytes_per_device": p.opt_bytes_per_device,
-            "rule": None if p.rule is None else p.rule + 1, "rule_line": p.rule_line}
+            "rule": None if p.rule is None else p.rule + 1, "rule_line": p.rule_line, "stage": p.stage}
 
 
 def check(plan: Plan, model, mesh=None, *, input_shapes: dict[str, tuple[int, ...]] | None = None) -> Report:
@@ -89,17 +103,25 @@ def check_params(plan: Plan, params: list[ParamInfo], device_ids: list[int], *,
     diagnostics += mesh_diagnostics
     placements, found = validate_params(plan, params, rules, sizes)
     diagnostics += found + validate_inputs(plan, sizes, input_shapes) + validate_optimizer(plan, sizes)
+    stage_map, staging = plan_stages(plan, params, sizes, {p.param.path: p.spec for p in placements})
+    diagnostics += staging
+    if input_shapes:
+        batch = next(iter(input_shapes.values()))[0]
+        diagnostics += check_microbatches(plan, batch, sizes, data_axes(plan, sizes))
     data = data_axes(plan, sizes) if plan.optimizer == "zero1" else ()
-    layouts = [_layout(p, sizes, data) for p in placements]
-    devices = device_totals(layouts, sizes, device_ids) if not mesh_diagnostics else []
-    return Report(plan, sizes, device_ids, diagnostics, layouts, devices)
+    layouts = [_layout(p, sizes, data, stage_map) for p in placements]
+    axis = plan.pipeline.axis if stage_map else None
+    devices = device_totals(layouts, sizes, device_ids, axis) if not mesh_diagnostics else []
+    return Report(plan, sizes, device_ids, diagnostics, layouts, devices, stage_map)
 
 
-def _layout(placement: Placement, sizes: dict[str, int], data: tuple[str, ...]) -> ParamLayout:
+def _layout(placement: Placement, sizes: dict[str, int], data: tuple[str, ...],
+            stage_map: StageMap | None) -> ParamLayout:
     param = placement.param
     opt_spec = zero1_spec(param.shape, placement.spec, sizes, data) if placement.valid else placement.spec
     return ParamLayout(param.path, param.shape, param.dtype.name, param.dtype.itemsize, placement.spec, opt_spec,
                        placement.rule.index if placement.rule else None,
                        placement.rule.line if placement.rule else None,
                        shard_shape(param.shape, placement.spec, sizes),
-                       shard_shape(param.shape, opt_spec, sizes))
+                       shard_shape(param.shape, opt_spec, sizes),
+                       stage_map.stage_of_path(param.path) if stage_map else None)

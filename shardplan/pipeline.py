@@ -1,0 +1,300 @@
+"""Pipelined execution of a model's repeated layers inside one compiled step.
+
+The layers' parameters are stacked as [stage, chunk, layer-in-chunk, ...] with the stage dim
+sharded over the plan's stage axis. `jax.shard_map` goes manual over that axis only (data and
+model axes stay automatic), layers within a chunk run under `lax.scan` (compile time does not
+grow with depth), and activations move between stages with `ppermute`.
+
+- gpipe / interleaved: a circular forward over `virtual * microbatches + stages - 1` ticks;
+  chunk c of the layers lives on stage c % stages, so with `virtual` > 1 each microbatch loops
+  over the stages `virtual` times. The backward is the autodiff transpose of that loop.
+- 1f1b: forward and backward interleaved in one loop (`_one_f_one_b`), the loss computed at the
+  last stage as each microbatch arrives; a stage keeps only the inputs of its in-flight
+  microbatches (at most 2*stages - 1) and recomputes the rest in its backward. Exposed to
+  autodiff through a `custom_vjp` whose forward already produced the gradients.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+
+def split_microbatches(x: jax.Array, microbatches: int) -> jax.Array:
+    """(B, ...) -> (M, B/M, ...), microbatch m taking rows m, m+M, ...: every data shard
+    (contiguous rows) then holds an equal part of every microbatch."""
+    return jnp.swapaxes(x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]), 0, 1)
+
+
+def merge_microbatches(x: jax.Array) -> jax.Array:
+    return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def _chunk(state, index):
+    return jax.tree.map(lambda a: a[index], state)
+
+
+def _run_chunk(graphdef, chunk_state, h, key, first_layer, training):
+    """The chunk's layers one after another, under scan."""
+    count = jax.tree.leaves(chunk_state)[0].shape[0]
+
+    def layer(h, inputs):
+        layer_state, index = inputs
+        block = nnx.merge(graphdef, layer_state)
+        if not _takes_training(type(block)):
+            return block(h), None
+        rngs = nnx.Rngs(dropout=jax.random.fold_in(key, first_layer + index)) if key is not None else None
+        return block(h, rngs=rngs, training=training), None
+
+    h, _ = jax.lax.scan(layer, h, (chunk_state, jnp.arange(count)))
+    return h
+
+
+@functools.cache
+def _takes_training(layer_type: type) -> bool:
+    """Whether layers accept `rngs=` and `training=` (MiniGPT's blocks do; many layers take only x)."""
+    parameters = inspect.signature(layer_type.__call__).parameters
+    return "rngs" in parameters and "training" in parameters
+
+
+def _to_last(x, axis, stages):
+    return jax.lax.ppermute(x, axis, [(i, (i + 1) % stages) for i in range(stages)])
+
+
+def _to_previous(x, axis, stages):
+    return jax.lax.ppermute(x, axis, [(i, (i - 1) % stages) for i in range(stages)])
+
+
+def circular_forward(graphdef, stacked, xs, key, *, mesh, axis: str, training: bool):
+    """Forward of (M, mb, ...) microbatches through the stacked layers; returns (M, mb, ...)."""
+    stages, virtual, per_chunk = jax.tree.leaves(stacked)[0].shape[:3]
+    micro = xs.shape[0]
+
+    def per_device(state, xs, key):
+        state = _chunk(state, 0)                                         # (virtual, per_chunk, ...)
+        s = jax.lax.axis_index(axis)
+
+        def tick(carry, t):
+            incoming, looped, outs = carry
+            rel = t - s
+            repeat, m = jnp.clip(rel // micro, 0, virtual - 1), rel % micro
+            active = (rel >= 0) & (rel < virtual * micro)
+            first_input = jnp.where(repeat == 0, xs[m], looped[m])
+            h_in = jnp.where(s == 0, first_input, incoming)
+            key_m = None if key is None else jax.random.fold_in(key, m)
+            chunk_id = repeat * stages + s
+            h = jax.lax.cond(active, lambda: _run_chunk(graphdef, _chunk(state, repeat), h_in, key_m,
+                                                        chunk_id * per_chunk, training),
+                             lambda: jnp.zeros_like(h_in))
+            done = active & (s == stages - 1) & (repeat == virtual - 1)
+            outs = jnp.where(done, outs.at[m].set(h), outs)
+            sent = _to_last(h, axis, stages)
+            # stage 0 keeps what the last stage finished, for that microbatch's next pass
+            rel_last = t - (stages - 1)
+            keep = (s == 0) & (rel_last >= 0) & (rel_last < (virtual - 1) * micro)
+            looped = jnp.where(keep, looped.at[rel_last % micro].set(sent), looped)
+            return (sent, looped, outs), None
+
+        zeros = jnp.zeros_like(xs)
+        ticks = jnp.arange(virtual * micro + stages - 1)
+        (_, _, outs), _ = jax.lax.scan(tick, (zeros[0], zeros, zeros), ticks)
+        return outs[None]
+
+    run = jax.shard_map(per_device, mesh=mesh, in_specs=(P(axis), P(), P()), out_specs=P(axis),
+                        axis_names={axis}, check_vma=False)
+    return run(stacked, xs, key)[stages - 1]
+
+
+def one_f_one_b_loss(graphdef, stacked, head_graphdef, head_state, xs, targets, key, *, mesh, axis: str,
+                     training: bool, loss_of: Callable):
+    """Mean loss over microbatches, with gradients computed by the 1F1B schedule itself."""
+    return _one_f_one_b(graphdef, head_graphdef, mesh, axis, training, loss_of, stacked, head_state, xs, targets, key)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def _one_f_one_b(graphdef, head_graphdef, mesh, axis, training, loss_of, stacked, head_state, xs, targets, key):
+    return _schedule(graphdef, head_graphdef, mesh, axis, training, loss_of, stacked, head_state, xs, targets, key)[0]
+
+
+def _one_f_one_b_fwd(graphdef, head_graphdef, mesh, axis, training, loss_of, stacked, head_state, xs, targets, key):
+    loss, grads = _schedule(graphdef, head_graphdef, mesh, axis, training, loss_of, stacked, head_state, xs,
+                            targets, key)
+    return loss, grads
+
+
+def _one_f_one_b_bwd(graphdef, head_graphdef, mesh, axis, training, loss_of, grads, cotangent):
+    layer_grads, head_grads, dxs = jax.tree.map(lambda g: g * cotangent.astype(g.dtype), grads)
+    return layer_grads, head_grads, dxs, None, None
+
+
+_one_f_one_b.defvjp(_one_f_one_b_fwd, _one_f_one_b_bwd)
+
+
+def _schedule(graphdef, head_graphdef, mesh, axis, training, loss_of, stacked, head_state, xs, targets, key):
+    stages, _, per_chunk = jax.tree.leaves(stacked)[0].shape[:3]
+    micro = xs.shape[0]
+    slots = 2 * stages - 1                               # most microbatches a stage has in flight
+
+    def per_device(state, head_state, xs, targets, key):
+        state = _chunk(_chunk(state, 0), 0)                               # (per_chunk, ...)
+        s = jax.lax.axis_index(axis)
+        last = stages - 1
+
+        def stage_fn(state, h, m):
+            key_m = None if key is None else jax.random.fold_in(key, m)
+            return _run_chunk(graphdef, state, h, key_m, s * per_chunk, training)
+
+        def head_loss(head_state, h, tgt):
+            return loss_of(nnx.merge(head_graphdef, head_state)(h), tgt)
+
+        def tick(carry, t):
+            incoming, cot_in, stash, g_layers, g_head, loss_sum, dxs = carry
+            mf = t - s
+            f_on = (mf >= 0) & (mf < micro)
+            mf_ = jnp.clip(mf, 0, micro - 1)
+            h_in = jnp.where(s == 0, xs[mf_], incoming)
+            h = jax.lax.cond(f_on, lambda: stage_fn(state, h_in, mf_), lambda: jnp.zeros_like(h_in))
+            stash = jnp.where(f_on, stash.at[mf_ % slots].set(h_in), stash)
+
+            def at_last():
+                loss, (gh, gy) = jax.value_and_grad(head_loss, argnums=(0, 1))(head_state, h, targets[mf_])
+                return loss, gh, gy
+            zero_head = jax.tree.map(jnp.zeros_like, head_state)
+            loss_m, gh, gy = jax.lax.cond(f_on & (s == last), at_last,
+                                          lambda: (jnp.zeros((), jnp.float32), zero_head, jnp.zeros_like(h)))
+            loss_sum, g_head = loss_sum + loss_m, jax.tree.map(jnp.add, g_head, gh)
+
+            mb = t - (2 * last - s)
+            b_on = (mb >= 0) & (mb < micro)
+            mb_ = jnp.clip(mb, 0, micro - 1)
+            cot = jnp.where(s == last, gy, cot_in)
+
+            def backward():
+                _, vjp = jax.vjp(lambda st, x: stage_fn(st, x, mb_), state, stash[mb_ % slots])
+                return vjp(cot)
+            gl, gx = jax.lax.cond(b_on, backward, lambda: (jax.tree.map(jnp.zeros_like, state), jnp.zeros_like(h)))
+            g_layers = jax.tree.map(jnp.add, g_layers, gl)
+            dxs = jnp.where(b_on & (s == 0), dxs.at[mb_].set(gx), dxs)
+            return (_to_last(h, axis, stages), _to_previous(gx, axis, stages), stash, g_layers, g_head,
+                    loss_sum, dxs), None
+
+        zeros = jnp.zeros_like(xs[0])
+        carry = (zeros, zeros, jnp.zeros((slots, *xs.shape[1:]), xs.dtype), jax.tree.map(jnp.zeros_like, state),
+                 jax.tree.map(jnp.zeros_like, head_state), jnp.zeros((), jnp.float32), jnp.zeros_like(xs))
+        (_, _, _, g_layers, g_head, loss_sum, dxs), _ = jax.lax.scan(tick, carry, jnp.arange(micro + 2 * last))
+        scale = 1.0 / micro
+        g_layers = jax.tree.map(lambda g: (g * scale)[None, None], g_layers)
+        stacked_out = jax.tree.map(lambda g: (g * scale)[None], (g_head, loss_sum, dxs))
+        return g_layers, stacked_out
+
+    run = jax.shard_map(per_device, mesh=mesh, in_specs=(P(axis), P(), P(), P(), P()),
+                        out_specs=(P(axis), P(axis)), axis_names={axis}, check_vma=False)
+    # XLA's partitioner (jax 0.10) aborts on a loss over a model-sharded head inside the partly manual
+    # region, so the head enters it whole; the layers keep their tensor-parallel layout.
+    replicated = jax.sharding.NamedSharding(mesh, P())
+    head_state = jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, replicated), head_state)
+    g_layers, (g_head, loss, dxs) = run(stacked, head_state, xs, targets, key)
+    g_head, loss = jax.tree.map(lambda g: g[stages - 1], g_head), loss[stages - 1]
+    dxs = dxs[0]
+    return loss, (g_layers, g_head, dxs)
+
+
+def cross_entropy(logits, targets):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+class _Chain(nnx.Module):
+    """Modules applied one after another (the modules after the layers, as the 1F1B head)."""
+
+    def __init__(self, modules: list[nnx.Module]):
+        self.modules = nnx.List(modules)
+
+    def __call__(self, x):
+        for module in self.modules:
+            x = module(x)
+        return x
+
+
+class Pipelined(nnx.Module):
+    """A model cut at its repeated layers: before-modules -> pipelined layers -> after-modules.
+
+    Keeps the model's attribute names, so parameter paths read as before except that the
+    layers' parameters are stacked: `transformer_blocks/mha/query/kernel` has shape
+    (stages, chunks, layers per chunk, ...). `to_plain()` returns the unpipelined model.
+    """
+
+    def __init__(self, model: nnx.Module, *, layers: str, stacked: nnx.Module, mesh, axis: str, schedule: str,
+                 microbatches: int):
+        names = [name for name, value in vars(model).items() if isinstance(value, nnx.Module)]
+        position = names.index(layers)
+        self.before_names, self.after_names = tuple(names[:position]), tuple(names[position + 1:])
+        for name in self.before_names + self.after_names:
+            setattr(self, name, getattr(model, name))
+        setattr(self, layers, stacked)
+        self.layers_name, self.mesh, self.axis = layers, mesh, axis
+        self.schedule, self.microbatches = schedule, microbatches
+        self.plain_graphdef = nnx.graphdef(model)
+
+    def _before(self, x):
+        for name in self.before_names:
+            x = getattr(self, name)(x)
+        return x
+
+    def _after(self, x):
+        for name in self.after_names:
+            x = getattr(self, name)(x)
+        return x
+
+    def _dropout_key(self, rngs, training):
+        return rngs.dropout() if (rngs is not None and training) else None
+
+    def __call__(self, tokens, *, rngs: nnx.Rngs | None = None, training: bool = False):
+        xs = split_microbatches(self._before(tokens), self.microbatches)
+        graphdef, stacked = nnx.split(getattr(self, self.layers_name))
+        ys = circular_forward(graphdef, stacked, xs, self._dropout_key(rngs, training), mesh=self.mesh,
+                              axis=self.axis, training=training)
+        return self._after(merge_microbatches(ys))
+
+    def loss(self, tokens, targets, *, rngs: nnx.Rngs | None = None, training: bool = False,
+             loss_of: Callable = cross_entropy):
+        """Mean `loss_of(outputs, targets)` over the batch, run by the plan's schedule."""
+        if self.schedule != "1f1b":
+            return loss_of(self(tokens, rngs=rngs, training=training), targets)
+        xs = split_microbatches(self._before(tokens), self.microbatches)
+        graphdef, stacked = nnx.split(getattr(self, self.layers_name))
+        head_graphdef, head_state = nnx.split(_Chain([getattr(self, name) for name in self.after_names]))
+        return one_f_one_b_loss(graphdef, stacked, head_graphdef, head_state, xs,
+                                split_microbatches(targets, self.microbatches), self._dropout_key(rngs, training),
+                                mesh=self.mesh, axis=self.axis, training=training, loss_of=loss_of)
+
+    def to_plain(self) -> nnx.Module:
+        """The unpipelined model with the same weights (for sampling and export)."""
+        state = {name: nnx.to_pure_dict(nnx.state(getattr(self, name))) for name in self.before_names + self.after_names}
+        layers = unstack(nnx.to_pure_dict(nnx.state(getattr(self, self.layers_name))))
+        state[self.layers_name] = dict(enumerate(layers))
+        return nnx.merge(self.plain_graphdef, state)
+
+
+def stack(layers: list[dict], stages: int, virtual: int) -> dict:
+    """Per-layer pure states -> one state of (stages, virtual, per_chunk, ...) arrays, chunk c on stage c % stages."""
+    per_chunk = len(layers) // (stages * virtual)
+
+    def arrange(*arrays):
+        stacked = jnp.stack(arrays)                                                    # (L, ...)
+        return jnp.swapaxes(stacked.reshape(virtual, stages, per_chunk, *stacked.shape[1:]), 0, 1)
+    return jax.tree.map(arrange, *layers)
+
+
+def unstack(stacked: dict) -> list[dict]:
+    """Inverse of `stack`."""
+    leaves, treedef = jax.tree.flatten(stacked)
+    stages, virtual, per_chunk = leaves[0].shape[:3]
+    flat = [jnp.swapaxes(a, 0, 1).reshape(stages * virtual * per_chunk, *a.shape[3:]) for a in leaves]
+    return [jax.tree.unflatten(treedef, [a[i] for a in flat]) for i in range(flat[0].shape[0])]

@@ -1,0 +1,195 @@
+"""Pipeline stage assignment and its diagnostics. Pure: plan, parameter infos, axis sizes in; data out."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import defaultdict
+
+from shardplan.diagnostics import Diagnostic
+from shardplan.paths import ParamInfo
+from shardplan.schema import Plan
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageMap:
+    """Layer i (in list order) runs on stage `stage_of[i]`; `per_chunk` layers per chunk, `virtual` chunks per stage."""
+
+    layers: str
+    stage_of: tuple[int, ...]
+    stages: int
+    virtual: int
+
+    @property
+    def per_chunk(self) -> int:
+        return len(self.stage_of) // (self.stages * self.virtual)
+
+    def stage_of_path(self, path: str) -> int | None:
+        found = re.match(re.escape(self.layers) + r"/(\d+)/", path)
+        return self.stage_of[int(found.group(1))] if found else None
+
+
+def layer_params(layers: str, params: list[ParamInfo]) -> dict[int, dict[str, ParamInfo]]:
+    """Layer index -> {path inside the layer: info}."""
+    pattern = re.compile(re.escape(layers) + r"/(\d+)/(.+)")
+    found: dict[int, dict[str, ParamInfo]] = defaultdict(dict)
+    for p in params:
+        match = pattern.fullmatch(p.path)
+        if match:
+            found[int(match.group(1))][match.group(2)] = p
+    return dict(sorted(found.items()))
+
+
+def plan_stages(plan: Plan, params: list[ParamInfo], sizes: dict[str, int],
+                specs: dict[str, tuple]) -> tuple[StageMap | None, list[Diagnostic]]:
+    """Assign every layer to a stage and check the pipeline section; `specs` are the planned param specs."""
+    pipe = plan.pipeline
+    if pipe is None:
+        return None, []
+    where = _locator(plan)
+    if pipe.axis not in sizes:
+        return None, [where("pipeline-no-axis", ("pipeline", "axis"),
+                            f"pipeline.axis {pipe.axis!r} requires a mesh axis of that name, but the mesh has "
+                            f"{list(sizes)}", hint=f"add {pipe.axis}: N to mesh.axes (e.g. {{{pipe.axis}: 2, ...}})")]
+    layers = layer_params(pipe.layers, params)
+    if not layers or "/" in pipe.layers:
+        return None, [where("pipeline-no-layers", ("pipeline", "layers"),
+                            f"pipeline.layers {pipe.layers!r} requires a top-level list of layers with parameters "
+                            f"(paths {pipe.layers}/0/...), but no parameter path has that form",
+                            hint="name the model attribute that holds the repeated layers, e.g. transformer_blocks")]
+    stages, virtual = sizes[pipe.axis], pipe.virtual_stages if pipe.schedule == "interleaved" else 1
+    found = _axis_in_specs(plan, pipe.axis, specs, where) + _layers_differ(pipe.layers, layers, specs, where)
+    stage_of, assign_found = _assign(plan, sorted(layers), stages, virtual, where)
+    found += assign_found
+    if stage_of is None:
+        return None, found
+    stage_map = StageMap(pipe.layers, tuple(stage_of), stages, virtual)
+    found += _check_layout(plan, stage_map, where)
+    return (None if any(d.severity == "error" for d in found) else stage_map), found
+
+
+def _locator(plan: Plan):
+    def where(code, keys, message, hint=None, path=None):
+        line, col = plan.locate(*keys)
+        return Diagnostic(code, "error", message, file=plan.file, line=line, column=col, hint=hint, path=path)
+    return where
+
+
+def _axis_in_specs(plan, axis, specs, where) -> list[Diagnostic]:
+    used = [path for path, spec in specs.items() if any(axis in (entry or ()) for entry in spec)]
+    if not used:
+        return []
+    return [where("pipeline-axis-in-spec", ("params",),
+                  f"parameter {used[0]} (and {len(used) - 1} more) is sharded over the stage axis {axis!r}, which "
+                  "the pipeline reserves for stages", path=used[0],
+                  hint=f"remove {axis!r} from parameter specs; stages place the layers over it")]
+
+
+def _layers_differ(layers_name, layers, specs, where) -> list[Diagnostic]:
+    first_index = min(layers)
+    first = layers[first_index]
+    for index, params in layers.items():
+        if set(params) != set(first):
+            extra = sorted(set(params) ^ set(first))[0]
+            return [where("stage-layers-differ", ("pipeline", "layers"),
+                          f"layers must have the same parameters to be stacked, but {layers_name}/{index} and "
+                          f"{layers_name}/{first_index} differ at {extra!r}", path=f"{layers_name}/{index}/{extra}")]
+        for rel, info in params.items():
+            ref = first[rel]
+            if info.shape != ref.shape or info.dtype != ref.dtype:
+                return [where("stage-layers-differ", ("pipeline", "layers"),
+                              f"layers must be identically shaped to be stacked, but {info.path} is {info.shape} "
+                              f"{info.dtype} and {ref.path} is {ref.shape} {ref.dtype}", path=info.path)]
+            if specs.get(info.path) != specs.get(ref.path):
+                return [where("stage-layers-differ", ("pipeline", "layers"),
+                              f"stacked layers share one spec per parameter, but {info.path} and {ref.path} get "
+                              "different specs from the rules", path=info.path,
+                              hint="give the same rule to every layer (match all indices with \\d+)")]
+    return []
+
+
+def _assign(plan, indices: list[int], stages: int, virtual: int, where) -> tuple[list[int] | None, list[Diagnostic]]:
+    pipe = plan.pipeline
+    count = len(indices)
+    if indices != list(range(count)):
+        return None, [where("pipeline-no-layers", ("pipeline", "layers"),
+                            f"layer indices must run 0..{count - 1}, but got {indices[:8]}")]
+    if count % (stages * virtual):
+        need = stages * virtual
+        return None, [where("stage-unbalanced", ("pipeline", "stages"),
+                            f"{count} layers cannot be split evenly over {stages} stages x {virtual} chunk(s) = {need}",
+                            hint=f"use a layer count divisible by {need} (e.g. {count - count % need or need} or "
+                                 f"{count - count % need + need}) or another stage count")]
+    per_chunk = count // (stages * virtual)
+    if pipe.stages == "even":
+        return [(i // per_chunk) % stages for i in range(count)], []
+    compiled = []
+    for k, rule in enumerate(pipe.stages):
+        try:
+            compiled.append((k, re.compile(rule.match), rule.stage))
+        except re.error as exc:
+            return None, [where("stage-invalid-regex", ("pipeline", "stages", k, "match"),
+                                f"stage rule #{k + 1} match {rule.match!r} is not a valid regular expression: {exc}")]
+    stage_of, found = [], []
+    for i in range(count):
+        path = f"{pipe.layers}/{i}"
+        hit = next(((k, stage) for k, pattern, stage in compiled if pattern.fullmatch(path)), None)
+        if hit is None:
+            found.append(where("stage-unassigned", ("pipeline", "stages"), f"layer {path} matches no stage rule",
+                               path=path, hint=f"add a stage rule whose match covers {path!r}"))
+            stage_of.append(0)
+            continue
+        k, stage = hit
+        if stage >= stages:
+            found.append(where("stage-out-of-range", ("pipeline", "stages", k, "stage"),
+                               f"stage rule #{k + 1} puts {path} on stage {stage}, but the {pipe.axis!r} axis has "
+                               f"{stages} stages (0..{stages - 1})", path=path))
+        stage_of.append(stage)
+    return (None if found else stage_of), found
+
+
+def _check_layout(plan, stage_map: StageMap, where) -> list[Diagnostic]:
+    pipe = plan.pipeline
+    counts = [stage_map.stage_of.count(s) for s in range(stage_map.stages)]
+    if len(set(counts)) > 1:
+        even = len(stage_map.stage_of) // stage_map.stages
+        return [where("stage-unbalanced", ("pipeline", "stages"),
+                      f"stages hold unequal numbers of layers {dict(enumerate(counts))}; every stage runs in lockstep, "
+                      "so the largest one sets the pace", hint=f"give each stage {even} layers (or use stages: even)")]
+    expected = [(i // stage_map.per_chunk) % stage_map.stages for i in range(len(stage_map.stage_of))]
+    if list(stage_map.stage_of) != expected:
+        first = next(i for i, (a, b) in enumerate(zip(stage_map.stage_of, expected)) if a != b)
+        if stage_map.virtual == 1:
+            return [where("stage-noncontiguous", ("pipeline", "stages"),
+                          f"{pipe.schedule} needs each stage to hold consecutive layers in stage order, but "
+                          f"{pipe.layers}/{first} is on stage {stage_map.stage_of[first]}, expected {expected[first]}",
+                          path=f"{pipe.layers}/{first}", hint="assign layers 0.. to stage 0, the next ones to stage 1, ...")]
+        return [where("stage-not-circular", ("pipeline", "stages"),
+                      f"interleaved with {stage_map.virtual} chunks per stage needs chunk c (of {stage_map.per_chunk} "
+                      f"layers) on stage c mod {stage_map.stages}, but {pipe.layers}/{first} is on stage "
+                      f"{stage_map.stage_of[first]}, expected {expected[first]}", path=f"{pipe.layers}/{first}",
+                      hint="use stages: even, which places chunks circularly")]
+    return []
+
+
+def check_microbatches(plan: Plan, batch: int, sizes: dict[str, int], data: tuple[str, ...]) -> list[Diagnostic]:
+    """The microbatch count must divide each data shard's part of the batch."""
+    pipe = plan.pipeline
+    if pipe is None:
+        return []
+    shards = 1
+    for axis in data:
+        shards *= sizes.get(axis, 1)
+    per_shard = batch // shards if batch % shards == 0 else None
+    found = []
+    where = _locator(plan)
+    if per_shard is None or per_shard % pipe.microbatches:
+        found.append(where("pipeline-microbatches", ("pipeline", "microbatches"),
+                           f"{pipe.microbatches} microbatches must divide each data shard's batch, but a batch of "
+                           f"{batch} over {shards} data shard(s) gives {batch / shards:g} rows per shard",
+                           hint=f"use a batch that is a multiple of {shards * pipe.microbatches}"))
+    if pipe.schedule == "interleaved" and pipe.virtual_stages > 1 and pipe.microbatches < sizes.get(pipe.axis, 1):
+        found.append(where("pipeline-microbatches", ("pipeline", "microbatches"),
+                           f"interleaved needs at least as many microbatches as stages ({sizes[pipe.axis]}), but got "
+                           f"{pipe.microbatches}", hint=f"set microbatches: {sizes[pipe.axis]} or more"))
+    return found
