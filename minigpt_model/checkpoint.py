@@ -12,6 +12,8 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from shardplan.pipeline import Pipelined, to_plain_tree, to_stacked_tree
+
 
 class CheckpointError(Exception):
     """A checkpoint cannot be used (message says why)."""
@@ -19,6 +21,15 @@ class CheckpointError(Exception):
 
 def _pure(node) -> dict:
     return nnx.to_pure_dict(nnx.state(node))
+
+
+def _layers_of(model) -> str | None:
+    """The stacked-layers attribute of a pipelined model (checkpoints keep the unpipelined layout)."""
+    return model.layers_name if isinstance(model, Pipelined) else None
+
+
+def _plain(tree: dict, layers: str | None) -> dict:
+    return to_plain_tree(tree, layers) if layers else tree
 
 
 def _abstract(tree: dict) -> dict:
@@ -36,8 +47,10 @@ class Checkpoints:
         return self._manager.latest_step()
 
     def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer, meta: dict) -> None:
+        layers = _layers_of(model)
         self._manager.save(step, args=ocp.args.Composite(
-            model=ocp.args.StandardSave(_pure(model)), optimizer=ocp.args.StandardSave(_pure(optimizer)),
+            model=ocp.args.StandardSave(_plain(_pure(model), layers)),
+            optimizer=ocp.args.StandardSave(_plain(_pure(optimizer), layers)),
             meta=ocp.args.JsonSave(meta)), force=True)
         self._manager.wait_until_finished()
 
@@ -48,16 +61,17 @@ class Checkpoints:
     def restore(self, model: nnx.Module, optimizer: nnx.Optimizer | None = None, *, step: int | None = None) -> dict:
         """Load a checkpoint into `model` (and `optimizer`), each array taking the layout it has now."""
         step = self._step(step)
-        items = {"model": ocp.args.StandardRestore(_abstract(_pure(model))), "meta": ocp.args.JsonRestore()}
-        if optimizer is not None:
-            items["optimizer"] = ocp.args.StandardRestore(_abstract(_pure(optimizer)))
+        layers = _layers_of(model)
+        nodes = {"model": model} | ({"optimizer": optimizer} if optimizer is not None else {})
+        current = {name: _pure(node) for name, node in nodes.items()}
+        items = {name: ocp.args.StandardRestore(_plain(_abstract(tree), layers)) for name, tree in current.items()}
         try:
-            restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+            restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(), **items))
         except (ValueError, KeyError) as exc:
             raise CheckpointError(f"checkpoint {self.directory / str(step)} does not fit this model: {exc}") from None
-        _update(model, restored["model"])
-        if optimizer is not None:
-            _update(optimizer, restored["optimizer"])
+        for name, node in nodes.items():
+            tree = restored[name]
+            _update(node, to_stacked_tree(tree, current[name], layers) if layers else tree)
         return restored["meta"]
 
     def _step(self, step: int | None) -> int:

@@ -8,10 +8,13 @@ import optax
 from flax import nnx
 
 import shardplan
+from shardplan.pipeline import Pipelined
 
 
 def loss_fn(model: nnx.Module, tokens: jnp.ndarray, targets: jnp.ndarray,
             rngs: nnx.Rngs | None = None, training: bool = False) -> jnp.ndarray:
+    if isinstance(model, Pipelined):                 # runs the plan's schedule (1F1B fuses the backward)
+        return model.loss(tokens, targets, rngs=rngs, training=training)
     logits = model(tokens, rngs=rngs, training=training)                        # (B, T, V)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 

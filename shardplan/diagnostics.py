@@ -40,6 +40,7 @@ CODES: dict[str, str] = {
     "pipeline-no-layers": "`pipeline.layers` names no top-level list of layers",
     "pipeline-axis-in-spec": "a parameter spec uses the stage axis",
     "pipeline-microbatches": "the microbatch count does not divide each data shard's batch",
+    "pipeline-head-sharded": "1f1b with sharded modules after the layers (the loss runs inside the pipeline)",
     "stage-invalid-regex": "a stage rule's `match` is not a valid regular expression",
     "stage-unassigned": "a layer no stage rule matches",
     "stage-out-of-range": "a stage index outside the stage axis",

@@ -115,21 +115,20 @@ def circular_forward(graphdef, stacked, xs, key, *, mesh, axis: str, training: b
 def one_f_one_b_loss(graphdef, stacked, head_graphdef, head_state, xs, targets, key, *, mesh, axis: str,
                      training: bool, loss_of: Callable):
     """Mean loss over microbatches, with gradients computed by the 1F1B schedule itself."""
-    return _one_f_one_b(graphdef, head_graphdef, mesh, axis, training, loss_of, stacked, head_state, xs, targets, key)
+    static = (graphdef, head_graphdef, mesh, axis, training, loss_of)
+    return _one_f_one_b(static, stacked, head_state, xs, targets, key)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
-def _one_f_one_b(graphdef, head_graphdef, mesh, axis, training, loss_of, stacked, head_state, xs, targets, key):
-    return _schedule(graphdef, head_graphdef, mesh, axis, training, loss_of, stacked, head_state, xs, targets, key)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _one_f_one_b(static, stacked, head_state, xs, targets, key):
+    return _schedule(*static, stacked, head_state, xs, targets, key)[0]
 
 
-def _one_f_one_b_fwd(graphdef, head_graphdef, mesh, axis, training, loss_of, stacked, head_state, xs, targets, key):
-    loss, grads = _schedule(graphdef, head_graphdef, mesh, axis, training, loss_of, stacked, head_state, xs,
-                            targets, key)
-    return loss, grads
+def _one_f_one_b_fwd(static, stacked, head_state, xs, targets, key):
+    return _schedule(*static, stacked, head_state, xs, targets, key)
 
 
-def _one_f_one_b_bwd(graphdef, head_graphdef, mesh, axis, training, loss_of, grads, cotangent):
+def _one_f_one_b_bwd(static, grads, cotangent):
     layer_grads, head_grads, dxs = jax.tree.map(lambda g: g * cotangent.astype(g.dtype), grads)
     return layer_grads, head_grads, dxs, None, None
 
@@ -196,12 +195,9 @@ def _schedule(graphdef, head_graphdef, mesh, axis, training, loss_of, stacked, h
 
     run = jax.shard_map(per_device, mesh=mesh, in_specs=(P(axis), P(), P(), P(), P()),
                         out_specs=(P(axis), P(axis)), axis_names={axis}, check_vma=False)
-    # XLA's partitioner (jax 0.10) aborts on a loss over a model-sharded head inside the partly manual
-    # region, so the head enters it whole; the layers keep their tensor-parallel layout.
-    replicated = jax.sharding.NamedSharding(mesh, P())
-    head_state = jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, replicated), head_state)
     g_layers, (g_head, loss, dxs) = run(stacked, head_state, xs, targets, key)
     g_head, loss = jax.tree.map(lambda g: g[stages - 1], g_head), loss[stages - 1]
+
     dxs = dxs[0]
     return loss, (g_layers, g_head, dxs)
 
@@ -298,3 +294,46 @@ def unstack(stacked: dict) -> list[dict]:
     stages, virtual, per_chunk = leaves[0].shape[:3]
     flat = [jnp.swapaxes(a, 0, 1).reshape(stages * virtual * per_chunk, *a.shape[3:]) for a in leaves]
     return [jax.tree.unflatten(treedef, [a[i] for a in flat]) for i in range(flat[0].shape[0])]
+
+
+def _is_stacked(subtree) -> bool:
+    return isinstance(subtree, dict) and bool(subtree) and not all(isinstance(k, int) for k in subtree)
+
+
+def _unstack_any(subtree: dict) -> list[dict]:
+    """`unstack` for arrays, and for shape structs (each layer keeping the stacked sharding's inner dims)."""
+    leaves, treedef = jax.tree.flatten(subtree)
+    if not isinstance(leaves[0], jax.ShapeDtypeStruct):
+        return unstack(subtree)
+    count = leaves[0].shape[0] * leaves[0].shape[1] * leaves[0].shape[2]
+
+    def layer_struct(leaf):
+        sharding = leaf.sharding
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            sharding = jax.sharding.NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[3:]))
+        return jax.ShapeDtypeStruct(leaf.shape[3:], leaf.dtype, sharding=sharding)
+    return [jax.tree.unflatten(treedef, [layer_struct(leaf) for leaf in leaves]) for _ in range(count)]
+
+
+def to_plain_tree(tree, layers: str):
+    """A pure state (model or optimizer) with stacked layers -> the unpipelined model's layout."""
+    if not isinstance(tree, dict):
+        return tree
+    return {k: dict(enumerate(_unstack_any(v))) if k == layers and _is_stacked(v) else to_plain_tree(v, layers)
+            for k, v in tree.items()}
+
+
+def to_stacked_tree(plain, like, layers: str):
+    """Inverse of `to_plain_tree`, placing each stacked array as its counterpart in `like`."""
+    if not isinstance(like, dict):
+        return plain
+    out = {}
+    for k, v in like.items():
+        if k == layers and _is_stacked(v):
+            first = jax.tree.leaves(v)[0]
+            per_layer = [plain[k][i] for i in range(len(plain[k]))]
+            stacked = stack(per_layer, first.shape[0], first.shape[1])
+            out[k] = jax.tree.map(lambda a, ref: jax.device_put(a, ref.sharding), stacked, v)
+        else:
+            out[k] = to_stacked_tree(plain[k], v, layers)
+    return out

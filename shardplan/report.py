@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from flax import nnx
+
 from shardplan.diagnostics import Diagnostic
 from shardplan.layout import DeviceTotals, ParamLayout, device_totals, imbalance, shard_shape, zero1_spec
 from shardplan.matching import compile_rules
@@ -85,7 +87,8 @@ def check(plan: Plan, model, mesh=None, *, input_shapes: dict[str, tuple[int, ..
     True
     """
     device_ids = _device_ids(mesh)
-    return check_params(plan, param_infos(model), device_ids, input_shapes=input_shapes)
+    modules = [name for name, value in vars(model).items() if isinstance(value, nnx.Module)]
+    return check_params(plan, param_infos(model), device_ids, input_shapes=input_shapes, modules=modules)
 
 
 def _device_ids(mesh) -> list[int]:
@@ -96,14 +99,14 @@ def _device_ids(mesh) -> list[int]:
 
 
 def check_params(plan: Plan, params: list[ParamInfo], device_ids: list[int], *,
-                 input_shapes: dict[str, tuple[int, ...]] | None = None) -> Report:
+                 input_shapes: dict[str, tuple[int, ...]] | None = None, modules: list[str] | None = None) -> Report:
     """`check` on parameter infos and device ids: pure, no JAX devices needed."""
     rules, diagnostics = compile_rules(plan)
     sizes, mesh_diagnostics = resolve_axes(plan, len(device_ids))
     diagnostics += mesh_diagnostics
     placements, found = validate_params(plan, params, rules, sizes)
     diagnostics += found + validate_inputs(plan, sizes, input_shapes) + validate_optimizer(plan, sizes)
-    stage_map, staging = plan_stages(plan, params, sizes, {p.param.path: p.spec for p in placements})
+    stage_map, staging = plan_stages(plan, params, sizes, {p.param.path: p.spec for p in placements}, modules)
     diagnostics += staging
     if input_shapes:
         batch = next(iter(input_shapes.values()))[0]

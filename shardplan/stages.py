@@ -40,9 +40,13 @@ def layer_params(layers: str, params: list[ParamInfo]) -> dict[int, dict[str, Pa
     return dict(sorted(found.items()))
 
 
-def plan_stages(plan: Plan, params: list[ParamInfo], sizes: dict[str, int],
-                specs: dict[str, tuple]) -> tuple[StageMap | None, list[Diagnostic]]:
-    """Assign every layer to a stage and check the pipeline section; `specs` are the planned param specs."""
+def plan_stages(plan: Plan, params: list[ParamInfo], sizes: dict[str, int], specs: dict[str, tuple],
+                modules: list[str] | None = None) -> tuple[StageMap | None, list[Diagnostic]]:
+    """Assign every layer to a stage and check the pipeline section.
+
+    `specs` are the planned parameter specs; `modules` the model's top-level modules in call order
+    (None when unknown), which tells the modules after the layers.
+    """
     pipe = plan.pipeline
     if pipe is None:
         return None, []
@@ -59,6 +63,8 @@ def plan_stages(plan: Plan, params: list[ParamInfo], sizes: dict[str, int],
                             hint="name the model attribute that holds the repeated layers, e.g. transformer_blocks")]
     stages, virtual = sizes[pipe.axis], pipe.virtual_stages if pipe.schedule == "interleaved" else 1
     found = _axis_in_specs(plan, pipe.axis, specs, where) + _layers_differ(pipe.layers, layers, specs, where)
+    if pipe.schedule == "1f1b" and modules and pipe.layers in modules:
+        found += _sharded_head(plan, modules[modules.index(pipe.layers) + 1:], specs, where)
     stage_of, assign_found = _assign(plan, sorted(layers), stages, virtual, where)
     found += assign_found
     if stage_of is None:
@@ -83,6 +89,18 @@ def _axis_in_specs(plan, axis, specs, where) -> list[Diagnostic]:
                   f"parameter {used[0]} (and {len(used) - 1} more) is sharded over the stage axis {axis!r}, which "
                   "the pipeline reserves for stages", path=used[0],
                   hint=f"remove {axis!r} from parameter specs; stages place the layers over it")]
+
+
+def _sharded_head(plan, after: list[str], specs, where) -> list[Diagnostic]:
+    """1F1B computes the loss inside the pipeline, where XLA (jax 0.10) cannot partition a sharded head."""
+    sharded = [path for path, spec in specs.items() if path.split("/")[0] in after and any(spec)]
+    if not sharded:
+        return []
+    return [where("pipeline-head-sharded", ("pipeline", "schedule"),
+                  f"1f1b computes the loss inside the pipeline and needs the modules after the layers ({', '.join(after)}) "
+                  f"replicated, but {sharded[0]} is sharded {specs[sharded[0]]}", path=sharded[0],
+                  hint=f"add a rule `match: '({'|'.join(after)})/.*'  spec: replicated` before the others, "
+                       "or use schedule: gpipe or interleaved, which keep a sharded head")]
 
 
 def _layers_differ(layers_name, layers, specs, where) -> list[Diagnostic]:
