@@ -13,6 +13,7 @@ from shardplan.paths import join_path
 from shardplan.report import Report, check
 from shardplan.schema import Plan, normalize_spec
 from shardplan.layout import zero1_spec
+from shardplan.stages import check_microbatches
 from shardplan.validate import data_axes, validate_inputs, validate_optimizer
 
 
@@ -181,6 +182,8 @@ def shard_inputs(plan: Plan, batch: dict, mesh: jax.sharding.Mesh) -> dict:
     """
     sizes = dict(mesh.shape)
     diagnostics = validate_inputs(plan, sizes, {name: tuple(x.shape) for name, x in batch.items()})
+    if batch:
+        diagnostics += check_microbatches(plan, next(iter(batch.values())).shape[0], sizes, data_axes(plan, sizes))
     if any(d.severity == "error" for d in diagnostics):
         raise PlanError(diagnostics)
     return {name: jax.device_put(x, NamedSharding(mesh, partition_spec(normalize_spec(plan.inputs[name]))))

@@ -134,6 +134,7 @@ def _inspect(args, console: Console) -> int:
     render.render_mesh(console, report)
     render.render_params(console, report, collapse=not args.all_params)
     render.render_devices(console, report)
+    render.render_pipeline(console, report)
     if args.device is not None:
         render.render_device_detail(console, report, args.device)
     render.render_diagnostics(console, report.diagnostics)

@@ -109,7 +109,7 @@ def circular_forward(graphdef, stacked, xs, key, *, mesh, axis: str, training: b
 
     run = jax.shard_map(per_device, mesh=mesh, in_specs=(P(axis), P(), P()), out_specs=P(axis),
                         axis_names={axis}, check_vma=False)
-    return run(stacked, xs, key)[stages - 1]
+    return jax.jit(run)(stacked, xs, key)[stages - 1]    # jit: a partly manual shard_map cannot run eagerly
 
 
 def one_f_one_b_loss(graphdef, stacked, head_graphdef, head_state, xs, targets, key, *, mesh, axis: str,

@@ -134,6 +134,41 @@ def _id_list(ids: list[int]) -> str:
     return ", ".join(map(str, ids))
 
 
+def render_pipeline(console: Console, report: Report) -> None:
+    """Stage map (layers and bytes per stage) and the schedule as a timeline with its bubble."""
+    from shardplan.schedules import article_bubble, bubble_fraction, max_in_flight, render_timeline, timeline
+    stage_map, pipe = report.stage_map, report.plan.pipeline
+    if stage_map is None:
+        return
+    table = Table(title=f"Pipeline over axis {pipe.axis!r}: {pipe.schedule}, {pipe.microbatches} microbatches",
+                  header_style="bold")
+    for column in ("stage", "layers", "devices", "params/device", "opt state/device"):
+        table.add_column(column, justify="right" if "/" in column else "left")
+    for stage in range(stage_map.stages):
+        layers = [i for i, s in enumerate(stage_map.stage_of) if s == stage]
+        devices = [d for d in report.devices if d.coords[pipe.axis] == stage]
+        table.add_row(str(stage), _ranges(layers), _id_list([d.device_id for d in devices]),
+                      human_bytes(max(d.param_bytes for d in devices)), human_bytes(max(d.opt_bytes for d in devices)))
+    console.print(table)
+    grid = timeline(pipe.schedule, stage_map.stages, pipe.microbatches, stage_map.virtual)
+    console.print(render_timeline(grid, width=console.width))
+    console.print(f"F<m> forward, b<m> backward of microbatch m ('c: chunk c); {len(grid)} ticks; bubble "
+                  f"{bubble_fraction(grid):.1%} (a backward counted as 2 forwards) vs {article_bubble(stage_map.stages):.1%} "
+                  f"for the article's stage-after-stage pipeline; at most {max_in_flight(grid)} microbatches in "
+                  "flight per stage")
+
+
+def _ranges(indices: list[int]) -> str:
+    if not indices:
+        return "-"
+    runs, start = [], indices[0]
+    for prev, cur in zip(indices, indices[1:] + [None]):
+        if cur != prev + 1:
+            runs.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = cur
+    return ", ".join(runs)
+
+
 def render_device_detail(console: Console, report: Report, device_id: int) -> None:
     """Which index ranges of each parameter one device holds."""
     position = report.device_ids.index(device_id)

@@ -201,14 +201,18 @@ def _rule_list(indices: list[int]) -> str:
 
 
 def _replicated_large(plan: Plan, placements: list[Placement], sizes: dict[str, int]) -> list[Diagnostic]:
+    """Large parameters replicated by default (unmatched, or by a catch-all rule), not by a rule of their own."""
     used = {axis for p in placements for axis in spec_axes(p.spec) if sizes.get(axis, 1) > 1}
     if not used:
         return []
     largest = max(used, key=lambda a: sizes[a])
+    paths = [p.param.path for p in placements]
+    catch_all = {id(p.rule) for p in placements if p.rule is not None and all(p.rule.matches(q) for q in paths)}
     found = []
     for placement in placements:
         param = placement.param
-        if placement.spec or not placement.valid or param.nbytes < REPLICATED_WARNING_BYTES:
+        deliberate = placement.rule is not None and id(placement.rule) not in catch_all
+        if placement.spec or not placement.valid or deliberate or param.nbytes < REPLICATED_WARNING_BYTES:
             continue
         dims = [d for d, n in enumerate(param.shape) if n % sizes[largest] == 0]
         where = (f"its dim {dims[0]} ({param.shape[dims[0]]}) divides by {largest}={sizes[largest]}"

@@ -21,6 +21,17 @@ BIG = [ParamInfo("emb/embedding", (4096, 512), F32), ParamInfo("head/kernel", (5
 
 HEAD = "version: 1\nmesh:\n  axes: {data: 4, model: 2}\ninputs:\n  tokens: [data, null]\n"
 
+PIPE_PARAMS = [ParamInfo(f"layers/{i}/{name}", shape, F32) for i in range(4)
+               for name, shape in (("w", (64, 64)), ("b", (64,)))] + [
+    ParamInfo("emb/embedding", (128, 64), F32), ParamInfo("head/kernel", (64, 128), F32)]
+MODULES = ["emb", "layers", "head"]
+PIPE = "version: 1\nmesh: {axes: {stage: 2, data: 2, model: 2}}\ninputs: {tokens: [data, null]}\n"
+REPLICATE = "params: [{match: '.*', spec: replicated}]\n"
+
+
+def pipe(section: str, params: str = REPLICATE) -> str:
+    return PIPE + "pipeline:\n  axis: stage\n  layers: layers\n" + section + params
+
 # code -> (plan text, params, device count, input shapes, strings the diagnostic must contain, line)
 CASES = {
     "unreadable-file": (None, PARAMS, 8, None, ["cannot read"], None),
@@ -72,6 +83,35 @@ CASES = {
     "zero1-no-data-axis": ("version: 1\nmesh: {axes: {replica: 4, model: 2}}\n"
                            "params: [{match: '.*', spec: []}]\noptimizer: zero1\n", PARAMS, 8, None,
                            ["zero1", "data axis"], 4),
+    "pipeline-no-axis": (HEAD + "pipeline: {axis: stage, layers: layers}\nparams: [{match: '.*', spec: []}]\n",
+                         PIPE_PARAMS, 8, None, ["'stage'", "mesh axis"], 6),
+    "pipeline-no-layers": (pipe("").replace("layers: layers", "layers: blocks"), PIPE_PARAMS, 8, None,
+                           ["'blocks'", "no parameter path"], 6),
+    "pipeline-axis-in-spec": (pipe("", "params: [{match: '.*w', spec: [stage]}, {match: '.*', spec: []}]\n"),
+                              PIPE_PARAMS, 8, None, ["layers/0/w", "'stage'"], 7),
+    "pipeline-microbatches": (pipe("  microbatches: 3\n"), PIPE_PARAMS, 8, {"tokens": (8, 16)},
+                              ["3 microbatches", "2 data shard(s)", "gives 4"], 7),
+    "pipeline-head-sharded": (pipe("  schedule: 1f1b\n", "params: [{match: 'head/kernel', spec: [null, model]}, "
+                                                          "{match: '.*', spec: []}]\n"), PIPE_PARAMS, 8, None,
+                              ["1f1b", "head/kernel", "replicated"], 7),
+    "stage-invalid-regex": (pipe("  stages: [{match: 'layers/(', stage: 0}]\n"), PIPE_PARAMS, 8, None,
+                            ["stage rule #1", "layers/("], 7),
+    "stage-unassigned": (pipe("  stages: [{match: 'layers/[0-1]', stage: 0}]\n"), PIPE_PARAMS, 8, None,
+                         ["layers/2", "no stage rule"], 7),
+    "stage-out-of-range": (pipe("  stages:\n    - {match: 'layers/[0-1]', stage: 0}\n"
+                                "    - {match: 'layers/[2-3]', stage: 5}\n"), PIPE_PARAMS, 8, None,
+                           ["stage 5", "2 stages"], 9),
+    "stage-unbalanced": (pipe("  stages:\n    - {match: 'layers/[0-2]', stage: 0}\n"
+                              "    - {match: 'layers/3', stage: 1}\n"), PIPE_PARAMS, 8, None,
+                         ["unequal", "{0: 3, 1: 1}", "2 layers"], 7),
+    "stage-noncontiguous": (pipe("  stages:\n    - {match: 'layers/(0|2)', stage: 0}\n"
+                                 "    - {match: 'layers/(1|3)', stage: 1}\n"), PIPE_PARAMS, 8, None,
+                            ["consecutive", "layers/1 is on stage 1, expected 0"], 7),
+    "stage-not-circular": (pipe("  schedule: interleaved\n  virtual_stages: 2\n  stages:\n"
+                                "    - {match: 'layers/[0-1]', stage: 0}\n    - {match: 'layers/[2-3]', stage: 1}\n"),
+                           PIPE_PARAMS, 8, None, ["stage c mod 2", "layers/1"], 9),
+    "stage-layers-differ": (pipe(""), PIPE_PARAMS[:-3] + [ParamInfo("layers/3/b", (32,), F32)] + PIPE_PARAMS[-2:],
+                            8, None, ["layers/3/b", "(32,)", "identically shaped"], 6),
 }
 
 
@@ -89,7 +129,7 @@ def trigger(tmp_path: Path, code: str) -> list[shardplan.Diagnostic]:
         plan = shardplan.load_plan(path)
     except shardplan.PlanError as exc:
         return exc.diagnostics
-    return check_params(plan, params, list(range(devices)), input_shapes=input_shapes).diagnostics
+    return check_params(plan, params, list(range(devices)), input_shapes=input_shapes, modules=MODULES).diagnostics
 
 
 def test_every_code_has_a_case():

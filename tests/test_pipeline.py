@@ -1,0 +1,156 @@
+"""Pipelines: schedules as data, stage diagnostics, and numerics of every schedule against one device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import minigpt_model
+import shardplan
+from minigpt_model.steps import loss_fn, train_step
+from shardplan.pipeline import Pipelined, stack, unstack
+from shardplan.schedules import article_bubble, bubble_fraction, max_in_flight, timeline
+
+from conftest import PLANS
+
+CONFIG = dict(maxlen=16, vocab_size=128, embed_dim=64, num_heads=8, feed_forward_dim=128, num_transformer_blocks=8,
+              dropout_rate=0.0)
+GRAD_TOL = 1e-5     # absolute, float32; measured errors are ~1e-7
+# AdamW turns summation-order noise in gradients that are truly zero (the attention key bias
+# cannot change a softmax) into full-size steps, so losses after 5 steps agree to ~1e-4, not 1e-7.
+ADAMW_RTOL = 2e-4
+
+
+# ------------------------------------------------------------------------------ schedules (pure)
+
+@pytest.mark.parametrize("microbatches", [4, 8, 16, 32])
+def test_bubbles_and_in_flight(microbatches):
+    stages = 4
+    gpipe, one_f = timeline("gpipe", stages, microbatches), timeline("1f1b", stages, microbatches)
+    inter = timeline("interleaved", stages, microbatches, virtual=2)
+    assert bubble_fraction(gpipe) == pytest.approx((stages - 1) / (microbatches + stages - 1))
+    assert bubble_fraction(one_f) == pytest.approx(bubble_fraction(gpipe))
+    assert bubble_fraction(inter) == pytest.approx((stages - 1) / (2 * microbatches + stages - 1))
+    assert bubble_fraction(inter) < bubble_fraction(gpipe) < article_bubble(stages)
+    assert max_in_flight(gpipe) == microbatches                 # GPipe keeps every microbatch
+    assert max_in_flight(one_f) <= 2 * stages - 1               # 1F1B: bounded by stages, not microbatches
+
+
+def test_every_microbatch_visits_every_stage_once_per_chunk():
+    grid = timeline("interleaved", 2, 4, virtual=3)
+    for stage in range(2):
+        forwards = [(w.microbatch, w.chunk) for tick in grid for w in tick[stage] if w.kind == "F"]
+        assert sorted(forwards) == [(m, c) for m in range(4) for c in range(3)]
+
+
+def test_stack_unstack_round_trip_is_circular():
+    layers = [{"w": jnp.full((2,), i, jnp.float32)} for i in range(8)]
+    stacked = stack(layers, stages=2, virtual=2)
+    assert stacked["w"].shape == (2, 2, 2, 2)
+    assert stacked["w"][1, 0, :, 0].tolist() == [2.0, 3.0]      # chunk 1 (layers 2, 3) on stage 1
+    assert stacked["w"][0, 1, :, 0].tolist() == [4.0, 5.0]      # chunk 2 back on stage 0
+    assert [float(l["w"][0]) for l in unstack(stacked)] == list(range(8))
+
+
+# ------------------------------------------------------------------------------ numerics
+
+def _plan(base: str, schedule: str, virtual: int = 1):
+    text = (PLANS / base).read_text()
+    text = text.replace("schedule: 1f1b", f"schedule: {schedule}").replace("schedule: gpipe", f"schedule: {schedule}")
+    text = text.replace(f"schedule: {schedule}", f"schedule: {schedule}\n  virtual_stages: {virtual}")
+    if schedule != "1f1b":   # gpipe and interleaved keep the vocabulary-parallel head
+        text = text.replace("  - match: 'output_layer/.*'\n    spec: replicated\n", "")
+    return shardplan.parse_plan(text, file=base)
+
+
+@pytest.fixture(scope="module")
+def batch():
+    tokens = np.random.default_rng(0).integers(0, 128, size=(16, 17), dtype=np.int32)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+@pytest.fixture(scope="module")
+def reference(batch):
+    model = minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0))
+    loss, grads = nnx.value_and_grad(loss_fn)(model, *batch)
+    return float(loss), nnx.to_pure_dict(grads)
+
+
+CASES = [("minigpt_3d.yaml", "gpipe", 1), ("minigpt_3d.yaml", "1f1b", 1), ("minigpt_3d.yaml", "interleaved", 2),
+         ("minigpt_pp4.yaml", "gpipe", 1), ("minigpt_pp4.yaml", "1f1b", 1), ("minigpt_pp4.yaml", "interleaved", 2)]
+
+
+@pytest.mark.parametrize("base, schedule, virtual", CASES)
+def test_loss_and_gradients_equal_unpipelined(base, schedule, virtual, batch, reference):
+    plan = _plan(base, schedule, virtual)
+    mesh = shardplan.make_mesh(plan)
+    model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0)), mesh)
+    assert isinstance(model, Pipelined)
+    tokens = shardplan.shard_inputs(plan, {"tokens": batch[0]}, mesh)["tokens"]
+    targets = jax.device_put(batch[1], tokens.sharding)
+    loss, grads = nnx.jit(lambda m, x, y: nnx.value_and_grad(loss_fn)(m, x, y))(model, tokens, targets)
+    ref_loss, ref_grads = reference
+    assert float(loss) == pytest.approx(ref_loss, abs=1e-5)
+    grads = nnx.to_pure_dict(grads)
+    per_layer = unstack(grads["transformer_blocks"])
+    for i in range(CONFIG["num_transformer_blocks"]):
+        for got, want in zip(jax.tree.leaves(per_layer[i]), jax.tree.leaves(ref_grads["transformer_blocks"][i])):
+            np.testing.assert_allclose(got, want, atol=GRAD_TOL)
+    for name in ("embedding_layer", "output_layer"):
+        for got, want in zip(jax.tree.leaves(grads[name]), jax.tree.leaves(ref_grads[name])):
+            np.testing.assert_allclose(got, want, atol=GRAD_TOL)
+
+
+@pytest.mark.parametrize("base, schedule, virtual", [("minigpt_3d.yaml", "1f1b", 1), ("minigpt_pp4.yaml", "gpipe", 1),
+                                                     ("minigpt_pp4.yaml", "interleaved", 2)])
+def test_five_adamw_steps_match_one_device(base, schedule, virtual):
+    rng = np.random.default_rng(1)
+    batches = rng.integers(0, 128, size=(5, 16, 17), dtype=np.int32)
+    reference = minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0))
+    ref_opt = nnx.Optimizer(reference, optax.adamw(1e-3), wrt=nnx.Param)
+    expected = [float(train_step(reference, ref_opt, b[:, :-1], b[:, 1:], training=False)) for b in batches]
+
+    plan = _plan(base, schedule, virtual)
+    mesh = shardplan.make_mesh(plan)
+    model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0)), mesh)
+    optimizer = shardplan.shard_optimizer(plan, model, optax.adamw(1e-3), mesh)
+    got = []
+    for b in batches:
+        tokens = shardplan.shard_inputs(plan, {"tokens": b[:, :-1]}, mesh)["tokens"]
+        got.append(float(train_step(model, optimizer, tokens, jax.device_put(b[:, 1:], tokens.sharding),
+                                    training=False)))
+    np.testing.assert_allclose(got, expected, rtol=ADAMW_RTOL)
+    stacked = model.transformer_blocks.linear1.kernel.get_value()
+    assert stacked.shape == (plan.mesh.axes["stage"], virtual, 8 // (plan.mesh.axes["stage"] * virtual), 64, 128)
+    assert stacked.sharding.spec[0] == "stage"
+    # back to the plain model, same weights, same outputs
+    plain = model.to_plain()
+    assert isinstance(plain, minigpt_model.MiniGPT)
+    tokens = batches[0][:, :-1]
+    np.testing.assert_allclose(plain(tokens), model(shardplan.shard_inputs(plan, {"tokens": tokens}, mesh)["tokens"]),
+                               atol=1e-4)
+
+
+def test_pipeline_for_a_llama_style_model(write_plan):
+    """before-modules -> layers -> after-modules also fits the LLaMA-style test model."""
+    from models import Llama
+    plan = shardplan.load_plan(write_plan(
+        "version: 1\nmesh: {axes: {stage: 2, data: 4}}\ninputs: {tokens: [data, null]}\n"
+        "pipeline: {axis: stage, layers: layers, microbatches: 2, schedule: gpipe}\n"
+        "params: [{match: '.*', spec: replicated}]\n"))
+    tokens = np.random.default_rng(3).integers(0, 128, size=(8, 8), dtype=np.int32)
+    reference = Llama(layers=4, rngs=nnx.Rngs(0))
+    expected = reference(tokens)
+    model = shardplan.apply_plan(plan, Llama(layers=4, rngs=nnx.Rngs(0)), shardplan.make_mesh(plan))
+    np.testing.assert_allclose(model(tokens), expected, atol=1e-4)
+
+
+def test_inspect_shows_stage_map_and_timeline(capsys):
+    from shardplan.cli import main
+    assert main(["inspect", "plans/minigpt_pp4.yaml"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Pipeline over axis 'stage': gpipe, 8 microbatches" in out
+    assert "stage 3:" in out and "F0" in out and "b7" in out
+    assert "bubble 27.3%" in out and "vs 75.0% for the article's" in out
