@@ -1,0 +1,104 @@
+"""Pipeline schedules: bubble, per-device temporary memory, and compile time against depth.
+
+1. For S = 4 stages and M in {4, 8, 16, 32} microbatches: the bubble fraction of each schedule,
+   computed from the schedule itself, next to the article's stage-after-stage (S-1)/S.
+2. Per-device temporary memory of one compiled training step (`memory_analysis()`), gpipe vs
+   1f1b, with the microbatch size fixed so that the batch grows with M: GPipe keeps every
+   microbatch's activations, 1F1B at most 2S-1 stage inputs.
+3. Compile time of one training step for 8 vs 32 layers (layers run under scan).
+
+    python benchmarks/pipeline.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import shardplan  # noqa: E402
+from minigpt_model.model import MiniGPT  # noqa: E402
+from minigpt_model.steps import train_step  # noqa: E402
+from shardplan.schedules import article_bubble, bubble_fraction, max_in_flight, timeline  # noqa: E402
+
+STAGES = 4
+MODEL = dict(maxlen=64, vocab_size=512, embed_dim=128, num_heads=8, feed_forward_dim=512, dropout_rate=0.0)
+ROWS_PER_MICROBATCH = 4          # global rows (2 per data shard)
+
+
+def plan_for(schedule: str, microbatches: int, virtual: int = 1) -> shardplan.Plan:
+    text = (REPO / "plans" / "minigpt_pp4.yaml").read_text()
+    text = text.replace("schedule: gpipe", f"schedule: {schedule}\n  virtual_stages: {virtual}")
+    text = text.replace("microbatches: 8", f"microbatches: {microbatches}")
+    return shardplan.parse_plan(text, file=f"pp4-{schedule}-{microbatches}")
+
+
+def compile_step(plan: shardplan.Plan, layers: int, batch: int):
+    mesh = shardplan.make_mesh(plan)
+    model = shardplan.apply_plan(plan, MiniGPT(**MODEL, num_transformer_blocks=layers, rngs=nnx.Rngs(0)), mesh)
+    optimizer = shardplan.shard_optimizer(plan, model, optax.adamw(1e-3), mesh)
+    tokens = shardplan.shard_inputs(plan, {"tokens": np.zeros((batch, MODEL["maxlen"]), np.int32)}, mesh)["tokens"]
+    start = time.perf_counter()
+    compiled = train_step.lower(model, optimizer, tokens, tokens, training=False).compile()
+    return compiled, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", metavar="FILE")
+    args = parser.parse_args()
+    results: dict = {"bubble": [], "memory": [], "compile": []}
+
+    print(f"1. bubble fraction, S = {STAGES} (a backward counted as 2 forwards)")
+    print(f"{'M':>4} {'gpipe':>8} {'1f1b':>8} {'interleaved v=2':>16} {'article (S-1)/S':>16}")
+    for m in (4, 8, 16, 32):
+        row = {"microbatches": m, "gpipe": bubble_fraction(timeline("gpipe", STAGES, m)),
+               "1f1b": bubble_fraction(timeline("1f1b", STAGES, m)),
+               "interleaved_v2": bubble_fraction(timeline("interleaved", STAGES, m, 2)),
+               "article": article_bubble(STAGES)}
+        results["bubble"].append(row)
+        print(f"{m:>4} {row['gpipe']:>8.3f} {row['1f1b']:>8.3f} {row['interleaved_v2']:>16.3f} {row['article']:>16.3f}")
+
+    print(f"\n2. temporary memory per device of one compiled step, minigpt_pp4 (4 stages x 2 data), 8 layers, "
+          f"{ROWS_PER_MICROBATCH} rows x {MODEL['maxlen']} tokens per microbatch")
+    print(f"{'M':>4} {'gpipe MiB':>10} {'1f1b MiB':>10} {'in flight gpipe/1f1b':>22}")
+    for m in (4, 8, 16, 32):
+        row = {"microbatches": m}
+        for schedule in ("gpipe", "1f1b"):
+            compiled, _ = compile_step(plan_for(schedule, m), 8, m * ROWS_PER_MICROBATCH)
+            row[schedule] = compiled.memory_analysis().temp_size_in_bytes
+        results["memory"].append(row)
+        flight = f"{max_in_flight(timeline('gpipe', STAGES, m))}/{max_in_flight(timeline('1f1b', STAGES, m))}"
+        print(f"{m:>4} {row['gpipe'] / 2**20:>10.2f} {row['1f1b'] / 2**20:>10.2f} {flight:>22}")
+    first, last = results["memory"][0], results["memory"][-1]
+    print(f"   M 4 -> 32: gpipe x{last['gpipe'] / first['gpipe']:.2f}, 1f1b x{last['1f1b'] / first['1f1b']:.2f}")
+
+    print("\n3. compile time of one training step, gpipe, 8 microbatches")
+    for layers in (8, 32):
+        _, seconds = compile_step(plan_for("gpipe", 8), layers, 8 * ROWS_PER_MICROBATCH)
+        results["compile"].append({"layers": layers, "seconds": seconds})
+        print(f"   {layers:>2} layers: {seconds:.2f} s")
+    ratio = results["compile"][1]["seconds"] / results["compile"][0]["seconds"]
+    print(f"   32 / 8 layers: {ratio:.2f}x (target <= 1.5x)")
+    results["compile_ratio"] = ratio
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
