@@ -54,9 +54,26 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", default=defaults.out, help="run directory: checkpoints, metrics.jsonl, loss.png")
     train.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     train.add_argument("--devices", type=int, metavar="N",
-                       help="simulate N CPU devices (default without an accelerator: 8)")
+                       help="simulate N CPU devices in this process (default without an accelerator: 8)")
+    train.add_argument("--coordinator", metavar="HOST:PORT",
+                       help="join a multi-process run whose process 0 listens at HOST:PORT (also read from "
+                            "JAX_COORDINATOR_ADDRESS; under SLURM or Open MPI all three are detected)")
+    train.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
+    train.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0..N-1")
     train.add_argument("--debug", action="store_true", help="show Python tracebacks")
     train.set_defaults(handler=_train)
+
+    launch = commands.add_parser("launch", help="run `train` as several processes (one per host)",
+                                 description="Start one `minigpt train` process per worker and stream their output.")
+    where = launch.add_mutually_exclusive_group(required=True)
+    where.add_argument("--local", type=int, metavar="N", help="N processes on this machine")
+    where.add_argument("--ray", action="store_true", help="one Ray actor per worker (pip install -e '.[ray]')")
+    launch.add_argument("--address", help="Ray cluster address (default: start or join a local one)")
+    launch.add_argument("--num-workers", type=int, metavar="N", help="Ray workers")
+    launch.add_argument("--devices-per-process", type=int, metavar="K",
+                        help="simulate K CPU devices in each process (default without an accelerator: 8 / N)")
+    launch.add_argument("command", nargs=argparse.REMAINDER, help="-- train [train options]")
+    launch.set_defaults(handler=_launch, debug=False)
 
     sample = commands.add_parser("sample", help="generate text from a run's latest checkpoint")
     sample.add_argument("--checkpoint", required=True, metavar="DIR", help="run directory (the --out of train)")
@@ -112,6 +129,8 @@ def _devices(requested: int | None) -> None:
 
 def _train(args, console: Console) -> int:
     _devices(args.devices)
+    from shardplan.distributed import initialize
+    initialize(coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
     from shardplan.models import parse_overrides
     from minigpt_model.trainer import TrainConfig, train
     config = TrainConfig(plan=args.plan, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
@@ -121,8 +140,23 @@ def _train(args, console: Console) -> int:
                          model=parse_overrides(args.config))
     result = train(config, console=console)
     last = max(result.losses) if result.losses else config.steps
-    console.print(f"done: step {last}, run in {result.out}")
+    if not args.process_id:
+        console.print(f"done: step {last}, run in {result.out}")
     return 0
+
+
+def _launch(args, console: Console) -> int:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    workers = args.local if args.local else args.num_workers
+    from shardplan.devices import DeviceSetupError, has_accelerator
+    if not workers or workers < 1:
+        raise DeviceSetupError("launch requires a positive --local N or --num-workers N")
+    per_process = args.devices_per_process or (None if has_accelerator() else max(1, 8 // workers))
+    if args.ray:
+        from minigpt_model.ray_launch import launch_ray
+        return launch_ray(workers, command, devices_per_process=per_process, address=args.address)
+    from minigpt_model.launch import launch_local
+    return launch_local(workers, command, devices_per_process=per_process)
 
 
 def _sample(args, console: Console) -> int:

@@ -80,8 +80,13 @@ class RunResult:
 
 def train(config: TrainConfig, *, console: Console | None = None, devices=None,
           stop_after: int | None = None) -> RunResult:
-    """Run (or resume) a training run; `stop_after` ends early after that many steps (tests)."""
-    console = console or Console()
+    """Run (or resume) a training run; `stop_after` ends early after that many steps (tests).
+
+    In a multi-process run every process calls this; each reads its own rows of every batch,
+    only process 0 prints and writes metrics, and all of them write checkpoints together.
+    """
+    lead = jax.process_index() == 0
+    console = (console or Console()) if lead else Console(quiet=True)
     plan = shardplan.load_plan(config.plan)
     mesh = shardplan.make_mesh(plan, devices=devices)
     tokenizer = get_tokenizer(config.tokenizer)
@@ -93,7 +98,9 @@ def train(config: TrainConfig, *, console: Console | None = None, devices=None,
     dataset = build_dataset(read_documents(list(config.data), separator=config.separator, seed=config.seed),
                             tokenizer, seq_len=model_config["maxlen"], batch_size=config.batch_size, seed=config.seed)
     out = Path(config.out)
-    _claim_directory(out, config, model_config)     # only once nothing else can refuse the run
+    if lead:
+        _claim_directory(out, config, model_config)     # only once nothing else can refuse the run
+    _all_processes_reach("run directory claimed")
 
     model = shardplan.apply_plan(plan, MiniGPT(**model_config, rngs=nnx.Rngs(config.seed)), mesh)
     tx = make_optimizer(lr=config.lr, steps=config.steps, warmup_steps=config.warmup_steps,
@@ -101,14 +108,15 @@ def train(config: TrainConfig, *, console: Console | None = None, devices=None,
     optimizer = shardplan.shard_optimizer(plan, model, tx, mesh)
     checkpoints = Checkpoints(out / "checkpoints")
     start = _resume(checkpoints, model, optimizer, model_config, config, console)
-    metrics = _Metrics(out / "metrics.jsonl", keep_until=start)
+    metrics = _Metrics(out / "metrics.jsonl", keep_until=start, write=lead)
 
     losses, evals = _loop(config, plan, mesh, dataset, model, optimizer, checkpoints, metrics, model_config,
                           tokenizer, start, stop_after, console)
     checkpoints.close()
-    _plot(out, metrics.records())
+    if lead:
+        _plot(out, metrics.records())
     sample = ""
-    if stop_after is None and config.sample_tokens:
+    if stop_after is None and config.sample_tokens and jax.process_count() == 1:
         ids = generate(model, tokenizer.encode(config.sample_prompt), maxlen=model_config["maxlen"],
                        max_tokens=config.sample_tokens, temperature=0.8, top_k=20, seed=config.seed)
         sample = config.sample_prompt + tokenizer.decode(ids).split(END_OF_TEXT)[0]
@@ -122,14 +130,15 @@ def _loop(config, plan, mesh, dataset: Dataset, model, optimizer, checkpoints, m
     base_key = jax.random.key(config.seed + 1)
     tokens_per_step = config.batch_size * model_config["maxlen"]
     last = config.steps if stop_after is None else min(config.steps, start + stop_after)
-    eval_data = [_place(plan, mesh, b) for b in dataset.eval_batches(config.eval_batches)]
+    share = dict(process=jax.process_index(), processes=jax.process_count())
+    eval_data = [_place(plan, mesh, b) for b in dataset.eval_batches(config.eval_batches, **share)]
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                         TimeRemainingColumn(), console=console, transient=False)
     with progress:
         task = progress.add_task("train", total=config.steps, completed=start, info="compiling the step...")
         clock, counted = time.perf_counter(), 0
         for step in range(start, last):
-            tokens, targets = _place(plan, mesh, dataset.batch(step))
+            tokens, targets = _place(plan, mesh, dataset.batch(step, **share))
             loss = float(train_step(model, optimizer, tokens, targets, jax.random.fold_in(base_key, step)))
             done = step + 1
             losses[done] = loss
@@ -152,9 +161,17 @@ def _loop(config, plan, mesh, dataset: Dataset, model, optimizer, checkpoints, m
     return losses, evals
 
 
-def _place(plan, mesh, batch: np.ndarray):
-    tokens = shardplan.shard_inputs(plan, {"tokens": batch[:, :-1]}, mesh)["tokens"]
-    return tokens, jax.device_put(batch[:, 1:], tokens.sharding)
+def _place(plan, mesh, rows: np.ndarray):
+    """This process's rows (B/P, T+1) -> global inputs and targets laid out as the plan says."""
+    placed = shardplan.shard_local_inputs(plan, {"tokens": rows[:, :-1]}, mesh)["tokens"]
+    targets = shardplan.shard_local_inputs(plan, {"tokens": rows[:, 1:]}, mesh)["tokens"]
+    return placed, targets
+
+
+def _all_processes_reach(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
 
 
 def _evaluate(model, eval_data) -> float:
@@ -195,10 +212,11 @@ def _resume(checkpoints: Checkpoints, model, optimizer, model_config, config: Tr
 class _Metrics:
     """metrics.jsonl, appended per step; on resume, records past the checkpoint are dropped."""
 
-    def __init__(self, path: Path, *, keep_until: int):
-        self.path = path
-        kept = [r for r in self.records() if r["step"] <= keep_until]
-        _write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
+    def __init__(self, path: Path, *, keep_until: int, write: bool = True):
+        self.path, self.write = path, write
+        if write:
+            kept = [r for r in self.records() if r["step"] <= keep_until]
+            _write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def records(self) -> list[dict]:
         if not self.path.exists():
@@ -206,6 +224,8 @@ class _Metrics:
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
     def append(self, record: dict) -> None:
+        if not self.write:
+            return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 

@@ -15,13 +15,13 @@ from shardplan.report import Report, check
 from shardplan.schema import Plan
 
 __all__ = ["CODES", "Diagnostic", "Plan", "PlanError", "Report", "apply_plan", "check", "constrain", "load_plan",
-           "make_mesh", "parse_plan", "shard_inputs", "shard_optimizer"]
+           "make_mesh", "parse_plan", "shard_inputs", "shard_local_inputs", "shard_optimizer"]
 
 
 def __getattr__(name: str):
     # The runtime half imports optax and places arrays; loading it lazily keeps `shardplan schema`
     # and `validate` quick and lets the CLI set the device count before JAX starts.
-    if name in ("apply_plan", "shard_optimizer", "shard_inputs", "constrain", "partition_spec"):
+    if name in ("apply_plan", "shard_optimizer", "shard_inputs", "shard_local_inputs", "constrain", "partition_spec"):
         from shardplan import apply
         return getattr(apply, name)
     raise AttributeError(f"module 'shardplan' has no attribute {name!r}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
@@ -180,11 +181,31 @@ def shard_inputs(plan: Plan, batch: dict, mesh: jax.sharding.Mesh) -> dict:
     >>> batch["tokens"].sharding.spec
     PartitionSpec('data', None)
     """
+    _check_inputs(plan, {name: tuple(x.shape) for name, x in batch.items()}, mesh)
+    return {name: jax.device_put(x, _input_sharding(plan, name, mesh)) for name, x in batch.items()}
+
+
+def shard_local_inputs(plan: Plan, batch: dict, mesh: jax.sharding.Mesh) -> dict:
+    """`shard_inputs` for multi-process runs: each process passes only its rows of the global batch
+    (process i: rows i*B/P .. (i+1)*B/P); with one process it is `shard_inputs`."""
+    processes = jax.process_count()
+    if processes == 1:
+        return shard_inputs(plan, batch, mesh)
+    shapes = {name: (x.shape[0] * processes, *x.shape[1:]) for name, x in batch.items()}
+    _check_inputs(plan, shapes, mesh)
+    return {name: jax.make_array_from_process_local_data(_input_sharding(plan, name, mesh), np.asarray(x),
+                                                         shapes[name])
+            for name, x in batch.items()}
+
+
+def _input_sharding(plan: Plan, name: str, mesh) -> NamedSharding:
+    return NamedSharding(mesh, partition_spec(normalize_spec(plan.inputs[name])))
+
+
+def _check_inputs(plan: Plan, shapes: dict[str, tuple], mesh) -> None:
     sizes = dict(mesh.shape)
-    diagnostics = validate_inputs(plan, sizes, {name: tuple(x.shape) for name, x in batch.items()})
-    if batch:
-        diagnostics += check_microbatches(plan, next(iter(batch.values())).shape[0], sizes, data_axes(plan, sizes))
+    diagnostics = validate_inputs(plan, sizes, shapes)
+    if shapes:
+        diagnostics += check_microbatches(plan, next(iter(shapes.values()))[0], sizes, data_axes(plan, sizes))
     if any(d.severity == "error" for d in diagnostics):
         raise PlanError(diagnostics)
-    return {name: jax.device_put(x, NamedSharding(mesh, partition_spec(normalize_spec(plan.inputs[name]))))
-            for name, x in batch.items()}

@@ -1,0 +1,93 @@
+"""Starting one training process per host (here: per simulated host) and watching them together.
+
+Each process runs `minigpt train ... --coordinator --num-processes --process-id`; its output is
+streamed with a `[pI]` prefix. When one fails, the others are stopped after a short grace
+period (they would otherwise wait for JAX's heartbeat timeout), and the launcher names it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable, TextIO
+
+from shardplan.distributed import SIBLING_GRACE_S
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_command(train_args: list[str], *, coordinator: str, processes: int, index: int,
+                  devices: int | None) -> list[str]:
+    command = [sys.executable, "-m", "minigpt_model.cli", *train_args, "--coordinator", coordinator,
+               "--num-processes", str(processes), "--process-id", str(index)]
+    return command + (["--devices", str(devices)] if devices else [])
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        return f"was killed by signal {signal.Signals(-code).name}"
+    return f"exited with status {code}"
+
+
+def launch_local(count: int, train_args: list[str], *, devices_per_process: int | None,
+                 out: TextIO = sys.stdout) -> int:
+    """Run `count` processes on this machine; 0 if all succeed, else 1 (the failed process is named)."""
+    if not train_args or train_args[0] != "train":
+        out.write("launch: the command after -- must be `train ...`\n")
+        return 2
+    coordinator = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs = [subprocess.Popen(train_command(train_args, coordinator=coordinator, processes=count, index=i,
+                                            devices=devices_per_process),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+             for i in range(count)]
+    for i, proc in enumerate(procs):
+        out.write(f"[launch] process {i}: pid {proc.pid}, coordinator {coordinator}\n")
+    out.flush()
+    pumps = [threading.Thread(target=_pump, args=(proc.stdout, f"[p{i}] ", out), daemon=True)
+             for i, proc in enumerate(procs)]
+    for pump in pumps:
+        pump.start()
+    failed = watch([proc.poll for proc in procs], [proc.kill for proc in procs])
+    for pump in pumps:
+        pump.join(timeout=5)
+    if failed is None:
+        out.write(f"[launch] all {count} processes finished\n")
+        return 0
+    index, code = failed
+    out.write(f"[launch] process {index} {describe_exit(code)}; the run failed (continue it with --resume)\n")
+    return 1
+
+
+def watch(polls: list[Callable[[], int | None]], kills: list[Callable[[], None]]) -> tuple[int, int] | None:
+    """Wait for all workers; after the first failure, kill the rest once the grace period is over.
+    Returns (index, exit code) of the first failure, or None."""
+    first: tuple[int, int] | None = None
+    failed_at = 0.0
+    while True:
+        codes = [poll() for poll in polls]
+        for i, code in enumerate(codes):
+            if code not in (None, 0) and first is None:
+                first, failed_at = (i, code), time.monotonic()
+        if all(code is not None for code in codes):
+            return first
+        if first is not None and time.monotonic() - failed_at > SIBLING_GRACE_S:
+            for kill, code in zip(kills, codes):
+                if code is None:
+                    kill()
+        time.sleep(0.1)
+
+
+def _pump(stream, prefix: str, out: TextIO) -> None:
+    for line in stream:
+        out.write(prefix + line)
+        out.flush()

@@ -1,0 +1,109 @@
+"""Multi-process training: 2 processes x 4 simulated devices equal 1 process x 8, via the local
+launcher and via Ray; a killed process fails the run quickly and by name, and --resume finishes it."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import pytest
+
+from minigpt_model.trainer import train
+from shardplan.distributed import SIBLING_GRACE_S
+
+from conftest import REPO
+from test_training import TINY_ARGS, tiny_config
+
+LAUNCH = [sys.executable, "-m", "minigpt_model.cli", "launch"]
+# The launcher stops the survivors SIBLING_GRACE_S after the first failure; allow for process exit.
+FAILURE_BOUND_S = SIBLING_GRACE_S + 10
+
+
+def train_args(out, steps, *extra):
+    return ["train", "--out", str(out), "--steps", str(steps), "--batch-size", "16", "--checkpoint-every", "5",
+            "--eval-every", "1000", "--warmup-steps", "5", *TINY_ARGS, *extra]
+
+
+def losses_of(out) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+
+def env():
+    return {**os.environ, "PYTHONPATH": str(REPO), "RAY_AUTH_MODE": "disabled"}
+
+
+def one_process(tmp_path, steps: int) -> dict[int, float]:
+    """The same run in this process, on 8 devices (the schedule depends on the step count)."""
+    return train(tiny_config(tmp_path / "single", steps=steps, checkpoint_every=5, eval_every=1000,
+                             warmup_steps=5)).losses
+
+
+def test_local_launcher_two_processes_match_one(tmp_path):
+    out = tmp_path / "run"
+    done = subprocess.run([*LAUNCH, "--local", "2", "--", *train_args(out, 10)], cwd=REPO, env=env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "[p0] " in done.stdout and "[p1] " in done.stdout and "all 2 processes finished" in done.stdout
+    assert "8 device(s)" in done.stdout                         # one global mesh over both processes
+    got, expected = losses_of(out), one_process(tmp_path, 10)
+    np.testing.assert_allclose([got[s] for s in range(1, 11)], [expected[s] for s in range(1, 11)], rtol=1e-5)
+
+
+def test_killed_process_fails_the_run_by_name_and_resume_finishes_it(tmp_path):
+    out = tmp_path / "run"
+    launcher = subprocess.Popen([*LAUNCH, "--local", "2", "--", *train_args(out, 30)], cwd=REPO, env=env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    pids = {}
+    while len(pids) < 2:
+        line = launcher.stdout.readline()
+        found = re.match(r"\[launch\] process (\d): pid (\d+)", line)
+        if found:
+            pids[int(found.group(1))] = int(found.group(2))
+    deadline = time.time() + 180
+    while not (out / "checkpoints" / "10").exists():
+        assert launcher.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    os.kill(pids[1], signal.SIGKILL)
+    killed_at = time.monotonic()
+    rest, _ = launcher.communicate(timeout=120)
+    elapsed = time.monotonic() - killed_at
+    assert launcher.returncode == 1
+    assert "process 1 was killed by signal SIGKILL" in rest
+    assert elapsed < FAILURE_BOUND_S, f"the launcher took {elapsed:.1f} s to give up"
+    assert max(losses_of(out)) < 30
+
+    resumed = subprocess.run([*LAUNCH, "--local", "2", "--", *train_args(out, 30, "--resume")], cwd=REPO,
+                             env=env(), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert "resumed from step" in resumed.stdout
+    final = losses_of(out)
+    assert sorted(final) == list(range(1, 31))
+    np.testing.assert_allclose(final[30], one_process(tmp_path, 30)[30], rtol=1e-5)
+
+
+def test_ray_launcher_two_workers_match_one_process(tmp_path):
+    pytest.importorskip("ray")
+    ray_dir = tempfile.mkdtemp(prefix="sp-ray-")    # Ray's socket paths must stay under 108 bytes
+    port = str(20000 + os.getpid() % 20000)
+    start = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--port", port,
+                            "--num-cpus", "2", "--include-dashboard=false", "--temp-dir", str(ray_dir),
+                            "--disable-usage-stats"], env=env(), capture_output=True, text=True, timeout=120)
+    assert start.returncode == 0, start.stderr[-2000:]
+    try:
+        out = tmp_path / "run"
+        done = subprocess.run([*LAUNCH, "--ray", "--address", f"127.0.0.1:{port}", "--num-workers", "2", "--",
+                               *train_args(out, 10)], cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        assert "all 2 Ray workers finished" in done.stdout and "[w1] " in done.stdout + done.stderr
+        got, expected = losses_of(out), one_process(tmp_path, 10)
+        np.testing.assert_allclose([got[s] for s in range(1, 11)], [expected[s] for s in range(1, 11)], rtol=1e-5)
+    finally:
+        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], env=env(),
+                       capture_output=True, timeout=60)
+        shutil.rmtree(ray_dir, ignore_errors=True)
