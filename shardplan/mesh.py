@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import math
+
+import numpy as np
 
 from shardplan.diagnostics import Diagnostic
 from shardplan.schema import Plan
@@ -39,6 +42,55 @@ def resolve_axes(plan: Plan, device_count: int) -> tuple[dict[str, int], list[Di
     return axes, []
 
 
+def check_hosts(plan: Plan, sizes: dict[str, int], processes: int) -> list[Diagnostic]:
+    """`mesh.hosts` against the axes and the processes; with one process the hosts are simulated."""
+    hosts = plan.mesh.hosts
+    found = []
+    for axis, count in hosts.items():
+        line, col = plan.locate("mesh", "hosts", axis)
+        if axis not in sizes:
+            close = difflib.get_close_matches(axis, list(sizes), n=1)
+            found.append(Diagnostic("mesh-hosts-unknown-axis", "error",
+                                    f"mesh.hosts names axis {axis!r}, but the mesh has only {list(sizes)}",
+                                    file=plan.file, line=line, column=col,
+                                    hint=f"did you mean {close[0]!r}?" if close else None))
+        elif count < 1 or sizes[axis] % count:
+            found.append(Diagnostic("mesh-hosts-indivisible", "error",
+                                    f"mesh.hosts splits axis {axis!r} of size {sizes[axis]} over {count} hosts, "
+                                    f"which does not divide it", file=plan.file, line=line, column=col,
+                                    hint=f"use a host count that divides {sizes[axis]}"))
+    total = math.prod(hosts.values()) if hosts else 1
+    if found or not hosts:
+        return found
+    line, col = plan.locate("mesh", "hosts")
+    if processes > 1 and total != processes:
+        found.append(Diagnostic("mesh-hosts-mismatch", "error",
+                                f"mesh.hosts spans {total} hosts, but the run has {processes} processes",
+                                file=plan.file, line=line, column=col, hint="run one process per host"))
+    return found
+
+
+def host_major_positions(sizes: dict[str, int], hosts: dict[str, int]) -> np.ndarray:
+    """For each mesh coordinate, the index of its device when devices are numbered host by host.
+
+    Axes in `hosts` are split into (host part, local part); a device's host is given by the host
+    parts, its place within the host by the local parts, so every other axis stays inside a host.
+
+    >>> host_major_positions({"model": 2, "data": 4}, {"data": 2}).tolist()
+    [[0, 1, 4, 5], [2, 3, 6, 7]]
+    """
+    local = {axis: size // hosts.get(axis, 1) for axis, size in sizes.items()}
+    per_host = math.prod(local.values())
+    positions = np.empty(tuple(sizes.values()), dtype=np.int64)
+    for coords in np.ndindex(*positions.shape):
+        host = local_index = 0
+        for axis, c in zip(sizes, coords):
+            host = host * hosts.get(axis, 1) + c // local[axis]
+            local_index = local_index * local[axis] + c % local[axis]
+        positions[coords] = host * per_host + local_index
+    return positions
+
+
 def _shape(axes: dict[str, int]) -> str:
     return "{" + ", ".join(f"{name}: {size}" for name, size in axes.items()) + "}"
 
@@ -57,7 +109,12 @@ def make_mesh(plan: Plan, *, devices=None):
 
     devices = list(devices) if devices is not None else jax.devices()
     sizes, diagnostics = resolve_axes(plan, len(devices))
+    diagnostics += check_hosts(plan, sizes, jax.process_count()) if not diagnostics else []
     if diagnostics:
         raise PlanError(diagnostics)
     auto = (jax.sharding.AxisType.Auto,) * len(sizes)
-    return jax.make_mesh(tuple(sizes.values()), tuple(sizes), axis_types=auto, devices=devices)
+    if not plan.mesh.hosts:
+        return jax.make_mesh(tuple(sizes.values()), tuple(sizes), axis_types=auto, devices=devices)
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    grid = np.vectorize(lambda k: ordered[k], otypes=[object])(host_major_positions(sizes, plan.mesh.hosts))
+    return jax.sharding.Mesh(grid, tuple(sizes), axis_types=auto)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -69,6 +70,15 @@ def render_mesh(console: Console, report: Report) -> None:
     shape = " x ".join(f"{axis}={size}" for axis, size in report.axes.items())
     name = report.plan.name or report.plan.file or "plan"
     console.print(Text(f"{name}: mesh {shape} over {len(report.device_ids)} device(s)", style="bold"))
+    hosts = report.plan.mesh.hosts
+    if hosts and not any(d.code.startswith("mesh-") for d in report.errors):
+        count = math.prod(hosts.values())
+        per_host = len(report.device_ids) // count
+        across = ", ".join(f"{axis} ({n} hosts)" for axis, n in hosts.items())
+        groups = [sorted(i for i in report.device_ids if i // per_host == h) for h in range(count)]
+        console.print(f"  {count} hosts x {per_host} devices; across hosts: {across}; within: "
+                      f"{', '.join(a for a in report.axes if a not in hosts) or '-'}")
+        console.print("  " + "; ".join(f"host {h}: devices {_id_list(g)}" for h, g in enumerate(groups)))
 
 
 def render_params(console: Console, report: Report, *, collapse: bool = True) -> None:

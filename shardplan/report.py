@@ -9,7 +9,7 @@ from flax import nnx
 from shardplan.diagnostics import Diagnostic
 from shardplan.layout import DeviceTotals, ParamLayout, device_totals, imbalance, shard_shape, zero1_spec
 from shardplan.matching import compile_rules
-from shardplan.mesh import resolve_axes
+from shardplan.mesh import check_hosts, resolve_axes
 from shardplan.paths import ParamInfo, param_infos
 from shardplan.schema import Plan, format_spec
 from shardplan.stages import StageMap, check_microbatches, plan_stages
@@ -46,7 +46,7 @@ class Report:
     def to_json(self) -> dict:
         return {
             "plan": {"name": self.plan.name, "file": self.plan.file},
-            "mesh": {"axes": self.axes, "device_ids": self.device_ids},
+            "mesh": {"axes": self.axes, "device_ids": self.device_ids, "hosts": self.plan.mesh.hosts},
             "params": [_param_json(p) for p in self.params],
             "devices": [{"position": d.position, "device_id": d.device_id, "coords": d.coords,
                          "param_bytes": d.param_bytes, "opt_bytes": d.opt_bytes} for d in self.devices],
@@ -86,23 +86,33 @@ def check(plan: Plan, model, mesh=None, *, input_shapes: dict[str, tuple[int, ..
     >>> shardplan.check(plan, model).ok
     True
     """
-    device_ids = _device_ids(mesh)
-    modules = [name for name, value in vars(model).items() if isinstance(value, nnx.Module)]
-    return check_params(plan, param_infos(model), device_ids, input_shapes=input_shapes, modules=modules)
-
-
-def _device_ids(mesh) -> list[int]:
-    if mesh is not None:
-        return [int(d.id) for d in mesh.devices.flat]
     import jax
-    return [int(d.id) for d in jax.devices()]
+    device_ids = _device_ids(plan, mesh)
+    modules = [name for name, value in vars(model).items() if isinstance(value, nnx.Module)]
+    return check_params(plan, param_infos(model), device_ids, input_shapes=input_shapes, modules=modules,
+                        processes=jax.process_count())
+
+
+def _device_ids(plan: Plan, mesh) -> list[int]:
+    """Device ids in mesh order: the given mesh's, else the plan's mesh over all devices if it can be built."""
+    if mesh is None:
+        from shardplan.diagnostics import PlanError
+        from shardplan.mesh import make_mesh
+        try:
+            mesh = make_mesh(plan)
+        except PlanError:
+            import jax
+            return [int(d.id) for d in jax.devices()]
+    return [int(d.id) for d in mesh.devices.flat]
 
 
 def check_params(plan: Plan, params: list[ParamInfo], device_ids: list[int], *,
-                 input_shapes: dict[str, tuple[int, ...]] | None = None, modules: list[str] | None = None) -> Report:
+                 input_shapes: dict[str, tuple[int, ...]] | None = None, modules: list[str] | None = None,
+                 processes: int = 1) -> Report:
     """`check` on parameter infos and device ids: pure, no JAX devices needed."""
     rules, diagnostics = compile_rules(plan)
     sizes, mesh_diagnostics = resolve_axes(plan, len(device_ids))
+    mesh_diagnostics += check_hosts(plan, sizes, processes) if not mesh_diagnostics else []
     diagnostics += mesh_diagnostics
     placements, found = validate_params(plan, params, rules, sizes)
     diagnostics += found + validate_inputs(plan, sizes, input_shapes) + validate_optimizer(plan, sizes)

@@ -30,6 +30,9 @@ class ModelRef(_Strict):
 class MeshConfig(_Strict):
     axes: dict[str, int] = Field(description="Mesh axis name -> size, in mesh order; at most one size may be -1 "
                                              "(filled with the remaining devices).", min_length=1)
+    hosts: dict[str, int] = Field(default_factory=dict, description=(
+        "Axis name -> how many hosts it spans. These axes cross the slow links between hosts; all other axes "
+        "stay within a host. The product is the number of hosts (processes)."))
 
     @field_validator("axes")
     @classmethod

@@ -60,6 +60,15 @@ CASES = {
     "mesh-fill-impossible": ("version: 1\nmesh: {axes: {data: -1, model: 4}}\n"
                              "params: [{match: '.*', spec: replicated}]\n", PARAMS, 6, None,
                              ["'data' = -1", "divisible", "6 % 4"], 2),
+    "mesh-hosts-unknown-axis": ("version: 1\nmesh:\n  axes: {data: 4, model: 2}\n  hosts: {dta: 2}\n"
+                                "params: [{match: '.*', spec: []}]\n", PARAMS, 8, None,
+                                ["'dta'", "did you mean 'data'"], 4),
+    "mesh-hosts-indivisible": ("version: 1\nmesh:\n  axes: {data: 4, model: 2}\n  hosts: {model: 3}\n"
+                               "params: [{match: '.*', spec: []}]\n", PARAMS, 8, None,
+                               ["'model' of size 2", "3 hosts"], 4),
+    "mesh-hosts-mismatch": ("version: 1\nmesh:\n  axes: {data: 4, model: 2}\n  hosts: {data: 4}\n"
+                            "params: [{match: '.*', spec: []}]\n", PARAMS, 8, None,
+                            ["4 hosts", "2 processes"], 4),
     "unmatched-param": (HEAD + "params:\n  - {match: 'blocks/.*', spec: replicated}\n", PARAMS, 8, None,
                         ["head/kernel", "(64, 1001)"], 6),
     "unused-rule": (HEAD + "params:\n  - {match: 'block/\\d+/attn/kernel', spec: [model]}\n"
@@ -115,6 +124,10 @@ CASES = {
 }
 
 
+# Cases that need a multi-process run, with its process count.
+PROCESSES = {"mesh-hosts-mismatch": 2}
+
+
 def trigger(tmp_path: Path, code: str) -> list[shardplan.Diagnostic]:
     text, params, devices, input_shapes, _, _ = CASES[code]
     if text is None:
@@ -129,7 +142,8 @@ def trigger(tmp_path: Path, code: str) -> list[shardplan.Diagnostic]:
         plan = shardplan.load_plan(path)
     except shardplan.PlanError as exc:
         return exc.diagnostics
-    return check_params(plan, params, list(range(devices)), input_shapes=input_shapes, modules=MODULES).diagnostics
+    return check_params(plan, params, list(range(devices)), input_shapes=input_shapes, modules=MODULES,
+                        processes=PROCESSES.get(code, 1)).diagnostics
 
 
 def test_every_code_has_a_case():

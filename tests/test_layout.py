@@ -71,3 +71,24 @@ def test_check_layout_of_dp_tp_on_abstract_minigpt():
     totals = {d.param_bytes for d in report.devices}
     assert totals == {sum(p.bytes_per_device for p in report.params)}
     assert report.devices[0].opt_bytes == 2 * report.devices[0].param_bytes
+
+
+def test_host_axes_cross_hosts_and_others_stay_inside():
+    from shardplan.mesh import host_major_positions
+    positions = host_major_positions({"model": 2, "data": 4}, {"data": 2})
+    assert positions.tolist() == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    host = positions // 4
+    assert (host[0] == host[1]).all()                 # a model pair never crosses hosts
+    assert host[0].tolist() == [0, 0, 1, 1]           # the data axis does
+
+
+def test_make_mesh_with_hosts_and_inspect_shows_them(write_plan, capsys):
+    from shardplan.cli import main
+    path = write_plan("version: 1\nmesh:\n  axes: {model: 2, data: 4}\n  hosts: {data: 2}\n"
+                      "inputs: {tokens: [data, null]}\nparams: [{match: '.*', spec: replicated}]\n")
+    mesh = shardplan.make_mesh(shardplan.load_plan(path))
+    assert [[d.id for d in row] for row in mesh.devices] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert main(["inspect", str(path), "--model", "minigpt_model:MiniGPT", "--config", "vocab_size=512"]) == 0
+    out = capsys.readouterr().out
+    assert "2 hosts x 4 devices; across hosts: data (2 hosts); within: model" in out
+    assert "host 0: devices 0-3 (4); host 1: devices 4-7 (4)" in out

@@ -38,10 +38,10 @@ def env():
     return {**os.environ, "PYTHONPATH": str(REPO), "RAY_AUTH_MODE": "disabled"}
 
 
-def one_process(tmp_path, steps: int) -> dict[int, float]:
+def one_process(tmp_path, steps: int, plan: str = "plans/minigpt_dp_tp.yaml") -> dict[int, float]:
     """The same run in this process, on 8 devices (the schedule depends on the step count)."""
     return train(tiny_config(tmp_path / "single", steps=steps, checkpoint_every=5, eval_every=1000,
-                             warmup_steps=5)).losses
+                             warmup_steps=5, plan=plan)).losses
 
 
 def test_local_launcher_two_processes_match_one(tmp_path):
@@ -88,7 +88,11 @@ def test_killed_process_fails_the_run_by_name_and_resume_finishes_it(tmp_path):
 
 
 def test_ray_launcher_two_workers_match_one_process(tmp_path):
+    """Through Ray, with a host-aware mesh: 'data' spans the two workers, 'model' stays inside each."""
     pytest.importorskip("ray")
+    plan = tmp_path / "two_hosts.yaml"
+    plan.write_text((REPO / "plans" / "minigpt_dp_tp.yaml").read_text().replace(
+        "  axes: {data: 4, model: 2}", "  axes: {data: 4, model: 2}\n  hosts: {data: 2}"))
     ray_dir = tempfile.mkdtemp(prefix="sp-ray-")    # Ray's socket paths must stay under 108 bytes
     port = str(20000 + os.getpid() % 20000)
     start = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--port", port,
@@ -98,10 +102,11 @@ def test_ray_launcher_two_workers_match_one_process(tmp_path):
     try:
         out = tmp_path / "run"
         done = subprocess.run([*LAUNCH, "--ray", "--address", f"127.0.0.1:{port}", "--num-workers", "2", "--",
-                               *train_args(out, 10)], cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+                               *train_args(out, 10, "--plan", str(plan))], cwd=REPO, env=env(), capture_output=True,
+                              text=True, timeout=300)
         assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
         assert "all 2 Ray workers finished" in done.stdout and "[w1] " in done.stdout + done.stderr
-        got, expected = losses_of(out), one_process(tmp_path, 10)
+        got, expected = losses_of(out), one_process(tmp_path, 10, str(plan))
         np.testing.assert_allclose([got[s] for s in range(1, 11)], [expected[s] for s in range(1, 11)], rtol=1e-5)
     finally:
         subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], env=env(),
