@@ -105,6 +105,3 @@ class PlanError(Exception):
     def errors(self) -> list[Diagnostic]:
         return [d for d in self.diagnostics if d.severity == "error"]
 
-
-def errors_in(diagnostics: list[Diagnostic]) -> list[Diagnostic]:
-    return [d for d in diagnostics if d.severity == "error"]

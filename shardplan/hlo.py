@@ -25,10 +25,6 @@ class CollectiveStats:
     def total_bytes(self) -> int:
         return sum(self.bytes.values())
 
-    @property
-    def total_count(self) -> int:
-        return sum(self.count.values())
-
 
 def collective_stats(hlo_text: str) -> CollectiveStats:
     """Collectives of compiled HLO, by kind. Bytes are the op's result size on one device

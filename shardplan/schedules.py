@@ -51,10 +51,6 @@ def _one_f_one_b(stages: int, microbatches: int) -> list[list[list[Work]]]:
     return grid
 
 
-def backward_tick_1f1b(stage: int, microbatch: int, stages: int) -> int:
-    return microbatch + 2 * (stages - 1) - stage
-
-
 def bubble_fraction(grid: list[list[list[Work]]], backward_cost: float = 2.0) -> float:
     """Idle share of stage time: each tick lasts as long as its busiest stage."""
     def cost(works):

@@ -1,7 +1,6 @@
 """Layout arithmetic, checked by hand and against JAX's own view of the same shardings."""
 
 import jax
-import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 

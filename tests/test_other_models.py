@@ -3,7 +3,6 @@
 import jax
 import numpy as np
 import optax
-import pytest
 from flax import nnx
 
 import shardplan
