@@ -32,7 +32,8 @@ from minigpt_model.steps import make_optimizer, train_step  # noqa: E402
 from minigpt_model.tokenizer import ByteTokenizer  # noqa: E402
 from minigpt_model.trainer import DEFAULT_MODEL, TrainConfig  # noqa: E402
 
-PLANS = ["minigpt_dp.yaml", "minigpt_tp.yaml", "minigpt_dp_tp.yaml", "minigpt_fsdp.toml"]
+PLANS = ["minigpt_dp.yaml", "minigpt_tp.yaml", "minigpt_dp_tp.yaml", "minigpt_fsdp.toml", "minigpt_3d.yaml",
+         "minigpt_pp4.yaml"]
 
 
 def tokens_per_second(plan_file: str, devices, dataset, model_config: dict, config: TrainConfig, steps: int) -> float:
