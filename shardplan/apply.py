@@ -22,7 +22,7 @@ def partition_spec(spec: NormalSpec) -> PartitionSpec:
     """`PartitionSpec` of a normalized spec.
 
     >>> partition_spec((None, ("model",), ("data", "model")))
-    PartitionSpec(None, 'model', ('data', 'model'))
+    P(None, 'model', ('data', 'model'))
     """
     return PartitionSpec(*(None if e is None else e[0] if len(e) == 1 else tuple(e) for e in spec))
 
@@ -40,7 +40,7 @@ def apply_plan(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Mo
     >>> mesh = shardplan.make_mesh(plan)
     >>> model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(vocab_size=512, rngs=nnx.Rngs(0)), mesh)
     >>> model.output_layer.kernel.sharding.spec
-    PartitionSpec(None, 'model')
+    P(None, 'model')
     """
     report = _checked(plan, model, mesh)
     specs = {layout.path: layout.spec for layout in report.params}
@@ -104,7 +104,7 @@ def shard_optimizer(plan: Plan, model: nnx.Module, tx: optax.GradientTransformat
     >>> model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(vocab_size=512, rngs=nnx.Rngs(0)), mesh)
     >>> opt = shardplan.shard_optimizer(plan, model, optax.adamw(1e-3), mesh)
     >>> opt.opt_state[0].mu["output_layer"]["kernel"].sharding.spec
-    PartitionSpec(None, 'model')
+    P(None, 'model')
     """
     sizes = dict(mesh.shape)
     problems = validate_optimizer(plan, sizes)
@@ -158,7 +158,7 @@ def constrain(*nodes) -> None:
     >>> model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(vocab_size=512, rngs=nnx.Rngs(0)), mesh)
     >>> shardplan.constrain(model)
     >>> model.output_layer.kernel.sharding.spec
-    PartitionSpec('data',)
+    P(None, 'data')
     """
     for node in nodes:
         for _, variable in nnx.to_flat_state(nnx.state(node)):
@@ -179,7 +179,7 @@ def shard_inputs(plan: Plan, batch: dict, mesh: jax.sharding.Mesh) -> dict:
     >>> plan = shardplan.load_plan("plans/minigpt_dp_tp.yaml")
     >>> batch = shardplan.shard_inputs(plan, {"tokens": np.zeros((8, 16), np.int32)}, shardplan.make_mesh(plan))
     >>> batch["tokens"].sharding.spec
-    PartitionSpec('data', None)
+    P('data', None)
     """
     _check_inputs(plan, {name: tuple(x.shape) for name, x in batch.items()}, mesh)
     return {name: jax.device_put(x, _input_sharding(plan, name, mesh)) for name, x in batch.items()}

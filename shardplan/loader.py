@@ -23,7 +23,7 @@ def load_plan(path: str | Path) -> Plan:
 
     >>> plan = load_plan("plans/minigpt_dp.yaml")
     >>> plan.mesh.axes
-    {'data': 8}
+    {'data': -1}
     """
     path = Path(path)
     try:

@@ -82,7 +82,7 @@ def check(plan: Plan, model, mesh=None, *, input_shapes: dict[str, tuple[int, ..
     >>> import shardplan, minigpt_model
     >>> from flax import nnx
     >>> plan = shardplan.load_plan("plans/minigpt_dp_tp.yaml")
-    >>> model = nnx.eval_shape(lambda: minigpt_model.MiniGPT(rngs=nnx.Rngs(0)))
+    >>> model = nnx.eval_shape(lambda: minigpt_model.MiniGPT(vocab_size=50304, rngs=nnx.Rngs(0)))
     >>> shardplan.check(plan, model).ok
     True
     """
