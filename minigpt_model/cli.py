@@ -23,6 +23,8 @@ examples:
   minigpt train --out runs/fsdp --resume            # continue a run exactly where it stopped
   minigpt train --data stories.txt --config embed_dim=256 --config num_transformer_blocks=8
   minigpt sample --checkpoint runs/minigpt --prompt "Once upon a time" --temperature 0.8 --top-k 20
+  minigpt launch --local 2 -- train --out runs/two          # 2 processes x 4 simulated devices
+  minigpt launch --ray --address HEAD:6379 --num-workers 4 -- train --out /shared/run
 
 exit status: 0 done, 1 bad plan, data or checkpoint, 2 usage error
 """

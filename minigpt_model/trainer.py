@@ -87,7 +87,7 @@ def train(config: TrainConfig, *, console: Console | None = None, devices=None,
     """
     lead = jax.process_index() == 0
     console = (console or Console()) if lead else Console(quiet=True)
-    plan = shardplan.load_plan(config.plan)
+    plan = shardplan.load_plan(_plan_path(config.plan))
     mesh = shardplan.make_mesh(plan, devices=devices)
     tokenizer = get_tokenizer(config.tokenizer)
     model_config = config.model_config(tokenizer.vocab_size)
@@ -159,6 +159,13 @@ def _loop(config, plan, mesh, dataset: Dataset, model, optimizer, checkpoints, m
             if step == start:   # the first step includes compilation; rate the steady state
                 clock, counted = time.perf_counter(), 0
     return losses, evals
+
+
+def _plan_path(path: str) -> Path:
+    """A shipped plan is found from any directory: plans/X falls back to the repository's plans/X."""
+    given = Path(path)
+    shipped = Path(__file__).resolve().parents[1] / given
+    return shipped if not given.exists() and not given.is_absolute() and shipped.exists() else given
 
 
 def _place(plan, mesh, rows: np.ndarray):
