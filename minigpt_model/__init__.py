@@ -1,5 +1,5 @@
 """The unannotated MiniGPT of the seed article, and what it needs to train."""
 
-from minigpt_model.model import MiniGPT, MiniGPTConfig, build
+from minigpt_model.model import MiniGPT
 
-__all__ = ["MiniGPT", "MiniGPTConfig", "build"]
+__all__ = ["MiniGPT"]

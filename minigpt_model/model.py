@@ -7,21 +7,8 @@ Attribute names follow the article so that plan rules read naturally:
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
 from flax import nnx
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class MiniGPTConfig:
-    maxlen: int = 256            # context length of the article's TinyStories run
-    vocab_size: int = 50257      # GPT-2 BPE; the byte tokenizer uses a padded 384-ish vocabulary
-    embed_dim: int = 256
-    num_heads: int = 8
-    feed_forward_dim: int = 256
-    num_transformer_blocks: int = 8
-    dropout_rate: float = 0.1
 
 
 class TokenAndPositionEmbedding(nnx.Module):
@@ -79,9 +66,3 @@ class MiniGPT(nnx.Module):
             x = block(x, rngs=rngs, training=training)
         return self.output_layer(x)                                      # (B, T, V)
 
-
-def build(config: MiniGPTConfig = MiniGPTConfig(), *, seed: int = 0) -> MiniGPT:
-    """Construct a MiniGPT from a config (the factory plans name as ``minigpt_model:build``)."""
-    return MiniGPT(config.maxlen, config.vocab_size, config.embed_dim, config.num_heads,
-                   config.feed_forward_dim, config.num_transformer_blocks,
-                   dropout_rate=config.dropout_rate, rngs=nnx.Rngs(seed))

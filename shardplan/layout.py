@@ -74,14 +74,25 @@ def zero1_spec(shape: tuple[int, ...], spec: NormalSpec, sizes: dict[str, int],
             entry = padded[dim]
             if (entry is None) == want_unsharded and (n // _ways(entry, sizes)) % ways == 0:
                 padded[dim] = tuple(entry or ()) + tuple(data)
-                return _trim(tuple(padded))
+                return trim_spec(tuple(padded))
     return spec
 
 
-def _trim(spec: NormalSpec) -> NormalSpec:
+def trim_spec(spec: NormalSpec) -> NormalSpec:
+    """Drop trailing unsharded entries: (None, ('model',), None) -> (None, ('model',))."""
+    spec = tuple(spec)
     while spec and spec[-1] is None:
         spec = spec[:-1]
     return spec
+
+
+def human_bytes(n: float, *, digits: int = 2) -> str:
+    """1536 -> '1.50 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
+        n /= 1024
+    raise AssertionError
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

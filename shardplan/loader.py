@@ -234,17 +234,12 @@ def _step(annotation: Any, part: Any) -> Any:
     model = _model_in(annotation)
     if model is not None and isinstance(part, str) and part in model.model_fields:
         return model.model_fields[part].annotation
-    for arg in typing.get_args(annotation):
-        origin = typing.get_origin(arg)
+    for candidate in (annotation, *typing.get_args(annotation)):
+        origin = typing.get_origin(candidate)
         if origin is list and isinstance(part, int):
-            return typing.get_args(arg)[0]
+            return typing.get_args(candidate)[0]
         if origin is dict and isinstance(part, str):
-            return typing.get_args(arg)[1]
-    origin = typing.get_origin(annotation)
-    if origin is list and isinstance(part, int):
-        return typing.get_args(annotation)[0]
-    if origin is dict and isinstance(part, str):
-        return typing.get_args(annotation)[1]
+            return typing.get_args(candidate)[1]
     return None
 
 

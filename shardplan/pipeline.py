@@ -74,10 +74,19 @@ def _to_previous(x, axis, stages):
 
 def circular_forward(graphdef, stacked, xs, key, *, mesh, axis: str, training: bool):
     """Forward of (M, mb, ...) microbatches through the stacked layers; returns (M, mb, ...)."""
-    stages, virtual, per_chunk = jax.tree.leaves(stacked)[0].shape[:3]
-    micro = xs.shape[0]
+    stages = jax.tree.leaves(stacked)[0].shape[0]
+    return _circular_runner(graphdef, mesh, axis, training)(stacked, xs, key)[stages - 1]
+
+
+@functools.cache
+def _circular_runner(graphdef, mesh, axis: str, training: bool):
+    """The jitted shard_map of the circular forward; cached so eager calls reuse one compilation
+    (a partly manual shard_map cannot run eagerly, so it must be jitted)."""
 
     def per_device(state, xs, key):
+        stages = mesh.shape[axis]
+        virtual, per_chunk = jax.tree.leaves(state)[0].shape[1:3]        # this device's (1, virtual, per_chunk)
+        micro = xs.shape[0]
         state = _chunk(state, 0)                                         # (virtual, per_chunk, ...)
         s = jax.lax.axis_index(axis)
 
@@ -107,9 +116,8 @@ def circular_forward(graphdef, stacked, xs, key, *, mesh, axis: str, training: b
         (_, _, outs), _ = jax.lax.scan(tick, (zeros[0], zeros, zeros), ticks)
         return outs[None]
 
-    run = jax.shard_map(per_device, mesh=mesh, in_specs=(P(axis), P(), P()), out_specs=P(axis),
-                        axis_names={axis}, check_vma=False)
-    return jax.jit(run)(stacked, xs, key)[stages - 1]    # jit: a partly manual shard_map cannot run eagerly
+    return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(axis), P(), P()), out_specs=P(axis),
+                                 axis_names={axis}, check_vma=False))
 
 
 def one_f_one_b_loss(graphdef, stacked, head_graphdef, head_state, xs, targets, key, *, mesh, axis: str,

@@ -12,19 +12,11 @@ from rich.table import Table
 from rich.text import Text
 
 from shardplan.diagnostics import Diagnostic
-from shardplan.layout import device_coords, imbalance, index_ranges
+from shardplan.layout import device_coords, human_bytes, imbalance, index_ranges
 from shardplan.report import Report
 from shardplan.schema import format_spec
 
 _STYLE = {"error": "bold red", "warning": "yellow"}
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError
 
 
 def render_diagnostics(console: Console, diagnostics: list[Diagnostic]) -> None:

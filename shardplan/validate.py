@@ -11,6 +11,7 @@ import math
 from collections import defaultdict
 
 from shardplan.diagnostics import Diagnostic
+from shardplan.layout import human_bytes, trim_spec
 from shardplan.matching import NormalSpec, Rule, assign
 from shardplan.paths import ParamInfo
 from shardplan.schema import Plan, format_spec, normalize_spec, spec_axes
@@ -103,8 +104,8 @@ def _checked_spec(param: ParamInfo, rule: Rule, sizes: dict[str, int],
                          hint=f"pad dim {dim} to {_round_up(param.shape[dim], product)} (a multiple of {product}) "
                               f"or leave it unsharded (null) for this parameter")
             usable[dim] = None
-    usable_spec = _trim(tuple(usable))
-    return usable_spec, usable_spec == _trim(spec)
+    usable_spec = trim_spec(tuple(usable))
+    return usable_spec, usable_spec == trim_spec(spec)
 
 
 def _axes_text(entry: tuple[str, ...], sizes: dict[str, int]) -> str:
@@ -120,13 +121,6 @@ def _suggest(spec: NormalSpec, shape: tuple[int, ...]) -> str:
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
-
-
-def _trim(spec: NormalSpec) -> NormalSpec:
-    spec = tuple(spec)
-    while spec and spec[-1] is None:
-        spec = spec[:-1]
-    return spec
 
 
 class _Problems:
@@ -221,19 +215,11 @@ def _replicated_large(plan: Plan, placements: list[Placement], sizes: dict[str, 
         line, col = plan.locate("params", index) if index is not None else plan.locate("params")
         found.append(Diagnostic(
             "replicated-large", "warning",
-            f"{param.path} {param.shape} is fully replicated: {_human(param.nbytes)} on every device, "
+            f"{param.path} {param.shape} is fully replicated: {human_bytes(param.nbytes, digits=1)} on every device, "
             f"while the plan shards other parameters over {sorted(used)}",
             file=plan.file, line=line, column=col, rule=index, path=param.path,
             hint=f"shard it ({where}) or replicate it deliberately with a rule of its own"))
     return found
-
-
-def _human(nbytes: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if nbytes < 1024 or unit == "TiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    raise AssertionError
 
 
 def validate_inputs(plan: Plan, sizes: dict[str, int],

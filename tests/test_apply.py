@@ -36,7 +36,6 @@ def _train(model, optimizer, place):
 def single_device_losses():
     model = minigpt_model.MiniGPT(**TINY_MINIGPT, rngs=nnx.Rngs(0))
     device = jax.devices()[0]
-    model = jax.device_put(model, device) if False else model
     optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
     return _train(model, optimizer, lambda x: jax.device_put(x, device))
 
