@@ -26,9 +26,13 @@ class CollectiveStats:
         return sum(self.bytes.values())
 
 
-def collective_stats(hlo_text: str) -> CollectiveStats:
+def collective_stats(hlo_text: str, *, executed: bool = False, branch_share: float = 1.0) -> CollectiveStats:
     """Collectives of compiled HLO, by kind. Bytes are the op's result size on one device
     (for an async `-start` op, its largest array, since its tuple repeats the operand).
+
+    `executed=True` counts each op as often as it runs: times the trip counts of the loops
+    around it. HLO cannot say how often a conditional's branch is taken; each counts on a
+    `branch_share` of the trips (1.0: every trip, an upper bound).
 
     >>> text = "%ar = f32[256,128]{1,0} all-reduce(f32[256,128]{1,0} %p), replica_groups={}"
     >>> collective_stats(text).bytes["all-reduce"]
@@ -36,17 +40,56 @@ def collective_stats(hlo_text: str) -> CollectiveStats:
     """
     count: dict[str, int] = collections.Counter()
     nbytes: dict[str, int] = collections.Counter()
+    runs = _runs_per_computation(hlo_text, branch_share) if executed else {}
+    computation = None
     for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            computation = header.group("name")
+            continue
         found = _OP.search(line)
         if not found:
             continue
         sizes = [_array_bytes(m) for m in _ARRAY.finditer(found.group("type"))]
         if not sizes:
             continue
-        kind = found.group("kind")
-        count[kind] += 1
-        nbytes[kind] += max(sizes) if found.group("start") else sum(sizes)
-    return CollectiveStats(dict(count), dict(nbytes))
+        kind, times = found.group("kind"), runs.get(computation, 1)
+        count[kind] += times
+        nbytes[kind] += times * (max(sizes) if found.group("start") else sum(sizes))
+    return CollectiveStats({k: round(v) for k, v in count.items()}, {k: round(v) for k, v in nbytes.items()})
+
+
+_COMPUTATION = re.compile(r"^(?P<entry>ENTRY )?%?(?P<name>[\w.\-]+) .*\{\s*$")
+_CALLEES = re.compile(r"(?P<attr>body|calls|to_apply|branch_computations|true_computation|false_computation)="
+                      r"(?P<names>\{[^}]*\}|%?[\w.\-]+)")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def _runs_per_computation(hlo_text: str, branch_share: float = 1.0) -> dict[str, float]:
+    """How often each computation runs per execution of the entry computation."""
+    callers: dict[str, list[tuple[str, float]]] = collections.defaultdict(list)
+    entry, computation = None, None
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            computation = header.group("name")
+            entry = computation if header.group("entry") else entry
+            continue
+        trips = _TRIPS.search(line)
+        for callee in _CALLEES.finditer(line):
+            attr = callee.group("attr")
+            times = int(trips.group(1)) if trips and attr == "body" else 1
+            times *= branch_share if attr in ("branch_computations", "true_computation", "false_computation") else 1
+            for name in re.findall(r"[\w.\-]+", callee.group("names")):
+                callers[name].append((computation, times))
+    runs: dict[str, float] = {}
+
+    def count(name: str) -> float:
+        if name not in runs:
+            runs[name] = 1 if name == entry else sum(count(c) * t for c, t in callers.get(name, []) if c != name)
+        return runs[name]
+
+    return {name: count(name) for name in list(callers) + ([entry] if entry else [])}
 
 
 def _array_bytes(match: re.Match) -> int:

@@ -1,0 +1,97 @@
+"""The cost model against the compiler: modelled vs compiled collective bytes and memory per shipped plan.
+
+Compiles one training step of every shipped MiniGPT plan on 8 simulated CPU devices and sets
+`shardplan.cost.estimate` beside the compiled HLO (collective bytes as executed: ops inside
+loops count once per trip) and `memory_analysis()` (argument bytes: parameters, optimizer state,
+inputs). Target: within 15% on both. Temp bytes are printed beside the modelled activations
+and gradients for information; they have no target.
+
+    python benchmarks/cost_model.py [--blocks 8] [--batch 16] [--seq 128] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+from flax import nnx  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import minigpt_model  # noqa: E402
+import shardplan  # noqa: E402
+from shardplan.cost import Workload, estimate  # noqa: E402
+from shardplan.measure import measure  # noqa: E402
+from shardplan.paths import param_infos  # noqa: E402
+from shardplan.profiles import get_profile  # noqa: E402
+from shardplan.roles import definition_order, recognise  # noqa: E402
+
+PLANS = ["minigpt_dp.yaml", "minigpt_tp.yaml", "minigpt_dp_tp.yaml", "minigpt_fsdp.toml", "minigpt_3d.yaml",
+         "minigpt_pp4.yaml"]
+TARGET = 0.15
+
+
+def compare(plan: shardplan.Plan, config: dict, batch: int, seq: int) -> dict:
+    model = minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0))
+    roles = recognise(param_infos(model), definition_order(model))
+    report = shardplan.check(plan, model, input_shapes={"tokens": (batch, seq)})
+    assert report.ok, [d.message for d in report.errors]
+    modelled = estimate(report, roles, Workload(batch, seq), get_profile("cpu"))
+    compiled = measure(plan, model, batch, seq)
+    return {"plan": plan.name,
+            "collective_bytes": {"modelled": modelled.collective_bytes, "compiled": compiled.collectives.total_bytes},
+            "collective_ops": {"modelled": modelled.collective_count,
+                               "compiled": sum(compiled.collectives.count.values())},
+            "argument_bytes": {"modelled": modelled.argument_bytes, "compiled": compiled.argument_bytes},
+            "temp_bytes": {"modelled_activations_and_grads": modelled.activation_bytes + modelled.grad_bytes,
+                           "compiled": compiled.temp_bytes},
+            "by_kind": {"modelled": {k: v[1] for k, v in modelled.by_kind().items()},
+                        "compiled": compiled.collectives.bytes}}
+
+
+def error(pair: dict) -> float:
+    return pair["modelled"] / pair["compiled"] - 1 if pair["compiled"] else 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    args = parser.parse_args()
+    config = dict(maxlen=args.seq, vocab_size=50304, embed_dim=256, num_heads=8, feed_forward_dim=256,
+                  num_transformer_blocks=args.blocks, dropout_rate=0.0)
+    print(f"MiniGPT {config}, batch {args.batch} x {args.seq}, 8 simulated CPU devices; MiB per device per step\n")
+    print(f"{'plan':16} {'coll model':>10} {'compiled':>9} {'error':>7} {'ops m/c':>9} "
+          f"{'args model':>10} {'compiled':>9} {'error':>7} {'temp model':>10} {'compiled':>9}")
+    rows = []
+    for name in PLANS:
+        plan = shardplan.load_plan(REPO / "plans" / name)
+        plan = plan.model_copy(update={"model": plan.model.model_copy(update={"config": config})})
+        row = compare(plan, config, args.batch, args.seq)
+        rows.append(row)
+        c, a, t = row["collective_bytes"], row["argument_bytes"], row["temp_bytes"]
+        ops = row["collective_ops"]
+        print(f"{row['plan']:16} {c['modelled'] / 2**20:>10.1f} {c['compiled'] / 2**20:>9.1f} {error(c):>+7.1%} "
+              f"{ops['modelled']:>4}/{ops['compiled']:<4} {a['modelled'] / 2**20:>10.1f} {a['compiled'] / 2**20:>9.1f} "
+              f"{error(a):>+7.1%} {t['modelled_activations_and_grads'] / 2**20:>10.1f} {t['compiled'] / 2**20:>9.1f}",
+              flush=True)
+    worst_c = max(abs(error(r["collective_bytes"])) for r in rows)
+    worst_a = max(abs(error(r["argument_bytes"])) for r in rows)
+    print(f"\nlargest error: collective bytes {worst_c:.1%}, argument bytes {worst_a:.1%} (target {TARGET:.0%})")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"config": config, "batch": args.batch, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,391 @@
+"""Cost model of one training step under a plan: bytes, communication, FLOPs and a modelled time. Pure.
+
+Everything is per device, for the device holding the first pipeline stage (stages are balanced),
+for a language-model step: `batch` sequences of `seq` tokens, cross-entropy loss, AdamW.
+
+Communication follows what XLA's SPMD partitioner emits for each layout, as measured on the
+compiled HLO (`benchmarks/cost_model.py` keeps it honest):
+
+- a column matrix (outputs split over a tensor axis) all-reduces its input gradient in the
+  backward pass, one op per matrix; a row matrix (inputs split) all-reduces its output in the
+  forward pass; a vocabulary-split embedding all-reduces its lookup;
+- a matrix split over an axis that also splits the batch (FSDP) is all-gathered before use and
+  its gradient all-reduced whole, unless moving activations is cheaper (a vocabulary-split head
+  or embedding), where the partitioner gathers the activations instead;
+- gradients are all-reduced over the batch axes a parameter is not split on, in one combined op;
+- pipelines send one microbatch activation per tick each way; 1F1B recomputes each stage's
+  forward in its backward and moves the after-layer modules between the stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from shardplan.layout import ParamLayout
+from shardplan.profiles import Profile
+from shardplan.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR, ModelRoles, Role
+from shardplan.schema import spec_axes
+from shardplan.validate import data_axes
+
+TOKEN_BYTES = 4                 # tokens and targets are int32
+LOGIT_COPIES = 3                # logits, their softmax and their gradient are alive together
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Workload:
+    batch: int                  # global batch, sequences
+    seq: int                    # tokens per sequence
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Transfer:
+    kind: str                   # one of KINDS
+    axes: tuple[str, ...]       # mesh axes the op spans
+    bytes: int                  # result bytes of one op on one device
+    count: int                  # ops per step
+    what: str
+
+    @property
+    def total(self) -> int:
+        return self.bytes * self.count
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Estimate:
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    input_bytes: int
+    activation_bytes: int       # kept for the backward at the peak, as the step runs
+    activation_bytes_remat: int  # the same if every layer were rematerialised
+    transfers: tuple[Transfer, ...]
+    flops: float
+    compute_s: float
+    communication_s: float
+    bubble: float
+    step_s: float
+
+    @property
+    def argument_bytes(self) -> int:
+        """What the compiled step takes as arguments: parameters, optimizer state, inputs."""
+        return self.param_bytes + self.optimizer_bytes + self.input_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.argument_bytes + self.grad_bytes + self.activation_bytes
+
+    @property
+    def collective_bytes(self) -> int:
+        return sum(t.total for t in self.transfers)
+
+    @property
+    def collective_count(self) -> int:
+        return sum(t.count for t in self.transfers)
+
+    def by_kind(self) -> dict[str, tuple[int, int]]:
+        """kind -> (ops, bytes) per step."""
+        out: dict[str, tuple[int, int]] = {}
+        for t in self.transfers:
+            ops, nbytes = out.get(t.kind, (0, 0))
+            out[t.kind] = (ops + t.count, nbytes + t.total)
+        return out
+
+    def by_axes(self) -> dict[tuple[str, ...], tuple[int, int]]:
+        out: dict[tuple[str, ...], tuple[int, int]] = {}
+        for t in self.transfers:
+            ops, nbytes = out.get(t.axes, (0, 0))
+            out[t.axes] = (ops + t.count, nbytes + t.total)
+        return out
+
+    def to_json(self) -> dict:
+        return {"param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes,
+                "optimizer_bytes": self.optimizer_bytes, "input_bytes": self.input_bytes,
+                "activation_bytes": self.activation_bytes, "activation_bytes_remat": self.activation_bytes_remat,
+                "argument_bytes": self.argument_bytes, "peak_bytes": self.peak_bytes,
+                "collective_bytes": self.collective_bytes, "collective_count": self.collective_count,
+                "collectives": [dataclasses.asdict(t) for t in self.transfers],
+                "flops": self.flops, "compute_s": self.compute_s, "communication_s": self.communication_s,
+                "bubble": self.bubble, "step_s": self.step_s}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Step:
+    """The shape of the work: which axes split what, how many tokens each pass sees."""
+
+    sizes: dict[str, int]
+    batch_axes: tuple[str, ...]
+    stage_axis: str | None
+    schedule: str | None
+    stages: int
+    microbatches: int
+    virtual: int
+    tokens: int                 # tokens per device per step
+    seq: int
+    itemsize: int
+    width: int
+
+    def passes(self, staged: bool) -> tuple[int, float]:
+        """(passes per step, tokens per pass) for a parameter inside / outside the pipelined layers."""
+        if staged:
+            return self.microbatches, self.tokens / self.microbatches
+        return 1, float(self.tokens)
+
+    def reductions_per_step(self, staged: bool, head: bool) -> int:
+        """How often a gradient is all-reduced over the batch axes: the pipeline reduces a layer's
+        gradient in every backward tick (1F1B: every backward, and its head's every loss)."""
+        if self.schedule == "1f1b" and (staged or head):
+            return self.microbatches
+        if staged:
+            return self.virtual * self.microbatches + self.stages - 1
+        return 1
+
+    def ways(self, axes) -> int:
+        return math.prod(self.sizes[a] for a in axes)
+
+
+def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile) -> Estimate:
+    """The modelled cost of one step of `report.plan` (a checked plan, see `shardplan.check`)."""
+    plan, sizes = report.plan, report.axes
+    stage_map = report.stage_map
+    batch_axes = tuple(a for a in data_axes(plan, sizes) if plan.pipeline is None or a != plan.pipeline.axis)
+    itemsize = max((p.itemsize for p in report.params), default=4)
+    step = _Step(sizes, batch_axes, plan.pipeline.axis if stage_map else None,
+                 plan.pipeline.schedule if stage_map else None, stage_map.stages if stage_map else 1,
+                 plan.pipeline.microbatches if stage_map else 1, stage_map.virtual if stage_map else 1,
+                 workload.batch * workload.seq // max(1, math.prod(sizes[a] for a in batch_axes)),
+                 workload.seq, itemsize, roles.width)
+    held = [p for p in report.params if p.stage in (None, 0)]
+    transfers = _communication(held, roles, step)
+    param_bytes = sum(p.bytes_per_device for p in held)
+    optimizer_bytes = sum(p.opt_bytes_per_device for p in held)
+    stored, remat = _activations(held, roles, step)
+    flops = _flops(held, roles, step)
+    bubble = _bubble(step)
+    compute_s = flops / profile.peak_flops / (1.0 - bubble)
+    communication_s = sum(_seconds(t, step, profile, plan.mesh.hosts) for t in transfers)
+    return Estimate(param_bytes, param_bytes, optimizer_bytes, 2 * step.tokens * TOKEN_BYTES, stored, remat,
+                    tuple(transfers), flops, compute_s, communication_s, bubble, compute_s + communication_s)
+
+
+def _split_axes(p: ParamLayout, dims: tuple[int, ...], exclude: tuple[str, ...] = ()) -> tuple[str, ...]:
+    return tuple(a for d in dims if d < len(p.spec) and p.spec[d] for a in p.spec[d] if a not in exclude)
+
+
+def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> list[Transfer]:
+    transfers: list[Transfer] = []
+    reductions: dict[tuple[str, ...], int] = {}
+    after = _after_layers(roles)
+    for p in held:
+        role = roles.roles.get(p.path)
+        if role is None:
+            continue
+        staged = p.stage is not None
+        moved_activations = False
+        if role.kind in (EMBEDDING, COLUMN, ROW, MATMUL):
+            found, moved_activations = _matrix_transfers(p, role, step, staged)
+            transfers += found
+        axes = spec_axes(p.spec)
+        reduce_over = tuple(a for a in step.batch_axes if a not in axes)
+        fsdp = [a for a in axes if a in step.batch_axes]
+        if fsdp and not moved_activations:
+            continue                            # its whole gradient was all-reduced with the gather
+        head = step.schedule == "1f1b" and p.path in after
+        if reduce_over:
+            group = reduce_over + ((step.stage_axis,) if step.stage_axis and not staged and
+                                   step.schedule != "1f1b" else ())
+            key = (group, step.reductions_per_step(staged, head))
+            reductions[key] = reductions.get(key, 0) + p.bytes_per_device
+        if head:
+            transfers.append(Transfer("all-reduce", (step.stage_axis,), p.bytes_per_device, 1,
+                                      f"{p.path}: 1F1B head reduced over stages"))
+            transfers.append(Transfer("collective-permute", (step.stage_axis,), p.bytes_per_device, 1,
+                                      f"{p.path}: 1F1B head moved to the first stage"))
+    for (axes, count), nbytes in reductions.items():
+        what = "gradients, data parallel" + (", inside the pipeline loop" if count > 1 else "")
+        transfers.append(Transfer("all-reduce", axes, nbytes, count, what))
+    transfers += _pipeline_transfers(step)
+    return _merge(transfers)
+
+
+def _matrix_transfers(p: ParamLayout, role: Role, step: _Step, staged: bool) -> tuple[list[Transfer], bool]:
+    """Transfers a matrix causes; True when XLA moves activations rather than the FSDP-split weight."""
+    passes, tokens = step.passes(staged)
+    b = step.itemsize
+    shape = p.shape
+    tensor_in = _split_axes(p, role.in_dims, step.batch_axes)
+    tensor_out = _split_axes(p, role.out_dims, step.batch_axes)
+    fsdp = tuple(a for a in spec_axes(p.spec) if a in step.batch_axes)
+    n_in = math.prod(shape[d] for d in role.in_dims)
+    n_out = math.prod(shape[d] for d in role.out_dims)
+    forward = 2 if staged and step.schedule == "1f1b" else 1      # 1F1B recomputes the forward
+    found: list[Transfer] = []
+    if role.kind == EMBEDDING:
+        if tensor_in:
+            found.append(Transfer("all-reduce", tensor_in, int(tokens * n_out * b / step.ways(tensor_out)),
+                                  passes, f"{p.path}: split-vocabulary lookup"))
+        if tensor_out:
+            found.append(Transfer("all-gather", tensor_out, int(tokens * n_out * b), passes,
+                                  f"{p.path}: lookup gathered"))
+    else:
+        if tensor_out:
+            found.append(Transfer("all-reduce", tensor_out, int(tokens * n_in * b / step.ways(tensor_in)), passes,
+                                  f"{p.path}: input gradient (outputs split)"))
+            if role.kind == COLUMN and not role.closes:
+                found.append(Transfer("all-reduce", tensor_out, int(tokens * TOKEN_BYTES), 3 * passes,
+                                      f"{p.path}: loss over split outputs"))
+            elif role.kind != COLUMN:
+                found.append(Transfer("all-gather", tensor_out, int(tokens * n_out * b), passes,
+                                      f"{p.path}: split outputs gathered"))
+        if tensor_in:
+            found.append(Transfer("all-reduce", tensor_in, int(tokens * n_out * b / step.ways(tensor_out)),
+                                  forward * passes, f"{p.path}: partial outputs summed"))
+    if not fsdp:
+        return found, False
+    ways = step.ways(fsdp)
+    whole = p.bytes_per_device * ways
+    gather_weight = [Transfer("all-gather", fsdp, whole, passes, f"{p.path}: FSDP weight gathered"),
+                     Transfer("all-reduce", fsdp, whole, 1, f"{p.path}: FSDP gradient")]
+    split_rows = role.kind == EMBEDDING and set(fsdp) <= set(_split_axes(p, role.in_dims))
+    split_outputs = role.kind in (COLUMN, MATMUL) and set(fsdp) <= set(_split_axes(p, role.out_dims))
+    if split_rows:
+        gathered = int(tokens * ways * n_out * b)
+        moved = [Transfer("all-reduce", fsdp, gathered, passes, f"{p.path}: lookup over the whole batch"),
+                 Transfer("all-gather", fsdp, gathered, passes, f"{p.path}: lookup gradient gathered")]
+    elif split_outputs:
+        gathered = int(tokens * ways * n_in * b)
+        moved = [Transfer("all-gather", fsdp, gathered, passes, f"{p.path}: activations gathered"),
+                 Transfer("all-reduce", fsdp, gathered, passes, f"{p.path}: input gradient"),
+                 Transfer("all-to-all", fsdp, int(tokens * n_out * b / step.ways(tensor_out)), passes,
+                          f"{p.path}: output gradient relaid out")]
+    else:
+        return found + gather_weight, False
+    if sum(t.total for t in moved) < sum(t.total for t in gather_weight):
+        return found + moved, True
+    return found + gather_weight, False
+
+
+def _pipeline_transfers(step: _Step) -> list[Transfer]:
+    if step.stage_axis is None:
+        return []
+    b, axis = step.itemsize, (step.stage_axis,)
+    microbatch = int(step.tokens / step.microbatches * step.width * b)
+    whole = int(step.tokens * step.width * b)
+    if step.schedule == "1f1b":
+        ticks = step.microbatches + 2 * step.stages - 2
+        return [Transfer("collective-permute", axis, microbatch, 2 * ticks, "activations and their gradients"),
+                Transfer("collective-permute", axis, whole, 2, "embedded inputs placed on the stages"),
+                Transfer("all-reduce", axis, whole, 1, "last stage's outputs shared")]
+    ticks = step.virtual * step.microbatches + step.stages - 1
+    return [Transfer("collective-permute", axis, microbatch, 2 * ticks, "activations and their gradients"),
+            Transfer("collective-permute", axis, whole, 2, "inputs to the first stage, gradients back"),
+            Transfer("all-reduce", axis, whole, 2, "last stage's outputs and their gradients shared")]
+
+
+def _merge(transfers: list[Transfer]) -> list[Transfer]:
+    """One entry per (kind, axes, bytes, what) with the counts added."""
+    merged: dict[tuple, Transfer] = {}
+    for t in transfers:
+        key = (t.kind, t.axes, t.bytes, t.what)
+        merged[key] = dataclasses.replace(t, count=merged[key].count + t.count) if key in merged else t
+    return [t for t in merged.values() if t.count and t.bytes]
+
+
+def _after_layers(roles: ModelRoles) -> set[str]:
+    """Parameters defined after the repeated layers (the 1F1B head)."""
+    if roles.layers is None:
+        return set()
+    order = list(roles.order)
+    last = max((i for i, path in enumerate(order) if roles.layer_of(path) is not None), default=len(order))
+    return set(order[last + 1:])
+
+
+def _tensor_ways(p: ParamLayout, dims: tuple[int, ...], step: _Step) -> int:
+    return step.ways(_split_axes(p, dims, step.batch_axes))
+
+
+def _activations(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple[int, int]:
+    """(bytes kept for the backward as run, bytes if each layer were rematerialised)."""
+    b = step.itemsize
+    per_token_layer: dict[int | None, float] = {}
+    for p in held:
+        role = roles.roles.get(p.path)
+        if role is None or role.kind == BIAS:
+            continue
+        layer = roles.layer_of(p.path)
+        if role.kind == VECTOR:
+            size = math.prod(p.shape) * b
+        elif role.kind == EMBEDDING:
+            size = math.prod(p.shape[d] for d in role.out_dims) * b
+        else:
+            size = (math.prod(p.shape[d] for d in role.in_dims) / _tensor_ways(p, role.in_dims, step)
+                    + math.prod(p.shape[d] for d in role.out_dims) / _tensor_ways(p, role.out_dims, step)) * b
+            if role.kind == COLUMN and not role.closes:
+                size *= LOGIT_COPIES
+        per_token_layer[layer] = per_token_layer.get(layer, 0.0) + size
+    held_layers = {roles.layer_of(p.path) for p in held} - {None}
+    for attention in roles.attention:
+        if attention.layer in held_layers or (attention.layer is None and None in per_token_layer):
+            query = next((p for p in held if roles.layer_of(p.path) == attention.layer
+                          and roles.roles[p.path].kind == COLUMN), None)
+            ways = _tensor_ways(query, roles.roles[query.path].out_dims, step) if query else 1
+            per_token_layer[attention.layer] = per_token_layer.get(attention.layer, 0.0) + \
+                2 * attention.heads / ways * step.seq * b
+    outside = per_token_layer.pop(None, 0.0)
+    layers = sum(per_token_layer.values())
+    biggest = max(per_token_layer.values(), default=0.0)
+    boundary = step.width * b * len(per_token_layer)
+    passes, tokens = step.passes(bool(held_layers) and step.stage_axis is not None)
+    if step.stage_axis is None:
+        return int(step.tokens * (layers + outside)), int(step.tokens * (boundary + biggest + outside))
+    if step.schedule == "1f1b":
+        in_flight = 2 * step.stages - 1
+        stored = tokens * (in_flight * step.width * b + layers)
+    else:
+        ticks = step.virtual * step.microbatches + step.stages - 1
+        stored = tokens * ticks * layers
+    remat = tokens * (2 * step.stages - 1) * step.width * b + tokens * biggest
+    return int(stored + step.tokens * outside), int(remat + step.tokens * outside)
+
+
+def _flops(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> float:
+    """Matmul FLOPs per device per step: 2 per weight and token forward, 4 backward, plus attention."""
+    total = 0.0
+    for p in held:
+        role = roles.roles.get(p.path)
+        if role is None or role.kind not in (COLUMN, ROW, MATMUL):
+            continue
+        passes, tokens = step.passes(p.stage is not None)
+        recompute = 8 / 6 if p.stage is not None and step.schedule == "1f1b" else 1.0
+        tensor = step.ways(_split_axes(p, tuple(range(len(p.shape))), step.batch_axes))
+        total += 6 * passes * tokens * math.prod(p.shape) / tensor * recompute
+    held_layers = {roles.layer_of(p.path) for p in held}
+    for attention in roles.attention:
+        if attention.layer in held_layers:
+            passes, tokens = step.passes(step.stage_axis is not None)
+            total += 3 * 4 * passes * tokens * step.seq * attention.width / _attention_ways(attention, held, roles, step)
+    return total
+
+
+def _attention_ways(attention, held, roles, step) -> int:
+    for p in held:
+        if roles.layer_of(p.path) == attention.layer and roles.roles[p.path].kind == COLUMN:
+            return _tensor_ways(p, roles.roles[p.path].out_dims, step)
+    return 1
+
+
+def _bubble(step: _Step) -> float:
+    if step.stage_axis is None:
+        return 0.0
+    from shardplan.schedules import bubble_fraction, timeline
+    return bubble_fraction(timeline(step.schedule, step.stages, step.microbatches, step.virtual))
+
+
+def _seconds(t: Transfer, step: _Step, profile: Profile, hosts: dict[str, int]) -> float:
+    """Ring algorithms: an all-reduce sends 2(n-1)/n of its bytes, a gather or all-to-all (n-1)/n."""
+    n = step.ways(t.axes)
+    factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "all-to-all": (n - 1) / n,
+              "reduce-scatter": float(n - 1), "collective-permute": 1.0}[t.kind]
+    bandwidth = profile.inter_host_bandwidth if any(a in hosts for a in t.axes) else profile.intra_host_bandwidth
+    return t.count * (profile.collective_latency + factor * t.bytes / bandwidth)

@@ -1,0 +1,92 @@
+"""What the compiler makes of a plan: one language-model training step compiled on the present devices.
+
+Builds the model for real (small models only), so it is used by `shardplan auto --measure`,
+the cost-model benchmark and the tests, never by `validate` or `inspect`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from shardplan.hlo import CollectiveStats, collective_stats
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Measured:
+    collectives: CollectiveStats        # as often as each op runs per step
+    argument_bytes: int
+    temp_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    compile_s: float
+
+    @property
+    def peak_bytes(self) -> int:
+        """Arguments, scratch and whatever output does not reuse an argument's buffer."""
+        return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
+
+
+def lm_loss(model: nnx.Module, tokens: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy; a pipelined model runs its plan's schedule."""
+    from shardplan.pipeline import Pipelined
+    if isinstance(model, Pipelined):
+        return model.loss(tokens, targets)
+    return optax.softmax_cross_entropy_with_integer_labels(model(tokens), targets).mean()
+
+
+@nnx.jit(donate_argnums=(0, 1))
+def lm_train_step(model: nnx.Module, optimizer: nnx.Optimizer, tokens: jax.Array, targets: jax.Array) -> jax.Array:
+    """One AdamW step on the next-token loss, outputs pinned to the plan."""
+    from shardplan.apply import constrain
+    loss, grads = nnx.value_and_grad(lm_loss)(model, tokens, targets)
+    optimizer.update(model, grads)
+    constrain(model, optimizer)
+    return loss
+
+
+def prepare(plan, model: nnx.Module, batch: int, seq: int, *, input_name: str | None = None, vocab: int = 2):
+    """(sharded model, optimizer, tokens, targets) ready for `lm_train_step`."""
+    from shardplan.apply import apply_plan, shard_inputs, shard_optimizer
+    from shardplan.mesh import make_mesh
+    mesh = make_mesh(plan)
+    model = apply_plan(plan, model, mesh)
+    optimizer = shard_optimizer(plan, model, optax.adamw(1e-3), mesh)
+    name = input_name or next(iter(plan.inputs), "tokens")
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, vocab, (batch, seq + 1), dtype=np.int32)
+    inputs = shard_inputs(plan, {name: tokens[:, :-1]}, mesh)[name]
+    targets = shard_inputs(plan, {name: tokens[:, 1:]}, mesh)[name]
+    return model, optimizer, inputs, targets
+
+
+def branch_share(plan) -> float:
+    """Share of loop trips on which a 1F1B stage runs a forward (or a backward): M of M + 2S - 2 ticks.
+
+    The compiled loop takes one branch per tick on each device; HLO cannot say which.
+    """
+    pipe = plan.pipeline
+    if pipe is None or pipe.schedule != "1f1b":
+        return 1.0
+    from shardplan.mesh import resolve_axes
+    import jax
+    stages = resolve_axes(plan, jax.device_count())[0][pipe.axis]
+    return pipe.microbatches / (pipe.microbatches + 2 * stages - 2)
+
+
+def measure(plan, model: nnx.Module, batch: int, seq: int) -> Measured:
+    """Compile one step of `plan` on `model` (built, unsharded) and read the compiler's figures."""
+    model, optimizer, tokens, targets = prepare(plan, model, batch, seq)
+    start = time.perf_counter()
+    compiled = lm_train_step.lower(model, optimizer, tokens, targets).compile()
+    seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    return Measured(collective_stats(compiled.as_text(), executed=True, branch_share=branch_share(plan)),
+                    int(memory.argument_size_in_bytes),
+                    int(memory.temp_size_in_bytes), int(memory.output_size_in_bytes),
+                    int(memory.alias_size_in_bytes), round(seconds, 2))

@@ -1,0 +1,219 @@
+"""What each parameter does, read from the model's structure and shapes alone: pure.
+
+No model is named here. The residual width is the most common size of the model's vector
+parameters (norm scales, biases). A matrix that reads the residual stream (its input dims are
+exactly (width,)) opens a tensor-parallel group as *column* (its outputs split); the matrix that
+writes the stream back closes it as *row* (its inputs split). A square (width, width) matrix
+does either, decided by whether a group is open; that is why definition order matters, and
+why the order is read from the live module rather than from the sorted state.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+
+from shardplan.paths import ParamInfo
+
+EMBEDDING, COLUMN, ROW, MATMUL, BIAS, VECTOR = "embedding", "column", "row", "matmul", "bias", "vector"
+# Head size assumed when a model keeps heads flattened into one dim (only attention-score bytes use it).
+ASSUMED_HEAD_DIM = 64
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Role:
+    path: str
+    kind: str                   # one of EMBEDDING, COLUMN, ROW, MATMUL (other matrices), BIAS, VECTOR
+    in_dims: tuple[int, ...]    # dims contracted with the incoming activation (matrices only)
+    out_dims: tuple[int, ...]   # dims of the produced activation (matrices; a bias: its own dims)
+    owner: str | None = None    # a bias: the path of its matrix
+    closes: bool = False        # a column matrix whose group a row matrix closes (False: e.g. the output head)
+    group: int | None = None    # column and row matrices of one tensor-parallel group share it
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Attention:
+    """A group of three or more column matrices reading one input: queries, keys, values."""
+
+    layer: int | None
+    width: int                  # query output size (heads x head size)
+    heads: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelRoles:
+    width: int                          # residual-stream width
+    roles: dict[str, Role]
+    order: tuple[str, ...]              # parameter paths in definition order
+    layers: str | None                  # top-level attribute holding the repeated layers, if any
+    layer_count: int
+    attention: tuple[Attention, ...]
+
+    def of(self, path: str) -> Role:
+        return self.roles[path]
+
+    def layer_of(self, path: str) -> int | None:
+        if self.layers is None:
+            return None
+        found = re.match(rf"{re.escape(self.layers)}/(\d+)/", path)
+        return int(found.group(1)) if found else None
+
+
+def definition_order(module) -> list[str]:
+    """Parameter paths of a live module in the order its attributes were set.
+
+    (The state of an abstract model from `nnx.eval_shape` is sorted by name instead.)
+    """
+    from flax import nnx
+    paths: list[str] = []
+
+    def walk(node, prefix: str) -> None:
+        if isinstance(node, nnx.Param):
+            paths.append(prefix)
+        elif isinstance(node, nnx.Variable):
+            return
+        elif isinstance(node, (nnx.Module, nnx.Pytree)):
+            for name, value in vars(node).items():
+                if not name.startswith("_"):
+                    walk(value, f"{prefix}/{name}" if prefix else name)
+        elif isinstance(node, (list, tuple)):
+            for i, value in enumerate(node):
+                walk(value, f"{prefix}/{i}")
+        elif isinstance(node, dict):
+            for name, value in node.items():
+                walk(value, f"{prefix}/{name}")
+
+    walk(module, "")
+    return paths
+
+
+def residual_width(params: list[ParamInfo]) -> int:
+    """The most common size among 1-D parameters (norm scales, biases); ties go to the larger."""
+    sizes = collections.Counter(p.shape[0] for p in params if len(p.shape) == 1)
+    if not sizes:
+        sizes = collections.Counter(d for p in params for d in p.shape)
+    return max(sizes, key=lambda n: (sizes[n], n)) if sizes else 0
+
+
+def split_dims(shape: tuple[int, ...], width: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(in dims, out dims) of a matrix: flax keeps kernels as in_features + out_features.
+
+    >>> split_dims((256, 8, 32), 256), split_dims((8, 32, 256), 256), split_dims((3, 3, 3, 16), 32)
+    (((0,), (1, 2)), ((0, 1), (2,)), ((0, 1, 2), (3,)))
+    """
+    n = len(shape)
+    if n > 2 and shape[0] == width and shape[-1] != width:
+        return (0,), tuple(range(1, n))
+    return tuple(range(n - 1)), (n - 1,)
+
+
+def recognise(params: list[ParamInfo], order: list[str] | None = None) -> ModelRoles:
+    """Roles of every parameter; `order` is `definition_order(model)` (default: path order)."""
+    by_path = {p.path: p for p in params}
+    order = [path for path in (order or []) if path in by_path] or sorted(by_path)
+    order += [path for path in sorted(by_path) if path not in set(order)]
+    width = residual_width(params)
+    layers, layer_count = _repeated_layers(order, by_path)
+    roles: dict[str, Role] = {}
+    open_group: list[str] = []              # column matrices waiting for their row matrix
+    open_parent = None
+    groups = 0
+    for path in order:
+        info = by_path[path]
+        leaf = path.rsplit("/", 1)[-1]
+        if len(info.shape) < 2 or leaf == "bias":
+            continue
+        if leaf == "embedding":
+            roles[path] = Role(path, EMBEDDING, (0,), (len(info.shape) - 1,))
+            continue
+        in_dims, out_dims = split_dims(info.shape, width)
+        reads = tuple(info.shape[d] for d in in_dims) == (width,)
+        writes = tuple(info.shape[d] for d in out_dims) == (width,)
+        layer_changed = _layer_prefix(path, layers) != _layer_prefix(open_parent or "", layers)
+        if open_group and layer_changed:
+            open_group = []
+        if writes and (open_group or not reads):
+            kind = ROW if open_group else MATMUL
+            for column in open_group:
+                roles[column] = dataclasses.replace(roles[column], closes=True)
+            group = roles[open_group[0]].group if open_group else None
+            open_group = []
+        elif reads:
+            kind = COLUMN
+            group = roles[open_group[0]].group if open_group else groups
+            groups += not open_group
+            open_group.append(path)
+            open_parent = path
+        else:
+            kind, group = MATMUL, None
+        roles[path] = Role(path, kind, in_dims, out_dims, group=group)
+    for path in order:
+        info = by_path[path]
+        if path in roles:
+            continue
+        owner = _bias_owner(path, info, roles, by_path)
+        if owner is not None:
+            roles[path] = Role(path, BIAS, (), tuple(range(len(info.shape))), owner=owner)
+        else:
+            roles[path] = Role(path, VECTOR, (), tuple(range(len(info.shape))))
+    attention = _attention(order, roles, by_path, layers)
+    return ModelRoles(width, roles, tuple(order), layers, layer_count, attention)
+
+
+def _parent(path: str) -> str:
+    return path.rsplit("/", 1)[0] if "/" in path else ""
+
+
+def _layer_prefix(path: str, layers: str | None) -> str:
+    if layers is None:
+        return ""
+    found = re.match(rf"({re.escape(layers)}/\d+)/", path)
+    return found.group(1) if found else ""
+
+
+def _bias_owner(path: str, info: ParamInfo, roles: dict[str, Role], by_path: dict[str, ParamInfo]) -> str | None:
+    """The matrix in the same module whose output dims this parameter's shape equals."""
+    parent = _parent(path)
+    for other, role in roles.items():
+        if _parent(other) == parent and role.kind in (COLUMN, ROW, MATMUL):
+            shape = by_path[other].shape
+            if tuple(shape[d] for d in role.out_dims) == info.shape:
+                return other
+    return None
+
+
+def _repeated_layers(order: list[str], by_path: dict[str, ParamInfo]) -> tuple[str | None, int]:
+    """The top-level attribute whose children 0..n-1 share one parameter structure, n >= 2."""
+    structure: dict[str, dict[int, set]] = collections.defaultdict(lambda: collections.defaultdict(set))
+    for path in order:
+        found = re.match(r"([^/]+)/(\d+)/(.+)$", path)
+        if found:
+            structure[found.group(1)][int(found.group(2))].add((found.group(3), by_path[path].shape))
+    best, count = None, 0
+    for name, children in structure.items():
+        shapes = list(children.values())
+        if len(children) >= 2 and sorted(children) == list(range(len(children))) and \
+                all(s == shapes[0] for s in shapes) and len(children) > count:
+            best, count = name, len(children)
+    return best, count
+
+
+def _attention(order, roles, by_path, layers) -> tuple[Attention, ...]:
+    found = []
+    groups: dict[int, list[str]] = collections.defaultdict(list)
+    for path in order:
+        role = roles[path]
+        if role.kind == COLUMN and role.closes:
+            groups[role.group].append(path)
+    for members in groups.values():
+        prefix = _layer_prefix(members[0], layers)
+        if len(members) >= 3:
+            query = by_path[members[0]]
+            out = [query.shape[d] for d in roles[members[0]].out_dims]
+            width = math.prod(out)
+            heads = out[0] if len(out) > 1 else max(1, width // ASSUMED_HEAD_DIM)
+            layer = int(prefix.rsplit("/", 1)[-1]) if prefix else None
+            found.append(Attention(layer, width, heads))
+    return tuple(found)
