@@ -34,6 +34,7 @@ examples:
   shardplan inspect plans/minigpt_fsdp.toml --json > layout.json
   shardplan explain plans/minigpt_tp.yaml transformer_blocks/0/mha/query/kernel
   shardplan schema > plan.schema.json
+  shardplan auto --model minigpt_model:MiniGPT --devices 8 --memory-per-device 1GiB -o auto.yaml
 """
 
 
@@ -70,6 +71,37 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("path", help="parameter path, e.g. transformer_blocks/0/mha/query/kernel")
     explain.add_argument("--debug", action="store_true", help="show Python tracebacks")
     explain.set_defaults(handler=_explain)
+
+    auto = commands.add_parser(
+        "auto", help="propose a plan: enumerate meshes and rule sets, rank them by modelled step time",
+        description="Recognise the model's parameter roles from its structure and shapes, enumerate meshes "
+                    "(stage x data x model), rule sets (replicated, FSDP, Megatron, vocabulary-parallel, ZeRO-1) "
+                    "and pipeline schedules, drop what does not validate or fit the memory budget, rank the rest "
+                    "by the cost model's step time, print the best and write the winner as a commented plan.",
+        epilog="example:\n  shardplan auto --model minigpt_model:MiniGPT --config vocab_size=50304 --devices 8 "
+               "--memory-per-device 1GiB -o auto.yaml\n  shardplan auto --model tests.models:Llama --config vocab=32000 "
+               "--config dim=4096 ... --devices 64 --hosts 8 --profile h200 --memory-per-device 80GiB -o llama.yaml",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    auto.add_argument("--model", required=True, help="model factory module:callable")
+    auto.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                      help="factory keyword argument (repeatable)")
+    auto.add_argument("--devices", type=int, required=True, metavar="N", help="number of devices to plan for")
+    auto.add_argument("--hosts", type=int, default=1, metavar="H", help="hosts the devices are spread over (default 1)")
+    auto.add_argument("--memory-per-device", metavar="SIZE",
+                      help="memory budget per device, e.g. 16GiB or 80GB (default: the profile's memory)")
+    auto.add_argument("--batch", type=int, default=None, metavar="B",
+                      help="global batch in sequences (default: 4 per device)")
+    auto.add_argument("--seq", type=int, default=128, metavar="T", help="tokens per sequence (default 128)")
+    auto.add_argument("--profile", default="h200", help="device profile: h200, tpu-v5e or cpu (default h200)")
+    auto.add_argument("--input", default="tokens", metavar="NAME", help="name of the batch input (default tokens)")
+    auto.add_argument("-o", "--output", required=True, metavar="PLAN", help="where to write the chosen plan (.yaml)")
+    auto.add_argument("--top", type=int, default=8, metavar="K", help="candidates to show (default 8)")
+    auto.add_argument("--measure", type=int, default=0, metavar="K",
+                      help="compile the top K candidates on N simulated devices (builds the model) and re-rank "
+                           "by the compiler's collective bytes and memory")
+    auto.add_argument("--json", action="store_true", help="print the ranking as JSON instead of a table")
+    auto.add_argument("--debug", action="store_true", help="show Python tracebacks")
+    auto.set_defaults(handler=_auto)
 
     schema = commands.add_parser("schema", help="print the JSON Schema of the plan format")
     schema.set_defaults(handler=_schema, debug=False)
@@ -163,6 +195,32 @@ def _explain(args, console: Console) -> int:
     if not shadowed:
         console.print("  no later rule matches this path")
     return EXIT_OK
+
+
+def _auto(args, console: Console) -> int:
+    from shardplan import auto as planner
+    from shardplan.autorun import run_auto
+    if args.devices < 1 or args.hosts < 1 or args.devices % args.hosts:
+        raise UsageError(f"--devices ({args.devices}) must be a positive multiple of --hosts ({args.hosts})")
+    try:
+        memory = planner.parse_bytes(args.memory_per_device) if args.memory_per_device else None
+        from shardplan.profiles import get_profile
+        profile = get_profile(args.profile)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.measure:
+        _setup_devices(args.devices, Plan.model_validate({"version": 1, "mesh": {"axes": {"data": args.devices}},
+                                                          "params": [{"match": ".*", "spec": "replicated"}]}))
+    from shardplan.models import ModelLoadError, parse_overrides
+    try:
+        config = parse_overrides(args.config)
+    except ModelLoadError as exc:
+        raise UsageError(str(exc)) from None
+    command = "shardplan " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["auto"] else "shardplan auto"
+    return run_auto(console, factory=args.model, config=config, devices=args.devices, hosts=args.hosts,
+                    memory=memory, batch=args.batch or 4 * args.devices, seq=args.seq, profile=profile,
+                    input_name=args.input, output=args.output, top=args.top, measure=args.measure,
+                    as_json=args.json, command=command, usage_error=UsageError)
 
 
 def _report(args):

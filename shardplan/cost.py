@@ -20,6 +20,7 @@ compiled HLO (`benchmarks/cost_model.py` keeps it honest):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from shardplan.layout import ParamLayout
@@ -376,10 +377,14 @@ def _attention_ways(attention, held, roles, step) -> int:
 
 
 def _bubble(step: _Step) -> float:
-    if step.stage_axis is None:
-        return 0.0
+    return 0.0 if step.stage_axis is None else _schedule_bubble(step.schedule, step.stages, step.microbatches,
+                                                                step.virtual)
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule_bubble(schedule: str, stages: int, microbatches: int, virtual: int) -> float:
     from shardplan.schedules import bubble_fraction, timeline
-    return bubble_fraction(timeline(step.schedule, step.stages, step.microbatches, step.virtual))
+    return bubble_fraction(timeline(schedule, stages, microbatches, virtual))
 
 
 def _seconds(t: Transfer, step: _Step, profile: Profile, hosts: dict[str, int]) -> float:

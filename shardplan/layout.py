@@ -138,12 +138,15 @@ class DeviceTotals:
 def device_totals(params: list[ParamLayout], sizes: dict[str, int], device_ids: list[int],
                   stage_axis: str | None = None) -> list[DeviceTotals]:
     """Bytes each device holds; a staged parameter counts only on devices of its stage."""
+    per_stage: dict[int | None, tuple[int, int]] = {}
     totals = []
     for k, device_id in enumerate(device_ids):
         coords = device_coords(sizes, k)
-        held = [p for p in params if p.stage is None or stage_axis is None or coords[stage_axis] == p.stage]
-        totals.append(DeviceTotals(k, device_id, coords, sum(p.bytes_per_device for p in held),
-                                   sum(p.opt_bytes_per_device for p in held)))
+        stage = coords[stage_axis] if stage_axis is not None else None
+        if stage not in per_stage:
+            held = [p for p in params if p.stage is None or stage is None or stage == p.stage]
+            per_stage[stage] = (sum(p.bytes_per_device for p in held), sum(p.opt_bytes_per_device for p in held))
+        totals.append(DeviceTotals(k, device_id, coords, *per_stage[stage]))
     return totals
 
 

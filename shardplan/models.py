@@ -48,14 +48,21 @@ def _accepts_rngs(factory) -> bool:
         return False
 
 
-def build_model(spec: str, config: dict[str, Any], *, abstract: bool = True, seed: int = 0):
-    """Call the factory with `config` (and `rngs=` if it takes one); abstract via `nnx.eval_shape`."""
+def build_model(spec: str, config: dict[str, Any], *, abstract: bool = True, seed: int = 0, on_built=None):
+    """Call the factory with `config` (and `rngs=` if it takes one); abstract via `nnx.eval_shape`.
+
+    `on_built(module)` sees the freshly built module, before `eval_shape` rebuilds it abstractly
+    (which sorts its attributes: read definition order there).
+    """
     factory = resolve_factory(spec)
     wants_rngs = _accepts_rngs(factory)
 
     def construct():
         # Rngs are made inside the construction so that eval_shape traces them too.
-        return factory(**config, **({"rngs": nnx.Rngs(seed)} if wants_rngs else {}))
+        module = factory(**config, **({"rngs": nnx.Rngs(seed)} if wants_rngs else {}))
+        if on_built is not None:
+            on_built(module)
+        return module
 
     try:
         return nnx.eval_shape(construct) if abstract else construct()

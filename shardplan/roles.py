@@ -4,14 +4,16 @@ No model is named here. The residual width is the most common size of the model'
 parameters (norm scales, biases). A matrix that reads the residual stream (its input dims are
 exactly (width,)) opens a tensor-parallel group as *column* (its outputs split); the matrix that
 writes the stream back closes it as *row* (its inputs split). A square (width, width) matrix
-does either, decided by whether a group is open; that is why definition order matters, and
-why the order is read from the live module rather than from the sorted state.
+does either: it closes an open group only if it is the last matrix among its siblings (the
+`wo` after `wq, wk, wv`). That is why definition order matters, and why the order is read from
+the live module rather than from the sorted state.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import re
 
@@ -55,10 +57,7 @@ class ModelRoles:
         return self.roles[path]
 
     def layer_of(self, path: str) -> int | None:
-        if self.layers is None:
-            return None
-        found = re.match(rf"{re.escape(self.layers)}/(\d+)/", path)
-        return int(found.group(1)) if found else None
+        return _layer_index(self.layers, path)
 
 
 def definition_order(module) -> list[str]:
@@ -116,6 +115,9 @@ def recognise(params: list[ParamInfo], order: list[str] | None = None) -> ModelR
     order += [path for path in sorted(by_path) if path not in set(order)]
     width = residual_width(params)
     layers, layer_count = _repeated_layers(order, by_path)
+    matrices = [path for path in order if len(by_path[path].shape) >= 2 and not path.endswith(("/bias", "embedding"))]
+    # A square matrix closes a group only as the last matrix among its siblings (wq, wk, wv, wo).
+    last_sibling = {_parent(_parent(path)): path for path in matrices}
     roles: dict[str, Role] = {}
     open_group: list[str] = []              # column matrices waiting for their row matrix
     open_parent = None
@@ -134,7 +136,8 @@ def recognise(params: list[ParamInfo], order: list[str] | None = None) -> ModelR
         layer_changed = _layer_prefix(path, layers) != _layer_prefix(open_parent or "", layers)
         if open_group and layer_changed:
             open_group = []
-        if writes and (open_group or not reads):
+        closing = writes and (not reads or path == last_sibling[_parent(_parent(path))])
+        if closing and (open_group or not reads):
             kind = ROW if open_group else MATMUL
             for column in open_group:
                 roles[column] = dataclasses.replace(roles[column], closes=True)
@@ -160,6 +163,14 @@ def recognise(params: list[ParamInfo], order: list[str] | None = None) -> ModelR
             roles[path] = Role(path, VECTOR, (), tuple(range(len(info.shape))))
     attention = _attention(order, roles, by_path, layers)
     return ModelRoles(width, roles, tuple(order), layers, layer_count, attention)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _layer_index(layers: str | None, path: str) -> int | None:
+    if layers is None:
+        return None
+    found = re.match(rf"{re.escape(layers)}/(\d+)/", path)
+    return int(found.group(1)) if found else None
 
 
 def _parent(path: str) -> str:

@@ -201,7 +201,8 @@ def _replicated_large(plan: Plan, placements: list[Placement], sizes: dict[str, 
         return []
     largest = max(used, key=lambda a: sizes[a])
     paths = [p.param.path for p in placements]
-    catch_all = {id(p.rule) for p in placements if p.rule is not None and all(p.rule.matches(q) for q in paths)}
+    used_rules = {id(p.rule): p.rule for p in placements if p.rule is not None}
+    catch_all = {key for key, rule in used_rules.items() if all(rule.matches(q) for q in paths)}
     found = []
     for placement in placements:
         param = placement.param

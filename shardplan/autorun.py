@@ -1,0 +1,154 @@
+"""`shardplan auto` at the edges: build the model abstractly, search with progress, print, measure, write."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from shardplan import auto as planner
+from shardplan.cost import Workload
+from shardplan.layout import human_bytes
+
+EXIT_OK, EXIT_NOTHING_FITS = 0, 1
+
+
+def run_auto(console: Console, *, factory: str, config: dict, devices: int, hosts: int, memory: int | None,
+             batch: int, seq: int, profile, input_name: str, output: str, top: int, measure: int,
+             as_json: bool, command: str, usage_error) -> int:
+    from shardplan.models import ModelLoadError, build_model
+    from shardplan.paths import param_infos
+    from shardplan.roles import definition_order, recognise
+    order: list[str] = []
+    with console.status("building the model abstractly (nothing is allocated)"):
+        try:
+            model = build_model(factory, config, on_built=lambda m: order.extend(definition_order(m)))
+        except ModelLoadError as exc:
+            raise usage_error(str(exc)) from None
+    params = param_infos(model)
+    roles = recognise(params, order)
+    workload = Workload(batch, seq)
+    with console.status(f"checking and costing candidate plans for {devices} devices"):
+        found = planner.search(params, roles, devices=devices, workload=workload, profile=profile, memory=memory,
+                               hosts=hosts, input_name=input_name, model={"factory": factory, "config": config})
+    measured = {}
+    if measure and found.ranked:
+        measured = _measure(console, found, factory, config, measure)
+        found = _rerank(found, measured)
+    if as_json:
+        print(json.dumps(_json(found, measured, top), indent=2))
+    else:
+        _print_table(console, found, measured, top)
+    if not found.ranked:
+        console.print(f"[bold red]no candidate fits {human_bytes(found.memory)} per device[/] "
+                      f"({len(found.rejected)} tried); raise --memory-per-device, add devices or lower --batch/--seq")
+        return EXIT_NOTHING_FITS
+    text = planner.plan_text(found.best, found, command=command)
+    _check_written(text, params, found, devices, hosts, input_name, workload, roles)
+    _write_atomically(Path(output), text)
+    if not as_json:
+        console.print(f"wrote [bold]{output}[/]: {found.best.candidate.label()}, "
+                      f"{found.best.candidate.rules_label()}; check it with `shardplan validate {output}`")
+    return EXIT_OK
+
+
+def _check_written(text, params, found, devices, hosts, input_name, workload, roles) -> None:
+    """The written text must validate like any hand-written plan; a failure here is a bug of ours."""
+    from shardplan.loader import parse_plan
+    from shardplan.report import check_params
+    plan = parse_plan(text, file="auto")
+    modules = list(dict.fromkeys(path.split("/", 1)[0] for path in roles.order))
+    report = check_params(plan, params, list(range(devices)), input_shapes={input_name: (workload.batch,
+                          workload.seq)}, modules=modules, processes=hosts)
+    if not report.ok:
+        raise AssertionError(f"auto wrote a plan that does not validate: {[d.message for d in report.errors]}")
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
+
+
+def _key(item: planner.Ranked) -> tuple[str, str]:
+    return item.candidate.label(), item.candidate.rules_label()
+
+
+def _measure(console: Console, found: planner.Search, factory: str, config: dict, k: int) -> dict:
+    """Compile the top k candidates; {candidate key: Measured}."""
+    import jax
+    from shardplan.measure import measure
+    from shardplan.models import build_model
+    results = {}
+    for index, ranked in enumerate(found.ranked[:k]):  # noqa: B007 - index is shown in the progress
+        needed = planner.total_devices(ranked.candidate.axes)
+        if needed > jax.device_count():
+            console.print(f"skipping measurement of {ranked.candidate.label()}: needs {needed} devices, "
+                          f"{jax.device_count()} present")
+            continue
+        with console.status(f"compiling candidate {index + 1}/{min(k, len(found.ranked))}: "
+                            f"{ranked.candidate.label()}, {ranked.candidate.rules_label()}"):
+            model = build_model(factory, config, abstract=False)
+            results[_key(ranked)] = measure(ranked.plan, model, found.workload.batch, found.workload.seq)
+    return results
+
+
+def _rerank(found: planner.Search, measured: dict) -> planner.Search:
+    """Measured candidates: communication time scaled to the compiled bytes, memory from the compiler."""
+    ranked, rejected = [], list(found.rejected)
+    for item in found.ranked:
+        got = measured.get(_key(item))
+        if got is None:
+            ranked.append((item, item.estimate.step_s))
+            continue
+        cost = item.estimate
+        if got.peak_bytes > found.memory:
+            rejected.append(dataclasses.replace(item, rejected="compiled memory over the budget"))
+            continue
+        scale = got.collectives.total_bytes / cost.collective_bytes if cost.collective_bytes else 1.0
+        ranked.append((item, cost.compute_s + cost.communication_s * scale))
+    measured_first = sorted(ranked, key=lambda pair: pair[1])
+    return dataclasses.replace(found, ranked=[item for item, _ in measured_first], rejected=rejected)
+
+
+def _print_table(console: Console, found: planner.Search, measured: dict, top: int) -> None:
+    table = Table(title=f"best of {len(found.ranked)} plans that fit {human_bytes(found.memory)} per device "
+                        f"({found.profile.name}, batch {found.workload.batch} x {found.workload.seq})",
+                  title_justify="left")
+    columns = ["#", "mesh", "rules", "bytes/device", "communication", "step (modelled)"]
+    columns += ["compiled: moved / peak"] if measured else []
+    for column in columns + ["why it lost"]:
+        table.add_column(column, justify="right" if column in ("#", "bytes/device", "communication") else "left")
+    best = found.best
+    for rank, item in enumerate(found.ranked[:top], 1):
+        cost = item.estimate
+        row = [str(rank), item.candidate.label(), item.candidate.rules_label(), human_bytes(cost.peak_bytes),
+               f"{human_bytes(cost.collective_bytes)} / {cost.collective_count} ops", planner.seconds(cost.step_s)]
+        if measured:
+            got = measured.get(_key(item))
+            row.append(f"{human_bytes(got.collectives.total_bytes)} / {human_bytes(got.peak_bytes)}" if got else "-")
+        table.add_row(*row, "chosen" if item is best else planner.why_lost(item, best))
+    console.print(table)
+    reasons: dict[str, int] = {}
+    for item in found.rejected:
+        reasons[item.rejected] = reasons.get(item.rejected, 0) + 1
+    if reasons:
+        console.print("not shown: " + ", ".join(f"{n} {why}" for why, n in sorted(reasons.items())))
+    if measured:
+        console.print(f"{len(measured)} candidates compiled on simulated devices and re-ranked with the compiler's "
+                      "collective bytes and memory")
+
+
+def _json(found: planner.Search, measured: dict, top: int) -> dict:
+    return {"profile": found.profile.name, "memory_per_device": found.memory,
+            "workload": dataclasses.asdict(found.workload),
+            "ranked": [{"mesh": r.candidate.axes, "hosts": r.candidate.hosts, "rules": r.candidate.rules_label(),
+                        "estimate": r.estimate.to_json()} for r in found.ranked[:top]],
+            "rejected": len(found.rejected)}
