@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="one row per parameter (default: repeated layers share a row)")
     inspect.add_argument("--json", action="store_true", help="print the layout as JSON instead of tables")
     inspect.add_argument("--svg", metavar="FILE", help="also save the printed view as an SVG image")
+    inspect.add_argument("--batch", type=int, metavar="B",
+                         help="global batch (sequences) for the cost estimate (default: 4 per device)")
+    inspect.add_argument("--seq", type=int, default=128, metavar="T",
+                         help="tokens per sequence for the cost estimate (default 128)")
+    inspect.add_argument("--profile", default="h200",
+                         help="device profile for the modelled step time: h200, tpu-v5e or cpu (default h200)")
     inspect.set_defaults(handler=_inspect)
 
     explain = commands.add_parser("explain", help="which rule gives PATH its spec, and which rules it shadows")
@@ -154,19 +160,26 @@ def _validate(args, console: Console) -> int:
 
 def _inspect(args, console: Console) -> int:
     from shardplan import render
-    report = _report(args)
+    order: list[str] = []
+    report = _report(args, order)
+    cost = _estimate(args, report, order) if report.ok else None
     if args.device is not None and args.device not in report.device_ids:
         raise UsageError(f"--device requires one of the mesh's device ids {report.device_ids}, but got {args.device}")
     if args.json:
         data = report.to_json()
         if args.device is not None:
             data["device"] = render.device_detail_json(report, args.device)
+        if cost is not None:
+            data["estimate"] = {"batch": cost[0].batch, "seq": cost[0].seq, "profile": cost[1].name,
+                                **cost[2].to_json()}
         print(json.dumps(data, indent=2))
         return EXIT_OK if report.ok else EXIT_INVALID
     render.render_mesh(console, report)
     render.render_params(console, report, collapse=not args.all_params)
     render.render_devices(console, report)
     render.render_pipeline(console, report)
+    if cost is not None:
+        render.render_estimate(console, *cost)
     if args.device is not None:
         render.render_device_detail(console, report, args.device)
     render.render_diagnostics(console, report.diagnostics)
@@ -223,16 +236,32 @@ def _auto(args, console: Console) -> int:
                     as_json=args.json, command=command, usage_error=UsageError)
 
 
-def _report(args):
+def _report(args, order: list[str] | None = None):
     """Load the plan, set up the devices, build the model abstractly, and check."""
     plan = load_plan(args.plan)
     _setup_devices(args.devices, plan)
-    model = _abstract_model(args, plan)
+    model = _abstract_model(args, plan, order)
     from shardplan.report import check
     return check(plan, model)
 
 
-def _abstract_model(args, plan: Plan):
+def _estimate(args, report, order: list[str]):
+    """(workload, profile, estimate) of the cost model for inspect."""
+    from shardplan.cost import Workload, estimate
+    from shardplan.paths import ParamInfo
+    from shardplan.profiles import get_profile
+    from shardplan.roles import recognise
+    import numpy as np
+    try:
+        profile = get_profile(args.profile)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    workload = Workload(args.batch or 4 * len(report.device_ids), args.seq)
+    roles = recognise([ParamInfo(p.path, p.shape, np.dtype(p.dtype)) for p in report.params], order)
+    return workload, profile, estimate(report, roles, workload, profile)
+
+
+def _abstract_model(args, plan: Plan, order: list[str] | None = None):
     from shardplan.models import ModelLoadError, build_model, parse_overrides
     factory = args.model or (plan.model.factory if plan.model else None)
     if factory is None:
@@ -240,7 +269,9 @@ def _abstract_model(args, plan: Plan):
     config = dict(plan.model.config) if plan.model and not args.model else {}
     try:
         config.update(parse_overrides(args.config))
-        return build_model(factory, config)
+        from shardplan.roles import definition_order
+        return build_model(factory, config,
+                           on_built=None if order is None else lambda module: order.extend(definition_order(module)))
     except ModelLoadError as exc:
         raise UsageError(str(exc)) from None
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from typing import Any
 
 import yaml
@@ -29,6 +31,8 @@ def resolve_factory(spec: str):
     module_name, sep, attr = spec.partition(":")
     if not sep:
         raise ModelLoadError(f"a model factory is written module:callable, but got {spec!r}")
+    if os.getcwd() not in sys.path:     # like `python -m`: the user's own modules import from here
+        sys.path.append(os.getcwd())
     try:
         target: Any = importlib.import_module(module_name)
     except ImportError as exc:

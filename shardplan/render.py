@@ -201,3 +201,34 @@ def render_summary(console: Console, report: Report) -> None:
         console.print(f"  per device: params {human_bytes(d.param_bytes)}, optimizer state "
                       f"{human_bytes(d.opt_bytes)}; imbalance {imbalance(report.devices):.2f}")
     render_diagnostics(console, report.diagnostics)
+
+
+def render_estimate(console: Console, workload, profile, cost) -> None:
+    """The cost model's figures for one device: memory, communication by kind and axes, time."""
+    from shardplan.layout import human_bytes
+    console.print(f"\n[bold]Cost estimate[/] per device, batch {workload.batch} x {workload.seq} tokens, "
+                  f"{profile.name} profile (from shapes; nothing compiled):")
+    console.print(f"  memory: parameters {human_bytes(cost.param_bytes)}, gradients {human_bytes(cost.grad_bytes)}, "
+                  f"optimizer {human_bytes(cost.optimizer_bytes)}, activations {human_bytes(cost.activation_bytes)} "
+                  f"({human_bytes(cost.activation_bytes_remat)} with rematerialised layers); "
+                  f"peak {human_bytes(cost.peak_bytes)}")
+    table = Table(box=None, pad_edge=False)
+    for column in ("collective", "mesh axes", "ops/step", "bytes/step"):
+        table.add_column(column, justify="right" if column in ("ops/step", "bytes/step") else "left")
+    for (kind, axes), (ops, nbytes) in sorted(_by_kind_and_axes(cost).items()):
+        table.add_row(kind, ", ".join(axes), str(ops), human_bytes(nbytes))
+    if cost.transfers:
+        console.print(table)
+    else:
+        console.print("  no collectives")
+    bubble = f", pipeline bubble {cost.bubble:.3f}" if cost.bubble else ""
+    console.print(f"  {cost.flops / 1e12:.3f} TFLOP; modelled step {cost.step_s * 1e3:.2f} ms = compute "
+                  f"{cost.compute_s * 1e3:.2f} ms{bubble} + communication {cost.communication_s * 1e3:.2f} ms")
+
+
+def _by_kind_and_axes(cost) -> dict:
+    out: dict = {}
+    for t in cost.transfers:
+        ops, nbytes = out.get((t.kind, t.axes), (0, 0))
+        out[(t.kind, t.axes)] = (ops + t.count, nbytes + t.total)
+    return out
