@@ -14,7 +14,7 @@ import dataclasses
 import re
 from typing import Any
 
-from shardplan.cost import Estimate, Workload, estimate
+from shardplan.cost import Estimate, Workload, after_layers, estimate
 from shardplan.paths import ParamInfo
 from shardplan.profiles import Profile
 from shardplan.report import Report, check_params
@@ -162,7 +162,7 @@ def _host_splits(axes: dict[str, int], hosts: int):
 def specs(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo]) -> dict[str, list]:
     """Parameter path -> spec entries under the candidate's rule set."""
     sizes = candidate.axes
-    after = _after_layers(roles) if candidate.schedule == "1f1b" else set()
+    after = after_layers(roles) if candidate.schedule == "1f1b" else set()
     out: dict[str, list] = {}
     for p in params:
         role = roles.of(p.path)
@@ -207,11 +207,6 @@ def _fsdp_dims(p: ParamInfo, role) -> list[int]:
     if role.kind == COLUMN and not role.closes:
         return [role.out_dims[0]] + list(range(len(p.shape)))
     return list(range(len(p.shape)))
-
-
-def _after_layers(roles: ModelRoles) -> set[str]:
-    from shardplan.cost import _after_layers as after
-    return after(roles)
 
 
 def build_plan(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo], *, input_name: str = "tokens",

@@ -87,7 +87,7 @@ def _measure(console: Console, found: planner.Search, factory: str, config: dict
     from shardplan.measure import measure
     from shardplan.models import build_model
     results = {}
-    for index, ranked in enumerate(found.ranked[:k]):  # noqa: B007 - index is shown in the progress
+    for index, ranked in enumerate(found.ranked[:k]):
         needed = planner.total_devices(ranked.candidate.axes)
         if needed > jax.device_count():
             console.print(f"skipping measurement of {ranked.candidate.label()}: needs {needed} devices, "
@@ -119,6 +119,8 @@ def _rerank(found: planner.Search, measured: dict) -> planner.Search:
 
 
 def _print_table(console: Console, found: planner.Search, measured: dict, top: int) -> None:
+    if not console.is_terminal:
+        console.width = max(console.width, 170)     # a piped table stays one line per candidate
     table = Table(title=f"best of {len(found.ranked)} plans that fit {human_bytes(found.memory)} per device "
                         f"({found.profile.name}, batch {found.workload.batch} x {found.workload.seq})",
                   title_justify="left")

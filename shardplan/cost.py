@@ -177,7 +177,7 @@ def _split_axes(p: ParamLayout, dims: tuple[int, ...], exclude: tuple[str, ...] 
 def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> list[Transfer]:
     transfers: list[Transfer] = []
     reductions: dict[tuple[str, ...], int] = {}
-    after = _after_layers(roles)
+    after = after_layers(roles)
     for p in held:
         role = roles.roles.get(p.path)
         if role is None:
@@ -293,7 +293,7 @@ def _merge(transfers: list[Transfer]) -> list[Transfer]:
     return [t for t in merged.values() if t.count and t.bytes]
 
 
-def _after_layers(roles: ModelRoles) -> set[str]:
+def after_layers(roles: ModelRoles) -> set[str]:
     """Parameters defined after the repeated layers (the 1F1B head)."""
     if roles.layers is None:
         return set()

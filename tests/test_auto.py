@@ -169,3 +169,29 @@ def test_sizes_parse_and_refuse():
     assert auto.parse_bytes("16GiB") == 16 * 2**30
     with pytest.raises(ValueError, match="16GiB"):
         auto.parse_bytes("sixteen")
+
+
+def test_cli_auto_writes_a_plan_that_validate_accepts(tmp_path, capsys):
+    from shardplan.cli import main
+    out = tmp_path / "auto.yaml"
+    config = [arg for key, value in MINIGPT.items() for arg in ("--config", f"{key}={value}")]
+    assert main(["auto", "--model", "minigpt_model:MiniGPT", *config, "--devices", "8", "--profile", "cpu",
+                 "--batch", "16", "--seq", "16", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "chosen" in printed and f"wrote {out}" in printed.replace("\n", "")
+    assert main(["validate", str(out)]) == 0
+    assert main(["auto", "--model", "minigpt_model:MiniGPT", *config, "--devices", "8", "--memory-per-device",
+                 "1KiB", "-o", str(tmp_path / "none.yaml")]) == 1
+    assert "no candidate fits" in capsys.readouterr().out.replace("\n", " ")
+    assert not (tmp_path / "none.yaml").exists()
+    assert main(["auto", "--model", "minigpt_model:MiniGPT", "--devices", "8", "--memory-per-device", "lots",
+                 "-o", str(out)]) == 2
+
+
+def test_inspect_json_carries_the_estimate(capsys):
+    from shardplan.cli import main
+    import json
+    assert main(["inspect", str(REPO / "plans" / "minigpt_dp_tp.yaml"), "--json", "--batch", "16"]) == 0
+    estimate_json = json.loads(capsys.readouterr().out)["estimate"]
+    assert estimate_json["batch"] == 16 and estimate_json["collective_bytes"] > 0
+    assert {t["kind"] for t in estimate_json["collectives"]} == {"all-reduce"}

@@ -6,7 +6,7 @@ import importlib
 import pytest
 
 MODULES = ["shardplan.schema", "shardplan.layout", "shardplan.mesh", "shardplan.hlo", "shardplan.paths",
-           "shardplan.loader", "shardplan.report", "shardplan.apply"]
+           "shardplan.loader", "shardplan.report", "shardplan.apply", "shardplan.roles", "shardplan.auto"]
 
 
 @pytest.mark.parametrize("name", MODULES)
