@@ -309,12 +309,14 @@ def _tensor_ways(p: ParamLayout, dims: tuple[int, ...], step: _Step) -> int:
 def _activations(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple[int, int]:
     """(bytes kept for the backward as run, bytes if each layer were rematerialised)."""
     b = step.itemsize
-    per_token_layer: dict[int | None, float] = {}
+    after = after_layers(roles)
+    per_token_layer: dict[int | str | None, float] = {}
     for p in held:
         role = roles.roles.get(p.path)
         if role is None or role.kind == BIAS:
             continue
         layer = roles.layer_of(p.path)
+        layer = "after" if layer is None and p.path in after else layer
         if role.kind == VECTOR:
             size = math.prod(p.shape) * b
         elif role.kind == EMBEDDING:
@@ -334,19 +336,23 @@ def _activations(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tup
             per_token_layer[attention.layer] = per_token_layer.get(attention.layer, 0.0) + \
                 2 * attention.heads / ways * step.seq * b
     outside = per_token_layer.pop(None, 0.0)
+    head = per_token_layer.pop("after", 0.0)
     layers = sum(per_token_layer.values())
     biggest = max(per_token_layer.values(), default=0.0)
     boundary = step.width * b * len(per_token_layer)
     passes, tokens = step.passes(bool(held_layers) and step.stage_axis is not None)
     if step.stage_axis is None:
-        return int(step.tokens * (layers + outside)), int(step.tokens * (boundary + biggest + outside))
-    if step.schedule == "1f1b":
+        return int(step.tokens * (layers + outside + head)), int(step.tokens * (boundary + biggest + outside + head))
+    if step.schedule == "1f1b":             # the head runs inside the loop, one microbatch at a time
+        outside += head * tokens / step.tokens
+        head = 0.0
         in_flight = 2 * step.stages - 1
         stored = tokens * (in_flight * step.width * b + layers)
     else:
         ticks = step.virtual * step.microbatches + step.stages - 1
         stored = tokens * ticks * layers
     remat = tokens * (2 * step.stages - 1) * step.width * b + tokens * biggest
+    outside += head
     return int(stored + step.tokens * outside), int(remat + step.tokens * outside)
 
 
