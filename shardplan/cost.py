@@ -13,6 +13,8 @@ compiled HLO (`benchmarks/cost_model.py` keeps it honest):
   its gradient all-reduced whole, unless moving activations is cheaper (a vocabulary-split head
   or embedding), where the partitioner gathers the activations instead;
 - gradients are all-reduced over the batch axes a parameter is not split on, in one combined op;
+  under ZeRO-1 the updated parameter is then all-gathered, and (outside a 1F1B loop) an output
+  head's gradient shard is computed whole from gathered activations instead of all-reduced;
 - pipelines send one microbatch activation per tick each way; 1F1B recomputes each stage's
   forward in its backward and moves the after-layer modules between the stages.
 """
@@ -192,6 +194,17 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
         fsdp = [a for a in axes if a in step.batch_axes]
         if fsdp and not moved_activations:
             continue                            # its whole gradient was all-reduced with the gather
+        if p.opt_spec != p.spec:            # ZeRO-1 updates a shard, then gathers the parameter
+            extra = tuple(a for a in spec_axes(p.opt_spec) if a not in axes)
+            transfers.append(Transfer("all-gather", extra, p.bytes_per_device, 1,
+                                      f"{p.path}: ZeRO-1 update gathered"))
+            if role.kind == COLUMN and not role.closes and extra and not (step.schedule == "1f1b" and p.path in after):
+                # XLA gathers the head's input activations and computes each shard's gradient whole
+                passes, tokens = step.passes(staged)
+                n_in = math.prod(p.shape[d] for d in role.in_dims)
+                transfers.append(Transfer("all-gather", extra, int(tokens * step.ways(extra) * n_in * step.itemsize),
+                                          passes, f"{p.path}: ZeRO-1 head activations gathered"))
+                reduce_over = tuple(a for a in reduce_over if a not in extra)
         head = step.schedule == "1f1b" and p.path in after
         if reduce_over:
             group = reduce_over + ((step.stage_axis,) if step.stage_axis and not staged and
