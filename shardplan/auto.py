@@ -20,6 +20,7 @@ from shardplan.profiles import Profile
 from shardplan.report import Report, check_params
 from shardplan.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, ModelRoles
 from shardplan.schema import Plan
+from shardplan.validate import REPLICATED_WARNING_BYTES
 
 # FSDP leaves matrices smaller than this replicated: gathering them costs more latency than they save.
 FSDP_MIN_BYTES = 1 << 16
@@ -238,8 +239,15 @@ def rules(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo]) -> l
     by_path = {p.path: p for p in params}
     found: dict[str, tuple[Any, str]] = {}
     planned = specs(candidate, roles, params)
+    sharding = any(planned.values())
+    after = after_layers(roles) if candidate.schedule == "1f1b" else set()
     for path in roles.order:
         spec = planned[path]
+        if not spec and sharding and by_path[path].nbytes >= REPLICATED_WARNING_BYTES:
+            reason = ("1F1B computes the loss inside the pipeline, where the head must be whole"
+                      if path in after else "this rule set keeps it whole")
+            found.setdefault(_fold_layer(path, roles.layers), ("replicated", f"{reason} {tuple(by_path[path].shape)}"))
+            continue
         if not spec:
             continue
         pattern = _fold_layer(path, roles.layers)

@@ -100,7 +100,7 @@ def test_auto_plan_validates_trains_like_one_device_and_moves_no_more_than_hand_
     found, _, _ = _search(build)
     plan = _written(found, tmp_path)
     report = shardplan.check(plan, build(), input_shapes={"tokens": (BATCH, SEQ)})
-    assert report.ok, [d.message for d in report.errors]
+    assert report.diagnostics == [], [d.format() for d in report.diagnostics]
 
     np.testing.assert_allclose(_losses(plan, build), _single_device_losses(build), rtol=1e-5)
 
