@@ -195,3 +195,14 @@ def test_inspect_json_carries_the_estimate(capsys):
     estimate_json = json.loads(capsys.readouterr().out)["estimate"]
     assert estimate_json["batch"] == 16 and estimate_json["collective_bytes"] > 0
     assert {t["kind"] for t in estimate_json["collectives"]} == {"all-reduce"}
+
+
+def test_measure_compiles_the_top_candidates_and_reranks(tmp_path, capsys):
+    from shardplan.cli import main
+    out = tmp_path / "measured.yaml"
+    config = [arg for key, value in MINIGPT.items() for arg in ("--config", f"{key}={value}")]
+    assert main(["auto", "--model", "minigpt_model:MiniGPT", *config, "--devices", "8", "--profile", "cpu",
+                 "--batch", "16", "--seq", "16", "--measure", "2", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "2 candidates compiled" in printed and "compiled: moved / peak" in printed
+    assert main(["validate", str(out)]) == 0
