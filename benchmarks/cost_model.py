@@ -62,7 +62,7 @@ def compare(plan: shardplan.Plan, config: dict, batch: int, seq: int) -> dict:
 
 def held_out(count: int, batch: int, seq: int) -> list[dict]:
     """Plans the model was not fitted on: `auto`'s top candidates for the LLaMA-style test model,
-    plus its best candidate of each pipeline schedule."""
+    plus its best candidate of each pipeline schedule, with and without FSDP."""
     sys.path.insert(0, str(REPO / "tests"))
     from models import Llama
     from shardplan.auto import search
@@ -87,10 +87,12 @@ def held_out(count: int, batch: int, seq: int) -> list[dict]:
             picked.append(ranked)
         if len(picked) == count:
             break
-    for schedule in ("gpipe", "1f1b", "interleaved"):       # and the best pipeline of each schedule
-        best = next((r for r in found.ranked if r.candidate.schedule == schedule), None)
-        if best is not None and best not in picked:
-            picked.append(best)
+    for schedule in ("gpipe", "1f1b", "interleaved"):       # and the best pipeline of each schedule,
+        for fsdp in (False, True):                          # with and without FSDP-split layers
+            best = next((r for r in found.ranked if r.candidate.schedule == schedule and r.candidate.fsdp == fsdp),
+                        None)
+            if best is not None and best not in picked:
+                picked.append(best)
     rows = []
     for ranked in picked:
         compiled = measure(ranked.plan, Llama(**config, rngs=nnx.Rngs(0)), batch, seq)
@@ -150,7 +152,7 @@ def main() -> None:
     others = []
     if args.held_out:
         print(f"\nheld out: the top {args.held_out} distinct plans `auto` proposes for the LLaMA-style test model "
-              f"(vocab 8192, dim 256, GQA 8/2, SwiGLU 768, 4 layers) and its best pipeline per schedule")
+              f"(vocab 8192, dim 256, GQA 8/2, SwiGLU 768, 4 layers) and its best pipeline per schedule, with and without FSDP")
         others = held_out(args.held_out, args.batch, args.seq)
         for row in others:
             print_row(row, width=50)

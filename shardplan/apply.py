@@ -64,13 +64,24 @@ def _pipelined(plan: Plan, model: nnx.Module, mesh, report: Report, specs: dict)
         spec = specs.get(f"{pipe.layers}/0/{join_path(keys)}", ())
         _place(variable, NamedSharding(mesh, partition_spec(((pipe.axis,), None, None) + tuple(spec))))
     pipelined = Pipelined(model, layers=pipe.layers, stacked=stacked, mesh=mesh, axis=pipe.axis,
-                          schedule=pipe.schedule, microbatches=pipe.microbatches)
+                          schedule=pipe.schedule, microbatches=pipe.microbatches,
+                          batch_axes=_manual_batch_axes(plan, report, specs))
     for keys, variable in nnx.to_flat_state(nnx.state(pipelined)):
         path = join_path(keys)
         if not path.startswith(pipe.layers + "/"):
             spec = specs.get(path, ()) if isinstance(variable, nnx.Param) else ()
             _place(variable, NamedSharding(mesh, partition_spec(spec)))
     return pipelined
+
+
+def _manual_batch_axes(plan: Plan, report: Report, specs: dict) -> tuple[str, ...]:
+    """Data axes the pipeline can run manually: those no layer parameter is split over (an
+    FSDP-split layer needs XLA to gather it, so its axis stays automatic)."""
+    from shardplan.schema import spec_axes
+    from shardplan.validate import data_axes
+    prefix = plan.pipeline.layers + "/"
+    used = {a for path, spec in specs.items() if path.startswith(prefix) for a in spec_axes(spec)}
+    return tuple(a for a in data_axes(plan, report.axes) if a != plan.pipeline.axis and a not in used)
 
 
 def _checked(plan: Plan, model, mesh) -> Report:

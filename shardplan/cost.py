@@ -16,7 +16,9 @@ compiled HLO (`benchmarks/cost_model.py` keeps it honest):
   under ZeRO-1 the updated parameter is then all-gathered, and (outside a 1F1B loop) an output
   head's gradient shard is computed whole from gathered activations instead of all-reduced;
 - pipelines send one microbatch activation per tick each way; 1F1B recomputes each stage's
-  forward in its backward and moves the after-layer modules between the stages.
+  forward in its backward and moves the after-layer modules between the stages. Gradients are
+  reduced once after the loop, but when a layer is FSDP-split over a batch axis that axis stays
+  automatic and XLA reduces the layer gradients in every tick.
 """
 
 from __future__ import annotations
@@ -128,6 +130,7 @@ class _Step:
     seq: int
     itemsize: int
     width: int
+    manual_batch: bool = True   # the pipeline runs its batch axes manually (see `shardplan.apply`)
 
     def passes(self, staged: bool) -> tuple[int, float]:
         """(passes per step, tokens per pass) for a parameter inside / outside the pipelined layers."""
@@ -136,8 +139,11 @@ class _Step:
         return 1, float(self.tokens)
 
     def reductions_per_step(self, staged: bool, head: bool) -> int:
-        """How often a gradient is all-reduced over the batch axes: the pipeline reduces a layer's
-        gradient in every backward tick (1F1B: every backward, and its head's every loss)."""
+        """How often a gradient is all-reduced over the batch axes: once, unless a pipeline's batch
+        axes stay automatic (a layer is FSDP-split over them); then XLA reduces a layer's gradient
+        in every backward tick (1F1B: every backward, and its head's every loss)."""
+        if self.manual_batch:
+            return 1
         if self.schedule == "1f1b" and (staged or head):
             return self.microbatches
         if staged:
@@ -158,7 +164,8 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile) ->
                  plan.pipeline.schedule if stage_map else None, stage_map.stages if stage_map else 1,
                  plan.pipeline.microbatches if stage_map else 1, stage_map.virtual if stage_map else 1,
                  workload.batch * workload.seq // max(1, math.prod(sizes[a] for a in batch_axes)),
-                 workload.seq, itemsize, roles.width)
+                 workload.seq, itemsize, roles.width,
+                 not any(a in batch_axes for p in report.params if p.stage is not None for a in spec_axes(p.spec)))
     held = [p for p in report.params if p.stage in (None, 0)]
     transfers = _communication(held, roles, step)
     param_bytes = sum(p.bytes_per_device for p in held)
@@ -259,8 +266,11 @@ def _matrix_transfers(p: ParamLayout, role: Role, step: _Step, staged: bool) -> 
         return found, False
     ways = step.ways(fsdp)
     whole = p.bytes_per_device * ways
-    gather_weight = [Transfer("all-gather", fsdp, whole, passes, f"{p.path}: FSDP weight gathered"),
-                     Transfer("all-reduce", fsdp, whole, 1, f"{p.path}: FSDP gradient")]
+    # Inside a pipeline loop the weight is gathered again for the backward (1F1B: also for the
+    # recomputed forward) and its gradient reduced per microbatch.
+    gathers = (3 if step.schedule == "1f1b" else 2) if staged else 1
+    gather_weight = [Transfer("all-gather", fsdp, whole, gathers * passes, f"{p.path}: FSDP weight gathered"),
+                     Transfer("all-reduce", fsdp, whole, passes if staged else 1, f"{p.path}: FSDP gradient")]
     split_rows = role.kind == EMBEDDING and set(fsdp) <= set(_split_axes(p, role.in_dims))
     split_outputs = role.kind in (COLUMN, MATMUL) and set(fsdp) <= set(_split_axes(p, role.out_dims))
     if split_rows:

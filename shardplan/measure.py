@@ -66,17 +66,21 @@ def prepare(plan, model: nnx.Module, batch: int, seq: int, *, input_name: str | 
 
 
 def branch_share(plan) -> float:
-    """Share of loop trips on which a 1F1B stage runs a forward (or a backward): M of M + 2S - 2 ticks.
+    """Share of loop trips on which a stage works: M of the M + 2S - 2 ticks of 1F1B (each of its
+    forward and backward branches), vM of the vM + S - 1 ticks of the circular schedules.
 
     The compiled loop takes one branch per tick on each device; HLO cannot say which.
     """
     pipe = plan.pipeline
-    if pipe is None or pipe.schedule != "1f1b":
+    if pipe is None:
         return 1.0
     from shardplan.mesh import resolve_axes
     import jax
     stages = resolve_axes(plan, jax.device_count())[0][pipe.axis]
-    return pipe.microbatches / (pipe.microbatches + 2 * stages - 2)
+    if pipe.schedule == "1f1b":
+        return pipe.microbatches / (pipe.microbatches + 2 * stages - 2)
+    work = pipe.virtual_stages * pipe.microbatches if pipe.schedule == "interleaved" else pipe.microbatches
+    return work / (work + stages - 1)
 
 
 def measure(plan, model: nnx.Module, batch: int, seq: int) -> Measured:

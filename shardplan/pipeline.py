@@ -72,18 +72,39 @@ def _to_previous(x, axis, stages):
     return jax.lax.ppermute(x, axis, [(i, (i - 1) % stages) for i in range(stages)])
 
 
-def circular_forward(graphdef, stacked, xs, key, *, mesh, axis: str, training: bool):
-    """Forward of (M, mb, ...) microbatches through the stacked layers; returns (M, mb, ...)."""
+def _batch_spec(batch_axes: tuple[str, ...], *leading) -> P:
+    """PartitionSpec of a (..., rows, ...) array whose rows are split over the manual batch axes."""
+    return P(*leading, batch_axes if batch_axes else None)
+
+
+def _shard_key(key, mesh, batch_axes: tuple[str, ...]):
+    """A distinct dropout key per batch shard (each draws masks only for its own rows)."""
+    if key is None or not batch_axes:
+        return key
+    index = 0
+    for name in batch_axes:
+        index = index * mesh.shape[name] + jax.lax.axis_index(name)
+    return jax.random.fold_in(key, index)
+
+
+def circular_forward(graphdef, stacked, xs, key, *, mesh, axis: str, training: bool,
+                     batch_axes: tuple[str, ...] = ()):
+    """Forward of (M, mb, ...) microbatches through the stacked layers; returns (M, mb, ...).
+
+    `batch_axes` (the data axes no layer parameter is split over) are manual too, so the
+    transpose all-reduces the layers' gradients once at the end instead of once per tick.
+    """
     stages = jax.tree.leaves(stacked)[0].shape[0]
-    return _circular_runner(graphdef, mesh, axis, training)(stacked, xs, key)[stages - 1]
+    return _circular_runner(graphdef, mesh, axis, training, batch_axes)(stacked, xs, key)[stages - 1]
 
 
 @functools.cache
-def _circular_runner(graphdef, mesh, axis: str, training: bool):
+def _circular_runner(graphdef, mesh, axis: str, training: bool, batch_axes: tuple[str, ...]):
     """The jitted shard_map of the circular forward; cached so eager calls reuse one compilation
     (a partly manual shard_map cannot run eagerly, so it must be jitted)."""
 
     def per_device(state, xs, key):
+        key = _shard_key(key, mesh, batch_axes)
         stages = mesh.shape[axis]
         virtual, per_chunk = jax.tree.leaves(state)[0].shape[1:3]        # this device's (1, virtual, per_chunk)
         micro = xs.shape[0]
@@ -116,14 +137,16 @@ def _circular_runner(graphdef, mesh, axis: str, training: bool):
         (_, _, outs), _ = jax.lax.scan(tick, (zeros[0], zeros, zeros), ticks)
         return outs[None]
 
-    return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(axis), P(), P()), out_specs=P(axis),
-                                 axis_names={axis}, check_vma=False))
+    return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(axis), _batch_spec(batch_axes, None), P()),
+                                 out_specs=_batch_spec(batch_axes, axis, None), axis_names={axis, *batch_axes},
+                                 check_vma=False))
 
 
 def one_f_one_b_loss(graphdef, stacked, head_graphdef, head_state, xs, targets, key, *, mesh, axis: str,
-                     training: bool, loss_of: Callable):
-    """Mean loss over microbatches, with gradients computed by the 1F1B schedule itself."""
-    static = (graphdef, head_graphdef, mesh, axis, training, loss_of)
+                     training: bool, loss_of: Callable, batch_axes: tuple[str, ...] = ()):
+    """Mean loss over microbatches, with gradients computed by the 1F1B schedule itself
+    (averaged over the manual `batch_axes` once, after the loop)."""
+    static = (graphdef, head_graphdef, mesh, axis, training, loss_of, batch_axes)
     return _one_f_one_b(static, stacked, head_state, xs, targets, key)
 
 
@@ -144,12 +167,17 @@ def _one_f_one_b_bwd(static, grads, cotangent):
 _one_f_one_b.defvjp(_one_f_one_b_fwd, _one_f_one_b_bwd)
 
 
-def _schedule(graphdef, head_graphdef, mesh, axis, training, loss_of, stacked, head_state, xs, targets, key):
+def _schedule(graphdef, head_graphdef, mesh, axis, training, loss_of, batch_axes, stacked, head_state, xs, targets,
+              key):
     stages, _, per_chunk = jax.tree.leaves(stacked)[0].shape[:3]
     micro = xs.shape[0]
     slots = 2 * stages - 1                               # most microbatches a stage has in flight
+    shards = 1
+    for name in batch_axes:
+        shards *= mesh.shape[name]
 
     def per_device(state, head_state, xs, targets, key):
+        key = _shard_key(key, mesh, batch_axes)
         state = _chunk(_chunk(state, 0), 0)                               # (per_chunk, ...)
         s = jax.lax.axis_index(axis)
         last = stages - 1
@@ -197,12 +225,17 @@ def _schedule(graphdef, head_graphdef, mesh, axis, training, loss_of, stacked, h
                  jax.tree.map(jnp.zeros_like, head_state), jnp.zeros((), jnp.float32), jnp.zeros_like(xs))
         (_, _, _, g_layers, g_head, loss_sum, dxs), _ = jax.lax.scan(tick, carry, jnp.arange(micro + 2 * last))
         scale = 1.0 / micro
+        if batch_axes:      # each shard's loss is a mean over its rows: average them, once
+            g_layers, g_head, loss_sum = jax.lax.pmean((g_layers, g_head, loss_sum), batch_axes)
+            dxs = dxs / shards
         g_layers = jax.tree.map(lambda g: (g * scale)[None, None], g_layers)
         stacked_out = jax.tree.map(lambda g: (g * scale)[None], (g_head, loss_sum, dxs))
         return g_layers, stacked_out
 
-    run = jax.shard_map(per_device, mesh=mesh, in_specs=(P(axis), P(), P(), P(), P()),
-                        out_specs=(P(axis), P(axis)), axis_names={axis}, check_vma=False)
+    rows = _batch_spec(batch_axes, None)
+    run = jax.shard_map(per_device, mesh=mesh, in_specs=(P(axis), P(), rows, rows, P()),
+                        out_specs=(P(axis), (P(axis), P(axis), _batch_spec(batch_axes, axis, None))),
+                        axis_names={axis, *batch_axes}, check_vma=False)
     g_layers, (g_head, loss, dxs) = run(stacked, head_state, xs, targets, key)
     g_head, loss = jax.tree.map(lambda g: g[stages - 1], g_head), loss[stages - 1]
 
@@ -235,7 +268,7 @@ class Pipelined(nnx.Module):
     """
 
     def __init__(self, model: nnx.Module, *, layers: str, stacked: nnx.Module, mesh, axis: str, schedule: str,
-                 microbatches: int):
+                 microbatches: int, batch_axes: tuple[str, ...] = ()):
         names = [name for name, value in vars(model).items() if isinstance(value, nnx.Module)]
         position = names.index(layers)
         self.before_names, self.after_names = tuple(names[:position]), tuple(names[position + 1:])
@@ -243,7 +276,7 @@ class Pipelined(nnx.Module):
             setattr(self, name, getattr(model, name))
         setattr(self, layers, stacked)
         self.layers_name, self.mesh, self.axis = layers, mesh, axis
-        self.schedule, self.microbatches = schedule, microbatches
+        self.schedule, self.microbatches, self.batch_axes = schedule, microbatches, tuple(batch_axes)
         self.plain_graphdef = nnx.graphdef(model)
 
     def _before(self, x):
@@ -263,7 +296,7 @@ class Pipelined(nnx.Module):
         xs = split_microbatches(self._before(tokens), self.microbatches)
         graphdef, stacked = nnx.split(getattr(self, self.layers_name))
         ys = circular_forward(graphdef, stacked, xs, self._dropout_key(rngs, training), mesh=self.mesh,
-                              axis=self.axis, training=training)
+                              axis=self.axis, training=training, batch_axes=self.batch_axes)
         return self._after(merge_microbatches(ys))
 
     def loss(self, tokens, targets, *, rngs: nnx.Rngs | None = None, training: bool = False,
@@ -276,7 +309,8 @@ class Pipelined(nnx.Module):
         head_graphdef, head_state = nnx.split(_Chain([getattr(self, name) for name in self.after_names]))
         return one_f_one_b_loss(graphdef, stacked, head_graphdef, head_state, xs,
                                 split_microbatches(targets, self.microbatches), self._dropout_key(rngs, training),
-                                mesh=self.mesh, axis=self.axis, training=training, loss_of=loss_of)
+                                mesh=self.mesh, axis=self.axis, training=training, loss_of=loss_of,
+                                batch_axes=self.batch_axes)
 
     def to_plain(self) -> nnx.Module:
         """The unpipelined model with the same weights (for sampling and export)."""
