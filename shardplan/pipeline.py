@@ -1,9 +1,11 @@
 """Pipelined execution of a model's repeated layers inside one compiled step.
 
 The layers' parameters are stacked as [stage, chunk, layer-in-chunk, ...] with the stage dim
-sharded over the plan's stage axis. `jax.shard_map` goes manual over that axis only (data and
-model axes stay automatic), layers within a chunk run under `lax.scan` (compile time does not
-grow with depth), and activations move between stages with `ppermute`.
+sharded over the plan's stage axis. `jax.shard_map` goes manual over that axis and over the data
+axes no layer parameter is split over (model axes, and data axes of FSDP-split layers, stay
+automatic), so gradients are averaged over the data axes once, after the loop. Layers within a
+chunk run under `lax.scan` (compile time does not grow with depth), and activations move between
+stages with `ppermute`.
 
 - gpipe / interleaved: a circular forward over `virtual * microbatches + stages - 1` ticks;
   chunk c of the layers lives on stage c % stages, so with `virtual` > 1 each microbatch loops
