@@ -134,7 +134,7 @@ def _pipelines(base: Candidate, stage: int, data: int, roles: ModelRoles, worklo
             continue
         yield dataclasses.replace(base, schedule="gpipe", microbatches=microbatches)
         yield dataclasses.replace(base, schedule="1f1b", microbatches=microbatches)
-        if roles.layer_count % (2 * stage) == 0 and microbatches % stage == 0:
+        if roles.layer_count % (2 * stage) == 0:
             yield dataclasses.replace(base, schedule="interleaved", microbatches=microbatches, virtual=2)
 
 

@@ -206,3 +206,18 @@ def test_measure_compiles_the_top_candidates_and_reranks(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "2 candidates compiled" in printed and "compiled: moved / peak" in printed
     assert main(["validate", str(out)]) == 0
+
+
+@pytest.mark.parametrize("name", ["minigpt_3d.yaml", "minigpt_pp4.yaml", "minigpt_fsdp.toml"])
+def test_cost_model_matches_the_compiled_step(name):
+    """Collective bytes as executed (pipelines reduce gradients once, after their loop) and argument bytes."""
+    def build():
+        return minigpt_model.MiniGPT(**MINIGPT, rngs=nnx.Rngs(0))
+    model = build()
+    roles = recognise(param_infos(model), definition_order(model))
+    plan = shardplan.load_plan(REPO / "plans" / name).model_copy(update={"model": None})
+    report = shardplan.check(plan, model, input_shapes={"tokens": (BATCH, SEQ)})
+    cost = estimate(report, roles, Workload(BATCH, SEQ), get_profile("cpu"))
+    compiled = measure(plan, build(), BATCH, SEQ)
+    assert cost.collective_bytes == pytest.approx(compiled.collectives.total_bytes, rel=0.02)
+    assert cost.argument_bytes == pytest.approx(compiled.argument_bytes, rel=0.01)
