@@ -63,8 +63,11 @@ class Estimate:
     grad_bytes: int
     optimizer_bytes: int
     input_bytes: int
-    activation_bytes: int       # kept for the backward at the peak, as the step runs
+    activation_bytes: int       # kept for the backward at the peak, as the step runs (pipelines: as
+    #                             their schedule stores them)
     activation_bytes_remat: int  # the same if every layer were rematerialised
+    microbatch_activation_bytes: int        # one microbatch through this device's layers
+    microbatch_activation_bytes_remat: int  # the same, layers rematerialised (their inputs kept)
     transfers: tuple[Transfer, ...]
     flops: float
     compute_s: float
@@ -108,6 +111,8 @@ class Estimate:
         return {"param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes,
                 "optimizer_bytes": self.optimizer_bytes, "input_bytes": self.input_bytes,
                 "activation_bytes": self.activation_bytes, "activation_bytes_remat": self.activation_bytes_remat,
+                "microbatch_activation_bytes": self.microbatch_activation_bytes,
+                "microbatch_activation_bytes_remat": self.microbatch_activation_bytes_remat,
                 "argument_bytes": self.argument_bytes, "peak_bytes": self.peak_bytes,
                 "collective_bytes": self.collective_bytes, "collective_count": self.collective_count,
                 "collectives": [dataclasses.asdict(t) for t in self.transfers],
@@ -170,13 +175,13 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile) ->
     transfers = _communication(held, roles, step)
     param_bytes = sum(p.bytes_per_device for p in held)
     optimizer_bytes = sum(p.opt_bytes_per_device for p in held)
-    stored, remat = _activations(held, roles, step)
+    stored, remat, microbatch, microbatch_remat = _activations(held, roles, step)
     flops = _flops(held, roles, step)
     bubble = _bubble(step)
     compute_s = flops / profile.peak_flops / (1.0 - bubble)
     communication_s = sum(_seconds(t, step, profile, plan.mesh.hosts) for t in transfers)
     return Estimate(param_bytes, param_bytes, optimizer_bytes, 2 * step.tokens * TOKEN_BYTES, stored, remat,
-                    tuple(transfers), flops, compute_s, communication_s, bubble, compute_s + communication_s)
+                    microbatch, microbatch_remat, tuple(transfers), flops, compute_s, communication_s, bubble, compute_s + communication_s)
 
 
 def _split_axes(p: ParamLayout, dims: tuple[int, ...], exclude: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -329,8 +334,9 @@ def _tensor_ways(p: ParamLayout, dims: tuple[int, ...], step: _Step) -> int:
     return step.ways(_split_axes(p, dims, step.batch_axes))
 
 
-def _activations(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple[int, int]:
-    """(bytes kept for the backward as run, bytes if each layer were rematerialised)."""
+def _activations(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple[int, int, int, int]:
+    """Bytes kept for the backward: (as run, layers rematerialised, one microbatch's layers as run,
+    the same rematerialised)."""
     b = step.itemsize
     after = after_layers(roles)
     per_token_layer: dict[int | str | None, float] = {}
@@ -364,8 +370,10 @@ def _activations(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tup
     biggest = max(per_token_layer.values(), default=0.0)
     boundary = step.width * b * len(per_token_layer)
     passes, tokens = step.passes(bool(held_layers) and step.stage_axis is not None)
+    microbatch = int(tokens * layers), int(tokens * (boundary + biggest))
     if step.stage_axis is None:
-        return int(step.tokens * (layers + outside + head)), int(step.tokens * (boundary + biggest + outside + head))
+        return (int(step.tokens * (layers + outside + head)), int(step.tokens * (boundary + biggest + outside + head)),
+                *microbatch)
     if step.schedule == "1f1b":             # the head runs inside the loop, one microbatch at a time
         outside += head * tokens / step.tokens
         head = 0.0
@@ -376,7 +384,7 @@ def _activations(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tup
         stored = tokens * ticks * layers
     remat = tokens * (2 * step.stages - 1) * step.width * b + tokens * biggest
     outside += head
-    return int(stored + step.tokens * outside), int(remat + step.tokens * outside)
+    return int(stored + step.tokens * outside), int(remat + step.tokens * outside), *microbatch
 
 
 def _flops(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> float:

@@ -212,6 +212,10 @@ def render_estimate(console: Console, workload, profile, cost) -> None:
                   f"optimizer {human_bytes(cost.optimizer_bytes)}, activations {human_bytes(cost.activation_bytes)} "
                   f"({human_bytes(cost.activation_bytes_remat)} with rematerialised layers); "
                   f"peak {human_bytes(cost.peak_bytes)}")
+    if cost.bubble:
+        console.print(f"  one microbatch through this stage's layers keeps {human_bytes(cost.microbatch_activation_bytes)}"
+                      f" ({human_bytes(cost.microbatch_activation_bytes_remat)} rematerialised); the schedule's "
+                      "stored activations are included above")
     table = Table(box=None, pad_edge=False)
     for column in ("collective", "mesh axes", "ops/step", "bytes/step"):
         table.add_column(column, justify="right" if column in ("ops/step", "bytes/step") else "left")
