@@ -165,12 +165,15 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile) ->
     stage_map = report.stage_map
     batch_axes = tuple(a for a in data_axes(plan, sizes) if plan.pipeline is None or a != plan.pipeline.axis)
     itemsize = max((p.itemsize for p in report.params), default=4)
-    step = _Step(sizes, batch_axes, plan.pipeline.axis if stage_map else None,
-                 plan.pipeline.schedule if stage_map else None, stage_map.stages if stage_map else 1,
-                 plan.pipeline.microbatches if stage_map else 1, stage_map.virtual if stage_map else 1,
-                 workload.batch * workload.seq // max(1, math.prod(sizes[a] for a in batch_axes)),
-                 workload.seq, itemsize, roles.width,
-                 not any(a in batch_axes for p in report.params if p.stage is not None for a in spec_axes(p.spec)))
+    pipe = plan.pipeline if stage_map else None
+    step = _Step(
+        sizes=sizes, batch_axes=batch_axes, stage_axis=pipe.axis if pipe else None,
+        schedule=pipe.schedule if pipe else None, stages=stage_map.stages if pipe else 1,
+        microbatches=pipe.microbatches if pipe else 1, virtual=stage_map.virtual if pipe else 1,
+        tokens=workload.batch * workload.seq // max(1, math.prod(sizes[a] for a in batch_axes)),
+        seq=workload.seq, itemsize=itemsize, width=roles.width,
+        manual_batch=not any(a in batch_axes for p in report.params if p.stage is not None
+                             for a in spec_axes(p.spec)))
     held = [p for p in report.params if p.stage in (None, 0)]
     transfers = _communication(held, roles, step)
     param_bytes = sum(p.bytes_per_device for p in held)
@@ -181,7 +184,8 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile) ->
     compute_s = flops / profile.peak_flops / (1.0 - bubble)
     communication_s = sum(_seconds(t, step, profile, plan.mesh.hosts) for t in transfers)
     return Estimate(param_bytes, param_bytes, optimizer_bytes, 2 * step.tokens * TOKEN_BYTES, stored, remat,
-                    microbatch, microbatch_remat, tuple(transfers), flops, compute_s, communication_s, bubble, compute_s + communication_s)
+                    microbatch, microbatch_remat, tuple(transfers), flops, compute_s, communication_s, bubble,
+                    compute_s + communication_s)
 
 
 def _split_axes(p: ParamLayout, dims: tuple[int, ...], exclude: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -210,7 +214,8 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
             extra = tuple(a for a in spec_axes(p.opt_spec) if a not in axes)
             transfers.append(Transfer("all-gather", extra, p.bytes_per_device, 1,
                                       f"{p.path}: ZeRO-1 update gathered"))
-            if role.kind == COLUMN and not role.closes and extra and not (step.schedule == "1f1b" and p.path in after):
+            in_loop = step.schedule == "1f1b" and p.path in after
+            if role.kind == COLUMN and not role.closes and extra and not in_loop:
                 # XLA gathers the head's input activations and computes each shard's gradient whole
                 passes, tokens = step.passes(staged)
                 n_in = math.prod(p.shape[d] for d in role.in_dims)
