@@ -31,9 +31,34 @@ from minigpt_model.model import MiniGPT  # noqa: E402
 from minigpt_model.steps import make_optimizer, train_step  # noqa: E402
 from minigpt_model.tokenizer import ByteTokenizer  # noqa: E402
 from minigpt_model.trainer import DEFAULT_MODEL, TrainConfig  # noqa: E402
+from shardplan.cost import Workload, estimate  # noqa: E402
+from shardplan.paths import param_infos  # noqa: E402
+from shardplan.profiles import get_profile  # noqa: E402
+from shardplan.roles import definition_order, recognise  # noqa: E402
 
 PLANS = ["minigpt_dp.yaml", "minigpt_tp.yaml", "minigpt_dp_tp.yaml", "minigpt_fsdp.toml", "minigpt_3d.yaml",
          "minigpt_pp4.yaml"]
+
+
+def modelled_step_s(plan_file: str, model_config: dict, config: TrainConfig) -> float:
+    """The cost model's step time on the `cpu` profile (this machine, measured peak and copy speed)."""
+    model = MiniGPT(**model_config, rngs=nnx.Rngs(0))
+    roles = recognise(param_infos(model), definition_order(model))
+    plan = shardplan.load_plan(REPO / "plans" / plan_file)
+    report = shardplan.check(plan, model)
+    return estimate(report, roles, Workload(config.batch_size, model_config["maxlen"]), get_profile("cpu")).step_s
+
+
+def rank_correlation(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rho (no ties expected)."""
+    def ranks(values):
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0] * len(values)
+        for rank, index in enumerate(order):
+            out[index] = rank
+        return out
+    rx, ry, n = ranks(xs), ranks(ys), len(xs)
+    return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
 
 
 def tokens_per_second(plan_file: str, devices, dataset, model_config: dict, config: TrainConfig, steps: int) -> float:
@@ -74,12 +99,19 @@ def main() -> None:
     rows = {"one device": single}
     for plan_file in PLANS:
         rows[plan_file] = tokens_per_second(plan_file, None, dataset, model_config, config, args.steps)
-    print(f"{'plan':22} {'tokens/s':>10} {'vs one device':>14}")
+    tokens = config.batch_size * model_config["maxlen"]
+    modelled = {name: modelled_step_s(name, model_config, config) for name in PLANS}
+    print(f"{'plan':22} {'tokens/s':>10} {'vs one device':>14} {'step ms':>9} {'modelled ms':>12}")
     for name, rate in rows.items():
-        print(f"{name:22} {rate:>10,.0f} {rate / single:>13.2f}x")
-    print("\n(8 simulated devices share this machine's cores: the ratio is the plan's overhead, not a speed-up.)")
+        model_ms = f"{modelled[name] * 1e3:>12.1f}" if name in modelled else f"{'':>12}"
+        print(f"{name:22} {rate:>10,.0f} {rate / single:>13.2f}x {tokens / rate * 1e3:>9.1f} {model_ms}")
+    rho = rank_correlation([modelled[n] for n in PLANS], [tokens / rows[n] for n in PLANS])
+    print(f"\nrank correlation of modelled and measured step times over the {len(PLANS)} plans: {rho:+.2f}")
+    print("(8 simulated devices share this machine's cores: the ratio is the plan's overhead, not a speed-up;\n"
+          " the modelled time is a roofline for the `cpu` profile, so only its ranking is comparable.)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": model_config, "tokens_per_s": rows}, indent=2))
+        Path(args.json).write_text(json.dumps({"model": model_config, "tokens_per_s": rows,
+                                               "modelled_step_s": modelled, "rank_correlation": rho}, indent=2))
 
 
 if __name__ == "__main__":

@@ -33,9 +33,10 @@ PROFILES = {
         peak_flops=197e12, memory_bytes=16 * 10**9, memory_bandwidth=819e9, intra_host_bandwidth=200e9,
         inter_host_bandwidth=25e9, collective_latency=5e-6, devices_per_host=8),
     "cpu": Profile(
-        "cpu", "this machine's CPU with simulated devices sharing its cores and memory: about 100 GFLOP/s f32 "
-        "for all devices together, 24 GiB memory, device-to-device copies through memory at about 5 GB/s",
-        peak_flops=100e9 / 8, memory_bytes=24 * GiB // 8, memory_bandwidth=10e9, intra_host_bandwidth=5e9,
+        "cpu", "this machine's 2 CPU cores shared by 8 simulated devices (measured: a 2048^3 f32 matmul at "
+        "220 GFLOP/s for all devices together, copies at 4.8 GB/s), 24 GiB memory shared; collectives are "
+        "copies through memory",
+        peak_flops=220e9 / 8, memory_bytes=24 * GiB // 8, memory_bandwidth=4.8e9, intra_host_bandwidth=4.8e9,
         inter_host_bandwidth=1e9, collective_latency=50e-6, devices_per_host=8),
 }
 
