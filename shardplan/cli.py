@@ -240,9 +240,10 @@ def _report(args, order: list[str] | None = None):
     """Load the plan, set up the devices, build the model abstractly, and check."""
     plan = load_plan(args.plan)
     _setup_devices(args.devices, plan)
+    order = [] if order is None else order
     model = _abstract_model(args, plan, order)
     from shardplan.report import check
-    return check(plan, model)
+    return check(plan, model, modules=list(dict.fromkeys(path.split("/", 1)[0] for path in order)) or None)
 
 
 def _estimate(args, report, order: list[str]):
@@ -261,7 +262,7 @@ def _estimate(args, report, order: list[str]):
     return workload, profile, estimate(report, roles, workload, profile)
 
 
-def _abstract_model(args, plan: Plan, order: list[str] | None = None):
+def _abstract_model(args, plan: Plan, order: list[str]):
     from shardplan.models import ModelLoadError, build_model, parse_overrides
     factory = args.model or (plan.model.factory if plan.model else None)
     if factory is None:
@@ -270,8 +271,7 @@ def _abstract_model(args, plan: Plan, order: list[str] | None = None):
     try:
         config.update(parse_overrides(args.config))
         from shardplan.roles import definition_order
-        return build_model(factory, config,
-                           on_built=None if order is None else lambda module: order.extend(definition_order(module)))
+        return build_model(factory, config, on_built=lambda module: order.extend(definition_order(module)))
     except ModelLoadError as exc:
         raise UsageError(str(exc)) from None
 

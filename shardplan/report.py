@@ -74,10 +74,13 @@ def _param_json(p: ParamLayout) -> dict:
             "rule": None if p.rule is None else p.rule + 1, "rule_line": p.rule_line, "stage": p.stage}
 
 
-def check(plan: Plan, model, mesh=None, *, input_shapes: dict[str, tuple[int, ...]] | None = None) -> Report:
+def check(plan: Plan, model, mesh=None, *, input_shapes: dict[str, tuple[int, ...]] | None = None,
+          modules: list[str] | None = None) -> Report:
     """Check `plan` against `model` (real or `nnx.eval_shape`) and `mesh` (default: all devices).
 
-    Never raises for plan mistakes: they are in `report.diagnostics`.
+    Never raises for plan mistakes: they are in `report.diagnostics`. `modules` are the model's
+    top-level modules in the order it defines them (default: read from a real model; an abstract
+    one has them sorted by name, which misplaces the modules after a pipeline's layers).
 
     >>> import shardplan, minigpt_model
     >>> from flax import nnx
@@ -88,7 +91,8 @@ def check(plan: Plan, model, mesh=None, *, input_shapes: dict[str, tuple[int, ..
     """
     import jax
     device_ids = _device_ids(plan, mesh)
-    modules = [name for name, value in vars(model).items() if isinstance(value, nnx.Module)]
+    if modules is None:
+        modules = [name for name, value in vars(model).items() if isinstance(value, nnx.Module)]
     return check_params(plan, param_infos(model), device_ids, input_shapes=input_shapes, modules=modules,
                         processes=jax.process_count())
 
