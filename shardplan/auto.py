@@ -19,8 +19,8 @@ from shardplan.paths import ParamInfo
 from shardplan.profiles import Profile
 from shardplan.report import Report, check_params
 from shardplan.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, ModelRoles
-from shardplan.schema import Plan
-from shardplan.validate import REPLICATED_WARNING_BYTES
+from shardplan.schema import Plan, spec_axes
+from shardplan.validate import REPLICATED_WARNING_BYTES, data_axes
 
 # FSDP leaves matrices smaller than this replicated: gathering them costs more latency than they save.
 FSDP_MIN_BYTES = 1 << 16
@@ -96,6 +96,10 @@ def search(params: list[ParamInfo], roles: ModelRoles, *, devices: int, workload
         if not report.ok:
             rejected.append(Ranked(candidate, plan, report, None, f"invalid: {report.errors[0].code}"))
             continue
+        idle = _idle(candidate, report)
+        if idle:
+            rejected.append(Ranked(candidate, plan, report, None, idle))
+            continue
         cost = estimate(report, roles, workload, profile)
         if cost.peak_bytes > budget:
             rejected.append(Ranked(candidate, plan, report, cost, "over the memory budget"))
@@ -104,6 +108,23 @@ def search(params: list[ParamInfo], roles: ModelRoles, *, devices: int, workload
     ranked.sort(key=lambda r: (round(r.estimate.step_s, 12), r.estimate.collective_bytes,
                                len(r.candidate.axes), r.candidate.zero1, r.candidate.fsdp))
     return Search(ranked, rejected, roles, workload, profile, budget)
+
+
+def _idle(candidate: Candidate, report: Report) -> str | None:
+    """Why a candidate is pointless: an axis that splits nothing (its devices would all compute
+    the same), or a rule set that changes nothing against a simpler one."""
+    used = {a for p in report.params for a in spec_axes(p.spec)}
+    batch = set(data_axes(report.plan, report.axes))
+    if candidate.schedule:
+        used.add("stage")
+    unused = [a for a, n in candidate.axes.items() if n > 1 and a not in used | batch]
+    if unused:
+        return f"axis {unused[0]} splits nothing"
+    if candidate.fsdp and not any("data" in spec_axes(p.spec) for p in report.params):
+        return "FSDP splits nothing"
+    if candidate.zero1 and all(p.opt_spec == p.spec for p in report.params):
+        return "ZeRO-1 splits nothing"
+    return None
 
 
 def candidates(roles: ModelRoles, devices: int, hosts: int, workload: Workload):

@@ -18,6 +18,7 @@ from shardplan.measure import measure, prepare, lm_train_step, lm_loss
 from shardplan.paths import param_infos
 from shardplan.profiles import get_profile
 from shardplan.roles import COLUMN, ROW, definition_order, recognise
+from shardplan.schema import spec_axes
 
 from models import Llama
 from test_other_models import LLAMA_PLAN
@@ -221,3 +222,15 @@ def test_cost_model_matches_the_compiled_step(name):
     compiled = measure(plan, build(), BATCH, SEQ)
     assert cost.collective_bytes == pytest.approx(compiled.collectives.total_bytes, rel=0.02)
     assert cost.argument_bytes == pytest.approx(compiled.argument_bytes, rel=0.01)
+
+
+def test_conv_classifier_gets_a_valid_plan_and_no_idle_axis():
+    from models import ConvClassifier
+    found, params, _ = _search(lambda: ConvClassifier(rngs=nnx.Rngs(0)), input_name="images",
+                               workload=Workload(BATCH, 1))
+    assert found.best is not None
+    assert any(r.rejected and "splits nothing" in r.rejected for r in found.rejected)
+    for ranked in found.ranked:             # every mesh axis of every candidate splits something
+        used = {axis for p in ranked.report.params for axis in spec_axes(p.spec)} | {"data", "stage"}
+        assert set(ranked.candidate.axes) <= used
+    assert shardplan.check(found.best.plan, ConvClassifier(rngs=nnx.Rngs(0))).ok
