@@ -274,7 +274,7 @@ def rules(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo]) -> l
         pattern = _fold_layer(path, roles.layers)
         if pattern not in found:
             role = roles.of(path)
-            found[pattern] = (spec, f"{_describe(role, roles)} {tuple(by_path[path].shape)}")
+            found[pattern] = (spec, f"{_describe(role)} {tuple(by_path[path].shape)}")
     listed = [(pattern, spec, comment) for pattern, (spec, comment) in found.items()]
     return listed + [(".*", "replicated", "norms, small vectors and everything else: every device holds it")]
 
@@ -286,7 +286,7 @@ def _fold_layer(path: str, layers: str | None) -> str:
     return re.escape(path)
 
 
-def _describe(role, roles: ModelRoles) -> str:
+def _describe(role) -> str:
     if role.kind == COLUMN:
         return "reads the residual stream (column)" if role.closes else "output head (column)"
     if role.kind == ROW:
