@@ -80,10 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     auto = commands.add_parser(
         "auto", help="propose a plan: enumerate meshes and rule sets, rank them by modelled step time",
-        description="Recognise the model's parameter roles from its structure and shapes, enumerate meshes "
-                    "(stage x data x model), rule sets (replicated, FSDP, Megatron, vocabulary-parallel, ZeRO-1) "
-                    "and pipeline schedules, drop what does not validate or fit the memory budget, rank the rest "
-                    "by the cost model's step time, print the best and write the winner as a commented plan.",
+        description="Recognise the model's parameter roles from its structure and shapes, enumerate\n"
+                    "meshes (stage x data x model), rule sets (replicated, FSDP, Megatron,\n"
+                    "vocabulary-parallel, ZeRO-1) and pipeline schedules, drop what does not validate or\n"
+                    "fit the memory budget, rank the rest by the cost model's step time, print the best\n"
+                    "and write the winner as a commented plan. Nothing is allocated unless --measure.",
         epilog="example:\n  shardplan auto --model minigpt_model:MiniGPT --config vocab_size=50304 --devices 8 "
                "--memory-per-device 1GiB -o auto.yaml\n  shardplan auto --model tests.models:Llama --config vocab=32000 "
                "--config dim=4096 ... --devices 64 --hosts 8 --profile h200 --memory-per-device 80GiB -o llama.yaml",
