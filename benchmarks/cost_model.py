@@ -34,7 +34,7 @@ from shardplan.cost import Workload, estimate  # noqa: E402
 from shardplan.measure import measure  # noqa: E402
 from shardplan.paths import param_infos  # noqa: E402
 from shardplan.profiles import get_profile  # noqa: E402
-from shardplan.roles import definition_order, recognise  # noqa: E402
+from shardplan.roles import abstract_with_roles, recognise_module  # noqa: E402
 
 PLANS = ["minigpt_dp.yaml", "minigpt_tp.yaml", "minigpt_dp_tp.yaml", "minigpt_fsdp.toml", "minigpt_3d.yaml",
          "minigpt_pp4.yaml"]
@@ -44,12 +44,16 @@ TARGET = 0.15
 
 def compare(plan: shardplan.Plan, config: dict, batch: int, seq: int) -> dict:
     model = minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0))
-    roles = recognise(param_infos(model), definition_order(model))
+    roles = recognise_module(model)
     report = shardplan.check(plan, model, input_shapes={"tokens": (batch, seq)})
     assert report.ok, [d.message for d in report.errors]
     modelled = estimate(report, roles, Workload(batch, seq), get_profile("cpu"))
-    compiled = measure(plan, model, batch, seq)
-    return {"plan": plan.name,
+    return row(plan.name, modelled, measure(plan, model, batch, seq))
+
+
+def row(name: str, modelled, compiled) -> dict:
+    """Modelled against compiled figures for one plan."""
+    return {"plan": name,
             "collective_bytes": {"modelled": modelled.collective_bytes, "compiled": compiled.collectives.total_bytes},
             "collective_ops": {"modelled": modelled.collective_count,
                                "compiled": sum(compiled.collectives.count.values())},
@@ -68,15 +72,7 @@ def held_out(count: int, batch: int, seq: int) -> list[dict]:
     from shardplan.auto import search
 
     config = dict(vocab=8192, dim=256, heads=8, kv_heads=2, hidden=768, layers=4)
-    order: list[str] = []
-
-    def build():
-        module = Llama(**config, rngs=nnx.Rngs(0))
-        order[:] = definition_order(module)
-        return module
-
-    abstract = nnx.eval_shape(build)
-    roles = recognise(param_infos(abstract), order)
+    abstract, roles = abstract_with_roles(lambda: Llama(**config, rngs=nnx.Rngs(0)))
     found = search(param_infos(abstract), roles, devices=8, workload=Workload(batch, seq), profile=get_profile("cpu"))
     picked, seen = [], set()
     for ranked in found.ranked:
@@ -96,15 +92,7 @@ def held_out(count: int, batch: int, seq: int) -> list[dict]:
     rows = []
     for ranked in picked:
         compiled = measure(ranked.plan, Llama(**config, rngs=nnx.Rngs(0)), batch, seq)
-        modelled = ranked.estimate
-        rows.append({"plan": f"{ranked.candidate.label()}, {ranked.candidate.rules_label()}",
-                     "collective_bytes": {"modelled": modelled.collective_bytes,
-                                          "compiled": compiled.collectives.total_bytes},
-                     "collective_ops": {"modelled": modelled.collective_count,
-                                        "compiled": sum(compiled.collectives.count.values())},
-                     "argument_bytes": {"modelled": modelled.argument_bytes, "compiled": compiled.argument_bytes},
-                     "temp_bytes": {"modelled_activations_and_grads": modelled.activation_bytes + modelled.grad_bytes,
-                                    "compiled": compiled.temp_bytes}})
+        rows.append(row(f"{ranked.candidate.label()}, {ranked.candidate.rules_label()}", ranked.estimate, compiled))
     return rows
 
 

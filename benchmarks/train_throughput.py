@@ -32,9 +32,8 @@ from minigpt_model.steps import make_optimizer, train_step  # noqa: E402
 from minigpt_model.tokenizer import ByteTokenizer  # noqa: E402
 from minigpt_model.trainer import DEFAULT_MODEL, TrainConfig  # noqa: E402
 from shardplan.cost import Workload, estimate  # noqa: E402
-from shardplan.paths import param_infos  # noqa: E402
 from shardplan.profiles import get_profile  # noqa: E402
-from shardplan.roles import definition_order, recognise  # noqa: E402
+from shardplan.roles import recognise_module  # noqa: E402
 
 PLANS = ["minigpt_dp.yaml", "minigpt_tp.yaml", "minigpt_dp_tp.yaml", "minigpt_fsdp.toml", "minigpt_3d.yaml",
          "minigpt_pp4.yaml"]
@@ -43,7 +42,7 @@ PLANS = ["minigpt_dp.yaml", "minigpt_tp.yaml", "minigpt_dp_tp.yaml", "minigpt_fs
 def modelled_step_s(plan_file: str, model_config: dict, config: TrainConfig) -> float:
     """The cost model's step time on the `cpu` profile (this machine, measured peak and copy speed)."""
     model = MiniGPT(**model_config, rngs=nnx.Rngs(0))
-    roles = recognise(param_infos(model), definition_order(model))
+    roles = recognise_module(model)
     plan = shardplan.load_plan(REPO / "plans" / plan_file)
     report = shardplan.check(plan, model)
     return estimate(report, roles, Workload(config.batch_size, model_config["maxlen"]), get_profile("cpu")).step_s

@@ -11,10 +11,11 @@ memory budget, and ranked by modelled step time.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
 
-from shardplan.cost import Estimate, Workload, after_layers, estimate
+from shardplan.cost import Estimate, Workload, estimate
 from shardplan.paths import ParamInfo
 from shardplan.profiles import Profile
 from shardplan.report import Report, check_params
@@ -72,6 +73,7 @@ class Ranked:
 class Search:
     ranked: list[Ranked]                # usable candidates, best first
     rejected: list[Ranked]
+    params: list[ParamInfo]
     roles: ModelRoles
     workload: Workload
     profile: Profile
@@ -87,12 +89,11 @@ def search(params: list[ParamInfo], roles: ModelRoles, *, devices: int, workload
            model: dict[str, Any] | None = None) -> Search:
     """Every candidate plan, checked, costed and ranked by modelled step time."""
     budget = memory if memory is not None else profile.memory_bytes
-    modules = list(dict.fromkeys(path.split("/", 1)[0] for path in roles.order))
     ranked, rejected = [], []
     for candidate in candidates(roles, devices, hosts, workload):
         plan = build_plan(candidate, roles, params, input_name=input_name, model=model)
         report = check_params(plan, params, list(range(devices)), input_shapes={input_name: (workload.batch,
-                              workload.seq)}, modules=modules, processes=hosts)
+                              workload.seq)}, modules=roles.modules, processes=hosts)
         if not report.ok:
             rejected.append(Ranked(candidate, plan, report, None, f"invalid: {report.errors[0].code}"))
             continue
@@ -107,7 +108,7 @@ def search(params: list[ParamInfo], roles: ModelRoles, *, devices: int, workload
         ranked.append(Ranked(candidate, plan, report, cost))
     ranked.sort(key=lambda r: (round(r.estimate.step_s, 12), r.estimate.collective_bytes,
                                len(r.candidate.axes), r.candidate.zero1, r.candidate.fsdp))
-    return Search(ranked, rejected, roles, workload, profile, budget)
+    return Search(ranked, rejected, params, roles, workload, profile, budget)
 
 
 def _idle(candidate: Candidate, report: Report) -> str | None:
@@ -184,7 +185,7 @@ def _host_splits(axes: dict[str, int], hosts: int):
 def specs(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo]) -> dict[str, list]:
     """Parameter path -> spec entries under the candidate's rule set."""
     sizes = candidate.axes
-    after = after_layers(roles) if candidate.schedule == "1f1b" else set()
+    after = roles.after_layers if candidate.schedule == "1f1b" else frozenset()
     out: dict[str, list] = {}
     for p in params:
         role = roles.of(p.path)
@@ -243,8 +244,7 @@ def plan_document(candidate: Candidate, roles: ModelRoles, params: list[ParamInf
     if model:
         document["model"] = model
     document["mesh"] = {"axes": dict(candidate.axes), **({"hosts": dict(candidate.hosts)} if candidate.hosts else {})}
-    batch_axes = [a for a in ("data",) if a in candidate.axes]
-    document["inputs"] = {input_name: [batch_axes[0], None] if batch_axes else []}
+    document["inputs"] = {input_name: ["data", None] if "data" in candidate.axes else []}
     if candidate.zero1:
         document["optimizer"] = "zero1"
     if candidate.schedule:
@@ -261,7 +261,7 @@ def rules(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo]) -> l
     found: dict[str, tuple[Any, str]] = {}
     planned = specs(candidate, roles, params)
     sharding = any(planned.values())
-    after = after_layers(roles) if candidate.schedule == "1f1b" else set()
+    after = roles.after_layers if candidate.schedule == "1f1b" else frozenset()
     for path in roles.order:
         spec = planned[path]
         if not spec and sharding and by_path[path].nbytes >= REPLICATED_WARNING_BYTES:
@@ -371,14 +371,9 @@ def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 
         if pipe.virtual_stages > 1:
             lines.append(f"  virtual_stages: {pipe.virtual_stages}")
     lines.append("params:")
-    for pattern, spec, comment in rules(c, found.roles, _infos(chosen)):
+    for pattern, spec, comment in rules(c, found.roles, found.params):
         lines += [f"  - match: '{pattern}'   # {comment}", f"    spec: {_flow(spec)}"]
     return "\n".join(lines) + "\n"
-
-
-def _infos(ranked: Ranked) -> list[ParamInfo]:
-    import numpy as np
-    return [ParamInfo(p.path, p.shape, np.dtype(p.dtype)) for p in ranked.report.params]
 
 
 def _flow(value) -> str:
@@ -393,7 +388,6 @@ def _flow(value) -> str:
 
 
 def total_devices(axes: dict[str, int]) -> int:
-    import math
     return math.prod(axes.values())
 
 

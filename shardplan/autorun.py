@@ -49,7 +49,7 @@ def run_auto(console: Console, *, factory: str, config: dict, devices: int, host
                       f"({len(found.rejected)} tried); raise --memory-per-device, add devices or lower --batch/--seq")
         return EXIT_NOTHING_FITS
     text = planner.plan_text(found.best, found, command=command)
-    _check_written(text, params, found, devices, hosts, input_name, workload, roles)
+    _check_written(text, found, devices=devices, hosts=hosts, input_name=input_name)
     _write_atomically(Path(output), text)
     if not as_json:
         console.print(f"wrote [bold]{output}[/]: {found.best.candidate.label()}, "
@@ -57,14 +57,14 @@ def run_auto(console: Console, *, factory: str, config: dict, devices: int, host
     return EXIT_OK
 
 
-def _check_written(text, params, found, devices, hosts, input_name, workload, roles) -> None:
+def _check_written(text: str, found: planner.Search, *, devices: int, hosts: int, input_name: str) -> None:
     """The written text must validate like any hand-written plan; a failure here is a bug of ours."""
     from shardplan.loader import parse_plan
     from shardplan.report import check_params
-    plan = parse_plan(text, file="auto")
-    modules = list(dict.fromkeys(path.split("/", 1)[0] for path in roles.order))
-    report = check_params(plan, params, list(range(devices)), input_shapes={input_name: (workload.batch,
-                          workload.seq)}, modules=modules, processes=hosts)
+    workload = found.workload
+    report = check_params(parse_plan(text, file="auto"), found.params, list(range(devices)),
+                          input_shapes={input_name: (workload.batch, workload.seq)}, modules=found.roles.modules,
+                          processes=hosts)
     if not report.ok:
         raise AssertionError(f"auto wrote a plan that does not validate: {[d.message for d in report.errors]}")
 

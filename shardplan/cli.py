@@ -244,22 +244,21 @@ def _report(args, order: list[str] | None = None):
     order = [] if order is None else order
     model = _abstract_model(args, plan, order)
     from shardplan.report import check
-    return check(plan, model, modules=list(dict.fromkeys(path.split("/", 1)[0] for path in order)) or None)
+    from shardplan.roles import top_level
+    return check(plan, model, modules=top_level(order) or None)
 
 
 def _estimate(args, report, order: list[str]):
     """(workload, profile, estimate) of the cost model for inspect."""
     from shardplan.cost import Workload, estimate
-    from shardplan.paths import ParamInfo
     from shardplan.profiles import get_profile
     from shardplan.roles import recognise
-    import numpy as np
     try:
         profile = get_profile(args.profile)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     workload = Workload(args.batch or 4 * len(report.device_ids), args.seq)
-    roles = recognise([ParamInfo(p.path, p.shape, np.dtype(p.dtype)) for p in report.params], order)
+    roles = recognise(report.params, order)
     return workload, profile, estimate(report, roles, workload, profile)
 
 

@@ -60,7 +60,6 @@ class Transfer:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Estimate:
     param_bytes: int
-    grad_bytes: int
     optimizer_bytes: int
     input_bytes: int
     activation_bytes: int       # kept for the backward at the peak, as the step runs (pipelines: as
@@ -74,6 +73,11 @@ class Estimate:
     communication_s: float
     bubble: float
     step_s: float
+
+    @property
+    def grad_bytes(self) -> int:
+        """Gradients take their parameters' layout."""
+        return self.param_bytes
 
     @property
     def argument_bytes(self) -> int:
@@ -92,19 +96,13 @@ class Estimate:
     def collective_count(self) -> int:
         return sum(t.count for t in self.transfers)
 
-    def by_kind(self) -> dict[str, tuple[int, int]]:
-        """kind -> (ops, bytes) per step."""
-        out: dict[str, tuple[int, int]] = {}
+    def by_kind(self, *, axes: bool = False) -> dict:
+        """kind (or (kind, mesh axes)) -> (ops, bytes) per step."""
+        out: dict = {}
         for t in self.transfers:
-            ops, nbytes = out.get(t.kind, (0, 0))
-            out[t.kind] = (ops + t.count, nbytes + t.total)
-        return out
-
-    def by_axes(self) -> dict[tuple[str, ...], tuple[int, int]]:
-        out: dict[tuple[str, ...], tuple[int, int]] = {}
-        for t in self.transfers:
-            ops, nbytes = out.get(t.axes, (0, 0))
-            out[t.axes] = (ops + t.count, nbytes + t.total)
+            key = (t.kind, t.axes) if axes else t.kind
+            ops, nbytes = out.get(key, (0, 0))
+            out[key] = (ops + t.count, nbytes + t.total)
         return out
 
     def to_json(self) -> dict:
@@ -183,7 +181,7 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile) ->
     bubble = _bubble(step)
     compute_s = flops / profile.peak_flops / (1.0 - bubble)
     communication_s = sum(_seconds(t, step, profile, plan.mesh.hosts) for t in transfers)
-    return Estimate(param_bytes, param_bytes, optimizer_bytes, 2 * step.tokens * TOKEN_BYTES, stored, remat,
+    return Estimate(param_bytes, optimizer_bytes, 2 * step.tokens * TOKEN_BYTES, stored, remat,
                     microbatch, microbatch_remat, tuple(transfers), flops, compute_s, communication_s, bubble,
                     compute_s + communication_s)
 
@@ -195,7 +193,7 @@ def _split_axes(p: ParamLayout, dims: tuple[int, ...], exclude: tuple[str, ...] 
 def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> list[Transfer]:
     transfers: list[Transfer] = []
     reductions: dict[tuple[str, ...], int] = {}
-    after = after_layers(roles)
+    after = roles.after_layers
     for p in held:
         role = roles.roles.get(p.path)
         if role is None:
@@ -326,15 +324,6 @@ def _merge(transfers: list[Transfer]) -> list[Transfer]:
     return [t for t in merged.values() if t.count and t.bytes]
 
 
-def after_layers(roles: ModelRoles) -> set[str]:
-    """Parameters defined after the repeated layers (the 1F1B head)."""
-    if roles.layers is None:
-        return set()
-    order = list(roles.order)
-    last = max((i for i, path in enumerate(order) if roles.layer_of(path) is not None), default=len(order))
-    return set(order[last + 1:])
-
-
 def _tensor_ways(p: ParamLayout, dims: tuple[int, ...], step: _Step) -> int:
     return step.ways(_split_axes(p, dims, step.batch_axes))
 
@@ -343,7 +332,7 @@ def _activations(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tup
     """Bytes kept for the backward: (as run, layers rematerialised, one microbatch's layers as run,
     the same rematerialised)."""
     b = step.itemsize
-    after = after_layers(roles)
+    after = roles.after_layers
     per_token_layer: dict[int | str | None, float] = {}
     for p in held:
         role = roles.roles.get(p.path)
@@ -364,9 +353,7 @@ def _activations(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tup
     held_layers = {roles.layer_of(p.path) for p in held} - {None}
     for attention in roles.attention:
         if attention.layer in held_layers or (attention.layer is None and None in per_token_layer):
-            query = next((p for p in held if roles.layer_of(p.path) == attention.layer
-                          and roles.roles[p.path].kind == COLUMN), None)
-            ways = _tensor_ways(query, roles.roles[query.path].out_dims, step) if query else 1
+            ways = _attention_ways(attention, held, roles, step)
             per_token_layer[attention.layer] = per_token_layer.get(attention.layer, 0.0) + \
                 2 * attention.heads / ways * step.seq * b
     outside = per_token_layer.pop(None, 0.0)
@@ -412,6 +399,7 @@ def _flops(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> float:
 
 
 def _attention_ways(attention, held, roles, step) -> int:
+    """How many ways tensor parallelism splits the attention's heads (its query's outputs)."""
     for p in held:
         if roles.layer_of(p.path) == attention.layer and roles.roles[p.path].kind == COLUMN:
             return _tensor_ways(p, roles.roles[p.path].out_dims, step)

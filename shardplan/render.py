@@ -219,7 +219,7 @@ def render_estimate(console: Console, workload, profile, cost) -> None:
     table = Table(box=None, pad_edge=False)
     for column in ("collective", "mesh axes", "ops/step", "bytes/step"):
         table.add_column(column, justify="right" if column in ("ops/step", "bytes/step") else "left")
-    for (kind, axes), (ops, nbytes) in sorted(_by_kind_and_axes(cost).items()):
+    for (kind, axes), (ops, nbytes) in sorted(cost.by_kind(axes=True).items()):
         table.add_row(kind, ", ".join(axes), str(ops), human_bytes(nbytes))
     if cost.transfers:
         console.print(table)
@@ -229,10 +229,3 @@ def render_estimate(console: Console, workload, profile, cost) -> None:
     console.print(f"  {cost.flops / 1e12:.3f} TFLOP; modelled step {cost.step_s * 1e3:.2f} ms = compute "
                   f"{cost.compute_s * 1e3:.2f} ms{bubble} + communication {cost.communication_s * 1e3:.2f} ms")
 
-
-def _by_kind_and_axes(cost) -> dict:
-    out: dict = {}
-    for t in cost.transfers:
-        ops, nbytes = out.get((t.kind, t.axes), (0, 0))
-        out[(t.kind, t.axes)] = (ops + t.count, nbytes + t.total)
-    return out

@@ -52,6 +52,11 @@ class ModelRoles:
     layers: str | None                  # top-level attribute holding the repeated layers, if any
     layer_count: int
     attention: tuple[Attention, ...]
+    after_layers: frozenset[str]        # parameters defined after the repeated layers (the 1F1B head)
+
+    @property
+    def modules(self) -> list[str]:
+        return top_level(self.order)
 
     def of(self, path: str) -> Role:
         return self.roles[path]
@@ -109,7 +114,10 @@ def split_dims(shape: tuple[int, ...], width: int) -> tuple[tuple[int, ...], tup
 
 
 def recognise(params: list[ParamInfo], order: list[str] | None = None) -> ModelRoles:
-    """Roles of every parameter; `order` is `definition_order(model)` (default: path order)."""
+    """Roles of every parameter; `order` is `definition_order(model)` (default: path order).
+
+    Reads only `.path` and `.shape`, so a report's `ParamLayout`s serve as well as `ParamInfo`s.
+    """
     by_path = {p.path: p for p in params}
     order = [path for path in (order or []) if path in by_path] or sorted(by_path)
     order += [path for path in sorted(by_path) if path not in set(order)]
@@ -162,7 +170,42 @@ def recognise(params: list[ParamInfo], order: list[str] | None = None) -> ModelR
         else:
             roles[path] = Role(path, VECTOR, (), tuple(range(len(info.shape))))
     attention = _attention(order, roles, by_path, layers)
-    return ModelRoles(width, roles, tuple(order), layers, layer_count, attention)
+    return ModelRoles(width, roles, tuple(order), layers, layer_count, attention, _after(order, layers))
+
+
+def recognise_module(module) -> ModelRoles:
+    """`recognise` for a live module (its definition order is still there)."""
+    from shardplan.paths import param_infos
+    return recognise(param_infos(module), definition_order(module))
+
+
+def abstract_with_roles(build) -> tuple[object, ModelRoles]:
+    """(abstract model, roles) from `build()` under `nnx.eval_shape`: nothing is allocated, and the
+    definition order is read from the module while it is being built."""
+    from flax import nnx
+
+    from shardplan.paths import param_infos
+    order: list[str] = []
+
+    def construct():
+        module = build()
+        order.extend(definition_order(module))
+        return module
+
+    model = nnx.eval_shape(construct)
+    return model, recognise(param_infos(model), order)
+
+
+def top_level(order) -> list[str]:
+    """Top-level attributes holding parameters, in the order of `order`."""
+    return list(dict.fromkeys(path.split("/", 1)[0] for path in order))
+
+
+def _after(order: list[str], layers: str | None) -> frozenset[str]:
+    if layers is None:
+        return frozenset()
+    last = max((i for i, path in enumerate(order) if _layer_index(layers, path) is not None), default=len(order))
+    return frozenset(order[last + 1:])
 
 
 @functools.lru_cache(maxsize=1 << 16)

@@ -17,7 +17,7 @@ from shardplan.hlo import collective_stats
 from shardplan.measure import measure, prepare, lm_train_step, lm_loss
 from shardplan.paths import param_infos
 from shardplan.profiles import get_profile
-from shardplan.roles import COLUMN, ROW, definition_order, recognise
+from shardplan.roles import COLUMN, ROW, abstract_with_roles, recognise_module
 from shardplan.schema import spec_axes
 
 from models import Llama
@@ -34,16 +34,8 @@ LLAMA_DP = "version: 1\nmesh: {axes: {data: 8}}\ninputs: {tokens: [data, null]}\
 
 
 def _search(build, **options):
-    order = []
-
-    def construct():
-        module = build()
-        order.extend(definition_order(module))
-        return module
-
-    model = nnx.eval_shape(construct)
+    model, roles = abstract_with_roles(build)
     params = param_infos(model)
-    roles = recognise(params, order)
     options = {"devices": 8, "workload": Workload(BATCH, SEQ), "profile": get_profile("cpu"), **options}
     return auto.search(params, roles, **options), params, roles
 
@@ -141,7 +133,7 @@ def test_roles_are_read_from_structure_for_both_models():
 def test_data_parallel_estimate_is_one_all_reduce_of_the_parameters():
     build = lambda: minigpt_model.MiniGPT(**MINIGPT, rngs=nnx.Rngs(0))  # noqa: E731
     model = build()
-    roles = recognise(param_infos(model), definition_order(model))
+    roles = recognise_module(model)
     plan = shardplan.load_plan(REPO / "plans" / "minigpt_dp.yaml").model_copy(update={"model": None})
     report = shardplan.check(plan, model)
     cost = estimate(report, roles, Workload(BATCH, SEQ), get_profile("h200"))
@@ -215,7 +207,7 @@ def test_cost_model_matches_the_compiled_step(name):
     def build():
         return minigpt_model.MiniGPT(**MINIGPT, rngs=nnx.Rngs(0))
     model = build()
-    roles = recognise(param_infos(model), definition_order(model))
+    roles = recognise_module(model)
     plan = shardplan.load_plan(REPO / "plans" / name).model_copy(update={"model": None})
     report = shardplan.check(plan, model, input_shapes={"tokens": (BATCH, SEQ)})
     cost = estimate(report, roles, Workload(BATCH, SEQ), get_profile("cpu"))
