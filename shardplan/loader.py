@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import difflib
+import os
 import re
+import stat
 import tomllib
 import typing
 from pathlib import Path
@@ -17,6 +19,11 @@ from shardplan.schema import Plan
 
 Positions = dict[tuple, tuple[int, int]]
 
+# Reading limits: a plan is a short text. These bound what a hostile file can cost.
+MAX_PLAN_BYTES = 1 << 20          # the longest shipped plan is under 3 KiB
+MAX_NODES = 100_000               # YAML values after expanding aliases (an alias "bomb" expands exponentially)
+MAX_DEPTH = 32                    # nesting of mappings and lists; a plan needs about 6
+
 
 def load_plan(path: str | Path) -> Plan:
     """Read and check the structure of a plan file; raise `PlanError` on any mistake.
@@ -27,10 +34,41 @@ def load_plan(path: str | Path) -> Plan:
     """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_bounded(path, MAX_PLAN_BYTES).decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise PlanError([Diagnostic("unreadable-file", "error", f"cannot read plan: {exc}", file=str(path))]) from None
+    except FileTooLarge as exc:
+        raise PlanError([Diagnostic("plan-too-large", "error", str(exc), file=str(path),
+                                    hint="a plan is a short list of rules; check that this is the file you meant")]) from None
     return parse_plan(text, file=str(path), fmt=_format_of(path))
+
+
+class FileTooLarge(Exception):
+    """A file is larger than the limit for its kind."""
+
+
+def read_bounded(path: Path, limit: int) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes.
+
+    Devices, FIFOs and sockets are refused before they are read: `/dev/zero` never ends and a
+    FIFO blocks until someone writes to it. Opened non-blocking, then checked on the open file,
+    so a file swapped for a FIFO after the check cannot block either.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            kind = "directory" if stat.S_ISDIR(info.st_mode) else "special file (device, FIFO or socket)"
+            raise OSError(f"{path} is a {kind}, not a regular file")
+        if info.st_size > limit:
+            raise FileTooLarge(f"{path} holds {info.st_size:,} bytes; the limit is {limit:,}")
+        with os.fdopen(os.dup(fd), "rb") as handle:
+            data = handle.read(limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise FileTooLarge(f"{path} holds more than {limit:,} bytes")
+    return data
 
 
 def _format_of(path: Path) -> str:
@@ -46,7 +84,15 @@ def _format_of(path: Path) -> str:
 
 def parse_plan(text: str, *, file: str | None = None, fmt: str = "yaml") -> Plan:
     """Parse plan text of format `fmt` ('yaml' or 'toml')."""
-    data, positions = _parse_yaml(text, file) if fmt == "yaml" else _parse_toml(text, file)
+    if len(text) > MAX_PLAN_BYTES:
+        raise PlanError([Diagnostic("plan-too-large", "error",
+                                    f"plan text holds {len(text):,} characters; the limit is {MAX_PLAN_BYTES:,}",
+                                    file=file)])
+    try:
+        data, positions = _parse_yaml(text, file) if fmt == "yaml" else _parse_toml(text, file)
+    except RecursionError:
+        raise PlanError([Diagnostic("plan-too-large", "error", f"the plan nests lists or mappings more than "
+                                    f"{MAX_DEPTH} levels deep (far more, the parser gave up)", file=file)]) from None
     if not isinstance(data, dict):
         raise PlanError([Diagnostic("invalid-value", "error",
                                     f"a plan must be a mapping of keys, but got {type(data).__name__}",
@@ -80,15 +126,28 @@ def _parse_yaml(text: str, file: str | None) -> tuple[Any, Positions]:
             loader.dispose()
     positions: Positions = {}
     duplicates: list[Diagnostic] = []
-    _walk_yaml(node, (), positions, duplicates, file)
+    # Walked before anything expands the aliases: the walk counts every expanded value and
+    # stops at the limits, so neither the constructor nor pydantic sees a bomb.
+    _walk_yaml(node, (), positions, duplicates, file, [0])
     if duplicates:
         raise PlanError(duplicates)
     return data, positions
 
 
 def _walk_yaml(node: yaml.Node, prefix: tuple, positions: Positions,
-               duplicates: list[Diagnostic], file: str | None) -> None:
-    positions.setdefault(prefix, (node.start_mark.line + 1, node.start_mark.column + 1))
+               duplicates: list[Diagnostic], file: str | None, visited: list[int]) -> None:
+    where = (node.start_mark.line + 1, node.start_mark.column + 1)
+    visited[0] += 1
+    if visited[0] > MAX_NODES or len(prefix) > MAX_DEPTH:
+        what = (f"expands to more than {MAX_NODES:,} values (aliases repeat what they point to)"
+                if visited[0] > MAX_NODES else f"nests lists or mappings more than {MAX_DEPTH} levels deep")
+        # An alias's nodes carry the anchor's position: name the top-level key being expanded instead.
+        line, column = positions.get(prefix[:1], where)
+        under = f" under {prefix[0]!r}" if prefix else ""
+        raise PlanError([Diagnostic("plan-too-large", "error", f"the plan{under} {what}", file=file, line=line,
+                                    column=column, hint="a plan needs a few levels and a few hundred values; "
+                                    "write the repeated part once or remove the nesting")])
+    positions.setdefault(prefix, where)
     if isinstance(node, yaml.MappingNode):
         seen: set[str] = set()
         for key_node, value_node in node.value:
@@ -101,10 +160,10 @@ def _walk_yaml(node: yaml.Node, prefix: tuple, positions: Positions,
                                              hint="YAML keeps only the last value; remove one of them"))
             seen.add(key)
             positions[prefix + (key,)] = where
-            _walk_yaml(value_node, prefix + (key,), positions, duplicates, file)
+            _walk_yaml(value_node, prefix + (key,), positions, duplicates, file, visited)
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
-            _walk_yaml(item, prefix + (index,), positions, duplicates, file)
+            _walk_yaml(item, prefix + (index,), positions, duplicates, file, visited)
 
 
 # ---------------------------------------------------------------------------------- TOML

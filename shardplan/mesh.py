@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from shardplan.diagnostics import Diagnostic
-from shardplan.schema import Plan
+from shardplan.schema import MAX_MESH_DEVICES, Plan
 
 
 def resolve_axes(plan: Plan, device_count: int) -> tuple[dict[str, int], list[Diagnostic]]:
@@ -22,6 +22,12 @@ def resolve_axes(plan: Plan, device_count: int) -> tuple[dict[str, int], list[Di
     axes = dict(plan.mesh.axes)
     line, col = plan.locate("mesh", "axes")
     fixed = math.prod(size for size in axes.values() if size != -1)
+    if fixed > MAX_MESH_DEVICES or device_count > MAX_MESH_DEVICES:
+        return {n: (1 if s == -1 else s) for n, s in axes.items()}, [Diagnostic(
+            "mesh-too-large", "error",
+            f"mesh {_shape(axes)} over {max(fixed, device_count):,} devices is more than the {MAX_MESH_DEVICES:,} "
+            "shardplan lays out", file=plan.file, line=line, column=col,
+            hint="check the axis sizes for a typo")]
     fill = [name for name, size in axes.items() if size == -1]
     if fill:
         if device_count % fixed:
@@ -40,6 +46,24 @@ def resolve_axes(plan: Plan, device_count: int) -> tuple[dict[str, int], list[Di
             file=plan.file, line=line, column=col,
             hint=f"make the sizes multiply to {device_count}, use -1 on one axis to fill, or run with --devices {fixed}")]
     return axes, []
+
+
+def check_given_mesh(plan: Plan, planned: dict[str, int], given: dict[str, int]) -> list[Diagnostic]:
+    """A mesh built elsewhere must be the plan's mesh: same axes, in the same order, of the same sizes.
+
+    >>> from shardplan.loader import parse_plan
+    >>> plan = parse_plan("version: 1\nmesh: {axes: {data: 4, model: 2}}\nparams: [{match: '.*', spec: []}]")
+    >>> check_given_mesh(plan, {"data": 4, "model": 2}, {"data": 2, "model": 4})[0].message
+    "the mesh given is {data: 2, model: 4}, but the plan's mesh is {data: 4, model: 2}"
+    """
+    if list(given.items()) == list(planned.items()):
+        return []
+    line, col = plan.locate("mesh", "axes")
+    same_names = set(given) == set(planned)
+    hint = ("build the mesh with shardplan.make_mesh(plan), or change the plan's mesh.axes to match" if not same_names
+            else "pass shardplan.make_mesh(plan), or make the plan's axis sizes and order those of the mesh")
+    return [Diagnostic("mesh-mismatch", "error", f"the mesh given is {_shape(given)}, but the plan's mesh is "
+                       f"{_shape(planned)}", file=plan.file, line=line, column=col, hint=hint)]
 
 
 def check_hosts(plan: Plan, sizes: dict[str, int], processes: int) -> list[Diagnostic]:

@@ -9,7 +9,7 @@ from flax import nnx
 from shardplan.diagnostics import Diagnostic
 from shardplan.layout import DeviceTotals, ParamLayout, device_totals, imbalance, shard_shape, zero1_spec
 from shardplan.matching import compile_rules
-from shardplan.mesh import check_hosts, resolve_axes
+from shardplan.mesh import check_given_mesh, check_hosts, resolve_axes
 from shardplan.paths import ParamInfo, param_infos
 from shardplan.schema import Plan, format_spec
 from shardplan.stages import StageMap, check_microbatches, plan_stages
@@ -94,7 +94,7 @@ def check(plan: Plan, model, mesh=None, *, input_shapes: dict[str, tuple[int, ..
     if modules is None:
         modules = [name for name, value in vars(model).items() if isinstance(value, nnx.Module)]
     return check_params(plan, param_infos(model), device_ids, input_shapes=input_shapes, modules=modules,
-                        processes=jax.process_count())
+                        processes=jax.process_count(), given_mesh=None if mesh is None else dict(mesh.shape))
 
 
 def _device_ids(plan: Plan, mesh) -> list[int]:
@@ -112,10 +112,15 @@ def _device_ids(plan: Plan, mesh) -> list[int]:
 
 def check_params(plan: Plan, params: list[ParamInfo], device_ids: list[int], *,
                  input_shapes: dict[str, tuple[int, ...]] | None = None, modules: list[str] | None = None,
-                 processes: int = 1) -> Report:
-    """`check` on parameter infos and device ids: pure, no JAX devices needed."""
+                 processes: int = 1, given_mesh: dict[str, int] | None = None) -> Report:
+    """`check` on parameter infos and device ids: pure, no JAX devices needed.
+
+    `given_mesh` (axis -> size) is a mesh the caller built: it must be the plan's.
+    """
     rules, diagnostics = compile_rules(plan)
     sizes, mesh_diagnostics = resolve_axes(plan, len(device_ids))
+    if given_mesh is not None and not mesh_diagnostics:
+        mesh_diagnostics += check_given_mesh(plan, sizes, given_mesh)
     mesh_diagnostics += check_hosts(plan, sizes, processes) if not mesh_diagnostics else []
     diagnostics += mesh_diagnostics
     placements, found = validate_params(plan, params, rules, sizes)

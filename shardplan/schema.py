@@ -7,7 +7,7 @@ repeated modules a pipeline cuts into stages.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
@@ -15,10 +15,16 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 # (dim sharded over their product, major to minor).
 SpecEntry = Union[None, str, list[str]]
 UNSHARDED = "_"
+# Mesh axis names: an identifier (so `_`, which means "not sharded" in specs, cannot be one).
+AXIS_NAME = r"^[A-Za-z][A-Za-z0-9_-]*$"
+AxisName = Annotated[str, Field(pattern=AXIS_NAME, max_length=64)]
+# The largest mesh shardplan lays out; bigger ones are refused before any device or JAX is touched.
+MAX_MESH_DEVICES = 1 << 16
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: `true` is not the number 1, "8" is not 8 (YAML and TOML give real numbers)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class ModelRef(_Strict):
@@ -28,18 +34,18 @@ class ModelRef(_Strict):
 
 
 class MeshConfig(_Strict):
-    axes: dict[str, int] = Field(description="Mesh axis name -> size, in mesh order; at most one size may be -1 "
-                                             "(filled with the remaining devices).", min_length=1)
-    hosts: dict[str, int] = Field(default_factory=dict, description=(
+    axes: dict[AxisName, int] = Field(description="Mesh axis name -> size, in mesh order; at most one size may be -1 "
+                                                  "(filled with the remaining devices).", min_length=1)
+    hosts: dict[AxisName, int] = Field(default_factory=dict, description=(
         "Axis name -> how many hosts it spans. These axes cross the slow links between hosts; all other axes "
         "stay within a host. The product is the number of hosts (processes)."))
 
     @field_validator("axes")
     @classmethod
     def _sizes(cls, axes: dict[str, int]) -> dict[str, int]:
-        bad = {name: size for name, size in axes.items() if size < 1 and size != -1}
+        bad = {name: size for name, size in axes.items() if (size < 1 and size != -1) or size > MAX_MESH_DEVICES}
         if bad:
-            raise ValueError(f"mesh axis sizes must be >= 1 or -1, but got {bad}")
+            raise ValueError(f"mesh axis sizes must be -1 or from 1 to {MAX_MESH_DEVICES}, but got {bad}")
         if list(axes.values()).count(-1) > 1:
             raise ValueError("at most one mesh axis may have size -1, but got "
                              f"{[n for n, s in axes.items() if s == -1]}")
@@ -62,7 +68,7 @@ class ParamRule(_Strict):
 
 class StageRule(_Strict):
     match: str = Field(description="Regular expression that must fully match a layer path (e.g. `transformer_blocks/[0-3]`).")
-    stage: int = Field(ge=0, description="Pipeline stage (0-based) of the matched layers.")
+    stage: int = Field(ge=0, le=MAX_MESH_DEVICES, description="Pipeline stage (0-based) of the matched layers.")
 
 
 class PipelineConfig(_Strict):
@@ -70,15 +76,22 @@ class PipelineConfig(_Strict):
     layers: str = Field(description="Path of the list of repeated, identically-shaped layers.")
     stages: Union[Literal["even"], list[StageRule]] = Field(
         default="even", description="Ordered stage rules (first full match wins) or 'even'.")
-    microbatches: int = Field(default=1, ge=1, description="Microbatches per step.")
+    microbatches: int = Field(default=1, ge=1, le=4096, description="Microbatches per step.")
     schedule: Literal["gpipe", "1f1b", "interleaved"] = Field(default="gpipe", description="Pipeline schedule.")
-    virtual_stages: int = Field(default=1, ge=1, description="Chunks per device for the interleaved schedule.")
+    virtual_stages: int = Field(default=1, ge=1, le=64, description="Chunks per device for the interleaved schedule.")
 
 
 class Plan(_Strict):
     """A parsed plan. `locate(...)` maps a key path to its file position."""
 
     version: Literal[1] = Field(description="Plan format version.")
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _exactly_one(cls, version: Any) -> Any:
+        if type(version) is not int:      # Literal[1] would take `true` and 1.0
+            raise ValueError(f"version must be the integer 1, but got {version!r}")
+        return version
     name: str | None = Field(default=None, description="Human-readable plan name.")
     model: ModelRef | None = Field(default=None, description="Default model for the command line.")
     mesh: MeshConfig = Field(description="The device mesh.")

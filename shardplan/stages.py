@@ -7,6 +7,7 @@ import re
 from collections import defaultdict
 
 from shardplan.diagnostics import Diagnostic
+from shardplan.matching import checked_pattern
 from shardplan.paths import ParamInfo
 from shardplan.schema import Plan
 
@@ -143,11 +144,12 @@ def _assign(plan, indices: list[int], stages: int, virtual: int, where) -> tuple
         return [(i // per_chunk) % stages for i in range(count)], []
     compiled = []
     for k, rule in enumerate(pipe.stages):
-        try:
-            compiled.append((k, re.compile(rule.match), rule.stage))
-        except re.error as exc:
-            return None, [where("stage-invalid-regex", ("pipeline", "stages", k, "match"),
-                                f"stage rule #{k + 1} match {rule.match!r} is not a valid regular expression: {exc}")]
+        line, col = plan.locate("pipeline", "stages", k, "match")
+        pattern, problem = checked_pattern(rule.match, f"stage rule #{k + 1}", invalid_code="stage-invalid-regex",
+                                           file=plan.file, line=line, column=col)
+        if problem:
+            return None, [problem]
+        compiled.append((k, pattern, rule.stage))
     stage_of, found = [], []
     for i in range(count):
         path = f"{pipe.layers}/{i}"

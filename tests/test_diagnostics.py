@@ -43,6 +43,16 @@ CASES = {
     "missing-key": ("version: 1\nparams: [{match: '.*', spec: replicated}]\n", PARAMS, 8, None, ["'mesh'"], 1),
     "invalid-value": (HEAD + "params: [{match: '.*', spec: replicated}]\noptimizer: zero3\n", PARAMS, 8, None,
                       ["optimizer", "zero3"], 7),
+    "plan-too-large": ("version: 1\nname: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{b}: &{b} [{', '.join(['*' + a] * 10)}]\n" for a, b in zip("abcdef", "bcdefg")), PARAMS, 8, None,
+        ["under 'e' expands to more than 100,000 values", "aliases"], 6),
+    "regex-too-slow": (HEAD + "params:\n  - {match: '(blocks/\\d+/)*attn/kernel', spec: replicated}\n"
+                       "  - {match: '.*', spec: replicated}\n", PARAMS, 8, None,
+                       ["rule #1", "(blocks/", "nested repeats", "'[^/]+'"], 7),
+    "mesh-too-large": ("version: 1\nmesh: {axes: {data: 1024, model: 1024}}\nparams: [{match: '.*', spec: []}]\n",
+                       PARAMS, 8, None, ["1,048,576 devices", "65,536"], 2),
+    "mesh-mismatch": (HEAD + "params: [{match: '.*', spec: replicated}]\n", PARAMS, 8, None,
+                      ["the mesh given is {data: 2, model: 4}", "plan's mesh is {data: 4, model: 2}"], 3),
     "invalid-regex": (HEAD + "params:\n  - {match: 'blocks/(\\d+/attn', spec: replicated}\n"
                       "  - {match: '.*', spec: replicated}\n", PARAMS, 8, None, ["rule #1", "blocks/(", "regular"], 7),
     "unknown-axis": (HEAD + "params:\n  - {match: '.*kernel', spec: [null, modle]}\n  - {match: '.*', spec: []}\n",
@@ -126,6 +136,8 @@ CASES = {
 
 # Cases that need a multi-process run, with its process count.
 PROCESSES = {"mesh-hosts-mismatch": 2}
+# Cases checked against a mesh the caller built, with its axes.
+GIVEN_MESH = {"mesh-mismatch": {"data": 2, "model": 4}}
 
 
 def trigger(tmp_path: Path, code: str) -> list[shardplan.Diagnostic]:
@@ -143,7 +155,7 @@ def trigger(tmp_path: Path, code: str) -> list[shardplan.Diagnostic]:
     except shardplan.PlanError as exc:
         return exc.diagnostics
     return check_params(plan, params, list(range(devices)), input_shapes=input_shapes, modules=MODULES,
-                        processes=PROCESSES.get(code, 1)).diagnostics
+                        processes=PROCESSES.get(code, 1), given_mesh=GIVEN_MESH.get(code)).diagnostics
 
 
 def test_every_code_has_a_case():
