@@ -1,11 +1,19 @@
 """Orbax checkpoints of model, optimizer state and run position; restoring reshards to any plan.
 
 Each save goes to a temporary directory that orbax renames into place only once complete,
-so a crash mid-save leaves the previous checkpoint as the latest valid one.
+so a crash mid-save leaves the previous checkpoint as the latest valid one. After a save the
+SHA-256 of every file is recorded in the step's `checksums.json`; restoring verifies it, and a
+step that fails verification or cannot be read is reported and the previous one used.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
+import os
+import shutil
+import time
 from pathlib import Path
 
 import jax
@@ -17,6 +25,51 @@ from shardplan.pipeline import Pipelined, to_plain_tree, to_stacked_tree
 
 class CheckpointError(Exception):
     """A checkpoint cannot be used (message says why)."""
+
+
+class DiskFull(CheckpointError):
+    """A checkpoint could not be written for lack of space; the earlier ones are intact."""
+
+
+CHECKSUMS = "checksums.json"
+
+
+def _file_digests(step_dir: Path) -> dict[str, str]:
+    digests = {}
+    for path in sorted(step_dir.rglob("*")):
+        if path.is_file() and path.name != CHECKSUMS:
+            digest = hashlib.sha256()
+            with path.open("rb") as handle:
+                for block in iter(lambda: handle.read(1 << 20), b""):
+                    digest.update(block)
+            digests[path.relative_to(step_dir).as_posix()] = digest.hexdigest()
+    return digests
+
+
+def verify(step_dir: Path) -> str | None:
+    """Why the files of a saved step are not the ones written (None: they are, or no checksums were kept)."""
+    manifest = step_dir / CHECKSUMS
+    if not step_dir.is_dir():
+        return "its directory is missing"
+    if not manifest.exists():
+        return None
+    try:
+        expected = json.loads(manifest.read_text())
+    except (OSError, ValueError) as exc:
+        return f"its {CHECKSUMS} is unreadable ({exc})"
+    found = _file_digests(step_dir)
+    changed = sorted(name for name in expected if found.get(name) != expected[name])
+    if changed:
+        shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+        return f"{len(changed)} file(s) differ from what was saved: {shown}"
+    return None
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC/EDQUOT, directly or as orbax/tensorstore report it (RESOURCE_EXHAUSTED)."""
+    text = str(exc)
+    return (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) or \
+        "RESOURCE_EXHAUSTED" in text or "No space left" in text
 
 
 def _pure(node) -> dict:
@@ -46,17 +99,67 @@ class Checkpoints:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
+    def all_steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
     def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer, meta: dict) -> None:
         layers = _layers_of(model)
-        self._manager.save(step, args=ocp.args.Composite(
-            model=ocp.args.StandardSave(_plain(_pure(model), layers)),
-            optimizer=ocp.args.StandardSave(_plain(_pure(optimizer), layers)),
-            meta=ocp.args.JsonSave(meta)), force=True)
-        self._manager.wait_until_finished()
+        try:
+            self._manager.save(step, args=ocp.args.Composite(
+                model=ocp.args.StandardSave(_plain(_pure(model), layers)),
+                optimizer=ocp.args.StandardSave(_plain(_pure(optimizer), layers)),
+                meta=ocp.args.JsonSave(meta)), force=True)
+            self._manager.wait_until_finished()
+            if jax.process_index() == 0:
+                step_dir = self.directory / str(step)
+                _write_atomic(step_dir / CHECKSUMS, json.dumps(_file_digests(step_dir), indent=1))
+        except Exception as exc:
+            if not is_disk_full(exc):
+                raise
+            intact = [s for s in self._manager.all_steps() if s != step]
+            raise DiskFull(f"the disk is full: checkpoint step {step} could not be written to {self.directory} "
+                           f"({'the last intact one is step ' + str(max(intact)) if intact else 'no earlier one'}); "
+                           "free space, then continue with --resume") from None
 
     def meta(self, step: int | None = None) -> dict:
         step = self._step(step)
-        return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        try:
+            return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as exc:      # garbage, a missing item or an empty step directory
+            raise CheckpointError(f"checkpoint step {step} in {self.directory} cannot be read: "
+                                  f"{type(exc).__name__}: {exc}") from None
+
+    def intact_steps(self, warn=None) -> list[int]:
+        """Saved steps, newest first, that pass their checksums and have readable metadata.
+
+        `warn(message)` hears about each step left out and why.
+        """
+        good = []
+        for step in sorted(self._manager.all_steps(), reverse=True):
+            problem = verify(self.directory / str(step))
+            if problem is None:
+                try:
+                    self.meta(step)
+                except CheckpointError as exc:
+                    problem = str(exc)
+            if problem is None:
+                good.append(step)
+            elif warn is not None:
+                warn(f"checkpoint step {step} in {self.directory} is damaged: {problem}")
+        return good
+
+    def set_aside(self, steps: list[int], into: Path) -> list[Path]:
+        """Move damaged steps out of the way (kept for inspection, never deleted) so the run can save them anew."""
+        moved = []
+        for step in steps:
+            source = self.directory / str(step)
+            if source.exists():
+                target = into / f"step-{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.move(str(source), str(target))
+                moved.append(target)
+        self._manager.reload()
+        return moved
 
     def restore(self, model: nnx.Module, optimizer: nnx.Optimizer | None = None, *, step: int | None = None) -> dict:
         """Load a checkpoint into `model` (and `optimizer`), each array taking the layout it has now."""
@@ -67,8 +170,9 @@ class Checkpoints:
         items = {name: ocp.args.StandardRestore(_plain(_abstract(tree), layers)) for name, tree in current.items()}
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(), **items))
-        except (ValueError, KeyError) as exc:
-            raise CheckpointError(f"checkpoint {self.directory / str(step)} does not fit this model: {exc}") from None
+        except Exception as exc:      # a different shape, or files damaged without checksums to tell
+            raise CheckpointError(f"checkpoint {self.directory / str(step)} cannot be restored into this model: "
+                                  f"{type(exc).__name__}: {exc}") from None
         for name, node in nodes.items():
             tree = restored[name]
             _update(node, to_stacked_tree(tree, current[name], layers) if layers else tree)
@@ -84,22 +188,38 @@ class Checkpoints:
         self._manager.close()
 
 
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _update(node, pure: dict) -> None:
     state = nnx.state(node)
     nnx.replace_by_pure_dict(state, pure)
     nnx.update(node, state)
 
 
-def restore_for_inference(run_dir: str | Path):
-    """The latest checkpoint of a run as a plain (unsharded) model on the default device, with its tokenizer."""
+def restore_for_inference(run_dir: str | Path, *, warn=None):
+    """The latest intact checkpoint of a run as a plain (unsharded) model on the default device, with its
+    tokenizer; `warn(message)` hears about newer steps skipped as damaged."""
     from minigpt_model.model import MiniGPT
     from minigpt_model.tokenizer import get_tokenizer
     checkpoints_dir = Path(run_dir) / "checkpoints"
     if not checkpoints_dir.is_dir():
         raise CheckpointError(f"{run_dir} holds no checkpoints (expected {checkpoints_dir})")
     checkpoints = Checkpoints(checkpoints_dir)
-    meta = checkpoints.meta()
-    model = MiniGPT(**meta["model"], rngs=nnx.Rngs(0))
-    checkpoints.restore(model)
-    checkpoints.close()
-    return model, get_tokenizer(meta["tokenizer"]), meta["model"]
+    try:
+        for step in checkpoints.intact_steps(warn=warn):
+            meta = checkpoints.meta(step)
+            model = MiniGPT(**meta["model"], rngs=nnx.Rngs(0))
+            try:
+                checkpoints.restore(model, step=step)
+            except CheckpointError as exc:
+                if warn is not None:
+                    warn(str(exc))
+                continue
+            return model, get_tokenizer(meta["tokenizer"]), meta["model"]
+    finally:
+        checkpoints.close()
+    raise CheckpointError(f"{run_dir} holds no readable checkpoint")

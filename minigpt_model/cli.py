@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import traceback
 
 from rich.console import Console
 
@@ -26,8 +25,28 @@ examples:
   minigpt launch --local 2 -- train --out runs/two          # 2 processes x 4 simulated devices
   minigpt launch --ray --address HEAD:6379 --num-workers 4 -- train --out /shared/run
 
-exit status: 0 done, 1 bad plan, data or checkpoint, 2 usage error
+exit status: 0 done, 1 bad plan, data, checkpoint or run directory (also: another run there,
+a full disk), 2 usage error (bad option or --config), 3 a bug in minigpt/shardplan, 130 interrupted
 """
+
+
+def _number(kind, minimum, maximum=None):
+    """argparse type: a finite `kind` (int or float) in [minimum, maximum]."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"requires {'an integer' if kind is int else 'a number'}, "
+                                             f"but got {text!r}") from None
+        if value != value or value in (float("inf"), float("-inf")) or value < minimum or \
+                (maximum is not None and value > maximum):
+            bound = f"from {minimum} to {maximum}" if maximum is not None else f">= {minimum}"
+            raise argparse.ArgumentTypeError(f"requires a value {bound}, but got {text}")
+        return value
+    return parse
+
+
+POSITIVE, NON_NEGATIVE = _number(int, 1), _number(int, 0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,13 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="train under a plan (defaults: built-in corpus, dp x tp on 8 devices)")
     train.add_argument("--plan", default=defaults.plan, help=f"plan file (default {defaults.plan})")
-    train.add_argument("--steps", type=int, default=defaults.steps, help="total optimizer steps")
-    train.add_argument("--batch-size", type=int, default=defaults.batch_size, help="global batch, in sequences")
-    train.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate (warmup, then cosine)")
-    train.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
-    train.add_argument("--eval-every", type=int, default=defaults.eval_every)
-    train.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every)
-    train.add_argument("--seed", type=int, default=defaults.seed)
+    train.add_argument("--steps", type=POSITIVE, default=defaults.steps, help="total optimizer steps")
+    train.add_argument("--batch-size", type=POSITIVE, default=defaults.batch_size, help="global batch, in sequences")
+    train.add_argument("--lr", type=_number(float, 0.0), default=defaults.lr,
+                       help="peak learning rate (warmup, then cosine)")
+    train.add_argument("--warmup-steps", type=NON_NEGATIVE, default=defaults.warmup_steps,
+                       help="steps of linear learning-rate warmup")
+    train.add_argument("--eval-every", type=POSITIVE, default=defaults.eval_every,
+                       help="evaluate on held-out batches every N steps")
+    train.add_argument("--checkpoint-every", type=POSITIVE, default=defaults.checkpoint_every,
+                       help="save a checkpoint every N steps (and at the end)")
+    train.add_argument("--seed", type=NON_NEGATIVE, default=defaults.seed)
     train.add_argument("--data", nargs="+", default=[], metavar="FILE",
                        help="text files, split into documents on --separator (default: built-in stories)")
     train.add_argument("--separator", default=defaults.separator)
@@ -55,24 +78,24 @@ def build_parser() -> argparse.ArgumentParser:
                        help="model setting, e.g. embed_dim=256, num_transformer_blocks=8, maxlen=256")
     train.add_argument("--out", default=defaults.out, help="run directory: checkpoints, metrics.jsonl, loss.png")
     train.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
-    train.add_argument("--devices", type=int, metavar="N",
+    train.add_argument("--devices", type=_number(int, 1, 4096), metavar="N",
                        help="simulate N CPU devices in this process (default without an accelerator: 8)")
     train.add_argument("--coordinator", metavar="HOST:PORT",
                        help="join a multi-process run whose process 0 listens at HOST:PORT (also read from "
                             "JAX_COORDINATOR_ADDRESS; under SLURM or Open MPI all three are detected)")
-    train.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
-    train.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0..N-1")
+    train.add_argument("--num-processes", type=POSITIVE, metavar="N", help="processes in the run")
+    train.add_argument("--process-id", type=NON_NEGATIVE, metavar="I", help="this process's index, 0..N-1")
     train.add_argument("--debug", action="store_true", help="show Python tracebacks")
     train.set_defaults(handler=_train)
 
     launch = commands.add_parser("launch", help="run `train` as several processes (one per host)",
                                  description="Start one `minigpt train` process per worker and stream their output.")
     where = launch.add_mutually_exclusive_group(required=True)
-    where.add_argument("--local", type=int, metavar="N", help="N processes on this machine")
+    where.add_argument("--local", type=POSITIVE, metavar="N", help="N processes on this machine")
     where.add_argument("--ray", action="store_true", help="one Ray actor per worker (pip install -e '.[ray]')")
     launch.add_argument("--address", help="Ray cluster address (default: start or join a local one)")
-    launch.add_argument("--num-workers", type=int, metavar="N", help="Ray workers")
-    launch.add_argument("--devices-per-process", type=int, metavar="K",
+    launch.add_argument("--num-workers", type=POSITIVE, metavar="N", help="Ray workers")
+    launch.add_argument("--devices-per-process", type=_number(int, 1, 4096), metavar="K",
                         help="simulate K CPU devices in each process (default without an accelerator: 8 / N)")
     launch.add_argument("command", nargs=argparse.REMAINDER, help="-- train [train options]")
     launch.set_defaults(handler=_launch, debug=False)
@@ -80,10 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     sample = commands.add_parser("sample", help="generate text from a run's latest checkpoint")
     sample.add_argument("--checkpoint", required=True, metavar="DIR", help="run directory (the --out of train)")
     sample.add_argument("--prompt", default="Once upon a time")
-    sample.add_argument("--max-tokens", type=int, default=200)
-    sample.add_argument("--temperature", type=float, default=0.8, help="0 picks the most likely token")
-    sample.add_argument("--top-k", type=int, default=20, help="sample among the k most likely tokens (0: all)")
-    sample.add_argument("--seed", type=int, default=0)
+    sample.add_argument("--max-tokens", type=POSITIVE, default=200, help="tokens to generate")
+    sample.add_argument("--temperature", type=_number(float, 0.0), default=0.8, help="0 picks the most likely token")
+    sample.add_argument("--top-k", type=NON_NEGATIVE, default=20,
+                        help="sample among the k most likely tokens (0: all; at most the vocabulary size)")
+    sample.add_argument("--seed", type=NON_NEGATIVE, default=0)
     sample.add_argument("--debug", action="store_true", help="show Python tracebacks")
     sample.set_defaults(handler=_sample)
     return parser
@@ -91,13 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console(highlight=False)
-    err = Console(stderr=True, highlight=False)
+    # markup=False: file names, prompts and messages are printed as they are.
+    console = Console(highlight=False, markup=False)
+    err = Console(stderr=True, highlight=False, markup=False)
     from minigpt_model.checkpoint import CheckpointError
     from minigpt_model.data import DataError
     from minigpt_model.tokenizer import TokenizerUnavailable
-    from minigpt_model.trainer import RunError
+    from minigpt_model.trainer import ModelConfigError, RunError
     from shardplan import PlanError
+    from shardplan.cli import print_error, report_bug
     from shardplan.devices import DeviceSetupError
     from shardplan.models import ModelLoadError
     try:
@@ -107,26 +133,26 @@ def main(argv: list[str] | None = None) -> int:
         render_diagnostics(err, exc.diagnostics)
         return 1
     except (RunError, DataError, CheckpointError, TokenizerUnavailable) as exc:
-        err.print(f"[bold red]error:[/] {exc}")
+        print_error(err, str(exc))
         return 1
-    except (ModelLoadError, DeviceSetupError) as exc:
-        err.print(f"[bold red]error:[/] {exc}")
+    except (ModelLoadError, ModelConfigError, DeviceSetupError, UsageError) as exc:
+        print_error(err, str(exc))
         return 2
     except KeyboardInterrupt:
         err.print("interrupted; the last checkpoint is intact (continue with --resume)")
         return 130
-    except Exception as exc:  # a bug of ours: say so briefly unless --debug
-        if args.debug:
-            traceback.print_exc()
-        else:
-            err.print(f"[bold red]internal error:[/] {type(exc).__name__}: {exc}\n(rerun with --debug for the traceback)")
-        return 3
+    except Exception as exc:  # a bug of ours
+        return report_bug(err, exc, debug=args.debug, program="minigpt")
+
+
+class UsageError(Exception):
+    """An option that cannot work with what it is applied to (exit 2)."""
 
 
 def _devices(requested: int | None) -> None:
     from shardplan.devices import has_accelerator, simulate_cpu_devices
     if requested is not None or not has_accelerator():
-        simulate_cpu_devices(requested or 8)
+        simulate_cpu_devices(8 if requested is None else requested)
 
 
 def _train(args, console: Console) -> int:
@@ -164,7 +190,13 @@ def _launch(args, console: Console) -> int:
 def _sample(args, console: Console) -> int:
     from minigpt_model.checkpoint import restore_for_inference
     from minigpt_model.sampling import generate
-    model, tokenizer, model_config = restore_for_inference(args.checkpoint)
+    from rich.text import Text
+    err = Console(stderr=True, highlight=False, markup=False)
+    model, tokenizer, model_config = restore_for_inference(
+        args.checkpoint, warn=lambda message: err.print(Text.assemble(("warning: ", "yellow"), message)))
+    if args.top_k > tokenizer.vocab_size:
+        raise UsageError(f"--top-k {args.top_k} is larger than the vocabulary ({tokenizer.vocab_size} tokens); "
+                         f"use at most {tokenizer.vocab_size}, or 0 for all")
     ids = generate(model, tokenizer.encode(args.prompt), maxlen=model_config["maxlen"], max_tokens=args.max_tokens,
                    temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     from minigpt_model.tokenizer import END_OF_TEXT

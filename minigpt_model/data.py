@@ -20,18 +20,23 @@ class DataError(Exception):
     """The training data cannot be used (message says why)."""
 
 
+# The data is read into memory and tokenized in Python: beyond this, pre-tokenize it instead.
+MAX_DATA_BYTES = 1 << 30
+
+
 def read_documents(paths: list[str] | None, *, separator: str = END_OF_TEXT, seed: int = 0) -> list[str]:
     """Documents from text files split on `separator`, or the built-in stories when `paths` is empty."""
     if not paths:
         text = default_corpus(seed=seed)
     else:
+        from shardplan.loader import FileTooLarge, read_bounded
         parts = []
         for path in paths:
             try:
-                parts.append(Path(path).read_text(encoding="utf-8"))
+                parts.append(read_bounded(Path(path), MAX_DATA_BYTES).decode("utf-8"))
             except FileNotFoundError:
                 raise DataError(f"data file {path} does not exist") from None
-            except (OSError, UnicodeDecodeError) as exc:
+            except (OSError, UnicodeDecodeError, FileTooLarge) as exc:
                 raise DataError(f"cannot read data file {path}: {exc}") from None
         text = separator.join(parts)
     documents = [doc.strip() for doc in text.split(separator) if doc.strip()]

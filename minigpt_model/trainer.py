@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
+import fcntl
+import hashlib
 import json
 import math
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -15,9 +19,10 @@ import numpy as np
 from flax import nnx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.text import Text
 
 import shardplan
-from minigpt_model.checkpoint import CheckpointError, Checkpoints
+from minigpt_model.checkpoint import CheckpointError, Checkpoints, DiskFull, is_disk_full
 from minigpt_model.data import Dataset, DataError, build_dataset, read_documents
 from minigpt_model.model import MiniGPT
 from minigpt_model.sampling import generate
@@ -31,8 +36,17 @@ DEFAULT_MODEL = dict(maxlen=128, embed_dim=128, num_heads=8, feed_forward_dim=51
                      dropout_rate=0.1)
 
 
+# Settings that make a run what it is; resuming with any of them changed is refused.
+IDENTITY = ("batch_size", "lr", "warmup_steps", "weight_decay", "clip_norm", "seed", "separator", "tokenizer")
+LOCK = ".lock"
+
+
 class RunError(Exception):
     """The run cannot start or continue (message says why)."""
+
+
+class ModelConfigError(ValueError):
+    """The model settings (--config) cannot build a MiniGPT."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,13 +75,12 @@ class TrainConfig:
         return {**DEFAULT_MODEL, **self.model, "vocab_size": vocab_size}
 
     def identity(self) -> dict[str, Any]:
-        """What must agree for a directory to hold the same run (so that --resume is exact).
+        """What must agree for --resume to continue the same run (data is compared by content, see `train`).
 
-        The plan is not part of it: a run may continue under another plan or mesh.
+        Free to change on resume: the plan and mesh, `steps` (the learning-rate schedule then follows
+        the new length from the resumed step on), evaluation and checkpoint intervals, the sample.
         """
-        keep = ("steps", "batch_size", "lr", "warmup_steps", "weight_decay", "clip_norm", "seed", "data",
-                "separator", "tokenizer")
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items() if k in keep}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k in IDENTITY}
 
 
 @dataclasses.dataclass
@@ -86,41 +99,67 @@ def train(config: TrainConfig, *, console: Console | None = None, devices=None,
     only process 0 prints and writes metrics, and all of them write checkpoints together.
     """
     lead = jax.process_index() == 0
-    console = (console or Console()) if lead else Console(quiet=True)
+    console = (console or Console(markup=False)) if lead else Console(quiet=True)
     plan = shardplan.load_plan(_plan_path(config.plan))
     mesh = shardplan.make_mesh(plan, devices=devices)
     tokenizer = get_tokenizer(config.tokenizer)
     model_config = config.model_config(tokenizer.vocab_size)
-    report = shardplan.check(plan, nnx.eval_shape(lambda: MiniGPT(**model_config, rngs=nnx.Rngs(0))), mesh)
+    report = shardplan.check(plan, _abstract_model(model_config), mesh)
     render_summary(console, report)
     if report.errors:
         raise shardplan.PlanError(report.diagnostics)
-    dataset = build_dataset(read_documents(list(config.data), separator=config.separator, seed=config.seed),
-                            tokenizer, seq_len=model_config["maxlen"], batch_size=config.batch_size, seed=config.seed)
+    documents = read_documents(list(config.data), separator=config.separator, seed=config.seed)
+    dataset = build_dataset(documents, tokenizer, seq_len=model_config["maxlen"], batch_size=config.batch_size,
+                            seed=config.seed)
     out = Path(config.out)
+    lock = None
     if lead:
-        _claim_directory(out, config, model_config)     # only once nothing else can refuse the run
-    _all_processes_reach("run directory claimed")
+        lock = RunLock.acquire(out)
+        try:    # only once nothing else can refuse the run
+            _claim_directory(out, config, model_config, data_digest(documents))
+        except BaseException:
+            lock.release()
+            raise
+    try:
+        _all_processes_reach("run directory claimed")
+        return _run(config, plan, mesh, model_config, tokenizer, dataset, out, lead, stop_after, console)
+    finally:
+        if lock is not None:
+            lock.release()
 
+
+def _run(config, plan, mesh, model_config, tokenizer, dataset, out, lead, stop_after, console) -> RunResult:
+    """The run proper, in a directory this process has claimed."""
     model = shardplan.apply_plan(plan, MiniGPT(**model_config, rngs=nnx.Rngs(config.seed)), mesh)
     tx = make_optimizer(lr=config.lr, steps=config.steps, warmup_steps=config.warmup_steps,
                         weight_decay=config.weight_decay, clip_norm=config.clip_norm)
     optimizer = shardplan.shard_optimizer(plan, model, tx, mesh)
     checkpoints = Checkpoints(out / "checkpoints")
-    start = _resume(checkpoints, model, optimizer, model_config, config, console)
-    metrics = _Metrics(out / "metrics.jsonl", keep_until=start, write=lead)
+    start = _resume(checkpoints, model, optimizer, model_config, config, console, out)
+    metrics = _Metrics(out / "metrics.jsonl", keep_until=start, write=lead, warn=lambda m: _warn(console, m))
 
-    losses, evals = _loop(config, plan, mesh, dataset, model, optimizer, checkpoints, metrics, model_config,
-                          tokenizer, start, stop_after, console)
-    checkpoints.close()
+    try:
+        losses, evals = _loop(config, plan, mesh, dataset, model, optimizer, checkpoints, metrics, model_config,
+                              tokenizer, start, stop_after, console)
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        last = checkpoints.latest_step()
+        raise DiskFull(f"the disk is full writing to {out} ({exc.strerror or exc}); checkpoints up to step "
+                       f"{last} are intact: free space, then continue with --resume") from None
+    finally:
+        checkpoints.close()
     if lead:
-        _plot(out, metrics.records())
+        try:
+            _plot(out, metrics.records())
+        except OSError as exc:      # the picture is a convenience; the run itself is saved
+            _warn(console, f"loss.png not drawn: {exc.strerror or exc}")
     sample = ""
     if stop_after is None and config.sample_tokens and jax.process_count() == 1:
         ids = generate(model, tokenizer.encode(config.sample_prompt), maxlen=model_config["maxlen"],
                        max_tokens=config.sample_tokens, temperature=0.8, top_k=20, seed=config.seed)
         sample = config.sample_prompt + tokenizer.decode(ids).split(END_OF_TEXT)[0]
-        console.print(f"[bold]sample:[/] {sample}")
+        console.print(Text.assemble(("sample:", "bold"), " ", sample))
     return RunResult(losses, evals, sample, out)
 
 
@@ -185,42 +224,135 @@ def _evaluate(model, eval_data) -> float:
     return float(np.mean([float(eval_step(model, tokens, targets)) for tokens, targets in eval_data]))
 
 
-def _claim_directory(out: Path, config: TrainConfig, model_config: dict) -> None:
+def _abstract_model(model_config: dict):
+    """The model's shapes, or a clear complaint about the settings that cannot build it."""
+    try:
+        return nnx.eval_shape(lambda: MiniGPT(**model_config, rngs=nnx.Rngs(0)))
+    except Exception as exc:
+        raise ModelConfigError(f"cannot build MiniGPT with {model_config}: {type(exc).__name__}: {exc}") from None
+
+
+def data_digest(documents: list[str]) -> str:
+    """SHA-256 of the training documents: the same data under another file name is the same run."""
+    digest = hashlib.sha256()
+    for doc in documents:
+        digest.update(doc.encode("utf-8"))
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+class RunLock:
+    """An advisory lock on a run directory, so two trainers never write one run.
+
+    `flock` is released by the kernel when its holder exits, however it exits, so a lock left by a
+    killed trainer is free again: the PID and host in the file are only there to name the holder.
+    """
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    @classmethod
+    def acquire(cls, out: Path) -> "RunLock":
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            handle = (out / LOCK).open("a+")
+        except FileExistsError:
+            raise RunError(f"--out {out} is a file, not a directory; choose another --out") from None
+        except OSError as exc:
+            raise RunError(f"cannot use --out {out}: {exc.strerror or exc}; choose another --out") from None
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise RunError(f"{out} is in use by another trainer ({holder}); wait for it to finish or stop it, "
+                           "or choose another --out") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on host {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        handle.flush()
+        return cls(handle)
+
+    def release(self) -> None:
+        if not self._handle.closed:
+            fcntl.flock(self._handle, fcntl.LOCK_UN)
+            self._handle.close()
+
+
+def _claim_directory(out: Path, config: TrainConfig, model_config: dict, digest: str) -> None:
     """Refuse a directory that holds another run; record this run's identity atomically."""
     run_file = out / "run.json"
-    wanted = {"config": config.identity(), "model": model_config}
+    wanted = {"config": {**config.identity(), "data_sha256": digest}, "model": model_config,
+              "settings": {"plan": config.plan, "steps": config.steps, "data": list(config.data)}}
     if run_file.exists():
-        held = json.loads(run_file.read_text())
+        try:
+            held = json.loads(run_file.read_text())
+        except ValueError:
+            raise RunError(f"{run_file} is damaged (not JSON); restore it or choose another --out") from None
+        settings = held.get("settings", {})
         if not config.resume:
-            raise RunError(f"{out} already holds a run ({held['config'].get('plan')}, {held['config'].get('steps')} "
-                           "steps); pass --resume to continue it or choose another --out")
+            raise RunError(f"{out} already holds a run (plan {settings.get('plan', '?')}, "
+                           f"{settings.get('steps', '?')} steps); pass --resume to continue it or choose another --out")
         if held["model"] != model_config:
             raise RunError(f"--resume: the run in {out} has model {held['model']}, but this one asks for "
                            f"{model_config}; a checkpoint from a different model shape cannot be continued")
+        changed = [f"{key} {held['config'][key]!r} -> {value!r}" for key, value in wanted["config"].items()
+                   if key in held["config"] and held["config"][key] != value]
+        if changed:
+            raise RunError(f"--resume: this is not the run in {out}: {'; '.join(changed)}. Resuming continues the "
+                           f"same run exactly, so {', '.join(IDENTITY)} and the data must match (the plan, --steps "
+                           "and the evaluation and checkpoint intervals may change); start a new run with another --out")
+        _write_atomic(run_file, json.dumps({**held, "settings": wanted["settings"]}, indent=2))
         return
-    if out.exists() and any(p for p in out.iterdir() if p.name != "run.json"):
+    if any(p for p in out.iterdir() if p.name not in ("run.json", LOCK)):
         raise RunError(f"{out} is not empty and holds no run; choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
     _write_atomic(run_file, json.dumps(wanted, indent=2))
 
 
-def _resume(checkpoints: Checkpoints, model, optimizer, model_config, config: TrainConfig, console) -> int:
-    if not config.resume or checkpoints.latest_step() is None:
+def _warn(console, message: str) -> None:
+    console.print(Text.assemble(("warning: ", "yellow"), message))
+
+
+def _resume(checkpoints: Checkpoints, model, optimizer, model_config, config: TrainConfig, console, out: Path) -> int:
+    """Restore the newest intact checkpoint; damaged newer ones are reported and set aside, never used."""
+    if not config.resume or not checkpoints.all_steps():
         return 0
-    meta = checkpoints.meta()
-    if meta["model"] != model_config:
-        raise CheckpointError(f"the checkpoint in {checkpoints.directory} is of model {meta['model']}, not "
-                              f"{model_config}")
-    meta = checkpoints.restore(model, optimizer)
-    console.print(f"resumed from step {meta['step']} ({checkpoints.directory})")
-    return int(meta["data_step"])
+    intact = checkpoints.intact_steps(warn=lambda m: _warn(console, m))
+    for step in intact:
+        meta = checkpoints.meta(step)
+        if meta["model"] != model_config:
+            raise CheckpointError(f"the checkpoint in {checkpoints.directory} is of model {meta['model']}, not "
+                                  f"{model_config}")
+        try:
+            meta = checkpoints.restore(model, optimizer, step=step)
+        except CheckpointError as exc:
+            _warn(console, str(exc))
+            continue
+        _set_aside_newer(checkpoints, step, out, console)
+        console.print(f"resumed from step {meta['step']} ({checkpoints.directory})")
+        return int(meta["data_step"])
+    raise CheckpointError(f"no checkpoint in {checkpoints.directory} can be restored (see the warnings above); "
+                          f"move {checkpoints.directory} away to start the run over")
+
+
+def _set_aside_newer(checkpoints: Checkpoints, step: int, out: Path, console) -> None:
+    newer = [s for s in checkpoints.all_steps() if s > step]
+    if not newer:
+        return
+    if jax.process_count() > 1:
+        raise CheckpointError(f"checkpoint step(s) {newer} in {checkpoints.directory} are damaged; move them out of "
+                              "the directory, then resume again")
+    for target in checkpoints.set_aside(newer, out / "damaged"):
+        _warn(console, f"moved the damaged checkpoint to {target}; continuing from step {step}")
 
 
 class _Metrics:
-    """metrics.jsonl, appended per step; on resume, records past the checkpoint are dropped."""
+    """metrics.jsonl, appended per step; on resume, records past the checkpoint are dropped, and a line
+    torn by a crash mid-write is dropped with a warning."""
 
-    def __init__(self, path: Path, *, keep_until: int, write: bool = True):
-        self.path, self.write = path, write
+    def __init__(self, path: Path, *, keep_until: int, write: bool = True, warn=None):
+        self.path, self.write, self.warn = path, write, warn
         if write:
             kept = [r for r in self.records() if r["step"] <= keep_until]
             _write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
@@ -228,7 +360,17 @@ class _Metrics:
     def records(self) -> list[dict]:
         if not self.path.exists():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        records = []
+        for number, line in enumerate(self.path.read_text(errors="replace").splitlines(), start=1):
+            try:
+                record = json.loads(line) if line.strip() else None
+            except ValueError:
+                record = None
+                if self.warn:
+                    self.warn(f"{self.path}:{number} is not a complete record (a write cut short?); dropped")
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                records.append(record)
+        return records
 
     def append(self, record: dict) -> None:
         if not self.write:
@@ -261,4 +403,5 @@ def _plot(out: Path, records: list[dict]) -> None:
     plt.close(fig)
 
 
-__all__ = ["TrainConfig", "RunResult", "RunError", "DataError", "CheckpointError", "train", "DEFAULT_MODEL"]
+__all__ = ["TrainConfig", "RunResult", "RunError", "DataError", "CheckpointError", "ModelConfigError", "train",
+           "DEFAULT_MODEL"]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from shardplan import auto as planner
 from shardplan.cost import Workload
@@ -45,15 +46,17 @@ def run_auto(console: Console, *, factory: str, config: dict, devices: int, host
     else:
         _print_table(console, found, measured, top)
     if not found.ranked:
-        console.print(f"[bold red]no candidate fits {human_bytes(found.memory)} per device[/] "
-                      f"({len(found.rejected)} tried); raise --memory-per-device, add devices or lower --batch/--seq")
+        console.print(Text.assemble((f"no candidate fits {human_bytes(found.memory)} per device", "bold red"),
+                                    f" ({len(found.rejected)} tried); raise --memory-per-device, add devices or "
+                                    "lower --batch/--seq"))
         return EXIT_NOTHING_FITS
     text = planner.plan_text(found.best, found, command=command)
     _check_written(text, found, devices=devices, hosts=hosts, input_name=input_name)
     _write_atomically(Path(output), text)
     if not as_json:
-        console.print(f"wrote [bold]{output}[/]: {found.best.candidate.label()}, "
-                      f"{found.best.candidate.rules_label()}; check it with `shardplan validate {output}`")
+        console.print(Text.assemble("wrote ", (output, "bold"), f": {found.best.candidate.label()}, "
+                                    f"{found.best.candidate.rules_label()}; check it with `shardplan validate "
+                                    f"{output}`"))
     return EXIT_OK
 
 

@@ -9,13 +9,16 @@ import sys
 import traceback
 
 from rich.console import Console
+from rich.text import Text
 
 from shardplan.diagnostics import PlanError
 from shardplan.loader import load_plan
-from shardplan.schema import Plan
+from shardplan.schema import MAX_MESH_DEVICES, Plan
 
-EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
-_UNREADABLE = {"unreadable-file", "unsupported-format"}
+EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_BUG, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+_UNREADABLE = {"unreadable-file", "unsupported-format", "plan-too-large"}
+# Simulating CPU devices costs time and memory that grow faster than the count (8192 take 25 s and 1 GiB).
+MAX_SIMULATED_DEVICES = 4096
 
 DESCRIPTION = """\
 Declarative sharding plans for JAX/Flax NNX models.
@@ -24,7 +27,12 @@ A plan file (YAML or TOML) maps parameter-path regexes to PartitionSpecs on a na
 device mesh. These commands check a plan against a model and show what every device
 would hold, before any array is allocated.
 
-exit status: 0 valid (warnings allowed), 1 invalid plan, 2 unreadable file or usage error
+A plan is data: its model.factory is code, imported and called only with your consent
+(--model on the command line, --trust-plan, SHARDPLAN_TRUST_PLAN=1) or when it is shardplan's
+own minigpt_model:MiniGPT. Without consent, validate checks what needs no model.
+
+exit status: 0 valid (warnings allowed), 1 invalid plan, 2 unreadable file, usage error or
+model not built (no consent, factory failed), 3 a bug in shardplan, 130 interrupted
 """
 
 EPILOG = """\
@@ -38,6 +46,20 @@ examples:
 """
 
 
+def _count(minimum: int, maximum: int | None = None):
+    """argparse type: an integer in [minimum, maximum], refused with a usage message otherwise."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"requires an integer, but got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f"from {minimum} to {maximum:,}" if maximum is not None else f">= {minimum}"
+            raise argparse.ArgumentTypeError(f"requires an integer {bound}, but got {value}")
+        return value
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardplan", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -45,16 +67,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     def model_args(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("plan", help="plan file (.yaml, .yml or .toml)")
-        sub.add_argument("--model", help="model factory module:callable (default: the plan's model.factory)")
+        sub.add_argument("--model", help="model factory module:callable, imported from the installed packages or "
+                                          "the working directory (default: the plan's model.factory, with consent)")
+        sub.add_argument("--trust-plan", action="store_true",
+                         help="import and call the plan's model.factory (also SHARDPLAN_TRUST_PLAN=1); without it "
+                              "only --model or shardplan's own minigpt_model:MiniGPT is built")
         sub.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                          help="factory keyword argument, overriding the plan's model.config (repeatable)")
-        sub.add_argument("--devices", type=int, metavar="N",
-                         help="simulate N CPU devices (default without an accelerator: as many as the plan's mesh "
-                              "needs, 8 for a -1 axis)")
+        sub.add_argument("--devices", type=_count(1, MAX_MESH_DEVICES), metavar="N",
+                         help="lay the plan out for N devices (default: the accelerators present, else as many as "
+                              "the plan's mesh needs, 8 for a -1 axis)")
         sub.add_argument("--debug", action="store_true", help="show Python tracebacks")
 
     validate = commands.add_parser("validate", help="check a plan against its model and mesh; print diagnostics")
     model_args(validate)
+    validate.add_argument("--plan-only", action="store_true",
+                          help="check only what needs no model (rules, mesh, inputs, stages); builds nothing")
     validate.set_defaults(handler=_validate)
 
     inspect = commands.add_parser("inspect", help="show the mesh, per-parameter layout and per-device bytes")
@@ -64,9 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="one row per parameter (default: repeated layers share a row)")
     inspect.add_argument("--json", action="store_true", help="print the layout as JSON instead of tables")
     inspect.add_argument("--svg", metavar="FILE", help="also save the printed view as an SVG image")
-    inspect.add_argument("--batch", type=int, metavar="B",
+    inspect.add_argument("--batch", type=_count(1), metavar="B",
                          help="global batch (sequences) for the cost estimate (default: 4 per device)")
-    inspect.add_argument("--seq", type=int, default=128, metavar="T",
+    inspect.add_argument("--seq", type=_count(1), default=128, metavar="T",
                          help="tokens per sequence for the cost estimate (default 128)")
     inspect.add_argument("--profile", default="h200",
                          help="device profile for the modelled step time: h200, tpu-v5e or cpu (default h200)")
@@ -92,18 +120,20 @@ def build_parser() -> argparse.ArgumentParser:
     auto.add_argument("--model", required=True, help="model factory module:callable")
     auto.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                       help="factory keyword argument (repeatable)")
-    auto.add_argument("--devices", type=int, required=True, metavar="N", help="number of devices to plan for")
-    auto.add_argument("--hosts", type=int, default=1, metavar="H", help="hosts the devices are spread over (default 1)")
+    auto.add_argument("--devices", type=_count(1, MAX_MESH_DEVICES), required=True, metavar="N",
+                      help="number of devices to plan for")
+    auto.add_argument("--hosts", type=_count(1, MAX_MESH_DEVICES), default=1, metavar="H",
+                      help="hosts the devices are spread over (default 1)")
     auto.add_argument("--memory-per-device", metavar="SIZE",
                       help="memory budget per device, e.g. 16GiB or 80GB (default: the profile's memory)")
-    auto.add_argument("--batch", type=int, default=None, metavar="B",
+    auto.add_argument("--batch", type=_count(1), default=None, metavar="B",
                       help="global batch in sequences (default: 4 per device)")
-    auto.add_argument("--seq", type=int, default=128, metavar="T", help="tokens per sequence (default 128)")
+    auto.add_argument("--seq", type=_count(1), default=128, metavar="T", help="tokens per sequence (default 128)")
     auto.add_argument("--profile", default="h200", help="device profile: h200, tpu-v5e or cpu (default h200)")
     auto.add_argument("--input", default="tokens", metavar="NAME", help="name of the batch input (default tokens)")
     auto.add_argument("-o", "--output", required=True, metavar="PLAN", help="where to write the chosen plan (.yaml)")
-    auto.add_argument("--top", type=int, default=8, metavar="K", help="candidates to show (default 8)")
-    auto.add_argument("--measure", type=int, default=0, metavar="K",
+    auto.add_argument("--top", type=_count(1), default=8, metavar="K", help="candidates to show (default 8)")
+    auto.add_argument("--measure", type=_count(0), default=0, metavar="K",
                       help="compile the top K candidates on N simulated devices (builds the model) and re-rank "
                            "by the compiler's collective bytes and memory")
     auto.add_argument("--json", action="store_true", help="print the ranking as JSON instead of a table")
@@ -117,8 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console(record=bool(getattr(args, "svg", None)), highlight=False)
-    err = Console(stderr=True, highlight=False)
+    # markup=False: plan text (regexes such as `[a-z]+`) and messages are printed as they are.
+    console = Console(record=bool(getattr(args, "svg", None)), highlight=False, markup=False)
+    err = Console(stderr=True, highlight=False, markup=False)
     try:
         return args.handler(args, console)
     except PlanError as exc:
@@ -129,21 +160,35 @@ def main(argv: list[str] | None = None) -> int:
         render_verdict(err, exc.diagnostics)
         return EXIT_INVALID
     except UsageError as exc:
-        err.print(f"[bold red]error:[/] {exc}", highlight=False)
+        print_error(err, str(exc))
         return EXIT_USAGE
     except KeyboardInterrupt:
         err.print("interrupted")
-        return 130
-    except Exception as exc:  # a bug of ours, not the user's: say so briefly unless --debug
-        if args.debug:
-            traceback.print_exc()
-        else:
-            err.print(f"[bold red]internal error:[/] {type(exc).__name__}: {exc}\n(rerun with --debug for the traceback)")
-        return 3
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # a bug of ours, not the user's
+        return report_bug(err, exc, debug=args.debug, program="shardplan")
+
+
+def print_error(console: Console, message: str, label: str = "error") -> None:
+    console.print(Text.assemble((f"{label}: ", "bold red"), message))
+
+
+def report_bug(console: Console, exc: BaseException, *, debug: bool, program: str) -> int:
+    """Exit status 3 is only ever a bug of ours: say so, and how to report it."""
+    if debug:
+        traceback.print_exc()
+    print_error(console, f"{type(exc).__name__}: {exc}", label=f"internal error (a bug in {program})")
+    console.print(f"Please report it with the command line you ran and the output of the same command with "
+                  f"--debug{'' if debug else ' (which adds the traceback)'}.")
+    return EXIT_BUG
 
 
 class UsageError(Exception):
     """A mistake in the command line or the environment, not in the plan (exit 2)."""
+
+
+class NoConsent(UsageError):
+    """The plan names a model factory the user has not agreed to run."""
 
 
 def _schema(args, console: Console) -> int:
@@ -153,10 +198,28 @@ def _schema(args, console: Console) -> int:
 
 def _validate(args, console: Console) -> int:
     from shardplan.render import render_diagnostics, render_verdict
-    report = _report(args)
+    if args.plan_only:
+        return _validate_plan_only(args, console)
+    try:
+        report = _report(args)
+    except NoConsent as exc:
+        # Validating a plan from someone else must be safe: check what needs no model, build nothing.
+        code = _validate_plan_only(args, console)
+        print_error(console, str(exc), label="not checked against the model")
+        return code if code == EXIT_INVALID else EXIT_USAGE
     render_diagnostics(console, report.diagnostics)
     render_verdict(console, report)
     return EXIT_OK if report.ok else EXIT_INVALID
+
+
+def _validate_plan_only(args, console: Console) -> int:
+    from shardplan.render import render_diagnostics, render_verdict
+    from shardplan.report import check_plan_only
+    plan = load_plan(args.plan)
+    diagnostics = check_plan_only(plan, _device_count(args.devices, plan))
+    render_diagnostics(console, diagnostics)
+    render_verdict(console, diagnostics, scope="plan only, without the model")
+    return EXIT_INVALID if any(d.severity == "error" for d in diagnostics) else EXIT_OK
 
 
 def _inspect(args, console: Console) -> int:
@@ -199,11 +262,11 @@ def _explain(args, console: Console) -> int:
     render_diagnostics(console, problems)
     winner, shadowed = shadowing(rules, args.path)
     if winner is None:
-        console.print(f"[bold red]{args.path}[/]: no rule matches (unmatched: {plan.unmatched})")
+        console.print(Text.assemble((args.path, "bold red"), f": no rule matches (unmatched: {plan.unmatched})"))
         return EXIT_INVALID
     def named(rule) -> str:
         return f"rule #{rule.index + 1} '{rule.source}' at {plan.file}:{rule.line}"
-    console.print(f"[bold]{args.path}[/] -> spec {format_spec(winner.spec)} from {named(winner)}")
+    console.print(Text.assemble((args.path, "bold"), f" -> spec {format_spec(winner.spec)} from {named(winner)}"))
     for rule in shadowed:
         console.print(f"  shadows {named(rule)} (spec {format_spec(rule.spec)})")
     if not shadowed:
@@ -214,8 +277,13 @@ def _explain(args, console: Console) -> int:
 def _auto(args, console: Console) -> int:
     from shardplan import auto as planner
     from shardplan.autorun import run_auto
-    if args.devices < 1 or args.hosts < 1 or args.devices % args.hosts:
+    if args.devices % args.hosts:
         raise UsageError(f"--devices ({args.devices}) must be a positive multiple of --hosts ({args.hosts})")
+    if not args.output.lower().endswith((".yaml", ".yml")):
+        raise UsageError(f"auto writes a YAML plan; name the output .yaml or .yml, not {args.output!r}")
+    if args.measure and args.devices > MAX_SIMULATED_DEVICES:
+        raise UsageError(f"--measure compiles on {args.devices} simulated devices; at most {MAX_SIMULATED_DEVICES} "
+                         "can be simulated here")
     try:
         memory = planner.parse_bytes(args.memory_per_device) if args.memory_per_device else None
         from shardplan.profiles import get_profile
@@ -238,14 +306,22 @@ def _auto(args, console: Console) -> int:
 
 
 def _report(args, order: list[str] | None = None):
-    """Load the plan, set up the devices, build the model abstractly, and check."""
+    """Load the plan, build the model abstractly (with consent), and check it for the devices.
+
+    Without an accelerator (or with --devices) the layout is computed for N virtual devices:
+    no JAX devices are needed to lay a plan out, so none are simulated.
+    """
     plan = load_plan(args.plan)
-    _setup_devices(args.devices, plan)
     order = [] if order is None else order
-    model = _abstract_model(args, plan, order)
-    from shardplan.report import check
+    from shardplan.devices import has_accelerator
+    from shardplan.paths import param_infos
+    from shardplan.report import check, check_params
     from shardplan.roles import top_level
-    return check(plan, model, modules=top_level(order) or None)
+    model = _abstract_model(args, plan, order)
+    if args.devices is None and has_accelerator():
+        return check(plan, model, modules=top_level(order) or None)
+    return check_params(plan, param_infos(model), list(range(_device_count(args.devices, plan))),
+                        modules=top_level(order) or None)
 
 
 def _estimate(args, report, order: list[str]):
@@ -263,10 +339,14 @@ def _estimate(args, report, order: list[str]):
 
 
 def _abstract_model(args, plan: Plan, order: list[str]):
-    from shardplan.models import ModelLoadError, build_model, parse_overrides
+    from shardplan.models import ModelLoadError, build_model, consented, parse_overrides
     factory = args.model or (plan.model.factory if plan.model else None)
     if factory is None:
         raise UsageError(f"{args.plan} names no model (model.factory); pass --model module:callable")
+    if not consented(factory, typed=bool(args.model), trust_flag=args.trust_plan):
+        raise NoConsent(f"the plan's model.factory {factory!r} is code, and plans are data: it runs only if "
+                              f"you pass --trust-plan (or set SHARDPLAN_TRUST_PLAN=1), or name your model yourself "
+                              f"with --model {factory}")
     config = dict(plan.model.config) if plan.model and not args.model else {}
     try:
         config.update(parse_overrides(args.config))
@@ -281,14 +361,18 @@ def _setup_devices(requested: int | None, plan: Plan) -> None:
     if requested is None and has_accelerator():
         return
     try:
-        simulate_cpu_devices(requested if requested is not None else _needed_devices(plan))
+        simulate_cpu_devices(requested if requested is not None else _device_count(None, plan))
     except DeviceSetupError as exc:
         raise UsageError(str(exc)) from None
 
 
-def _needed_devices(plan: Plan) -> int:
+def _device_count(requested: int | None, plan: Plan) -> int:
+    """--devices, else what the plan's mesh needs (8 for a -1 axis), bounded like any mesh."""
+    if requested is not None:
+        return requested
     fixed = math.prod(size for size in plan.mesh.axes.values() if size != -1)
-    return fixed * max(1, 8 // fixed) if -1 in plan.mesh.axes.values() else fixed
+    needed = fixed * max(1, 8 // fixed) if -1 in plan.mesh.axes.values() else fixed
+    return min(needed, MAX_MESH_DEVICES + 1)     # one more than allowed: resolve_axes says mesh-too-large
 
 
 if __name__ == "__main__":

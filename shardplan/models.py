@@ -1,4 +1,8 @@
-"""Building the model a plan names (`module:callable`), abstractly, for the command line."""
+"""Building the model a plan names (`module:callable`), abstractly, for the command line.
+
+A plan is data. Its `model.factory` names code, so the command line imports and calls it only
+with the user's consent (see `consented`); `--model` is consent for what the user typed.
+"""
 
 from __future__ import annotations
 
@@ -16,31 +20,66 @@ class ModelLoadError(Exception):
     """The named model cannot be imported or built."""
 
 
+# Factories shipped with shardplan: a plan may name them without consent (they only build a model).
+BUILTIN_FACTORIES = frozenset({"minigpt_model:MiniGPT", "minigpt_model.model:MiniGPT"})
+TRUST_ENV = "SHARDPLAN_TRUST_PLAN"
+
+
+def consented(factory: str, *, typed: bool, trust_flag: bool) -> bool:
+    """May `factory` be imported and called? Yes if the user typed it (`--model`), passed `--trust-plan`
+    or set SHARDPLAN_TRUST_PLAN=1, or it is one of shardplan's own models.
+
+    >>> consented("os:system", typed=False, trust_flag=False)
+    False
+    >>> consented("minigpt_model:MiniGPT", typed=False, trust_flag=False)
+    True
+    """
+    return typed or trust_flag or os.environ.get(TRUST_ENV, "") in ("1", "true", "yes") or factory in BUILTIN_FACTORIES
+
+
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     """`["embed_dim=512", "name=x"]` -> `{"embed_dim": 512, "name": "x"}` (values read as YAML scalars)."""
     config = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep or not key:
+        if not sep or not key.strip():
             raise ModelLoadError(f"--config requires key=value, but got {pair!r}")
-        config[key.strip()] = yaml.safe_load(value)
+        try:
+            config[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise ModelLoadError(f"--config {key.strip()}: {value!r} is not a YAML value "
+                                 f"({getattr(exc, 'problem', None) or exc})") from None
     return config
 
 
 def resolve_factory(spec: str):
+    """The callable `module:attr` names. The working directory is searched too (like `python -m`), only
+    for this import and only after the installed packages, so it cannot shadow them."""
     module_name, sep, attr = spec.partition(":")
-    if not sep:
+    if not sep or not module_name or not attr:
         raise ModelLoadError(f"a model factory is written module:callable, but got {spec!r}")
-    if os.getcwd() not in sys.path:     # like `python -m`: the user's own modules import from here
-        sys.path.append(os.getcwd())
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.append(cwd)
     try:
         target: Any = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ModelLoadError(f"cannot import module {module_name!r} of model {spec!r}: {exc}") from None
+        raise ModelLoadError(f"cannot import module {module_name!r} of model {spec!r}: {exc} (searched the "
+                             f"installed packages and the working directory {cwd}; run from the directory that "
+                             "holds it, install it, or add its folder to PYTHONPATH)") from None
+    except Exception as exc:
+        raise ModelLoadError(f"importing module {module_name!r} of model {spec!r} failed: "
+                             f"{type(exc).__name__}: {exc}") from None
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
     for part in attr.split("."):
         if not hasattr(target, part):
             raise ModelLoadError(f"module {module_name!r} has no attribute {attr!r}")
         target = getattr(target, part)
+    if not callable(target):
+        raise ModelLoadError(f"model factory {spec!r} is a {type(target).__name__}, not a class or function")
     return target
 
 
@@ -69,6 +108,13 @@ def build_model(spec: str, config: dict[str, Any], *, abstract: bool = True, see
         return module
 
     try:
-        return nnx.eval_shape(construct) if abstract else construct()
-    except TypeError as exc:
-        raise ModelLoadError(f"cannot build model {spec!r} with config {config}: {exc}") from None
+        model = nnx.eval_shape(construct) if abstract else construct()
+    except SystemExit as exc:
+        raise ModelLoadError(f"model factory {spec!r} called sys.exit({exc.code!r}) instead of returning a model") \
+            from None
+    except Exception as exc:     # the factory is the user's code: its complaint is about their config
+        raise ModelLoadError(f"model factory {spec!r} with config {config} failed: {type(exc).__name__}: "
+                             f"{exc}") from None
+    if not isinstance(model, nnx.Module):
+        raise ModelLoadError(f"model factory {spec!r} returned a {type(model).__name__}, not a flax.nnx.Module")
+    return model

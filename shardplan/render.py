@@ -48,14 +48,15 @@ def _source_line(d: Diagnostic, cache: dict[str, list[str]]) -> str | None:
     return lines[d.line - 1] if 0 < d.line <= len(lines) else None
 
 
-def render_verdict(console: Console, report_or_diags) -> None:
+def render_verdict(console: Console, report_or_diags, *, scope: str | None = None) -> None:
     diagnostics = report_or_diags.diagnostics if isinstance(report_or_diags, Report) else report_or_diags
     errors = sum(d.severity == "error" for d in diagnostics)
     warnings = sum(d.severity == "warning" for d in diagnostics)
+    within = f" ({scope})" if scope else ""
     if errors:
-        console.print(Text(f"invalid: {errors} error(s), {warnings} warning(s)", style="bold red"))
+        console.print(Text(f"invalid{within}: {errors} error(s), {warnings} warning(s)", style="bold red"))
     else:
-        console.print(Text(f"valid: {warnings} warning(s)", style="bold green"))
+        console.print(Text(f"valid{within}: {warnings} warning(s)", style="bold green"))
 
 
 def render_mesh(console: Console, report: Report) -> None:
@@ -206,8 +207,8 @@ def render_summary(console: Console, report: Report) -> None:
 def render_estimate(console: Console, workload, profile, cost) -> None:
     """The cost model's figures for one device: memory, communication by kind and axes, time."""
     from shardplan.layout import human_bytes
-    console.print(f"\n[bold]Cost estimate[/] per device, batch {workload.batch} x {workload.seq} tokens, "
-                  f"{profile.name} profile (from shapes; nothing compiled):")
+    console.print(Text.assemble("\n", ("Cost estimate", "bold"), f" per device, batch {workload.batch} x "
+                                f"{workload.seq} tokens, {profile.name} profile (from shapes; nothing compiled):"))
     console.print(f"  memory: parameters {human_bytes(cost.param_bytes)}, gradients {human_bytes(cost.grad_bytes)}, "
                   f"optimizer {human_bytes(cost.optimizer_bytes)}, activations {human_bytes(cost.activation_bytes)} "
                   f"({human_bytes(cost.activation_bytes_remat)} with rematerialised layers); "

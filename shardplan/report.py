@@ -8,12 +8,13 @@ from flax import nnx
 
 from shardplan.diagnostics import Diagnostic
 from shardplan.layout import DeviceTotals, ParamLayout, device_totals, imbalance, shard_shape, zero1_spec
-from shardplan.matching import compile_rules
+from shardplan.matching import checked_pattern, compile_rules
 from shardplan.mesh import check_given_mesh, check_hosts, resolve_axes
 from shardplan.paths import ParamInfo, param_infos
 from shardplan.schema import Plan, format_spec
 from shardplan.stages import StageMap, check_microbatches, plan_stages
-from shardplan.validate import Placement, data_axes, validate_inputs, validate_optimizer, validate_params
+from shardplan.validate import (Placement, data_axes, rule_level, validate_inputs, validate_optimizer,
+                                validate_params)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -135,6 +136,26 @@ def check_params(plan: Plan, params: list[ParamInfo], device_ids: list[int], *,
     axis = plan.pipeline.axis if stage_map else None
     devices = device_totals(layouts, sizes, device_ids, axis) if not mesh_diagnostics else []
     return Report(plan, sizes, device_ids, diagnostics, layouts, devices, stage_map)
+
+
+def check_plan_only(plan: Plan, device_count: int) -> list[Diagnostic]:
+    """Everything that can be checked without the model: regexes, the mesh, specs against the mesh, inputs,
+    the optimizer and the pipeline's axis and stage rules. (What needs parameters is left out.)"""
+    rules, diagnostics = compile_rules(plan)
+    sizes, mesh_diagnostics = resolve_axes(plan, device_count)
+    mesh_diagnostics += check_hosts(plan, sizes, 1) if not mesh_diagnostics else []
+    diagnostics += mesh_diagnostics + rule_level(plan, rules, sizes)
+    diagnostics += validate_inputs(plan, sizes) + validate_optimizer(plan, sizes)
+    if plan.pipeline is not None:
+        # Stage rules are checked against a stand-in layer list of the right length when stages are explicit.
+        _, staging = plan_stages(plan, [], sizes, {}, None)
+        diagnostics += [d for d in staging if d.code != "pipeline-no-layers"]
+        for k, rule in enumerate(plan.pipeline.stages if plan.pipeline.stages != "even" else []):
+            line, col = plan.locate("pipeline", "stages", k, "match")
+            _, problem = checked_pattern(rule.match, f"stage rule #{k + 1}", invalid_code="stage-invalid-regex",
+                                         file=plan.file, line=line, column=col)
+            diagnostics += [problem] if problem else []
+    return sorted(diagnostics, key=lambda d: (d.line or 0, d.column or 0))
 
 
 def _layout(placement: Placement, sizes: dict[str, int], data: tuple[str, ...],

@@ -43,14 +43,14 @@ def validate_params(plan: Plan, params: list[ParamInfo], rules: list[Rule],
         rule = winners[param.path]
         spec, valid = _checked_spec(param, rule, sizes, problems) if rule else ((), True)
         placements.append(Placement(param, rule, spec, valid))
-    diagnostics = _rule_level(plan, rules, sizes) + problems.diagnostics()
+    diagnostics = rule_level(plan, rules, sizes) + problems.diagnostics()
     diagnostics += _unmatched(plan, [p for p in params if winners[p.path] is None])
     diagnostics += _unused_and_shadowed(plan, rules, params, winners)
     diagnostics += _replicated_large(plan, placements, sizes)
     return placements, sorted(diagnostics, key=lambda d: (d.line or 0, d.column or 0))
 
 
-def _rule_level(plan: Plan, rules: list[Rule], sizes: dict[str, int]) -> list[Diagnostic]:
+def rule_level(plan: Plan, rules: list[Rule], sizes: dict[str, int]) -> list[Diagnostic]:
     """Problems of a rule's spec that do not depend on which parameter it meets."""
     found = []
     for rule in rules:
