@@ -8,11 +8,14 @@ step that fails verification or cannot be read is reported and the previous one 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
 import os
 import shutil
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -105,14 +108,15 @@ class Checkpoints:
     def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer, meta: dict) -> None:
         layers = _layers_of(model)
         try:
-            self._manager.save(step, args=ocp.args.Composite(
-                model=ocp.args.StandardSave(_plain(_pure(model), layers)),
-                optimizer=ocp.args.StandardSave(_plain(_pure(optimizer), layers)),
-                meta=ocp.args.JsonSave(meta)), force=True)
-            self._manager.wait_until_finished()
-            if jax.process_index() == 0:
-                step_dir = self.directory / str(step)
-                _write_atomic(step_dir / CHECKSUMS, json.dumps(_file_digests(step_dir), indent=1))
+            with _writer_noise_held_back():
+                self._manager.save(step, args=ocp.args.Composite(
+                    model=ocp.args.StandardSave(_plain(_pure(model), layers)),
+                    optimizer=ocp.args.StandardSave(_plain(_pure(optimizer), layers)),
+                    meta=ocp.args.JsonSave(meta)), force=True)
+                self._manager.wait_until_finished()
+                if jax.process_index() == 0:
+                    step_dir = self.directory / str(step)
+                    _write_atomic(step_dir / CHECKSUMS, json.dumps(_file_digests(step_dir), indent=1))
         except Exception as exc:
             if not is_disk_full(exc):
                 raise
@@ -186,6 +190,45 @@ class Checkpoints:
 
     def close(self) -> None:
         self._manager.close()
+
+
+@contextlib.contextmanager
+def _writer_noise_held_back():
+    """Keep what orbax's writer threads print during a save out of the terminal unless it matters.
+
+    When a write fails (a full disk), every writer thread reports it: absl errors and
+    "Event loop is closed" tracebacks written straight to file descriptor 2, some of them after
+    the save has returned. So during a save, descriptor 2 goes to memory. After a good save what
+    was written is replayed; after a failed one that is not a full disk it is replayed too, and the
+    error raised; after a full disk it stays in memory for good (the threads are dying), and
+    Python's own stderr moves to the real terminal so the run's one-line message is seen.
+    """
+    sys.stderr.flush()
+    real = os.dup(2)
+    memory = os.memfd_create("checkpoint-save-stderr")
+    os.dup2(memory, 2)
+    try:
+        yield
+    except BaseException as exc:
+        sys.stderr.flush()
+        if is_disk_full(exc):
+            sys.stderr = os.fdopen(real, "w")
+            sys.excepthook = sys.unraisablehook = threading.excepthook = lambda *args: None
+            os.close(memory)
+            raise
+        _restore(real, memory)
+        raise
+    _restore(real, memory)
+
+
+def _restore(real: int, memory: int) -> None:
+    sys.stderr.flush()
+    os.dup2(real, 2)
+    os.close(real)
+    os.lseek(memory, 0, os.SEEK_SET)
+    while block := os.read(memory, 1 << 16):
+        os.write(2, block)
+    os.close(memory)
 
 
 def _write_atomic(path: Path, text: str) -> None:

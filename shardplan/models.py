@@ -20,6 +20,10 @@ class ModelLoadError(Exception):
     """The named model cannot be imported or built."""
 
 
+class NotAModule(TypeError):
+    """A factory returned something other than an NNX module."""
+
+
 # Factories shipped with shardplan: a plan may name them without consent (they only build a model).
 BUILTIN_FACTORIES = frozenset({"minigpt_model:MiniGPT", "minigpt_model.model:MiniGPT"})
 TRUST_ENV = "SHARDPLAN_TRUST_PLAN"
@@ -103,6 +107,8 @@ def build_model(spec: str, config: dict[str, Any], *, abstract: bool = True, see
     def construct():
         # Rngs are made inside the construction so that eval_shape traces them too.
         module = factory(**config, **({"rngs": nnx.Rngs(seed)} if wants_rngs else {}))
+        if not isinstance(module, nnx.Module):
+            raise NotAModule(f"model factory {spec!r} returned a {type(module).__name__}, not a flax.nnx.Module")
         if on_built is not None:
             on_built(module)
         return module
@@ -112,9 +118,9 @@ def build_model(spec: str, config: dict[str, Any], *, abstract: bool = True, see
     except SystemExit as exc:
         raise ModelLoadError(f"model factory {spec!r} called sys.exit({exc.code!r}) instead of returning a model") \
             from None
+    except NotAModule as exc:
+        raise ModelLoadError(str(exc)) from None
     except Exception as exc:     # the factory is the user's code: its complaint is about their config
         raise ModelLoadError(f"model factory {spec!r} with config {config} failed: {type(exc).__name__}: "
                              f"{exc}") from None
-    if not isinstance(model, nnx.Module):
-        raise ModelLoadError(f"model factory {spec!r} returned a {type(model).__name__}, not a flax.nnx.Module")
     return model
