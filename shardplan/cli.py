@@ -206,7 +206,8 @@ def _validate(args, console: Console) -> int:
     except ModelNotBuilt as exc:
         # Validating a plan from someone else must be safe: check what needs no model, build nothing.
         code = _validate_plan_only(args, console)
-        print_error(console, str(exc), label="not checked against the model")
+        print_error(Console(stderr=True, highlight=False, markup=False), str(exc),
+                    label="not checked against the model")
         return code if code == EXIT_INVALID else EXIT_USAGE
     render_diagnostics(console, report.diagnostics)
     render_verdict(console, report)

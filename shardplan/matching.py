@@ -41,7 +41,7 @@ MAX_ANY_REPEATS = 3            # of which `.*`/`.+`: k of them cost up to len(pa
 
 
 def compile_pattern(source: str) -> re.Pattern:
-    """`re.compile(source)`, refusing patterns whose matching time can explode.
+    r"""`re.compile(source)`, refusing patterns whose matching time can explode.
 
     Python's `re` backtracks: `(a+)+b` takes over a minute against a 40-character path. Refused:
     a repeated group that contains a variable-width part (`(a+)+`, `(\w+/)*`, `(.*x){9}`), and
@@ -52,7 +52,7 @@ def compile_pattern(source: str) -> re.Pattern:
     >>> compile_pattern(r'(a+)+b')
     Traceback (most recent call last):
     ...
-    matching.SlowPattern: '(…)+' repeats a part of variable width ('+'); nested repeats can backtrack exponentially
+    shardplan.matching.SlowPattern: '(…)+' repeats a part of variable width ('+'); nested repeats can backtrack exponentially
     """
     pattern = re.compile(source)
     counts = {"unbounded": 0, "any": 0}

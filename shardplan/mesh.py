@@ -52,7 +52,7 @@ def check_given_mesh(plan: Plan, planned: dict[str, int], given: dict[str, int])
     """A mesh built elsewhere must be the plan's mesh: same axes, in the same order, of the same sizes.
 
     >>> from shardplan.loader import parse_plan
-    >>> plan = parse_plan("version: 1\nmesh: {axes: {data: 4, model: 2}}\nparams: [{match: '.*', spec: []}]")
+    >>> plan = parse_plan("version: 1\\nmesh: {axes: {data: 4, model: 2}}\\nparams: [{match: '.*', spec: []}]")
     >>> check_given_mesh(plan, {"data": 4, "model": 2}, {"data": 2, "model": 4})[0].message
     "the mesh given is {data: 2, model: 4}, but the plan's mesh is {data: 4, model: 2}"
     """

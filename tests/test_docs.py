@@ -6,7 +6,8 @@ import importlib
 import pytest
 
 MODULES = ["shardplan.schema", "shardplan.layout", "shardplan.mesh", "shardplan.hlo", "shardplan.paths",
-           "shardplan.loader", "shardplan.report", "shardplan.apply", "shardplan.roles", "shardplan.auto"]
+           "shardplan.loader", "shardplan.report", "shardplan.apply", "shardplan.roles", "shardplan.auto",
+           "shardplan.matching", "shardplan.models"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -260,13 +260,44 @@ def test_minigpt_train_usage_mistakes_write_nothing(tmp_path, capsys, argv, need
     no_bug(code, text)
 
 
-def test_out_that_is_not_a_directory_is_refused_before_training(tmp_path, capsys):
+def test_out_that_cannot_be_written_is_refused_before_training(tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("keep me")
-    for out in (afile, afile / "run"):
-        code, text = call(minigpt_cli.main, capsys, "train", "--out", out, "--steps", "2", *TINY_ARGS)
-        assert code == 1 and "choose another --out" in text and "step 1" not in text, text
-        assert afile.read_text() == "keep me"
+    outs = [afile, afile / "run"]
+    readonly = tmp_path / "readonly"     # root ignores permission bits; a read-only mount stops it too
+    readonly.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs",
+                                                    str(readonly)], capture_output=True).returncode == 0
+    if not mounted:
+        readonly.chmod(0o500)
+    if mounted or os.geteuid() != 0:
+        outs.append(readonly / "run")
+    try:
+        for out in outs:
+            code, text = call(minigpt_cli.main, capsys, "train", "--out", out, "--steps", "2", *TINY_ARGS)
+            assert code == 1 and "choose another --out" in text and "loss" not in text, text
+            assert afile.read_text() == "keep me"
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(readonly)], check=True)
+
+
+def test_interrupts_and_real_bugs_have_their_own_exit_statuses(capsys, monkeypatch):
+    def interrupted(args, console):
+        raise KeyboardInterrupt
+
+    def broken(args, console):
+        raise RuntimeError("a bug of ours")
+    for main, module, handler in ((shardplan_cli.main, shardplan_cli, "_schema"),
+                                  (minigpt_cli.main, minigpt_cli, "_launch")):
+        argv = ["schema"] if module is shardplan_cli else ["launch", "--local", "2", "--", "train"]
+        monkeypatch.setattr(module, handler, interrupted)
+        code, text = call(main, capsys, *argv)
+        assert code == 130 and "interrupted" in text
+        # A bug (exit 3) says so and how to report it. The handler is looked up when the parser is built.
+        monkeypatch.setattr(module, handler, broken)
+        code, text = call(main, capsys, *argv)
+        assert code == 3 and "internal error (a bug in" in text and "Please report it" in text, text
 
 
 # ------------------------------------------------------------------------- runs: same run, lock, damage
@@ -361,6 +392,13 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_redone_exactly(fin
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert records[-1]["loss"] == finished_run[1][6]                  # the same run, exactly
     assert len(list((out / "damaged").iterdir())) == 1 and verify(out / "checkpoints" / "6") is None
+
+
+def test_sample_options_are_checked(finished_run, capsys):
+    code, text = call(minigpt_cli.main, capsys, "sample", "--checkpoint", finished_run[0], "--top-k", "100000")
+    assert code == 2 and "larger than the vocabulary (320 tokens)" in text, text
+    code, text = call(minigpt_cli.main, capsys, "sample", "--checkpoint", finished_run[0], "--max-tokens", "-5")
+    assert code == 2 and "--max-tokens" in text, text
 
 
 def test_no_readable_checkpoint_is_a_clear_error(finished_run, tmp_path, capsys):
