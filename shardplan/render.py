@@ -26,14 +26,15 @@ def render_diagnostics(console: Console, diagnostics: list[Diagnostic]) -> None:
         head = Text(f"{d.location}: ", style="bold")
         head.append(f"{d.severity}[{d.code}]", style=_STYLE[d.severity])
         head.append(f" {d.message}")
-        console.print(head)
+        # soft_wrap: one line per diagnostic however narrow the console, so logs and grep keep it whole
+        console.print(head, soft_wrap=True)
         source = _source_line(d, lines_of)
         if source is not None:
-            console.print(Text(f"  {d.line:>4} | {source}", style="dim"))
+            console.print(Text(f"  {d.line:>4} | {source}", style="dim"), soft_wrap=True)
             if d.column:
                 console.print(Text("       | " + " " * (d.column - 1) + "^", style=_STYLE[d.severity]))
         if d.hint:
-            console.print(Text(f"  hint: {d.hint}", style="cyan"))
+            console.print(Text(f"  hint: {d.hint}", style="cyan"), soft_wrap=True)
 
 
 def _source_line(d: Diagnostic, cache: dict[str, list[str]]) -> str | None:
