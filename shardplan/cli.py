@@ -317,13 +317,14 @@ def _report(args, order: list[str] | None = None):
     order = [] if order is None else order
     from shardplan.devices import has_accelerator
     from shardplan.paths import param_infos
-    from shardplan.report import check, check_params
+    from shardplan.report import check, check_params, with_layer_structure
     from shardplan.roles import top_level
     model = _abstract_model(args, plan, order)
     if args.devices is None and has_accelerator():
         return check(plan, model, modules=top_level(order) or None)
-    return check_params(plan, param_infos(model), list(range(_device_count(args.devices, plan))),
-                        modules=top_level(order) or None)
+    report = check_params(plan, param_infos(model), list(range(_device_count(args.devices, plan))),
+                          modules=top_level(order) or None)
+    return with_layer_structure(report, plan, model)
 
 
 def _estimate(args, report, order: list[str]):

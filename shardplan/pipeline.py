@@ -39,6 +39,28 @@ def merge_microbatches(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
+def fit_microbatches(rows: int, microbatches: int, batch_axes: tuple[str, ...],
+                     sizes: dict[str, int]) -> tuple[int, tuple[str, ...]]:
+    """The most microbatches (up to the plan's) that divide `rows`, keeping the manual batch axes if
+    each microbatch still splits over them.
+
+    >>> fit_microbatches(32, 8, ("data",), {"data": 2})
+    (8, ('data',))
+    >>> fit_microbatches(1, 8, ("data",), {"data": 2})
+    (1, ())
+    >>> fit_microbatches(6, 8, ("data",), {"data": 2})
+    (3, ('data',))
+    """
+    shards = 1
+    for name in batch_axes:
+        shards *= sizes[name]
+    candidates = [m for m in range(min(microbatches, rows), 0, -1) if rows % m == 0]
+    for m in candidates:
+        if (rows // m) % shards == 0:
+            return m, batch_axes
+    return candidates[0], ()
+
+
 def _chunk(state, index):
     return jax.tree.map(lambda a: a[index], state)
 
@@ -87,6 +109,14 @@ def _shard_key(key, mesh, batch_axes: tuple[str, ...]):
     for name in batch_axes:
         index = index * mesh.shape[name] + jax.lax.axis_index(name)
     return jax.random.fold_in(key, index)
+
+
+def sequential_forward(graphdef, stacked, h, key, *, training: bool):
+    """The stacked layers in model order, one after another (no pipeline): chunk c is at [c % stages, c // stages]."""
+    def in_order(a):
+        stages, virtual, per_chunk = a.shape[:3]
+        return jnp.swapaxes(a, 0, 1).reshape(virtual * stages * per_chunk, *a.shape[3:])
+    return _run_chunk(graphdef, jax.tree.map(in_order, stacked), h, key, 0, training)
 
 
 def circular_forward(graphdef, stacked, xs, key, *, mesh, axis: str, training: bool,
@@ -294,11 +324,24 @@ class Pipelined(nnx.Module):
     def _dropout_key(self, rngs, training):
         return rngs.dropout() if (rngs is not None and training) else None
 
+    def _fit(self, rows: int) -> tuple[int, tuple[str, ...]]:
+        """Microbatches and manual batch axes for a batch of `rows`: the plan's when they divide it; else
+        (sampling one row, a small evaluation) the most microbatches that do, the batch axes left to XLA
+        if a microbatch cannot be split over them. The result is the same; only the overlap differs."""
+        return fit_microbatches(rows, self.microbatches, self.batch_axes, dict(self.mesh.shape))
+
     def __call__(self, tokens, *, rngs: nnx.Rngs | None = None, training: bool = False):
-        xs = split_microbatches(self._before(tokens), self.microbatches)
+        h = self._before(tokens)
+        microbatches, batch_axes = self._fit(h.shape[0])
         graphdef, stacked = nnx.split(getattr(self, self.layers_name))
-        ys = circular_forward(graphdef, stacked, xs, self._dropout_key(rngs, training), mesh=self.mesh,
-                              axis=self.axis, training=training, batch_axes=self.batch_axes)
+        key = self._dropout_key(rngs, training)
+        stages, virtual = jax.tree.leaves(stacked)[0].shape[:2]
+        if virtual > 1 and microbatches < stages:
+            # The circular schedule needs a microbatch per stage to loop back in time; so few rows
+            # (sampling) run layer after layer instead: the same computation, without overlap.
+            return self._after(sequential_forward(graphdef, stacked, h, key, training=training))
+        ys = circular_forward(graphdef, stacked, split_microbatches(h, microbatches), key, mesh=self.mesh,
+                              axis=self.axis, training=training, batch_axes=batch_axes)
         return self._after(merge_microbatches(ys))
 
     def loss(self, tokens, targets, *, rngs: nnx.Rngs | None = None, training: bool = False,
@@ -306,13 +349,15 @@ class Pipelined(nnx.Module):
         """Mean `loss_of(outputs, targets)` over the batch, run by the plan's schedule."""
         if self.schedule != "1f1b":
             return loss_of(self(tokens, rngs=rngs, training=training), targets)
-        xs = split_microbatches(self._before(tokens), self.microbatches)
+        h = self._before(tokens)
+        microbatches, batch_axes = self._fit(h.shape[0])
+        xs = split_microbatches(h, microbatches)
         graphdef, stacked = nnx.split(getattr(self, self.layers_name))
         head_graphdef, head_state = nnx.split(_Chain([getattr(self, name) for name in self.after_names]))
         return one_f_one_b_loss(graphdef, stacked, head_graphdef, head_state, xs,
-                                split_microbatches(targets, self.microbatches), self._dropout_key(rngs, training),
+                                split_microbatches(targets, microbatches), self._dropout_key(rngs, training),
                                 mesh=self.mesh, axis=self.axis, training=training, loss_of=loss_of,
-                                batch_axes=self.batch_axes)
+                                batch_axes=batch_axes)
 
     def to_plain(self) -> nnx.Module:
         """The unpipelined model with the same weights (for sampling and export)."""

@@ -12,7 +12,7 @@ from shardplan.matching import checked_pattern, compile_rules
 from shardplan.mesh import check_given_mesh, check_hosts, resolve_axes
 from shardplan.paths import ParamInfo, param_infos
 from shardplan.schema import Plan, format_spec
-from shardplan.stages import StageMap, check_microbatches, plan_stages
+from shardplan.stages import StageMap, check_microbatches, plan_stages, static_differences
 from shardplan.validate import (Placement, data_axes, rule_level, validate_inputs, validate_optimizer,
                                 validate_params)
 
@@ -94,8 +94,20 @@ def check(plan: Plan, model, mesh=None, *, input_shapes: dict[str, tuple[int, ..
     device_ids = _device_ids(plan, mesh)
     if modules is None:
         modules = [name for name, value in vars(model).items() if isinstance(value, nnx.Module)]
-    return check_params(plan, param_infos(model), device_ids, input_shapes=input_shapes, modules=modules,
-                        processes=jax.process_count(), given_mesh=None if mesh is None else dict(mesh.shape))
+    report = check_params(plan, param_infos(model), device_ids, input_shapes=input_shapes, modules=modules,
+                          processes=jax.process_count(), given_mesh=None if mesh is None else dict(mesh.shape))
+    return with_layer_structure(report, plan, model)
+
+
+def with_layer_structure(report: Report, plan: Plan, model) -> Report:
+    """`report` plus the pipeline's layers compared by structure, which needs the model itself."""
+    layers = getattr(model, plan.pipeline.layers, None) if plan.pipeline else None
+    if report.stage_map is None or layers is None or len(layers) < 2:
+        return report
+    found = static_differences(plan, list(layers))
+    if not found:
+        return report
+    return dataclasses.replace(report, diagnostics=report.diagnostics + found, stage_map=None)
 
 
 def _device_ids(plan: Plan, mesh) -> list[int]:

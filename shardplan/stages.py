@@ -127,6 +127,57 @@ def _layers_differ(layers_name, layers, specs, where) -> list[Diagnostic]:
     return []
 
 
+def static_structure(module, prefix: str = "") -> dict[str, str]:
+    """Everything about a layer that is not an array: module types and non-array attributes
+    (a window size, an attention-kind enum, an activation function), by attribute path."""
+    import numpy as np
+    from flax import nnx
+    found = {f"{prefix}<type>": f"{type(module).__module__}.{type(module).__qualname__}"}
+    for name, value in sorted(vars(module).items()):
+        if name.startswith("_pytree__") or isinstance(value, nnx.Variable):
+            continue
+        if isinstance(value, nnx.Module):
+            found.update(static_structure(value, f"{prefix}{name}/"))
+        elif not hasattr(value, "shape") or isinstance(value, (np.generic,)):
+            found[f"{prefix}{name}"] = repr(value)
+    return found
+
+
+def static_differences(plan: Plan, layers: list) -> list[Diagnostic]:
+    """Layers that differ in anything but their arrays cannot be stacked: the stack runs layer 0's settings
+    for all of them, which would silently compute another model."""
+    from flax import nnx
+    pipe = plan.pipeline
+    first_graph = nnx.graphdef(layers[0])
+    if all(nnx.graphdef(layer) == first_graph for layer in layers[1:]):
+        return []
+    structures = [static_structure(layer) for layer in layers]
+    differing = sorted({key for structure in structures for key in structure
+                        if any(other.get(key) != structure.get(key) for other in structures)})
+    where = _locator(plan)
+    if not differing:
+        return [where("stage-layers-differ", ("pipeline", "layers"),
+                      f"the layers of {pipe.layers} differ in their structure (not only in their arrays), so they "
+                      "cannot be stacked into one pipelined layer", path=f"{pipe.layers}/0")]
+    key = differing[0]
+    values: dict[str, list[int]] = {}
+    for index, structure in enumerate(structures):
+        values.setdefault(structure.get(key, "<absent>"), []).append(index)
+    shown = "; ".join(f"{value} in layer(s) {_index_list(indices)}" for value, indices in values.items())
+    more = f" (and {len(differing) - 1} more attribute(s): {', '.join(differing[1:4])})" if len(differing) > 1 else ""
+    return [where("stage-layers-differ", ("pipeline", "layers"),
+                  f"the layers of {pipe.layers} differ in the non-array attribute {key!r}: {shown}{more}; stacked "
+                  f"layers all run layer 0's settings, so the pipeline would silently compute another model",
+                  path=f"{pipe.layers}/{values[next(iter(values))][0]}/{key}",
+                  hint="pipeline only layers that are identical but for their arrays (for example, keep the "
+                       "differing setting in an array, or pipeline a model whose layers share it)")]
+
+
+def _index_list(indices: list[int]) -> str:
+    shown = ", ".join(map(str, indices[:6]))
+    return shown + (f" and {len(indices) - 6} more" if len(indices) > 6 else "")
+
+
 def _assign(plan, indices: list[int], stages: int, virtual: int, where) -> tuple[list[int] | None, list[Diagnostic]]:
     pipe = plan.pipeline
     count = len(indices)

@@ -154,3 +154,54 @@ def test_inspect_shows_stage_map_and_timeline(capsys):
     assert "Pipeline over axis 'stage': gpipe, 8 microbatches" in out
     assert "stage 3:" in out and "F0" in out and "b7" in out
     assert "bubble 27.3%" in out and "vs 75.0% for the article's" in out
+
+
+@pytest.mark.parametrize("base, schedule, virtual", [("minigpt_3d.yaml", "1f1b", 1), ("minigpt_pp4.yaml", "gpipe", 1),
+                                                     ("minigpt_pp4.yaml", "interleaved", 2)])
+def test_fewer_rows_than_microbatches_give_the_plain_models_result(base, schedule, virtual):
+    """Sampling calls the model with one row; 8 microbatches cannot split it, so fewer are used."""
+    plan = _plan(base, schedule, virtual)
+    mesh = shardplan.make_mesh(plan)
+    plain = minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0))
+    model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0)), mesh)
+    tokens = np.random.default_rng(5).integers(0, 128, size=(6, 16), dtype=np.int32)
+    for rows in (1, 2, 6):
+        np.testing.assert_allclose(model(tokens[:rows]), plain(tokens[:rows]), atol=GRAD_TOL)
+    targets = np.roll(tokens, -1, axis=1)
+    np.testing.assert_allclose(float(nnx.jit(loss_fn)(model, tokens[:2], targets[:2])),
+                               float(loss_fn(plain, tokens[:2], targets[:2])), rtol=1e-6)
+
+
+class _WindowedBlock(nnx.Module):
+    """A block whose behaviour depends on a non-array attribute (like local/global attention)."""
+
+    def __init__(self, window: int | None, *, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(8, 8, rngs=rngs)
+        self.window = window
+
+    def __call__(self, x):
+        y = self.linear(x)
+        return y if self.window is None else jnp.tanh(y)
+
+
+class _Alternating(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.layers = nnx.List([_WindowedBlock(4 if i % 2 == 0 else None, rngs=rngs) for i in range(4)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_layers_that_differ_in_a_non_array_attribute_are_refused(write_plan, capsys):
+    plan = shardplan.load_plan(write_plan(
+        "version: 1\nmesh: {axes: {stage: 2, data: 4}}\ninputs: {x: [data, null]}\n"
+        "pipeline: {axis: stage, layers: layers, microbatches: 2}\nparams: [{match: '.*', spec: replicated}]\n"))
+    for model in (_Alternating(rngs=nnx.Rngs(0)), nnx.eval_shape(lambda: _Alternating(rngs=nnx.Rngs(0)))):
+        report = shardplan.check(plan, model, shardplan.make_mesh(plan))
+        (found,) = [d for d in report.errors if d.code == "stage-layers-differ"]
+        assert "non-array attribute 'window'" in found.message
+        assert "4 in layer(s) 0, 2; None in layer(s) 1, 3" in found.message and "silently" in found.message
+    with pytest.raises(shardplan.PlanError, match="stage-layers-differ"):
+        shardplan.apply_plan(plan, _Alternating(rngs=nnx.Rngs(0)), shardplan.make_mesh(plan))

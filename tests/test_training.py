@@ -188,3 +188,15 @@ def test_pipelined_plan_trains_checkpoints_and_resumes(tmp_path):
     np.testing.assert_allclose([got[s] for s in range(1, 9)], [single.losses[s] for s in range(1, 9)], rtol=REL_TOL)
     model, _, _ = restore_for_inference(run)          # checkpoints hold the unpipelined layout
     assert isinstance(model, MiniGPT)
+
+
+@pytest.mark.parametrize("plan", ["minigpt_3d.yaml", "minigpt_pp4.yaml"])
+def test_shipped_pipeline_plans_train_to_the_end_sample_included(tmp_path, capsys, plan):
+    """What users run: `minigpt train --plan ...` with its default sample at the end (it once crashed there)."""
+    code, out, err = run_cli(capsys, "train", "--plan", f"plans/{plan}", "--out", str(tmp_path / "run"), "--steps", "4",
+                             "--batch-size", "16", "--eval-every", "4", "--checkpoint-every", "4", *TINY_ARGS,
+                             "--config=num_transformer_blocks=4")
+    assert code == 0, err
+    assert "sample: Once upon a time" in out and "done: step 4" in out
+    code, out, err = run_cli(capsys, "sample", "--checkpoint", str(tmp_path / "run"), "--max-tokens", "8")
+    assert code == 0 and out.startswith("Once upon a time"), err
