@@ -19,8 +19,9 @@ __all__ = ["CODES", "Diagnostic", "Plan", "PlanError", "Report", "apply_plan", "
 
 
 def __getattr__(name: str):
-    # The runtime half imports optax and places arrays; loading it lazily keeps `shardplan schema`
-    # and `validate` quick and lets the CLI set the device count before JAX starts.
+    # The runtime half imports JAX, Flax and optax; loading it lazily keeps `--help`, `schema`,
+    # `explain` and plan-only `validate` free of them (tests/test_cli.py checks) and lets the CLI
+    # set the device count before JAX starts.
     if name in ("apply_plan", "shard_optimizer", "shard_inputs", "shard_local_inputs", "constrain", "partition_spec"):
         from shardplan import apply
         return getattr(apply, name)

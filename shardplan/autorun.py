@@ -21,14 +21,14 @@ EXIT_OK, EXIT_NOTHING_FITS = 0, 1
 
 def run_auto(console: Console, *, factory: str, config: dict, devices: int, hosts: int, memory: int | None,
              batch: int, seq: int, profile, input_name: str, output: str, top: int, measure: int,
-             as_json: bool, command: str, usage_error) -> int:
+             as_json: bool, command: str, usage_error, paths: tuple[str, ...] = ()) -> int:
     from shardplan.models import ModelLoadError, build_model
     from shardplan.paths import param_infos
     from shardplan.roles import definition_order, recognise
     order: list[str] = []
     with console.status("building the model abstractly (nothing is allocated)"):
         try:
-            model = build_model(factory, config, on_built=lambda m: order.extend(definition_order(m)))
+            model = build_model(factory, config, paths=paths, on_built=lambda m: order.extend(definition_order(m)))
         except ModelLoadError as exc:
             raise usage_error(str(exc)) from None
     params = param_infos(model)
@@ -39,7 +39,7 @@ def run_auto(console: Console, *, factory: str, config: dict, devices: int, host
                                hosts=hosts, input_name=input_name, model={"factory": factory, "config": config})
     measured = {}
     if measure and found.ranked:
-        measured = _measure(console, found, factory, config, measure)
+        measured = _measure(console, found, factory, config, measure, paths)
         found = _rerank(found, measured)
     if as_json:
         print(json.dumps(_json(found, measured, top), indent=2))
@@ -84,7 +84,8 @@ def _key(item: planner.Ranked) -> tuple[str, str]:
     return item.candidate.label(), item.candidate.rules_label()
 
 
-def _measure(console: Console, found: planner.Search, factory: str, config: dict, k: int) -> dict:
+def _measure(console: Console, found: planner.Search, factory: str, config: dict, k: int,
+             paths: tuple[str, ...] = ()) -> dict:
     """Compile the top k candidates; {candidate key: Measured}."""
     import jax
     from shardplan.measure import measure
@@ -98,7 +99,7 @@ def _measure(console: Console, found: planner.Search, factory: str, config: dict
             continue
         with console.status(f"compiling candidate {index + 1}/{min(k, len(found.ranked))}: "
                             f"{ranked.candidate.label()}, {ranked.candidate.rules_label()}"):
-            model = build_model(factory, config, abstract=False)
+            model = build_model(factory, config, abstract=False, paths=paths)
             results[_key(ranked)] = measure(ranked.plan, model, found.workload.batch, found.workload.seq)
     return results
 

@@ -41,6 +41,8 @@ examples:
   shardplan inspect plans/minigpt_dp_tp.yaml --device 3
   shardplan inspect plans/minigpt_fsdp.toml --json > layout.json
   shardplan explain plans/minigpt_tp.yaml transformer_blocks/0/mha/query/kernel
+  shardplan params --model minigpt_model:MiniGPT --config num_transformer_blocks=2
+  shardplan diff plans/minigpt_dp_tp.yaml plans/minigpt_fsdp.toml
   shardplan schema > plan.schema.json
   shardplan auto --model minigpt_model:MiniGPT --devices 8 --memory-per-device 1GiB -o auto.yaml
 """
@@ -73,7 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="import and call the plan's model.factory (also SHARDPLAN_TRUST_PLAN=1); without it "
                               "only --model or shardplan's own minigpt_model:MiniGPT is built")
         sub.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
-                         help="factory keyword argument, overriding the plan's model.config (repeatable)")
+                         help="factory keyword argument, or a field of the config object the factory takes, "
+                              "overriding the plan's model.config (repeatable)")
+        sub.add_argument("--path", action="append", default=[], metavar="DIR",
+                         help="also import the model's module from DIR (repeatable; the working directory is searched too)")
         sub.add_argument("--devices", type=_count(1, MAX_MESH_DEVICES), metavar="N",
                          help="lay the plan out for N devices (default: the accelerators present, else as many as "
                               "the plan's mesh needs, 8 for a -1 axis)")
@@ -103,8 +108,57 @@ def build_parser() -> argparse.ArgumentParser:
     explain = commands.add_parser("explain", help="which rule gives PATH its spec, and which rules it shadows")
     explain.add_argument("plan", help="plan file")
     explain.add_argument("path", help="parameter path, e.g. transformer_blocks/0/mha/query/kernel")
+    explain.add_argument("--model", help="also check that PATH is a parameter of this model (module:callable); "
+                                          "without it nothing is imported and any path is explained")
+    explain.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                         help="factory keyword argument for --model (repeatable)")
+    explain.add_argument("--path", action="append", default=[], metavar="DIR",
+                         help="also import the model's module from DIR (repeatable; the working directory is searched too)")
     explain.add_argument("--debug", action="store_true", help="show Python tracebacks")
     explain.set_defaults(handler=_explain)
+
+    diff = commands.add_parser(
+        "diff", help="compare two plans for one model: specs per parameter and the bytes a reshard moves",
+        description="Lay one model out under plan A and plan B on the same devices and show, per parameter\n"
+                    "group, the spec under each and the bytes that must move between devices to go from A\n"
+                    "to B (what restoring an A checkpoint under B, or resharding live, transfers): a\n"
+                    "device keeps what it already holds, and receives the rest of its new shard.",
+        epilog="example:\n  shardplan diff plans/minigpt_dp_tp.yaml plans/minigpt_fsdp.toml",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    diff.add_argument("plan", help="plan A (its model is the one compared, unless --model)")
+    diff.add_argument("other", metavar="plan_b", help="plan B")
+    diff.add_argument("--model", help="model factory module:callable (default: plan A's model.factory, with consent)")
+    diff.add_argument("--trust-plan", action="store_true", help="import and call plan A's model.factory")
+    diff.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                      help="factory keyword argument, overriding plan A's model.config (repeatable)")
+    diff.add_argument("--devices", type=_count(1, MAX_MESH_DEVICES), metavar="N",
+                      help="lay both plans out for N devices (default: what plan A's mesh needs)")
+    diff.add_argument("--all-params", action="store_true", help="one row per parameter")
+    diff.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    diff.add_argument("--path", action="append", default=[], metavar="DIR",
+                      help="also import the model's module from DIR (repeatable; the working directory is searched too)")
+    diff.add_argument("--debug", action="store_true", help="show Python tracebacks")
+    diff.set_defaults(handler=_diff)
+
+    params = commands.add_parser(
+        "params", help="list a model's parameter paths, shapes, bytes and roles (and a plan's rule for each)",
+        description="List every parameter of a model, built abstractly (nothing is allocated): its path, shape,\n"
+                    "dtype, bytes and the role shardplan reads from the structure (embedding, column, row,\n"
+                    "matmul, bias, vector). With --plan, also the rule that matches each path and its spec.",
+        epilog="example:\n  shardplan params --model minigpt_model:MiniGPT --config num_transformer_blocks=2\n"
+               "  shardplan params --model minigpt_model:MiniGPT --plan plans/minigpt_tp.yaml --all-params",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    params.add_argument("--model", required=True, help="model factory module:callable")
+    params.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                        help="factory keyword argument (repeatable)")
+    params.add_argument("--plan", help="also show the rule of this plan that matches each path, and its spec")
+    params.add_argument("--all-params", action="store_true",
+                        help="one row per parameter (default: repeated layers share a row)")
+    params.add_argument("--json", action="store_true", help="print the list as JSON")
+    params.add_argument("--path", action="append", default=[], metavar="DIR",
+                        help="also import the model's module from DIR (repeatable; the working directory is searched too)")
+    params.add_argument("--debug", action="store_true", help="show Python tracebacks")
+    params.set_defaults(handler=_params)
 
     auto = commands.add_parser(
         "auto", help="propose a plan: enumerate meshes and rule sets, rank them by modelled step time",
@@ -137,10 +191,19 @@ def build_parser() -> argparse.ArgumentParser:
                       help="compile the top K candidates on N simulated devices (builds the model) and re-rank "
                            "by the compiler's collective bytes and memory")
     auto.add_argument("--json", action="store_true", help="print the ranking as JSON instead of a table")
+    auto.add_argument("--path", action="append", default=[], metavar="DIR",
+                      help="also import the model's module from DIR (repeatable; the working directory is searched too)")
     auto.add_argument("--debug", action="store_true", help="show Python tracebacks")
     auto.set_defaults(handler=_auto)
 
-    schema = commands.add_parser("schema", help="print the JSON Schema of the plan format")
+    schema = commands.add_parser(
+        "schema", help="print the JSON Schema of the plan format",
+        description="Print the JSON Schema of plan format version 1, generated from shardplan's own plan\n"
+                    "models, for editors that complete and check YAML/TOML plan files (e.g. the YAML\n"
+                    "language server: `# yaml-language-server: $schema=plan.schema.json`). Rules JSON\n"
+                    "Schema cannot express (at most one -1 axis, regex validity, everything about the\n"
+                    "model) are checked by `shardplan validate`.",
+        epilog="example:\n  shardplan schema > plan.schema.json", formatter_class=argparse.RawDescriptionHelpFormatter)
     schema.set_defaults(handler=_schema, debug=False)
     return parser
 
@@ -240,14 +303,15 @@ def _inspect(args, console: Console) -> int:
                                 **cost[2].to_json()}
         print(json.dumps(data, indent=2))
         return EXIT_OK if report.ok else EXIT_INVALID
+    # The summary first (mesh, per-device totals, pipeline, estimate), then the tables.
     render.render_mesh(console, report)
-    render.render_params(console, report, collapse=not args.all_params)
     render.render_devices(console, report)
     render.render_pipeline(console, report)
     if cost is not None:
         render.render_estimate(console, *cost)
+    render.render_params(console, report, collapse=not args.all_params)
     if args.device is not None:
-        render.render_device_detail(console, report, args.device)
+        render.render_device_detail(console, report, args.device, collapse=not args.all_params)
     render.render_diagnostics(console, report.diagnostics)
     render.render_verdict(console, report)
     if args.svg:
@@ -262,6 +326,15 @@ def _explain(args, console: Console) -> int:
     plan = load_plan(args.plan)
     rules, problems = compile_rules(plan)
     render_diagnostics(console, problems)
+    if args.model:
+        paths = [p.path for p in _model_params(args.model, args.config, paths=args.path)]
+        if args.path not in paths:
+            import difflib
+            close = difflib.get_close_matches(args.path, paths, n=3, cutoff=0.6)
+            hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else \
+                f"; `shardplan params --model {args.model}` lists its {len(paths)} paths"
+            print_error(console, f"{args.path} is not a parameter of {args.model}{hint}")
+            return EXIT_INVALID
     winner, shadowed = shadowing(rules, args.path)
     if winner is None:
         console.print(Text.assemble((args.path, "bold red"), f": no rule matches (unmatched: {plan.unmatched})"))
@@ -273,6 +346,67 @@ def _explain(args, console: Console) -> int:
         console.print(f"  shadows {named(rule)} (spec {format_spec(rule.spec)})")
     if not shadowed:
         console.print("  no later rule matches this path")
+    return EXIT_OK
+
+
+def _model_params(factory: str, config_pairs: list[str], order: list[str] | None = None, paths=()):
+    """Parameter infos of the model `factory` builds abstractly (the user typed it: consent)."""
+    from shardplan.models import ModelLoadError, build_model, parse_overrides
+    from shardplan.paths import param_infos
+    from shardplan.roles import definition_order
+    order = [] if order is None else order
+    try:
+        model = build_model(factory, parse_overrides(config_pairs), paths=tuple(paths),
+                            on_built=lambda module: order.extend(definition_order(module)))
+    except ModelLoadError as exc:
+        raise UsageError(str(exc)) from None
+    return param_infos(model)
+
+
+def _params(args, console: Console) -> int:
+    from shardplan.render import params_json, render_param_list
+    from shardplan.roles import recognise
+    order: list[str] = []
+    params = _model_params(args.model, args.config, order, paths=args.path)
+    roles = recognise(params, order)
+    rules = None
+    if args.plan:
+        from shardplan.matching import compile_rules
+        plan = load_plan(args.plan)
+        rules, problems = compile_rules(plan)
+        from shardplan.render import render_diagnostics
+        render_diagnostics(console, problems)
+    if args.json:
+        print(json.dumps(params_json(params, roles, rules), indent=2))
+    else:
+        render_param_list(console, params, roles, rules, collapse=not args.all_params)
+    return EXIT_OK
+
+
+def _diff(args, console: Console) -> int:
+    from shardplan.diff import layout_diff
+    from shardplan.paths import param_infos
+    from shardplan.render import render_diagnostics, render_diff
+    from shardplan.report import check_params
+    plan_a, plan_b = load_plan(args.plan), load_plan(args.other)
+    order: list[str] = []
+    params = param_infos(_abstract_model(args, plan_a, order))
+    from shardplan.roles import top_level
+    devices = list(range(_device_count(args.devices, plan_a)))
+    reports = [check_params(plan, params, devices, modules=top_level(order) or None) for plan in (plan_a, plan_b)]
+    errors = [d for report in reports for d in report.errors]
+    if errors:
+        render_diagnostics(console, errors)
+        return EXIT_INVALID
+    changes = layout_diff(*reports)
+    if args.json:
+        from shardplan.report import spec_json
+        print(json.dumps({"devices": len(devices), "params": [
+            {"path": c.path, "spec_a": spec_json(c.spec_a), "spec_b": spec_json(c.spec_b),
+             "param_bytes_moved": c.param_bytes_moved, "opt_bytes_moved": c.opt_bytes_moved} for c in changes]},
+            indent=2))
+        return EXIT_OK
+    render_diff(console, changes, args.plan, args.other, len(devices), collapse=not args.all_params)
     return EXIT_OK
 
 
@@ -304,7 +438,7 @@ def _auto(args, console: Console) -> int:
     return run_auto(console, factory=args.model, config=config, devices=args.devices, hosts=args.hosts,
                     memory=memory, batch=args.batch or 4 * args.devices, seq=args.seq, profile=profile,
                     input_name=args.input, output=args.output, top=args.top, measure=args.measure,
-                    as_json=args.json, command=command, usage_error=UsageError)
+                    as_json=args.json, command=command, usage_error=UsageError, paths=tuple(args.path))
 
 
 def _report(args, order: list[str] | None = None):
@@ -354,7 +488,8 @@ def _abstract_model(args, plan: Plan, order: list[str]):
     try:
         config.update(parse_overrides(args.config))
         from shardplan.roles import definition_order
-        return build_model(factory, config, on_built=lambda module: order.extend(definition_order(module)))
+        return build_model(factory, config, paths=tuple(args.path),
+                           on_built=lambda module: order.extend(definition_order(module)))
     except ModelLoadError as exc:
         raise UsageError(str(exc)) from None
 

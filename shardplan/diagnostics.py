@@ -41,6 +41,8 @@ CODES: dict[str, str] = {
     "input-not-divisible": "an input dim is not divisible by the axes sharding it",
     "input-undeclared": "a batch input the plan's `inputs` does not name",
     "replicated-large": "a large parameter is fully replicated although the plan shards others",
+    "idle-axis": "a mesh axis of size > 1 that splits no parameter, input or pipeline",
+    "nothing-sharded": "every parameter and input is replicated on a mesh of several devices",
     "zero1-no-data-axis": "`optimizer: zero1` but no data axis shards the batch inputs",
     # pipelines
     "pipeline-no-axis": "the pipeline's stage axis is not a mesh axis",

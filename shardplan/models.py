@@ -6,10 +6,12 @@ with the user's consent (see `consented`); `--model` is consent for what the use
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import os
 import sys
+import typing
 from typing import Any
 
 import yaml
@@ -56,28 +58,29 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     return config
 
 
-def resolve_factory(spec: str):
-    """The callable `module:attr` names. The working directory is searched too (like `python -m`), only
-    for this import and only after the installed packages, so it cannot shadow them."""
+def resolve_factory(spec: str, paths: list[str] | tuple[str, ...] = ()):
+    """The callable `module:attr` names. The folders in `paths` (`--path`) and then the working directory
+    are searched too (like `python -m`), only for this import and only after the installed packages, so
+    they cannot shadow them."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ModelLoadError(f"a model factory is written module:callable, but got {spec!r}")
-    cwd = os.getcwd()
-    added = cwd not in sys.path
-    if added:
-        sys.path.append(cwd)
+    folders = [os.path.abspath(p) for p in paths] + [os.getcwd()]
+    added = [folder for folder in dict.fromkeys(folders) if folder not in sys.path]
+    sys.path.extend(added)
     try:
         target: Any = importlib.import_module(module_name)
     except ImportError as exc:
         raise ModelLoadError(f"cannot import module {module_name!r} of model {spec!r}: {exc} (searched the "
-                             f"installed packages and the working directory {cwd}; run from the directory that "
-                             "holds it, install it, or add its folder to PYTHONPATH)") from None
+                             f"installed packages and {', '.join(dict.fromkeys(folders))}; add the folder that "
+                             "holds it with --path DIR, run from it, or install it)") from None
     except Exception as exc:
         raise ModelLoadError(f"importing module {module_name!r} of model {spec!r} failed: "
                              f"{type(exc).__name__}: {exc}") from None
     finally:
-        if added and cwd in sys.path:
-            sys.path.remove(cwd)
+        for folder in added:
+            if folder in sys.path:
+                sys.path.remove(folder)
     for part in attr.split("."):
         if not hasattr(target, part):
             raise ModelLoadError(f"module {module_name!r} has no attribute {attr!r}")
@@ -95,18 +98,61 @@ def _accepts_rngs(factory) -> bool:
         return False
 
 
-def build_model(spec: str, config: dict[str, Any], *, abstract: bool = True, seed: int = 0, on_built=None):
+def config_arguments(factory, config: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments for `factory` from flat `config` keys.
+
+    Keys the factory takes are passed as they are. The rest fill a config object, the convention of
+    models built as `Model(config, *, rngs)`: the factory's parameter annotated with a dataclass or a
+    pydantic model is built from those keys (its other fields keep their defaults).
+
+    >>> import dataclasses
+    >>> @dataclasses.dataclass
+    ... class Config:
+    ...     width: int = 8
+    ...     depth: int = 2
+    >>> def build(config: Config, seed: int = 0): ...
+    >>> config_arguments(build, {"depth": 4, "seed": 1})
+    {'seed': 1, 'config': Config(width=8, depth=4)}
+    """
+    target = factory.__init__ if isinstance(factory, type) else factory
+    try:
+        parameters = inspect.signature(target).parameters
+        hints = typing.get_type_hints(target)
+    except (TypeError, ValueError, NameError):
+        return dict(config)
+    direct = {k: v for k, v in config.items() if k in parameters}
+    rest = {k: v for k, v in config.items() if k not in parameters}
+    holders = [(name, hints[name]) for name in parameters if name in hints and _is_config_class(hints[name])]
+    if not rest or not holders or any(name in direct for name, _ in holders):
+        return dict(config)
+    name, config_class = holders[0]
+    try:
+        return {**direct, name: config_class(**rest)}
+    except Exception as exc:
+        raise ModelLoadError(f"cannot build {config_class.__name__} (the factory's {name!r}) from {rest}: "
+                             f"{type(exc).__name__}: {exc}") from None
+
+
+def _is_config_class(annotation) -> bool:
+    from pydantic import BaseModel
+    return isinstance(annotation, type) and (dataclasses.is_dataclass(annotation) or issubclass(annotation, BaseModel))
+
+
+def build_model(spec: str, config: dict[str, Any], *, abstract: bool = True, seed: int = 0, on_built=None,
+                paths: tuple[str, ...] = ()):
     """Call the factory with `config` (and `rngs=` if it takes one); abstract via `nnx.eval_shape`.
 
+    `config` keys the factory does not take fill its config object (see `config_arguments`).
     `on_built(module)` sees the freshly built module, before `eval_shape` rebuilds it abstractly
     (which sorts its attributes: read definition order there).
     """
-    factory = resolve_factory(spec)
+    factory = resolve_factory(spec, paths)
     wants_rngs = _accepts_rngs(factory)
+    arguments = config_arguments(factory, config)
 
     def construct():
         # Rngs are made inside the construction so that eval_shape traces them too.
-        module = factory(**config, **({"rngs": nnx.Rngs(seed)} if wants_rngs else {}))
+        module = factory(**arguments, **({"rngs": nnx.Rngs(seed)} if wants_rngs else {}))
         if not isinstance(module, nnx.Module):
             raise NotAModule(f"model factory {spec!r} returned a {type(module).__name__}, not a flax.nnx.Module")
         if on_built is not None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-from flax import nnx
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -23,13 +22,14 @@ def join_path(keys: tuple) -> str:
     return "/".join(str(getattr(k, "key", k)) for k in keys)
 
 
-def param_infos(model: nnx.Module | nnx.State) -> list[ParamInfo]:
+def param_infos(model) -> list[ParamInfo]:
     """Every `nnx.Param` of a model (real or from `nnx.eval_shape`), sorted by path.
 
     >>> from flax import nnx
     >>> [p.path for p in param_infos(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))]
     ['bias', 'kernel']
     """
+    from flax import nnx      # here, not at the top: plan-only commands never start JAX
     state = nnx.state(model, nnx.Param) if isinstance(model, nnx.Module) else model
     infos = []
     for keys, variable in nnx.to_flat_state(state):

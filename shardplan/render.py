@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import re
 from collections import defaultdict
 from pathlib import Path
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -76,37 +78,55 @@ def render_mesh(console: Console, report: Report) -> None:
 
 
 def render_params(console: Console, report: Report, *, collapse: bool = True) -> None:
-    """One row per parameter; with `collapse`, the same parameter of repeated layers shares a row (`*`)."""
-    title = "Parameters" + (" (repeated layers folded into '*' rows; --all-params lists each)" if collapse else "")
-    table = Table(title=title, show_lines=False, header_style="bold")
-    groups = _groups(report.params, collapse)
-    table.add_column("path", no_wrap=True, min_width=min(60, max((len(path) for path, _ in groups), default=4)))
-    for column in ("n", "shape", "dtype", "spec", "shard", "per device", "opt state/dev", "rule"):
-        table.add_column(column, justify="right" if column in ("n", "per device", "opt state/dev") else "left")
-    for path, rows in groups:
-        p = rows[0]
-        rule = "unmatched" if p.rule is None else f"#{p.rule + 1} {_where(report, p.rule_line)}"
-        table.add_row(path, str(len(rows)), _shape(p.shape), p.dtype, format_spec(p.spec), _shape(p.shard_shape),
-                      human_bytes(p.bytes_per_device * len(rows)), human_bytes(p.opt_bytes_per_device * len(rows)),
-                      rule)
-    console.print(table)
+    """One row per parameter; with `collapse`, repeated layers with one layout share a row (`blocks/{0..7}/...`)."""
+    dtypes = sorted({p.dtype for p in report.params})
+    one_dtype = len(dtypes) == 1          # then said once in the title, not in a column
+    title = "Parameters" + (f", all {dtypes[0]}" if one_dtype else "") + (
+        " (repeated layers share a row; --all-params lists each)" if collapse else "")
+    rows = []
+    for path, members in _groups(report.params, lambda p: (p.shape, p.dtype, p.spec, p.rule), collapse):
+        p = members[0]
+        # A pipeline stage holds only its own layers: count those of the fullest stage.
+        held = max(collections.Counter(m.stage for m in members).values())
+        rows.append([path, str(len(members)), _shape(p.shape)] + ([] if one_dtype else [p.dtype]) + [
+            format_spec(p.spec), _shape(p.shard_shape), human_bytes(p.bytes_per_device * held),
+            human_bytes(p.opt_bytes_per_device * held),
+            "unmatched" if p.rule is None else f"#{p.rule + 1} :{p.rule_line}"])
+    columns = ["path", "n", "shape"] + ([] if one_dtype else ["dtype"]) + ["spec", "shard", "per device",
+                                                                          "opt/device", "rule"]
+    print_fitted(console, title, columns, rows, right=("n", "per device", "opt/device"))
 
 
 _LAYER_INDEX = re.compile(r"(?<=/)\d+(?=/)")
 
 
-def _groups(params, collapse: bool) -> list[tuple[str, list]]:
+def _groups(items, layout, collapse: bool, path=lambda item: item.path) -> list[tuple[str, list]]:
+    """Items of repeated layers that share `layout(item)` grouped under one path: `blocks/{0..7}/w`."""
     if not collapse:
-        return [(p.path, [p]) for p in params]
+        return [(path(item), [item]) for item in items]
     groups: dict[tuple, list] = {}
-    for p in params:
-        key = (_LAYER_INDEX.sub("*", p.path), p.shape, p.dtype, p.spec, p.rule)
-        groups.setdefault(key, []).append(p)
-    return [(key[0] if len(rows) > 1 else rows[0].path, rows) for key, rows in groups.items()]
+    for item in items:
+        groups.setdefault((_LAYER_INDEX.sub("*", path(item)), layout(item)), []).append(item)
+    named = []
+    for (pattern, _), members in groups.items():
+        if len(members) == 1:
+            named.append((path(members[0]), members))
+            continue
+        indices = [int(_LAYER_INDEX.search(path(m)).group()) for m in members]
+        named.append((pattern.replace("*", "{" + _index_ranges(indices) + "}", 1), members))
+    return named
 
 
-def _where(report: Report, line: int | None) -> str:
-    return f"{Path(report.plan.file).name if report.plan.file else ''}:{line}" if line else ""
+def _index_ranges(indices: list[int], *, through: str = "..", separator: str = ",") -> str:
+    """[0, 1, 2, 3, 6] -> '0..3,6'."""
+    if not indices:
+        return "-"
+    runs, start = [], indices[0]
+    for prev, cur in zip(indices, indices[1:] + [None]):
+        if cur != prev + 1:
+            runs.append(f"{start}" if start == prev else f"{start}{through}{prev}")
+            start = cur
+    return separator.join(runs)
 
 
 def _shape(shape: tuple[int, ...]) -> str:
@@ -151,7 +171,7 @@ def render_pipeline(console: Console, report: Report) -> None:
     for stage in range(stage_map.stages):
         layers = [i for i, s in enumerate(stage_map.stage_of) if s == stage]
         devices = [d for d in report.devices if d.coords[pipe.axis] == stage]
-        table.add_row(str(stage), _ranges(layers), _id_list([d.device_id for d in devices]),
+        table.add_row(str(stage), _index_ranges(layers, through="-", separator=", "), _id_list([d.device_id for d in devices]),
                       human_bytes(max(d.param_bytes for d in devices)), human_bytes(max(d.opt_bytes for d in devices)))
     console.print(table)
     grid = timeline(pipe.schedule, stage_map.stages, pipe.microbatches, stage_map.virtual)
@@ -162,30 +182,115 @@ def render_pipeline(console: Console, report: Report) -> None:
                   "flight per stage")
 
 
-def _ranges(indices: list[int]) -> str:
-    if not indices:
-        return "-"
-    runs, start = [], indices[0]
-    for prev, cur in zip(indices, indices[1:] + [None]):
-        if cur != prev + 1:
-            runs.append(f"{start}" if start == prev else f"{start}-{prev}")
-            start = cur
-    return ", ".join(runs)
+def print_fitted(console: Console, title: str, columns: list[str], rows: list[list[str]], *,
+                 right: tuple[str, ...] = ()) -> None:
+    """A table whose cells are never cut: a spec or a shape is never shown as `P('mode…`.
+
+    The first column (a path) folds when space is short; on a console too narrow for the other
+    columns plus a readable path, each row is printed as its path over an indented line of the rest.
+    """
+    widths = [max([len(column)] + [len(row[index]) for row in rows]) for index, column in enumerate(columns)]
+    rest = sum(widths[1:]) + 3 * (len(columns) - 1)      # padding on both sides and a separator
+    console.print(Text(title, style="bold"), soft_wrap=True)
+    path_width = min(widths[0], console.width - rest - 3)
+    if path_width >= 24:
+        table = Table(header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+        table.add_column(columns[0], overflow="fold", width=path_width)
+        for column, width in zip(columns[1:], widths[1:]):
+            table.add_column(column, no_wrap=True, min_width=width, justify="right" if column in right else "left")
+        for row in rows:
+            table.add_row(_fold_path(row[0], path_width), *row[1:])
+        console.print(table)
+        return
+
+    gap = "  " if 2 + sum(widths[1:]) + 2 * (len(columns) - 2) <= console.width else " "
+
+    def line(cells: list[str]) -> str:
+        return "  " + gap.join(cell.rjust(width) if column in right else cell.ljust(width)
+                               for cell, width, column in zip(cells, widths[1:], columns[1:])).rstrip()
+    console.print(Text(columns[0], style="bold"))
+    console.print(Text(line(columns[1:]), style="bold"), soft_wrap=True)
+    for row in rows:
+        console.print(Text(row[0], style="cyan"), soft_wrap=True)
+        console.print(line(row[1:]), soft_wrap=True)
 
 
-def render_device_detail(console: Console, report: Report, device_id: int) -> None:
-    """Which index ranges of each parameter one device holds."""
+def _fold_path(path: str, width: int) -> str:
+    """A path broken after '/' into lines of at most `width` (a segment longer than that is cut by the table)."""
+    lines, current = [], ""
+    for segment in re.findall(r"[^/]*/|[^/]+$", path):
+        if current and len(current) + len(segment) > width:
+            lines.append(current)
+            current = ""
+        current += segment
+    return "\n".join(lines + [current])
+
+
+def render_param_list(console: Console, params, roles, rules=None, *, collapse: bool = True) -> None:
+    """`shardplan params`: path, shape, dtype, bytes, role; with a plan's rules, the winning rule and spec."""
+    from shardplan.matching import first_match
+    title = f"{len(params)} parameters, {human_bytes(sum(p.nbytes for p in params))}" + (
+        " (repeated layers share a row; --all-params lists each)" if collapse else "")
+    columns = ["path", "n", "shape", "dtype", "bytes", "role"] + (["rule", "spec"] if rules is not None else [])
+    rows = []
+    for path, members in _groups(params, lambda p: (p.shape, p.dtype.name, roles.of(p.path).kind), collapse):
+        p = members[0]
+        cells = [path, str(len(members)), _shape(p.shape), p.dtype.name, human_bytes(sum(m.nbytes for m in members)),
+                 roles.of(p.path).kind]
+        if rules is not None:
+            rule = first_match(rules, p.path)
+            cells += ["unmatched", "-"] if rule is None else [f"#{rule.index + 1} :{rule.line}", format_spec(rule.spec)]
+        rows.append(cells)
+    print_fitted(console, title, columns, rows, right=("n", "bytes"))
+
+
+def params_json(params, roles, rules=None) -> list[dict]:
+    from shardplan.matching import first_match
+    from shardplan.report import spec_json
+    rows = []
+    for p in params:
+        row = {"path": p.path, "shape": list(p.shape), "dtype": p.dtype.name, "bytes": p.nbytes,
+               "role": roles.of(p.path).kind}
+        if rules is not None:
+            rule = first_match(rules, p.path)
+            row["rule"] = None if rule is None else rule.index + 1
+            row["spec"] = None if rule is None else spec_json(rule.spec)
+        rows.append(row)
+    return rows
+
+
+def render_diff(console: Console, changes, name_a: str, name_b: str, devices: int, *, collapse: bool = True) -> None:
+    """`shardplan diff`: spec under each plan and bytes moved, per parameter group, then the totals."""
+    rows = []
+    for path, members in _groups(changes, lambda c: (c.spec_a, c.spec_b), collapse):
+        c = members[0]
+        moved = sum(m.param_bytes_moved for m in members), sum(m.opt_bytes_moved for m in members)
+        rows.append([path, str(len(members)), format_spec(c.spec_a), format_spec(c.spec_b),
+                     "-" if not moved[0] else human_bytes(moved[0]), "-" if not moved[1] else human_bytes(moved[1])])
+    print_fitted(console, f"A = {name_a}, B = {name_b}, on {devices} devices (bytes moved: summed over devices)",
+                 ["path", "n", "spec in A", "spec in B", "params moved", "opt moved"], rows,
+                 right=("n", "params moved", "opt moved"))
+    params, opt = sum(c.param_bytes_moved for c in changes), sum(c.opt_bytes_moved for c in changes)
+    same = sum(c.spec_a == c.spec_b for c in changes)
+    console.print(f"{same} of {len(changes)} parameters keep their spec; going from A to B moves "
+                  f"{human_bytes(params)} of parameters and {human_bytes(opt)} of optimizer state "
+                  f"({human_bytes((params + opt) / devices)} per device on average)", soft_wrap=True)
+
+
+def render_device_detail(console: Console, report: Report, device_id: int, *, collapse: bool = True) -> None:
+    """Which index ranges of each parameter one device holds; repeated layers holding the same share a row."""
     position = report.device_ids.index(device_id)
     coords = device_coords(report.axes, position)
     where = ", ".join(f"{axis}={c}" for axis, c in coords.items())
-    table = Table(title=f"Device {device_id} (mesh position {where})", header_style="bold")
-    for column in ("path", "holds", "shard", "bytes"):
-        table.add_column(column, justify="right" if column == "bytes" else "left")
-    for p in report.params:
-        ranges = index_ranges(p.shape, p.spec, report.axes, coords)
-        table.add_row(p.path, "[" + ", ".join(f"{a}:{b}" for a, b in ranges) + "]", _shape(p.shard_shape),
-                      human_bytes(p.bytes_per_device))
-    console.print(table)
+    stage = coords.get(report.plan.pipeline.axis) if report.stage_map else None
+    held = [(p, "[" + ", ".join(f"{a}:{b}" for a, b in index_ranges(p.shape, p.spec, report.axes, coords)) + "]")
+            for p in report.params if p.stage is None or p.stage == stage]     # a stage holds only its layers
+    rows = []
+    for path, members in _groups(held, lambda item: (item[1], item[0].shard_shape), collapse, path=lambda i: i[0].path):
+        p, holds = members[0]
+        rows.append([path, str(len(members)), holds, _shape(p.shard_shape), human_bytes(p.bytes_per_device * len(members))])
+    print_fitted(console, f"Device {device_id} (mesh position {where})", ["path", "n", "holds", "shard", "bytes"], rows,
+                 right=("n", "bytes"))
 
 
 def device_detail_json(report: Report, device_id: int) -> dict:

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from flax import nnx
-
 from shardplan.diagnostics import Diagnostic
 from shardplan.layout import DeviceTotals, ParamLayout, device_totals, imbalance, shard_shape, zero1_spec
 from shardplan.matching import checked_pattern, compile_rules
 from shardplan.mesh import check_given_mesh, check_hosts, resolve_axes
-from shardplan.paths import ParamInfo, param_infos
-from shardplan.schema import Plan, format_spec
+from shardplan.paths import ParamInfo
+from shardplan.schema import Plan
 from shardplan.stages import StageMap, check_microbatches, plan_stages, static_differences
-from shardplan.validate import (Placement, data_axes, rule_level, validate_inputs, validate_optimizer,
+from shardplan.validate import (Placement, data_axes, idle_axes, rule_level, validate_inputs, validate_optimizer,
                                 validate_params)
 
 
@@ -45,7 +43,9 @@ class Report:
         return next(p for p in self.params if p.path == path)
 
     def to_json(self) -> dict:
+        """The layout as JSON (`shardplan inspect --json`); `format` changes when a field changes meaning."""
         return {
+            "format": JSON_FORMAT,
             "plan": {"name": self.plan.name, "file": self.plan.file},
             "mesh": {"axes": self.axes, "device_ids": self.device_ids, "hosts": self.plan.mesh.hosts},
             "params": [_param_json(p) for p in self.params],
@@ -68,10 +68,23 @@ def _pipeline_json(report: "Report") -> dict | None:
             "ticks": len(grid), "bubble": bubble_fraction(grid)}
 
 
+# 2: specs are lists in the plan's own notation ([null, "model"], [["data", "model"]]), no longer strings.
+JSON_FORMAT = "shardplan.inspect/2"
+
+
+def spec_json(spec) -> list:
+    """A spec as the plan writes it: one entry per dim, null, an axis, or a list of axes.
+
+    >>> spec_json((None, ("model",), ("data", "model")))
+    [None, 'model', ['data', 'model']]
+    """
+    return [None if entry is None else entry[0] if len(entry) == 1 else list(entry) for entry in spec]
+
+
 def _param_json(p: ParamLayout) -> dict:
-    return {"path": p.path, "shape": list(p.shape), "dtype": p.dtype, "spec": format_spec(p.spec),
+    return {"path": p.path, "shape": list(p.shape), "dtype": p.dtype, "spec": spec_json(p.spec),
             "shard_shape": list(p.shard_shape), "bytes_per_device": p.bytes_per_device,
-            "opt_spec": format_spec(p.opt_spec), "opt_bytes_per_device": p.opt_bytes_per_device,
+            "opt_spec": spec_json(p.opt_spec), "opt_bytes_per_device": p.opt_bytes_per_device,
             "rule": None if p.rule is None else p.rule + 1, "rule_line": p.rule_line, "stage": p.stage}
 
 
@@ -91,6 +104,9 @@ def check(plan: Plan, model, mesh=None, *, input_shapes: dict[str, tuple[int, ..
     True
     """
     import jax
+    from flax import nnx
+
+    from shardplan.paths import param_infos
     device_ids = _device_ids(plan, mesh)
     if modules is None:
         modules = [name for name, value in vars(model).items() if isinstance(value, nnx.Module)]
@@ -138,6 +154,7 @@ def check_params(plan: Plan, params: list[ParamInfo], device_ids: list[int], *,
     diagnostics += mesh_diagnostics
     placements, found = validate_params(plan, params, rules, sizes)
     diagnostics += found + validate_inputs(plan, sizes, input_shapes) + validate_optimizer(plan, sizes)
+    diagnostics += idle_axes(plan, placements, sizes) if not mesh_diagnostics else []
     stage_map, staging = plan_stages(plan, params, sizes, {p.param.path: p.spec for p in placements}, modules)
     diagnostics += staging
     if input_shapes:

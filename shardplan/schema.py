@@ -33,10 +33,26 @@ class ModelRef(_Strict):
     config: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the factory.")
 
 
+def _axis_map_schema(sizes: dict):
+    """JSON Schema of an axis -> count map: names checked by `propertyNames` (patternProperties would let
+    other names through), counts by `sizes`."""
+    def edit(schema: dict) -> None:
+        schema.pop("patternProperties", None)
+        schema["propertyNames"] = {"pattern": AXIS_NAME, "maxLength": 64}
+        schema["additionalProperties"] = sizes
+    return edit
+
+
+_AXIS_SIZE = {"anyOf": [{"const": -1}, {"type": "integer", "minimum": 1, "maximum": MAX_MESH_DEVICES}]}
+_HOST_COUNT = {"type": "integer", "minimum": 1, "maximum": MAX_MESH_DEVICES}
+
+
 class MeshConfig(_Strict):
     axes: dict[AxisName, int] = Field(description="Mesh axis name -> size, in mesh order; at most one size may be -1 "
-                                                  "(filled with the remaining devices).", min_length=1)
-    hosts: dict[AxisName, int] = Field(default_factory=dict, description=(
+                                                  "(filled with the remaining devices; JSON Schema cannot say 'at most "
+                                                  "one', shardplan checks it).", min_length=1,
+                                      json_schema_extra=_axis_map_schema(_AXIS_SIZE))
+    hosts: dict[AxisName, int] = Field(default_factory=dict, json_schema_extra=_axis_map_schema(_HOST_COUNT), description=(
         "Axis name -> how many hosts it spans. These axes cross the slow links between hosts; all other axes "
         "stay within a host. The product is the number of hosts (processes)."))
 

@@ -223,6 +223,28 @@ def _replicated_large(plan: Plan, placements: list[Placement], sizes: dict[str, 
     return found
 
 
+def idle_axes(plan: Plan, placements: list[Placement], sizes: dict[str, int]) -> list[Diagnostic]:
+    """Axes that split nothing: their devices hold the same copies and do the same work."""
+    used = {a for p in placements for a in spec_axes(p.spec)}
+    used |= {a for raw in plan.inputs.values() for a in spec_axes(normalize_spec(raw))}
+    used |= {plan.pipeline.axis} if plan.pipeline else set()
+    idle = [axis for axis, size in sizes.items() if size > 1 and axis not in used]
+    line, col = plan.locate("mesh", "axes")
+    if idle and not any(sizes.get(a, 1) > 1 for a in used):
+        return [Diagnostic("nothing-sharded", "warning",
+                           f"the plan shards nothing: every parameter and input is replicated over the mesh "
+                           f"{dict(sizes)}, so each of its {math.prod(sizes.values())} devices holds and computes "
+                           "the same", file=plan.file, line=line, column=col,
+                           hint="check that the rules match the model's paths (`shardplan inspect` lists them) and "
+                                "that `inputs` shards the batch, e.g. tokens: [data, null]")]
+    return [Diagnostic("idle-axis", "warning",
+                       f"mesh axis {axis!r} ({sizes[axis]} devices) splits no parameter, input or pipeline: its "
+                       f"devices hold identical copies and do identical work",
+                       file=plan.file, line=line, column=col,
+                       hint=f"use {axis!r} in a spec or in `inputs`, or give its devices to another axis")
+            for axis in idle]
+
+
 def validate_inputs(plan: Plan, sizes: dict[str, int],
                     shapes: dict[str, tuple[int, ...]] | None = None) -> list[Diagnostic]:
     """Input specs against the mesh, and against the batch's shapes when given."""

@@ -77,7 +77,8 @@ def test_inspect_json_is_complete(capsys):
     assert code == 0
     assert data["mesh"]["axes"] == {"data": 8}
     kernel = next(p for p in data["params"] if p["path"] == "output_layer/kernel")
-    assert kernel["spec"] == "P(None, 'data')" and kernel["shard_shape"] == [256, 6288]
+    assert data["format"] == "shardplan.inspect/2"
+    assert kernel["spec"] == [None, "data"] and kernel["shard_shape"] == [256, 6288]
     assert data["device"]["params"]["output_layer/kernel"] == [[0, 256], [31440, 37728]]
     assert len(data["devices"]) == 8 and data["imbalance"] == 1.0
 
@@ -119,3 +120,28 @@ def test_validate_finds_a_sharded_1f1b_head_on_the_abstract_model(capsys, tmp_pa
     bad.write_text(text)
     assert main(["validate", str(bad)]) == 1
     assert "pipeline-head-sharded" in capsys.readouterr().out
+
+
+def test_plan_only_commands_never_import_jax():
+    """--help, schema, explain and plan-only validate answer without starting JAX, Flax or optax."""
+    script = (
+        "import contextlib, io, sys\nfrom shardplan.cli import main\n"
+        "for argv in (['--help'], ['schema'], ['explain', 'plans/minigpt_tp.yaml', 'output_layer/kernel'],\n"
+        "             ['validate', 'plans/minigpt_tp.yaml', '--plan-only']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()):\n"
+        "        try:\n            main(argv)\n        except SystemExit:\n            pass\n"
+        "    heavy = sorted(m for m in ('jax', 'flax', 'optax', 'orbax') if m in sys.modules)\n"
+        "    print(argv[0], heavy)\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.stdout.split("\n")[:4] == ["--help []", "schema []", "explain []", "validate []"], result.stderr
+
+
+def test_json_schema_carries_the_bounds(capsys):
+    import jsonschema
+    code, out, _ = run(capsys, "schema")
+    schema = json.loads(out)
+    base = {"version": 1, "params": [{"match": ".*", "spec": "replicated"}]}
+    jsonschema.validate({**base, "mesh": {"axes": {"data": -1, "model": 2}}}, schema)
+    for axes in ({"data": 0}, {"_": 2}, {"data": 100000}, {"data": True}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({**base, "mesh": {"axes": axes}}, schema)

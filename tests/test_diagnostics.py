@@ -99,6 +99,10 @@ CASES = {
     "replicated-large": (HEAD + "params:\n  - {match: 'head/kernel', spec: [null, model]}\n"
                          "  - {match: '.*', spec: []}\n", BIG, 8, None,
                          ["emb/embedding", "8.0 MiB", "fully replicated"], 8),
+    "idle-axis": (HEAD + "params: [{match: '.*', spec: replicated}]\n", PARAMS, 8, None,
+                  ["mesh axis 'model' (2 devices)", "identical copies"], 3),
+    "nothing-sharded": ("version: 1\nmesh: {axes: {data: 4, model: 2}}\nparams: [{match: '.*', spec: []}]\n",
+                        PARAMS, 8, None, ["shards nothing", "8 devices"], 2),
     "zero1-no-data-axis": ("version: 1\nmesh: {axes: {replica: 4, model: 2}}\n"
                            "params: [{match: '.*', spec: []}]\noptimizer: zero1\n", PARAMS, 8, None,
                            ["zero1", "data axis"], 4),

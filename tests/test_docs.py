@@ -7,7 +7,7 @@ import pytest
 
 MODULES = ["shardplan.schema", "shardplan.layout", "shardplan.mesh", "shardplan.hlo", "shardplan.paths",
            "shardplan.loader", "shardplan.report", "shardplan.apply", "shardplan.roles", "shardplan.auto",
-           "shardplan.matching", "shardplan.models", "shardplan.pipeline"]
+           "shardplan.matching", "shardplan.models", "shardplan.pipeline", "shardplan.diff"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -53,3 +53,25 @@ def test_seed_tutorial_is_refused_for_rank_and_divisibility():
     assert ("spec-too-long", "transformer_blocks/0/mha/out/bias") in codes
     assert ("spec-too-long", "output_layer/bias") in codes
     assert ("not-divisible", "output_layer/kernel") in codes
+
+
+INSPECT_GOLDEN = GOLDEN / "inspect"
+
+
+@pytest.mark.parametrize("width", [80, 120])
+@pytest.mark.parametrize("name", SHIPPED)
+def test_inspect_text_matches_golden_at_80_and_120_columns(name, width, capsys, monkeypatch):
+    """What a person reads: nothing cut (specs, shapes and bytes whole), nothing wider than the console."""
+    from shardplan.cli import main
+    monkeypatch.setenv("COLUMNS", str(width))
+    argv = ["inspect", f"plans/{name}"] + (["--device", "5"] if name in ("minigpt_3d.yaml", "minigpt_dp_tp.yaml") else [])
+    main(argv)
+    text = capsys.readouterr().out
+    table_lines = [line for line in text.splitlines() if not line.startswith(("plans/", "  hint:", "    ", "       |"))]
+    assert all(len(line) <= width for line in table_lines), max(table_lines, key=len)
+    assert "…" not in text
+    golden = INSPECT_GOLDEN / f"{name}.{width}.txt"
+    if os.environ.get("SHARDPLAN_UPDATE_GOLDEN"):
+        golden.parent.mkdir(exist_ok=True)
+        golden.write_text(text)
+    assert text == golden.read_text()

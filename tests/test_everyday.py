@@ -1,0 +1,105 @@
+"""Everyday commands: listing a model's parameters, diffing two plans, config-object factories, --path."""
+
+import json
+
+import pytest
+
+from shardplan.cli import main
+
+from conftest import PLANS
+
+TINY = ["--config", "num_transformer_blocks=2", "--config", "vocab_size=512"]
+
+
+def run(capsys, *argv):
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_params_lists_paths_shapes_bytes_roles_and_rules(capsys):
+    code, out, _ = run(capsys, "params", "--model", "minigpt_model:MiniGPT", *TINY, "--plan", PLANS / "minigpt_tp.yaml")
+    assert code == 0
+    assert "transformer_blocks/{0..1}/mha/query/kernel" in out
+    line = " ".join(out.split("transformer_blocks/{0..1}/mha/query/kernel")[1].split("\n")[:2])
+    assert "(256, 8, 32)" in " ".join(line.split()) and "column" in line and "P(None, 'model')" in line
+    code, out, _ = run(capsys, "params", "--model", "minigpt_model:MiniGPT", *TINY, "--json")
+    rows = {row["path"]: row for row in json.loads(out)}
+    assert rows["output_layer/kernel"] == {"path": "output_layer/kernel", "shape": [256, 512], "dtype": "float32",
+                                           "bytes": 256 * 512 * 4, "role": "column"}
+    assert rows["transformer_blocks/1/linear2/kernel"]["role"] == "row"
+
+
+def test_explain_with_a_model_refuses_paths_it_does_not_have(capsys):
+    for path, needle in (("transformer_blocks/0/mha/out/kernal", "did you mean 'transformer_blocks/0/mha/out/kernel'"),
+                         ("transformer_blocks/99/mha/out/kernel", "not a parameter of minigpt_model:MiniGPT")):
+        code, out, _ = run(capsys, "explain", PLANS / "minigpt_tp.yaml", path, "--model", "minigpt_model:MiniGPT", *TINY)
+        assert code == 1 and needle in " ".join(out.split()), out
+    code, out, _ = run(capsys, "explain", PLANS / "minigpt_tp.yaml", "transformer_blocks/1/mha/out/kernel",
+                       "--model", "minigpt_model:MiniGPT", *TINY)
+    assert code == 0 and "P('model')" in out
+
+
+def test_diff_counts_the_bytes_a_reshard_moves(capsys):
+    code, out, _ = run(capsys, "diff", PLANS / "minigpt_dp_tp.yaml", PLANS / "minigpt_fsdp.toml", "--json")
+    assert code == 0
+    rows = {row["path"]: row for row in json.loads(out)["params"]}
+    # (256, 8, 32) query kernel: heads split 2 ways (A) -> rows split 8 ways (B). Each device needs 32 rows of
+    # all 8 heads and already holds half of those heads: 32 x 4 x 32 floats to receive, on each of 8 devices.
+    query = rows["transformer_blocks/0/mha/query/kernel"]
+    assert query["spec_a"] == [None, "model"] and query["spec_b"] == ["data"]
+    assert query["param_bytes_moved"] == 8 * 32 * 4 * 32 * 4 and query["opt_bytes_moved"] == 2 * query["param_bytes_moved"]
+    # replicated in both: nothing moves
+    assert rows["transformer_blocks/0/layer_norm1/scale"]["param_bytes_moved"] == 0
+    code, out, _ = run(capsys, "diff", PLANS / "minigpt_dp.yaml", PLANS / "minigpt_dp.yaml")
+    assert code == 0 and "132 of 132 parameters keep their spec" in out and "moves 0 B of parameters" in out
+    # Replicated everywhere -> pipeline stages: each device already holds its stage's layers...
+    code, out, _ = run(capsys, "diff", PLANS / "minigpt_dp.yaml", PLANS / "minigpt_pp4.yaml")
+    assert code == 0 and "moves 0 B of parameters" in " ".join(out.split())
+    # ...and back, each device must receive the 6 of 8 layers it lacks.
+    code, out, _ = run(capsys, "diff", PLANS / "minigpt_pp4.yaml", PLANS / "minigpt_dp.yaml", "--json")
+    rows = {row["path"]: row for row in json.loads(out)["params"]}
+    assert rows["transformer_blocks/0/linear1/kernel"]["param_bytes_moved"] == 6 * 256 * 256 * 4
+
+
+CONFIG_MODEL = '''
+import dataclasses
+from flax import nnx
+
+
+@dataclasses.dataclass
+class Config:
+    width: int = 16
+    depth: int = 2
+    vocab: int = 64
+
+
+class Model(nnx.Module):
+    def __init__(self, config: Config, *, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(config.vocab, config.width, rngs=rngs)
+        self.layers = nnx.List([nnx.Linear(config.width, config.width, rngs=rngs) for _ in range(config.depth)])
+'''
+
+
+def test_a_factory_taking_a_config_object_is_filled_from_config_keys(tmp_path, capsys):
+    folder = tmp_path / "models_here"
+    folder.mkdir()
+    (folder / "configured_model.py").write_text(CONFIG_MODEL)
+    code, _, err = run(capsys, "params", "--model", "configured_model:Model", "--config", "depth=3")
+    assert code == 2 and "--path DIR" in err and str(tmp_path) not in err.split("searched")[0]
+    code, out, _ = run(capsys, "params", "--model", "configured_model:Model", "--config", "depth=3",
+                       "--config", "width=32", "--path", folder, "--json")
+    assert code == 0, out
+    paths = {row["path"]: row["shape"] for row in json.loads(out)}
+    assert paths["layers/2/kernel"] == [32, 32] and paths["embed/embedding"] == [64, 32]
+    code, _, err = run(capsys, "params", "--model", "configured_model:Model", "--config", "depht=3", "--path", folder)
+    assert code == 2 and "cannot build Config" in " ".join(err.split()) and "depht" in err
+
+
+@pytest.mark.parametrize("argv", [["schema", "--help"], ["params", "--help"], ["diff", "--help"]])
+def test_every_command_explains_itself(capsys, argv):
+    code, out, _ = run(capsys, *argv)
+    assert code == 0 and len(out.split("\n")) > 4
