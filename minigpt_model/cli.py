@@ -49,6 +49,17 @@ def _number(kind, minimum, maximum=None):
 POSITIVE, NON_NEGATIVE = _number(int, 1), _number(int, 0)
 
 
+class _Defaults(argparse.HelpFormatter):
+    """Shows each option's default, unless it has none worth showing or its help already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False or action.default == [] \
+                or action.default is argparse.SUPPRESS:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from minigpt_model.trainer import TrainConfig
     defaults = TrainConfig()
@@ -56,8 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    train = commands.add_parser("train", help="train under a plan (defaults: built-in corpus, dp x tp on 8 devices)")
-    train.add_argument("--plan", default=defaults.plan, help=f"plan file (default {defaults.plan})")
+    train = commands.add_parser("train", help="train under a plan (defaults: built-in corpus, dp x tp on 8 devices)",
+                                description="Train MiniGPT under a shardplan plan; checkpoints, metrics.jsonl and "
+                                            "loss.png (with the plot extra) go to --out.",
+                                formatter_class=_Defaults)
+    train.add_argument("--plan", default=defaults.plan, help="plan file")
     train.add_argument("--steps", type=POSITIVE, default=defaults.steps, help="total optimizer steps")
     train.add_argument("--batch-size", type=POSITIVE, default=defaults.batch_size, help="global batch, in sequences")
     train.add_argument("--lr", type=_number(float, 0.0), default=defaults.lr,
@@ -68,10 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="evaluate on held-out batches every N steps")
     train.add_argument("--checkpoint-every", type=POSITIVE, default=defaults.checkpoint_every,
                        help="save a checkpoint every N steps (and at the end)")
-    train.add_argument("--seed", type=NON_NEGATIVE, default=defaults.seed)
+    train.add_argument("--seed", type=NON_NEGATIVE, default=defaults.seed,
+                       help="seed of the initial weights, the data order and dropout")
     train.add_argument("--data", nargs="+", default=[], metavar="FILE",
                        help="text files, split into documents on --separator (default: built-in stories)")
-    train.add_argument("--separator", default=defaults.separator)
+    train.add_argument("--separator", default=defaults.separator, help="text that separates documents in --data files")
     train.add_argument("--tokenizer", choices=["bytes", "gpt2"], default=defaults.tokenizer,
                        help="bytes (built in) or gpt2 (tiktoken, files must be local)")
     train.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
@@ -97,17 +112,20 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--num-workers", type=POSITIVE, metavar="N", help="Ray workers")
     launch.add_argument("--devices-per-process", type=_number(int, 1, 4096), metavar="K",
                         help="simulate K CPU devices in each process (default without an accelerator: 8 / N)")
+    launch.add_argument("--verbose", action="store_true",
+                        help="also show third-party connection logs (gloo's per-rank lines)")
     launch.add_argument("command", nargs=argparse.REMAINDER, help="-- train [train options]")
     launch.set_defaults(handler=_launch, debug=False)
 
-    sample = commands.add_parser("sample", help="generate text from a run's latest checkpoint")
+    sample = commands.add_parser("sample", help="generate text from a run's latest checkpoint",
+                                 formatter_class=_Defaults)
     sample.add_argument("--checkpoint", required=True, metavar="DIR", help="run directory (the --out of train)")
-    sample.add_argument("--prompt", default="Once upon a time")
+    sample.add_argument("--prompt", default="Once upon a time", help="text to continue")
     sample.add_argument("--max-tokens", type=POSITIVE, default=200, help="tokens to generate")
     sample.add_argument("--temperature", type=_number(float, 0.0), default=0.8, help="0 picks the most likely token")
     sample.add_argument("--top-k", type=NON_NEGATIVE, default=20,
                         help="sample among the k most likely tokens (0: all; at most the vocabulary size)")
-    sample.add_argument("--seed", type=NON_NEGATIVE, default=0)
+    sample.add_argument("--seed", type=NON_NEGATIVE, default=0, help="seed of the sampling")
     sample.add_argument("--debug", action="store_true", help="show Python tracebacks")
     sample.set_defaults(handler=_sample)
     return parser
@@ -182,9 +200,10 @@ def _launch(args, console: Console) -> int:
     per_process = args.devices_per_process or (None if has_accelerator() else max(1, 8 // workers))
     if args.ray:
         from minigpt_model.ray_launch import launch_ray
-        return launch_ray(workers, command, devices_per_process=per_process, address=args.address)
+        return launch_ray(workers, command, devices_per_process=per_process, address=args.address,
+                          verbose=args.verbose)
     from minigpt_model.launch import launch_local
-    return launch_local(workers, command, devices_per_process=per_process)
+    return launch_local(workers, command, devices_per_process=per_process, verbose=args.verbose)
 
 
 def _sample(args, console: Console) -> int:

@@ -38,8 +38,13 @@ def describe_exit(code: int) -> str:
     return f"exited with status {code}"
 
 
+def is_noise(line: str) -> bool:
+    """Third-party chatter a run prints per connection (gloo: `[Gloo] Rank 3 is connected to 1 peer ranks`)."""
+    return line.startswith("[Gloo]")
+
+
 def launch_local(count: int, train_args: list[str], *, devices_per_process: int | None,
-                 out: TextIO = sys.stdout) -> int:
+                 out: TextIO = sys.stdout, verbose: bool = False) -> int:
     """Run `count` processes on this machine; 0 if all succeed, else 1 (the failed process is named)."""
     if not train_args or train_args[0] != "train":
         out.write("launch: the command after -- must be `train ...`\n")
@@ -53,7 +58,7 @@ def launch_local(count: int, train_args: list[str], *, devices_per_process: int 
     for i, proc in enumerate(procs):
         out.write(f"[launch] process {i}: pid {proc.pid}, coordinator {coordinator}\n")
     out.flush()
-    pumps = [threading.Thread(target=_pump, args=(proc.stdout, f"[p{i}] ", out), daemon=True)
+    pumps = [threading.Thread(target=_pump, args=(proc.stdout, f"[p{i}] ", out, verbose), daemon=True)
              for i, proc in enumerate(procs)]
     for pump in pumps:
         pump.start()
@@ -87,7 +92,8 @@ def watch(polls: list[Callable[[], int | None]], kills: list[Callable[[], None]]
         time.sleep(0.1)
 
 
-def _pump(stream, prefix: str, out: TextIO) -> None:
+def _pump(stream, prefix: str, out: TextIO, verbose: bool) -> None:
     for line in stream:
-        out.write(prefix + line)
-        out.flush()
+        if verbose or not is_noise(line):
+            out.write(prefix + line)
+            out.flush()

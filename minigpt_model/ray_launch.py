@@ -23,19 +23,22 @@ def _worker_class():
         def coordinator(self) -> str:
             return f"{ray.util.get_node_ip_address()}:{free_port()}"
 
-        def run(self, index: int, command: list[str], cwd: str) -> int:
+        def run(self, index: int, command: list[str], cwd: str, verbose: bool = False) -> int:
             import subprocess
+
+            from minigpt_model.launch import is_noise
             proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
             for line in proc.stdout:
-                print(f"[w{index}] {line}", end="", flush=True)
+                if verbose or not is_noise(line):
+                    print(f"[w{index}] {line}", end="", flush=True)
             return proc.wait()
 
     return TrainWorker
 
 
 def launch_ray(workers: int, train_args: list[str], *, devices_per_process: int | None,
-               address: str | None = None) -> int:
+               address: str | None = None, verbose: bool = False) -> int:
     try:
         import ray
         from ray.util.placement_group import placement_group
@@ -57,7 +60,7 @@ def launch_ray(workers: int, train_args: list[str], *, devices_per_process: int 
         coordinator = ray.get(actors[0].coordinator.remote())
         print(f"[launch] {workers} Ray workers, coordinator {coordinator} (on worker 0)", flush=True)
         runs = [actor.run.remote(i, train_command(train_args, coordinator=coordinator, processes=workers, index=i,
-                                                  devices=devices_per_process), os.getcwd())
+                                                  devices=devices_per_process), os.getcwd(), verbose)
                 for i, actor in enumerate(actors)]
         failure = _wait(ray, runs, actors)
     finally:

@@ -171,11 +171,14 @@ def _loop(config, plan, mesh, dataset: Dataset, model, optimizer, checkpoints, m
     last = config.steps if stop_after is None else min(config.steps, start + stop_after)
     share = dict(process=jax.process_index(), processes=jax.process_count())
     eval_data = [_place(plan, mesh, b) for b in dataset.eval_batches(config.eval_batches, **share)]
+    # A bar redraws in place, which a log file cannot show: without a terminal, a line every 5% instead.
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                        TimeRemainingColumn(), console=console, transient=False)
+                        TimeRemainingColumn(), console=console, transient=False, disable=not console.is_terminal)
+    report_every = 0 if console.is_terminal else max(1, config.steps // 20)
     with progress:
         task = progress.add_task("train", total=config.steps, completed=start, info="compiling the step...")
         clock, counted = time.perf_counter(), 0
+        started = clock
         for step in range(start, last):
             tokens, targets = _place(plan, mesh, dataset.batch(step, **share))
             loss = float(train_step(model, optimizer, tokens, targets, jax.random.fold_in(base_key, step)))
@@ -195,6 +198,9 @@ def _loop(config, plan, mesh, dataset: Dataset, model, optimizer, checkpoints, m
                                                           "model": model_config, "tokenizer": tokenizer.name,
                                                           "plan": config.plan})
             progress.update(task, completed=done, info=f"loss {loss:.3f}  {rate:,.0f} tok/s")
+            if report_every and (done % report_every == 0 or done == last):
+                console.print(f"train {done}/{config.steps}: loss {loss:.3f}, {rate:,.0f} tok/s, "
+                              f"{time.perf_counter() - started:,.0f} s")
             if step == start:   # the first step includes compilation; rate the steady state
                 clock, counted = time.perf_counter(), 0
     return losses, evals

@@ -96,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--all-params", action="store_true",
                          help="one row per parameter (default: repeated layers share a row)")
     inspect.add_argument("--json", action="store_true", help="print the layout as JSON instead of tables")
-    inspect.add_argument("--svg", metavar="FILE", help="also save the printed view as an SVG image")
+    inspect.add_argument("--svg", metavar="FILE", help="also draw the plan as an SVG picture: the mesh with each "
+                                                        "device's bytes, who holds which block of the largest "
+                                                        "arrays, and the pipeline timeline (no network needed)")
     inspect.add_argument("--batch", type=_count(1), metavar="B",
                          help="global batch (sequences) for the cost estimate (default: 4 per device)")
     inspect.add_argument("--seq", type=_count(1), default=128, metavar="T",
@@ -211,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # markup=False: plan text (regexes such as `[a-z]+`) and messages are printed as they are.
-    console = Console(record=bool(getattr(args, "svg", None)), highlight=False, markup=False)
+    console = Console(highlight=False, markup=False)
     err = Console(stderr=True, highlight=False, markup=False)
     try:
         return args.handler(args, console)
@@ -315,7 +317,13 @@ def _inspect(args, console: Console) -> int:
     render.render_diagnostics(console, report.diagnostics)
     render.render_verdict(console, report)
     if args.svg:
-        console.save_svg(args.svg, title=f"shardplan inspect {args.plan}")
+        from shardplan.picture import render_svg
+        try:
+            with open(args.svg, "w", encoding="utf-8") as handle:
+                handle.write(render_svg(report))
+        except OSError as exc:
+            raise UsageError(f"cannot write --svg {args.svg}: {exc.strerror or exc}") from None
+        console.print(f"drew {args.svg}")
     return EXIT_OK if report.ok else EXIT_INVALID
 
 

@@ -103,3 +103,23 @@ def test_a_factory_taking_a_config_object_is_filled_from_config_keys(tmp_path, c
 def test_every_command_explains_itself(capsys, argv):
     code, out, _ = run(capsys, *argv)
     assert code == 0 and len(out.split("\n")) > 4
+
+
+def test_inspect_svg_draws_the_mesh_the_blocks_and_the_pipeline(tmp_path, capsys):
+    import xml.etree.ElementTree as ET
+    target = tmp_path / "plan.svg"
+    code, out, _ = run(capsys, "inspect", PLANS / "minigpt_3d.yaml", "--svg", target)
+    assert code == 0 and f"drew {target}" in out
+    text = target.read_text()
+    root = ET.fromstring(text)
+    ns = "{http://www.w3.org/2000/svg}"
+    texts = [t.text for t in root.iter(f"{ns}text")]
+    assert [t for t in texts if t and t.startswith("device ")] == [f"device {i}" for i in range(8)]
+    assert "(1, 0, 1)" in texts                                   # device 5's (stage, data, model)
+    # token embedding split over 'model': rows 0:25152 on model=0 devices, the rest on model=1
+    assert "0,2,4,6" in texts and "1,3,5,7" in texts
+    # a stage-0 layer split over 'model' lives on devices 0-3 only
+    assert "transformer_blocks/0/linear1/kernel (stage 0)" in texts and "0,2" in texts
+    assert any(t and t.startswith("Pipeline over 'stage': 1f1b, 8 microbatches, 10 ticks, bubble 11.1%") for t in texts)
+    assert "F0" in texts and "b7" in texts
+    assert "http" not in text.replace("http://www.w3.org/2000/svg", "")   # nothing fetched
