@@ -13,7 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 # A spec entry: null or "_" (dim not sharded), an axis name, or a list of axis names
 # (dim sharded over their product, major to minor).
-SpecEntry = Union[None, str, list[str]]
+SpecEntry = Annotated[Union[None, str, list[str]], Field(
+    title="Spec entry", description="One dim: null or '_' (not sharded), a mesh axis name, or a list of axis names "
+                                    "(the dim split over their product). Numbers and mappings are not spec entries.")]
 UNSHARDED = "_"
 # Mesh axis names: an identifier (so `_`, which means "not sharded" in specs, cannot be one).
 AXIS_NAME = r"^[A-Za-z][A-Za-z0-9_-]*$"
