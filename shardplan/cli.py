@@ -62,6 +62,12 @@ def _count(minimum: int, maximum: int | None = None):
     return parse
 
 
+def _path_and_debug(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument("--path", action="append", default=[], metavar="DIR",
+                     help="also import the model's module from DIR (repeatable; the working directory is searched too)")
+    sub.add_argument("--debug", action="store_true", help="show Python tracebacks")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardplan", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -77,12 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                          help="factory keyword argument, or a field of the config object the factory takes, "
                               "overriding the plan's model.config (repeatable)")
-        sub.add_argument("--path", action="append", default=[], metavar="DIR",
-                         help="also import the model's module from DIR (repeatable; the working directory is searched too)")
         sub.add_argument("--devices", type=_count(1, MAX_MESH_DEVICES), metavar="N",
                          help="lay the plan out for N devices (default: the accelerators present, else as many as "
                               "the plan's mesh needs, 8 for a -1 axis)")
-        sub.add_argument("--debug", action="store_true", help="show Python tracebacks")
+        _path_and_debug(sub)
 
     validate = commands.add_parser("validate", help="check a plan against its model and mesh; print diagnostics")
     model_args(validate)
@@ -114,9 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                                           "without it nothing is imported and any path is explained")
     explain.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                          help="factory keyword argument for --model (repeatable)")
-    explain.add_argument("--path", action="append", default=[], metavar="DIR",
-                         help="also import the model's module from DIR (repeatable; the working directory is searched too)")
-    explain.add_argument("--debug", action="store_true", help="show Python tracebacks")
+    _path_and_debug(explain)
     explain.set_defaults(handler=_explain)
 
     diff = commands.add_parser(
@@ -137,9 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="lay both plans out for N devices (default: what plan A's mesh needs)")
     diff.add_argument("--all-params", action="store_true", help="one row per parameter")
     diff.add_argument("--json", action="store_true", help="print the comparison as JSON")
-    diff.add_argument("--path", action="append", default=[], metavar="DIR",
-                      help="also import the model's module from DIR (repeatable; the working directory is searched too)")
-    diff.add_argument("--debug", action="store_true", help="show Python tracebacks")
+    _path_and_debug(diff)
     diff.set_defaults(handler=_diff)
 
     params = commands.add_parser(
@@ -157,9 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     params.add_argument("--all-params", action="store_true",
                         help="one row per parameter (default: repeated layers share a row)")
     params.add_argument("--json", action="store_true", help="print the list as JSON")
-    params.add_argument("--path", action="append", default=[], metavar="DIR",
-                        help="also import the model's module from DIR (repeatable; the working directory is searched too)")
-    params.add_argument("--debug", action="store_true", help="show Python tracebacks")
+    _path_and_debug(params)
     params.set_defaults(handler=_params)
 
     auto = commands.add_parser(
@@ -193,9 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="compile the top K candidates on N simulated devices (builds the model) and re-rank "
                            "by the compiler's collective bytes and memory")
     auto.add_argument("--json", action="store_true", help="print the ranking as JSON instead of a table")
-    auto.add_argument("--path", action="append", default=[], metavar="DIR",
-                      help="also import the model's module from DIR (repeatable; the working directory is searched too)")
-    auto.add_argument("--debug", action="store_true", help="show Python tracebacks")
+    _path_and_debug(auto)
     auto.set_defaults(handler=_auto)
 
     schema = commands.add_parser(
