@@ -2,7 +2,7 @@
 
     python benchmarks/startup.py [--repeat 5] [--json out.json]
 
-Prints the median wall time per command and whether it imported JAX. Plan-only commands
+Prints the median wall time per command (start-up plus the command's own work). Plan-only commands
 (--help, schema, explain, validate --plan-only) should stay near the interpreter's own start-up.
 """
 
@@ -26,6 +26,10 @@ COMMANDS = {
                                        "--plan-only"],
     "shardplan validate": [sys.executable, "-m", "shardplan", "validate", "plans/minigpt_tp.yaml"],
     "shardplan inspect": [sys.executable, "-m", "shardplan", "inspect", "plans/minigpt_tp.yaml"],
+    "shardplan params": [sys.executable, "-m", "shardplan", "params", "--model", "minigpt_model:MiniGPT"],
+    "shardplan diff": [sys.executable, "-m", "shardplan", "diff", "plans/minigpt_dp_tp.yaml", "plans/minigpt_fsdp.toml"],
+    "shardplan auto (8 devices)": [sys.executable, "-m", "shardplan", "auto", "--model", "minigpt_model:MiniGPT",
+                                   "--devices", "8", "--profile", "cpu", "-o", "/tmp/shardplan-startup-auto.yaml"],
 }
 
 

@@ -63,7 +63,7 @@ def _count(minimum: int, maximum: int | None = None):
 
 
 def _path_and_debug(sub: argparse.ArgumentParser) -> None:
-    sub.add_argument("--path", action="append", default=[], metavar="DIR",
+    sub.add_argument("--path", action="append", default=[], metavar="DIR", dest="import_paths",
                      help="also import the model's module from DIR (repeatable; the working directory is searched too)")
     sub.add_argument("--debug", action="store_true", help="show Python tracebacks")
 
@@ -331,7 +331,7 @@ def _explain(args, console: Console) -> int:
     rules, problems = compile_rules(plan)
     render_diagnostics(console, problems)
     if args.model:
-        paths = [p.path for p in _model_params(args.model, args.config, paths=args.path)]
+        paths = [p.path for p in _model_params(args.model, args.config, paths=args.import_paths)]
         if args.path not in paths:
             import difflib
             close = difflib.get_close_matches(args.path, paths, n=3, cutoff=0.6)
@@ -371,7 +371,7 @@ def _params(args, console: Console) -> int:
     from shardplan.render import params_json, render_param_list
     from shardplan.roles import recognise
     order: list[str] = []
-    params = _model_params(args.model, args.config, order, paths=args.path)
+    params = _model_params(args.model, args.config, order, paths=args.import_paths)
     roles = recognise(params, order)
     rules = None
     if args.plan:
@@ -442,7 +442,7 @@ def _auto(args, console: Console) -> int:
     return run_auto(console, factory=args.model, config=config, devices=args.devices, hosts=args.hosts,
                     memory=memory, batch=args.batch or 4 * args.devices, seq=args.seq, profile=profile,
                     input_name=args.input, output=args.output, top=args.top, measure=args.measure,
-                    as_json=args.json, command=command, usage_error=UsageError, paths=tuple(args.path))
+                    as_json=args.json, command=command, usage_error=UsageError, paths=tuple(args.import_paths))
 
 
 def _report(args, order: list[str] | None = None):
@@ -492,7 +492,7 @@ def _abstract_model(args, plan: Plan, order: list[str]):
     try:
         config.update(parse_overrides(args.config))
         from shardplan.roles import definition_order
-        return build_model(factory, config, paths=tuple(args.path),
+        return build_model(factory, config, paths=tuple(args.import_paths),
                            on_built=lambda module: order.extend(definition_order(module)))
     except ModelLoadError as exc:
         raise UsageError(str(exc)) from None

@@ -103,7 +103,8 @@ def config_arguments(factory, config: dict[str, Any]) -> dict[str, Any]:
 
     Keys the factory takes are passed as they are. The rest fill a config object, the convention of
     models built as `Model(config, *, rngs)`: the factory's parameter annotated with a dataclass or a
-    pydantic model is built from those keys (its other fields keep their defaults).
+    pydantic model is built from those keys (its other fields keep their defaults; with no keys, from
+    its defaults alone when the factory requires it).
 
     >>> import dataclasses
     >>> @dataclasses.dataclass
@@ -123,9 +124,11 @@ def config_arguments(factory, config: dict[str, Any]) -> dict[str, Any]:
     direct = {k: v for k, v in config.items() if k in parameters}
     rest = {k: v for k, v in config.items() if k not in parameters}
     holders = [(name, hints[name]) for name in parameters if name in hints and _is_config_class(hints[name])]
-    if not rest or not holders or any(name in direct for name, _ in holders):
+    if not holders or any(name in direct for name, _ in holders):
         return dict(config)
     name, config_class = holders[0]
+    if not rest and parameters[name].default is not inspect.Parameter.empty:
+        return dict(config)           # nothing to set, and the factory has its own default config
     try:
         return {**direct, name: config_class(**rest)}
     except Exception as exc:

@@ -123,3 +123,14 @@ def test_inspect_svg_draws_the_mesh_the_blocks_and_the_pipeline(tmp_path, capsys
     assert any(t and t.startswith("Pipeline over 'stage': 1f1b, 8 microbatches, 10 ticks, bubble 11.1%") for t in texts)
     assert "F0" in texts and "b7" in texts
     assert "http" not in text.replace("http://www.w3.org/2000/svg", "")   # nothing fetched
+
+
+def test_explain_takes_both_a_parameter_path_and_import_folders(tmp_path, capsys):
+    folder = tmp_path / "models_here"
+    folder.mkdir()
+    (folder / "configured_model.py").write_text(CONFIG_MODEL)
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("version: 1\nmesh: {axes: {data: 8}}\nparams: [{match: '.*', spec: replicated}]\n")
+    code, out, _ = run(capsys, "explain", plan, "layers/1/kernel", "--model", "configured_model:Model",
+                       "--path", folder)
+    assert code == 0 and "layers/1/kernel -> spec replicated" in out, out
