@@ -151,7 +151,8 @@ def _run(config, plan, mesh, model_config, tokenizer, dataset, out, lead, stop_a
         checkpoints.close()
     if lead:
         try:
-            _plot(out, metrics.records())
+            if not _plot(out, metrics.records()):
+                console.print("loss.png not drawn: matplotlib is not installed (pip install -e '.[plot]')")
         except OSError as exc:      # the picture is a convenience; the run itself is saved
             _warn(console, f"loss.png not drawn: {exc.strerror or exc}")
     sample = ""
@@ -391,13 +392,14 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _plot(out: Path, records: list[dict]) -> None:
+def _plot(out: Path, records: list[dict]) -> bool:
+    """Draw OUT/loss.png; False when matplotlib (the `plot` extra) is not installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return
+        return False
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="train")
     evals = [r for r in records if "eval_loss" in r]
@@ -407,6 +409,7 @@ def _plot(out: Path, records: list[dict]) -> None:
     ax.legend()
     fig.savefig(out / "loss.png", dpi=100)
     plt.close(fig)
+    return True
 
 
 __all__ = ["TrainConfig", "RunResult", "RunError", "DataError", "CheckpointError", "ModelConfigError", "train",
