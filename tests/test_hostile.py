@@ -481,7 +481,7 @@ OPTIONS = st.lists(st.sampled_from([
     ["--all-params"]]), max_size=4)
 
 
-@pytest.mark.parametrize("command", ["validate", "inspect", "explain", "auto"])
+@pytest.mark.parametrize("command", ["validate", "inspect", "explain", "auto", "diff", "params"])
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(plan=mutated_plan(), options=OPTIONS,
        path=st.sampled_from(["output_layer/kernel", "transformer_blocks/99/x", "[", ""]),
@@ -495,7 +495,13 @@ def test_random_arguments_and_mutated_plans_never_crash(tmp_path_factory, capsys
     plan_file.write_text(plan)
     flat = [a for option in options for a in option]
     if command == "explain":
-        argv = ["explain", plan_file, path]
+        argv = ["explain", plan_file, path] + (["--model", "minigpt_model:MiniGPT", *MINIGPT_TINY] if "--json" in flat
+                                               else [])
+    elif command == "diff":
+        argv = ["diff", plan_file, PLANS / "minigpt_dp.yaml", *[a for a in flat if a not in ("--device", "--seq")]]
+    elif command == "params":
+        argv = ["params", "--model", "minigpt_model:MiniGPT", *MINIGPT_TINY, "--plan", plan_file,
+                *[a for a in flat if a in ("--json", "--all-params")]]
     elif command == "auto":
         argv = ["auto", "--model", "minigpt_model:MiniGPT", *MINIGPT_TINY, "--devices", "8", "--profile", "cpu",
                 "-o", folder / "auto.yaml", *auto_extra]
