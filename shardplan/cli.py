@@ -294,7 +294,7 @@ def _inspect(args, console: Console) -> int:
         raise UsageError(f"--device requires one of the mesh's device ids {report.device_ids}, but got {args.device}")
     if args.json:
         data = report.to_json()
-        if args.device is not None:
+        if args.device is not None and report.devices:
             data["device"] = render.device_detail_json(report, args.device)
         if cost is not None:
             data["estimate"] = {"batch": cost[0].batch, "seq": cost[0].seq, "profile": cost[1].name,
@@ -308,7 +308,7 @@ def _inspect(args, console: Console) -> int:
     if cost is not None:
         render.render_estimate(console, *cost)
     render.render_params(console, report, collapse=not args.all_params)
-    if args.device is not None:
+    if args.device is not None and report.devices:      # no per-device layout when the mesh does not fit
         render.render_device_detail(console, report, args.device, collapse=not args.all_params)
     render.render_diagnostics(console, report.diagnostics)
     render.render_verdict(console, report)

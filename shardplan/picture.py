@@ -46,11 +46,16 @@ def render_svg(report: Report, *, max_arrays: int = 6) -> str:
     shape = " x ".join(f"{axis}={size}" for axis, size in report.axes.items())
     parts.append(_text(20, y, f"{title}: mesh {shape} over {len(report.device_ids)} devices", size=18, weight="bold"))
     y += 20
-    if report.devices:
+    if report.devices:           # none when the mesh does not fit the devices: no layout to draw
         section, y = _mesh(report, y)
         parts += section
-    section, y = _arrays(report, y, max_arrays)
-    parts += section
+        section, y = _arrays(report, y, max_arrays)
+        parts += section
+    else:
+        y += 16
+        parts.append(_text(20, y, "The mesh does not fit the devices (see the diagnostics): no layout to draw.",
+                           size=13, fill="#b00"))
+        y += 12
     if report.stage_map is not None:
         section, y = _pipeline(report, y)
         parts += section

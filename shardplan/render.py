@@ -170,9 +170,11 @@ def render_pipeline(console: Console, report: Report) -> None:
         table.add_column(column, justify="right" if "/" in column else "left")
     for stage in range(stage_map.stages):
         layers = [i for i, s in enumerate(stage_map.stage_of) if s == stage]
-        devices = [d for d in report.devices if d.coords[pipe.axis] == stage]
-        table.add_row(str(stage), _index_ranges(layers, through="-", separator=", "), _id_list([d.device_id for d in devices]),
-                      human_bytes(max(d.param_bytes for d in devices)), human_bytes(max(d.opt_bytes for d in devices)))
+        devices = [d for d in report.devices if d.coords[pipe.axis] == stage]     # none when the mesh is wrong
+        table.add_row(str(stage), _index_ranges(layers, through="-", separator=", "),
+                      _id_list([d.device_id for d in devices]) or "-",
+                      human_bytes(max(d.param_bytes for d in devices)) if devices else "-",
+                      human_bytes(max(d.opt_bytes for d in devices)) if devices else "-")
     console.print(table)
     grid = timeline(pipe.schedule, stage_map.stages, pipe.microbatches, stage_map.virtual)
     console.print(render_timeline(grid, width=console.width))

@@ -512,3 +512,13 @@ def test_random_arguments_and_mutated_plans_never_crash(tmp_path_factory, capsys
     assert code in (0, 1, 2), (argv, text)
     no_bug(code, text)
     assert not (folder / "pwned.txt").exists() and not Path("pwned.txt").exists()
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in PLANS.iterdir() if p.suffix in (".yaml", ".toml")))
+def test_every_shipped_plan_on_the_wrong_device_count_is_an_error_not_a_crash(name, tmp_path, capsys):
+    """Found by the fuzzing above: a pipeline plan inspected on too few devices crashed the stage table."""
+    for devices in ("4", "16"):
+        for extra in ([], ["--json", "--device", "1"], ["--svg", tmp_path / "plan.svg", "--device", "1"]):
+            code, text = call(shardplan_cli.main, capsys, "inspect", PLANS / name, "--devices", devices, *extra)
+            assert code in (0, 1), (devices, extra, text)
+            no_bug(code, text)
