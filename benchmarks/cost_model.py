@@ -2,7 +2,7 @@
 
 Compiles one training step of every shipped MiniGPT plan (and dp, dp_tp with ZeRO-1) on 8
 simulated CPU devices and sets
-`shardplan.cost.estimate` beside the compiled HLO (collective bytes as executed: ops inside
+`shardplan.planner.cost.estimate` beside the compiled HLO (collective bytes as executed: ops inside
 loops count once per trip) and `memory_analysis()` (argument bytes: parameters, optimizer state,
 inputs). Target: within 15% on both. Temp bytes are printed beside the modelled activations
 and gradients for information; they have no target.
@@ -30,11 +30,11 @@ sys.path.insert(0, str(REPO))
 
 import minigpt_model  # noqa: E402
 import shardplan  # noqa: E402
-from shardplan.cost import Workload, estimate  # noqa: E402
-from shardplan.measure import measure  # noqa: E402
-from shardplan.paths import param_infos  # noqa: E402
-from shardplan.profiles import get_profile  # noqa: E402
-from shardplan.roles import abstract_with_roles, recognise_module  # noqa: E402
+from shardplan.planner.cost import Workload, estimate  # noqa: E402
+from shardplan.run.measure import measure  # noqa: E402
+from shardplan.checks.paths import param_infos  # noqa: E402
+from shardplan.planner.profiles import get_profile  # noqa: E402
+from shardplan.planner.roles import abstract_with_roles, recognise_module  # noqa: E402
 
 PLANS = ["minigpt_dp.yaml", "minigpt_tp.yaml", "minigpt_dp_tp.yaml", "minigpt_fsdp.toml", "minigpt_3d.yaml",
          "minigpt_pp4.yaml"]
@@ -69,7 +69,7 @@ def held_out(count: int, batch: int, seq: int) -> list[dict]:
     plus its best candidate of each pipeline schedule, with and without FSDP."""
     sys.path.insert(0, str(REPO / "tests"))
     from models import Llama
-    from shardplan.auto import search
+    from shardplan.planner.auto import search
 
     config = dict(vocab=8192, dim=256, heads=8, kv_heads=2, hidden=768, layers=4)
     abstract, roles = abstract_with_roles(lambda: Llama(**config, rngs=nnx.Rngs(0)))

@@ -31,10 +31,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import shardplan  # noqa: E402
-from shardplan import render  # noqa: E402
-from shardplan.models import build_model  # noqa: E402
-from shardplan.paths import ParamInfo  # noqa: E402
-from shardplan.report import check_params  # noqa: E402
+from shardplan.cli import render  # noqa: E402
+from shardplan.run.models import build_model  # noqa: E402
+from shardplan.checks.paths import ParamInfo  # noqa: E402
+from shardplan.checks.report import check_params  # noqa: E402
 
 KINDS = ["attn/q/kernel", "attn/k/kernel", "attn/v/kernel", "attn/o/kernel", "mlp/up/kernel",
          "mlp/gate/kernel", "mlp/down/kernel", "norm1/scale", "norm2/scale", "mlp/up/bias"]

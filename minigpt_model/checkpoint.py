@@ -23,7 +23,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from shardplan.pipeline import Pipelined, to_plain_tree, to_stacked_tree
+from shardplan.run.pipeline import Pipelined, to_plain_tree, to_stacked_tree
 
 
 class CheckpointError(Exception):

@@ -141,13 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     from minigpt_model.tokenizer import TokenizerUnavailable
     from minigpt_model.trainer import ModelConfigError, RunError
     from shardplan import PlanError
-    from shardplan.cli import print_error, report_bug
-    from shardplan.devices import DeviceSetupError
-    from shardplan.models import ModelLoadError
+    from shardplan.cli.commands import print_error, report_bug
+    from shardplan.run.devices import DeviceSetupError
+    from shardplan.run.models import ModelLoadError
     try:
         return args.handler(args, console)
     except PlanError as exc:
-        from shardplan.render import render_diagnostics
+        from shardplan.cli.render import render_diagnostics
         render_diagnostics(err, exc.diagnostics)
         return 1
     except (RunError, DataError, CheckpointError, TokenizerUnavailable) as exc:
@@ -168,16 +168,16 @@ class UsageError(Exception):
 
 
 def _devices(requested: int | None) -> None:
-    from shardplan.devices import has_accelerator, simulate_cpu_devices
+    from shardplan.run.devices import has_accelerator, simulate_cpu_devices
     if requested is not None or not has_accelerator():
         simulate_cpu_devices(8 if requested is None else requested)
 
 
 def _train(args, console: Console) -> int:
     _devices(args.devices)
-    from shardplan.distributed import initialize
+    from shardplan.run.distributed import initialize
     initialize(coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
-    from shardplan.models import parse_overrides
+    from shardplan.run.models import parse_overrides
     from minigpt_model.trainer import TrainConfig, train
     config = TrainConfig(plan=args.plan, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                          warmup_steps=args.warmup_steps, eval_every=args.eval_every,
@@ -194,7 +194,7 @@ def _train(args, console: Console) -> int:
 def _launch(args, console: Console) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     workers = args.local if args.local else args.num_workers
-    from shardplan.devices import DeviceSetupError, has_accelerator
+    from shardplan.run.devices import DeviceSetupError, has_accelerator
     if not workers or workers < 1:
         raise DeviceSetupError("launch requires a positive --local N or --num-workers N")
     per_process = args.devices_per_process or (None if has_accelerator() else max(1, 8 // workers))

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Callable, TextIO
 
-from shardplan.distributed import SIBLING_GRACE_S
+from shardplan.run.distributed import SIBLING_GRACE_S
 
 
 def free_port() -> int:

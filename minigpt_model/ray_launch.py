@@ -12,7 +12,7 @@ import sys
 import time
 
 from minigpt_model.launch import describe_exit, free_port, train_command
-from shardplan.distributed import SIBLING_GRACE_S
+from shardplan.run.distributed import SIBLING_GRACE_S
 
 
 def _worker_class():

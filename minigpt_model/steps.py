@@ -8,7 +8,7 @@ import optax
 from flax import nnx
 
 import shardplan
-from shardplan.pipeline import Pipelined
+from shardplan.run.pipeline import Pipelined
 
 
 def loss_fn(model: nnx.Module, tokens: jnp.ndarray, targets: jnp.ndarray,

@@ -28,7 +28,7 @@ from minigpt_model.model import MiniGPT
 from minigpt_model.sampling import generate
 from minigpt_model.steps import eval_step, make_optimizer, train_step
 from minigpt_model.tokenizer import END_OF_TEXT, get_tokenizer
-from shardplan.render import render_summary
+from shardplan.cli.render import render_summary
 
 # Small enough that the default run finishes in minutes on two CPU cores with 8 simulated
 # devices, large enough to learn the built-in stories; heads and widths divide 2, 4 and 8.

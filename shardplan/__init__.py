@@ -8,11 +8,11 @@
     batch = shardplan.shard_inputs(plan, {"tokens": tokens}, mesh)
 """
 
-from shardplan.diagnostics import CODES, Diagnostic, PlanError
-from shardplan.loader import load_plan, parse_plan
-from shardplan.mesh import make_mesh
-from shardplan.report import Report, check
-from shardplan.schema import Plan
+from shardplan.checks.mesh import make_mesh
+from shardplan.checks.report import Report, check
+from shardplan.plan.diagnostics import CODES, Diagnostic, PlanError
+from shardplan.plan.loader import load_plan, parse_plan
+from shardplan.plan.schema import Plan
 
 __all__ = ["CODES", "Diagnostic", "Plan", "PlanError", "Report", "apply_plan", "check", "constrain", "load_plan",
            "make_mesh", "parse_plan", "shard_inputs", "shard_local_inputs", "shard_optimizer"]
@@ -23,6 +23,6 @@ def __getattr__(name: str):
     # `explain` and plan-only `validate` free of them (tests/test_cli.py checks) and lets the CLI
     # set the device count before JAX starts.
     if name in ("apply_plan", "shard_optimizer", "shard_inputs", "shard_local_inputs", "constrain", "partition_spec"):
-        from shardplan import apply
+        from shardplan.run import apply
         return getattr(apply, name)
     raise AttributeError(f"module 'shardplan' has no attribute {name!r}")

@@ -9,8 +9,8 @@ from flax import nnx
 import minigpt_model
 import shardplan
 from minigpt_model.steps import train_step
-from shardplan.apply import partition_spec
-from shardplan.paths import join_path
+from shardplan.run.apply import partition_spec
+from shardplan.checks.paths import join_path
 
 from conftest import PLANS, TINY_MINIGPT
 

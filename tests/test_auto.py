@@ -11,14 +11,14 @@ from flax import nnx
 
 import minigpt_model
 import shardplan
-from shardplan import auto
-from shardplan.cost import Workload, estimate
-from shardplan.hlo import collective_stats
-from shardplan.measure import measure, prepare, lm_train_step, lm_loss
-from shardplan.paths import param_infos
-from shardplan.profiles import get_profile
-from shardplan.roles import COLUMN, ROW, abstract_with_roles, recognise_module
-from shardplan.schema import spec_axes
+from shardplan.planner import auto
+from shardplan.planner.cost import Workload, estimate
+from shardplan.planner.hlo import collective_stats
+from shardplan.run.measure import measure, prepare, lm_train_step, lm_loss
+from shardplan.checks.paths import param_infos
+from shardplan.planner.profiles import get_profile
+from shardplan.planner.roles import COLUMN, ROW, abstract_with_roles, recognise_module
+from shardplan.plan.schema import spec_axes
 
 from models import Llama
 from test_other_models import LLAMA_PLAN

@@ -5,9 +5,9 @@ import importlib
 
 import pytest
 
-MODULES = ["shardplan.schema", "shardplan.layout", "shardplan.mesh", "shardplan.hlo", "shardplan.paths",
-           "shardplan.loader", "shardplan.report", "shardplan.apply", "shardplan.roles", "shardplan.auto",
-           "shardplan.matching", "shardplan.models", "shardplan.pipeline", "shardplan.diff"]
+MODULES = ["shardplan.plan.schema", "shardplan.checks.layout", "shardplan.checks.mesh", "shardplan.planner.hlo", "shardplan.checks.paths",
+           "shardplan.plan.loader", "shardplan.checks.report", "shardplan.run.apply", "shardplan.planner.roles", "shardplan.planner.auto",
+           "shardplan.plan.matching", "shardplan.run.models", "shardplan.run.pipeline", "shardplan.checks.diff"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -20,7 +20,7 @@ import shardplan
 from minigpt_model import cli as minigpt_cli
 from minigpt_model.checkpoint import verify
 from minigpt_model.trainer import RunError, TrainConfig, train
-from shardplan import cli as shardplan_cli
+from shardplan.cli import commands as shardplan_cli
 
 from conftest import PLANS, REPO
 

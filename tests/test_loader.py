@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardplan
-from shardplan.loader import parse_plan
-from shardplan.schema import Plan, normalize_spec
+from shardplan.plan.loader import parse_plan
+from shardplan.plan.schema import Plan, normalize_spec
 
 from conftest import PLANS
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from minigpt_model.trainer import train
-from shardplan.distributed import SIBLING_GRACE_S
+from shardplan.run.distributed import SIBLING_GRACE_S
 
 from conftest import REPO
 from test_training import TINY_ARGS, tiny_config

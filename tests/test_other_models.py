@@ -6,8 +6,8 @@ import optax
 from flax import nnx
 
 import shardplan
-from shardplan.apply import partition_spec
-from shardplan.paths import param_infos
+from shardplan.run.apply import partition_spec
+from shardplan.checks.paths import param_infos
 
 from models import ConvClassifier, Llama
 

@@ -10,8 +10,8 @@ from flax import nnx
 import minigpt_model
 import shardplan
 from minigpt_model.steps import loss_fn, train_step
-from shardplan.pipeline import Pipelined, stack, unstack
-from shardplan.schedules import article_bubble, bubble_fraction, max_in_flight, timeline
+from shardplan.run.pipeline import Pipelined, stack, unstack
+from shardplan.run.schedules import article_bubble, bubble_fraction, max_in_flight, timeline
 
 from conftest import PLANS
 

@@ -9,7 +9,7 @@ import os
 import pytest
 
 import shardplan
-from shardplan.models import build_model
+from shardplan.run.models import build_model
 
 from conftest import PLANS, REPO
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import html
 import math
 
-from shardplan.layout import device_coords, human_bytes
-from shardplan.report import Report
-from shardplan.schema import format_spec
+from shardplan.checks.layout import device_coords, human_bytes
+from shardplan.checks.report import Report
+from shardplan.plan.schema import format_spec
 
 FONT = "font-family='DejaVu Sans, Helvetica, Arial, sans-serif'"
 MONO = "font-family='DejaVu Sans Mono, Menlo, Consolas, monospace'"
@@ -190,7 +190,7 @@ def _shorten(text: str, width: int) -> str:
 
 
 def _pipeline(report: Report, y: float) -> tuple[list[str], float]:
-    from shardplan.schedules import bubble_fraction, timeline
+    from shardplan.run.schedules import bubble_fraction, timeline
     pipe, stage_map = report.plan.pipeline, report.stage_map
     grid = timeline(pipe.schedule, stage_map.stages, pipe.microbatches, stage_map.virtual)
     parts = [_text(20, y + 16, f"Pipeline over '{pipe.axis}': {pipe.schedule}, {pipe.microbatches} microbatches, "

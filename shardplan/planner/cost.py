@@ -27,11 +27,11 @@ import dataclasses
 import functools
 import math
 
-from shardplan.layout import ParamLayout
-from shardplan.profiles import Profile
-from shardplan.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR, ModelRoles, Role
-from shardplan.schema import spec_axes
-from shardplan.validate import data_axes
+from shardplan.checks.layout import ParamLayout
+from shardplan.planner.profiles import Profile
+from shardplan.planner.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR, ModelRoles, Role
+from shardplan.plan.schema import spec_axes
+from shardplan.checks.validate import data_axes
 
 TOKEN_BYTES = 4                 # tokens and targets are int32
 LOGIT_COPIES = 3                # logits, their softmax and their gradient are alive together
@@ -133,7 +133,7 @@ class _Step:
     seq: int
     itemsize: int
     width: int
-    manual_batch: bool = True   # the pipeline runs its batch axes manually (see `shardplan.apply`)
+    manual_batch: bool = True   # the pipeline runs its batch axes manually (see `shardplan.run.apply`)
 
     def passes(self, staged: bool) -> tuple[int, float]:
         """(passes per step, tokens per pass) for a parameter inside / outside the pipelined layers."""
@@ -413,7 +413,7 @@ def _bubble(step: _Step) -> float:
 
 @functools.lru_cache(maxsize=256)
 def _schedule_bubble(schedule: str, stages: int, microbatches: int, virtual: int) -> float:
-    from shardplan.schedules import bubble_fraction, timeline
+    from shardplan.run.schedules import bubble_fraction, timeline
     return bubble_fraction(timeline(schedule, stages, microbatches, virtual))
 
 

@@ -8,14 +8,14 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shardplan.diagnostics import PlanError
-from shardplan.matching import NormalSpec
-from shardplan.paths import join_path
-from shardplan.report import Report, check
-from shardplan.schema import Plan, normalize_spec
-from shardplan.layout import zero1_spec
-from shardplan.stages import check_microbatches
-from shardplan.validate import data_axes, validate_inputs, validate_optimizer
+from shardplan.plan.diagnostics import PlanError
+from shardplan.plan.matching import NormalSpec
+from shardplan.checks.paths import join_path
+from shardplan.checks.report import Report, check
+from shardplan.plan.schema import Plan, normalize_spec
+from shardplan.checks.layout import zero1_spec
+from shardplan.checks.stages import check_microbatches
+from shardplan.checks.validate import data_axes, validate_inputs, validate_optimizer
 
 
 def partition_spec(spec: NormalSpec) -> PartitionSpec:
@@ -54,7 +54,7 @@ def apply_plan(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Mo
 
 def _pipelined(plan: Plan, model: nnx.Module, mesh, report: Report, specs: dict):
     """Stack the layers stage-major and wrap the model; other modules are placed as usual."""
-    from shardplan.pipeline import Pipelined, stack
+    from shardplan.run.pipeline import Pipelined, stack
     pipe, stage_map = plan.pipeline, report.stage_map
     layers = getattr(model, pipe.layers)
     graphdef = nnx.graphdef(layers[0])
@@ -77,8 +77,8 @@ def _pipelined(plan: Plan, model: nnx.Module, mesh, report: Report, specs: dict)
 def _manual_batch_axes(plan: Plan, report: Report, specs: dict) -> tuple[str, ...]:
     """Data axes the pipeline can run manually: those no layer parameter is split over (an
     FSDP-split layer needs XLA to gather it, so its axis stays automatic)."""
-    from shardplan.schema import spec_axes
-    from shardplan.validate import data_axes
+    from shardplan.plan.schema import spec_axes
+    from shardplan.checks.validate import data_axes
     prefix = plan.pipeline.layers + "/"
     used = {a for path, spec in specs.items() if path.startswith(prefix) for a in spec_axes(spec)}
     return tuple(a for a in data_axes(plan, report.axes) if a != plan.pipeline.axis and a not in used)

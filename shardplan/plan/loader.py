@@ -14,8 +14,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from shardplan.diagnostics import Diagnostic, PlanError
-from shardplan.schema import Plan
+from shardplan.plan.diagnostics import Diagnostic, PlanError
+from shardplan.plan.schema import Plan
 
 Positions = dict[tuple, tuple[int, int]]
 

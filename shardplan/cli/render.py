@@ -13,10 +13,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from shardplan.diagnostics import Diagnostic
-from shardplan.layout import device_coords, human_bytes, imbalance, index_ranges
-from shardplan.report import Report
-from shardplan.schema import format_spec
+from shardplan.plan.diagnostics import Diagnostic
+from shardplan.checks.layout import device_coords, human_bytes, imbalance, index_ranges
+from shardplan.checks.report import Report
+from shardplan.plan.schema import format_spec
 
 _STYLE = {"error": "bold red", "warning": "yellow"}
 
@@ -160,7 +160,7 @@ def _id_list(ids: list[int]) -> str:
 
 def render_pipeline(console: Console, report: Report) -> None:
     """Stage map (layers and bytes per stage) and the schedule as a timeline with its bubble."""
-    from shardplan.schedules import article_bubble, bubble_fraction, max_in_flight, render_timeline, timeline
+    from shardplan.run.schedules import article_bubble, bubble_fraction, max_in_flight, render_timeline, timeline
     stage_map, pipe = report.stage_map, report.plan.pipeline
     if stage_map is None:
         return
@@ -230,7 +230,7 @@ def _fold_path(path: str, width: int) -> str:
 
 def render_param_list(console: Console, params, roles, rules=None, *, collapse: bool = True) -> None:
     """`shardplan params`: path, shape, dtype, bytes, role; with a plan's rules, the winning rule and spec."""
-    from shardplan.matching import first_match
+    from shardplan.plan.matching import first_match
     title = f"{len(params)} parameters, {human_bytes(sum(p.nbytes for p in params))}" + (
         " (repeated layers share a row; --all-params lists each)" if collapse else "")
     columns = ["path", "n", "shape", "dtype", "bytes", "role"] + (["rule", "spec"] if rules is not None else [])
@@ -247,8 +247,8 @@ def render_param_list(console: Console, params, roles, rules=None, *, collapse: 
 
 
 def params_json(params, roles, rules=None) -> list[dict]:
-    from shardplan.matching import first_match
-    from shardplan.report import spec_json
+    from shardplan.plan.matching import first_match
+    from shardplan.checks.report import spec_json
     rows = []
     for p in params:
         row = {"path": p.path, "shape": list(p.shape), "dtype": p.dtype.name, "bytes": p.nbytes,
@@ -314,7 +314,7 @@ def render_summary(console: Console, report: Report) -> None:
 
 def render_estimate(console: Console, workload, profile, cost) -> None:
     """The cost model's figures for one device: memory, communication by kind and axes, time."""
-    from shardplan.layout import human_bytes
+    from shardplan.checks.layout import human_bytes
     console.print(Text.assemble("\n", ("Cost estimate", "bold"), f" per device, batch {workload.batch} x "
                                 f"{workload.seq} tokens, {profile.name} profile (from shapes; nothing compiled):"))
     console.print(f"  memory: parameters {human_bytes(cost.param_bytes)}, gradients {human_bytes(cost.grad_bytes)}, "

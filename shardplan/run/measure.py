@@ -14,7 +14,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from shardplan.hlo import CollectiveStats, collective_stats
+from shardplan.planner.hlo import CollectiveStats, collective_stats
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -34,7 +34,7 @@ class Measured:
 
 def lm_loss(model: nnx.Module, tokens: jax.Array, targets: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy; a pipelined model runs its plan's schedule."""
-    from shardplan.pipeline import Pipelined
+    from shardplan.run.pipeline import Pipelined
     if isinstance(model, Pipelined):
         return model.loss(tokens, targets)
     return optax.softmax_cross_entropy_with_integer_labels(model(tokens), targets).mean()
@@ -43,7 +43,7 @@ def lm_loss(model: nnx.Module, tokens: jax.Array, targets: jax.Array) -> jax.Arr
 @nnx.jit(donate_argnums=(0, 1))
 def lm_train_step(model: nnx.Module, optimizer: nnx.Optimizer, tokens: jax.Array, targets: jax.Array) -> jax.Array:
     """One AdamW step on the next-token loss, outputs pinned to the plan."""
-    from shardplan.apply import constrain
+    from shardplan.run.apply import constrain
     loss, grads = nnx.value_and_grad(lm_loss)(model, tokens, targets)
     optimizer.update(model, grads)
     constrain(model, optimizer)
@@ -52,8 +52,8 @@ def lm_train_step(model: nnx.Module, optimizer: nnx.Optimizer, tokens: jax.Array
 
 def prepare(plan, model: nnx.Module, batch: int, seq: int, *, input_name: str | None = None, vocab: int = 2):
     """(sharded model, optimizer, tokens, targets) ready for `lm_train_step`."""
-    from shardplan.apply import apply_plan, shard_inputs, shard_optimizer
-    from shardplan.mesh import make_mesh
+    from shardplan.run.apply import apply_plan, shard_inputs, shard_optimizer
+    from shardplan.checks.mesh import make_mesh
     mesh = make_mesh(plan)
     model = apply_plan(plan, model, mesh)
     optimizer = shard_optimizer(plan, model, optax.adamw(1e-3), mesh)
@@ -74,7 +74,7 @@ def branch_share(plan) -> float:
     pipe = plan.pipeline
     if pipe is None:
         return 1.0
-    from shardplan.mesh import resolve_axes
+    from shardplan.checks.mesh import resolve_axes
     import jax
     stages = resolve_axes(plan, jax.device_count())[0][pipe.axis]
     if pipe.schedule == "1f1b":

@@ -7,8 +7,8 @@ import math
 
 import numpy as np
 
-from shardplan.matching import NormalSpec
-from shardplan.schema import spec_axes
+from shardplan.plan.matching import NormalSpec
+from shardplan.plan.schema import spec_axes
 
 # AdamW keeps two moments per parameter, each of the parameter's shape and dtype.
 ADAM_MOMENTS = 2

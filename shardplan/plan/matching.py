@@ -7,8 +7,8 @@ import re
 import re._parser as sre_parse   # the stdlib's own regex parser: inspect a pattern's structure before using it
 from re._constants import ANY, BRANCH, MAX_REPEAT, MAXREPEAT, MIN_REPEAT, SUBPATTERN
 
-from shardplan.diagnostics import Diagnostic
-from shardplan.schema import Plan, normalize_spec
+from shardplan.plan.diagnostics import Diagnostic
+from shardplan.plan.schema import Plan, normalize_spec
 
 NormalSpec = tuple[tuple[str, ...] | None, ...]
 
@@ -52,7 +52,7 @@ def compile_pattern(source: str) -> re.Pattern:
     >>> compile_pattern(r'(a+)+b')
     Traceback (most recent call last):
     ...
-    shardplan.matching.SlowPattern: '(…)+' repeats a part of variable width ('+'); nested repeats can backtrack exponentially
+    shardplan.plan.matching.SlowPattern: '(…)+' repeats a part of variable width ('+'); nested repeats can backtrack exponentially
     """
     pattern = re.compile(source)
     counts = {"unbounded": 0, "any": 0}

@@ -7,14 +7,14 @@ import math
 
 import numpy as np
 
-from shardplan.diagnostics import Diagnostic
-from shardplan.schema import MAX_MESH_DEVICES, Plan
+from shardplan.plan.diagnostics import Diagnostic
+from shardplan.plan.schema import MAX_MESH_DEVICES, Plan
 
 
 def resolve_axes(plan: Plan, device_count: int) -> tuple[dict[str, int], list[Diagnostic]]:
     """Axis sizes with any -1 filled from `device_count`; diagnostics when they cannot fit.
 
-    >>> from shardplan.loader import parse_plan
+    >>> from shardplan.plan.loader import parse_plan
     >>> plan = parse_plan("version: 1\\nmesh: {axes: {data: -1, model: 2}}\\nparams: [{match: '.*', spec: replicated}]")
     >>> resolve_axes(plan, 8)[0]
     {'data': 4, 'model': 2}
@@ -51,7 +51,7 @@ def resolve_axes(plan: Plan, device_count: int) -> tuple[dict[str, int], list[Di
 def check_given_mesh(plan: Plan, planned: dict[str, int], given: dict[str, int]) -> list[Diagnostic]:
     """A mesh built elsewhere must be the plan's mesh: same axes, in the same order, of the same sizes.
 
-    >>> from shardplan.loader import parse_plan
+    >>> from shardplan.plan.loader import parse_plan
     >>> plan = parse_plan("version: 1\\nmesh: {axes: {data: 4, model: 2}}\\nparams: [{match: '.*', spec: []}]")
     >>> check_given_mesh(plan, {"data": 4, "model": 2}, {"data": 2, "model": 4})[0].message
     "the mesh given is {data: 2, model: 4}, but the plan's mesh is {data: 4, model: 2}"
@@ -129,7 +129,7 @@ def make_mesh(plan: Plan, *, devices=None):
     """
     import jax
 
-    from shardplan.diagnostics import PlanError
+    from shardplan.plan.diagnostics import PlanError
 
     devices = list(devices) if devices is not None else jax.devices()
     sizes, diagnostics = resolve_axes(plan, len(devices))

@@ -17,7 +17,7 @@ import functools
 import math
 import re
 
-from shardplan.paths import ParamInfo
+from shardplan.checks.paths import ParamInfo
 
 EMBEDDING, COLUMN, ROW, MATMUL, BIAS, VECTOR = "embedding", "column", "row", "matmul", "bias", "vector"
 # Head size assumed when a model keeps heads flattened into one dim (only attention-score bytes use it).
@@ -175,7 +175,7 @@ def recognise(params: list[ParamInfo], order: list[str] | None = None) -> ModelR
 
 def recognise_module(module) -> ModelRoles:
     """`recognise` for a live module (its definition order is still there)."""
-    from shardplan.paths import param_infos
+    from shardplan.checks.paths import param_infos
     return recognise(param_infos(module), definition_order(module))
 
 
@@ -184,7 +184,7 @@ def abstract_with_roles(build) -> tuple[object, ModelRoles]:
     definition order is read from the module while it is being built."""
     from flax import nnx
 
-    from shardplan.paths import param_infos
+    from shardplan.checks.paths import param_infos
     order: list[str] = []
 
     def construct():

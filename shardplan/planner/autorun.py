@@ -12,9 +12,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from shardplan import auto as planner
-from shardplan.cost import Workload
-from shardplan.layout import human_bytes
+from shardplan.planner import auto as planner
+from shardplan.planner.cost import Workload
+from shardplan.checks.layout import human_bytes
 
 EXIT_OK, EXIT_NOTHING_FITS = 0, 1
 
@@ -22,9 +22,9 @@ EXIT_OK, EXIT_NOTHING_FITS = 0, 1
 def run_auto(console: Console, *, factory: str, config: dict, devices: int, hosts: int, memory: int | None,
              batch: int, seq: int, profile, input_name: str, output: str, top: int, measure: int,
              as_json: bool, command: str, usage_error, paths: tuple[str, ...] = ()) -> int:
-    from shardplan.models import ModelLoadError, build_model
-    from shardplan.paths import param_infos
-    from shardplan.roles import definition_order, recognise
+    from shardplan.run.models import ModelLoadError, build_model
+    from shardplan.checks.paths import param_infos
+    from shardplan.planner.roles import definition_order, recognise
     order: list[str] = []
     with console.status("building the model abstractly (nothing is allocated)"):
         try:
@@ -62,8 +62,8 @@ def run_auto(console: Console, *, factory: str, config: dict, devices: int, host
 
 def _check_written(text: str, found: planner.Search, *, devices: int, hosts: int, input_name: str) -> None:
     """The written text must validate like any hand-written plan; a failure here is a bug of ours."""
-    from shardplan.loader import parse_plan
-    from shardplan.report import check_params
+    from shardplan.plan.loader import parse_plan
+    from shardplan.checks.report import check_params
     workload = found.workload
     report = check_params(parse_plan(text, file="auto"), found.params, list(range(devices)),
                           input_shapes={input_name: (workload.batch, workload.seq)}, modules=found.roles.modules,
@@ -88,8 +88,8 @@ def _measure(console: Console, found: planner.Search, factory: str, config: dict
              paths: tuple[str, ...] = ()) -> dict:
     """Compile the top k candidates; {candidate key: Measured}."""
     import jax
-    from shardplan.measure import measure
-    from shardplan.models import build_model
+    from shardplan.run.measure import measure
+    from shardplan.run.models import build_model
     results = {}
     for index, ranked in enumerate(found.ranked[:k]):
         needed = planner.total_devices(ranked.candidate.axes)

@@ -6,10 +6,10 @@ import dataclasses
 import re
 from collections import defaultdict
 
-from shardplan.diagnostics import Diagnostic
-from shardplan.matching import checked_pattern
-from shardplan.paths import ParamInfo
-from shardplan.schema import Plan
+from shardplan.plan.diagnostics import Diagnostic
+from shardplan.plan.matching import checked_pattern
+from shardplan.checks.paths import ParamInfo
+from shardplan.plan.schema import Plan
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -11,9 +11,9 @@ import traceback
 from rich.console import Console
 from rich.text import Text
 
-from shardplan.diagnostics import PlanError
-from shardplan.loader import load_plan
-from shardplan.schema import MAX_MESH_DEVICES, Plan
+from shardplan.plan.diagnostics import PlanError
+from shardplan.plan.loader import load_plan
+from shardplan.plan.schema import MAX_MESH_DEVICES, Plan
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_BUG, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 _UNREADABLE = {"unreadable-file", "unsupported-format", "plan-too-large"}
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args, console)
     except PlanError as exc:
-        from shardplan.render import render_diagnostics, render_verdict
+        from shardplan.cli.render import render_diagnostics, render_verdict
         render_diagnostics(err, exc.diagnostics)
         if all(d.code in _UNREADABLE for d in exc.errors):
             return EXIT_USAGE
@@ -259,7 +259,7 @@ def _schema(args, console: Console) -> int:
 
 
 def _validate(args, console: Console) -> int:
-    from shardplan.render import render_diagnostics, render_verdict
+    from shardplan.cli.render import render_diagnostics, render_verdict
     if args.plan_only:
         return _validate_plan_only(args, console)
     try:
@@ -276,8 +276,8 @@ def _validate(args, console: Console) -> int:
 
 
 def _validate_plan_only(args, console: Console) -> int:
-    from shardplan.render import render_diagnostics, render_verdict
-    from shardplan.report import check_plan_only
+    from shardplan.cli.render import render_diagnostics, render_verdict
+    from shardplan.checks.report import check_plan_only
     plan = load_plan(args.plan)
     diagnostics = check_plan_only(plan, _device_count(args.devices, plan))
     render_diagnostics(console, diagnostics)
@@ -286,7 +286,7 @@ def _validate_plan_only(args, console: Console) -> int:
 
 
 def _inspect(args, console: Console) -> int:
-    from shardplan import render
+    from shardplan.cli import render
     order: list[str] = []
     report = _report(args, order)
     cost = _estimate(args, report, order) if report.ok else None
@@ -313,7 +313,7 @@ def _inspect(args, console: Console) -> int:
     render.render_diagnostics(console, report.diagnostics)
     render.render_verdict(console, report)
     if args.svg:
-        from shardplan.picture import render_svg
+        from shardplan.cli.picture import render_svg
         try:
             with open(args.svg, "w", encoding="utf-8") as handle:
                 handle.write(render_svg(report))
@@ -324,9 +324,9 @@ def _inspect(args, console: Console) -> int:
 
 
 def _explain(args, console: Console) -> int:
-    from shardplan.matching import compile_rules, shadowing
-    from shardplan.render import render_diagnostics
-    from shardplan.schema import format_spec
+    from shardplan.plan.matching import compile_rules, shadowing
+    from shardplan.cli.render import render_diagnostics
+    from shardplan.plan.schema import format_spec
     plan = load_plan(args.plan)
     rules, problems = compile_rules(plan)
     render_diagnostics(console, problems)
@@ -355,9 +355,9 @@ def _explain(args, console: Console) -> int:
 
 def _model_params(factory: str, config_pairs: list[str], order: list[str] | None = None, paths=()):
     """Parameter infos of the model `factory` builds abstractly (the user typed it: consent)."""
-    from shardplan.models import ModelLoadError, build_model, parse_overrides
-    from shardplan.paths import param_infos
-    from shardplan.roles import definition_order
+    from shardplan.run.models import ModelLoadError, build_model, parse_overrides
+    from shardplan.checks.paths import param_infos
+    from shardplan.planner.roles import definition_order
     order = [] if order is None else order
     try:
         model = build_model(factory, parse_overrides(config_pairs), paths=tuple(paths),
@@ -368,17 +368,17 @@ def _model_params(factory: str, config_pairs: list[str], order: list[str] | None
 
 
 def _params(args, console: Console) -> int:
-    from shardplan.render import params_json, render_param_list
-    from shardplan.roles import recognise
+    from shardplan.cli.render import params_json, render_param_list
+    from shardplan.planner.roles import recognise
     order: list[str] = []
     params = _model_params(args.model, args.config, order, paths=args.import_paths)
     roles = recognise(params, order)
     rules = None
     if args.plan:
-        from shardplan.matching import compile_rules
+        from shardplan.plan.matching import compile_rules
         plan = load_plan(args.plan)
         rules, problems = compile_rules(plan)
-        from shardplan.render import render_diagnostics
+        from shardplan.cli.render import render_diagnostics
         render_diagnostics(console, problems)
     if args.json:
         print(json.dumps(params_json(params, roles, rules), indent=2))
@@ -388,14 +388,14 @@ def _params(args, console: Console) -> int:
 
 
 def _diff(args, console: Console) -> int:
-    from shardplan.diff import layout_diff
-    from shardplan.paths import param_infos
-    from shardplan.render import render_diagnostics, render_diff
-    from shardplan.report import check_params
+    from shardplan.checks.diff import layout_diff
+    from shardplan.checks.paths import param_infos
+    from shardplan.cli.render import render_diagnostics, render_diff
+    from shardplan.checks.report import check_params
     plan_a, plan_b = load_plan(args.plan), load_plan(args.other)
     order: list[str] = []
     params = param_infos(_abstract_model(args, plan_a, order))
-    from shardplan.roles import top_level
+    from shardplan.planner.roles import top_level
     devices = list(range(_device_count(args.devices, plan_a)))
     reports = [check_params(plan, params, devices, modules=top_level(order) or None) for plan in (plan_a, plan_b)]
     errors = [d for report in reports for d in report.errors]
@@ -404,7 +404,7 @@ def _diff(args, console: Console) -> int:
         return EXIT_INVALID
     changes = layout_diff(*reports)
     if args.json:
-        from shardplan.report import spec_json
+        from shardplan.checks.report import spec_json
         print(json.dumps({"devices": len(devices), "params": [
             {"path": c.path, "spec_a": spec_json(c.spec_a), "spec_b": spec_json(c.spec_b),
              "param_bytes_moved": c.param_bytes_moved, "opt_bytes_moved": c.opt_bytes_moved} for c in changes]},
@@ -415,8 +415,8 @@ def _diff(args, console: Console) -> int:
 
 
 def _auto(args, console: Console) -> int:
-    from shardplan import auto as planner
-    from shardplan.autorun import run_auto
+    from shardplan.planner import auto as planner
+    from shardplan.planner.autorun import run_auto
     if args.devices % args.hosts:
         raise UsageError(f"--devices ({args.devices}) must be a positive multiple of --hosts ({args.hosts})")
     if not args.output.lower().endswith((".yaml", ".yml")):
@@ -426,14 +426,14 @@ def _auto(args, console: Console) -> int:
                          "measure with at most 64 (the ranking without --measure needs no devices)")
     try:
         memory = planner.parse_bytes(args.memory_per_device) if args.memory_per_device else None
-        from shardplan.profiles import get_profile
+        from shardplan.planner.profiles import get_profile
         profile = get_profile(args.profile)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if args.measure:
         _setup_devices(args.devices, Plan.model_validate({"version": 1, "mesh": {"axes": {"data": args.devices}},
                                                           "params": [{"match": ".*", "spec": "replicated"}]}))
-    from shardplan.models import ModelLoadError, parse_overrides
+    from shardplan.run.models import ModelLoadError, parse_overrides
     try:
         config = parse_overrides(args.config)
     except ModelLoadError as exc:
@@ -453,10 +453,10 @@ def _report(args, order: list[str] | None = None):
     """
     plan = load_plan(args.plan)
     order = [] if order is None else order
-    from shardplan.devices import has_accelerator
-    from shardplan.paths import param_infos
-    from shardplan.report import check, check_params, with_layer_structure
-    from shardplan.roles import top_level
+    from shardplan.run.devices import has_accelerator
+    from shardplan.checks.paths import param_infos
+    from shardplan.checks.report import check, check_params, with_layer_structure
+    from shardplan.planner.roles import top_level
     model = _abstract_model(args, plan, order)
     if args.devices is None and has_accelerator():
         return check(plan, model, modules=top_level(order) or None)
@@ -467,9 +467,9 @@ def _report(args, order: list[str] | None = None):
 
 def _estimate(args, report, order: list[str]):
     """(workload, profile, estimate) of the cost model for inspect."""
-    from shardplan.cost import Workload, estimate
-    from shardplan.profiles import get_profile
-    from shardplan.roles import recognise
+    from shardplan.planner.cost import Workload, estimate
+    from shardplan.planner.profiles import get_profile
+    from shardplan.planner.roles import recognise
     try:
         profile = get_profile(args.profile)
     except ValueError as exc:
@@ -480,7 +480,7 @@ def _estimate(args, report, order: list[str]):
 
 
 def _abstract_model(args, plan: Plan, order: list[str]):
-    from shardplan.models import ModelLoadError, build_model, consented, parse_overrides
+    from shardplan.run.models import ModelLoadError, build_model, consented, parse_overrides
     factory = args.model or (plan.model.factory if plan.model else None)
     if factory is None:
         raise ModelNotBuilt(f"{args.plan} names no model (model.factory); pass --model module:callable")
@@ -491,7 +491,7 @@ def _abstract_model(args, plan: Plan, order: list[str]):
     config = dict(plan.model.config) if plan.model and not args.model else {}
     try:
         config.update(parse_overrides(args.config))
-        from shardplan.roles import definition_order
+        from shardplan.planner.roles import definition_order
         return build_model(factory, config, paths=tuple(args.import_paths),
                            on_built=lambda module: order.extend(definition_order(module)))
     except ModelLoadError as exc:
@@ -499,7 +499,7 @@ def _abstract_model(args, plan: Plan, order: list[str]):
 
 
 def _setup_devices(requested: int | None, plan: Plan) -> None:
-    from shardplan.devices import DeviceSetupError, has_accelerator, simulate_cpu_devices
+    from shardplan.run.devices import DeviceSetupError, has_accelerator, simulate_cpu_devices
     if requested is None and has_accelerator():
         return
     try:

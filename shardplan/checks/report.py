@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardplan.diagnostics import Diagnostic
-from shardplan.layout import DeviceTotals, ParamLayout, device_totals, imbalance, shard_shape, zero1_spec
-from shardplan.matching import checked_pattern, compile_rules
-from shardplan.mesh import check_given_mesh, check_hosts, resolve_axes
-from shardplan.paths import ParamInfo
-from shardplan.schema import Plan
-from shardplan.stages import StageMap, check_microbatches, plan_stages, static_differences
-from shardplan.validate import (Placement, data_axes, idle_axes, rule_level, validate_inputs, validate_optimizer,
+from shardplan.plan.diagnostics import Diagnostic
+from shardplan.checks.layout import DeviceTotals, ParamLayout, device_totals, imbalance, shard_shape, zero1_spec
+from shardplan.plan.matching import checked_pattern, compile_rules
+from shardplan.checks.mesh import check_given_mesh, check_hosts, resolve_axes
+from shardplan.checks.paths import ParamInfo
+from shardplan.plan.schema import Plan
+from shardplan.checks.stages import StageMap, check_microbatches, plan_stages, static_differences
+from shardplan.checks.validate import (Placement, data_axes, idle_axes, rule_level, validate_inputs, validate_optimizer,
                                 validate_params)
 
 
@@ -60,7 +60,7 @@ class Report:
 def _pipeline_json(report: "Report") -> dict | None:
     if report.stage_map is None:
         return None
-    from shardplan.schedules import bubble_fraction, timeline
+    from shardplan.run.schedules import bubble_fraction, timeline
     pipe, stage_map = report.plan.pipeline, report.stage_map
     grid = timeline(pipe.schedule, stage_map.stages, pipe.microbatches, stage_map.virtual)
     return {"axis": pipe.axis, "schedule": pipe.schedule, "microbatches": pipe.microbatches,
@@ -106,7 +106,7 @@ def check(plan: Plan, model, mesh=None, *, input_shapes: dict[str, tuple[int, ..
     import jax
     from flax import nnx
 
-    from shardplan.paths import param_infos
+    from shardplan.checks.paths import param_infos
     device_ids = _device_ids(plan, mesh)
     if modules is None:
         modules = [name for name, value in vars(model).items() if isinstance(value, nnx.Module)]
@@ -129,8 +129,8 @@ def with_layer_structure(report: Report, plan: Plan, model) -> Report:
 def _device_ids(plan: Plan, mesh) -> list[int]:
     """Device ids in mesh order: the given mesh's, else the plan's mesh over all devices if it can be built."""
     if mesh is None:
-        from shardplan.diagnostics import PlanError
-        from shardplan.mesh import make_mesh
+        from shardplan.plan.diagnostics import PlanError
+        from shardplan.checks.mesh import make_mesh
         try:
             mesh = make_mesh(plan)
         except PlanError:

@@ -1,10 +1,10 @@
 """`shardplan auto`: enumerate plans for a model, a device count and a memory budget; rank them. Pure.
 
 Candidates are every mesh `stage x data x model` that multiplies to the device count, each with
-rule sets built from the parameters' roles (`shardplan.roles`): replicated, Megatron tensor
+rule sets built from the parameters' roles (`shardplan.planner.roles`): replicated, Megatron tensor
 parallelism over `model` (with or without a vocabulary-split embedding and head), FSDP over
 `data`, ZeRO-1, and for `stage > 1` every schedule and microbatch count that fits. Each is checked
-exactly as a hand-written plan is (`check_params`), costed (`shardplan.cost`), dropped if over the
+exactly as a hand-written plan is (`check_params`), costed (`shardplan.planner.cost`), dropped if over the
 memory budget, and ranked by modelled step time.
 """
 
@@ -15,13 +15,13 @@ import math
 import re
 from typing import Any
 
-from shardplan.cost import Estimate, Workload, estimate
-from shardplan.paths import ParamInfo
-from shardplan.profiles import Profile
-from shardplan.report import Report, check_params
-from shardplan.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, ModelRoles
-from shardplan.schema import Plan, spec_axes
-from shardplan.validate import REPLICATED_WARNING_BYTES, data_axes
+from shardplan.planner.cost import Estimate, Workload, estimate
+from shardplan.checks.paths import ParamInfo
+from shardplan.planner.profiles import Profile
+from shardplan.checks.report import Report, check_params
+from shardplan.planner.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, ModelRoles
+from shardplan.plan.schema import Plan, spec_axes
+from shardplan.checks.validate import REPLICATED_WARNING_BYTES, data_axes
 
 # FSDP leaves matrices smaller than this replicated: gathering them costs more latency than they save.
 FSDP_MIN_BYTES = 1 << 16
@@ -335,7 +335,7 @@ def parse_bytes(text: str) -> int:
 
 def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 3) -> str:
     """The chosen plan as a commented YAML file, every comment saying why."""
-    from shardplan.layout import human_bytes
+    from shardplan.checks.layout import human_bytes
     c, cost = chosen.candidate, chosen.estimate
     lines = [f"# Written by: {command}",
              f"# Chosen among {len(found.ranked)} candidates that fit {human_bytes(found.memory)} per device "

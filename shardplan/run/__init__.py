@@ -1,0 +1,1 @@
+"""Running a plan: placing arrays, pipelined execution and schedules, devices, building named models."""
