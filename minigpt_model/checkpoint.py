@@ -133,24 +133,22 @@ class Checkpoints:
             raise CheckpointError(f"checkpoint step {step} in {self.directory} cannot be read: "
                                   f"{type(exc).__name__}: {exc}") from None
 
-    def intact_steps(self, warn=None) -> list[int]:
-        """Saved steps, newest first, that pass their checksums and have readable metadata.
+    def intact_steps(self, warn=None):
+        """(step, meta) of the saved steps that pass their checksums and have readable metadata, newest
+        first; lazily, so a caller that takes the newest verifies no older step.
 
         `warn(message)` hears about each step left out and why.
         """
-        good = []
         for step in sorted(self._manager.all_steps(), reverse=True):
             problem = verify(self.directory / str(step))
             if problem is None:
                 try:
-                    self.meta(step)
+                    yield step, self.meta(step)
+                    continue
                 except CheckpointError as exc:
                     problem = str(exc)
-            if problem is None:
-                good.append(step)
-            elif warn is not None:
+            if warn is not None:
                 warn(f"checkpoint step {step} in {self.directory} is damaged: {problem}")
-        return good
 
     def set_aside(self, steps: list[int], into: Path) -> list[Path]:
         """Move damaged steps out of the way (kept for inspection, never deleted) so the run can save them anew."""
@@ -253,8 +251,7 @@ def restore_for_inference(run_dir: str | Path, *, warn=None):
         raise CheckpointError(f"{run_dir} holds no checkpoints (expected {checkpoints_dir})")
     checkpoints = Checkpoints(checkpoints_dir)
     try:
-        for step in checkpoints.intact_steps(warn=warn):
-            meta = checkpoints.meta(step)
+        for step, meta in checkpoints.intact_steps(warn=warn):
             model = MiniGPT(**meta["model"], rngs=nnx.Rngs(0))
             try:
                 checkpoints.restore(model, step=step)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import errno
 import fcntl
 import hashlib
 import json
@@ -325,9 +324,7 @@ def _resume(checkpoints: Checkpoints, model, optimizer, model_config, config: Tr
     """Restore the newest intact checkpoint; damaged newer ones are reported and set aside, never used."""
     if not config.resume or not checkpoints.all_steps():
         return 0
-    intact = checkpoints.intact_steps(warn=lambda m: _warn(console, m))
-    for step in intact:
-        meta = checkpoints.meta(step)
+    for step, meta in checkpoints.intact_steps(warn=lambda m: _warn(console, m)):
         if meta["model"] != model_config:
             raise CheckpointError(f"the checkpoint in {checkpoints.directory} is of model {meta['model']}, not "
                                   f"{model_config}")

@@ -1,7 +1,6 @@
 """Hostile and mistaken input: nothing in a plan runs without consent, reading is bounded, a resume is the
 same run or refused, damaged state is detected, and no user mistake is an internal error (exit 3)."""
 
-import dataclasses
 import json
 import os
 import shutil
@@ -78,7 +77,7 @@ def test_validate_and_inspect_never_run_a_plans_factory(tmp_path, capsys, monkey
         assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"{local}.py", "plan.yaml"])
 
     # A plan mistake found without the model is still reported (exit 1), and still nothing runs.
-    plan.write_text(f"version: 1\nmodel: {{factory: 'os:system', config: {{command: 'touch pwned.txt'}}}}\n"
+    plan.write_text("version: 1\nmodel: {factory: 'os:system', config: {command: 'touch pwned.txt'}}\n"
                     "mesh: {axes: {data: 8}}\nparams:\n  - {match: '.*', spec: [modle]}\n")
     code, text = call(shardplan_cli.main, capsys, "validate", plan)
     assert code == 1 and "unknown-axis" in text and not (tmp_path / "pwned.txt").exists()
@@ -206,7 +205,7 @@ def test_plan_text_and_hints_are_printed_verbatim(tmp_path, capsys):
 
 def test_the_mesh_given_is_the_mesh_checked():
     from flax import nnx
-    plan = shardplan.parse_plan(f"version: 1\nmesh: {{axes: {{data: 4, model: 2}}}}\n"
+    plan = shardplan.parse_plan("version: 1\nmesh: {axes: {data: 4, model: 2}}\n"
                                 "params:\n  - {match: 'kernel', spec: [null, model]}\n  - {match: '.*', spec: []}\n")
     model = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
     auto = (jax.sharding.AxisType.Auto,) * 2

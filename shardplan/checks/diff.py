@@ -10,10 +10,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from shardplan.checks.layout import ParamLayout, device_coords, index_ranges
+from shardplan.checks.layout import ADAM_MOMENTS, ParamLayout, device_coords, index_ranges
 from shardplan.checks.report import Report
-
-MOMENTS = 2      # AdamW keeps two moments per parameter
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -25,9 +23,8 @@ class ParamChange:
     opt_bytes_moved: int
 
 
-def _held(layout: ParamLayout, spec, report: Report, position: int):
-    """Index ranges the device at `position` holds, or None (a pipeline stage without this layer)."""
-    coords = device_coords(report.axes, position)
+def _held(layout: ParamLayout, spec, report: Report, coords: dict[str, int]):
+    """Index ranges the device at `coords` holds, or None (a pipeline stage without this layer)."""
     if layout.stage is not None and report.plan.pipeline and coords[report.plan.pipeline.axis] != layout.stage:
         return None
     return index_ranges(layout.shape, spec, report.axes, coords)
@@ -43,12 +40,13 @@ def _overlap(first, second) -> int:
     return math.prod(max(0, min(b1, b2) - max(a1, a2)) for (a1, b1), (a2, b2) in zip(first, second))
 
 
-def _moved(a: ParamLayout, b: ParamLayout, spec_a, spec_b, report_a: Report, report_b: Report) -> int:
+def _moved(a: ParamLayout, b: ParamLayout, spec_a, spec_b, report_a: Report, report_b: Report,
+           coords: list[tuple[dict, dict]]) -> int:
     """Elements every device must receive to go from layout a to layout b, summed over devices."""
     total = 0
-    for position in range(len(report_b.device_ids)):
-        new = _held(b, spec_b, report_b, position)
-        total += _volume(new) - _overlap(_held(a, spec_a, report_a, position), new)
+    for coords_a, coords_b in coords:
+        new = _held(b, spec_b, report_b, coords_b)
+        total += _volume(new) - _overlap(_held(a, spec_a, report_a, coords_a), new)
     return total
 
 
@@ -73,6 +71,7 @@ def layout_diff(report_a: Report, report_b: Report) -> list[ParamChange]:
         raise ValueError(f"the plans lay out {len(report_a.device_ids)} and {len(report_b.device_ids)} devices; "
                          "a diff compares layouts on the same devices")
     by_path = {p.path: p for p in report_a.params}
+    coords = [(device_coords(report_a.axes, k), device_coords(report_b.axes, k)) for k in range(len(report_b.device_ids))]
     changes = []
     for b in report_b.params:
         a = by_path.get(b.path)
@@ -81,6 +80,6 @@ def layout_diff(report_a: Report, report_b: Report) -> list[ParamChange]:
         itemsize = b.itemsize
         changes.append(ParamChange(
             b.path, a.spec, b.spec,
-            _moved(a, b, a.spec, b.spec, report_a, report_b) * itemsize,
-            _moved(a, b, a.opt_spec, b.opt_spec, report_a, report_b) * itemsize * MOMENTS))
+            _moved(a, b, a.spec, b.spec, report_a, report_b, coords) * itemsize,
+            _moved(a, b, a.opt_spec, b.opt_spec, report_a, report_b, coords) * itemsize * ADAM_MOMENTS))
     return changes

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardplan.plan.diagnostics import Diagnostic
 from shardplan.checks.layout import DeviceTotals, ParamLayout, device_totals, imbalance, shard_shape, zero1_spec
-from shardplan.plan.matching import checked_pattern, compile_rules
 from shardplan.checks.mesh import check_given_mesh, check_hosts, resolve_axes
 from shardplan.checks.paths import ParamInfo
-from shardplan.plan.schema import Plan
 from shardplan.checks.stages import StageMap, check_microbatches, plan_stages, static_differences
-from shardplan.checks.validate import (Placement, data_axes, idle_axes, rule_level, validate_inputs, validate_optimizer,
-                                validate_params)
+from shardplan.checks.validate import (Placement, data_axes, idle_axes, rule_level, validate_inputs,
+                                       validate_optimizer, validate_params)
+from shardplan.plan.diagnostics import Diagnostic
+from shardplan.plan.matching import checked_pattern, compile_rules
+from shardplan.plan.schema import Plan
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -176,7 +176,7 @@ def check_plan_only(plan: Plan, device_count: int) -> list[Diagnostic]:
     diagnostics += mesh_diagnostics + rule_level(plan, rules, sizes)
     diagnostics += validate_inputs(plan, sizes) + validate_optimizer(plan, sizes)
     if plan.pipeline is not None:
-        # Stage rules are checked against a stand-in layer list of the right length when stages are explicit.
+        # Without parameters plan_stages stops after the axis check, so the stage regexes are compiled here.
         _, staging = plan_stages(plan, [], sizes, {}, None)
         diagnostics += [d for d in staging if d.code != "pipeline-no-layers"]
         for k, rule in enumerate(plan.pipeline.stages if plan.pipeline.stages != "even" else []):

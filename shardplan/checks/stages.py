@@ -6,9 +6,9 @@ import dataclasses
 import re
 from collections import defaultdict
 
+from shardplan.checks.paths import ParamInfo
 from shardplan.plan.diagnostics import Diagnostic
 from shardplan.plan.matching import checked_pattern
-from shardplan.checks.paths import ParamInfo
 from shardplan.plan.schema import Plan
 
 

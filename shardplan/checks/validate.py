@@ -10,10 +10,10 @@ import difflib
 import math
 from collections import defaultdict
 
-from shardplan.plan.diagnostics import Diagnostic
 from shardplan.checks.layout import human_bytes, trim_spec
-from shardplan.plan.matching import NormalSpec, Rule, assign
 from shardplan.checks.paths import ParamInfo
+from shardplan.plan.diagnostics import Diagnostic
+from shardplan.plan.matching import NormalSpec, Rule, assign
 from shardplan.plan.schema import Plan, format_spec, normalize_spec, spec_axes
 
 # A fully replicated parameter at least this large draws a warning when the plan shards others.

@@ -62,6 +62,13 @@ def _count(minimum: int, maximum: int | None = None):
     return parse
 
 
+def _typed_model(sub: argparse.ArgumentParser) -> None:
+    """--model (required: these commands build the model the user names) and its --config keys."""
+    sub.add_argument("--model", required=True, help="model factory module:callable")
+    sub.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                     help="factory keyword argument, or a field of the config object it takes (repeatable)")
+
+
 def _path_and_debug(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--path", action="append", default=[], metavar="DIR", dest="import_paths",
                      help="also import the model's module from DIR (repeatable; the working directory is searched too)")
@@ -150,9 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example:\n  shardplan params --model minigpt_model:MiniGPT --config num_transformer_blocks=2\n"
                "  shardplan params --model minigpt_model:MiniGPT --plan plans/minigpt_tp.yaml --all-params",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    params.add_argument("--model", required=True, help="model factory module:callable")
-    params.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
-                        help="factory keyword argument (repeatable)")
+    _typed_model(params)
     params.add_argument("--plan", help="also show the rule of this plan that matches each path, and its spec")
     params.add_argument("--all-params", action="store_true",
                         help="one row per parameter (default: repeated layers share a row)")
@@ -171,9 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
                "--memory-per-device 1GiB -o auto.yaml\n  shardplan auto --model tests.models:Llama --config vocab=32000 "
                "--config dim=4096 ... --devices 64 --hosts 8 --profile h200 --memory-per-device 80GiB -o llama.yaml",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    auto.add_argument("--model", required=True, help="model factory module:callable")
-    auto.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
-                      help="factory keyword argument (repeatable)")
+    _typed_model(auto)
     auto.add_argument("--devices", type=_count(1, MAX_AUTO_DEVICES), required=True, metavar="N",
                       help=f"number of devices to plan for (at most {MAX_AUTO_DEVICES})")
     auto.add_argument("--hosts", type=_count(1, MAX_MESH_DEVICES), default=1, metavar="H",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import math
 import re
-from collections import defaultdict
 from pathlib import Path
 
 from rich import box
@@ -13,9 +12,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from shardplan.plan.diagnostics import Diagnostic
 from shardplan.checks.layout import device_coords, human_bytes, imbalance, index_ranges
 from shardplan.checks.report import Report
+from shardplan.plan.diagnostics import Diagnostic
 from shardplan.plan.schema import format_spec
 
 _STYLE = {"error": "bold red", "warning": "yellow"}
@@ -137,7 +136,7 @@ def render_devices(console: Console, report: Report) -> None:
     """Per-device totals; devices holding the same bytes share a row."""
     if not report.devices:
         return
-    groups: dict[tuple[int, int], list[int]] = defaultdict(list)
+    groups: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
     for d in report.devices:
         groups[(d.param_bytes, d.opt_bytes)].append(d.device_id)
     table = Table(title="Per device (optimizer state: AdamW, 2 moments)", header_style="bold")

@@ -15,13 +15,13 @@ import math
 import re
 from typing import Any
 
-from shardplan.planner.cost import Estimate, Workload, estimate
 from shardplan.checks.paths import ParamInfo
-from shardplan.planner.profiles import Profile
 from shardplan.checks.report import Report, check_params
-from shardplan.planner.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, ModelRoles
-from shardplan.plan.schema import Plan, spec_axes
 from shardplan.checks.validate import REPLICATED_WARNING_BYTES, data_axes
+from shardplan.plan.schema import Plan, spec_axes
+from shardplan.planner.cost import Estimate, Workload, estimate
+from shardplan.planner.profiles import Profile
+from shardplan.planner.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, ModelRoles
 
 # FSDP leaves matrices smaller than this replicated: gathering them costs more latency than they save.
 FSDP_MIN_BYTES = 1 << 16

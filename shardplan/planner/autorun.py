@@ -12,9 +12,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from shardplan.checks.layout import human_bytes
 from shardplan.planner import auto as planner
 from shardplan.planner.cost import Workload
-from shardplan.checks.layout import human_bytes
 
 EXIT_OK, EXIT_NOTHING_FITS = 0, 1
 

@@ -8,14 +8,14 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shardplan.plan.diagnostics import PlanError
-from shardplan.plan.matching import NormalSpec
+from shardplan.checks.layout import zero1_spec
 from shardplan.checks.paths import join_path
 from shardplan.checks.report import Report, check
-from shardplan.plan.schema import Plan, normalize_spec
-from shardplan.checks.layout import zero1_spec
 from shardplan.checks.stages import check_microbatches
 from shardplan.checks.validate import data_axes, validate_inputs, validate_optimizer
+from shardplan.plan.diagnostics import PlanError
+from shardplan.plan.matching import NormalSpec
+from shardplan.plan.schema import Plan, normalize_spec
 
 
 def partition_spec(spec: NormalSpec) -> PartitionSpec:
