@@ -23,7 +23,8 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from shardplan.run.pipeline import Pipelined, to_plain_tree, to_stacked_tree
+from shardplan.run.pipeline import to_plain_tree, to_stacked_tree
+from shardplan.run.pipelined import pipelined_layers
 
 
 class CheckpointError(Exception):
@@ -81,7 +82,8 @@ def _pure(node) -> dict:
 
 def _layers_of(model) -> str | None:
     """The stacked-layers attribute of a pipelined model (checkpoints keep the unpipelined layout)."""
-    return model.layers_name if isinstance(model, Pipelined) else None
+    found = pipelined_layers(model)
+    return found[0] if found else None
 
 
 def _plain(tree: dict, layers: str | None) -> dict:

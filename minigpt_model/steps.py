@@ -8,15 +8,13 @@ import optax
 from flax import nnx
 
 import shardplan
-from shardplan.run.pipeline import Pipelined
+from shardplan.run.pipeline import cross_entropy
 
 
 def loss_fn(model: nnx.Module, tokens: jnp.ndarray, targets: jnp.ndarray,
             rngs: nnx.Rngs | None = None, training: bool = False) -> jnp.ndarray:
-    if isinstance(model, Pipelined):                 # runs the plan's schedule (1F1B fuses the backward)
-        return model.loss(tokens, targets, rngs=rngs, training=training)
-    logits = model(tokens, rngs=rngs, training=training)                        # (B, T, V)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    # any plan: under 1F1B the loss is computed inside the pipeline, which fuses the backward
+    return shardplan.model_loss(model, cross_entropy, targets, tokens, rngs=rngs, training=training)
 
 
 @nnx.jit(static_argnames=("training",))

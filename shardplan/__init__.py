@@ -6,6 +6,7 @@
     model = shardplan.apply_plan(plan, model, mesh)
     optimizer = shardplan.shard_optimizer(plan, model, optax.adamw(3e-4), mesh)
     batch = shardplan.shard_inputs(plan, {"tokens": tokens}, mesh)
+    loss = shardplan.model_loss(model, loss_of, targets, tokens)   # any plan; 1F1B computes it in the pipeline
 """
 
 from shardplan.checks.mesh import make_mesh
@@ -15,7 +16,7 @@ from shardplan.plan.loader import load_plan, parse_plan
 from shardplan.plan.schema import Plan
 
 __all__ = ["CODES", "Diagnostic", "Plan", "PlanError", "Report", "apply_plan", "check", "constrain", "load_plan",
-           "make_mesh", "parse_plan", "shard_inputs", "shard_local_inputs", "shard_optimizer"]
+           "make_mesh", "model_loss", "parse_plan", "shard_inputs", "shard_local_inputs", "shard_optimizer", "to_plain"]
 
 
 def __getattr__(name: str):
@@ -25,4 +26,7 @@ def __getattr__(name: str):
     if name in ("apply_plan", "shard_optimizer", "shard_inputs", "shard_local_inputs", "constrain", "partition_spec"):
         from shardplan.run import apply
         return getattr(apply, name)
+    if name in ("model_loss", "to_plain"):
+        from shardplan.run import pipelined
+        return getattr(pipelined, name)
     raise AttributeError(f"module 'shardplan' has no attribute {name!r}")

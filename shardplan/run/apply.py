@@ -53,25 +53,23 @@ def apply_plan(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Mo
 
 
 def _pipelined(plan: Plan, model: nnx.Module, mesh, report: Report, specs: dict):
-    """Stack the layers stage-major and wrap the model; other modules are placed as usual."""
-    from shardplan.run.pipeline import Pipelined, stack
+    """Replace the layer list by the stacked, pipelined layers (stage-major); the rest of the model,
+    its code included, stays as it is and is placed as usual."""
+    from shardplan.run.pipelined import PipelinedLayers
     pipe, stage_map = plan.pipeline, report.stage_map
-    layers = getattr(model, pipe.layers)
-    graphdef = nnx.graphdef(layers[0])
-    stacked = nnx.merge(graphdef, stack([nnx.to_pure_dict(nnx.state(layer)) for layer in layers],
-                                        stage_map.stages, stage_map.virtual))
-    for keys, variable in nnx.to_flat_state(nnx.state(stacked)):
-        spec = specs.get(f"{pipe.layers}/0/{join_path(keys)}", ())
-        _place(variable, NamedSharding(mesh, partition_spec(((pipe.axis,), None, None) + tuple(spec))))
-    pipelined = Pipelined(model, layers=pipe.layers, stacked=stacked, mesh=mesh, axis=pipe.axis,
-                          schedule=pipe.schedule, microbatches=pipe.microbatches,
-                          batch_axes=_manual_batch_axes(plan, report, specs))
-    for keys, variable in nnx.to_flat_state(nnx.state(pipelined)):
+    plain_graphdef = nnx.graphdef(model)
+    layers = PipelinedLayers(list(getattr(model, pipe.layers)), name=pipe.layers, stages=stage_map.stages,
+                             virtual=stage_map.virtual, mesh=mesh, axis=pipe.axis, schedule=pipe.schedule,
+                             microbatches=pipe.microbatches, batch_axes=_manual_batch_axes(plan, report, specs),
+                             plain_graphdef=plain_graphdef)
+    setattr(model, pipe.layers, layers)
+    for keys, variable in nnx.to_flat_state(nnx.state(model)):
         path = join_path(keys)
-        if not path.startswith(pipe.layers + "/"):
-            spec = specs.get(path, ()) if isinstance(variable, nnx.Param) else ()
-            _place(variable, NamedSharding(mesh, partition_spec(spec)))
-    return pipelined
+        spec = specs.get(path, ()) if isinstance(variable, nnx.Param) else ()
+        if keys[0] == pipe.layers:
+            spec = ((pipe.axis,), None, None) + tuple(specs.get(f"{pipe.layers}/0/{join_path(keys[1:])}", ()))
+        _place(variable, NamedSharding(mesh, partition_spec(spec)))
+    return model
 
 
 def _manual_batch_axes(plan: Plan, report: Report, specs: dict) -> tuple[str, ...]:

@@ -18,8 +18,8 @@ stages with `ppermute`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import inspect
 from typing import Callable
 
 import jax
@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+
+from shardplan.run.layer_call import LayerCall, fold_keys
 
 
 def split_microbatches(x: jax.Array, microbatches: int) -> jax.Array:
@@ -61,31 +63,45 @@ def fit_microbatches(rows: int, microbatches: int, batch_axes: tuple[str, ...],
     return candidates[0], ()
 
 
+@dataclasses.dataclass(frozen=True)
+class Layers:
+    """What every layer of one pipelined call shares: the layers' graph definitions (one per kind, when
+    layers differ in a non-array attribute such as local/global attention), each layer's kind in model
+    order, and how the model calls them."""
+
+    kinds: tuple
+    kind_of: tuple[int, ...]
+    call: LayerCall
+
+    def run(self, layer_state, index, h, split, whole, keys):
+        """Layer `index` (model order; may be traced) on the activation `h`: the layer's own kind, chosen
+        by `lax.switch` when the layers differ."""
+        def branch(graphdef):
+            def run(layer_state, h, split, whole, keys):
+                layer = nnx.merge(graphdef, layer_state)
+                args, kwargs = self.call.arguments(h, split, whole, fold_keys(keys, index))
+                return self.call.activation(layer(*args, **kwargs))
+            return run
+        if len(self.kinds) == 1:
+            return branch(self.kinds[0])(layer_state, h, split, whole, keys)
+        kind = jnp.asarray(self.kind_of, jnp.int32)[index]
+        return jax.lax.switch(kind, [branch(g) for g in self.kinds], layer_state, h, split, whole, keys)
+
+
 def _chunk(state, index):
     return jax.tree.map(lambda a: a[index], state)
 
 
-def _run_chunk(graphdef, chunk_state, h, key, first_layer, training):
+def _run_chunk(layers: Layers, chunk_state, h, split, whole, keys, first_layer):
     """The chunk's layers one after another, under scan."""
     count = jax.tree.leaves(chunk_state)[0].shape[0]
 
     def layer(h, inputs):
         layer_state, index = inputs
-        block = nnx.merge(graphdef, layer_state)
-        if not _takes_training(type(block)):
-            return block(h), None
-        rngs = nnx.Rngs(dropout=jax.random.fold_in(key, first_layer + index)) if key is not None else None
-        return block(h, rngs=rngs, training=training), None
+        return layers.run(layer_state, first_layer + index, h, split, whole, keys), None
 
     h, _ = jax.lax.scan(layer, h, (chunk_state, jnp.arange(count)))
     return h
-
-
-@functools.cache
-def _takes_training(layer_type: type) -> bool:
-    """Whether layers accept `rngs=` and `training=` (MiniGPT's blocks do; many layers take only x)."""
-    parameters = inspect.signature(layer_type.__call__).parameters
-    return "rngs" in parameters and "training" in parameters
 
 
 def _to_last(x, axis, stages):
@@ -101,42 +117,56 @@ def _batch_spec(batch_axes: tuple[str, ...], *leading) -> P:
     return P(*leading, batch_axes if batch_axes else None)
 
 
-def _shard_key(key, mesh, batch_axes: tuple[str, ...]):
-    """A distinct dropout key per batch shard (each draws masks only for its own rows)."""
-    if key is None or not batch_axes:
-        return key
+def _shard_keys(keys, mesh, batch_axes: tuple[str, ...]):
+    """Keys of their own per batch shard (each draws masks only for its own rows)."""
+    if not keys or not batch_axes:
+        return keys
     index = 0
     for name in batch_axes:
         index = index * mesh.shape[name] + jax.lax.axis_index(name)
-    return jax.random.fold_in(key, index)
+    return fold_keys(keys, index)
 
 
-def sequential_forward(graphdef, stacked, h, key, *, training: bool):
+def _cached(factory, *statics):
+    """`factory(*statics)` from its cache (eager calls then reuse one compilation); uncached when a
+    static is unhashable (a layer called with an unhashable Python value)."""
+    try:
+        return factory(*statics)
+    except TypeError:
+        return factory.__wrapped__(*statics)
+
+
+def _at(arrays, m):
+    return [a[m] for a in arrays]
+
+
+def sequential_forward(layers: Layers, stacked, h, split, whole, keys):
     """The stacked layers in model order, one after another (no pipeline): chunk c is at [c % stages, c // stages]."""
     def in_order(a):
         stages, virtual, per_chunk = a.shape[:3]
         return jnp.swapaxes(a, 0, 1).reshape(virtual * stages * per_chunk, *a.shape[3:])
-    return _run_chunk(graphdef, jax.tree.map(in_order, stacked), h, key, 0, training)
+    return _run_chunk(layers, jax.tree.map(in_order, stacked), h, split, whole, keys, 0)
 
 
-def circular_forward(graphdef, stacked, xs, key, *, mesh, axis: str, training: bool,
+def circular_forward(layers: Layers, stacked, xs, split, whole, keys, *, mesh, axis: str,
                      batch_axes: tuple[str, ...] = ()):
-    """Forward of (M, mb, ...) microbatches through the stacked layers; returns (M, mb, ...).
+    """Forward of (M, mb, ...) microbatches (and the layers' split arguments, also (M, mb, ...)) through
+    the stacked layers; returns (M, mb, ...).
 
     `batch_axes` (the data axes no layer parameter is split over) are manual too, so the
     transpose all-reduces the layers' gradients once at the end instead of once per tick.
     """
     stages = jax.tree.leaves(stacked)[0].shape[0]
-    return _circular_runner(graphdef, mesh, axis, training, batch_axes)(stacked, xs, key)[stages - 1]
+    run = _cached(_circular_runner, layers, mesh, axis, batch_axes)
+    return run(stacked, xs, split, whole, keys)[stages - 1]
 
 
 @functools.cache
-def _circular_runner(graphdef, mesh, axis: str, training: bool, batch_axes: tuple[str, ...]):
-    """The jitted shard_map of the circular forward; cached so eager calls reuse one compilation
-    (a partly manual shard_map cannot run eagerly, so it must be jitted)."""
+def _circular_runner(layers: Layers, mesh, axis: str, batch_axes: tuple[str, ...]):
+    """The jitted shard_map of the circular forward (a partly manual shard_map cannot run eagerly)."""
 
-    def per_device(state, xs, key):
-        key = _shard_key(key, mesh, batch_axes)
+    def per_device(state, xs, split, whole, keys):
+        keys = _shard_keys(keys, mesh, batch_axes)
         stages = mesh.shape[axis]
         virtual, per_chunk = jax.tree.leaves(state)[0].shape[1:3]        # this device's (1, virtual, per_chunk)
         micro = xs.shape[0]
@@ -150,10 +180,9 @@ def _circular_runner(graphdef, mesh, axis: str, training: bool, batch_axes: tupl
             active = (rel >= 0) & (rel < virtual * micro)
             first_input = jnp.where(repeat == 0, xs[m], looped[m])
             h_in = jnp.where(s == 0, first_input, incoming)
-            key_m = None if key is None else jax.random.fold_in(key, m)
             chunk_id = repeat * stages + s
-            h = jax.lax.cond(active, lambda: _run_chunk(graphdef, _chunk(state, repeat), h_in, key_m,
-                                                        chunk_id * per_chunk, training),
+            h = jax.lax.cond(active, lambda: _run_chunk(layers, _chunk(state, repeat), h_in, _at(split, m), whole,
+                                                        fold_keys(keys, m), chunk_id * per_chunk),
                              lambda: jnp.zeros_like(h_in))
             done = active & (s == stages - 1) & (repeat == virtual - 1)
             outs = jnp.where(done, outs.at[m].set(h), outs)
@@ -169,38 +198,38 @@ def _circular_runner(graphdef, mesh, axis: str, training: bool, batch_axes: tupl
         (_, _, outs), _ = jax.lax.scan(tick, (zeros[0], zeros, zeros), ticks)
         return outs[None]
 
-    return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(axis), _batch_spec(batch_axes, None), P()),
+    rows = _batch_spec(batch_axes, None)
+    return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(axis), rows, rows, P(), P()),
                                  out_specs=_batch_spec(batch_axes, axis, None), axis_names={axis, *batch_axes},
                                  check_vma=False))
 
 
-def one_f_one_b_loss(graphdef, stacked, head_graphdef, head_state, xs, targets, key, *, mesh, axis: str,
-                     training: bool, loss_of: Callable, batch_axes: tuple[str, ...] = ()):
-    """Mean loss over microbatches, with gradients computed by the 1F1B schedule itself
-    (averaged over the manual `batch_axes` once, after the loop)."""
-    static = (graphdef, head_graphdef, mesh, axis, training, loss_of, batch_axes)
-    return _one_f_one_b(static, stacked, head_state, xs, targets, key)
+def one_f_one_b_loss(layers: Layers, stacked, head: Callable, head_params, head_rest, xs, layer_inputs, head_inputs,
+                     targets, keys, *, mesh, axis: str, batch_axes: tuple[str, ...] = ()):
+    """Mean loss over microbatches, with gradients computed by the 1F1B schedule itself (averaged over
+    the manual `batch_axes` once, after the loop). `head(params, rest, h, split, whole, keys, targets)`
+    is one microbatch's loss; `layer_inputs` / `head_inputs` are each (split, whole) arguments; `keys`
+    (layer keys, head keys). Gradients flow to the stacked layers, the head's
+    parameters and the activation entering the pipeline."""
+
+    def schedule(stacked, head_params, xs, *rest):
+        return _schedule(layers, head, mesh, axis, batch_axes, stacked, head_params, xs, *rest)
+
+    @jax.custom_vjp
+    def loss(stacked, head_params, xs, *rest):
+        return schedule(stacked, head_params, xs, *rest)[0]
+
+    def backward(grads, cotangent):
+        # no gradient flows into the other arguments (model inputs, masks, keys): the step differentiates
+        # parameters, and the pipeline's input gets its gradient through `xs`
+        return (*jax.tree.map(lambda g: g * cotangent.astype(g.dtype), grads), None, None, None, None, None)
+
+    loss.defvjp(schedule, backward)
+    return loss(stacked, head_params, xs, head_rest, layer_inputs, head_inputs, targets, keys)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _one_f_one_b(static, stacked, head_state, xs, targets, key):
-    return _schedule(*static, stacked, head_state, xs, targets, key)[0]
-
-
-def _one_f_one_b_fwd(static, stacked, head_state, xs, targets, key):
-    return _schedule(*static, stacked, head_state, xs, targets, key)
-
-
-def _one_f_one_b_bwd(static, grads, cotangent):
-    layer_grads, head_grads, dxs = jax.tree.map(lambda g: g * cotangent.astype(g.dtype), grads)
-    return layer_grads, head_grads, dxs, None, None
-
-
-_one_f_one_b.defvjp(_one_f_one_b_fwd, _one_f_one_b_bwd)
-
-
-def _schedule(graphdef, head_graphdef, mesh, axis, training, loss_of, batch_axes, stacked, head_state, xs, targets,
-              key):
+def _schedule(layers, head, mesh, axis, batch_axes, stacked, head_params, xs, head_rest, layer_inputs, head_inputs,
+              targets, keys):
     stages, _, per_chunk = jax.tree.leaves(stacked)[0].shape[:3]
     micro = xs.shape[0]
     slots = 2 * stages - 1                               # most microbatches a stage has in flight
@@ -208,18 +237,20 @@ def _schedule(graphdef, head_graphdef, mesh, axis, training, loss_of, batch_axes
     for name in batch_axes:
         shards *= mesh.shape[name]
 
-    def per_device(state, head_state, xs, targets, key):
-        key = _shard_key(key, mesh, batch_axes)
+    def per_device(state, head_params, head_rest, xs, layer_inputs, head_inputs, targets, keys):
+        layer_keys, head_keys = _shard_keys(keys[0], mesh, batch_axes), _shard_keys(keys[1], mesh, batch_axes)
+        (layer_split, layer_whole), (head_split, head_whole) = layer_inputs, head_inputs
         state = _chunk(_chunk(state, 0), 0)                               # (per_chunk, ...)
         s = jax.lax.axis_index(axis)
         last = stages - 1
 
         def stage_fn(state, h, m):
-            key_m = None if key is None else jax.random.fold_in(key, m)
-            return _run_chunk(graphdef, state, h, key_m, s * per_chunk, training)
+            return _run_chunk(layers, state, h, _at(layer_split, m), layer_whole, fold_keys(layer_keys, m),
+                              s * per_chunk)
 
-        def head_loss(head_state, h, tgt):
-            return loss_of(nnx.merge(head_graphdef, head_state)(h), tgt)
+        def head_loss(head_params, h, m):
+            return head(head_params, head_rest, h, _at(head_split, m), head_whole, fold_keys(head_keys, m),
+                             targets[m])
 
         def tick(carry, t):
             incoming, cot_in, stash, g_layers, g_head, loss_sum, dxs = carry
@@ -231,9 +262,9 @@ def _schedule(graphdef, head_graphdef, mesh, axis, training, loss_of, batch_axes
             stash = jnp.where(f_on, stash.at[mf_ % slots].set(h_in), stash)
 
             def at_last():
-                loss, (gh, gy) = jax.value_and_grad(head_loss, argnums=(0, 1))(head_state, h, targets[mf_])
-                return loss, gh, gy
-            zero_head = jax.tree.map(jnp.zeros_like, head_state)
+                loss, (gh, gy) = jax.value_and_grad(head_loss, argnums=(0, 1))(head_params, h, mf_)
+                return loss.astype(jnp.float32), gh, gy
+            zero_head = jax.tree.map(jnp.zeros_like, head_params)
             loss_m, gh, gy = jax.lax.cond(f_on & (s == last), at_last,
                                           lambda: (jnp.zeros((), jnp.float32), zero_head, jnp.zeros_like(h)))
             loss_sum, g_head = loss_sum + loss_m, jax.tree.map(jnp.add, g_head, gh)
@@ -254,7 +285,7 @@ def _schedule(graphdef, head_graphdef, mesh, axis, training, loss_of, batch_axes
 
         zeros = jnp.zeros_like(xs[0])
         carry = (zeros, zeros, jnp.zeros((slots, *xs.shape[1:]), xs.dtype), jax.tree.map(jnp.zeros_like, state),
-                 jax.tree.map(jnp.zeros_like, head_state), jnp.zeros((), jnp.float32), jnp.zeros_like(xs))
+                 jax.tree.map(jnp.zeros_like, head_params), jnp.zeros((), jnp.float32), jnp.zeros_like(xs))
         (_, _, _, g_layers, g_head, loss_sum, dxs), _ = jax.lax.scan(tick, carry, jnp.arange(micro + 2 * last))
         scale = 1.0 / micro
         if batch_axes:      # each shard's loss is a mean over its rows: average them, once
@@ -265,106 +296,17 @@ def _schedule(graphdef, head_graphdef, mesh, axis, training, loss_of, batch_axes
         return g_layers, stacked_out
 
     rows = _batch_spec(batch_axes, None)
-    run = jax.shard_map(per_device, mesh=mesh, in_specs=(P(axis), P(), rows, rows, P()),
+    inputs = (rows, P())
+    run = jax.shard_map(per_device, mesh=mesh, in_specs=(P(axis), P(), P(), rows, inputs, inputs, rows, P()),
                         out_specs=(P(axis), (P(axis), P(axis), _batch_spec(batch_axes, axis, None))),
                         axis_names={axis, *batch_axes}, check_vma=False)
-    g_layers, (g_head, loss, dxs) = run(stacked, head_state, xs, targets, key)
+    g_layers, (g_head, loss, dxs) = run(stacked, head_params, head_rest, xs, layer_inputs, head_inputs, targets, keys)
     g_head, loss = jax.tree.map(lambda g: g[stages - 1], g_head), loss[stages - 1]
-
-    dxs = dxs[0]
-    return loss, (g_layers, g_head, dxs)
+    return loss, (g_layers, g_head, dxs[0])
 
 
 def cross_entropy(logits, targets):
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
-
-class _Chain(nnx.Module):
-    """Modules applied one after another (the modules after the layers, as the 1F1B head)."""
-
-    def __init__(self, modules: list[nnx.Module]):
-        self.modules = nnx.List(modules)
-
-    def __call__(self, x):
-        for module in self.modules:
-            x = module(x)
-        return x
-
-
-class Pipelined(nnx.Module):
-    """A model cut at its repeated layers: before-modules -> pipelined layers -> after-modules.
-
-    Keeps the model's attribute names, so parameter paths read as before except that the
-    layers' parameters are stacked: `transformer_blocks/mha/query/kernel` has shape
-    (stages, chunks, layers per chunk, ...). `to_plain()` returns the unpipelined model.
-    """
-
-    def __init__(self, model: nnx.Module, *, layers: str, stacked: nnx.Module, mesh, axis: str, schedule: str,
-                 microbatches: int, batch_axes: tuple[str, ...] = ()):
-        names = [name for name, value in vars(model).items() if isinstance(value, nnx.Module)]
-        position = names.index(layers)
-        self.before_names, self.after_names = tuple(names[:position]), tuple(names[position + 1:])
-        for name in self.before_names + self.after_names:
-            setattr(self, name, getattr(model, name))
-        setattr(self, layers, stacked)
-        self.layers_name, self.mesh, self.axis = layers, mesh, axis
-        self.schedule, self.microbatches, self.batch_axes = schedule, microbatches, tuple(batch_axes)
-        self.plain_graphdef = nnx.graphdef(model)
-
-    def _before(self, x):
-        for name in self.before_names:
-            x = getattr(self, name)(x)
-        return x
-
-    def _after(self, x):
-        for name in self.after_names:
-            x = getattr(self, name)(x)
-        return x
-
-    def _dropout_key(self, rngs, training):
-        return rngs.dropout() if (rngs is not None and training) else None
-
-    def _fit(self, rows: int) -> tuple[int, tuple[str, ...]]:
-        """Microbatches and manual batch axes for a batch of `rows`: the plan's when they divide it; else
-        (sampling one row, a small evaluation) the most microbatches that do, the batch axes left to XLA
-        if a microbatch cannot be split over them. The result is the same; only the overlap differs."""
-        return fit_microbatches(rows, self.microbatches, self.batch_axes, dict(self.mesh.shape))
-
-    def __call__(self, tokens, *, rngs: nnx.Rngs | None = None, training: bool = False):
-        h = self._before(tokens)
-        microbatches, batch_axes = self._fit(h.shape[0])
-        graphdef, stacked = nnx.split(getattr(self, self.layers_name))
-        key = self._dropout_key(rngs, training)
-        stages, virtual = jax.tree.leaves(stacked)[0].shape[:2]
-        if virtual > 1 and microbatches < stages:
-            # The circular schedule needs a microbatch per stage to loop back in time; so few rows
-            # (sampling) run layer after layer instead: the same computation, without overlap.
-            return self._after(sequential_forward(graphdef, stacked, h, key, training=training))
-        ys = circular_forward(graphdef, stacked, split_microbatches(h, microbatches), key, mesh=self.mesh,
-                              axis=self.axis, training=training, batch_axes=batch_axes)
-        return self._after(merge_microbatches(ys))
-
-    def loss(self, tokens, targets, *, rngs: nnx.Rngs | None = None, training: bool = False,
-             loss_of: Callable = cross_entropy):
-        """Mean `loss_of(outputs, targets)` over the batch, run by the plan's schedule."""
-        if self.schedule != "1f1b":
-            return loss_of(self(tokens, rngs=rngs, training=training), targets)
-        h = self._before(tokens)
-        microbatches, batch_axes = self._fit(h.shape[0])
-        xs = split_microbatches(h, microbatches)
-        graphdef, stacked = nnx.split(getattr(self, self.layers_name))
-        head_graphdef, head_state = nnx.split(_Chain([getattr(self, name) for name in self.after_names]))
-        return one_f_one_b_loss(graphdef, stacked, head_graphdef, head_state, xs,
-                                split_microbatches(targets, microbatches), self._dropout_key(rngs, training),
-                                mesh=self.mesh, axis=self.axis, training=training, loss_of=loss_of,
-                                batch_axes=batch_axes)
-
-    def to_plain(self) -> nnx.Module:
-        """The unpipelined model with the same weights (for sampling and export)."""
-        state = {name: nnx.to_pure_dict(nnx.state(getattr(self, name))) for name in self.before_names + self.after_names}
-        layers = unstack(nnx.to_pure_dict(nnx.state(getattr(self, self.layers_name))))
-        state[self.layers_name] = dict(enumerate(layers))
-        return nnx.merge(self.plain_graphdef, state)
 
 
 def stack(layers: list[dict], stages: int, virtual: int) -> dict:

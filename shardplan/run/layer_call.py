@@ -1,0 +1,156 @@
+"""How a model calls its layers, reduced to what a pipeline needs: the activation that flows from
+layer to layer, the other arguments (split into microbatches with the activation, or given whole
+to every microbatch, or static), and the layer's output around the activation.
+
+The contract (README, "Pipelines on your own model"):
+- the first positional argument is the activation, an array whose leading dim is the batch;
+- the layer returns the activation, alone or as the only array in its output (e.g. `(None, x)`);
+- other arguments: arrays whose leading dim is the batch size are split into microbatches with the
+  activation (positions, masks, segment ids); other arrays are given whole to every microbatch;
+  Python values (flags, numbers, None, strings) are static; an `nnx.Rngs` gives every layer and
+  microbatch keys of their own, drawn from one key per stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+SPLIT, WHOLE, STATIC, RNGS = "split", "whole", "static", "rngs"
+
+
+class PipelineCallError(ValueError):
+    """A layer call the pipeline cannot run (the message says which argument or output, and why)."""
+
+
+def _is_array(value) -> bool:
+    return isinstance(value, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) or isinstance(value, jax.core.Tracer)
+
+
+@dataclasses.dataclass(frozen=True)
+class CallArgs:
+    """The arguments of one call, taken apart: hashable (a cache key for compiled runners) except
+    for the array values, which `arrays` returns."""
+
+    treedef: Any                         # of (args, kwargs), each nnx.Rngs one leaf
+    kinds: tuple                         # per leaf: SPLIT | WHOLE | (STATIC, value) | (RNGS, streams)
+
+    @classmethod
+    def of(cls, args: tuple, kwargs: dict, rows: int) -> tuple["CallArgs", list, list, list]:
+        """(description, split arrays, whole arrays, Rngs objects) of a call on a batch of `rows`."""
+        leaves, treedef = jax.tree.flatten((tuple(args), dict(kwargs)), is_leaf=lambda v: isinstance(v, nnx.Rngs))
+        kinds, split, whole, rngs = [], [], [], []
+        for leaf in leaves:
+            if isinstance(leaf, nnx.Rngs):
+                kinds.append((RNGS, tuple(name for name, _ in leaf.items())))
+                rngs.append(leaf)
+            elif _is_array(leaf):
+                batched = leaf.ndim >= 1 and leaf.shape[0] == rows
+                kinds.append(SPLIT if batched else WHOLE)
+                (split if batched else whole).append(leaf)
+            else:
+                kinds.append((STATIC, leaf))
+        return cls(treedef, tuple(kinds)), split, whole, rngs
+
+    def hashable(self) -> bool:
+        try:
+            hash(self)
+            return True
+        except TypeError:
+            return False
+
+    def rebuild(self, split: list, whole: list, keys: list[dict]) -> tuple[tuple, dict]:
+        """(args, kwargs) from array values and, per Rngs, one key per stream."""
+        split, whole, keys = iter(split), iter(whole), iter(keys)
+        leaves = []
+        for kind in self.kinds:
+            if kind == SPLIT:
+                leaves.append(next(split))
+            elif kind == WHOLE:
+                leaves.append(next(whole))
+            elif kind[0] == RNGS:
+                leaves.append(nnx.Rngs(**next(keys)))
+            else:
+                leaves.append(kind[1])
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def draw_keys(rngs: list) -> list[dict]:
+    """One key per stream of each Rngs, advancing each stream once (as one layer call would)."""
+    return [{name: stream() for name, stream in r.items()} for r in rngs]
+
+
+def fold_keys(keys: list[dict], *data) -> list[dict]:
+    """Keys of their own for one layer / microbatch / shard: each key folded with `data` in order."""
+    def fold(key):
+        for d in data:
+            key = jax.random.fold_in(key, d)
+        return key
+    return [{name: fold(key) for name, key in streams.items()} for streams in keys]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCall:
+    """A layer call: the activation first, the other arguments, and where the activation sits in the output."""
+
+    rest: CallArgs
+    out_treedef: Any
+
+    def arguments(self, h, split, whole, keys) -> tuple[tuple, dict]:
+        args, kwargs = self.rest.rebuild(split, whole, keys)
+        return (h, *args), kwargs
+
+    def activation(self, output):
+        return jax.tree.leaves(output)[0]
+
+    def output(self, h):
+        return jax.tree.unflatten(self.out_treedef, [h])
+
+
+def describe_layer_call(layer: nnx.Module, args: tuple, kwargs: dict, where: str) -> tuple[LayerCall, list, list, list]:
+    """Take a layer call apart, checking it fits the contract by tracing the layer once abstractly."""
+    if not args or not _is_array(args[0]) or args[0].ndim < 1:
+        raise PipelineCallError(
+            f"{where} is called with {_describe(args[0]) if args else 'no positional argument'} first, but a pipeline "
+            "needs the activation (an array whose leading dim is the batch) as the first positional argument")
+    x = args[0]
+    rest, split, whole, rngs = CallArgs.of(args[1:], kwargs, x.shape[0])
+    keys = [{name: jax.random.key(0) for name in streams} for kind in rest.kinds if kind[0] == RNGS
+            for streams in [kind[1]]]
+
+    def one_layer(layer, x, split, whole):
+        out_args, out_kwargs = rest.rebuild(split, whole, keys)
+        return layer(x, *out_args, **out_kwargs)
+    try:
+        out = nnx.eval_shape(one_layer, layer, x, split, whole)
+    except PipelineCallError:
+        raise
+    except Exception as error:
+        raise PipelineCallError(f"{where} fails when called with the model's arguments: "
+                                f"{type(error).__name__}: {error}") from error
+    leaves, out_treedef = jax.tree.flatten(out)
+    arrays = [leaf for leaf in leaves if _is_array(leaf)]
+    if len(arrays) != len(leaves) or len(arrays) != 1:
+        raise PipelineCallError(
+            f"{where} returns {_describe(out)}; a pipeline carries only the activation from layer to layer, so a "
+            "layer must return it alone or as the only array of its output (e.g. (None, x)). Per-layer outputs "
+            "such as caches or auxiliary losses cannot leave a pipeline: call the model without a cache")
+    (y,) = arrays
+    if (y.shape, y.dtype) != (x.shape, x.dtype):
+        raise PipelineCallError(f"{where} maps the activation {x.shape} {x.dtype} to {y.shape} {y.dtype}; pipelined "
+                                "layers must keep its shape and dtype")
+    return LayerCall(rest, out_treedef), split, whole, rngs
+
+
+def _describe(value) -> str:
+    if _is_array(value):
+        return f"an array {tuple(value.shape)} {value.dtype}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of ({', '.join(_describe(v) for v in value)})"
+    if isinstance(value, dict):
+        return "a dict of {" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in value.items()) + "}"
+    return repr(value) if value is None or isinstance(value, (bool, int, float, str)) else type(value).__name__

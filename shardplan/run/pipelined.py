@@ -1,0 +1,214 @@
+"""The user's model with its repeated layers pipelined: it keeps its class, attributes and forward;
+only its layer list is replaced by a `PipelinedLayers`, which the model's own loop then calls once.
+
+`PipelinedLayers` looks like a list of one entry (itself), so `for layer in self.layers`,
+`enumerate(...)`, `zip(...)` and `range(len(...))` loops run their body once, and that one call runs
+every layer through the plan's schedule. Parameters keep their paths with the layer index gone:
+`layers/attn/q/kernel` is (stages, chunks, layers per chunk, ...).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+from typing import Any, Callable
+
+import jax
+from flax import nnx
+
+from shardplan.run.layer_call import CallArgs, LayerCall, PipelineCallError, describe_layer_call, draw_keys
+from shardplan.run.pipeline import (Layers, circular_forward, cross_entropy, fit_microbatches, merge_microbatches,
+                                    one_f_one_b_loss, sequential_forward, split_microbatches, stack, unstack)
+
+# Set by `model_loss` under a 1F1B plan: the layers then run the whole 1F1B schedule, loss included.
+_LOSS_REQUEST: contextvars.ContextVar = contextvars.ContextVar("shardplan_loss_request", default=None)
+# Set while 1F1B runs the model's code after its layers for one microbatch: the layers' output.
+_REPLAY: contextvars.ContextVar = contextvars.ContextVar("shardplan_replay", default=None)
+
+
+@dataclasses.dataclass
+class _LossRequest:
+    layers: "PipelinedLayers"
+    model: nnx.Module
+    loss_of: Callable
+    targets: Any
+    args: tuple
+    kwargs: dict
+    loss: Any = None
+
+
+class PipelinedLayers(nnx.Module):
+    """The layer list of a pipelined model (see the module docstring)."""
+
+    def __init__(self, layers: list[nnx.Module], *, name: str, stages: int, virtual: int, mesh, axis: str,
+                 schedule: str, microbatches: int, batch_axes: tuple[str, ...], plain_graphdef):
+        graphdefs = [nnx.graphdef(layer) for layer in layers]
+        kinds = list(dict.fromkeys(graphdefs))
+        stacked = nnx.merge(kinds[0], stack([nnx.to_pure_dict(nnx.state(layer)) for layer in layers], stages, virtual))
+        for key in nnx.state(stacked):
+            setattr(self, key, getattr(stacked, key))
+        self._pipeline_kinds, self._pipeline_kind_of = tuple(kinds), tuple(kinds.index(g) for g in graphdefs)
+        self._pipeline_name, self._pipeline_mesh, self._pipeline_axis = name, mesh, axis
+        self._pipeline_schedule, self._pipeline_microbatches = schedule, microbatches
+        self._pipeline_batch_axes, self._pipeline_plain = tuple(batch_axes), plain_graphdef
+
+    @property
+    def schedule(self) -> str:
+        return self._pipeline_schedule
+
+    # A list of one entry: the model's loop over its layers calls the whole pipeline once.
+    def __len__(self) -> int:
+        return 1
+
+    def __iter__(self):
+        yield self
+
+    def __getitem__(self, index):
+        if isinstance(index, int) and index in (0, -1):
+            return self
+        raise PipelineCallError(
+            f"the model takes {self._pipeline_name}[{index!r}], but its layers are pipelined and run as one call: a "
+            f"pipeline needs the forward to call every layer in order (`for layer in self.{self._pipeline_name}: "
+            "...`)")
+
+    def _layer_call(self, state, args: tuple, kwargs: dict):
+        """The call's description, checked on one layer of each kind."""
+        described = None
+        for kind, graphdef in enumerate(self._pipeline_kinds):
+            index = self._pipeline_kind_of.index(kind)
+            layer = nnx.merge(graphdef, jax.tree.map(lambda a: _in_model_order(a)[index], state))
+            found = describe_layer_call(layer, args, kwargs, f"{self._pipeline_name}/{index}")
+            if described is not None and found[0] != described[0]:
+                raise PipelineCallError(f"the layers of {self._pipeline_name} differ in what they return for the same "
+                                        "call, so they cannot be pipelined together")
+            described = found
+        return described
+
+    def __call__(self, *args, **kwargs):
+        replay = _REPLAY.get()
+        if replay is not None:
+            return replay
+        state = nnx.state(self)
+        call, split, whole, rngs = self._layer_call(state, args, kwargs)
+        layers = Layers(self._pipeline_kinds, self._pipeline_kind_of, call)
+        keys = draw_keys(rngs)
+        request = _LOSS_REQUEST.get()
+        if request is not None and request.layers is self:
+            request.loss = self._one_f_one_b(request, layers, state, args[0], split, whole, keys)
+            return call.output(args[0])      # the model's code after the layers runs on it unused (and is pruned)
+        x = args[0]
+        microbatches, batch_axes = self._fit(x.shape[0])
+        stages, virtual = jax.tree.leaves(state)[0].shape[:2]
+        if virtual > 1 and microbatches < stages:
+            # The circular schedule needs a microbatch per stage to loop back in time; so few rows
+            # (sampling) run layer after layer instead: the same computation, without overlap.
+            return call.output(sequential_forward(layers, state, x, split, whole, keys))
+        ys = circular_forward(layers, state, split_microbatches(x, microbatches),
+                              [split_microbatches(a, microbatches) for a in split], whole, keys,
+                              mesh=self._pipeline_mesh, axis=self._pipeline_axis, batch_axes=batch_axes)
+        return call.output(merge_microbatches(ys))
+
+    def _fit(self, rows: int) -> tuple[int, tuple[str, ...]]:
+        """Microbatches and manual batch axes for a batch of `rows`: the plan's when they divide it; else
+        (sampling one row, a small evaluation) the most microbatches that do, the batch axes left to XLA
+        if a microbatch cannot be split over them. The result is the same; only the overlap differs."""
+        return fit_microbatches(rows, self._pipeline_microbatches, self._pipeline_batch_axes,
+                                dict(self._pipeline_mesh.shape))
+
+    def _one_f_one_b(self, request: _LossRequest, layers: Layers, state, x, split, whole, keys):
+        """The 1F1B schedule with the model's own code after the layers as its head: for each microbatch
+        the last stage runs the model's forward on that microbatch's inputs with the layers replaced by
+        their output (the code before the layers is then unused and pruned)."""
+        microbatches, batch_axes = self._fit(x.shape[0])
+        graphdef, params, rest = nnx.split(request.model, nnx.Param, ...)
+        leaves, params_def = jax.tree.flatten(params)
+        in_layers = [path[0].key == self._pipeline_name for path, _ in jax.tree.flatten_with_path(params)[0]]
+        head_params = [leaf for leaf, inside in zip(leaves, in_layers) if not inside]
+        rest_leaves, rest_def = jax.tree.flatten(rest)
+        model_call, model_split, model_whole, model_rngs = CallArgs.of(request.args, request.kwargs, x.shape[0])
+        mesh = self._pipeline_mesh
+        # The head runs inside the region that is manual over the stage and batch axes; XLA cannot
+        # partition weights split over the remaining axes there, so they enter it whole.
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        head_params = [jax.lax.with_sharding_constraint(p, replicated) for p in head_params]
+        call = layers.call
+
+        def head_loss(head_params, rest_leaves, h, split, whole, keys, targets):
+            given = iter(head_params)
+            full = [0 if inside else next(given) for inside in in_layers]
+            model = nnx.merge(graphdef, jax.tree.unflatten(params_def, full), jax.tree.unflatten(rest_def, rest_leaves))
+            args, kwargs = model_call.rebuild(split, whole, keys)
+            token = _REPLAY.set(call.output(h))
+            try:
+                out = model(*args, **kwargs)
+            finally:
+                _REPLAY.reset(token)
+            return request.loss_of(out, targets)
+
+        def micro(a):
+            return split_microbatches(a, microbatches)
+        return one_f_one_b_loss(
+            layers, state, head_loss, head_params, rest_leaves, micro(x),
+            ([micro(a) for a in split], whole), ([micro(a) for a in model_split], model_whole),
+            micro(request.targets), (keys, draw_keys(model_rngs)), mesh=mesh, axis=self._pipeline_axis,
+            batch_axes=batch_axes)
+
+
+def _in_model_order(a):
+    """(stages, virtual, per_chunk, ...) -> (layers, ...) in model order."""
+    stages, virtual, per_chunk = a.shape[:3]
+    return jax.numpy.swapaxes(a, 0, 1).reshape(virtual * stages * per_chunk, *a.shape[3:])
+
+
+def pipelined_layers(model) -> tuple[str, PipelinedLayers] | None:
+    """(attribute, layers) of a model whose layers `apply_plan` pipelined; None for any other model."""
+    if not isinstance(model, nnx.Module):
+        return None
+    for name, value in vars(model).items():
+        if isinstance(value, PipelinedLayers):
+            return name, value
+    return None
+
+
+def to_plain(model: nnx.Module) -> nnx.Module:
+    """The model with its layers unpipelined, same weights (for sampling and export); any other model as is."""
+    found = pipelined_layers(model)
+    if found is None:
+        return model
+    name, layers = found
+    state = nnx.to_pure_dict(nnx.state(model))
+    state[name] = dict(enumerate(unstack(state[name])))
+    return nnx.merge(layers._pipeline_plain, state)
+
+
+def model_loss(model: nnx.Module, loss_of: Callable, targets, *args, **kwargs):
+    """Mean `loss_of(model(*args, **kwargs), targets)` over the batch, for any model.
+
+    Under a 1F1B plan the loss is computed inside the pipeline, at the last stage as each microbatch
+    arrives (`loss_of` must then be a mean over the rows, as cross-entropy is); the model's own code
+    after its layers runs there per microbatch. Otherwise this is exactly the expression above.
+
+    >>> import numpy as np, shardplan, minigpt_model
+    >>> from flax import nnx
+    >>> from shardplan.run.pipeline import cross_entropy
+    >>> model = minigpt_model.MiniGPT(maxlen=8, vocab_size=64, embed_dim=16, num_heads=2, feed_forward_dim=16,
+    ...                               num_transformer_blocks=2, rngs=nnx.Rngs(0))
+    >>> tokens = np.zeros((2, 8), np.int32)
+    >>> float(shardplan.model_loss(model, cross_entropy, tokens, tokens)) > 0
+    True
+    """
+    found = pipelined_layers(model)
+    if found is None or found[1].schedule != "1f1b":
+        return loss_of(model(*args, **kwargs), targets)
+    request = _LossRequest(found[1], model, loss_of, targets, args, kwargs)
+    token = _LOSS_REQUEST.set(request)
+    try:
+        model(*args, **kwargs)
+    finally:
+        _LOSS_REQUEST.reset(token)
+    if request.loss is None:
+        raise PipelineCallError(f"the model's forward never called its pipelined layers ({found[0]})")
+    return request.loss
+
+
+__all__ = ["PipelinedLayers", "pipelined_layers", "to_plain", "model_loss", "cross_entropy"]
