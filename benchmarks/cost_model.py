@@ -96,6 +96,37 @@ def held_out(count: int, batch: int, seq: int) -> list[dict]:
     return rows
 
 
+def heads_first(count: int, batch: int, seq: int) -> list[dict]:
+    """The Gemma-2-style test model (attention kernels stored heads first, fused key/value, tied
+    embedding, alternating local/global layers): `auto`'s top candidates and its best pipeline per
+    schedule, compiled with the model's own call (positions and mask)."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from wild_models import GemmaConfig, GemmaLike
+    from shardplan.planner.auto import search
+
+    config = GemmaConfig(vocab=8192, embed=256, heads=8, kv_heads=4, head_dim=32, hidden=768, layers=4, window=32)
+    abstract, roles = abstract_with_roles(lambda: GemmaLike(config, rngs=nnx.Rngs(0)))
+    found = search(param_infos(abstract), roles, devices=8, workload=Workload(batch, seq), profile=get_profile("cpu"))
+    picked = []
+    for ranked in found.ranked:
+        if ranked.candidate.schedule is None and len(picked) < count:
+            picked.append(ranked)
+    for schedule in ("gpipe", "1f1b", "interleaved"):
+        best = next((r for r in found.ranked if r.candidate.schedule == schedule and not r.candidate.fsdp), None)
+        picked += [best] if best is not None else []
+    rows = []
+    for ranked in picked:
+        compiled = measure(ranked.plan, GemmaLike(config, rngs=nnx.Rngs(0)), batch, seq,
+                           arguments=_gemma_arguments)
+        rows.append(row(f"{ranked.candidate.label()}, {ranked.candidate.rules_label()}", ranked.estimate, compiled))
+    return rows
+
+
+def _gemma_arguments(tokens):
+    from wild_models import gemma_inputs
+    return gemma_inputs(tokens), {}
+
+
 def print_row(row: dict, width: int = 20) -> None:
     c, a, t = row["collective_bytes"], row["argument_bytes"], row["temp_bytes"]
     ops = row["collective_ops"]
@@ -117,6 +148,9 @@ def main() -> None:
     parser.add_argument("--held-out", type=int, default=6, metavar="K",
                         help="also compare the top K plans auto proposes for a LLaMA-style model and its best pipeline "
                              "of each schedule (0: skip)")
+    parser.add_argument("--heads-first", type=int, default=4, metavar="K",
+                        help="also compare the top K plans auto proposes for the Gemma-2-style test model (attention "
+                             "kernels stored heads first) and its best pipeline of each schedule (0: skip)")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     args = parser.parse_args()
     config = dict(maxlen=args.seq, vocab_size=50304, embed_dim=256, num_heads=8, feed_forward_dim=256,
@@ -147,9 +181,20 @@ def main() -> None:
         worst_c = max(abs(error(r["collective_bytes"])) for r in others)
         worst_a = max(abs(error(r["argument_bytes"])) for r in others)
         print(f"\nlargest held-out error: collective bytes {worst_c:.1%}, argument bytes {worst_a:.1%}")
+    gemma = []
+    if args.heads_first:
+        print(f"\nheads first: the top {args.heads_first} plans `auto` proposes for the Gemma-2-style test model "
+              "(vocab 8192, embed 256, heads 8 x 32 stored heads first, fused key/value over 4 kv heads, tied head, "
+              "4 layers) and its best pipeline per schedule")
+        gemma = heads_first(args.heads_first, args.batch, args.seq)
+        for row in gemma:
+            print_row(row, width=50)
+        worst_c = max(abs(error(r["collective_bytes"])) for r in gemma)
+        worst_a = max(abs(error(r["argument_bytes"])) for r in gemma)
+        print(f"\nlargest heads-first error: collective bytes {worst_c:.1%}, argument bytes {worst_a:.1%}")
     if args.json:
         Path(args.json).write_text(json.dumps({"config": config, "batch": args.batch, "rows": rows,
-                                               "held_out": others}, indent=2))
+                                               "held_out": others, "heads_first": gemma}, indent=2))
 
 
 if __name__ == "__main__":

@@ -111,17 +111,6 @@ def test_console_entry_simulates_devices_in_a_fresh_process():
     assert "mesh-size-mismatch" in result.stdout and "4 are available" in result.stdout
 
 
-def test_validate_finds_a_sharded_1f1b_head_on_the_abstract_model(capsys, tmp_path):
-    # The abstract model sorts its attributes (output_layer before transformer_blocks); validate
-    # must still know the head comes after the layers.
-    text = (REPO / "plans" / "minigpt_3d.yaml").read_text().replace(
-        "  - match: 'output_layer/.*'\n    spec: replicated", "  - match: 'output_layer/kernel'\n    spec: [null, model]")
-    bad = tmp_path / "bad3d.yaml"
-    bad.write_text(text)
-    assert main(["validate", str(bad)]) == 1
-    assert "pipeline-head-sharded" in capsys.readouterr().out
-
-
 def test_plan_only_commands_never_import_jax():
     """--help, schema, explain and plan-only validate answer without starting JAX, Flax or optax."""
     script = (

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from shardplan.checks.layout import DeviceTotals, ParamLayout, device_totals, imbalance, shard_shape, zero1_spec
 from shardplan.checks.mesh import check_given_mesh, check_hosts, resolve_axes
 from shardplan.checks.paths import ParamInfo
-from shardplan.checks.stages import StageMap, check_microbatches, plan_stages, static_differences
+from shardplan.checks.stages import StageMap, check_microbatches, plan_stages
 from shardplan.checks.validate import (Placement, data_axes, idle_axes, rule_level, validate_inputs,
                                        validate_optimizer, validate_params)
 from shardplan.plan.diagnostics import Diagnostic
@@ -89,12 +90,12 @@ def _param_json(p: ParamLayout) -> dict:
 
 
 def check(plan: Plan, model, mesh=None, *, input_shapes: dict[str, tuple[int, ...]] | None = None,
-          modules: list[str] | None = None) -> Report:
+          example: Callable | None = None) -> Report:
     """Check `plan` against `model` (real or `nnx.eval_shape`) and `mesh` (default: all devices).
 
-    Never raises for plan mistakes: they are in `report.diagnostics`. `modules` are the model's
-    top-level modules in the order it defines them (default: read from a real model; an abstract
-    one has them sorted by name, which misplaces the modules after a pipeline's layers).
+    Never raises for plan mistakes: they are in `report.diagnostics`. A pipeline plan is also
+    checked against how the model calls its layers, by tracing one call abstractly: `example`
+    (e.g. `lambda m: m(tokens, positions)`), else zeros shaped as the plan's `inputs` give them.
 
     >>> import shardplan, minigpt_model
     >>> from flax import nnx
@@ -104,23 +105,21 @@ def check(plan: Plan, model, mesh=None, *, input_shapes: dict[str, tuple[int, ..
     True
     """
     import jax
-    from flax import nnx
 
     from shardplan.checks.paths import param_infos
     device_ids = _device_ids(plan, mesh)
-    if modules is None:
-        modules = [name for name, value in vars(model).items() if isinstance(value, nnx.Module)]
-    report = check_params(plan, param_infos(model), device_ids, input_shapes=input_shapes, modules=modules,
+    report = check_params(plan, param_infos(model), device_ids, input_shapes=input_shapes,
                           processes=jax.process_count(), given_mesh=None if mesh is None else dict(mesh.shape))
-    return with_layer_structure(report, plan, model)
+    return with_model_checks(report, plan, model, example)
 
 
-def with_layer_structure(report: Report, plan: Plan, model) -> Report:
-    """`report` plus the pipeline's layers compared by structure, which needs the model itself."""
-    layers = getattr(model, plan.pipeline.layers, None) if plan.pipeline else None
-    if report.stage_map is None or layers is None or len(layers) < 2:
+def with_model_checks(report: Report, plan: Plan, model, example: Callable | None = None) -> Report:
+    """`report` plus what needs the model itself: whether it can run its layers as the pipeline does."""
+    from shardplan.checks.calls import check_layer_calls, example_call
+    if report.stage_map is None:
         return report
-    found = static_differences(plan, list(layers))
+    call = example if example is not None else example_call(plan, model)
+    found = check_layer_calls(plan, model, call) if call is not None else []
     if not found:
         return report
     return dataclasses.replace(report, diagnostics=report.diagnostics + found, stage_map=None)
@@ -147,6 +146,7 @@ def check_params(plan: Plan, params: list[ParamInfo], device_ids: list[int], *,
     `given_mesh` (axis -> size) is a mesh the caller built: it must be the plan's.
     """
     rules, diagnostics = compile_rules(plan)
+    input_shapes = plan.example_shapes() if input_shapes is None else input_shapes
     sizes, mesh_diagnostics = resolve_axes(plan, len(device_ids))
     if given_mesh is not None and not mesh_diagnostics:
         mesh_diagnostics += check_given_mesh(plan, sizes, given_mesh)
@@ -155,7 +155,7 @@ def check_params(plan: Plan, params: list[ParamInfo], device_ids: list[int], *,
     placements, found = validate_params(plan, params, rules, sizes)
     diagnostics += found + validate_inputs(plan, sizes, input_shapes) + validate_optimizer(plan, sizes)
     diagnostics += idle_axes(plan, placements, sizes) if not mesh_diagnostics else []
-    stage_map, staging = plan_stages(plan, params, sizes, {p.param.path: p.spec for p in placements}, modules)
+    stage_map, staging = plan_stages(plan, params, sizes, {p.param.path: p.spec for p in placements})
     diagnostics += staging
     if input_shapes:
         batch = next(iter(input_shapes.values()))[0]
@@ -177,7 +177,7 @@ def check_plan_only(plan: Plan, device_count: int) -> list[Diagnostic]:
     diagnostics += validate_inputs(plan, sizes) + validate_optimizer(plan, sizes)
     if plan.pipeline is not None:
         # Without parameters plan_stages stops after the axis check, so the stage regexes are compiled here.
-        _, staging = plan_stages(plan, [], sizes, {}, None)
+        _, staging = plan_stages(plan, [], sizes, {})
         diagnostics += [d for d in staging if d.code != "pipeline-no-layers"]
         for k, rule in enumerate(plan.pipeline.stages if plan.pipeline.stages != "even" else []):
             line, col = plan.locate("pipeline", "stages", k, "match")

@@ -41,13 +41,9 @@ def layer_params(layers: str, params: list[ParamInfo]) -> dict[int, dict[str, Pa
     return dict(sorted(found.items()))
 
 
-def plan_stages(plan: Plan, params: list[ParamInfo], sizes: dict[str, int], specs: dict[str, tuple],
-                modules: list[str] | None = None) -> tuple[StageMap | None, list[Diagnostic]]:
-    """Assign every layer to a stage and check the pipeline section.
-
-    `specs` are the planned parameter specs; `modules` the model's top-level modules in call order
-    (None when unknown), which tells the modules after the layers.
-    """
+def plan_stages(plan: Plan, params: list[ParamInfo], sizes: dict[str, int],
+                specs: dict[str, tuple]) -> tuple[StageMap | None, list[Diagnostic]]:
+    """Assign every layer to a stage and check the pipeline section (`specs`: the planned parameter specs)."""
     pipe = plan.pipeline
     if pipe is None:
         return None, []
@@ -64,8 +60,6 @@ def plan_stages(plan: Plan, params: list[ParamInfo], sizes: dict[str, int], spec
                             hint="name the model attribute that holds the repeated layers, e.g. transformer_blocks")]
     stages, virtual = sizes[pipe.axis], pipe.virtual_stages if pipe.schedule == "interleaved" else 1
     found = _axis_in_specs(plan, pipe.axis, specs, where) + _layers_differ(pipe.layers, layers, specs, where)
-    if pipe.schedule == "1f1b" and modules and pipe.layers in modules:
-        found += _sharded_head(plan, modules[modules.index(pipe.layers) + 1:], specs, where)
     stage_of, assign_found = _assign(plan, sorted(layers), stages, virtual, where)
     found += assign_found
     if stage_of is None:
@@ -92,18 +86,6 @@ def _axis_in_specs(plan, axis, specs, where) -> list[Diagnostic]:
                   hint=f"remove {axis!r} from parameter specs; stages place the layers over it")]
 
 
-def _sharded_head(plan, after: list[str], specs, where) -> list[Diagnostic]:
-    """1F1B computes the loss inside the pipeline, where XLA (jax 0.10) cannot partition a sharded head."""
-    sharded = [path for path, spec in specs.items() if path.split("/")[0] in after and any(spec)]
-    if not sharded:
-        return []
-    return [where("pipeline-head-sharded", ("pipeline", "schedule"),
-                  f"1f1b computes the loss inside the pipeline and needs the modules after the layers ({', '.join(after)}) "
-                  f"replicated, but {sharded[0]} is sharded {specs[sharded[0]]}", path=sharded[0],
-                  hint=f"add a rule `match: '({'|'.join(after)})/.*'  spec: replicated` before the others, "
-                       "or use schedule: gpipe or interleaved, which keep a sharded head")]
-
-
 def _layers_differ(layers_name, layers, specs, where) -> list[Diagnostic]:
     first_index = min(layers)
     first = layers[first_index]
@@ -125,57 +107,6 @@ def _layers_differ(layers_name, layers, specs, where) -> list[Diagnostic]:
                               "different specs from the rules", path=info.path,
                               hint="give the same rule to every layer (match all indices with \\d+)")]
     return []
-
-
-def static_structure(module, prefix: str = "") -> dict[str, str]:
-    """Everything about a layer that is not an array: module types and non-array attributes
-    (a window size, an attention-kind enum, an activation function), by attribute path."""
-    import numpy as np
-    from flax import nnx
-    found = {f"{prefix}<type>": f"{type(module).__module__}.{type(module).__qualname__}"}
-    for name, value in sorted(vars(module).items()):
-        if name.startswith("_pytree__") or isinstance(value, nnx.Variable):
-            continue
-        if isinstance(value, nnx.Module):
-            found.update(static_structure(value, f"{prefix}{name}/"))
-        elif not hasattr(value, "shape") or isinstance(value, (np.generic,)):
-            found[f"{prefix}{name}"] = repr(value)
-    return found
-
-
-def static_differences(plan: Plan, layers: list) -> list[Diagnostic]:
-    """Layers that differ in anything but their arrays cannot be stacked: the stack runs layer 0's settings
-    for all of them, which would silently compute another model."""
-    from flax import nnx
-    pipe = plan.pipeline
-    first_graph = nnx.graphdef(layers[0])
-    if all(nnx.graphdef(layer) == first_graph for layer in layers[1:]):
-        return []
-    structures = [static_structure(layer) for layer in layers]
-    differing = sorted({key for structure in structures for key in structure
-                        if any(other.get(key) != structure.get(key) for other in structures)})
-    where = _locator(plan)
-    if not differing:
-        return [where("stage-layers-differ", ("pipeline", "layers"),
-                      f"the layers of {pipe.layers} differ in their structure (not only in their arrays), so they "
-                      "cannot be stacked into one pipelined layer", path=f"{pipe.layers}/0")]
-    key = differing[0]
-    values: dict[str, list[int]] = {}
-    for index, structure in enumerate(structures):
-        values.setdefault(structure.get(key, "<absent>"), []).append(index)
-    shown = "; ".join(f"{value} in layer(s) {_index_list(indices)}" for value, indices in values.items())
-    more = f" (and {len(differing) - 1} more attribute(s): {', '.join(differing[1:4])})" if len(differing) > 1 else ""
-    return [where("stage-layers-differ", ("pipeline", "layers"),
-                  f"the layers of {pipe.layers} differ in the non-array attribute {key!r}: {shown}{more}; stacked "
-                  f"layers all run layer 0's settings, so the pipeline would silently compute another model",
-                  path=f"{pipe.layers}/{values[next(iter(values))][0]}/{key}",
-                  hint="pipeline only layers that are identical but for their arrays (for example, keep the "
-                       "differing setting in an array, or pipeline a model whose layers share it)")]
-
-
-def _index_list(indices: list[int]) -> str:
-    shown = ", ".join(map(str, indices[:6]))
-    return shown + (f" and {len(indices) - 6} more" if len(indices) > 6 else "")
 
 
 def _assign(plan, indices: list[int], stages: int, virtual: int, where) -> tuple[list[int] | None, list[Diagnostic]]:

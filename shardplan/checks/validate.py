@@ -249,6 +249,7 @@ def validate_inputs(plan: Plan, sizes: dict[str, int],
                     shapes: dict[str, tuple[int, ...]] | None = None) -> list[Diagnostic]:
     """Input specs against the mesh, and against the batch's shapes when given."""
     found = []
+    shapes = plan.example_shapes() if shapes is None else shapes
     for name, raw in plan.inputs.items():
         spec = normalize_spec(raw)
         line, col = plan.locate("inputs", name)

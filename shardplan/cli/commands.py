@@ -398,9 +398,8 @@ def _diff(args, console: Console) -> int:
     plan_a, plan_b = load_plan(args.plan), load_plan(args.other)
     order: list[str] = []
     params = param_infos(_abstract_model(args, plan_a, order))
-    from shardplan.planner.roles import top_level
     devices = list(range(_device_count(args.devices, plan_a)))
-    reports = [check_params(plan, params, devices, modules=top_level(order) or None) for plan in (plan_a, plan_b)]
+    reports = [check_params(plan, params, devices) for plan in (plan_a, plan_b)]
     errors = [d for report in reports for d in report.errors]
     if errors:
         render_diagnostics(console, errors)
@@ -458,14 +457,12 @@ def _report(args, order: list[str] | None = None):
     order = [] if order is None else order
     from shardplan.run.devices import has_accelerator
     from shardplan.checks.paths import param_infos
-    from shardplan.checks.report import check, check_params, with_layer_structure
-    from shardplan.planner.roles import top_level
+    from shardplan.checks.report import check, check_params, with_model_checks
     model = _abstract_model(args, plan, order)
     if args.devices is None and has_accelerator():
-        return check(plan, model, modules=top_level(order) or None)
-    report = check_params(plan, param_infos(model), list(range(_device_count(args.devices, plan))),
-                          modules=top_level(order) or None)
-    return with_layer_structure(report, plan, model)
+        return check(plan, model)
+    report = check_params(plan, param_infos(model), list(range(_device_count(args.devices, plan))))
+    return with_model_checks(report, plan, model)
 
 
 def _estimate(args, report, order: list[str]):

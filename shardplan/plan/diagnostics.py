@@ -49,7 +49,6 @@ CODES: dict[str, str] = {
     "pipeline-no-layers": "`pipeline.layers` names no top-level list of layers",
     "pipeline-axis-in-spec": "a parameter spec uses the stage axis",
     "pipeline-microbatches": "the microbatch count does not divide each data shard's batch",
-    "pipeline-head-sharded": "1f1b with sharded modules after the layers (the loss runs inside the pipeline)",
     "stage-invalid-regex": "a stage rule's `match` is not a valid regular expression",
     "stage-unassigned": "a layer no stage rule matches",
     "stage-out-of-range": "a stage index outside the stage axis",
@@ -57,6 +56,8 @@ CODES: dict[str, str] = {
     "stage-noncontiguous": "a stage's layers are not consecutive (gpipe, 1f1b)",
     "stage-not-circular": "interleaved chunks are not placed circularly",
     "stage-layers-differ": "layers differ in parameters, shapes or specs and cannot be stacked",
+    "pipeline-layer-call": "the model calls its layers in a way a pipeline cannot run (per-layer arguments, code between layers, caches)",
+    "example-call-failed": "the model fails on the example inputs (the plan's input shapes or `example=`)",
 }
 
 

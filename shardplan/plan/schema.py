@@ -84,6 +84,35 @@ class ParamRule(_Strict):
         return check_spec_shape(spec, allow_replicated=True)
 
 
+DTYPES = ("int32", "int64", "uint8", "bool", "float32", "float16", "bfloat16")
+
+
+class InputSpec(_Strict):
+    spec: list[SpecEntry] = Field(description="The input's spec: one entry per leading dim.")
+    shape: list[Annotated[int, Field(ge=1, le=1 << 31)]] | None = Field(
+        default=None, max_length=16, description="Shape of one batch of this input; with it, `check` traces one "
+        "call of the model on zeros of this shape (a pipeline plan is then checked against how the model calls "
+        "its layers).")
+    dtype: Literal[DTYPES] = Field(default="int32", description="dtype of the example input (tokens: int32).")
+
+    @field_validator("spec", mode="before")
+    @classmethod
+    def _spec_shape(cls, spec: Any) -> Any:
+        return check_spec_shape(spec, allow_replicated=False)
+
+
+def input_spec(raw: "list | InputSpec") -> list:
+    """The spec of a plan input, written either as a spec or as {spec, shape, dtype}."""
+    return raw.spec if isinstance(raw, InputSpec) else raw
+
+
+def input_example(raw: "list | InputSpec") -> tuple[tuple[int, ...], str] | None:
+    """(shape, dtype) of a plan input's example batch, or None when the plan gives no shape."""
+    if isinstance(raw, InputSpec) and raw.shape is not None:
+        return tuple(raw.shape), raw.dtype
+    return None
+
+
 class StageRule(_Strict):
     match: str = Field(description="Regular expression that must fully match a layer path (e.g. `transformer_blocks/[0-3]`).")
     stage: int = Field(ge=0, le=MAX_MESH_DEVICES, description="Pipeline stage (0-based) of the matched layers.")
@@ -113,8 +142,9 @@ class Plan(_Strict):
     name: str | None = Field(default=None, description="Human-readable plan name.")
     model: ModelRef | None = Field(default=None, description="Default model for the command line.")
     mesh: MeshConfig = Field(description="The device mesh.")
-    inputs: dict[str, list[SpecEntry]] = Field(default_factory=dict,
-                                               description="Spec of each batch input, by name.")
+    inputs: dict[str, Union[list[SpecEntry], InputSpec]] = Field(
+        default_factory=dict, description="Spec of each batch input, by name; or {spec, shape, dtype} to give an "
+                                          "example batch too.")
     params: list[ParamRule] = Field(min_length=1, description="Ordered rules; the first full match wins.")
     unmatched: Literal["error", "warn", "replicate"] = Field(
         default="error", description="What happens to a parameter no rule matches.")
@@ -127,8 +157,13 @@ class Plan(_Strict):
     def _input_specs(cls, inputs: Any) -> Any:
         if isinstance(inputs, dict):
             for spec in inputs.values():
-                check_spec_shape(spec, allow_replicated=False)
+                if not isinstance(spec, dict):
+                    check_spec_shape(spec, allow_replicated=False)
         return inputs
+
+    def example_shapes(self) -> dict[str, tuple[int, ...]] | None:
+        """Input name -> shape of the example batch, for the inputs that give one; None if none does."""
+        return {name: found[0] for name, raw in self.inputs.items() if (found := input_example(raw))} or None
 
     _file: str | None = PrivateAttr(default=None)
     _positions: dict[tuple, tuple[int, int]] = PrivateAttr(default_factory=dict)
@@ -165,7 +200,7 @@ def check_spec_shape(spec: Any, *, allow_replicated: bool) -> Any:
     return spec
 
 
-def normalize_spec(spec: Union[str, list[SpecEntry]]) -> tuple[tuple[str, ...] | None, ...]:
+def normalize_spec(spec: "str | list[SpecEntry] | InputSpec") -> tuple[tuple[str, ...] | None, ...]:
     """Spec as a tuple of per-dim axis tuples (None: not sharded).
 
     >>> normalize_spec([None, "model", ["data", "model"], "_"])
@@ -173,6 +208,7 @@ def normalize_spec(spec: Union[str, list[SpecEntry]]) -> tuple[tuple[str, ...] |
     >>> normalize_spec("replicated")
     ()
     """
+    spec = input_spec(spec)
     if spec == "replicated":
         return ()
     return tuple(_normalize_entry(entry) for entry in spec)

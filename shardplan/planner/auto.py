@@ -86,14 +86,15 @@ class Search:
 
 def search(params: list[ParamInfo], roles: ModelRoles, *, devices: int, workload: Workload, profile: Profile,
            memory: int | None = None, hosts: int = 1, input_name: str = "tokens",
-           model: dict[str, Any] | None = None) -> Search:
-    """Every candidate plan, checked, costed and ranked by modelled step time."""
+           model: dict[str, Any] | None = None, pipelines: bool = True) -> Search:
+    """Every candidate plan, checked, costed and ranked by modelled step time (`pipelines=False`: none
+    with a pipeline, for a model that cannot run its layers as one)."""
     budget = memory if memory is not None else profile.memory_bytes
     ranked, rejected = [], []
-    for candidate in candidates(roles, devices, hosts, workload):
+    for candidate in candidates(roles, devices, hosts, workload, pipelines):
         plan = build_plan(candidate, roles, params, input_name=input_name, model=model)
         report = check_params(plan, params, list(range(devices)), input_shapes={input_name: (workload.batch,
-                              workload.seq)}, modules=roles.modules, processes=hosts)
+                              workload.seq)}, processes=hosts)
         if not report.ok:
             rejected.append(Ranked(candidate, plan, report, None, f"invalid: {report.errors[0].code}"))
             continue
@@ -128,10 +129,10 @@ def _idle(candidate: Candidate, report: Report) -> str | None:
     return None
 
 
-def candidates(roles: ModelRoles, devices: int, hosts: int, workload: Workload):
+def candidates(roles: ModelRoles, devices: int, hosts: int, workload: Workload, pipelines: bool = True):
     """Meshes x rule sets x pipeline settings; the checker weeds out what does not divide."""
     for stage, data, model in _factorisations(devices):
-        if stage > 1 and (roles.layers is None or roles.layer_count % stage):
+        if stage > 1 and (not pipelines or roles.layers is None or roles.layer_count % stage):
             continue
         if model > devices // hosts:
             continue                        # tensor parallelism stays inside a host
@@ -185,14 +186,10 @@ def _host_splits(axes: dict[str, int], hosts: int):
 def specs(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo]) -> dict[str, list]:
     """Parameter path -> spec entries under the candidate's rule set."""
     sizes = candidate.axes
-    after = roles.after_layers if candidate.schedule == "1f1b" else frozenset()
     out: dict[str, list] = {}
     for p in params:
         role = roles.of(p.path)
         entries: list = [None] * len(p.shape)
-        if p.path in after:                 # 1F1B computes the loss where the head must be whole
-            out[p.path] = []
-            continue
         if candidate.tensor:
             dim = _tensor_dim(p, role, roles, candidate)
             if dim is not None and p.shape[dim] % sizes["model"] == 0:
@@ -261,13 +258,11 @@ def rules(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo]) -> l
     found: dict[str, tuple[Any, str]] = {}
     planned = specs(candidate, roles, params)
     sharding = any(planned.values())
-    after = roles.after_layers if candidate.schedule == "1f1b" else frozenset()
     for path in roles.order:
         spec = planned[path]
         if not spec and sharding and by_path[path].nbytes >= REPLICATED_WARNING_BYTES:
-            reason = ("1F1B computes the loss inside the pipeline, where the head must be whole"
-                      if path in after else "this rule set keeps it whole")
-            found.setdefault(_fold_layer(path, roles.layers), ("replicated", f"{reason} {tuple(by_path[path].shape)}"))
+            found.setdefault(_fold_layer(path, roles.layers),
+                             ("replicated", f"this rule set keeps it whole {tuple(by_path[path].shape)}"))
             continue
         if not spec:
             continue

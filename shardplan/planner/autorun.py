@@ -34,12 +34,16 @@ def run_auto(console: Console, *, factory: str, config: dict, devices: int, host
     params = param_infos(model)
     roles = recognise(params, order)
     workload = Workload(batch, seq)
+    refusal = _pipeline_refusal(model, roles.layers, input_name, workload)
+    if refusal:
+        console.print(Text.assemble(("no pipeline candidates: ", "bold"), refusal))
     with console.status(f"checking and costing candidate plans for {devices} devices"):
         found = planner.search(params, roles, devices=devices, workload=workload, profile=profile, memory=memory,
-                               hosts=hosts, input_name=input_name, model={"factory": factory, "config": config})
+                               hosts=hosts, input_name=input_name, model={"factory": factory, "config": config},
+                               pipelines=refusal is None)
     measured = {}
     if measure and found.ranked:
-        measured = _measure(console, found, factory, config, measure, paths)
+        measured = _measure(console, found, factory, config, measure, paths, input_name)
         found = _rerank(found, measured)
     if as_json:
         print(json.dumps(_json(found, measured, top), indent=2))
@@ -66,10 +70,26 @@ def _check_written(text: str, found: planner.Search, *, devices: int, hosts: int
     from shardplan.checks.report import check_params
     workload = found.workload
     report = check_params(parse_plan(text, file="auto"), found.params, list(range(devices)),
-                          input_shapes={input_name: (workload.batch, workload.seq)}, modules=found.roles.modules,
+                          input_shapes={input_name: (workload.batch, workload.seq)}, 
                           processes=hosts)
     if not report.ok:
         raise AssertionError(f"auto wrote a plan that does not validate: {[d.message for d in report.errors]}")
+
+
+def _pipeline_refusal(model, layers: str | None, input_name: str, workload: Workload) -> str | None:
+    """Why the model cannot run its repeated layers as a pipeline (found by tracing one call on a
+    batch of token ids abstractly, as `check` does); None if it can or has no such layers."""
+    if layers is None:
+        return None
+    import jax.numpy as jnp
+
+    from shardplan.checks.calls import call_with, check_layer_calls
+    from shardplan.plan.schema import Plan
+    plan = Plan.model_validate({"version": 1, "mesh": {"axes": {"stage": 2}}, "params": [{"match": ".*", "spec": []}],
+                                "pipeline": {"axis": "stage", "layers": layers}})
+    tokens = jnp.zeros((workload.batch, workload.seq), jnp.int32)
+    found = check_layer_calls(plan, model, call_with(model, {input_name: tokens}))
+    return found[0].message if found else None
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -85,8 +105,9 @@ def _key(item: planner.Ranked) -> tuple[str, str]:
 
 
 def _measure(console: Console, found: planner.Search, factory: str, config: dict, k: int,
-             paths: tuple[str, ...] = ()) -> dict:
-    """Compile the top k candidates; {candidate key: Measured}."""
+             paths: tuple[str, ...] = (), input_name: str = "tokens") -> dict:
+    """Compile the top k candidates; {candidate key: Measured}. A candidate whose step cannot be built
+    (the model's forward needs more than token ids) is reported and left unmeasured."""
     import jax
     from shardplan.run.measure import measure
     from shardplan.run.models import build_model
@@ -100,7 +121,12 @@ def _measure(console: Console, found: planner.Search, factory: str, config: dict
         with console.status(f"compiling candidate {index + 1}/{min(k, len(found.ranked))}: "
                             f"{ranked.candidate.label()}, {ranked.candidate.rules_label()}"):
             model = build_model(factory, config, abstract=False, paths=paths)
-            results[_key(ranked)] = measure(ranked.plan, model, found.workload.batch, found.workload.seq)
+            try:
+                results[_key(ranked)] = measure(ranked.plan, model, found.workload.batch, found.workload.seq,
+                                                input_name=input_name)
+            except Exception as error:      # the model's own code, run on token ids
+                console.print(f"could not measure {ranked.candidate.label()}: the step fails on a batch of token "
+                              f"ids: {type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}")
     return results
 
 

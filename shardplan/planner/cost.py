@@ -177,6 +177,9 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile) ->
     param_bytes = sum(p.bytes_per_device for p in held)
     optimizer_bytes = sum(p.opt_bytes_per_device for p in held)
     stored, remat, microbatch, microbatch_remat = _activations(held, roles, step)
+    if step.schedule == "1f1b":     # the gathered head weights and their whole gradients, for the step
+        whole_head = 2 * sum(_head_gathered(p, step) for p in held if p.path in roles.after_layers)
+        stored, remat = stored + whole_head, remat + whole_head
     flops = _flops(held, roles, step)
     bubble = _bubble(step)
     compute_s = flops / profile.peak_flops / (1.0 - bubble)
@@ -200,7 +203,13 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
             continue
         staged = p.stage is not None
         moved_activations = False
-        if role.kind in (EMBEDDING, COLUMN, ROW, MATMUL):
+        head = step.schedule == "1f1b" and p.path in after
+        gathered = _head_gathered(p, step) if head else 0
+        if gathered:
+            # 1F1B runs the head inside the pipeline, whole: its split weight is gathered once per step
+            transfers.append(Transfer("all-gather", _split_axes(p, tuple(range(len(p.shape))), step.batch_axes),
+                                      p.bytes_per_device + gathered, 1, f"{p.path}: 1F1B head gathered for the step"))
+        elif role.kind in (EMBEDDING, COLUMN, ROW, MATMUL):
             found, moved_activations = _matrix_transfers(p, role, step, staged)
             transfers += found
         axes = spec_axes(p.spec)
@@ -220,7 +229,6 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
                 transfers.append(Transfer("all-gather", extra, int(tokens * step.ways(extra) * n_in * step.itemsize),
                                           passes, f"{p.path}: ZeRO-1 head activations gathered"))
                 reduce_over = tuple(a for a in reduce_over if a not in extra)
-        head = step.schedule == "1f1b" and p.path in after
         if reduce_over:
             group = reduce_over + ((step.stage_axis,) if step.stage_axis and not staged and
                                    step.schedule != "1f1b" else ())
@@ -322,6 +330,11 @@ def _merge(transfers: list[Transfer]) -> list[Transfer]:
         key = (t.kind, t.axes, t.bytes, t.what)
         merged[key] = dataclasses.replace(t, count=merged[key].count + t.count) if key in merged else t
     return [t for t in merged.values() if t.count and t.bytes]
+
+
+def _head_gathered(p: ParamLayout, step: _Step) -> int:
+    """Bytes a device gathers beyond its shard of a 1F1B head weight (split over other than batch axes)."""
+    return p.bytes_per_device * (step.ways(_split_axes(p, tuple(range(len(p.shape))), step.batch_axes)) - 1)
 
 
 def _tensor_ways(p: ParamLayout, dims: tuple[int, ...], step: _Step) -> int:

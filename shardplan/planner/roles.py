@@ -29,7 +29,8 @@ class Role:
     path: str
     kind: str                   # one of EMBEDDING, COLUMN, ROW, MATMUL (other matrices), BIAS, VECTOR
     in_dims: tuple[int, ...]    # dims contracted with the incoming activation (matrices only)
-    out_dims: tuple[int, ...]   # dims of the produced activation (matrices; a bias: its own dims)
+    out_dims: tuple[int, ...]   # dims of the produced activation, the one to split first first (matrices;
+    #                             a bias: its own dims)
     owner: str | None = None    # a bias: the path of its matrix
     closes: bool = False        # a column matrix whose group a row matrix closes (False: e.g. the output head)
     group: int | None = None    # column and row matrices of one tensor-parallel group share it
@@ -101,15 +102,30 @@ def residual_width(params: list[ParamInfo]) -> int:
     return max(sizes, key=lambda n: (sizes[n], n)) if sizes else 0
 
 
-def split_dims(shape: tuple[int, ...], width: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(in dims, out dims) of a matrix: flax keeps kernels as in_features + out_features.
+def split_dims(shape: tuple[int, ...], width: int, leaf: str = "kernel") -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(in dims, out dims) of a matrix. Flax keeps a `kernel` (Linear, LinearGeneral, Conv) as
+    in_features + out_features. Einsum weights under other names may store heads first, the residual
+    width in the middle: `(heads, embed, head_dim)` reads the stream at dim 1, a fused
+    `(2, kv_heads, embed, head_dim)` at dim 2; the dim to split for tensor parallelism is then the
+    last one before the width (the heads; a leading 2 is a key/value or gate/up stack), or the first
+    after it for a stack over a dim wider than the stream (`(2, embed, hidden)`, gate and up).
 
     >>> split_dims((256, 8, 32), 256), split_dims((8, 32, 256), 256), split_dims((3, 3, 3, 16), 32)
     (((0,), (1, 2)), ((0, 1), (2,)), ((0, 1, 2), (3,)))
+    >>> split_dims((8, 256, 32), 256, "w"), split_dims((2, 4, 256, 32), 256, "w"), split_dims((2, 256, 1024), 256, "w")
+    (((1,), (0, 2)), ((2,), (1, 0, 3)), ((1,), (2, 0)))
     """
     n = len(shape)
     if n > 2 and shape[0] == width and shape[-1] != width:
         return (0,), tuple(range(1, n))
+    reading = [d for d in range(1, n - 1) if shape[d] == width]
+    if leaf != "kernel" and shape[-1] != width and len(reading) == 1:
+        at = reading[0]
+        before, after = list(range(at)), list(range(at + 1, n))
+        stacked = shape[0] == 2 and (len(before) > 1 or shape[after[0]] > width)
+        heads = before[1:] if stacked else before
+        first = heads[-1] if heads else after[0]
+        return (at,), (first, *[d for d in before + after if d != first])
     return tuple(range(n - 1)), (n - 1,)
 
 
@@ -138,7 +154,7 @@ def recognise(params: list[ParamInfo], order: list[str] | None = None) -> ModelR
         if leaf == "embedding":
             roles[path] = Role(path, EMBEDDING, (0,), (len(info.shape) - 1,))
             continue
-        in_dims, out_dims = split_dims(info.shape, width)
+        in_dims, out_dims = split_dims(info.shape, width, leaf)
         reads = tuple(info.shape[d] for d in in_dims) == (width,)
         writes = tuple(info.shape[d] for d in out_dims) == (width,)
         layer_changed = _layer_prefix(path, layers) != _layer_prefix(open_parent or "", layers)
@@ -263,7 +279,9 @@ def _attention(order, roles, by_path, layers) -> tuple[Attention, ...]:
             groups[role.group].append(path)
     for members in groups.values():
         prefix = _layer_prefix(members[0], layers)
-        if len(members) >= 3:
+        # queries, keys and values: three matrices, or fewer with heads kept in a dim of their own
+        # (a fused key/value einsum)
+        if len(members) >= 3 or (len(members) == 2 and all(len(roles[m].out_dims) > 1 for m in members)):
             query = by_path[members[0]]
             out = [query.shape[d] for d in roles[members[0]].out_dims]
             width = math.prod(out)

@@ -27,11 +27,13 @@ def partition_spec(spec: NormalSpec) -> PartitionSpec:
     return PartitionSpec(*(None if e is None else e[0] if len(e) == 1 else tuple(e) for e in spec))
 
 
-def apply_plan(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Module:
+def apply_plan(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh, *, example=None) -> nnx.Module:
     """Place every parameter of `model` on `mesh` as the plan says; raise `PlanError` listing every error.
 
     The model is updated in place and returned. Variables that are not parameters (RNG
-    state, batch statistics) are replicated. Works on `nnx.eval_shape` models too: their
+    state, batch statistics) are replicated. Under a pipeline plan only the layer list is
+    replaced (by `PipelinedLayers`): the model keeps its class and its forward; `example`
+    (see `shardplan.check`) checks first that the forward can run its layers as a pipeline. Works on `nnx.eval_shape` models too: their
     shapes then carry the planned shardings.
 
     >>> import shardplan, minigpt_model
@@ -42,7 +44,7 @@ def apply_plan(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Mo
     >>> model.output_layer.kernel.sharding.spec
     P(None, 'model')
     """
-    report = _checked(plan, model, mesh)
+    report = _checked(plan, model, mesh, example)
     specs = {layout.path: layout.spec for layout in report.params}
     if report.stage_map is not None:
         return _pipelined(plan, model, mesh, report, specs)
@@ -82,8 +84,8 @@ def _manual_batch_axes(plan: Plan, report: Report, specs: dict) -> tuple[str, ..
     return tuple(a for a in data_axes(plan, report.axes) if a != plan.pipeline.axis and a not in used)
 
 
-def _checked(plan: Plan, model, mesh) -> Report:
-    report = check(plan, model, mesh)
+def _checked(plan: Plan, model, mesh, example=None) -> Report:
+    report = check(plan, model, mesh, example=example)
     if report.errors:
         raise PlanError(report.diagnostics)
     return report

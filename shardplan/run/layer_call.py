@@ -132,6 +132,12 @@ def describe_layer_call(layer: nnx.Module, args: tuple, kwargs: dict, where: str
     except Exception as error:
         raise PipelineCallError(f"{where} fails when called with the model's arguments: "
                                 f"{type(error).__name__}: {error}") from error
+    return LayerCall(rest, check_output(out, x, where)), split, whole, rngs
+
+
+def check_output(out, x, where: str):
+    """The treedef of a layer's output, which must hold the activation (same shape and dtype as `x`) as
+    its only array."""
     leaves, out_treedef = jax.tree.flatten(out)
     arrays = [leaf for leaf in leaves if _is_array(leaf)]
     if len(arrays) != len(leaves) or len(arrays) != 1:
@@ -141,9 +147,9 @@ def describe_layer_call(layer: nnx.Module, args: tuple, kwargs: dict, where: str
             "such as caches or auxiliary losses cannot leave a pipeline: call the model without a cache")
     (y,) = arrays
     if (y.shape, y.dtype) != (x.shape, x.dtype):
-        raise PipelineCallError(f"{where} maps the activation {x.shape} {x.dtype} to {y.shape} {y.dtype}; pipelined "
-                                "layers must keep its shape and dtype")
-    return LayerCall(rest, out_treedef), split, whole, rngs
+        raise PipelineCallError(f"{where} maps the activation {tuple(x.shape)} {x.dtype} to {tuple(y.shape)} "
+                                f"{y.dtype}; pipelined layers must keep its shape and dtype")
+    return out_treedef
 
 
 def _describe(value) -> str:

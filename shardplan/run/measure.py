@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Callable
 
 import jax
 import numpy as np
@@ -32,19 +33,27 @@ class Measured:
         return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
 
 
-def lm_loss(model: nnx.Module, tokens: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy; a pipelined model runs its plan's schedule."""
-    from shardplan.run.pipeline import Pipelined
-    if isinstance(model, Pipelined):
-        return model.loss(tokens, targets)
-    return optax.softmax_cross_entropy_with_integer_labels(model(tokens), targets).mean()
+def lm_loss(model: nnx.Module, tokens: jax.Array, targets: jax.Array, arguments: Callable | None = None) -> jax.Array:
+    """Mean next-token cross-entropy of the model's logits (its output, or the first array of it); a
+    pipelined model runs its plan's schedule. `arguments(tokens)` gives the forward's (args, kwargs);
+    by default the tokens go to its `tokens` or first parameter, None to its other required ones."""
+    from shardplan.checks.calls import call_arguments
+    from shardplan.run.pipelined import model_loss
+    args, kwargs = arguments(tokens) if arguments else call_arguments(model, {"tokens": tokens})
+    return model_loss(model, _next_token_loss, targets, *args, **kwargs)
 
 
-@nnx.jit(donate_argnums=(0, 1))
-def lm_train_step(model: nnx.Module, optimizer: nnx.Optimizer, tokens: jax.Array, targets: jax.Array) -> jax.Array:
+def _next_token_loss(outputs, targets) -> jax.Array:
+    logits = outputs if hasattr(outputs, "shape") else jax.tree.leaves(outputs)[0]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+@nnx.jit(donate_argnums=(0, 1), static_argnames=("arguments",))
+def lm_train_step(model: nnx.Module, optimizer: nnx.Optimizer, tokens: jax.Array, targets: jax.Array,
+                  arguments: Callable | None = None) -> jax.Array:
     """One AdamW step on the next-token loss, outputs pinned to the plan."""
     from shardplan.run.apply import constrain
-    loss, grads = nnx.value_and_grad(lm_loss)(model, tokens, targets)
+    loss, grads = nnx.value_and_grad(lm_loss)(model, tokens, targets, arguments)
     optimizer.update(model, grads)
     constrain(model, optimizer)
     return loss
@@ -83,11 +92,13 @@ def branch_share(plan) -> float:
     return work / (work + stages - 1)
 
 
-def measure(plan, model: nnx.Module, batch: int, seq: int) -> Measured:
-    """Compile one step of `plan` on `model` (built, unsharded) and read the compiler's figures."""
-    model, optimizer, tokens, targets = prepare(plan, model, batch, seq)
+def measure(plan, model: nnx.Module, batch: int, seq: int, *, input_name: str | None = None,
+            arguments: Callable | None = None) -> Measured:
+    """Compile one step of `plan` on `model` (built, unsharded) and read the compiler's figures
+    (`arguments`: see `lm_loss`)."""
+    model, optimizer, tokens, targets = prepare(plan, model, batch, seq, input_name=input_name)
     start = time.perf_counter()
-    compiled = lm_train_step.lower(model, optimizer, tokens, targets).compile()
+    compiled = lm_train_step.lower(model, optimizer, tokens, targets, arguments).compile()
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
     return Measured(collective_stats(compiled.as_text(), executed=True, branch_share=branch_share(plan)),

@@ -1,0 +1,182 @@
+"""Whether the model can run its layers as a pipeline, found by tracing one call of the plain model
+abstractly (no FLOP spent) while its layers record how they are called.
+
+A pipeline runs the layers in one call (see `shardplan.run.pipelined`), so it needs the model's
+forward to call every layer once, in order, passing each layer's output activation straight to the
+next, with the same other arguments for every layer. What breaks that is reported with the layer,
+the argument and a fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable
+
+from shardplan.plan.diagnostics import Diagnostic
+from shardplan.plan.schema import Plan
+
+FIX = ("pass per-layer values as arrays the layers index themselves, or pipeline a model whose layers all get the "
+       "same arguments")
+
+
+@dataclasses.dataclass
+class _Call:
+    layer: int
+    args: tuple
+    kwargs: dict
+    output: Any = None
+
+
+def example_call(plan: Plan, model) -> Callable | None:
+    """A call of `model` on zeros shaped as the plan's `inputs` say (those with a `shape`), matched to
+    the forward's parameters by name; required parameters no input names get None (a cache, a mask).
+    None when the plan gives no shapes."""
+    import jax.numpy as jnp
+
+    from shardplan.plan.schema import input_example
+    examples = {name: input_example(raw) for name, raw in plan.inputs.items()}
+    examples = {name: found for name, found in examples.items() if found is not None}
+    if not examples:
+        return None
+    return call_with(model, {name: jnp.zeros(shape, dtype) for name, (shape, dtype) in examples.items()})
+
+
+def call_with(model, arrays: dict) -> Callable:
+    """`lambda m: m(...)` with `call_arguments(model, arrays)`."""
+    args, kwargs = call_arguments(model, arrays)
+    return lambda m: m(*args, **kwargs)
+
+
+def call_arguments(model, arrays: dict) -> tuple[list, dict]:
+    """Arguments for the model's forward: `arrays` to the parameters of the same names (positionally
+    while possible), a single array to the first parameter if no name matches, None to the other
+    required parameters."""
+    parameters = list(inspect.signature(type(model).__call__).parameters.values())[1:]
+    names = [p.name for p in parameters]
+    given = dict(arrays)
+    if not set(given) & set(names) and parameters and len(given) == 1:
+        given = {names[0]: next(iter(given.values()))}
+    args, kwargs = [], {}
+    for p in parameters:
+        value = given.get(p.name, None)
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.name not in given and p.default is not p.empty:
+            continue
+        if p.kind == p.KEYWORD_ONLY:
+            kwargs[p.name] = value
+        elif not kwargs:
+            args.append(value)
+        else:
+            kwargs[p.name] = value
+    return args, kwargs
+
+
+def check_layer_calls(plan: Plan, model, call: Callable) -> list[Diagnostic]:
+    """Trace `call(model)` abstractly and check the pipeline can run the layers as the model calls them."""
+    from flax import nnx
+    pipe = plan.pipeline
+    line, column = plan.locate("pipeline", "layers")
+
+    def problem(code, message, path=None, hint=None):
+        return [Diagnostic(code, "error", message, file=plan.file, line=line, column=column, path=path, hint=hint)]
+
+    calls: list[_Call] = []
+
+    def traced(model):
+        layers = list(getattr(model, pipe.layers))
+        index = {id(layer): i for i, layer in enumerate(layers)}
+        originals = {}
+        for layer_type in {type(layer) for layer in layers}:
+            original = layer_type.__call__
+            originals[layer_type] = original
+
+            def recording(self, *args, __original=original, **kwargs):
+                output = __original(self, *args, **kwargs)
+                if id(self) in index:
+                    calls.append(_Call(index[id(self)], args, kwargs, output))
+                return output
+            layer_type.__call__ = recording
+        try:
+            return call(model)
+        finally:
+            for layer_type, original in originals.items():
+                layer_type.__call__ = original
+
+    try:
+        nnx.eval_shape(traced, model)
+    except Exception as error:         # the model's own code failed on the example inputs
+        return problem("example-call-failed",
+                       f"the model cannot be called on the example inputs: {type(error).__name__}: "
+                       f"{_first_line(error)}",
+                       hint="give each input the shape and dtype the model expects (inputs: {name: {spec: [...], "
+                            "shape: [...], dtype: ...}}), or pass example= to shardplan.check")
+    count = len(getattr(model, pipe.layers))
+    return _analyse(pipe.layers, calls, count, problem)
+
+
+def _analyse(name: str, calls: list[_Call], count: int, problem) -> list[Diagnostic]:
+    import jax
+    from flax import nnx
+
+    from shardplan.run.layer_call import PipelineCallError, _describe, _is_array
+    order = [c.layer for c in calls]
+    if order != list(range(count)):
+        shown = order[:12] + (["..."] if len(order) > 12 else [])
+        return problem("pipeline-layer-call",
+                       f"a pipeline runs every layer of {name} once, in order, but the model's forward calls "
+                       f"{name} layers {shown} (expected 0..{count - 1})", path=f"{name}/0",
+                       hint="pipeline a list the forward loops over once (for layer in self.layers: x = layer(x, ...))")
+    first = calls[0]
+    if not first.args or not _is_array(first.args[0]) or first.args[0].ndim < 1:
+        return problem("pipeline-layer-call",
+                       f"{name}/0 is called with {_describe(first.args[0]) if first.args else 'no positional argument'} "
+                       "first; a pipeline needs the activation (an array whose leading dim is the batch) as the first "
+                       "positional argument", path=f"{name}/0")
+
+    def rest(c: _Call):
+        return jax.tree.flatten((c.args[1:], c.kwargs), is_leaf=lambda v: isinstance(v, nnx.Rngs))
+    leaves0, tree0 = rest(first)
+    for previous, c in zip(calls, calls[1:]):
+        out = [leaf for leaf in jax.tree.leaves(previous.output) if _is_array(leaf)]
+        if len(out) != 1:
+            break                  # reported below with the output check
+        if not c.args or c.args[0] is not out[0]:
+            return problem("pipeline-layer-call",
+                           f"the model's forward changes the activation between {name}/{previous.layer} and "
+                           f"{name}/{c.layer} (or passes {name}/{c.layer} another first argument); a pipeline hands "
+                           "each layer's output straight to the next", path=f"{name}/{c.layer}",
+                           hint="move that code into the layer, or before or after the loop")
+        leaves, tree = rest(c)
+        if tree != tree0:
+            return problem("pipeline-layer-call",
+                           f"{name}/{c.layer} is called with other arguments than {name}/0 ({tree} vs {tree0}); a "
+                           "pipeline runs every layer with the same arguments", path=f"{name}/{c.layer}", hint=FIX)
+        for position, (got, want) in enumerate(zip(leaves, leaves0)):
+            same = got is want if (_is_array(want) or isinstance(want, nnx.Rngs)) else _equal(got, want)
+            if not same:
+                return problem("pipeline-layer-call",
+                               f"{name}/{c.layer} gets {_describe(got)} where {name}/0 gets {_describe(want)} (argument "
+                               f"leaf {position + 1} after the activation); per-layer arguments such as cache[i] "
+                               "cannot be pipelined: every layer runs with the same arguments", path=f"{name}/{c.layer}",
+                               hint=FIX)
+    try:
+        from shardplan.run.layer_call import check_output
+        check_output(first.output, first.args[0], f"{name}/0")
+    except PipelineCallError as error:
+        return problem("pipeline-layer-call", str(error), path=f"{name}/0",
+                       hint="call the model without a cache, or pipeline layers that return only the activation")
+    return []
+
+
+def _equal(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:
+        return a is b
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:300] if text else ""
