@@ -16,7 +16,9 @@ compiled HLO (`benchmarks/cost_model.py` keeps it honest):
   under ZeRO-1 the updated parameter is then all-gathered, and (outside a 1F1B loop) an output
   head's gradient shard is computed whole from gathered activations instead of all-reduced;
 - pipelines send one microbatch activation per tick each way; 1F1B recomputes each stage's
-  forward in its backward and moves the after-layer modules between the stages. Gradients are
+  forward in its backward and moves the after-layer modules between the stages; a head split over
+  a tensor axis is gathered whole once per step (it runs whole inside the pipeline), and its
+  gradient is reduced and moved whole. Gradients are
   reduced once after the loop, but when a layer is FSDP-split over a batch axis that axis stays
   automatic and XLA reduces the layer gradients in every tick.
 """
@@ -229,15 +231,17 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
                 transfers.append(Transfer("all-gather", extra, int(tokens * step.ways(extra) * n_in * step.itemsize),
                                           passes, f"{p.path}: ZeRO-1 head activations gathered"))
                 reduce_over = tuple(a for a in reduce_over if a not in extra)
+        # a gathered head's gradient is computed, reduced and moved whole inside the pipeline
+        size = p.bytes_per_device + gathered
         if reduce_over:
             group = reduce_over + ((step.stage_axis,) if step.stage_axis and not staged and
                                    step.schedule != "1f1b" else ())
             key = (group, step.reductions_per_step(staged, head))
-            reductions[key] = reductions.get(key, 0) + p.bytes_per_device
+            reductions[key] = reductions.get(key, 0) + size
         if head:
-            transfers.append(Transfer("all-reduce", (step.stage_axis,), p.bytes_per_device, 1,
+            transfers.append(Transfer("all-reduce", (step.stage_axis,), size, 1,
                                       f"{p.path}: 1F1B head reduced over stages"))
-            transfers.append(Transfer("collective-permute", (step.stage_axis,), p.bytes_per_device, 1,
+            transfers.append(Transfer("collective-permute", (step.stage_axis,), size, 1,
                                       f"{p.path}: 1F1B head moved to the first stage"))
     for (axes, count), nbytes in reductions.items():
         what = "gradients, data parallel" + (", inside the pipeline loop" if count > 1 else "")

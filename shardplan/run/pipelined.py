@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -127,15 +128,16 @@ class PipelinedLayers(nnx.Module):
         rest_leaves, rest_def = jax.tree.flatten(rest)
         model_call, model_split, model_whole, model_rngs = CallArgs.of(request.args, request.kwargs, x.shape[0])
         mesh = self._pipeline_mesh
-        # The head runs inside the region that is manual over the stage and batch axes; XLA cannot
-        # partition weights split over the remaining axes there, so they enter it whole.
-        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        head_params = [jax.lax.with_sharding_constraint(p, replicated) for p in head_params]
         call = layers.call
+        head_keys = draw_keys(model_rngs)
+        outside = [i for i, inside in enumerate(in_layers) if not inside]
 
-        def head_loss(head_params, rest_leaves, h, split, whole, keys, targets):
-            given = iter(head_params)
-            full = [0 if inside else next(given) for inside in in_layers]
+        def head_loss(head_params, rest_leaves, h, split, whole, keys, targets, *, used=None):
+            # Weights the head does not read are placeholders: the layers' (never touched, the layers
+            # replay their output), and zeros for the code before the layers (run, then pruned as dead).
+            given = dict(zip(used if used is not None else outside, head_params))
+            full = [given[i] if i in given else 0 if in_layers[i] else jax.numpy.zeros(leaves[i].shape, leaves[i].dtype)
+                    for i in range(len(in_layers))]
             model = nnx.merge(graphdef, jax.tree.unflatten(params_def, full), jax.tree.unflatten(rest_def, rest_leaves))
             args, kwargs = model_call.rebuild(split, whole, keys)
             token = _REPLAY.set(call.output(h))
@@ -147,11 +149,31 @@ class PipelinedLayers(nnx.Module):
 
         def micro(a):
             return split_microbatches(a, microbatches)
+
+        def first(a):
+            return micro(a)[0]
+        # Only the weights the head reads enter the pipeline (the code before the layers, replayed
+        # per microbatch, is pruned). The head runs inside the region that is manual over the stage and
+        # batch axes, where XLA cannot partition weights split over the remaining axes: they enter whole.
+        used = _used_inputs(lambda params: head_loss(params, rest_leaves, first(x), [first(a) for a in model_split],
+                                                     model_whole, head_keys, first(request.targets)), head_params)
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        head_params = [jax.lax.with_sharding_constraint(p, replicated) for p, keep in zip(head_params, used) if keep]
+        used_at = [i for i, keep in zip(outside, used) if keep]
         return one_f_one_b_loss(
-            layers, state, head_loss, head_params, rest_leaves, micro(x),
+            layers, state, functools.partial(head_loss, used=used_at), head_params, rest_leaves, micro(x),
             ([micro(a) for a in split], whole), ([micro(a) for a in model_split], model_whole),
-            micro(request.targets), (keys, draw_keys(model_rngs)), mesh=mesh, axis=self._pipeline_axis,
-            batch_axes=batch_axes)
+            micro(request.targets), (keys, head_keys), mesh=mesh, axis=self._pipeline_axis, batch_axes=batch_axes)
+
+
+def _used_inputs(function: Callable, leaves: list) -> list[bool]:
+    """Which of `leaves` the scalar `function(leaves)` depends on, after dead code is removed."""
+    try:
+        from jax._src.interpreters.partial_eval import dce_jaxpr
+        closed = jax.make_jaxpr(function)(leaves)
+        return list(dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))[1])
+    except Exception:           # jax internals moved: keep every input (correct, if slower)
+        return [True] * len(leaves)
 
 
 def _in_model_order(a):
