@@ -11,7 +11,6 @@ import minigpt_model
 import shardplan
 from minigpt_model.steps import loss_fn, train_step
 from shardplan.run.pipeline import stack, unstack
-from shardplan.run.pipelined import pipelined_layers
 from shardplan.run.schedules import article_bubble, bubble_fraction, max_in_flight, timeline
 
 from conftest import PLANS
@@ -64,42 +63,8 @@ def _plan(base: str, schedule: str, virtual: int = 1):
     return shardplan.parse_plan(text, file=base)
 
 
-@pytest.fixture(scope="module")
-def batch():
-    tokens = np.random.default_rng(0).integers(0, 128, size=(16, 17), dtype=np.int32)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-@pytest.fixture(scope="module")
-def reference(batch):
-    model = minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0))
-    loss, grads = nnx.value_and_grad(loss_fn)(model, *batch)
-    return float(loss), nnx.to_pure_dict(grads)
-
-
-CASES = [("minigpt_3d.yaml", "gpipe", 1), ("minigpt_3d.yaml", "1f1b", 1), ("minigpt_3d.yaml", "interleaved", 2),
-         ("minigpt_pp4.yaml", "gpipe", 1), ("minigpt_pp4.yaml", "1f1b", 1), ("minigpt_pp4.yaml", "interleaved", 2)]
-
-
-@pytest.mark.parametrize("base, schedule, virtual", CASES)
-def test_loss_and_gradients_equal_unpipelined(base, schedule, virtual, batch, reference):
-    plan = _plan(base, schedule, virtual)
-    mesh = shardplan.make_mesh(plan)
-    model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0)), mesh)
-    assert isinstance(model, minigpt_model.MiniGPT) and pipelined_layers(model)[0] == "transformer_blocks"
-    tokens = shardplan.shard_inputs(plan, {"tokens": batch[0]}, mesh)["tokens"]
-    targets = jax.device_put(batch[1], tokens.sharding)
-    loss, grads = nnx.jit(lambda m, x, y: nnx.value_and_grad(loss_fn)(m, x, y))(model, tokens, targets)
-    ref_loss, ref_grads = reference
-    assert float(loss) == pytest.approx(ref_loss, abs=1e-5)
-    grads = nnx.to_pure_dict(grads)
-    per_layer = unstack(grads["transformer_blocks"])
-    for i in range(CONFIG["num_transformer_blocks"]):
-        for got, want in zip(jax.tree.leaves(per_layer[i]), jax.tree.leaves(ref_grads["transformer_blocks"][i])):
-            np.testing.assert_allclose(got, want, atol=GRAD_TOL)
-    for name in ("embedding_layer", "output_layer"):
-        for got, want in zip(jax.tree.leaves(grads[name]), jax.tree.leaves(ref_grads[name])):
-            np.testing.assert_allclose(got, want, atol=GRAD_TOL)
+# Loss and gradients of every schedule on both meshes, for MiniGPT and models shaped like public
+# ones, are compared with one device in test_wild_models.py; here the shipped plans train.
 
 
 @pytest.mark.parametrize("base, schedule, virtual", [("minigpt_3d.yaml", "1f1b", 1), ("minigpt_pp4.yaml", "gpipe", 1),

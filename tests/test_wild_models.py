@@ -38,8 +38,24 @@ def _images(seed=0, rows=8):
     return rng.normal(size=(rows, 8, 8, 3)).astype(np.float32), rng.integers(0, 10, size=(rows,)).astype(np.int32)
 
 
+def _minigpt():
+    import minigpt_model
+    return minigpt_model.MiniGPT(maxlen=8, vocab_size=128, embed_dim=32, num_heads=4, feed_forward_dim=64,
+                                 num_transformer_blocks=8, dropout_rate=0.0, rngs=nnx.Rngs(0))
+
+
 # name -> (factory, layer list, tensor-parallel rules, inputs(x), loss(outputs, targets), batch)
 MODELS = {
+    "minigpt": (_minigpt, "transformer_blocks", [
+        ("transformer_blocks/\\d+/mha/(query|key|value)/kernel", "[null, model]"),
+        ("transformer_blocks/\\d+/mha/(query|key|value)/bias", "[model]"),
+        ("transformer_blocks/\\d+/mha/out/kernel", "[model]"),
+        ("transformer_blocks/\\d+/linear1/kernel", "[null, model]"),
+        ("transformer_blocks/\\d+/linear1/bias", "[model]"),
+        ("transformer_blocks/\\d+/linear2/kernel", "[model]"),
+        ("output_layer/kernel", "[null, model]"),
+        ("embedding_layer/token_emb/embedding", "[model]")],
+        lambda x: ((x,), {"training": False}), _ce, _tokens),
     "gemma": (lambda: GemmaLike(GemmaConfig(), rngs=nnx.Rngs(0)), "layers", [
         ("layers/\\d+/attn/q/w", "[model]"),                    # (heads, embed, head_dim)
         ("layers/\\d+/attn/kv/w", "[null, model]"),             # (2, kv_heads, embed, head_dim)
@@ -311,6 +327,30 @@ def test_example_inputs_from_the_plan_and_their_failures(write_plan):
     assert "cannot be called on the example inputs" in text and "shape and dtype" in text
 
 
+class _Normed(nnx.Module):
+    """Layers with batch statistics updated by every training call."""
+
+    def __init__(self, *, rngs):
+        self.embed = nnx.Embed(128, 16, rngs=rngs)
+        self.layers = nnx.List([nnx.BatchNorm(16, use_running_average=False, rngs=rngs) for _ in range(4)])
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_layers_that_update_their_state_are_refused():
+    plan = _pipe_plan()
+    tokens = jnp.zeros((8, 4), jnp.int32)
+    text = _only(shardplan.check(plan, _Normed(rngs=nnx.Rngs(0)), example=lambda m: m(tokens)), "pipeline-layer-call")
+    assert "layers/0 updates its state during the call (mean and 1 more" in text and "batch statistics" in text
+    model = shardplan.apply_plan(plan, _Normed(rngs=nnx.Rngs(0)), shardplan.make_mesh(plan))
+    with pytest.raises(PipelineCallError, match="updates its state"):
+        model(tokens)
+
+
 # ------------------------------------------------------------------------------ auto on such models
 
 def test_auto_splits_heads_first_attention_and_proposes_no_pipeline_it_cannot_run(tmp_path, capsys):
@@ -330,7 +370,7 @@ def test_auto_splits_heads_first_attention_and_proposes_no_pipeline_it_cannot_ru
     # Megatron rule sets split attention kept heads first over its heads dim
     abstract, roles = abstract_with_roles(lambda: GemmaLike(rngs=nnx.Rngs(0)))
     planned = specs(Candidate({"model": 2, "data": 4}, {}, True, True, False, False), roles, param_infos(abstract))
-    assert planned["layers/0/attn/q/w"] == ["model", None, None]            # (heads, embed, head_dim)
-    assert planned["layers/0/attn/kv/w"] == [None, "model", None, None]     # (2, kv_heads, embed, head_dim)
-    assert planned["layers/0/attn/out/w"] == ["model", None, None]          # (heads, head_dim, embed)
+    assert planned["layers/0/attn/q/w"] == ["model"]                        # (heads, embed, head_dim)
+    assert planned["layers/0/attn/kv/w"] == [None, "model"]                 # (2, kv_heads, embed, head_dim)
+    assert planned["layers/0/attn/out/w"] == ["model"]                      # (heads, head_dim, embed)
     assert planned["layers/0/gating/w"] == [None, None, "model"]            # (2, embed, hidden)

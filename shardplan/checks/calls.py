@@ -82,7 +82,9 @@ def check_layer_calls(plan: Plan, model, call: Callable) -> list[Diagnostic]:
     def problem(code, message, path=None, hint=None):
         return [Diagnostic(code, "error", message, file=plan.file, line=line, column=column, path=path, hint=hint)]
 
+    from shardplan.run.layer_call import PipelineCallError, calling_without_updates
     calls: list[_Call] = []
+    updates: list[str] = []
 
     def traced(model):
         layers = list(getattr(model, pipe.layers))
@@ -93,9 +95,15 @@ def check_layer_calls(plan: Plan, model, call: Callable) -> list[Diagnostic]:
             originals[layer_type] = original
 
             def recording(self, *args, __original=original, **kwargs):
-                output = __original(self, *args, **kwargs)
-                if id(self) in index:
-                    calls.append(_Call(index[id(self)], args, kwargs, output))
+                if id(self) not in index:
+                    return __original(self, *args, **kwargs)
+                where = f"{pipe.layers}/{index[id(self)]}"
+                try:
+                    output = calling_without_updates(self, lambda: __original(self, *args, **kwargs), where)
+                except PipelineCallError as error:
+                    updates.append(str(error))
+                    output = __original(self, *args, **kwargs)
+                calls.append(_Call(index[id(self)], args, kwargs, output))
                 return output
             layer_type.__call__ = recording
         try:
@@ -112,6 +120,8 @@ def check_layer_calls(plan: Plan, model, call: Callable) -> list[Diagnostic]:
                        f"{_first_line(error)}",
                        hint="give each input the shape and dtype the model expects (inputs: {name: {spec: [...], "
                             "shape: [...], dtype: ...}}), or pass example= to shardplan.check")
+    if updates:
+        return problem("pipeline-layer-call", updates[0], path=f"{pipe.layers}/0")
     count = len(getattr(model, pipe.layers))
     return _analyse(pipe.layers, calls, count, problem)
 

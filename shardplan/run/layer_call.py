@@ -124,7 +124,7 @@ def describe_layer_call(layer: nnx.Module, args: tuple, kwargs: dict, where: str
 
     def one_layer(layer, x, split, whole):
         out_args, out_kwargs = rest.rebuild(split, whole, keys)
-        return layer(x, *out_args, **out_kwargs)
+        return calling_without_updates(layer, lambda: layer(x, *out_args, **out_kwargs), where)
     try:
         out = nnx.eval_shape(one_layer, layer, x, split, whole)
     except PipelineCallError:
@@ -133,6 +133,25 @@ def describe_layer_call(layer: nnx.Module, args: tuple, kwargs: dict, where: str
         raise PipelineCallError(f"{where} fails when called with the model's arguments: "
                                 f"{type(error).__name__}: {error}") from error
     return LayerCall(rest, check_output(out, x, where)), split, whole, rngs
+
+
+def calling_without_updates(module, call, where: str, what: str = "its layers"):
+    """`call()`, refusing a module that updates its own state (batch statistics, a stored RNG stream's
+    counter, a cache) during the call: a pipeline runs each layer on every microbatch and keeps no
+    per-layer state between them, so such updates would be lost."""
+    from flax import nnx
+    before = nnx.to_flat_state(nnx.state(module, nnx.Not(nnx.Param)))
+    values = [variable.get_value() for _, variable in before]
+    out = call()
+    changed = [keys for (keys, variable), value in zip(before, values) if variable.get_value() is not value]
+    if changed:
+        path = "/".join(str(k) for k in changed[0])
+        raise PipelineCallError(
+            f"{where} updates its state during the call ({path}{f' and {len(changed) - 1} more' if len(changed) > 1 else ''}: "
+            f"batch statistics, a stored RNG stream or a cache); a pipeline keeps no per-layer state between "
+            f"microbatches, so {what} must not change their variables: pass `rngs=` to the call instead of storing "
+            "a stream, use normalisation without running statistics, or run without a pipeline")
+    return out
 
 
 def check_output(out, x, where: str):

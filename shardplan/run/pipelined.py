@@ -17,7 +17,8 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
-from shardplan.run.layer_call import CallArgs, LayerCall, PipelineCallError, describe_layer_call, draw_keys
+from shardplan.run.layer_call import (CallArgs, LayerCall, PipelineCallError, calling_without_updates,
+                                      describe_layer_call, draw_keys)
 from shardplan.run.pipeline import (Layers, circular_forward, cross_entropy, fit_microbatches, merge_microbatches,
                                     one_f_one_b_loss, sequential_forward, split_microbatches, stack, unstack)
 
@@ -142,7 +143,8 @@ class PipelinedLayers(nnx.Module):
             args, kwargs = model_call.rebuild(split, whole, keys)
             token = _REPLAY.set(call.output(h))
             try:
-                out = model(*args, **kwargs)
+                out = calling_without_updates(model, lambda: model(*args, **kwargs), "the model",
+                                              "under 1f1b (which replays its forward per microbatch) it")
             finally:
                 _REPLAY.reset(token)
             return request.loss_of(out, targets)
