@@ -113,6 +113,9 @@ CASES = {
                               PIPE_PARAMS, 8, None, ["layers/0/w", "'stage'"], 7),
     "pipeline-microbatches": (pipe("  microbatches: 3\n"), PIPE_PARAMS, 8, {"tokens": (8, 16)},
                               ["3 microbatches", "2 data shard(s)", "gives 4"], 7),
+    "activation-unknown-axis": (HEAD + "params: [{match: '.*', spec: []}]\nactivations:\n"
+                                "  - {match: 'blocks/\\d+/norm', spec: [data, modle]}\n", PARAMS, 8, None,
+                                ["activations rule #1", "'modle'", "did you mean 'model'"], 8),
     "stage-invalid-regex": (pipe("  stages: [{match: 'layers/(', stage: 0}]\n"), PIPE_PARAMS, 8, None,
                             ["stage rule #1", "layers/("], 7),
     "stage-unassigned": (pipe("  stages: [{match: 'layers/[0-1]', stage: 0}]\n"), PIPE_PARAMS, 8, None,
@@ -158,8 +161,9 @@ def trigger(tmp_path: Path, code: str) -> list[shardplan.Diagnostic]:
                         processes=PROCESSES.get(code, 1), given_mesh=GIVEN_MESH.get(code)).diagnostics
 
 
-# Codes that need the model itself (how it calls its layers): their bad plans are in test_wild_models.py.
-MODEL_CASES = {"pipeline-layer-call", "example-call-failed"}
+# Codes that need the model itself (how it calls its layers, its modules, their outputs): their bad
+# plans are in test_wild_models.py and test_step_options.py.
+MODEL_CASES = {"pipeline-layer-call", "example-call-failed", "step-rule-unused", "activation-shape"}
 
 
 def test_every_code_has_a_case():

@@ -190,8 +190,8 @@ def test_pipelined_plan_trains_checkpoints_and_resumes(tmp_path):
     assert isinstance(model, MiniGPT)
 
 
-@pytest.mark.parametrize("plan", ["minigpt_3d.yaml", "minigpt_pp4.yaml"])
-def test_shipped_pipeline_plans_train_to_the_end_sample_included(tmp_path, capsys, plan):
+@pytest.mark.parametrize("plan", ["minigpt_3d.yaml", "minigpt_pp4.yaml", "minigpt_dp_tp_sp.yaml"])
+def test_shipped_pipeline_and_step_plans_train_to_the_end_sample_included(tmp_path, capsys, plan):
     """What users run: `minigpt train --plan ...` with its default sample at the end (it once crashed there)."""
     code, out, err = run_cli(capsys, "train", "--plan", f"plans/{plan}", "--out", str(tmp_path / "run"), "--steps", "4",
                              "--batch-size", "16", "--eval-every", "4", "--checkpoint-every", "4", *TINY_ARGS,

@@ -73,47 +73,70 @@ def call_arguments(model, arrays: dict) -> tuple[list, dict]:
     return args, kwargs
 
 
+def record_calls(model, targets: dict[int, str], call: Callable, on_call=None) -> list[_Call]:
+    """Trace `call(model)` abstractly (`nnx.eval_shape`: nothing is computed) and return the calls of the
+    modules in `targets` (id -> name; found again in the traced copy by path), in order. `on_call(module,
+    run, name)` may wrap each recorded call. Exceptions of the model's own code propagate."""
+    from flax import nnx
+
+    from shardplan.checks.paths import join_path
+    calls: list[_Call] = []
+    paths = {join_path(path): name for path, node in nnx.iter_graph(model) if id(node) in targets
+             for name in [targets[id(node)]]}
+
+    def traced(model):
+        index = {id(node): paths[join_path(path)] for path, node in nnx.iter_graph(model)
+                 if join_path(path) in paths}
+        originals = {}
+        for node_type in {type(node) for _, node in nnx.iter_graph(model) if id(node) in index}:
+            original = node_type.__dict__.get("__call__")
+            originals[node_type] = original
+            inherited = node_type.__call__
+
+            def recording(self, *args, __inherited=inherited, **kwargs):
+                if id(self) not in index:
+                    return __inherited(self, *args, **kwargs)
+
+                def run():
+                    return __inherited(self, *args, **kwargs)
+                output = on_call(self, run, index[id(self)]) if on_call else run()
+                calls.append(_Call(index[id(self)], args, kwargs, output))
+                return output
+            node_type.__call__ = recording
+        try:
+            return call(model)
+        finally:
+            for node_type, original in originals.items():
+                if original is None:
+                    del node_type.__call__
+                else:
+                    node_type.__call__ = original
+
+    nnx.eval_shape(traced, model)
+    return calls
+
+
 def check_layer_calls(plan: Plan, model, call: Callable) -> list[Diagnostic]:
     """Trace `call(model)` abstractly and check the pipeline can run the layers as the model calls them."""
-    from flax import nnx
+    from shardplan.run.layer_call import PipelineCallError, calling_without_updates
     pipe = plan.pipeline
     line, column = plan.locate("pipeline", "layers")
 
     def problem(code, message, path=None, hint=None):
         return [Diagnostic(code, "error", message, file=plan.file, line=line, column=column, path=path, hint=hint)]
 
-    from shardplan.run.layer_call import PipelineCallError, calling_without_updates
-    calls: list[_Call] = []
     updates: list[str] = []
 
-    def traced(model):
-        layers = list(getattr(model, pipe.layers))
-        index = {id(layer): i for i, layer in enumerate(layers)}
-        originals = {}
-        for layer_type in {type(layer) for layer in layers}:
-            original = layer_type.__call__
-            originals[layer_type] = original
-
-            def recording(self, *args, __original=original, **kwargs):
-                if id(self) not in index:
-                    return __original(self, *args, **kwargs)
-                where = f"{pipe.layers}/{index[id(self)]}"
-                try:
-                    output = calling_without_updates(self, lambda: __original(self, *args, **kwargs), where)
-                except PipelineCallError as error:
-                    updates.append(str(error))
-                    output = __original(self, *args, **kwargs)
-                calls.append(_Call(index[id(self)], args, kwargs, output))
-                return output
-            layer_type.__call__ = recording
+    def without_updates(layer, run, index):
         try:
-            return call(model)
-        finally:
-            for layer_type, original in originals.items():
-                layer_type.__call__ = original
+            return calling_without_updates(layer, run, f"{pipe.layers}/{index}")
+        except PipelineCallError as error:
+            updates.append(str(error))
+            return run()
 
+    layers = list(getattr(model, pipe.layers))
     try:
-        nnx.eval_shape(traced, model)
+        calls = record_calls(model, {id(layer): i for i, layer in enumerate(layers)}, call, without_updates)
     except Exception as error:         # the model's own code failed on the example inputs
         return problem("example-call-failed",
                        f"the model cannot be called on the example inputs: {type(error).__name__}: "
@@ -122,8 +145,7 @@ def check_layer_calls(plan: Plan, model, call: Callable) -> list[Diagnostic]:
                             "shape: [...], dtype: ...}}), or pass example= to shardplan.check")
     if updates:
         return problem("pipeline-layer-call", updates[0], path=f"{pipe.layers}/0")
-    count = len(getattr(model, pipe.layers))
-    return _analyse(pipe.layers, calls, count, problem)
+    return _analyse(pipe.layers, calls, len(layers), problem)
 
 
 def _analyse(name: str, calls: list[_Call], count: int, problem) -> list[Diagnostic]:

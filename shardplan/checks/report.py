@@ -9,6 +9,7 @@ from shardplan.checks.layout import DeviceTotals, ParamLayout, device_totals, im
 from shardplan.checks.mesh import check_given_mesh, check_hosts, resolve_axes
 from shardplan.checks.paths import ParamInfo
 from shardplan.checks.stages import StageMap, check_microbatches, plan_stages
+from shardplan.checks.step import check_step_axes
 from shardplan.checks.validate import (Placement, data_axes, idle_axes, rule_level, validate_inputs,
                                        validate_optimizer, validate_params)
 from shardplan.plan.diagnostics import Diagnostic
@@ -114,15 +115,24 @@ def check(plan: Plan, model, mesh=None, *, input_shapes: dict[str, tuple[int, ..
 
 
 def with_model_checks(report: Report, plan: Plan, model, example: Callable | None = None) -> Report:
-    """`report` plus what needs the model itself: whether it can run its layers as the pipeline does."""
+    """`report` plus what needs the model itself: its module paths against the step options' rules and,
+    given an example call (`example`, or the plan's input shapes), whether it can run its layers as the
+    pipeline does and whether the activation specs fit the outputs they name."""
     from shardplan.checks.calls import check_layer_calls, example_call
-    if report.stage_map is None:
-        return report
-    call = example if example is not None else example_call(plan, model)
-    found = check_layer_calls(plan, model, call) if call is not None else []
+    from shardplan.checks.step import check_step_modules, check_step_shapes
+    from shardplan.run.step_options import module_paths
+    found = check_step_modules(plan, [path for path, _ in module_paths(model)]) if plan.activations or plan.remat else []
+    call = None
+    if report.stage_map is not None or plan.activations:
+        call = example if example is not None else example_call(plan, model)
+    if call is not None and report.stage_map is not None:
+        found += check_layer_calls(plan, model, call)
+    if call is not None and not report.errors:
+        found += check_step_shapes(plan, model, report.axes, call)
     if not found:
         return report
-    return dataclasses.replace(report, diagnostics=report.diagnostics + found, stage_map=None)
+    stage_map = None if any(d.severity == "error" for d in found) else report.stage_map
+    return dataclasses.replace(report, diagnostics=report.diagnostics + found, stage_map=stage_map)
 
 
 def _device_ids(plan: Plan, mesh) -> list[int]:
@@ -154,7 +164,7 @@ def check_params(plan: Plan, params: list[ParamInfo], device_ids: list[int], *,
     diagnostics += mesh_diagnostics
     placements, found = validate_params(plan, params, rules, sizes)
     diagnostics += found + validate_inputs(plan, sizes, input_shapes) + validate_optimizer(plan, sizes)
-    diagnostics += idle_axes(plan, placements, sizes) if not mesh_diagnostics else []
+    diagnostics += idle_axes(plan, placements, sizes) + check_step_axes(plan, sizes) if not mesh_diagnostics else []
     stage_map, staging = plan_stages(plan, params, sizes, {p.param.path: p.spec for p in placements})
     diagnostics += staging
     if input_shapes:
@@ -175,6 +185,7 @@ def check_plan_only(plan: Plan, device_count: int) -> list[Diagnostic]:
     mesh_diagnostics += check_hosts(plan, sizes, 1) if not mesh_diagnostics else []
     diagnostics += mesh_diagnostics + rule_level(plan, rules, sizes)
     diagnostics += validate_inputs(plan, sizes) + validate_optimizer(plan, sizes)
+    diagnostics += check_step_axes(plan, sizes) if not mesh_diagnostics else []
     if plan.pipeline is not None:
         # Without parameters plan_stages stops after the axis check, so the stage regexes are compiled here.
         _, staging = plan_stages(plan, [], sizes, {})

@@ -58,6 +58,10 @@ CODES: dict[str, str] = {
     "stage-layers-differ": "layers differ in parameters, shapes or specs and cannot be stacked",
     "pipeline-layer-call": "the model calls its layers in a way a pipeline cannot run (per-layer arguments, code between layers, caches)",
     "example-call-failed": "the model fails on the example inputs (the plan's input shapes or `example=`)",
+    # step options
+    "activation-unknown-axis": "an activations spec names an axis the mesh does not have",
+    "activation-shape": "an activations spec does not fit the output it names (rank, divisibility, an axis twice)",
+    "step-rule-unused": "an activations or remat rule that matches no module of the model",
 }
 
 

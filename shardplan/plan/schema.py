@@ -128,6 +128,41 @@ class PipelineConfig(_Strict):
     virtual_stages: int = Field(default=1, ge=1, le=64, description="Chunks per device for the interleaved schedule.")
 
 
+# jax.checkpoint_policies names a remat rule may use, besides `none` and `full`.
+REMAT_POLICIES = ("dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable", "everything_saveable",
+                  "checkpoint_dots", "checkpoint_dots_with_no_batch_dims", "offload_dot_with_no_batch_dims")
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ActivationRule(_Strict):
+    match: str = Field(description="Regular expression that must fully match a module path (e.g. "
+                                   "`transformer_blocks/\\d+/layer_norm1`); the module's output gets `spec`.")
+    spec: list[SpecEntry] = Field(description="Spec of the module's output (e.g. [data, model, null]: batch over "
+                                              "data, sequence over model: sequence parallelism).")
+
+    @field_validator("spec", mode="before")
+    @classmethod
+    def _spec_shape(cls, spec: Any) -> Any:
+        return check_spec_shape(spec, allow_replicated=False)
+
+
+class RematRule(_Strict):
+    match: str = Field(description="Regular expression that must fully match a module path (e.g. "
+                                   "`transformer_blocks/\\d+`).")
+    policy: Literal[("none", "full") + REMAT_POLICIES] = Field(
+        description="none: keep what autodiff keeps; full: recompute everything in the backward; or a "
+                    "jax.checkpoint_policies name (what to save).")
+
+
+class Precision(_Strict):
+    params: Literal[FLOAT_DTYPES] | None = Field(
+        default=None, description="dtype parameters are stored in (and optimizer state follows); default: as built.")
+    compute: Literal[FLOAT_DTYPES] | None = Field(
+        default=None, description="dtype the forward and backward run in: floating parameters are cast to it for "
+                                  "the call (gradients reach the stored parameters in their dtype); outputs come "
+                                  "back in the parameters' dtype.")
+
+
 class Plan(_Strict):
     """A parsed plan. `locate(...)` maps a key path to its file position."""
 
@@ -151,6 +186,12 @@ class Plan(_Strict):
     optimizer: Literal["same", "zero1"] = Field(
         default="same", description="same: optimizer state mirrors its parameter; zero1: also shard it over the data axis.")
     pipeline: PipelineConfig | None = Field(default=None, description="Pipeline stages (needs a mesh axis named by `axis`).")
+    activations: list[ActivationRule] = Field(
+        default_factory=list, description="Ordered rules from module paths to the spec of the module's output, "
+                                          "applied as sharding constraints; the first full match wins.")
+    remat: list[RematRule] = Field(default_factory=list, description="Ordered rules from module paths to a "
+                                   "rematerialisation policy; the first full match wins.")
+    precision: Precision = Field(default_factory=Precision, description="Parameter and compute dtypes.")
 
     @field_validator("inputs", mode="before")
     @classmethod

@@ -237,7 +237,8 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
             group = reduce_over + ((step.stage_axis,) if step.stage_axis and not staged and
                                    step.schedule != "1f1b" else ())
             key = (group, step.reductions_per_step(staged, head))
-            reductions[key] = reductions.get(key, 0) + size
+            # a tied embedding's two uses (lookup, logits) are reduced separately
+            reductions[key] = reductions.get(key, 0) + size * (2 if p.path in roles.tied else 1)
         if head:
             transfers.append(Transfer("all-reduce", (step.stage_axis,), size, 1,
                                       f"{p.path}: 1F1B head reduced over stages"))

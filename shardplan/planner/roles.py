@@ -54,6 +54,7 @@ class ModelRoles:
     layer_count: int
     attention: tuple[Attention, ...]
     after_layers: frozenset[str]        # parameters defined after the repeated layers (the 1F1B head)
+    tied: frozenset[str] = frozenset()  # embeddings that are also the output head (no head matrix of its own)
 
     @property
     def modules(self) -> list[str]:
@@ -186,7 +187,12 @@ def recognise(params: list[ParamInfo], order: list[str] | None = None) -> ModelR
         else:
             roles[path] = Role(path, VECTOR, (), tuple(range(len(info.shape))))
     attention = _attention(order, roles, by_path, layers)
-    return ModelRoles(width, roles, tuple(order), layers, layer_count, attention, _after(order, layers))
+    # A language model without a head matrix (a column matrix that no row matrix closes) computes its
+    # logits from its embedding: the embedding is used twice, and its gradient reduced twice.
+    has_head = any(r.kind == COLUMN and not r.closes for r in roles.values())
+    tied = frozenset() if has_head else frozenset(p for p, r in roles.items() if r.kind == EMBEDDING and
+                                                  by_path[p].shape[0] > width)
+    return ModelRoles(width, roles, tuple(order), layers, layer_count, attention, _after(order, layers), tied)
 
 
 def recognise_module(module) -> ModelRoles:

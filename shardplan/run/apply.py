@@ -13,6 +13,7 @@ from shardplan.checks.paths import join_path
 from shardplan.checks.report import Report, check
 from shardplan.checks.stages import check_microbatches
 from shardplan.checks.validate import data_axes, validate_inputs, validate_optimizer
+from shardplan.run.step_options import apply_step_options
 from shardplan.plan.diagnostics import PlanError
 from shardplan.plan.matching import NormalSpec
 from shardplan.plan.schema import Plan, normalize_spec
@@ -46,6 +47,7 @@ def apply_plan(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh, *, exampl
     """
     report = _checked(plan, model, mesh, example)
     specs = {layout.path: layout.spec for layout in report.params}
+    apply_step_options(plan, model, mesh)
     if report.stage_map is not None:
         return _pipelined(plan, model, mesh, report, specs)
     for keys, variable in nnx.to_flat_state(nnx.state(model)):

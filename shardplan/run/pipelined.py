@@ -95,7 +95,7 @@ class PipelinedLayers(nnx.Module):
         layers = Layers(self._pipeline_kinds, self._pipeline_kind_of, call)
         keys = draw_keys(rngs)
         request = _LOSS_REQUEST.get()
-        if request is not None and request.layers is self:
+        if request is not None:      # (the model may run on a copy of itself: compute precision)
             request.loss = self._one_f_one_b(request, layers, state, args[0], split, whole, keys)
             return call.output(args[0])      # the model's code after the layers runs on it unused (and is pruned)
         x = args[0]

@@ -1,0 +1,149 @@
+"""The plan's step options on any NNX model, without touching its code: the output sharding of
+modules (`activations:`), rematerialisation (`remat:`) and compute precision (`precision:`).
+
+A module a rule names gets, in place, a subclass of its own class whose `__call__` wraps the
+original: remat around the call, a sharding constraint on its output; the root module, when a
+compute dtype is set, runs on parameters cast to it. Subclasses are cached per (class, options),
+so identical layers keep identical graph definitions (a pipeline still stacks them), and
+`shardplan.to_plain` / checkpoints see the same state as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from shardplan.checks.paths import join_path
+from shardplan.plan.matching import checked_pattern
+from shardplan.plan.schema import Plan, normalize_spec
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What wraps one module's call (hashable: it keys the subclass cache)."""
+
+    sharding: NamedSharding | None = None       # of the module's output
+    remat: str | None = None                    # "full" or a jax.checkpoint_policies name
+    compute: str | None = None                  # root only: dtype the call runs in
+
+
+def module_paths(model) -> list[tuple[str, nnx.Module]]:
+    """(path, module) of every module in the model graph, the root as ''."""
+    return [(join_path(path), node) for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)]
+
+
+def first_match(rules, path: str):
+    """The first rule whose `match` fully matches `path` (bad patterns are the validator's to report)."""
+    for rule in rules:
+        pattern = _pattern(rule.match)
+        if pattern is not None and pattern.fullmatch(path):
+            return rule
+    return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _pattern(match: str):
+    pattern, problem = checked_pattern(match, "rule")
+    return None if problem else pattern
+
+
+def planned_options(plan: Plan, model, mesh) -> dict[int, Options]:
+    """id(module) -> its options, for every module the plan's step options name."""
+    from shardplan.run.apply import partition_spec
+    found = {}
+    for path, module in module_paths(model):
+        activation, remat = first_match(plan.activations, path), first_match(plan.remat, path)
+        options = Options(
+            sharding=NamedSharding(mesh, partition_spec(normalize_spec(activation.spec))) if activation else None,
+            remat=remat.policy if remat and remat.policy != "none" else None,
+            compute=plan.precision.compute if path == "" else None)
+        if options != Options():
+            found[id(module)] = options
+    return found
+
+
+def apply_step_options(plan: Plan, model, mesh) -> None:
+    """Wrap, in place, the calls of the modules the plan's step options name; cast stored parameters
+    to `precision.params`."""
+    if plan.precision.params:
+        dtype = jnp.dtype(plan.precision.params)
+        for _, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+            value = variable.get_value()
+            if hasattr(value, "dtype") and jnp.issubdtype(value.dtype, jnp.floating):
+                variable.set_value(value.astype(dtype) if not isinstance(value, jax.ShapeDtypeStruct) else
+                                   jax.ShapeDtypeStruct(value.shape, dtype, sharding=value.sharding))
+    options = planned_options(plan, model, mesh)
+    for _, module in module_paths(model):
+        if id(module) in options and not hasattr(type(module), "_shardplan_options"):
+            module.__class__ = _wrapped_class(type(module), options[id(module)])
+
+
+@functools.cache
+def _wrapped_class(cls: type, options: Options) -> type:
+    def __call__(self, *args, **kwargs):
+        return _call(cls.__call__, options, self, args, kwargs)
+    namespace = {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                 "_shardplan_options": options, "_shardplan_plain_class": cls}
+    return type(cls)(cls.__name__, (cls,), namespace)
+
+
+def plain_class(module) -> type:
+    """The model's own class of a module the step options wrapped (its class otherwise)."""
+    return getattr(type(module), "_shardplan_plain_class", type(module))
+
+
+def _call(original, options: Options, module, args: tuple, kwargs: dict):
+    def run(module, args, kwargs):
+        return original(module, *args, **kwargs)
+    if options.remat:
+        run = _rematerialised(run, options.remat)
+    if options.compute:
+        run = _in_dtype(run, jnp.dtype(options.compute))
+    out = run(module, args, kwargs)
+    if options.sharding is not None:
+        out = jax.tree.map(lambda a: _constrain(a, options.sharding), out)
+    return out
+
+
+def _constrain(value, sharding: NamedSharding):
+    if not isinstance(value, jax.Array) or len(sharding.spec) > value.ndim:
+        return value
+    return jax.lax.with_sharding_constraint(value, sharding)
+
+
+def _rematerialised(run, policy: str):
+    """`run` under `nnx.remat`: arrays and Rngs are its arguments, Python values stay static."""
+    saving = None if policy == "full" else getattr(jax.checkpoint_policies, policy)
+
+    def remat_run(module, args, kwargs):
+        leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=lambda v: isinstance(v, nnx.Rngs))
+        dynamic = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, nnx.Rngs))]
+
+        def inner(module, values):
+            full = list(leaves)
+            for i, value in zip(dynamic, values):
+                full[i] = value
+            args, kwargs = jax.tree.unflatten(treedef, full)
+            return run(module, args, kwargs)
+        return nnx.remat(inner, policy=saving)(module, [leaves[i] for i in dynamic])
+    return remat_run
+
+
+def _in_dtype(run, dtype):
+    """`run` on a copy of the module whose floating parameters are cast to `dtype` (gradients flow back
+    to the stored ones); floating outputs in `dtype` come back in the parameters' dtype."""
+    def cast_run(module, args, kwargs):
+        graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+        stored = {a.dtype for a in jax.tree.leaves(params) if jnp.issubdtype(a.dtype, jnp.floating)}
+        low = jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
+        copy = nnx.merge(graphdef, low, rest)
+        out = run(copy, args, kwargs)
+        nnx.update(module, nnx.state(copy, nnx.Not(nnx.Param)))     # batch statistics, RNG counters
+        back = max(stored, key=lambda d: jnp.dtype(d).itemsize) if stored else dtype
+        return jax.tree.map(lambda a: a.astype(back) if hasattr(a, "dtype") and a.dtype == dtype else a, out)
+    return cast_run
