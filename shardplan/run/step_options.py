@@ -85,6 +85,7 @@ def apply_step_options(plan: Plan, model, mesh) -> None:
 
 @functools.cache
 def _wrapped_class(cls: type, options: Options) -> type:
+    @functools.wraps(cls.__call__)          # keeps the signature that callers inspect
     def __call__(self, *args, **kwargs):
         return _call(cls.__call__, options, self, args, kwargs)
     namespace = {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
