@@ -2,10 +2,10 @@
 
 Compiles one AdamW step of MiniGPT under `plans/minigpt_dp_tp.yaml` (data 4 x model 2, 8 simulated
 CPU devices) with and without each option and reads `memory_analysis()`:
-- remat (`transformer_blocks/\\d+`, each policy) against none: temp bytes. XLA's CPU scheduler does
-  not exploit remat in an unrolled Python loop of layers (the recomputation is scheduled early; on
-  dp_tp the temp bytes do not drop), but it does under `lax.scan`, which is how a pipeline runs its
-  layers: measured on `plans/minigpt_pp4.yaml` (4 stages x data 2, gpipe);
+- remat (`transformer_blocks/\\d+`, each policy) against none: temp bytes. The CPU backend gains
+  nothing from remat in an unrolled Python loop of layers (dp_tp's temp bytes do not drop), but
+  does under `lax.scan`, which is how a pipeline runs its layers: measured on
+  `plans/minigpt_pp4.yaml` (4 stages x data 2, gpipe);
 - sequence parallelism (layer-norm and embedding outputs split over the sequence on 'model') against
   none: temp bytes, and the bytes of one block's saved layer-norm outputs from the shapes;
 - bfloat16 compute over float32 masters against float32, and bfloat16 stored parameters: argument
