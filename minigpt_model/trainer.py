@@ -121,7 +121,8 @@ def train(config: TrainConfig, *, console: Console | None = None, devices=None,
             raise
     try:
         _all_processes_reach("run directory claimed")
-        return _run(config, plan, mesh, model_config, tokenizer, dataset, out, lead, stop_after, console)
+        with jax.set_mesh(mesh):        # bare PartitionSpecs (explicit axes, a model's own constraints) resolve on it
+            return _run(config, plan, mesh, model_config, tokenizer, dataset, out, lead, stop_after, console)
     finally:
         if lock is not None:
             lock.release()

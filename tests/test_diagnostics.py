@@ -113,6 +113,9 @@ CASES = {
                               PIPE_PARAMS, 8, None, ["layers/0/w", "'stage'"], 7),
     "pipeline-microbatches": (pipe("  microbatches: 3\n"), PIPE_PARAMS, 8, {"tokens": (8, 16)},
                               ["3 microbatches", "2 data shard(s)", "gives 4"], 7),
+    "mesh-types-unknown-axis": ("version: 1\nmesh:\n  axes: {data: 8}\n  types: {dta: explicit}\n"
+                                "params: [{match: '.*', spec: []}]\n", PARAMS, 8, None,
+                                ["mesh.types names axis 'dta'", "did you mean 'data'"], 4),
     "activation-unknown-axis": (HEAD + "params: [{match: '.*', spec: []}]\nactivations:\n"
                                 "  - {match: 'blocks/\\d+/norm', spec: [data, modle]}\n", PARAMS, 8, None,
                                 ["activations rule #1", "'modle'", "did you mean 'model'"], 8),

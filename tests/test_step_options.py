@@ -140,3 +140,75 @@ def test_activation_spec_that_does_not_fit_the_traced_output():
     text = _found(_check("activations: [{match: 'embedding_layer', spec: [data, null, null, model]}]\n",
                          example=lambda m: m(tokens)), "activation-shape")
     assert "rank 3 and the spec 4 entries" in text
+
+
+# ------------------------------------------------------------------------------ mesh axis types
+
+EMBEDDINGS = ("activations:\n  - {match: 'embedding_layer/token_emb', spec: [data]}\n"
+              "  - {match: 'embedding_layer/pos_emb', spec: []}\n")
+
+
+def _explicit(text: str) -> str:
+    return text.replace("mesh:\n  axes:", "mesh:\n  types: {data: explicit}\n  axes:")
+
+
+def test_explicit_data_axis_equals_auto(plain):
+    """An explicit axis puts shardings in the array types; the embedding gather then needs an output
+    sharding, which an activations rule gives it."""
+    base = (PLANS / "minigpt_dp_tp.yaml").read_text()
+    plan = shardplan.parse_plan(_explicit(base) + EMBEDDINGS)
+    mesh = shardplan.make_mesh(plan)
+    assert [t.name for t in mesh.axis_types] == ["Explicit", "Auto"]
+    x, y = _tokens()
+    with jax.set_mesh(mesh):
+        model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0)), mesh)
+        x = shardplan.shard_inputs(plan, {"tokens": x}, mesh)["tokens"]
+        loss, grads = nnx.jit(lambda m, x, y: nnx.value_and_grad(loss_fn)(m, x, y))(model, x,
+                                                                                   jax.device_put(y, x.sharding))
+    assert float(loss) == pytest.approx(plain[0], rel=1e-5)
+    assert _relative(nnx.to_pure_dict(grads), plain[1]) <= 1e-5
+
+
+class _Constrained(nnx.Module):
+    """A model that carries its own sharding annotations, as some public ones do."""
+
+    def __init__(self, *, rngs):
+        self.linear = nnx.Linear(16, 16, rngs=rngs)
+
+    def __call__(self, x):
+        bias = jnp.zeros(x.shape, out_sharding=jax.sharding.PartitionSpec("data"))
+        return jax.lax.with_sharding_constraint(self.linear(x) + bias, jax.sharding.PartitionSpec("data"))
+
+
+def test_a_model_with_its_own_constraints_runs_under_an_explicit_plan_mesh(write_plan):
+    text = "version: 1\nmesh:\n  axes: {data: 8}\n  types: {data: explicit}\ninputs: {x: [data]}\n" \
+           "params: [{match: '.*', spec: []}]\n"
+    x = np.ones((8, 16), np.float32)
+    auto = shardplan.load_plan(write_plan(text.replace("  types: {data: explicit}\n", ""), "auto.yaml"))
+    with jax.set_mesh(shardplan.make_mesh(auto)), pytest.raises(Exception, match="Auto"):
+        shardplan.apply_plan(auto, _Constrained(rngs=nnx.Rngs(0)), shardplan.make_mesh(auto))(x)
+    plan = shardplan.load_plan(write_plan(text))
+    mesh = shardplan.make_mesh(plan)
+    with jax.set_mesh(mesh):
+        model = shardplan.apply_plan(plan, _Constrained(rngs=nnx.Rngs(0)), mesh)
+        out = nnx.jit(lambda m, x: m(x))(model, shardplan.shard_inputs(plan, {"x": x}, mesh)["x"])
+    np.testing.assert_allclose(out, _Constrained(rngs=nnx.Rngs(0)).linear(x), atol=1e-6)
+
+
+def test_a_mesh_of_other_axis_types_is_a_mismatch():
+    plan = shardplan.load_plan(PLANS / "minigpt_dp_tp.yaml")
+    explicit = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    report = shardplan.check(plan, minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0)), explicit)
+    text = _found(report, "mesh-mismatch")
+    assert "axis 'data' of type explicit, but the plan's is auto" in text and "mesh.types" in text
+
+
+def test_explicit_plan_trains_with_the_trainer(tmp_path, capsys):
+    from minigpt_model.cli import main
+    plan = tmp_path / "explicit.yaml"
+    plan.write_text(_explicit((PLANS / "minigpt_dp_tp.yaml").read_text()) + EMBEDDINGS)
+    code = main(["train", "--plan", str(plan), "--out", str(tmp_path / "run"), "--steps", "2", "--batch-size", "8",
+                 "--eval-every", "2", "--checkpoint-every", "2", "--config=num_transformer_blocks=2",
+                 "--config=embed_dim=64", "--config=maxlen=32", "--config=feed_forward_dim=128", "--config=num_heads=8"])
+    out = capsys.readouterr().out
+    assert code == 0 and "done: step 2" in out and "sample:" in out

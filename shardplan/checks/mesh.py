@@ -48,17 +48,26 @@ def resolve_axes(plan: Plan, device_count: int) -> tuple[dict[str, int], list[Di
     return axes, []
 
 
-def check_given_mesh(plan: Plan, planned: dict[str, int], given: dict[str, int]) -> list[Diagnostic]:
-    """A mesh built elsewhere must be the plan's mesh: same axes, in the same order, of the same sizes.
+def check_given_mesh(plan: Plan, planned: dict[str, int], given: dict[str, int],
+                     given_types: dict[str, str] | None = None) -> list[Diagnostic]:
+    """A mesh built elsewhere must be the plan's mesh: same axes, in the same order, of the same sizes
+    and (when `given_types` says, axis -> 'auto' | 'explicit' | 'manual') of the same types.
 
     >>> from shardplan.plan.loader import parse_plan
     >>> plan = parse_plan("version: 1\\nmesh: {axes: {data: 4, model: 2}}\\nparams: [{match: '.*', spec: []}]")
     >>> check_given_mesh(plan, {"data": 4, "model": 2}, {"data": 2, "model": 4})[0].message
     "the mesh given is {data: 2, model: 4}, but the plan's mesh is {data: 4, model: 2}"
     """
-    if list(given.items()) == list(planned.items()):
-        return []
     line, col = plan.locate("mesh", "axes")
+    if list(given.items()) == list(planned.items()):
+        wanted = {axis: plan.mesh.types.get(axis, "auto") for axis in planned}
+        if given_types is None or given_types == wanted:
+            return []
+        differ = [axis for axis in planned if given_types.get(axis) != wanted[axis]]
+        return [Diagnostic("mesh-mismatch", "error", f"the mesh given has axis {differ[0]!r} of type "
+                           f"{given_types.get(differ[0])}, but the plan's is {wanted[differ[0]]}", file=plan.file,
+                           line=line, column=col, hint=f"pass shardplan.make_mesh(plan), or set mesh.types: "
+                           f"{{{differ[0]}: {given_types.get(differ[0])}}} in the plan")]
     same_names = set(given) == set(planned)
     hint = ("build the mesh with shardplan.make_mesh(plan), or change the plan's mesh.axes to match" if not same_names
             else "pass shardplan.make_mesh(plan), or make the plan's axis sizes and order those of the mesh")
@@ -67,9 +76,18 @@ def check_given_mesh(plan: Plan, planned: dict[str, int], given: dict[str, int])
 
 
 def check_hosts(plan: Plan, sizes: dict[str, int], processes: int) -> list[Diagnostic]:
-    """`mesh.hosts` against the axes and the processes; with one process the hosts are simulated."""
+    """`mesh.types` and `mesh.hosts` against the axes, and the hosts against the processes (with one
+    process the hosts are simulated)."""
     hosts = plan.mesh.hosts
     found = []
+    for axis in plan.mesh.types:
+        if axis not in sizes:
+            line, col = plan.locate("mesh", "types", axis)
+            close = difflib.get_close_matches(axis, list(sizes), n=1)
+            found.append(Diagnostic("mesh-types-unknown-axis", "error",
+                                    f"mesh.types names axis {axis!r}, but the mesh has only {list(sizes)}",
+                                    file=plan.file, line=line, column=col,
+                                    hint=f"did you mean {close[0]!r}?" if close else None))
     for axis, count in hosts.items():
         line, col = plan.locate("mesh", "hosts", axis)
         if axis not in sizes:
@@ -120,7 +138,8 @@ def _shape(axes: dict[str, int]) -> str:
 
 
 def make_mesh(plan: Plan, *, devices=None):
-    """The plan's mesh over `devices` (default: all of `jax.devices()`), every axis `AxisType.Auto`.
+    """The plan's mesh over `devices` (default: all of `jax.devices()`), each axis of the type
+    `mesh.types` gives it (default `AxisType.Auto`).
 
     >>> import shardplan
     >>> mesh = shardplan.make_mesh(shardplan.load_plan("plans/minigpt_dp_tp.yaml"))
@@ -136,9 +155,10 @@ def make_mesh(plan: Plan, *, devices=None):
     diagnostics += check_hosts(plan, sizes, jax.process_count()) if not diagnostics else []
     if diagnostics:
         raise PlanError(diagnostics)
-    auto = (jax.sharding.AxisType.Auto,) * len(sizes)
+    kinds = {"auto": jax.sharding.AxisType.Auto, "explicit": jax.sharding.AxisType.Explicit}
+    types = tuple(kinds[plan.mesh.types.get(name, "auto")] for name in sizes)
     if not plan.mesh.hosts:
-        return jax.make_mesh(tuple(sizes.values()), tuple(sizes), axis_types=auto, devices=devices)
+        return jax.make_mesh(tuple(sizes.values()), tuple(sizes), axis_types=types, devices=devices)
     ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
     grid = np.vectorize(lambda k: ordered[k], otypes=[object])(host_major_positions(sizes, plan.mesh.hosts))
-    return jax.sharding.Mesh(grid, tuple(sizes), axis_types=auto)
+    return jax.sharding.Mesh(grid, tuple(sizes), axis_types=types)

@@ -110,7 +110,8 @@ def check(plan: Plan, model, mesh=None, *, input_shapes: dict[str, tuple[int, ..
     from shardplan.checks.paths import param_infos
     device_ids = _device_ids(plan, mesh)
     report = check_params(plan, param_infos(model), device_ids, input_shapes=input_shapes,
-                          processes=jax.process_count(), given_mesh=None if mesh is None else dict(mesh.shape))
+                          processes=jax.process_count(), given_mesh=None if mesh is None else dict(mesh.shape),
+                          given_types=None if mesh is None else _axis_types(mesh))
     return with_model_checks(report, plan, model, example)
 
 
@@ -135,6 +136,10 @@ def with_model_checks(report: Report, plan: Plan, model, example: Callable | Non
     return dataclasses.replace(report, diagnostics=report.diagnostics + found, stage_map=stage_map)
 
 
+def _axis_types(mesh) -> dict[str, str]:
+    return {name: str(kind.name).lower() for name, kind in zip(mesh.axis_names, mesh.axis_types)}
+
+
 def _device_ids(plan: Plan, mesh) -> list[int]:
     """Device ids in mesh order: the given mesh's, else the plan's mesh over all devices if it can be built."""
     if mesh is None:
@@ -150,7 +155,8 @@ def _device_ids(plan: Plan, mesh) -> list[int]:
 
 def check_params(plan: Plan, params: list[ParamInfo], device_ids: list[int], *,
                  input_shapes: dict[str, tuple[int, ...]] | None = None, modules: list[str] | None = None,
-                 processes: int = 1, given_mesh: dict[str, int] | None = None) -> Report:
+                 processes: int = 1, given_mesh: dict[str, int] | None = None,
+                 given_types: dict[str, str] | None = None) -> Report:
     """`check` on parameter infos and device ids: pure, no JAX devices needed.
 
     `given_mesh` (axis -> size) is a mesh the caller built: it must be the plan's.
@@ -159,7 +165,7 @@ def check_params(plan: Plan, params: list[ParamInfo], device_ids: list[int], *,
     input_shapes = plan.example_shapes() if input_shapes is None else input_shapes
     sizes, mesh_diagnostics = resolve_axes(plan, len(device_ids))
     if given_mesh is not None and not mesh_diagnostics:
-        mesh_diagnostics += check_given_mesh(plan, sizes, given_mesh)
+        mesh_diagnostics += check_given_mesh(plan, sizes, given_mesh, given_types)
     mesh_diagnostics += check_hosts(plan, sizes, processes) if not mesh_diagnostics else []
     diagnostics += mesh_diagnostics
     placements, found = validate_params(plan, params, rules, sizes)

@@ -29,6 +29,7 @@ CODES: dict[str, str] = {
     "mesh-fill-impossible": "a -1 mesh axis cannot be filled with the devices left",
     "mesh-too-large": "the mesh needs more devices than shardplan lays out",
     "mesh-mismatch": "the mesh passed to check or apply_plan has other axes or sizes than the plan's",
+    "mesh-types-unknown-axis": "`mesh.types` names an axis the mesh does not have",
     "mesh-hosts-unknown-axis": "`mesh.hosts` names an axis the mesh does not have",
     "mesh-hosts-indivisible": "an axis size is not divisible by the number of hosts it spans",
     "mesh-hosts-mismatch": "the hosts in `mesh.hosts` do not match the processes or devices",

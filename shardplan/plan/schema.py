@@ -54,6 +54,10 @@ class MeshConfig(_Strict):
                                                   "(filled with the remaining devices; JSON Schema cannot say 'at most "
                                                   "one', shardplan checks it).", min_length=1,
                                       json_schema_extra=_axis_map_schema(_AXIS_SIZE))
+    types: dict[AxisName, Literal["auto", "explicit"]] = Field(
+        default_factory=dict, description="Axis name -> how JAX treats it: auto (default; XLA's partitioner places "
+        "what the plan does not) or explicit (shardings are part of array types; ops it cannot resolve need an "
+        "output sharding, which `activations` rules give their modules).")
     hosts: dict[AxisName, int] = Field(default_factory=dict, json_schema_extra=_axis_map_schema(_HOST_COUNT), description=(
         "Axis name -> how many hosts it spans. These axes cross the slow links between hosts; all other axes "
         "stay within a host. The product is the number of hosts (processes)."))

@@ -125,13 +125,27 @@ def shard_optimizer(plan: Plan, model: nnx.Module, tx: optax.GradientTransformat
         raise PlanError(problems)
     data = data_axes(plan, sizes) if plan.optimizer == "zero1" else ()
     planned = _planned_specs(model)
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    optimizer = _unplaced_optimizer(model, tx)
     # All of the optimizer's state, its step counter included, must live on the mesh.
     for keys, variable in nnx.to_flat_state(nnx.state(optimizer)):
         shape = tuple(getattr(variable.get_value(), "shape", ()))
         spec = _spec_of_state(keys, shape, planned)
         _place(variable, NamedSharding(mesh, partition_spec(zero1_spec(shape, spec, sizes, data))))
     return optimizer
+
+
+def _unplaced_optimizer(model: nnx.Module, tx) -> nnx.Optimizer:
+    """`nnx.Optimizer` built without the parameters' placement metadata, which it would copy onto its state
+    and apply itself (Flax refuses meshes that mix Auto and Explicit axes); the caller places the state."""
+    params = [variable for _, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+    saved = [{key: v.get_metadata().get(key) for key in ("out_sharding", "mesh")} for v in params]
+    for variable in params:
+        variable.set_metadata(out_sharding=None, mesh=None)
+    try:
+        return nnx.Optimizer(model, tx, wrt=nnx.Param)
+    finally:
+        for variable, metadata in zip(params, saved):
+            variable.set_metadata(**metadata)
 
 
 def _planned_specs(model: nnx.Module) -> dict[str, tuple]:

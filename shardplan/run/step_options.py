@@ -105,16 +105,56 @@ def _call(original, options: Options, module, args: tuple, kwargs: dict):
         run = _rematerialised(run, options.remat)
     if options.compute:
         run = _in_dtype(run, jnp.dtype(options.compute))
+    if options.sharding is not None and _explicit_axes(options.sharding.mesh):
+        # Explicit axes want the output sharding of ops they cannot resolve (an embedding gather): the
+        # module runs with its axes automatic, and its output takes the rule's sharding.
+        graphdef, state = nnx.split(module)
+
+        def automatic(state, args, kwargs):
+            copy = nnx.merge(graphdef, state)
+            return run(copy, args, kwargs), nnx.state(copy, nnx.Not(nnx.Param))
+        kept = _shardings(nnx.state(module, nnx.Not(nnx.Param)))
+        whole = NamedSharding(options.sharding.mesh, jax.sharding.PartitionSpec())
+        shapes, _ = jax.eval_shape(jax.sharding.auto_axes(automatic, out_sharding=(whole, kept)), state, args, kwargs)
+        fitted = jax.tree.map(lambda s: _fitted(options.sharding, s.shape), shapes)
+        out, rest = jax.sharding.auto_axes(automatic, out_sharding=(fitted, kept))(state, args, kwargs)
+        if jax.tree.leaves(rest):          # batch statistics, RNG counters
+            nnx.update(module, rest)
+        return out
     out = run(module, args, kwargs)
     if options.sharding is not None:
         out = jax.tree.map(lambda a: _constrain(a, options.sharding), out)
     return out
 
 
+def _shardings(tree):
+    return jax.tree.map(lambda a: jax.typeof(a).sharding, tree)
+
+
+def _explicit_axes(mesh) -> bool:
+    return any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+
+
+
 def _constrain(value, sharding: NamedSharding):
-    if not isinstance(value, jax.Array) or len(sharding.spec) > value.ndim:
+    if not isinstance(value, jax.Array):
         return value
-    return jax.lax.with_sharding_constraint(value, sharding)
+    return jax.lax.with_sharding_constraint(value, _fitted(sharding, value.shape))
+
+
+def _fitted(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
+    """The rule's sharding on an output of `shape`: entries beyond its rank, or splitting a dim they do
+    not divide (one row when sampling), are left out; `activation-shape` reports them for the plan's
+    example batch."""
+    sizes = dict(sharding.mesh.shape)
+    entries = []
+    for dim, entry in enumerate(tuple(sharding.spec)[:len(shape)]):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        ways = 1
+        for axis in axes:
+            ways *= sizes[axis]
+        entries.append(entry if axes and shape[dim] % ways == 0 else None)
+    return NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*entries))
 
 
 def _rematerialised(run, policy: str):
@@ -143,8 +183,11 @@ def _in_dtype(run, dtype):
         stored = {a.dtype for a in jax.tree.leaves(params) if jnp.issubdtype(a.dtype, jnp.floating)}
         low = jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
         copy = nnx.merge(graphdef, low, rest)
+        before = jax.tree.leaves(rest)
         out = run(copy, args, kwargs)
-        nnx.update(module, nnx.state(copy, nnx.Not(nnx.Param)))     # batch statistics, RNG counters
+        after = nnx.state(copy, nnx.Not(nnx.Param))
+        if any(a is not b for a, b in zip(jax.tree.leaves(after), before)):
+            nnx.update(module, after)                                  # batch statistics, RNG counters
         back = max(stored, key=lambda d: jnp.dtype(d).itemsize) if stored else dtype
         return jax.tree.map(lambda a: a.astype(back) if hasattr(a, "dtype") and a.dtype == dtype else a, out)
     return cast_run
