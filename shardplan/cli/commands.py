@@ -149,6 +149,30 @@ def build_parser() -> argparse.ArgumentParser:
     _path_and_debug(diff)
     diff.set_defaults(handler=_diff)
 
+    convert = commands.add_parser(
+        "convert", help="turn EasyLM/EasyDeL rule lists and MaxText logical_axis_rules into a plan file",
+        description="Read an ordered list of (regex, PartitionSpec) rules matched with re.search, first match\n"
+                    "wins (a Python file, read without running it, or a YAML list of [regex, spec]), and/or\n"
+                    "MaxText-style logical_axis_rules (YAML), and write a plan file that keeps their meaning,\n"
+                    "with comments saying what each rule was. Validate it against your model next.",
+        epilog="example:\n  shardplan convert partition_rules.py --mesh dp=4,mp=2 --input-spec dp -o plan.yaml\n"
+               "  shardplan convert --logical-rules maxtext_rules.yaml --mesh data=4,fsdp=2 -o plan.yaml",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    convert.add_argument("rules", nargs="?", help="rule list: .py (EasyLM/EasyDeL style) or .yaml")
+    convert.add_argument("--logical-rules", metavar="FILE", help="MaxText-style logical_axis_rules (YAML)")
+    convert.add_argument("--mesh", required=True, metavar="AXIS=N,...", help="the mesh, e.g. dp=4,mp=2")
+    convert.add_argument("--input-spec", metavar="AXES", help="the tokens input's batch axes, e.g. dp (comma-separated)")
+    convert.add_argument("-o", "--output", required=True, help="plan file to write (.yaml)")
+    convert.add_argument("--debug", action="store_true", help="show tracebacks")
+    convert.set_defaults(handler=_convert)
+
+    export = commands.add_parser("export", help="a plan's parameter rules as (regex, PartitionSpec) pairs for "
+                                                "re.search-based code")
+    export.add_argument("plan", help="plan file")
+    export.add_argument("--format", choices=("python", "yaml"), default="python", help="default python")
+    export.add_argument("--debug", action="store_true", help="show tracebacks")
+    export.set_defaults(handler=_export)
+
     params = commands.add_parser(
         "params", help="list a model's parameter paths, shapes, bytes and roles (and a plan's rule for each)",
         description="List every parameter of a model, built abstractly (nothing is allocated): its path, shape,\n"
@@ -256,6 +280,51 @@ class ModelNotBuilt(UsageError):
     """No model to check against: the plan names none, or names a factory the user has not agreed to run."""
 
 
+def _convert(args, console: Console) -> int:
+    from pathlib import Path
+
+    from shardplan.plan.convert import ConvertError, plan_text, read_logical_rules, read_rules
+    from shardplan.plan.loader import MAX_PLAN_BYTES, FileTooLarge, parse_plan, read_bounded
+
+    def read(name: str) -> str:
+        return read_bounded(Path(name), MAX_PLAN_BYTES).decode("utf-8", errors="replace")
+    if not args.rules and not args.logical_rules:
+        raise UsageError("give a rule list, --logical-rules, or both")
+    mesh = _mesh_argument(args.mesh)
+    try:
+        rules = []
+        if args.rules:
+            fmt = "python" if args.rules.endswith(".py") else "yaml"
+            rules = read_rules(read(args.rules), fmt, args.rules)
+        logical = read_logical_rules(read(args.logical_rules), args.logical_rules) if args.logical_rules else None
+    except (ConvertError, OSError, FileTooLarge) as error:
+        raise UsageError(str(error)) from None
+    text = plan_text(rules, mesh, source=args.rules or args.logical_rules,
+                     input_spec=[args.input_spec.split(",") if "," in args.input_spec else args.input_spec, None]
+                     if args.input_spec else None, logical=logical, logical_source=args.logical_rules)
+    plan = parse_plan(text, file=args.output)           # what we write must at least parse
+    Path(args.output).write_text(text)
+    console.print(f"wrote {args.output}: {len(plan.params)} rules over mesh {mesh}; check it with "
+                  f"`shardplan validate {args.output} --model ...`")
+    return EXIT_OK
+
+
+def _mesh_argument(text: str) -> dict[str, int]:
+    mesh = {}
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        if not name.strip() or not size.strip().isdigit() or int(size) < 1:
+            raise UsageError(f"--mesh takes AXIS=N pairs separated by commas (e.g. dp=4,mp=2), but got {text!r}")
+        mesh[name.strip()] = int(size)
+    return mesh
+
+
+def _export(args, console: Console) -> int:
+    from shardplan.plan.convert import export_rules
+    print(export_rules(load_plan(args.plan), args.format), end="")
+    return EXIT_OK
+
+
 def _schema(args, console: Console) -> int:
     print(json.dumps(Plan.model_json_schema(), indent=2))
     return EXIT_OK
@@ -349,6 +418,12 @@ def _explain(args, console: Console) -> int:
     def named(rule) -> str:
         return f"rule #{rule.index + 1} '{rule.source}' at {plan.file}:{rule.line}"
     console.print(Text.assemble((args.path, "bold"), f" -> spec {format_spec(winner.spec)} from {named(winner)}"))
+    written = plan.written_spec("params", winner.index)
+    if written is not None:
+        names = [n for entry in written for n in ([entry] if isinstance(entry, str) else entry or [])]
+        mapped = ", ".join(f"{n}: {plan.logical_axes[n] if plan.logical_axes.get(n) is not None else 'null'}"
+                           for n in dict.fromkeys(names) if n in plan.logical_axes)
+        console.print(f"  written {written} in logical names; logical_axes maps {mapped}")
     for rule in shadowed:
         console.print(f"  shadows {named(rule)} (spec {format_spec(rule.spec)})")
     if not shadowed:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 # A spec entry: null or "_" (dim not sharded), an axis name, or a list of axis names
 # (dim sharded over their product, major to minor).
@@ -196,6 +196,58 @@ class Plan(_Strict):
     remat: list[RematRule] = Field(default_factory=list, description="Ordered rules from module paths to a "
                                    "rematerialisation policy; the first full match wins.")
     precision: Precision = Field(default_factory=Precision, description="Parameter and compute dtypes.")
+    logical_axes: dict[AxisName, Union[None, AxisName, list[AxisName]]] = Field(
+        default_factory=dict, description="Logical dim name -> the mesh axis (or list of axes, or null: not split) it "
+        "stands for. Specs in params, inputs and activations may use the logical names; moving a plan from tensor "
+        "parallel to FSDP is then one line here.")
+
+    @model_validator(mode="after")
+    def _resolve_logical_axes(self) -> "Plan":
+        """Specs in logical names become specs in mesh axes; the originals stay for `explain`."""
+        if not self.logical_axes:
+            return self
+        clash = [name for name in self.logical_axes if name in self.mesh.axes]
+        if clash:
+            raise ValueError(f"logical axis {clash[0]!r} is also a mesh axis name; give logical names of their own "
+                             "(e.g. embed, heads, mlp, vocab)")
+        written = {}
+        for section in ("params", "activations"):
+            rules = getattr(self, section)
+            for k, rule in enumerate(rules):
+                resolved = self.resolve_logical(rule.spec)
+                if resolved != rule.spec:
+                    written[(section, k)] = rule.spec
+            object.__setattr__(self, section, [rule.model_copy(update={"spec": self.resolve_logical(rule.spec)})
+                                               for rule in rules])
+        inputs = {}
+        for name, raw in self.inputs.items():
+            spec = self.resolve_logical(input_spec(raw))
+            if spec != input_spec(raw):
+                written[("inputs", name)] = input_spec(raw)
+            inputs[name] = raw.model_copy(update={"spec": spec}) if isinstance(raw, InputSpec) else spec
+        object.__setattr__(self, "inputs", inputs)
+        self._written = written
+        return self
+
+    def resolve_logical(self, spec):
+        """A spec with its logical names replaced by the mesh axes `logical_axes` gives them."""
+        if spec == "replicated" or not self.logical_axes:
+            return spec
+        out = []
+        for entry in spec:
+            names = [entry] if isinstance(entry, str) else list(entry or [])
+            axes = []
+            for name in names:
+                target = self.logical_axes.get(name, name) if name != UNSHARDED else None
+                axes += [] if target is None else [target] if isinstance(target, str) else list(target)
+            out.append(entry if entry is None else None if not axes else axes[0] if len(axes) == 1 else axes)
+        return out
+
+    def written_spec(self, section: str, key) -> list | None:
+        """The spec as written in logical names, where `logical_axes` rewrote it (for `explain`)."""
+        return self._written.get((section, key))
+
+    _written: dict = PrivateAttr(default_factory=dict)
 
     @field_validator("inputs", mode="before")
     @classmethod
