@@ -165,8 +165,9 @@ def trigger(tmp_path: Path, code: str) -> list[shardplan.Diagnostic]:
 
 
 # Codes that need the model itself (how it calls its layers, its modules, their outputs): their bad
-# plans are in test_wild_models.py and test_step_options.py.
-MODEL_CASES = {"pipeline-layer-call", "example-call-failed", "step-rule-unused", "activation-shape"}
+# plans are in test_wild_models.py, test_step_options.py and test_formats.py.
+MODEL_CASES = {"pipeline-layer-call", "example-call-failed", "step-rule-unused", "activation-shape",
+               "annotation-overridden"}
 
 
 def test_every_code_has_a_case():

@@ -132,3 +132,48 @@ def test_convert_refuses_what_it_cannot_read(tmp_path, capsys):
     assert "PartitionSpec entry must be None, an axis name or a tuple" in capsys.readouterr().err
     assert main(["convert", "--mesh", "dp=8", "-o", str(tmp_path / "p.yaml")]) == 2
     assert main(["convert", str(tmp_path / "bad.py"), "--mesh", "dp", "-o", str(tmp_path / "p.yaml")]) == 2
+
+
+# ------------------------------------------------------------------------------ the model's own annotations
+
+class _Annotated(nnx.Module):
+    def __init__(self, *, rngs):
+        kernel = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+        self.up = nnx.Linear(16, 32, kernel_init=kernel, rngs=rngs)
+        self.down = nnx.Linear(32, 16, kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ("model",)),
+                               rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(self.up(x))
+
+
+def _annotated_model(plan):
+    import jax
+    with jax.set_mesh(shardplan.make_mesh(plan)):      # Flax places annotated parameters as they are built
+        return _Annotated(rngs=nnx.Rngs(0))
+
+
+def test_plan_that_overrides_annotations_warns_with_both_specs(write_plan):
+    plan = shardplan.load_plan(write_plan("version: 1\nmesh: {axes: {data: 4, model: 2}}\ninputs: {x: [data]}\n"
+                                          "params:\n  - {match: '.*', spec: replicated}\n"))
+    report = shardplan.check(plan, _annotated_model(plan))
+    (found,) = [d for d in report.diagnostics if d.code == "annotation-overridden"]
+    assert found.severity == "warning" and report.ok
+    assert "gives down/kernel (and 1 more) the spec replicated, but the model annotates it P('model')" in found.message
+    assert "spec: annotated" in found.hint
+
+
+def test_annotated_spec_takes_the_models_own(write_plan):
+    plan = shardplan.load_plan(write_plan("version: 1\nmesh: {axes: {data: 4, model: 2}}\ninputs: {x: [data]}\n"
+                                          "params:\n  - {match: '.*kernel', spec: annotated}\n"
+                                          "  - {match: '.*', spec: replicated}\n"))
+    model = _annotated_model(plan)
+    assert _specs(plan, model)["up/kernel"] == (None, ("model",))
+    assert _specs(plan, model)["down/kernel"] == (("model",),)
+    placed = shardplan.apply_plan(plan, model, shardplan.make_mesh(plan))
+    assert placed.up.kernel.get_value().sharding.spec == jax_spec(None, "model")
+
+
+def jax_spec(*entries):
+    from jax.sharding import PartitionSpec
+    return PartitionSpec(*entries)

@@ -12,6 +12,7 @@ class ParamInfo:
     path: str
     shape: tuple[int, ...]
     dtype: np.dtype
+    annotation: tuple | None = None     # the model's own spec (`nnx.with_partitioning`), entries as written
 
     @property
     def nbytes(self) -> int:
@@ -34,5 +35,7 @@ def param_infos(model) -> list[ParamInfo]:
     infos = []
     for keys, variable in nnx.to_flat_state(state):
         value = variable.get_value() if isinstance(variable, nnx.Variable) else variable
-        infos.append(ParamInfo(join_path(keys), tuple(value.shape), np.dtype(value.dtype)))
+        annotated = variable.get_metadata().get("out_sharding") if isinstance(variable, nnx.Variable) else None
+        infos.append(ParamInfo(join_path(keys), tuple(value.shape), np.dtype(value.dtype),
+                               None if annotated is None else tuple(annotated)))
     return sorted(infos, key=lambda info: info.path)

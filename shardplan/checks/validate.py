@@ -41,13 +41,50 @@ def validate_params(plan: Plan, params: list[ParamInfo], rules: list[Rule],
     placements, problems = [], _Problems(plan)
     for param in params:
         rule = winners[param.path]
-        spec, valid = _checked_spec(param, rule, sizes, problems) if rule else ((), True)
+        given = dataclasses.replace(rule, spec=annotated_spec(plan, param)) if rule and rule.annotated else rule
+        spec, valid = _checked_spec(param, given, sizes, problems) if rule else ((), True)
         placements.append(Placement(param, rule, spec, valid))
-    diagnostics = rule_level(plan, rules, sizes) + problems.diagnostics()
+    diagnostics = rule_level(plan, rules, sizes) + problems.diagnostics() + _overridden(plan, placements)
     diagnostics += _unmatched(plan, [p for p in params if winners[p.path] is None])
     diagnostics += _unused_and_shadowed(plan, rules, params, winners)
     diagnostics += _replicated_large(plan, placements, sizes)
     return placements, sorted(diagnostics, key=lambda d: (d.line or 0, d.column or 0))
+
+
+def annotated_spec(plan: Plan, param: ParamInfo) -> NormalSpec:
+    """The parameter's own annotation as a spec in mesh axes (logical names resolved); () if it has none."""
+    if not param.annotation:
+        return ()
+    written = [entry if entry is None or isinstance(entry, str) else list(entry) for entry in param.annotation]
+    return _trimmed(normalize_spec(plan.resolve_logical(written)))
+
+
+def _trimmed(spec: NormalSpec) -> NormalSpec:
+    spec = tuple(spec)
+    while spec and spec[-1] is None:
+        spec = spec[:-1]
+    return spec
+
+
+def _overridden(plan: Plan, placements: list[Placement]) -> list[Diagnostic]:
+    """Parameters the model annotates itself, to which the plan gives another spec (one warning per rule)."""
+    by_rule: dict[int, list[Placement]] = {}
+    for p in placements:
+        if p.rule is not None and not p.rule.annotated and p.param.annotation is not None \
+                and _trimmed(p.spec) != annotated_spec(plan, p.param):
+            by_rule.setdefault(p.rule.index, []).append(p)
+    found = []
+    for index, group in by_rule.items():
+        first = group[0]
+        line, col = plan.locate("params", index, "spec")
+        more = f" (and {len(group) - 1} more)" if len(group) > 1 else ""
+        found.append(Diagnostic(
+            "annotation-overridden", "warning",
+            f"{first.rule.label} gives {first.param.path}{more} the spec {format_spec(first.spec)}, but the model "
+            f"annotates it {format_spec(annotated_spec(plan, first.param))}; the plan's spec is used",
+            file=plan.file, line=line, column=col, rule=index, path=first.param.path,
+            hint="to take the model's own annotations, write `spec: annotated` for these parameters"))
+    return found
 
 
 def rule_level(plan: Plan, rules: list[Rule], sizes: dict[str, int]) -> list[Diagnostic]:

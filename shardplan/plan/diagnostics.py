@@ -62,6 +62,7 @@ CODES: dict[str, str] = {
     # step options
     "activation-unknown-axis": "an activations spec names an axis the mesh does not have",
     "activation-shape": "an activations spec does not fit the output it names (rank, divisibility, an axis twice)",
+    "annotation-overridden": "the plan gives a parameter another spec than the model's own annotation",
     "step-rule-unused": "an activations or remat rule that matches no module of the model",
 }
 

@@ -22,6 +22,7 @@ class Rule:
     source: str
     spec: NormalSpec
     line: int | None
+    annotated: bool = False         # `spec: annotated`: each parameter's own annotation
 
     @property
     def label(self) -> str:
@@ -99,7 +100,7 @@ def compile_rules(plan: Plan) -> tuple[list[Rule], list[Diagnostic]]:
         pattern, problem = checked_pattern(rule.match, f"rule #{index + 1}", file=plan.file, line=line, column=col,
                                            rule=index)
         diagnostics += [problem] if problem else []
-        rules.append(Rule(index, pattern, rule.match, normalize_spec(rule.spec), line))
+        rules.append(Rule(index, pattern, rule.match, normalize_spec(rule.spec), line, rule.spec == "annotated"))
     return rules, diagnostics
 
 

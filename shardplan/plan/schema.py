@@ -77,15 +77,15 @@ class MeshConfig(_Strict):
 class ParamRule(_Strict):
     match: str = Field(description="Regular expression that must fully match a parameter path "
                                    "(e.g. `transformer_blocks/\\d+/linear1/kernel`).")
-    spec: Union[Literal["replicated"], list[SpecEntry]] = Field(
+    spec: Union[Literal["replicated", "annotated"], list[SpecEntry]] = Field(
         description="One entry per leading dim: null/'_' (not sharded), an axis, or a list of axes; "
-                    "'replicated' is shorthand for [].")
-
+                    "'replicated' is shorthand for []; 'annotated' takes the model's own annotation "
+                    "(nnx.with_partitioning), its logical names resolved through logical_axes.")
 
     @field_validator("spec", mode="before")
     @classmethod
     def _spec_shape(cls, spec: Any) -> Any:
-        return check_spec_shape(spec, allow_replicated=True)
+        return spec if spec == "annotated" else check_spec_shape(spec, allow_replicated=True)
 
 
 DTYPES = ("int32", "int64", "uint8", "bool", "float32", "float16", "bfloat16")
@@ -231,7 +231,7 @@ class Plan(_Strict):
 
     def resolve_logical(self, spec):
         """A spec with its logical names replaced by the mesh axes `logical_axes` gives them."""
-        if spec == "replicated" or not self.logical_axes:
+        if spec in ("replicated", "annotated") or not self.logical_axes:
             return spec
         out = []
         for entry in spec:
@@ -306,7 +306,7 @@ def normalize_spec(spec: "str | list[SpecEntry] | InputSpec") -> tuple[tuple[str
     ()
     """
     spec = input_spec(spec)
-    if spec == "replicated":
+    if spec in ("replicated", "annotated"):
         return ()
     return tuple(_normalize_entry(entry) for entry in spec)
 
