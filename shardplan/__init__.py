@@ -15,7 +15,7 @@ from shardplan.plan.diagnostics import CODES, Diagnostic, PlanError
 from shardplan.plan.loader import load_plan, parse_plan
 from shardplan.plan.schema import Plan
 
-__all__ = ["CODES", "Diagnostic", "Plan", "PlanError", "Report", "apply_plan", "check", "constrain", "load_plan",
+__all__ = ["CODES", "Diagnostic", "Plan", "PlanError", "Report", "apply_plan", "check", "constrain", "init", "load_plan",
            "make_mesh", "model_loss", "parse_plan", "shard_inputs", "shard_local_inputs", "shard_optimizer", "to_plain"]
 
 
@@ -23,7 +23,8 @@ def __getattr__(name: str):
     # The runtime half imports JAX, Flax and optax; loading it lazily keeps `--help`, `schema`,
     # `explain` and plan-only `validate` free of them (tests/test_cli.py checks) and lets the CLI
     # set the device count before JAX starts.
-    if name in ("apply_plan", "shard_optimizer", "shard_inputs", "shard_local_inputs", "constrain", "partition_spec"):
+    if name in ("apply_plan", "init", "shard_optimizer", "shard_inputs", "shard_local_inputs", "constrain",
+                "partition_spec"):
         from shardplan.run import apply
         return getattr(apply, name)
     if name in ("model_loss", "to_plain"):

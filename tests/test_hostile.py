@@ -516,8 +516,11 @@ def test_random_arguments_and_mutated_plans_never_crash(tmp_path_factory, capsys
 @pytest.mark.parametrize("name", sorted(p.name for p in PLANS.iterdir() if p.suffix in (".yaml", ".toml")))
 def test_every_shipped_plan_on_the_wrong_device_count_is_an_error_not_a_crash(name, tmp_path, capsys):
     """Found by the fuzzing above: a pipeline plan inspected on too few devices crashed the stage table."""
+    trust = [] if "minigpt" in (PLANS / name).read_text().split("factory:", 1)[-1].split("\n")[0] else \
+        ["--trust-plan", "--path", "tests"]          # a plan for a test model
     for devices in ("4", "16"):
         for extra in ([], ["--json", "--device", "1"], ["--svg", tmp_path / "plan.svg", "--device", "1"]):
-            code, text = call(shardplan_cli.main, capsys, "inspect", PLANS / name, "--devices", devices, *extra)
+            code, text = call(shardplan_cli.main, capsys, "inspect", PLANS / name, "--devices", devices, *extra,
+                              *trust)
             assert code in (0, 1), (devices, extra, text)
             no_bug(code, text)

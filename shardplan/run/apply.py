@@ -99,8 +99,38 @@ def _place(variable: nnx.Variable, sharding: NamedSharding) -> None:
     value = variable.get_value()
     if isinstance(value, jax.ShapeDtypeStruct):
         variable.set_value(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding))
+    elif isinstance(value, jax.core.Tracer):        # under jit: the array is constrained, as the metadata says
+        variable.set_value(jax.lax.with_sharding_constraint(value, sharding))
     elif hasattr(value, "shape"):
         variable.set_value(jax.device_put(value, sharding))
+
+
+def init(plan: Plan, factory, mesh: jax.sharding.Mesh, *, example=None) -> nnx.Module:
+    """Build the model `factory()` directly in the plan's layout: one compiled program creates every
+    parameter on its own shards, so no device ever holds a whole parameter the plan splits (a model
+    larger than one device can be initialised). Equals `apply_plan(plan, factory(), mesh)`.
+
+    >>> import shardplan, minigpt_model
+    >>> from flax import nnx
+    >>> plan = shardplan.load_plan("plans/minigpt_tp.yaml")
+    >>> model = shardplan.init(plan, lambda: minigpt_model.MiniGPT(vocab_size=512, rngs=nnx.Rngs(0)),
+    ...                        shardplan.make_mesh(plan))
+    >>> model.output_layer.kernel.sharding.spec
+    P(None, 'model')
+    """
+    graphdef, program = init_program(plan, factory, mesh, example=example)
+    return nnx.merge(graphdef, program())
+
+
+def init_program(plan: Plan, factory, mesh: jax.sharding.Mesh, *, example=None):
+    """(graph definition, jitted program returning the model's state in the plan's layout) of `init`."""
+    abstract = apply_plan(plan, nnx.eval_shape(factory), mesh, example=example)
+    graphdef, planned = nnx.split(abstract)
+    shardings = jax.tree.map(lambda s: s.sharding, planned)
+
+    def build():
+        return nnx.state(apply_plan(plan, factory(), mesh, example=example))
+    return graphdef, jax.jit(build, out_shardings=shardings)
 
 
 def shard_optimizer(plan: Plan, model: nnx.Module, tx: optax.GradientTransformation,

@@ -310,10 +310,13 @@ def cross_entropy(logits, targets):
 
 
 def stack(layers: list[dict], stages: int, virtual: int) -> dict:
-    """Per-layer pure states -> one state of (stages, virtual, per_chunk, ...) arrays, chunk c on stage c % stages."""
+    """Per-layer pure states -> one state of (stages, virtual, per_chunk, ...) arrays, chunk c on stage c % stages.
+    Shape structs (an abstract model) stack to shape structs."""
     per_chunk = len(layers) // (stages * virtual)
 
     def arrange(*arrays):
+        if isinstance(arrays[0], jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct((stages, virtual, per_chunk, *arrays[0].shape), arrays[0].dtype)
         stacked = jnp.stack(arrays)                                                    # (L, ...)
         return jnp.swapaxes(stacked.reshape(virtual, stages, per_chunk, *stacked.shape[1:]), 0, 1)
     return jax.tree.map(arrange, *layers)
