@@ -132,9 +132,10 @@ class PipelineConfig(_Strict):
     virtual_stages: int = Field(default=1, ge=1, le=64, description="Chunks per device for the interleaved schedule.")
 
 
-# jax.checkpoint_policies names a remat rule may use, besides `none` and `full`.
+# jax.checkpoint_policies names a remat rule may use, besides `none` and `full`. (The offload policies
+# take memory kinds as arguments and need a backend with host offload; they are not offered.)
 REMAT_POLICIES = ("dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable", "everything_saveable",
-                  "checkpoint_dots", "checkpoint_dots_with_no_batch_dims", "offload_dot_with_no_batch_dims")
+                  "checkpoint_dots", "checkpoint_dots_with_no_batch_dims")
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 
