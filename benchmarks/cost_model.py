@@ -136,6 +136,12 @@ def print_row(row: dict, width: int = 20) -> None:
           flush=True)
 
 
+def print_worst(label: str, rows: list[dict]) -> None:
+    worst_c = max(abs(error(r["collective_bytes"])) for r in rows)
+    worst_a = max(abs(error(r["argument_bytes"])) for r in rows)
+    print(f"\n{label}: collective bytes {worst_c:.1%}, argument bytes {worst_a:.1%} (target {TARGET:.0%})")
+
+
 def error(pair: dict) -> float:
     return pair["modelled"] / pair["compiled"] - 1 if pair["compiled"] else 0.0
 
@@ -170,9 +176,7 @@ def main() -> None:
         rows.append(row)
         print_row(row)
     if rows:
-        worst_c = max(abs(error(r["collective_bytes"])) for r in rows)
-        worst_a = max(abs(error(r["argument_bytes"])) for r in rows)
-        print(f"\nlargest error: collective bytes {worst_c:.1%}, argument bytes {worst_a:.1%} (target {TARGET:.0%})")
+        print_worst("largest error", rows)
     others = []
     if args.held_out:
         print(f"\nheld out: the top {args.held_out} distinct plans `auto` proposes for the LLaMA-style test model "
@@ -180,9 +184,7 @@ def main() -> None:
         others = held_out(args.held_out, args.batch, args.seq)
         for row in others:
             print_row(row, width=50)
-        worst_c = max(abs(error(r["collective_bytes"])) for r in others)
-        worst_a = max(abs(error(r["argument_bytes"])) for r in others)
-        print(f"\nlargest held-out error: collective bytes {worst_c:.1%}, argument bytes {worst_a:.1%}")
+        print_worst("largest held-out error", others)
     gemma = []
     if args.heads_first:
         print(f"\nheads first: the top {args.heads_first} plans `auto` proposes for the Gemma-2-style test model "
@@ -191,9 +193,7 @@ def main() -> None:
         gemma = heads_first(args.heads_first, args.batch, args.seq)
         for row in gemma:
             print_row(row, width=50)
-        worst_c = max(abs(error(r["collective_bytes"])) for r in gemma)
-        worst_a = max(abs(error(r["argument_bytes"])) for r in gemma)
-        print(f"\nlargest heads-first error: collective bytes {worst_c:.1%}, argument bytes {worst_a:.1%}")
+        print_worst("largest heads-first error", gemma)
     if args.json:
         Path(args.json).write_text(json.dumps({"config": config, "batch": args.batch, "rows": rows,
                                                "held_out": others, "heads_first": gemma}, indent=2))
