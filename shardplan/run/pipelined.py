@@ -17,8 +17,8 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
-from shardplan.run.layer_call import (CallArgs, LayerCall, PipelineCallError, calling_without_updates,
-                                      describe_layer_call, draw_keys)
+from shardplan.run.layer_call import (CallArgs, PipelineCallError, calling_without_updates, describe_layer_call,
+                                      draw_keys)
 from shardplan.run.pipeline import (Layers, circular_forward, cross_entropy, fit_microbatches, merge_microbatches,
                                     one_f_one_b_loss, sequential_forward, split_microbatches, stack, unstack)
 
@@ -30,7 +30,6 @@ _REPLAY: contextvars.ContextVar = contextvars.ContextVar("shardplan_replay", def
 
 @dataclasses.dataclass
 class _LossRequest:
-    layers: "PipelinedLayers"
     model: nnx.Module
     loss_of: Callable
     targets: Any
@@ -224,7 +223,7 @@ def model_loss(model: nnx.Module, loss_of: Callable, targets, *args, **kwargs):
     found = pipelined_layers(model)
     if found is None or found[1].schedule != "1f1b":
         return loss_of(model(*args, **kwargs), targets)
-    request = _LossRequest(found[1], model, loss_of, targets, args, kwargs)
+    request = _LossRequest(model, loss_of, targets, args, kwargs)
     token = _LOSS_REQUEST.set(request)
     try:
         model(*args, **kwargs)
