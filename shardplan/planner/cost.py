@@ -180,7 +180,7 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile) ->
     optimizer_bytes = sum(p.opt_bytes_per_device for p in held)
     stored, remat, microbatch, microbatch_remat = _activations(held, roles, step)
     if step.schedule == "1f1b":     # the gathered head weights and their whole gradients, for the step
-        whole_head = 2 * sum(_head_gathered(p, step) for p in held if p.path in roles.after_layers)
+        whole_head = 2 * sum(_head_gathered(p, step) for p in held if p.path in roles.after_layers | roles.tied)
         stored, remat = stored + whole_head, remat + whole_head
     flops = _flops(held, roles, step)
     bubble = _bubble(step)
@@ -205,7 +205,7 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
             continue
         staged = p.stage is not None
         moved_activations = False
-        head = step.schedule == "1f1b" and p.path in after
+        head = step.schedule == "1f1b" and (p.path in after or p.path in roles.tied)   # a tied embedding is a head too
         gathered = _head_gathered(p, step) if head else 0
         if gathered:
             # 1F1B runs the head inside the pipeline, whole: its split weight is gathered once per step
@@ -214,6 +214,10 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
         elif role.kind in (EMBEDDING, COLUMN, ROW, MATMUL):
             found, moved_activations = _matrix_transfers(p, role, step, staged)
             transfers += found
+            if p.path in roles.tied and any(a in step.batch_axes for a in spec_axes(p.spec)):
+                # its second use, the logits, is a head whose vocabulary the batch axes split: XLA moves
+                # that head's activations as for any FSDP-split head
+                transfers += _matrix_transfers(p, Role(p.path, COLUMN, (1,), (0,)), step, staged)[0]
         axes = spec_axes(p.spec)
         reduce_over = tuple(a for a in step.batch_axes if a not in axes)
         fsdp = [a for a in axes if a in step.batch_axes]

@@ -66,8 +66,16 @@ _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
 def _runs_per_computation(hlo_text: str, branch_share: float = 1.0) -> dict[str, float]:
-    """How often each computation runs per execution of the entry computation."""
+    """How often each computation runs per execution of the entry computation.
+
+    A conditional runs one branch per call. If every branch holds collectives it is a dispatch (layers
+    that differ, run by `lax.switch`): each branch counts 1/N of the calls. If only some do, it is a
+    pipeline tick's work-or-idle choice: the working branches share `branch_share` of the calls.
+    """
     callers: dict[str, list[tuple[str, float]]] = collections.defaultdict(list)
+    conditionals: list[tuple[str, list[str]]] = []
+    calls: dict[str, set[str]] = collections.defaultdict(set)
+    has_op: set[str] = set()
     entry, computation = None, None
     for line in hlo_text.splitlines():
         header = _COMPUTATION.match(line)
@@ -75,13 +83,31 @@ def _runs_per_computation(hlo_text: str, branch_share: float = 1.0) -> dict[str,
             computation = header.group("name")
             entry = computation if header.group("entry") else entry
             continue
+        if _OP.search(line):
+            has_op.add(computation)
         trips = _TRIPS.search(line)
+        branches = []
         for callee in _CALLEES.finditer(line):
             attr = callee.group("attr")
+            names = re.findall(r"[\w.\-]+", callee.group("names"))
+            calls[computation].update(names)
+            if attr in ("branch_computations", "true_computation", "false_computation"):
+                branches += names
+                continue
             times = int(trips.group(1)) if trips and attr == "body" else 1
-            times *= branch_share if attr in ("branch_computations", "true_computation", "false_computation") else 1
-            for name in re.findall(r"[\w.\-]+", callee.group("names")):
+            for name in names:
                 callers[name].append((computation, times))
+        if branches:
+            conditionals.append((computation, branches))
+
+    def holds_collectives(name: str, seen: frozenset = frozenset()) -> bool:
+        return name in has_op or any(holds_collectives(c, seen | {name}) for c in calls.get(name, ()) if c not in seen)
+
+    for caller, branches in conditionals:
+        working = [b for b in branches if holds_collectives(b)]
+        share = 1 / len(branches) if len(working) == len(branches) else branch_share / max(1, len(working))
+        for name in branches:
+            callers[name].append((caller, share))
     runs: dict[str, float] = {}
 
     def count(name: str) -> float:
