@@ -81,12 +81,12 @@ MODELS = {
 }
 MESHES = {"2x2x2": "{stage: 2, data: 2, model: 2}", "4x2x1": "{stage: 4, data: 2, model: 1}"}
 SCHEDULES = ["gpipe", "interleaved", "1f1b"]
-# The whole matrix takes ~4 min on 2 cores; the default run takes two cases per model so that every
-# schedule runs on both meshes (~1.5 min). SHARDPLAN_FULL_MATRIX=1 runs all 24.
+# The whole matrix takes ~4 min on 2 cores; the default run takes one case per model, every schedule
+# and both meshes among them (~1 min; test_pipeline.py trains MiniGPT under each schedule too).
+# SHARDPLAN_FULL_MATRIX=1 runs all 24.
 FULL = os.environ.get("SHARDPLAN_FULL_MATRIX") == "1"
-DEFAULT = {("minigpt", "1f1b", "2x2x2"), ("minigpt", "interleaved", "4x2x1"), ("gemma", "interleaved", "2x2x2"),
-           ("gemma", "1f1b", "4x2x1"), ("qwen", "1f1b", "2x2x2"), ("qwen", "gpipe", "4x2x1"),
-           ("vit", "gpipe", "2x2x2"), ("vit", "1f1b", "4x2x1")}
+DEFAULT = {("minigpt", "interleaved", "4x2x1"), ("gemma", "1f1b", "2x2x2"), ("qwen", "gpipe", "4x2x1"),
+           ("vit", "interleaved", "2x2x2")}
 CASES = [pytest.param(name, schedule, mesh, marks=() if FULL or (name, schedule, mesh) in DEFAULT else
                       pytest.mark.skip(reason="full matrix only (SHARDPLAN_FULL_MATRIX=1)"))
          for name in MODELS for schedule in SCHEDULES for mesh in MESHES]
