@@ -131,7 +131,8 @@ def train(config: TrainConfig, *, console: Console | None = None, devices=None,
 def _run(config, plan, mesh, model_config, tokenizer, dataset, out, lead, stop_after, console) -> RunResult:
     """The run proper, in a directory this process has claimed."""
     # built on its shards: no device holds a parameter the plan splits (a model larger than one device fits)
-    model = shardplan.init(plan, lambda: MiniGPT(**model_config, rngs=nnx.Rngs(config.seed)), mesh)
+    model = shardplan.init(plan, lambda: MiniGPT(**model_config, rngs=nnx.Rngs(config.seed)), mesh,
+                           key=("MiniGPT", tuple(sorted(model_config.items())), config.seed))
     tx = make_optimizer(lr=config.lr, steps=config.steps, warmup_steps=config.warmup_steps,
                         weight_decay=config.weight_decay, clip_norm=config.clip_norm)
     optimizer = shardplan.shard_optimizer(plan, model, tx, mesh)

@@ -105,10 +105,13 @@ def _place(variable: nnx.Variable, sharding: NamedSharding) -> None:
         variable.set_value(jax.device_put(value, sharding))
 
 
-def init(plan: Plan, factory, mesh: jax.sharding.Mesh, *, example=None) -> nnx.Module:
+def init(plan: Plan, factory, mesh: jax.sharding.Mesh, *, example=None, key=None) -> nnx.Module:
     """Build the model `factory()` directly in the plan's layout: one compiled program creates every
     parameter on its own shards, so no device ever holds a whole parameter the plan splits (a model
     larger than one device can be initialised). Equals `apply_plan(plan, factory(), mesh)`.
+
+    `key`, if given, is a hashable value naming what `factory` builds (say its config and seed): calls
+    with the same key, plan and mesh reuse one compiled program.
 
     >>> import shardplan, minigpt_model
     >>> from flax import nnx
@@ -118,8 +121,17 @@ def init(plan: Plan, factory, mesh: jax.sharding.Mesh, *, example=None) -> nnx.M
     >>> model.output_layer.kernel.sharding.spec
     P(None, 'model')
     """
-    graphdef, program = init_program(plan, factory, mesh, example=example)
+    if key is None:
+        graphdef, program = init_program(plan, factory, mesh, example=example)
+    else:
+        cache_key = (key, plan.model_dump_json(), plan.file, mesh)
+        if cache_key not in _INIT_PROGRAMS:
+            _INIT_PROGRAMS[cache_key] = init_program(plan, factory, mesh, example=example)
+        graphdef, program = _INIT_PROGRAMS[cache_key]
     return nnx.merge(graphdef, program())
+
+
+_INIT_PROGRAMS: dict = {}
 
 
 def init_program(plan: Plan, factory, mesh: jax.sharding.Mesh, *, example=None):
