@@ -131,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _sharding_type_error() -> type:
+    from jax._src import core
+    return getattr(core, "ShardingTypeError", ())        # () catches nothing if JAX moves it
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # markup=False: file names, prompts and messages are printed as they are.
@@ -152,6 +157,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except (RunError, DataError, CheckpointError, TokenizerUnavailable) as exc:
         print_error(err, str(exc))
+        return 1
+    except _sharding_type_error() as exc:
+        # a plan problem: explicit mesh axes, and an op whose output sharding JAX cannot infer
+        print_error(err, f"the plan's explicit mesh axes leave an output sharding undecided: "
+                         f"{str(exc).splitlines()[0]}; give the module that computes it an `activations` rule "
+                         "(for MiniGPT: embedding_layer/token_emb -> [data], embedding_layer/pos_emb -> []), or make "
+                         "the axis auto in mesh.types")
         return 1
     except (ModelLoadError, ModelConfigError, DeviceSetupError, UsageError) as exc:
         print_error(err, str(exc))

@@ -212,6 +212,13 @@ def test_explicit_plan_trains_with_the_trainer(tmp_path, capsys):
                  "--config=embed_dim=64", "--config=maxlen=32", "--config=feed_forward_dim=128", "--config=num_heads=8"])
     out = capsys.readouterr().out
     assert code == 0 and "done: step 2" in out and "sample:" in out
+    # the same plan without the embeddings' rules: a plan error that says what to add, not an internal error
+    plan.write_text(_explicit((PLANS / "minigpt_dp_tp.yaml").read_text()))
+    code = main(["train", "--plan", str(plan), "--out", str(tmp_path / "run2"), "--steps", "2", "--batch-size", "8",
+                 "--config=num_transformer_blocks=2", "--config=embed_dim=64", "--config=maxlen=32",
+                 "--config=feed_forward_dim=128", "--config=num_heads=8"])
+    err = capsys.readouterr().err
+    assert code == 1 and "explicit mesh axes" in err and "activations" in err and "internal error" not in err
 
 
 # ------------------------------------------------------------------------------ sharded initialisation

@@ -56,13 +56,6 @@ class CallArgs:
                 kinds.append((STATIC, leaf))
         return cls(treedef, tuple(kinds)), split, whole, rngs
 
-    def hashable(self) -> bool:
-        try:
-            hash(self)
-            return True
-        except TypeError:
-            return False
-
     def rebuild(self, split: list, whole: list, keys: list[dict]) -> tuple[tuple, dict]:
         """(args, kwargs) from array values and, per Rngs, one key per stream."""
         split, whole, keys = iter(split), iter(whole), iter(keys)

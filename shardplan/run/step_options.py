@@ -89,13 +89,8 @@ def _wrapped_class(cls: type, options: Options) -> type:
     def __call__(self, *args, **kwargs):
         return _call(cls.__call__, options, self, args, kwargs)
     namespace = {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                 "_shardplan_options": options, "_shardplan_plain_class": cls}
+                 "_shardplan_options": options}
     return type(cls)(cls.__name__, (cls,), namespace)
-
-
-def plain_class(module) -> type:
-    """The model's own class of a module the step options wrapped (its class otherwise)."""
-    return getattr(type(module), "_shardplan_plain_class", type(module))
 
 
 def _call(original, options: Options, module, args: tuple, kwargs: dict):
