@@ -28,6 +28,7 @@ from minigpt_model.sampling import generate
 from minigpt_model.steps import eval_step, make_optimizer, train_step
 from minigpt_model.tokenizer import END_OF_TEXT, get_tokenizer
 from shardplan.cli.render import render_summary
+from shardplan.run.abstract import eval_shape
 
 # Small enough that the default run finishes in minutes on two CPU cores with 8 simulated
 # devices, large enough to learn the built-in stories; heads and widths divide 2, 4 and 8.
@@ -236,7 +237,7 @@ def _evaluate(model, eval_data) -> float:
 def _abstract_model(model_config: dict):
     """The model's shapes, or a clear complaint about the settings that cannot build it."""
     try:
-        return nnx.eval_shape(lambda: MiniGPT(**model_config, rngs=nnx.Rngs(0)))
+        return eval_shape(lambda: MiniGPT(**model_config, rngs=nnx.Rngs(0)))
     except Exception as exc:
         raise ModelConfigError(f"cannot build MiniGPT with {model_config}: {type(exc).__name__}: {exc}") from None
 

@@ -204,8 +204,6 @@ def recognise_module(module) -> ModelRoles:
 def abstract_with_roles(build) -> tuple[object, ModelRoles]:
     """(abstract model, roles) from `build()` under `nnx.eval_shape`: nothing is allocated, and the
     definition order is read from the module while it is being built."""
-    from flax import nnx
-
     from shardplan.checks.paths import param_infos
     order: list[str] = []
 
@@ -214,7 +212,8 @@ def abstract_with_roles(build) -> tuple[object, ModelRoles]:
         order.extend(definition_order(module))
         return module
 
-    model = nnx.eval_shape(construct)
+    from shardplan.run.abstract import eval_shape
+    model = eval_shape(construct)
     return model, recognise(param_infos(model), order)
 
 

@@ -13,6 +13,7 @@ from shardplan.checks.paths import join_path
 from shardplan.checks.report import Report, check
 from shardplan.checks.stages import check_microbatches
 from shardplan.checks.validate import data_axes, validate_inputs, validate_optimizer
+from shardplan.run.abstract import eval_shape
 from shardplan.run.step_options import apply_step_options
 from shardplan.plan.diagnostics import PlanError
 from shardplan.plan.matching import NormalSpec
@@ -136,7 +137,7 @@ _INIT_PROGRAMS: dict = {}
 
 def init_program(plan: Plan, factory, mesh: jax.sharding.Mesh, *, example=None):
     """(graph definition, jitted program returning the model's state in the plan's layout) of `init`."""
-    abstract = apply_plan(plan, nnx.eval_shape(factory), mesh, example=example)
+    abstract = apply_plan(plan, eval_shape(factory), mesh, example=example)
     graphdef, planned = nnx.split(abstract)
     shardings = jax.tree.map(lambda s: s.sharding, planned)
 

@@ -17,6 +17,8 @@ from typing import Any
 import yaml
 from flax import nnx
 
+from shardplan.run.abstract import eval_shape
+
 
 class ModelLoadError(Exception):
     """The named model cannot be imported or built."""
@@ -163,7 +165,7 @@ def build_model(spec: str, config: dict[str, Any], *, abstract: bool = True, see
         return module
 
     try:
-        model = nnx.eval_shape(construct) if abstract else construct()
+        model = eval_shape(construct) if abstract else construct()
     except SystemExit as exc:
         raise ModelLoadError(f"model factory {spec!r} called sys.exit({exc.code!r}) instead of returning a model") \
             from None
