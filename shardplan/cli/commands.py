@@ -210,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     auto.add_argument("--batch", type=_count(1), default=None, metavar="B",
                       help="global batch in sequences (default: 4 per device)")
     auto.add_argument("--seq", type=_count(1), default=128, metavar="T", help="tokens per sequence (default 128)")
-    auto.add_argument("--profile", default="h200", help="device profile: h200, tpu-v5e or cpu (default h200)")
+    auto.add_argument("--profile", default="h200", help="device profile: a built-in name (h200, tpu-v5e, cpu) or a "
+                      "profile file (.yaml/.toml; see `shardplan profiles`) (default h200)")
     auto.add_argument("--input", default="tokens", metavar="NAME", help="name of the batch input (default tokens)")
     auto.add_argument("-o", "--output", required=True, metavar="PLAN", help="where to write the chosen plan (.yaml)")
     auto.add_argument("--top", type=_count(1), default=8, metavar="K", help="candidates to show (default 8)")
@@ -221,6 +222,22 @@ def build_parser() -> argparse.ArgumentParser:
     _path_and_debug(auto)
     auto.set_defaults(handler=_auto)
 
+    profiles = commands.add_parser(
+        "profiles", help="list the built-in device profiles, or check and show a profile file",
+        description="A device profile holds the numbers the cost model turns bytes and FLOPs into time\n"
+                    "with: peak FLOP/s (per dtype), memory, memory and link bandwidths, devices per host,\n"
+                    "collective latency and the shares of peak a large matmul and a large collective reach.\n"
+                    "Describe your own hardware in a YAML or TOML file and pass it as --profile FILE to\n"
+                    "`auto` and `inspect`; `shardplan schema --profile` prints its JSON Schema.",
+        epilog="example profile file (profiles/a100-80gb-selene.yaml holds a complete one):\n"
+               "  name: my-a100\n  peak_flops: 312e12\n  memory_bytes: 80GiB\n  memory_bandwidth: 2.0e12\n"
+               "  intra_host_bandwidth: 300e9\n  inter_host_bandwidth: 25e9\n  devices_per_host: 8\n\n"
+               "example:\n  shardplan profiles\n  shardplan profiles profiles/a100-80gb-selene.yaml",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    profiles.add_argument("file", nargs="?", help="a profile file to check and show")
+    profiles.add_argument("--json", action="store_true", help="print the profiles as JSON")
+    profiles.set_defaults(handler=_profiles, debug=False)
+
     schema = commands.add_parser(
         "schema", help="print the JSON Schema of the plan format",
         description="Print the JSON Schema of plan format version 1, generated from shardplan's own plan\n"
@@ -229,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "Schema cannot express (at most one -1 axis, regex validity, everything about the\n"
                     "model) are checked by `shardplan validate`.",
         epilog="example:\n  shardplan schema > plan.schema.json", formatter_class=argparse.RawDescriptionHelpFormatter)
+    schema.add_argument("--profile", action="store_true", help="the schema of device profile files instead")
     schema.set_defaults(handler=_schema, debug=False)
     return parser
 
@@ -326,7 +344,21 @@ def _export(args, console: Console) -> int:
 
 
 def _schema(args, console: Console) -> int:
-    print(json.dumps(Plan.model_json_schema(), indent=2))
+    from shardplan.planner.profiles import ProfileFile
+    print(json.dumps((ProfileFile if args.profile else Plan).model_json_schema(), indent=2))
+    return EXIT_OK
+
+
+def _profiles(args, console: Console) -> int:
+    import dataclasses
+
+    from shardplan.cli.render import render_profiles
+    from shardplan.planner.profiles import PROFILES, load_profile
+    shown = [load_profile(args.file)] if args.file else list(PROFILES.values())
+    if args.json:
+        print(json.dumps([dataclasses.asdict(p) for p in shown], indent=2))
+    else:
+        render_profiles(console, shown)
     return EXIT_OK
 
 

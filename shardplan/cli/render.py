@@ -337,3 +337,20 @@ def render_estimate(console: Console, workload, profile, cost) -> None:
     console.print(f"  {cost.flops / 1e12:.3f} TFLOP; modelled step {cost.step_s * 1e3:.2f} ms = compute "
                   f"{cost.compute_s * 1e3:.2f} ms{bubble} + communication {cost.communication_s * 1e3:.2f} ms")
 
+
+
+def render_profiles(console: Console, profiles) -> None:
+    """One row per device profile, then where each one's figures come from."""
+    rows = []
+    for p in profiles:
+        by_dtype = ", ".join(f"{d} {f / 1e12:g}" for d, f in p.peak_flops_by_dtype.items())
+        rows.append([p.name, f"{p.peak_flops / 1e12:g}" + (f" ({by_dtype})" if by_dtype else ""),
+                     human_bytes(p.memory_bytes), f"{p.memory_bandwidth / 1e9:g}",
+                     f"{p.intra_host_bandwidth / 1e9:g} / {p.inter_host_bandwidth / 1e9:g}", str(p.devices_per_host),
+                     f"{p.matmul_efficiency:g} / {p.link_efficiency:g}", f"{p.collective_latency * 1e6:g}",
+                     p.attention])
+    print_fitted(console, "device profiles", ["name", "peak TFLOP/s", "memory", "memory GB/s",
+                                              "links GB/s (host / between)", "per host", "matmul / link share",
+                                              "latency us", "attention"], rows)
+    for p in profiles:
+        console.print(Text.assemble((f"{p.name}", "bold"), f" ({p.source}): {p.description}"), soft_wrap=True)

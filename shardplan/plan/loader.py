@@ -40,7 +40,7 @@ def load_plan(path: str | Path) -> Plan:
     except FileTooLarge as exc:
         raise PlanError([Diagnostic("plan-too-large", "error", str(exc), file=str(path),
                                     hint="a plan is a short list of rules; check that this is the file you meant")]) from None
-    return parse_plan(text, file=str(path), fmt=_format_of(path))
+    return parse_plan(text, file=str(path), fmt=format_of(path))
 
 
 class FileTooLarge(Exception):
@@ -71,7 +71,7 @@ def read_bounded(path: Path, limit: int) -> bytes:
     return data
 
 
-def _format_of(path: Path) -> str:
+def format_of(path: Path) -> str:
     suffix = path.suffix.lower()
     if suffix in (".yaml", ".yml"):
         return "yaml"
@@ -88,20 +88,31 @@ def parse_plan(text: str, *, file: str | None = None, fmt: str = "yaml") -> Plan
         raise PlanError([Diagnostic("plan-too-large", "error",
                                     f"plan text holds {len(text):,} characters; the limit is {MAX_PLAN_BYTES:,}",
                                     file=file)])
+    data, positions = read_mapping(text, file=file, fmt=fmt, what="plan")
+    plan = validate_mapping(Plan, data, file=file, positions=positions)
+    return plan.with_source(file, positions)
+
+
+def read_mapping(text: str, *, file: str | None, fmt: str, what: str) -> tuple[dict, Positions]:
+    """(data, key positions) of a YAML or TOML mapping; `PlanError` on syntax, size or shape."""
     try:
         data, positions = _parse_yaml(text, file) if fmt == "yaml" else _parse_toml(text, file)
     except RecursionError:
-        raise PlanError([Diagnostic("plan-too-large", "error", f"the plan nests lists or mappings more than "
+        raise PlanError([Diagnostic("plan-too-large", "error", f"the {what} nests lists or mappings more than "
                                     f"{MAX_DEPTH} levels deep (far more, the parser gave up)", file=file)]) from None
     if not isinstance(data, dict):
         raise PlanError([Diagnostic("invalid-value", "error",
-                                    f"a plan must be a mapping of keys, but got {type(data).__name__}",
+                                    f"a {what} must be a mapping of keys, but got {type(data).__name__}",
                                     file=file, line=1)])
+    return data, positions
+
+
+def validate_mapping(schema: type[BaseModel], data: dict, *, file: str | None, positions: Positions):
+    """`schema.model_validate(data)`, its errors as diagnostics at the lines of their keys."""
     try:
-        plan = Plan.model_validate(data)
+        return schema.model_validate(data)
     except ValidationError as exc:
-        raise PlanError([_diagnostic_from(err, file, positions) for err in exc.errors()]) from None
-    return plan.with_source(file, positions)
+        raise PlanError([_diagnostic_from(err, file, positions, schema) for err in exc.errors()]) from None
 
 
 # ---------------------------------------------------------------------------------- YAML
@@ -230,7 +241,7 @@ def _toml_keys(dotted: str) -> tuple:
 
 # ------------------------------------------------------------------------ pydantic errors
 
-def _diagnostic_from(err: dict, file: str | None, positions: Positions) -> Diagnostic:
+def _diagnostic_from(err: dict, file: str | None, positions: Positions, root: type[BaseModel] = Plan) -> Diagnostic:
     loc = tuple(err["loc"])
     clean = _strip_union_tags(loc)
     line, col = _lookup(positions, clean)
@@ -238,7 +249,7 @@ def _diagnostic_from(err: dict, file: str | None, positions: Positions) -> Diagn
     kind = err["type"]
     if kind == "extra_forbidden":
         key = clean[-1] if clean else ""
-        valid = _valid_keys_at(clean[:-1])
+        valid = _valid_keys_at(clean[:-1], root)
         close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
         hint = f"did you mean {close[0]!r}?" if close else (f"valid keys here: {', '.join(valid)}" if valid else None)
         return Diagnostic("unknown-key", "error", f"unknown key {where!r}", file=file, line=line, column=col, hint=hint)
@@ -278,9 +289,9 @@ def _dotted(keys: tuple) -> str:
     return text
 
 
-def _valid_keys_at(loc: tuple) -> list[str]:
-    """Field names of the schema model found at `loc`, walking annotations from `Plan`."""
-    annotation: Any = Plan
+def _valid_keys_at(loc: tuple, root: type[BaseModel] = Plan) -> list[str]:
+    """Field names of the schema model found at `loc`, walking annotations from `root`."""
+    annotation: Any = root
     for part in loc:
         annotation = _step(annotation, part)
         if annotation is None:

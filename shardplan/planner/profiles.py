@@ -1,32 +1,59 @@
-"""Device profiles: the few numbers that turn bytes and FLOPs into a modelled step time."""
+"""Device profiles: the numbers that turn bytes and FLOPs into a modelled step time.
+
+A profile is built in (`PROFILES`) or read from a YAML/TOML file a user writes (`load_profile`),
+checked like a plan: unknown keys, missing keys and bad values are diagnostics at their lines.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+from shardplan.plan.diagnostics import Diagnostic, PlanError
 
 GiB = 2**30
+MAX_PROFILE_BYTES = 1 << 16
+
+# Defaults of the optional fields, and why.
+DEFAULT_LATENCY = 10e-6          # seconds per collective: NCCL's small-message all-reduce on one host
+DEFAULT_MATMUL_EFFICIENCY = 0.8  # large bf16 GEMMs reach about 80% of the datasheet peak on A100/H100 (cuBLAS)
+DEFAULT_LINK_EFFICIENCY = 0.8    # NCCL bus bandwidth reaches about 80% of the link rate on NVLink and InfiniBand
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True)
 class Profile:
     name: str
     description: str
-    peak_flops: float           # dense matmul FLOP/s for the parameter dtype the model uses
+    peak_flops: float           # dense matmul FLOP/s in the dtype of most training (bf16 on accelerators)
     memory_bytes: int           # memory per device
     memory_bandwidth: float     # bytes/s
     intra_host_bandwidth: float  # bytes/s one device can send over the links inside a host
     inter_host_bandwidth: float  # bytes/s one device can send to other hosts
     collective_latency: float   # seconds of fixed cost per collective op
     devices_per_host: int
+    peak_flops_by_dtype: dict[str, float] = dataclasses.field(default_factory=dict)
+    matmul_efficiency: float = DEFAULT_MATMUL_EFFICIENCY    # share of peak a large matmul reaches
+    link_efficiency: float = DEFAULT_LINK_EFFICIENCY        # share of link bandwidth a large collective reaches
+    attention: str = "fused"    # "fused": scores stay on chip (flash attention); "materialised": written out
+    source: str = "built in"
+
+    def flops_for(self, dtype: str) -> float:
+        """Dense matmul FLOP/s for `dtype` ('float32', 'bfloat16', ...): its own figure, else `peak_flops`."""
+        return self.peak_flops_by_dtype.get(dtype, self.peak_flops)
 
 
 PROFILES = {
     "h200": Profile(
-        "h200", "NVIDIA H200 SXM (datasheet): 989 TFLOP/s dense BF16/TF32 tensor, 141 GB HBM3e at 4.8 TB/s, "
+        "h200", "NVIDIA H200 SXM (datasheet): 989 TFLOP/s dense BF16, 141 GB HBM3e at 4.8 TB/s, "
         "NVLink 900 GB/s (450 GB/s each way); between hosts one 400 Gb/s NIC per GPU (a common build, not "
         "part of the datasheet)",
         peak_flops=989e12, memory_bytes=141 * 10**9, memory_bandwidth=4.8e12, intra_host_bandwidth=450e9,
-        inter_host_bandwidth=50e9, collective_latency=10e-6, devices_per_host=8),
+        inter_host_bandwidth=50e9, collective_latency=10e-6, devices_per_host=8,
+        peak_flops_by_dtype={"float32": 494e12, "bfloat16": 989e12, "float16": 989e12}),
     "tpu-v5e": Profile(
         "tpu-v5e", "Google TPU v5e (public specs): 197 TFLOP/s BF16, 16 GB HBM2 at 819 GB/s, 1,600 Gb/s ICI "
         "per chip; between hosts (data-centre network) about 25 GB/s per chip",
@@ -37,12 +64,83 @@ PROFILES = {
         "220 GFLOP/s for all devices together, copies at 4.8 GB/s), 24 GiB memory shared; collectives are "
         "copies through memory",
         peak_flops=220e9 / 8, memory_bytes=24 * GiB // 8, memory_bandwidth=4.8e9, intra_host_bandwidth=4.8e9,
-        inter_host_bandwidth=1e9, collective_latency=50e-6, devices_per_host=8),
+        inter_host_bandwidth=1e9, collective_latency=50e-6, devices_per_host=8,
+        matmul_efficiency=1.0, link_efficiency=1.0),     # the figures above are measured, not datasheet peaks
 }
 
 
-def get_profile(name: str) -> Profile:
+def _number(value):
+    """312e12, '312e12', '312 TFLOP/s' style strings without the unit: YAML reads 312e12 as a string."""
+    if isinstance(value, str):
+        text = value.strip().replace("_", "")
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"expected a number such as 312e12, but got {value!r}") from None
+    return value
+
+
+def _size(value):
+    if isinstance(value, str) and re.search(r"[A-Za-z]", value) and not re.fullmatch(r"[\d.]+e[+-]?\d+", value.strip()):
+        from shardplan.planner.auto import parse_bytes
+        return parse_bytes(value)
+    return _number(value)
+
+
+Positive = Annotated[float, BeforeValidator(_number), Field(gt=0)]
+Share = Annotated[float, BeforeValidator(_number), Field(gt=0, le=1)]
+
+
+class ProfileFile(BaseModel):
+    """The profile file format (`shardplan schema --profile` prints it as JSON Schema)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    description: str = ""
+    peak_flops: Positive = Field(description="dense matmul FLOP/s in the dtype of most training, e.g. 312e12")
+    memory_bytes: Annotated[float, BeforeValidator(_size), Field(gt=0)] = Field(
+        description="memory per device in bytes, or a size such as 80GiB")
+    memory_bandwidth: Positive = Field(description="device memory bandwidth, bytes/s")
+    intra_host_bandwidth: Positive = Field(description="bytes/s one device sends over the links inside a host")
+    inter_host_bandwidth: Positive = Field(description="bytes/s one device sends to other hosts")
+    devices_per_host: int = Field(gt=0)
+    peak_flops_by_dtype: dict[Literal["float32", "bfloat16", "float16", "float8"], Positive] = Field(
+        default_factory=dict, description="dense matmul FLOP/s per compute dtype; others use peak_flops")
+    collective_latency: Positive = Field(DEFAULT_LATENCY, description="seconds of fixed cost per collective op")
+    matmul_efficiency: Share = Field(DEFAULT_MATMUL_EFFICIENCY, description="share of peak a large matmul reaches")
+    link_efficiency: Share = Field(DEFAULT_LINK_EFFICIENCY,
+                                   description="share of link bandwidth a large collective reaches")
+    attention: Literal["fused", "materialised"] = Field(
+        "fused", description="fused: attention scores stay on chip; materialised: written to memory and read back")
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read a profile file; `PlanError` with diagnostics at the lines of the mistakes."""
+    from shardplan.plan.loader import FileTooLarge, read_bounded, read_mapping, validate_mapping
+    path = Path(path)
+    fmt = {".yaml": "yaml", ".yml": "yaml", ".toml": "toml"}.get(path.suffix.lower())
+    if fmt is None:
+        raise PlanError([Diagnostic("unsupported-format", "error", f"profile files must end in .yaml, .yml or "
+                                    f".toml, but got {path.name!r}", file=str(path))])
     try:
+        text = read_bounded(path, MAX_PROFILE_BYTES).decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PlanError([Diagnostic("unreadable-file", "error", f"cannot read profile: {exc}", file=str(path))]) \
+            from None
+    except FileTooLarge as exc:
+        raise PlanError([Diagnostic("plan-too-large", "error", str(exc), file=str(path))]) from None
+    data, positions = read_mapping(text, file=str(path), fmt=fmt, what="profile")
+    found = validate_mapping(ProfileFile, data, file=str(path), positions=positions)
+    values = found.model_dump()
+    values["memory_bytes"] = int(values["memory_bytes"])
+    return Profile(**values, source=str(path))
+
+
+def get_profile(name: str) -> Profile:
+    """A built-in profile by name, or a profile file by path (ends in .yaml, .yml or .toml)."""
+    if name in PROFILES:
         return PROFILES[name]
-    except KeyError:
-        raise ValueError(f"unknown device profile {name!r}; known: {', '.join(PROFILES)}") from None
+    if Path(name).suffix.lower() in (".yaml", ".yml", ".toml"):
+        return load_profile(name)
+    raise ValueError(f"unknown device profile {name!r}; built in: {', '.join(PROFILES)}, or the path of a "
+                     "profile file (.yaml or .toml; see `shardplan profiles`)")

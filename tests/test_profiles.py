@@ -1,0 +1,75 @@
+"""Device profiles users write: files load into the same profile the cost model uses, mistakes are diagnostics."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shardplan.cli.commands import main
+from shardplan.plan.diagnostics import PlanError
+from shardplan.planner.profiles import PROFILES, get_profile, load_profile
+
+ROOT = Path(__file__).resolve().parents[1]
+MINIMAL = """name: mine
+peak_flops: 312e12
+memory_bytes: 80GiB
+memory_bandwidth: 2.0e12
+intra_host_bandwidth: 300e9
+inter_host_bandwidth: 25e9
+devices_per_host: 8
+"""
+
+
+def test_a_minimal_profile_file_loads_with_the_documented_defaults(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text(MINIMAL)
+    profile = get_profile(str(path))
+    assert profile.peak_flops == 312e12 and profile.memory_bytes == 80 * 2**30
+    assert profile.matmul_efficiency == 0.8 and profile.link_efficiency == 0.8
+    assert profile.collective_latency == 10e-6 and profile.attention == "fused"
+    assert profile.flops_for("float32") == 312e12          # no per-dtype figure: the peak
+
+
+def test_toml_profile_and_per_dtype_peaks(tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text('name = "t"\npeak_flops = "989e12"\nmemory_bytes = 80e9\nmemory_bandwidth = 3.35e12\n'
+                    'intra_host_bandwidth = 450e9\ninter_host_bandwidth = 50e9\ndevices_per_host = 8\n'
+                    'peak_flops_by_dtype = {float32 = 494e12}\n')
+    profile = load_profile(path)
+    assert profile.flops_for("float32") == 494e12 and profile.flops_for("bfloat16") == 989e12
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "profiles").glob("*.yaml")))
+def test_shipped_profile_files_load(name):
+    profile = load_profile(ROOT / "profiles" / name)
+    assert profile.source.endswith(name) and profile.devices_per_host == 8
+
+
+@pytest.mark.parametrize("edit, code, where", [
+    (("peak_flops: 312e12", "peak_flops: lots"), "invalid-value", (2, "peak_flops")),
+    (("memory_bandwidth:", "memory_bandwith:"), "unknown-key", (4, "memory_bandwith")),
+    (("devices_per_host: 8", "devices_per_host: 0"), "invalid-value", (7, "devices_per_host")),
+    (("devices_per_host: 8", "devices_per_host: 8\nlink_efficiency: 1.5"), "invalid-value", (8, "link_efficiency")),
+    (("inter_host_bandwidth: 25e9\n", ""), "missing-key", (None, "inter_host_bandwidth")),
+])
+def test_bad_profiles_are_diagnostics_at_their_lines(tmp_path, edit, code, where):
+    path = tmp_path / "bad.yaml"
+    path.write_text(MINIMAL.replace(*edit))
+    with pytest.raises(PlanError) as caught:
+        load_profile(path)
+    found = next(d for d in caught.value.diagnostics if d.code == code)
+    line, name = where
+    assert found.code == code and name in found.message
+    if line:
+        assert found.line == line
+
+
+def test_cli_lists_profiles_and_rejects_a_bad_file(tmp_path, capsys):
+    assert main(["profiles", "--json"]) == 0
+    assert [p["name"] for p in json.loads(capsys.readouterr().out)] == list(PROFILES)
+    path = tmp_path / "bad.yaml"
+    path.write_text(MINIMAL.replace("peak_flops: 312e12", "peak_flops: -1"))
+    assert main(["profiles", str(path)]) == 1
+    assert "peak_flops" in capsys.readouterr().err
+    assert main(["auto", "--model", "minigpt_model:MiniGPT", "--devices", "8", "--profile", "nope.txt",
+                 "-o", str(tmp_path / "a.yaml")]) == 2
