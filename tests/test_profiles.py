@@ -26,7 +26,7 @@ def test_a_minimal_profile_file_loads_with_the_documented_defaults(tmp_path):
     profile = get_profile(str(path))
     assert profile.peak_flops == 312e12 and profile.memory_bytes == 80 * 2**30
     assert profile.matmul_efficiency == 0.8 and profile.link_efficiency == 0.8
-    assert profile.collective_latency == 10e-6 and profile.attention == "fused"
+    assert profile.collective_latency == 10e-6 and profile.attention == "materialised"
     assert profile.flops_for("float32") == 312e12          # no per-dtype figure: the peak
 
 

@@ -31,12 +31,15 @@ import math
 
 from shardplan.checks.layout import ParamLayout
 from shardplan.checks.validate import data_axes
-from shardplan.plan.schema import spec_axes
+from shardplan.plan.schema import format_spec, spec_axes
 from shardplan.planner.profiles import Profile
 from shardplan.planner.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR, ModelRoles, Role
 
 TOKEN_BYTES = 4                 # tokens and targets are int32
 LOGIT_COPIES = 3                # logits, their softmax and their gradient are alive together
+ELEMENTWISE_PASSES = 4          # stored activation bytes moved by elementwise work: written and read, forward and back
+BACKWARD_SHARE = 2 / 3          # of a step's compute, the backward's: what a gradient reduction can hide behind
+GRADIENT_REDUCTION = "gradients, data parallel"
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
@@ -72,9 +75,13 @@ class Estimate:
     transfers: tuple[Transfer, ...]
     flops: float
     compute_s: float
-    communication_s: float
+    communication_s: float      # all collectives, as if none overlapped compute
     bubble: float
-    step_s: float
+    step_s: float               # compute over the bubble, plus the communication compute does not hide
+    compute_copy_bytes: int = 0  # parameters cast to the compute dtype for the step
+    early_grad_bytes: int = 0   # gradients made while every activation is still kept: the head's
+    exposed_communication_s: float = 0.0
+    caveats: tuple[str, ...] = ()   # what this layout has that the model does not know: figures approximate
 
     @property
     def grad_bytes(self) -> int:
@@ -88,7 +95,10 @@ class Estimate:
 
     @property
     def peak_bytes(self) -> int:
-        return self.argument_bytes + self.grad_bytes + self.activation_bytes
+        """Arguments, the compute copy, and the larger of the backward's two ends: every activation
+        kept with the head's gradients made first, or every gradient with the activations freed."""
+        return self.argument_bytes + self.compute_copy_bytes + max(self.activation_bytes + self.early_grad_bytes,
+                                                                   self.grad_bytes)
 
     @property
     def collective_bytes(self) -> int:
@@ -116,8 +126,10 @@ class Estimate:
                 "argument_bytes": self.argument_bytes, "peak_bytes": self.peak_bytes,
                 "collective_bytes": self.collective_bytes, "collective_count": self.collective_count,
                 "collectives": [dataclasses.asdict(t) for t in self.transfers],
+                "compute_copy_bytes": self.compute_copy_bytes, "early_grad_bytes": self.early_grad_bytes,
                 "flops": self.flops, "compute_s": self.compute_s, "communication_s": self.communication_s,
-                "bubble": self.bubble, "step_s": self.step_s}
+                "exposed_communication_s": self.exposed_communication_s,
+                "bubble": self.bubble, "step_s": self.step_s, "caveats": list(self.caveats)}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -136,6 +148,17 @@ class _Step:
     itemsize: int
     width: int
     manual_batch: bool = True   # the pipeline runs its batch axes manually (see `shardplan.run.apply`)
+    remat: str = "none"         # what the repeated layers keep for the backward: none, full or dots
+    sequence_ways: int = 1      # tensor ways that split the sequence between the layers' matmuls
+    attention_stored: bool = True   # attention scores are written to memory (not fused on chip)
+    counts: dict | None = None  # path -> how many parameters it stands for (one layer for all alike)
+
+    def count(self, path: str) -> int:
+        return self.counts.get(path, 1) if self.counts else 1
+
+    def recomputes(self, staged: bool, in_layer: bool) -> bool:
+        """Whether the backward runs this forward again (1F1B stages; layers rematerialised in full)."""
+        return (staged and self.schedule == "1f1b") or (in_layer and self.remat == "full")
 
     def passes(self, staged: bool) -> tuple[int, float]:
         """(passes per step, tokens per pass) for a parameter inside / outside the pipelined layers."""
@@ -159,13 +182,20 @@ class _Step:
         return math.prod(self.sizes[a] for a in axes)
 
 
-def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile) -> Estimate:
-    """The modelled cost of one step of `report.plan` (a checked plan, see `shardplan.check`)."""
+def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
+             counts: dict[str, int] | None = None) -> Estimate:
+    """The modelled cost of one step of `report.plan` (a checked plan, see `shardplan.check`).
+
+    `counts` (path -> n): each listed parameter stands for n alike (the planner lays out one layer
+    for all layers of the same structure); the result is that of the whole model.
+    """
     plan, sizes = report.plan, report.axes
     stage_map = report.stage_map
     batch_axes = tuple(a for a in data_axes(plan, sizes) if plan.pipeline is None or a != plan.pipeline.axis)
     itemsize = max((p.itemsize for p in report.params), default=4)
     pipe = plan.pipeline if stage_map else None
+    options = step_options(plan, roles, sizes, batch_axes, profile,
+                           report.params[0].dtype if report.params else "float32")
     step = _Step(
         sizes=sizes, batch_axes=batch_axes, stage_axis=pipe.axis if pipe else None,
         schedule=pipe.schedule if pipe else None, stages=stage_map.stages if pipe else 1,
@@ -173,22 +203,101 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile) ->
         tokens=workload.batch * workload.seq // max(1, math.prod(sizes[a] for a in batch_axes)),
         seq=workload.seq, itemsize=itemsize, width=roles.width,
         manual_batch=not any(a in batch_axes for p in report.params if p.stage is not None
-                             for a in spec_axes(p.spec)))
+                             for a in spec_axes(p.spec)),
+        remat=options.remat, sequence_ways=options.sequence_ways, attention_stored=options.attention_stored,
+        counts=counts)
     held = [p for p in report.params if p.stage in (None, 0)]
     transfers = _communication(held, roles, step)
-    param_bytes = sum(p.bytes_per_device for p in held)
-    optimizer_bytes = sum(p.opt_bytes_per_device for p in held)
+    param_bytes = sum(p.bytes_per_device * step.count(p.path) for p in held)
+    optimizer_bytes = sum(p.opt_bytes_per_device * step.count(p.path) for p in held)
     stored, remat, microbatch, microbatch_remat = _activations(held, roles, step)
     if step.schedule == "1f1b":     # the gathered head weights and their whole gradients, for the step
         whole_head = 2 * sum(_head_gathered(p, step) for p in held if p.path in roles.after_layers | roles.tied)
         stored, remat = stored + whole_head, remat + whole_head
+    compute_copy = 0
+    if options.compute_itemsize != itemsize:
+        compute_copy = sum(math.prod(p.shard_shape) * step.count(p.path) for p in held) * options.compute_itemsize
+    early_grads = sum(p.bytes_per_device for p in held if p.path in roles.after_layers)
     flops = _flops(held, roles, step)
     bubble = _bubble(step)
-    compute_s = flops / profile.peak_flops / (1.0 - bubble)
-    communication_s = sum(_seconds(t, step, profile, plan.mesh.hosts) for t in transfers)
+    # Elementwise work (norms, activations, softmax, residual adds) is bound by memory bandwidth:
+    # each stored activation is written and read once forward and once as a gradient backward.
+    elementwise_s = ELEMENTWISE_PASSES * _traffic(held, roles, step) / profile.memory_bandwidth
+    compute_s = (flops / (profile.flops_for(options.compute_dtype) * profile.matmul_efficiency)
+                 + elementwise_s) / (1.0 - bubble)
+    timed = [(t, _seconds(t, step, profile, plan.mesh.hosts)) for t in transfers]
+    communication_s = sum(seconds for _, seconds in timed)
+    # Outside a pipeline the data-parallel gradient reduction runs while the backward computes
+    # (asynchronous collectives); pipelines reduce after their loop, and tensor-parallel and
+    # pipeline transfers sit on the critical path.
+    hidden = sum(seconds for t, seconds in timed if t.what.startswith(GRADIENT_REDUCTION)) \
+        if step.stage_axis is None else 0.0
+    exposed = communication_s - hidden + max(0.0, hidden - BACKWARD_SHARE * compute_s)
     return Estimate(param_bytes, optimizer_bytes, 2 * step.tokens * TOKEN_BYTES, stored, remat,
                     microbatch, microbatch_remat, tuple(transfers), flops, compute_s, communication_s, bubble,
-                    compute_s + communication_s)
+                    compute_s + exposed, compute_copy, early_grads, exposed,
+                    options.caveats + _layout_caveats(held, roles))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepOptions:
+    """What a plan's `remat`, `precision` and `activations` sections mean for the cost."""
+
+    remat: str                  # the repeated layers keep: none (everything), full (their inputs), dots
+    compute_dtype: str
+    compute_itemsize: int
+    sequence_ways: int          # tensor ways splitting the sequence in the layers' norm regions
+    attention_stored: bool
+    caveats: tuple[str, ...]
+
+
+def step_options(plan, roles: ModelRoles, sizes: dict[str, int], batch_axes: tuple[str, ...],
+                 profile: Profile, param_dtype: str = "float32") -> StepOptions:
+    import re
+
+    import numpy as np
+    caveats = []
+    layer = f"{roles.layers}/0" if roles.layers else None
+    modules = sorted({path.rsplit("/", 1)[0] for path in roles.order} |
+                     {"/".join(path.split("/")[:k]) for path in roles.order for k in range(1, path.count("/"))})
+    remat = "none"
+    for rule in plan.remat:
+        if layer and re.fullmatch(rule.match, layer):
+            remat = _REMAT_KIND[rule.policy]
+            break
+        if any(re.fullmatch(rule.match, m) for m in modules):
+            caveats.append(f"remat rule {rule.match!r} names parts of layers or other modules; the cost model "
+                           "counts rematerialisation of whole repeated layers only")
+            break
+    sequence = set()
+    for rule in plan.activations:
+        if not any(re.fullmatch(rule.match, m) for m in modules):
+            continue
+        for entry in rule.spec[1:2]:
+            axes = [entry] if isinstance(entry, str) else list(entry or [])
+            sequence |= {a for a in axes if a in sizes and a not in batch_axes}
+    if sequence:
+        caveats.append("sequence parallelism is modelled as Megatron's (the norm regions' activations split, each "
+                       "all-reduce replaced by a reduce-scatter and an all-gather of the same bytes); XLA's "
+                       "partitioner may gather weights instead and move more (benchmarks/cost_model.py)")
+    compute = plan.precision.compute or plan.precision.params or param_dtype
+    return StepOptions(remat, compute, np.dtype(compute).itemsize, math.prod(sizes[a] for a in sequence),
+                       profile.attention != "fused", tuple(caveats))
+
+
+def _layout_caveats(held, roles: ModelRoles) -> tuple[str, ...]:
+    """Layouts whose collectives the model does not follow (measured: it under-counts them)."""
+    for p in held:
+        role = roles.roles.get(p.path)
+        if role is not None and role.kind == EMBEDDING and sum(1 for entry in p.spec if entry) > 1:
+            return (f"{p.path} is split on both dims {format_spec(p.spec)}; XLA adds gathers and an all-to-all "
+                    "the cost model does not count (measured: 3.3x the modelled bytes)",)
+    return ()
+
+
+_REMAT_KIND = {"none": "none", "everything_saveable": "none", "full": "full", "nothing_saveable": "full",
+               "dots_saveable": "dots", "checkpoint_dots": "dots", "dots_with_no_batch_dims_saveable": "dots",
+               "checkpoint_dots_with_no_batch_dims": "dots"}
 
 
 def _split_axes(p: ParamLayout, dims: tuple[int, ...], exclude: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -203,36 +312,39 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
         role = roles.roles.get(p.path)
         if role is None:
             continue
+        mine, count = [], step.count(p.path)
+        in_layer = roles.layer_of(p.path) is not None
         staged = p.stage is not None
         moved_activations = False
         head = step.schedule == "1f1b" and (p.path in after or p.path in roles.tied)   # a tied embedding is a head too
         gathered = _head_gathered(p, step) if head else 0
         if gathered:
             # 1F1B runs the head inside the pipeline, whole: its split weight is gathered once per step
-            transfers.append(Transfer("all-gather", _split_axes(p, tuple(range(len(p.shape))), step.batch_axes),
+            mine.append(Transfer("all-gather", _split_axes(p, tuple(range(len(p.shape))), step.batch_axes),
                                       p.bytes_per_device + gathered, 1, f"{p.path}: 1F1B head gathered for the step"))
         elif role.kind in (EMBEDDING, COLUMN, ROW, MATMUL):
-            found, moved_activations = _matrix_transfers(p, role, step, staged)
-            transfers += found
+            found, moved_activations = _matrix_transfers(p, role, step, staged, in_layer)
+            mine += found
             if p.path in roles.tied and any(a in step.batch_axes for a in spec_axes(p.spec)):
                 # its second use, the logits, is a head whose vocabulary the batch axes split: XLA moves
                 # that head's activations as for any FSDP-split head
-                transfers += _matrix_transfers(p, Role(p.path, COLUMN, (1,), (0,)), step, staged)[0]
+                mine += _matrix_transfers(p, Role(p.path, COLUMN, (1,), (0,)), step, staged, in_layer)[0]
         axes = spec_axes(p.spec)
         reduce_over = tuple(a for a in step.batch_axes if a not in axes)
         fsdp = [a for a in axes if a in step.batch_axes]
         if fsdp and not moved_activations:
+            transfers += _times(mine, count)
             continue                            # its whole gradient was all-reduced with the gather
         if p.opt_spec != p.spec:            # ZeRO-1 updates a shard, then gathers the parameter
             extra = tuple(a for a in spec_axes(p.opt_spec) if a not in axes)
-            transfers.append(Transfer("all-gather", extra, p.bytes_per_device, 1,
+            mine.append(Transfer("all-gather", extra, p.bytes_per_device, 1,
                                       f"{p.path}: ZeRO-1 update gathered"))
             in_loop = step.schedule == "1f1b" and p.path in after
             if role.kind == COLUMN and not role.closes and extra and not in_loop:
                 # XLA gathers the head's input activations and computes each shard's gradient whole
                 passes, tokens = step.passes(staged)
                 n_in = math.prod(p.shape[d] for d in role.in_dims)
-                transfers.append(Transfer("all-gather", extra, int(tokens * step.ways(extra) * n_in * step.itemsize),
+                mine.append(Transfer("all-gather", extra, int(tokens * step.ways(extra) * n_in * step.itemsize),
                                           passes, f"{p.path}: ZeRO-1 head activations gathered"))
                 reduce_over = tuple(a for a in reduce_over if a not in extra)
         # a gathered head's gradient is computed, reduced and moved whole inside the pipeline
@@ -242,20 +354,26 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
                                    step.schedule != "1f1b" else ())
             key = (group, step.reductions_per_step(staged, head))
             # a tied embedding's two uses (lookup, logits) are reduced separately
-            reductions[key] = reductions.get(key, 0) + size * (2 if p.path in roles.tied else 1)
+            reductions[key] = reductions.get(key, 0) + size * count * (2 if p.path in roles.tied else 1)
         if head:
-            transfers.append(Transfer("all-reduce", (step.stage_axis,), size, 1,
+            mine.append(Transfer("all-reduce", (step.stage_axis,), size, 1,
                                       f"{p.path}: 1F1B head reduced over stages"))
-            transfers.append(Transfer("collective-permute", (step.stage_axis,), size, 1,
+            mine.append(Transfer("collective-permute", (step.stage_axis,), size, 1,
                                       f"{p.path}: 1F1B head moved to the first stage"))
-    for (axes, count), nbytes in reductions.items():
-        what = "gradients, data parallel" + (", inside the pipeline loop" if count > 1 else "")
-        transfers.append(Transfer("all-reduce", axes, nbytes, count, what))
+        transfers += _times(mine, count)
+    for (axes, ops), nbytes in reductions.items():
+        what = GRADIENT_REDUCTION + (", inside the pipeline loop" if ops > 1 else "")
+        transfers.append(Transfer("all-reduce", axes, nbytes, ops, what))
     transfers += _pipeline_transfers(step)
     return _merge(transfers)
 
 
-def _matrix_transfers(p: ParamLayout, role: Role, step: _Step, staged: bool) -> tuple[list[Transfer], bool]:
+def _times(transfers: list[Transfer], n: int) -> list[Transfer]:
+    return transfers if n == 1 else [dataclasses.replace(t, count=t.count * n) for t in transfers]
+
+
+def _matrix_transfers(p: ParamLayout, role: Role, step: _Step, staged: bool,
+                      in_layer: bool = False) -> tuple[list[Transfer], bool]:
     """Transfers a matrix causes; True when XLA moves activations rather than the FSDP-split weight."""
     passes, tokens = step.passes(staged)
     b = step.itemsize
@@ -265,7 +383,7 @@ def _matrix_transfers(p: ParamLayout, role: Role, step: _Step, staged: bool) -> 
     fsdp = tuple(a for a in spec_axes(p.spec) if a in step.batch_axes)
     n_in = math.prod(shape[d] for d in role.in_dims)
     n_out = math.prod(shape[d] for d in role.out_dims)
-    forward = 2 if staged and step.schedule == "1f1b" else 1      # 1F1B recomputes the forward
+    forward = 2 if step.recomputes(staged, in_layer) else 1     # the forward runs again in the backward
     found: list[Transfer] = []
     if role.kind == EMBEDDING:
         if tensor_in:
@@ -350,43 +468,68 @@ def _tensor_ways(p: ParamLayout, dims: tuple[int, ...], step: _Step) -> int:
     return step.ways(_split_axes(p, dims, step.batch_axes))
 
 
-def _activations(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple[int, int, int, int]:
-    """Bytes kept for the backward: (as run, layers rematerialised, one microbatch's layers as run,
-    the same rematerialised)."""
+def _per_token(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple[dict, dict, dict]:
+    """Bytes per token kept for the backward, by layer (None: before the layers, "after": after them):
+    (everything autodiff keeps, the matmul outputs alone, how many layers each entry stands for)."""
     b = step.itemsize
-    after = roles.after_layers
-    per_token_layer: dict[int | str | None, float] = {}
+    full: dict = {}
+    dots: dict = {}
+    stands_for: dict = {}
+    read: set = set()
     for p in held:
         role = roles.roles.get(p.path)
         if role is None or role.kind == BIAS:
             continue
         layer = roles.layer_of(p.path)
-        layer = "after" if layer is None and p.path in after else layer
+        layer = "after" if layer is None and p.path in roles.after_layers else layer
+        stands_for[layer] = step.count(p.path)
+        split = step.sequence_ways if isinstance(layer, int) else 1     # sequence parallelism
+        out = 0.0
         if role.kind == VECTOR:
-            size = math.prod(p.shape) * b
+            size = math.prod(p.shape) * b / split
         elif role.kind == EMBEDDING:
-            size = math.prod(p.shape[d] for d in role.out_dims) * b
+            size = out = math.prod(p.shape[d] for d in role.out_dims) * b
         else:
-            size = (math.prod(p.shape[d] for d in role.in_dims) / _tensor_ways(p, role.in_dims, step)
-                    + math.prod(p.shape[d] for d in role.out_dims) / _tensor_ways(p, role.out_dims, step)) * b
+            whole = layer == "after" and step.schedule == "1f1b"      # a 1F1B head runs gathered, whole
+            n_in = math.prod(p.shape[d] for d in role.in_dims) / (1 if whole else _tensor_ways(p, role.in_dims, step))
+            n_out = math.prod(p.shape[d] for d in role.out_dims) / (1 if whole else
+                                                                    _tensor_ways(p, role.out_dims, step))
+            n_out /= split if role.kind == ROW else 1                   # written into the residual stream
+            if role.kind == COLUMN and role.closes and (layer, n_in) in read:
+                n_in = 0            # queries, keys and values (gate and up) read one kept input
+            read.add((layer, n_in))
+            size, out = (n_in + n_out) * b, n_out * b
             if role.kind == COLUMN and not role.closes:
-                size *= LOGIT_COPIES
-        per_token_layer[layer] = per_token_layer.get(layer, 0.0) + size
+                size, out = size * LOGIT_COPIES, out * LOGIT_COPIES
+        full[layer] = full.get(layer, 0.0) + size
+        dots[layer] = dots.get(layer, 0.0) + out
     held_layers = {roles.layer_of(p.path) for p in held} - {None}
     for attention in roles.attention:
-        if attention.layer in held_layers or (attention.layer is None and None in per_token_layer):
+        if step.attention_stored and (attention.layer in held_layers or
+                                      (attention.layer is None and None in full)):
             ways = _attention_ways(attention, held, roles, step)
-            per_token_layer[attention.layer] = per_token_layer.get(attention.layer, 0.0) + \
-                2 * attention.heads / ways * step.seq * b
-    outside = per_token_layer.pop(None, 0.0)
-    head = per_token_layer.pop("after", 0.0)
-    layers = sum(per_token_layer.values())
-    biggest = max(per_token_layer.values(), default=0.0)
-    boundary = step.width * b * len(per_token_layer)
-    passes, tokens = step.passes(bool(held_layers) and step.stage_axis is not None)
-    microbatch = int(tokens * layers), int(tokens * (boundary + biggest))
+            full[attention.layer] = full.get(attention.layer, 0.0) + 2 * attention.heads / ways * step.seq * b
+    return full, dots, stands_for
+
+
+def _activations(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple[int, int, int, int]:
+    """Bytes kept for the backward: (as run, layers rematerialised, one microbatch's layers as run,
+    the same rematerialised)."""
+    b = step.itemsize
+    full, dots, stands_for = _per_token(held, roles, step)
+    outside = full.pop(None, 0.0)
+    head = full.pop("after", 0.0)
+    count = sum(stands_for[layer] for layer in full)
+    biggest = max(full.values(), default=0.0)
+    boundary = step.width * b * count
+    rematerialised = boundary + biggest
+    layers = {"none": sum(size * stands_for[layer] for layer, size in full.items()),
+              "full": rematerialised,
+              "dots": boundary + biggest + sum(dots[layer] * stands_for[layer] for layer in full)}[step.remat]
+    passes, tokens = step.passes(bool(full) and step.stage_axis is not None)
+    microbatch = int(tokens * layers), int(tokens * rematerialised)
     if step.stage_axis is None:
-        return (int(step.tokens * (layers + outside + head)), int(step.tokens * (boundary + biggest + outside + head)),
+        return (int(step.tokens * (layers + outside + head)), int(step.tokens * (rematerialised + outside + head)),
                 *microbatch)
     if step.schedule == "1f1b":             # the head runs inside the loop, one microbatch at a time
         outside += head * tokens / step.tokens
@@ -401,22 +544,36 @@ def _activations(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tup
     return int(stored + step.tokens * outside), int(remat + step.tokens * outside), *microbatch
 
 
+def _traffic(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> float:
+    """Activation bytes elementwise work writes once per step (a rematerialised forward: again)."""
+    full, _, stands_for = _per_token(held, roles, step)
+    layers = sum(size * stands_for[layer] for layer, size in full.items() if isinstance(layer, int))
+    rest = sum(size for layer, size in full.items() if not isinstance(layer, int))
+    again = 1.5 if step.remat == "full" or step.schedule == "1f1b" else 1.0     # forward is half the passes
+    return step.tokens * (layers * again + rest)
+
+
 def _flops(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> float:
-    """Matmul FLOPs per device per step: 2 per weight and token forward, 4 backward, plus attention."""
+    """Matmul FLOPs per device per step: 2 per weight and token forward, 4 backward, plus attention;
+    a forward run again in the backward adds its 2."""
     total = 0.0
+    stands_for: dict = {}
     for p in held:
         role = roles.roles.get(p.path)
+        layer = roles.layer_of(p.path)
+        stands_for[layer] = step.count(p.path)
         if role is None or role.kind not in (COLUMN, ROW, MATMUL):
             continue
         passes, tokens = step.passes(p.stage is not None)
-        recompute = 8 / 6 if p.stage is not None and step.schedule == "1f1b" else 1.0
+        recompute = 8 / 6 if step.recomputes(p.stage is not None, layer is not None) else 1.0
         tensor = step.ways(_split_axes(p, tuple(range(len(p.shape))), step.batch_axes))
-        total += 6 * passes * tokens * math.prod(p.shape) / tensor * recompute
-    held_layers = {roles.layer_of(p.path) for p in held}
+        total += 6 * passes * tokens * math.prod(p.shape) / tensor * recompute * step.count(p.path)
     for attention in roles.attention:
-        if attention.layer in held_layers:
+        if attention.layer in stands_for:
             passes, tokens = step.passes(step.stage_axis is not None)
-            total += 3 * 4 * passes * tokens * step.seq * attention.width / _attention_ways(attention, held, roles, step)
+            recompute = 8 / 6 if step.recomputes(step.stage_axis is not None, attention.layer is not None) else 1.0
+            total += 3 * 4 * passes * tokens * step.seq * attention.width * recompute * stands_for[attention.layer] \
+                / _attention_ways(attention, held, roles, step)
     return total
 
 

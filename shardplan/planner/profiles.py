@@ -38,7 +38,7 @@ class Profile:
     peak_flops_by_dtype: dict[str, float] = dataclasses.field(default_factory=dict)
     matmul_efficiency: float = DEFAULT_MATMUL_EFFICIENCY    # share of peak a large matmul reaches
     link_efficiency: float = DEFAULT_LINK_EFFICIENCY        # share of link bandwidth a large collective reaches
-    attention: str = "fused"    # "fused": scores stay on chip (flash attention); "materialised": written out
+    attention: str = "materialised"  # "materialised": scores written to memory (XLA's attention); "fused": on chip
     source: str = "built in"
 
     def flops_for(self, dtype: str) -> float:
@@ -111,7 +111,8 @@ class ProfileFile(BaseModel):
     link_efficiency: Share = Field(DEFAULT_LINK_EFFICIENCY,
                                    description="share of link bandwidth a large collective reaches")
     attention: Literal["fused", "materialised"] = Field(
-        "fused", description="fused: attention scores stay on chip; materialised: written to memory and read back")
+        "materialised", description="materialised: attention scores are written to memory and read back (XLA's "
+                                    "attention); fused: they stay on chip (a flash-attention kernel)")
 
 
 def load_profile(path: str | Path) -> Profile:
