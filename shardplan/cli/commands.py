@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="global batch (sequences) for the cost estimate (default: 4 per device)")
     inspect.add_argument("--seq", type=_count(1), default=128, metavar="T",
                          help="tokens per sequence for the cost estimate (default 128)")
-    inspect.add_argument("--profile", default="h200",
+    inspect.add_argument("--profile", default="h200",  # a built-in name or a profile file
                          help="device profile for the modelled step time: h200, tpu-v5e or cpu (default h200)")
     inspect.set_defaults(handler=_inspect)
 
@@ -193,9 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
         "auto", help="propose a plan: enumerate meshes and rule sets, rank them by modelled step time",
         description="Recognise the model's parameter roles from its structure and shapes, enumerate\n"
                     "meshes (stage x data x model), rule sets (replicated, FSDP, Megatron,\n"
-                    "vocabulary-parallel, ZeRO-1) and pipeline schedules, drop what does not validate or\n"
-                    "fit the memory budget, rank the rest by the cost model's step time, print the best\n"
-                    "and write the winner as a commented plan. Nothing is allocated unless --measure.",
+                    "vocabulary-parallel, ZeRO-1), pipeline schedules, rematerialisation of the layers\n"
+                    "and sequence parallelism, drop what does not fit the memory budget less a safety\n"
+                    "margin, rank the rest by the cost model's step time (bounded search: what cannot\n"
+                    "beat the best found is not costed), check the best in full, print them and write\n"
+                    "the winner as a commented plan. Nothing is allocated unless --measure.",
         epilog="example:\n  shardplan auto --model minigpt_model:MiniGPT --config vocab_size=50304 --devices 8 "
                "--memory-per-device 1GiB -o auto.yaml\n  shardplan auto --model tests.models:Llama --config vocab=32000 "
                "--config dim=4096 ... --devices 64 --hosts 8 --profile h200 --memory-per-device 80GiB -o llama.yaml",
@@ -212,6 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
     auto.add_argument("--seq", type=_count(1), default=128, metavar="T", help="tokens per sequence (default 128)")
     auto.add_argument("--profile", default="h200", help="device profile: a built-in name (h200, tpu-v5e, cpu) or a "
                       "profile file (.yaml/.toml; see `shardplan profiles`) (default h200)")
+    auto.add_argument("--compute-dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                      help="dtype the step computes in (default: the model's own); written as `precision: compute`")
+    auto.add_argument("--memory-margin", type=float, default=None, metavar="SHARE",
+                      help="share of the memory budget left free for what the memory model does not count "
+                           "(default 0.2: its largest measured under-estimate, 18%%, plus slack)")
     auto.add_argument("--input", default="tokens", metavar="NAME", help="name of the batch input (default tokens)")
     auto.add_argument("-o", "--output", required=True, metavar="PLAN", help="where to write the chosen plan (.yaml)")
     auto.add_argument("--top", type=_count(1), default=8, metavar="K", help="candidates to show (default 8)")
@@ -530,6 +537,8 @@ def _auto(args, console: Console) -> int:
         raise UsageError(f"--devices ({args.devices}) must be a positive multiple of --hosts ({args.hosts})")
     if not args.output.lower().endswith((".yaml", ".yml")):
         raise UsageError(f"auto writes a YAML plan; name the output .yaml or .yml, not {args.output!r}")
+    if args.memory_margin is not None and not 0 <= args.memory_margin < 1:
+        raise UsageError(f"--memory-margin is a share of the budget in [0, 1), but got {args.memory_margin}")
     if args.measure and args.devices > 64:
         raise UsageError(f"--measure compiles every candidate on {args.devices} simulated CPU devices; "
                          "measure with at most 64 (the ranking without --measure needs no devices)")
@@ -551,6 +560,7 @@ def _auto(args, console: Console) -> int:
     return run_auto(console, factory=args.model, config=config, devices=args.devices, hosts=args.hosts,
                     memory=memory, batch=args.batch or 4 * args.devices, seq=args.seq, profile=profile,
                     input_name=args.input, output=args.output, top=args.top, measure=args.measure,
+                    compute=args.compute_dtype, margin=args.memory_margin,
                     as_json=args.json, command=command, usage_error=UsageError, paths=tuple(args.import_paths))
 
 

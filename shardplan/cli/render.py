@@ -334,8 +334,12 @@ def render_estimate(console: Console, workload, profile, cost) -> None:
     else:
         console.print("  no collectives")
     bubble = f", pipeline bubble {cost.bubble:.3f}" if cost.bubble else ""
+    hidden = cost.communication_s - cost.exposed_communication_s
     console.print(f"  {cost.flops / 1e12:.3f} TFLOP; modelled step {cost.step_s * 1e3:.2f} ms = compute "
-                  f"{cost.compute_s * 1e3:.2f} ms{bubble} + communication {cost.communication_s * 1e3:.2f} ms")
+                  f"{cost.compute_s * 1e3:.2f} ms{bubble} + communication {cost.exposed_communication_s * 1e3:.2f} ms"
+                  + (f" ({hidden * 1e3:.2f} ms more runs during the backward)" if hidden > 0 else ""))
+    for caveat in cost.caveats:
+        console.print(Text.assemble(("  approximate: ", "bold yellow"), caveat), soft_wrap=True)
 
 
 
@@ -347,10 +351,10 @@ def render_profiles(console: Console, profiles) -> None:
         rows.append([p.name, f"{p.peak_flops / 1e12:g}" + (f" ({by_dtype})" if by_dtype else ""),
                      human_bytes(p.memory_bytes), f"{p.memory_bandwidth / 1e9:g}",
                      f"{p.intra_host_bandwidth / 1e9:g} / {p.inter_host_bandwidth / 1e9:g}", str(p.devices_per_host),
-                     f"{p.matmul_efficiency:g} / {p.link_efficiency:g}", f"{p.collective_latency * 1e6:g}",
-                     p.attention])
+                     f"{p.matmul_efficiency:g} / {p.attention_efficiency:g} / {p.link_efficiency:g}",
+                     f"{p.collective_latency * 1e6:g}", p.attention])
     print_fitted(console, "device profiles", ["name", "peak TFLOP/s", "memory", "memory GB/s",
-                                              "links GB/s (host / between)", "per host", "matmul / link share",
+                                              "links GB/s (host / between)", "per host", "share: matmul / attention / link",
                                               "latency us", "attention"], rows)
     for p in profiles:
         console.print(Text.assemble((f"{p.name}", "bold"), f" ({p.source}): {p.description}"), soft_wrap=True)

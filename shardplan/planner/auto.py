@@ -19,13 +19,20 @@ from shardplan.checks.paths import ParamInfo
 from shardplan.checks.report import Report, check_params
 from shardplan.checks.validate import REPLICATED_WARNING_BYTES, data_axes
 from shardplan.plan.schema import Plan, spec_axes
-from shardplan.planner.cost import Estimate, Workload, estimate
+from shardplan.planner.cost import Estimate, Workload, _schedule_bubble, estimate
 from shardplan.planner.profiles import Profile
-from shardplan.planner.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, ModelRoles
+from shardplan.planner.representative import Representative, lay_out
+from shardplan.planner.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR, ModelRoles
 
 # FSDP leaves matrices smaller than this replicated: gathering them costs more latency than they save.
 FSDP_MIN_BYTES = 1 << 16
-MICROBATCH_FACTORS = (1, 2, 4, 8)       # microbatches = factor x stages
+MICROBATCH_FACTORS = (1, 2, 4, 8, 16)   # microbatches = factor x stages, or one sequence per microbatch
+REMAT_CHOICES = ("none", "dots", "full")
+REMAT_POLICY = {"dots": "dots_with_no_batch_dims_saveable", "full": "full"}
+# The budget share auto leaves free: the memory model's largest under-estimate against the compiler
+# (a 1F1B pipeline with a gathered head, -18%; benchmarks/cost_model.py) plus allocator slack.
+MEMORY_MARGIN = 0.2
+KEEP = 8                                # candidates checked in full and shown
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -39,6 +46,9 @@ class Candidate:
     schedule: str | None = None
     microbatches: int = 1
     virtual: int = 1
+    remat: str = "none"                 # rematerialisation of the repeated layers: none, dots or full
+    sequence: bool = False              # sequence parallelism over 'model' in the layers' norm regions
+    compute: str | None = None          # compute dtype when not the parameters'
 
     def label(self) -> str:
         mesh = " x ".join(f"{name} {size}" for name, size in self.axes.items())
@@ -57,27 +67,36 @@ class Candidate:
         if self.schedule:
             virtual = f" v{self.virtual}" if self.virtual > 1 else ""
             parts.append(f"{self.schedule}{virtual} M={self.microbatches}")
+        if self.sequence:
+            parts.append("sp")
+        if self.remat != "none":
+            parts.append(f"remat {self.remat}")
+        if self.compute:
+            parts.append(self.compute)
         return ", ".join(parts) or "replicated (data parallel)"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Ranked:
     candidate: Candidate
-    plan: Plan
-    report: Report
+    plan: Plan | None                   # None: ranked on one representative layer, not checked in full
+    report: Report | None
     estimate: Estimate | None
     rejected: str | None = None         # why it cannot be used; None: it fits
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Search:
-    ranked: list[Ranked]                # usable candidates, best first
+    ranked: list[Ranked]                # the best usable candidates, checked in full, best first
     rejected: list[Ranked]
     params: list[ParamInfo]
     roles: ModelRoles
     workload: Workload
     profile: Profile
-    memory: int
+    memory: int                         # the budget per device
+    usable: int = 0                     # the budget less the safety margin: what a plan's modelled peak may use
+    fitting: int = 0                    # candidates that fit (ranked holds the best of them)
+    pruned: int = 0                     # candidates never costed: their time bound exceeds the best found
 
     @property
     def best(self) -> Ranked | None:
@@ -86,33 +105,126 @@ class Search:
 
 def search(params: list[ParamInfo], roles: ModelRoles, *, devices: int, workload: Workload, profile: Profile,
            memory: int | None = None, hosts: int = 1, input_name: str = "tokens",
-           model: dict[str, Any] | None = None, pipelines: bool = True) -> Search:
-    """Every candidate plan, checked, costed and ranked by modelled step time (`pipelines=False`: none
-    with a pipeline, for a model that cannot run its layers as one)."""
+           model: dict[str, Any] | None = None, pipelines: bool = True, compute: str | None = None,
+           margin: float = MEMORY_MARGIN, keep: int = KEEP, progress=None, only=None) -> Search:
+    """Every candidate plan, costed and ranked by modelled step time; the best `keep` checked in full.
+
+    Candidates are costed on one layer standing for all (`shardplan.planner.representative`) in
+    order of a lower bound on their step time (the model's FLOPs spread perfectly, over the
+    pipeline bubble); once `keep` plans fit and the next bound exceeds the slowest of them, the
+    rest cannot rank and are not costed. `pipelines=False`: none with a pipeline, for a model that
+    cannot run its layers as one. `margin`: the share of the budget kept free, for what the memory
+    model does not count. `progress(done, total)` is called as candidates are costed.
+    """
+    import heapq
     budget = memory if memory is not None else profile.memory_bytes
-    ranked, rejected = [], []
-    for candidate in candidates(roles, devices, hosts, workload, pipelines):
-        plan = build_plan(candidate, roles, params, input_name=input_name, model=model)
-        report = check_params(plan, params, list(range(devices)), input_shapes={input_name: (workload.batch,
-                              workload.seq)}, processes=hosts)
-        if not report.ok:
-            rejected.append(Ranked(candidate, plan, report, None, f"invalid: {report.errors[0].code}"))
-            continue
-        idle = _idle(candidate, report)
+    usable = int(budget * (1 - margin))
+    rep = Representative.of(params, roles)
+    bounds = _Bounds.of(params, roles, workload, profile, compute, devices)
+    listed = sorted(((bounds.step(c), n, c) for n, c in enumerate(
+        candidates(roles, devices, hosts, workload, pipelines, compute)) if only is None or only(c)),
+        key=lambda t: t[:2])
+    fitting: list[tuple[float, int, Candidate, Estimate]] = []
+    slowest: list[float] = []           # max-heap (negated) of the `keep` best step times
+    rejected, pruned = [], 0
+    for done, (bound, n, candidate) in enumerate(listed):
+        if progress is not None and done % 256 == 0:
+            progress(done, len(listed))
+        if len(slowest) >= keep and bound > -slowest[0]:
+            pruned = len(listed) - done
+            break
+        idle, cost = sketch(candidate, roles, rep, workload, profile, input_name=input_name)
         if idle:
-            rejected.append(Ranked(candidate, plan, report, None, idle))
+            rejected.append(Ranked(candidate, None, None, None, idle))
             continue
-        cost = estimate(report, roles, workload, profile)
-        if cost.peak_bytes > budget:
-            rejected.append(Ranked(candidate, plan, report, cost, "over the memory budget"))
+        if cost.peak_bytes > usable:
+            rejected.append(Ranked(candidate, None, None, cost, "over the memory budget"))
             continue
-        ranked.append(Ranked(candidate, plan, report, cost))
-    ranked.sort(key=lambda r: (round(r.estimate.step_s, 12), r.estimate.collective_bytes,
-                               len(r.candidate.axes), r.candidate.zero1, r.candidate.fsdp))
-    return Search(ranked, rejected, params, roles, workload, profile, budget)
+        fitting.append((cost.step_s, n, candidate, cost))
+        heapq.heappush(slowest, -cost.step_s)
+        if len(slowest) > keep:
+            heapq.heappop(slowest)
+    fitting.sort(key=lambda t: (round(t[0], 12), t[3].collective_bytes, len(t[2].axes), t[2].zero1, t[2].fsdp,
+                                t[2].remat != "none", t[2].sequence, t[1]))
+    ranked = []
+    for _, _, candidate, _ in fitting:
+        if len(ranked) == keep:
+            break
+        checked = _checked(candidate, roles, params, devices, hosts, workload, profile, input_name, model)
+        if checked.rejected:
+            rejected.append(checked)
+        elif checked.estimate.peak_bytes > usable:
+            rejected.append(dataclasses.replace(checked, rejected="over the memory budget"))
+        else:
+            ranked.append(checked)
+    ranked.sort(key=lambda r: (round(r.estimate.step_s, 12), r.estimate.collective_bytes, len(r.candidate.axes),
+                               r.candidate.zero1, r.candidate.fsdp))
+    return Search(ranked, rejected, params, roles, workload, profile, budget, usable, len(fitting), pruned)
 
 
-def _idle(candidate: Candidate, report: Report) -> str | None:
+def sketch(candidate: Candidate, roles: ModelRoles, rep: Representative, workload: Workload, profile: Profile, *,
+           input_name: str = "tokens") -> tuple[str | None, Estimate | None]:
+    """(why the candidate is pointless, else None; its modelled cost), laid out on one layer for all."""
+    plan = build_plan(candidate, roles, rep.params, input_name=input_name)
+    layout, counts = lay_out(plan, specs(candidate, roles, rep.params), rep, candidate.axes, roles)
+    idle = _idle(candidate, layout)
+    return idle, None if idle else estimate(layout, roles, workload, profile, counts=counts)
+
+
+def _checked(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo], devices: int, hosts: int,
+             workload: Workload, profile: Profile, input_name: str, model) -> Ranked:
+    """The candidate checked as a hand-written plan is, on every parameter, and costed in full."""
+    plan = build_plan(candidate, roles, params, input_name=input_name, model=model)
+    report = check_params(plan, params, list(range(devices)), input_shapes={input_name: (workload.batch,
+                          workload.seq)}, processes=hosts)
+    if not report.ok:
+        return Ranked(candidate, plan, report, None, f"invalid: {report.errors[0].code}")
+    return Ranked(candidate, plan, report, estimate(report, roles, workload, profile))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Bounds:
+    """A lower bound on a candidate's modelled step time: its FLOPs spread perfectly over the
+    devices at the achievable matmul rate, stretched by its pipeline bubble."""
+
+    layer_flops: float              # whole model, one step, no recomputation
+    other_flops: float
+    rate: float                     # achievable FLOP/s per device
+    devices: int
+
+    @classmethod
+    def of(cls, params, roles: ModelRoles, workload: Workload, profile: Profile, compute: str | None,
+           devices: int) -> "_Bounds":
+        tokens = workload.batch * workload.seq
+        layer = other = 0.0
+        for p in params:
+            role = roles.roles.get(p.path)
+            if role is None or role.kind not in (COLUMN, ROW, MATMUL):
+                continue
+            flops = 6 * tokens * math.prod(p.shape)
+            if roles.layer_of(p.path) is None:
+                other += flops
+            else:
+                layer += flops
+        for attention in roles.attention:
+            flops = 12 * tokens * workload.seq * attention.width
+            if attention.layer is None:
+                other += flops
+            else:
+                layer += flops
+        dtype = compute or (params[0].dtype.name if params else "float32")
+        # the faster of the two rates keeps it a bound when attention runs at another efficiency
+        efficiency = max(profile.matmul_efficiency, profile.attention_efficiency)
+        return cls(layer, other, profile.flops_for(dtype) * efficiency, devices)
+
+    def step(self, c: Candidate) -> float:
+        again = 8 / 6 if c.remat == "full" or c.schedule == "1f1b" else 1.0
+        bubble = _schedule_bubble(c.schedule, c.axes.get("stage", 1), c.microbatches, c.virtual) \
+            if c.schedule else 0.0
+        return (self.layer_flops * again + self.other_flops) / self.devices / self.rate / (1.0 - bubble)
+
+
+def _idle(candidate: Candidate, report) -> str | None:
     """Why a candidate is pointless: an axis that splits nothing (its devices would all compute
     the same), or a rule set that changes nothing against a simpler one."""
     used = {a for p in report.params for a in spec_axes(p.spec)}
@@ -129,31 +241,35 @@ def _idle(candidate: Candidate, report: Report) -> str | None:
     return None
 
 
-def candidates(roles: ModelRoles, devices: int, hosts: int, workload: Workload, pipelines: bool = True):
-    """Meshes x rule sets x pipeline settings; the checker weeds out what does not divide."""
+def candidates(roles: ModelRoles, devices: int, hosts: int, workload: Workload, pipelines: bool = True,
+               compute: str | None = None):
+    """Meshes x rule sets x pipeline settings x step options; the checker weeds out what does not divide."""
+    layered = roles.layers is not None
     for stage, data, model in _factorisations(devices):
-        if stage > 1 and (not pipelines or roles.layers is None or roles.layer_count % stage):
+        if stage > 1 and (not pipelines or not layered or roles.layer_count % stage):
             continue
         if model > devices // hosts:
             continue                        # tensor parallelism stays inside a host
+        if workload.batch % data:
+            continue                        # the batch splits over 'data'
         axes = {name: size for name, size in (("stage", stage), ("data", data), ("model", model)) if size > 1}
         axes = axes or {"data": 1}
         for host_split in _host_splits(axes, hosts):
             for tensor, vocab in ((False, False),) if model == 1 else ((True, True), (True, False)):
                 for fsdp, zero1 in ((False, False),) if data == 1 else ((False, False), (True, False),
                                                                           (False, True)):
-                    base = Candidate(axes, host_split, tensor, vocab, fsdp, zero1)
-                    if stage == 1:
-                        yield base
-                        continue
-                    yield from _pipelines(base, stage, data, roles, workload)
+                    base = Candidate(axes, host_split, tensor, vocab, fsdp, zero1, compute=compute)
+                    for shaped in [base] if stage == 1 else _pipelines(base, stage, data, roles, workload):
+                        for remat in REMAT_CHOICES if layered else ("none",):
+                            for sequence in (False, True) if tensor and layered else (False,):
+                                yield dataclasses.replace(shaped, remat=remat, sequence=sequence)
 
 
 def _pipelines(base: Candidate, stage: int, data: int, roles: ModelRoles, workload: Workload):
     rows = workload.batch // data if workload.batch % data == 0 else 0
-    for factor in MICROBATCH_FACTORS:
-        microbatches = factor * stage
-        if not rows or rows % microbatches:
+    counts = sorted({factor * stage for factor in MICROBATCH_FACTORS} | {rows})
+    for microbatches in counts:
+        if not rows or rows % microbatches or microbatches < stage:
             continue
         yield dataclasses.replace(base, schedule="gpipe", microbatches=microbatches)
         yield dataclasses.replace(base, schedule="1f1b", microbatches=microbatches)
@@ -249,7 +365,28 @@ def plan_document(candidate: Candidate, roles: ModelRoles, params: list[ParamInf
                                 "microbatches": candidate.microbatches, "schedule": candidate.schedule,
                                 **({"virtual_stages": candidate.virtual} if candidate.virtual > 1 else {})}
     document["params"] = [{"match": pattern, "spec": spec} for pattern, spec, _ in rules(candidate, roles, params)]
+    if candidate.sequence:
+        batch = "data" if "data" in candidate.axes else None
+        document["activations"] = [{"match": module, "spec": [batch, "model", None]}
+                                   for module in sequence_modules(roles, params)]
+    if candidate.remat != "none":
+        document["remat"] = [{"match": f"{re.escape(roles.layers)}/\\d+", "policy": REMAT_POLICY[candidate.remat]}]
+    if candidate.compute:
+        document["precision"] = {"compute": candidate.compute}
     return document
+
+
+def sequence_modules(roles: ModelRoles, params: list[ParamInfo]) -> list[str]:
+    """Module patterns whose outputs sequence parallelism splits: the layers' norms (their scale
+    vectors are as wide as the residual stream), folded over the layers."""
+    found = []
+    for p in params:
+        path, role = p.path, roles.of(p.path)
+        if role.kind == VECTOR and roles.layer_of(path) == 0 and p.shape == (roles.width,) and "/" in path:
+            module = _fold_layer(path, roles.layers).rsplit("/", 1)[0]
+            if module not in found:
+                found.append(module)
+    return found
 
 
 def rules(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo]) -> list[tuple[str, Any, str]]:
@@ -259,6 +396,8 @@ def rules(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo]) -> l
     planned = specs(candidate, roles, params)
     sharding = any(planned.values())
     for path in roles.order:
+        if path not in planned:
+            continue                        # a layer another one stands for (`Representative`)
         spec = planned[path]
         if not spec and sharding and by_path[path].nbytes >= REPLICATED_WARNING_BYTES:
             found.setdefault(_fold_layer(path, roles.layers),
@@ -333,8 +472,10 @@ def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 
     from shardplan.checks.layout import human_bytes
     c, cost = chosen.candidate, chosen.estimate
     lines = [f"# Written by: {command}",
-             f"# Chosen among {len(found.ranked)} candidates that fit {human_bytes(found.memory)} per device "
-             f"({len(found.rejected)} more were invalid or too big),",
+             f"# Chosen among {found.fitting} candidates whose modelled peak fits {human_bytes(found.usable)} per device "
+             f"(the budget {human_bytes(found.memory)} less a {1 - found.usable / found.memory:.0%} safety margin;",
+             f"# {len(found.rejected)} more were invalid or too big, {found.pruned} could not beat these and were "
+             "not costed),",
              f"# ranked by modelled step time on the {found.profile.name} profile for a batch of "
              f"{found.workload.batch} x {found.workload.seq} tokens.",
              f"# Modelled per device: {human_bytes(cost.peak_bytes)} at the peak (parameters "
@@ -368,6 +509,21 @@ def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 
     lines.append("params:")
     for pattern, spec, comment in rules(c, found.roles, found.params):
         lines += [f"  - match: '{pattern}'   # {comment}", f"    spec: {_flow(spec)}"]
+    plan = chosen.plan
+    if plan.activations:
+        lines.append("activations:                 # sequence parallelism: norm outputs split over the sequence on "
+                     "'model'")
+        for rule in plan.activations:
+            lines += [f"  - match: '{rule.match}'", f"    spec: {_flow(rule.spec)}"]
+    if plan.remat:
+        what = {"full": "keep each layer's input, recompute the rest in the backward",
+                "dots": "keep the matmul outputs, recompute the elementwise work"}[c.remat]
+        lines += [f"remat:                       # {what}"] + \
+            [f"  - match: '{rule.match}'\n    policy: {rule.policy}" for rule in plan.remat]
+    if plan.precision.compute:
+        lines += ["precision:", f"  compute: {plan.precision.compute}       # parameters stay in their dtype"]
+    if cost.caveats:
+        lines = lines[:4] + [f"# Approximate: {caveat}." for caveat in cost.caveats] + lines[4:]
     return "\n".join(lines) + "\n"
 
 

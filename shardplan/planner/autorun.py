@@ -21,7 +21,8 @@ EXIT_OK, EXIT_NOTHING_FITS = 0, 1
 
 def run_auto(console: Console, *, factory: str, config: dict, devices: int, hosts: int, memory: int | None,
              batch: int, seq: int, profile, input_name: str, output: str, top: int, measure: int,
-             as_json: bool, command: str, usage_error, paths: tuple[str, ...] = ()) -> int:
+             as_json: bool, command: str, usage_error, paths: tuple[str, ...] = (), compute: str | None = None,
+             margin: float | None = None) -> int:
     from shardplan.run.models import ModelLoadError, build_model
     from shardplan.checks.paths import param_infos
     from shardplan.planner.roles import definition_order, recognise
@@ -37,10 +38,15 @@ def run_auto(console: Console, *, factory: str, config: dict, devices: int, host
     refusal = _pipeline_refusal(model, roles.layers, input_name, workload)
     if refusal:
         console.print(Text.assemble(("no pipeline candidates: ", "bold"), refusal))
-    with console.status(f"checking and costing candidate plans for {devices} devices"):
+    with console.status(f"costing candidate plans for {devices} devices") as status:
+        def progress(done: int, total: int) -> None:
+            status.update(f"costing candidate plans for {devices} devices: {done:,} of {total:,} (bounded: the "
+                          "rest may not need costing)")
         found = planner.search(params, roles, devices=devices, workload=workload, profile=profile, memory=memory,
                                hosts=hosts, input_name=input_name, model={"factory": factory, "config": config},
-                               pipelines=refusal is None)
+                               pipelines=refusal is None, compute=compute, progress=progress,
+                               keep=max(planner.KEEP, top, measure),
+                               **({"margin": margin} if margin is not None else {}))
     measured = {}
     if measure and found.ranked:
         measured = _measure(console, found, factory, config, measure, paths, input_name)
@@ -50,9 +56,10 @@ def run_auto(console: Console, *, factory: str, config: dict, devices: int, host
     else:
         _print_table(console, found, measured, top)
     if not found.ranked:
-        console.print(Text.assemble((f"no candidate fits {human_bytes(found.memory)} per device", "bold red"),
-                                    f" ({len(found.rejected)} tried); raise --memory-per-device, add devices or "
-                                    "lower --batch/--seq"))
+        console.print(Text.assemble((f"no candidate fits {human_bytes(found.usable)} per device", "bold red"),
+                                    f" (the budget {human_bytes(found.memory)} less the safety margin; "
+                                    f"{len(found.rejected)} tried); raise --memory-per-device, add devices, "
+                                    "lower --batch/--seq or try --compute-dtype bfloat16"))
         return EXIT_NOTHING_FITS
     text = planner.plan_text(found.best, found, command=command)
     _check_written(text, found, devices=devices, hosts=hosts, input_name=input_name)
@@ -151,8 +158,9 @@ def _rerank(found: planner.Search, measured: dict) -> planner.Search:
 def _print_table(console: Console, found: planner.Search, measured: dict, top: int) -> None:
     if not console.is_terminal:
         console.width = max(console.width, 170)     # a piped table stays one line per candidate
-    table = Table(title=f"best of {len(found.ranked)} plans that fit {human_bytes(found.memory)} per device "
-                        f"({found.profile.name}, batch {found.workload.batch} x {found.workload.seq})",
+    table = Table(title=f"best {len(found.ranked)} of {found.fitting} plans that fit {human_bytes(found.usable)} per "
+                        f"device (budget less the safety margin; {found.profile.name}, batch {found.workload.batch} x "
+                        f"{found.workload.seq})",
                   title_justify="left")
     columns = ["#", "mesh", "rules", "bytes/device", "communication", "step (modelled)"]
     columns += ["compiled: moved / peak"] if measured else []
@@ -173,14 +181,23 @@ def _print_table(console: Console, found: planner.Search, measured: dict, top: i
         reasons[item.rejected] = reasons.get(item.rejected, 0) + 1
     if reasons:
         console.print("not shown: " + ", ".join(f"{n} {why}" for why, n in sorted(reasons.items())))
+    if found.pruned:
+        console.print(f"{found.pruned} candidates were not costed: a lower bound on their step time exceeds the "
+                      "shown plans'")
+    if best is not None:
+        for caveat in best.estimate.caveats:
+            console.print(Text.assemble(("approximate: ", "bold yellow"), caveat), soft_wrap=True)
     if measured:
         console.print(f"{len(measured)} candidates compiled on simulated devices and re-ranked with the compiler's "
                       "collective bytes and memory")
 
 
 def _json(found: planner.Search, measured: dict, top: int) -> dict:
-    return {"profile": found.profile.name, "memory_per_device": found.memory,
+    return {"profile": found.profile.name, "memory_per_device": found.memory, "usable_per_device": found.usable,
+            "fitting": found.fitting, "pruned": found.pruned,
             "workload": dataclasses.asdict(found.workload),
             "ranked": [{"mesh": r.candidate.axes, "hosts": r.candidate.hosts, "rules": r.candidate.rules_label(),
+                        "remat": r.candidate.remat, "sequence_parallel": r.candidate.sequence,
+                        "compute": r.candidate.compute,
                         "estimate": r.estimate.to_json()} for r in found.ranked[:top]],
             "rejected": len(found.rejected)}

@@ -196,6 +196,9 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
     pipe = plan.pipeline if stage_map else None
     options = step_options(plan, roles, sizes, batch_axes, profile,
                            report.params[0].dtype if report.params else "float32")
+    param_itemsize = itemsize
+    if profile.low_precision_native:
+        itemsize = options.compute_itemsize     # activations, their collectives and FSDP's moves
     step = _Step(
         sizes=sizes, batch_axes=batch_axes, stage_axis=pipe.axis if pipe else None,
         schedule=pipe.schedule if pipe else None, stages=stage_map.stages if pipe else 1,
@@ -215,16 +218,18 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
         whole_head = 2 * sum(_head_gathered(p, step) for p in held if p.path in roles.after_layers | roles.tied)
         stored, remat = stored + whole_head, remat + whole_head
     compute_copy = 0
-    if options.compute_itemsize != itemsize:
+    if options.compute_itemsize != param_itemsize:
         compute_copy = sum(math.prod(p.shard_shape) * step.count(p.path) for p in held) * options.compute_itemsize
     early_grads = sum(p.bytes_per_device for p in held if p.path in roles.after_layers)
-    flops = _flops(held, roles, step)
+    matmul_flops, attention_flops = _flops(held, roles, step)
+    flops = matmul_flops + attention_flops
     bubble = _bubble(step)
     # Elementwise work (norms, activations, softmax, residual adds) is bound by memory bandwidth:
     # each stored activation is written and read once forward and once as a gradient backward.
-    elementwise_s = ELEMENTWISE_PASSES * _traffic(held, roles, step) / profile.memory_bandwidth
-    compute_s = (flops / (profile.flops_for(options.compute_dtype) * profile.matmul_efficiency)
-                 + elementwise_s) / (1.0 - bubble)
+    elementwise_s = _traffic(held, roles, step) / profile.memory_bandwidth
+    peak = profile.flops_for(options.compute_dtype)
+    compute_s = (matmul_flops / (peak * profile.matmul_efficiency) + attention_flops /
+                 (peak * profile.attention_efficiency) + elementwise_s) / (1.0 - bubble)
     timed = [(t, _seconds(t, step, profile, plan.mesh.hosts)) for t in transfers]
     communication_s = sum(seconds for _, seconds in timed)
     # Outside a pipeline the data-parallel gradient reduction runs while the backward computes
@@ -258,8 +263,7 @@ def step_options(plan, roles: ModelRoles, sizes: dict[str, int], batch_axes: tup
     import numpy as np
     caveats = []
     layer = f"{roles.layers}/0" if roles.layers else None
-    modules = sorted({path.rsplit("/", 1)[0] for path in roles.order} |
-                     {"/".join(path.split("/")[:k]) for path in roles.order for k in range(1, path.count("/"))})
+    modules = _modules(roles.order)
     remat = "none"
     for rule in plan.remat:
         if layer and re.fullmatch(rule.match, layer):
@@ -293,6 +297,12 @@ def _layout_caveats(held, roles: ModelRoles) -> tuple[str, ...]:
             return (f"{p.path} is split on both dims {format_spec(p.spec)}; XLA adds gathers and an all-to-all "
                     "the cost model does not count (measured: 3.3x the modelled bytes)",)
     return ()
+
+
+@functools.lru_cache(maxsize=8)
+def _modules(order: tuple[str, ...]) -> tuple[str, ...]:
+    """Every module path above the parameters."""
+    return tuple(sorted({"/".join(path.split("/")[:k]) for path in order for k in range(1, path.count("/") + 1)}))
 
 
 _REMAT_KIND = {"none": "none", "everything_saveable": "none", "full": "full", "nothing_saveable": "full",
@@ -408,7 +418,8 @@ def _matrix_transfers(p: ParamLayout, role: Role, step: _Step, staged: bool,
     if not fsdp:
         return found, False
     ways = step.ways(fsdp)
-    whole = p.bytes_per_device * ways
+    # the weight is cast to the compute dtype before XLA gathers it; its gradient comes back so
+    whole = math.prod(p.shard_shape) * min(p.itemsize, step.itemsize) * ways
     # Inside a pipeline loop the weight is gathered again for the backward (1F1B: also for the
     # recomputed forward) and its gradient reduced per microbatch.
     gathers = (3 if step.schedule == "1f1b" else 2) if staged else 1
@@ -512,6 +523,15 @@ def _per_token(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple
     return full, dots, stands_for
 
 
+def _scores(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> float:
+    """Bytes per token of one copy of the attention scores of the layers held (0 when fused)."""
+    if not step.attention_stored:
+        return 0.0
+    stands_for = {roles.layer_of(p.path): step.count(p.path) for p in held}
+    return sum(attention.heads / _attention_ways(attention, held, roles, step) * step.seq * step.itemsize *
+               stands_for[attention.layer] for attention in roles.attention if attention.layer in stands_for)
+
+
 def _activations(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple[int, int, int, int]:
     """Bytes kept for the backward: (as run, layers rematerialised, one microbatch's layers as run,
     the same rematerialised)."""
@@ -545,18 +565,23 @@ def _activations(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tup
 
 
 def _traffic(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> float:
-    """Activation bytes elementwise work writes once per step (a rematerialised forward: again)."""
+    """Bytes elementwise work moves per step: every stored activation written and read forward and
+    again as a gradient backward; attention scores (when written out) more often, as Megatron's
+    fused kernels do: written by the first matmul, softmax and dropout read and write them, the
+    second matmul reads them (5 passes forward, 10 backward). A rematerialised forward: again."""
     full, _, stands_for = _per_token(held, roles, step)
-    layers = sum(size * stands_for[layer] for layer, size in full.items() if isinstance(layer, int))
+    scores = _scores(held, roles, step)
+    layers = sum(size * stands_for[layer] for layer, size in full.items() if isinstance(layer, int)) - 2 * scores
     rest = sum(size for layer, size in full.items() if not isinstance(layer, int))
-    again = 1.5 if step.remat == "full" or step.schedule == "1f1b" else 1.0     # forward is half the passes
-    return step.tokens * (layers * again + rest)
+    again = step.remat == "full" or step.schedule == "1f1b"
+    moved = ELEMENTWISE_PASSES * (layers * (1.5 if again else 1.0) + rest) + scores * (20 if again else 15)
+    return step.tokens * moved
 
 
-def _flops(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> float:
-    """Matmul FLOPs per device per step: 2 per weight and token forward, 4 backward, plus attention;
-    a forward run again in the backward adds its 2."""
-    total = 0.0
+def _flops(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple[float, float]:
+    """(weight matmul, attention) FLOPs per device per step: 2 per weight and token forward, 4
+    backward; a forward run again in the backward adds its 2."""
+    total = attention_total = 0.0
     stands_for: dict = {}
     for p in held:
         role = roles.roles.get(p.path)
@@ -572,9 +597,9 @@ def _flops(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> float:
         if attention.layer in stands_for:
             passes, tokens = step.passes(step.stage_axis is not None)
             recompute = 8 / 6 if step.recomputes(step.stage_axis is not None, attention.layer is not None) else 1.0
-            total += 3 * 4 * passes * tokens * step.seq * attention.width * recompute * stands_for[attention.layer] \
-                / _attention_ways(attention, held, roles, step)
-    return total
+            attention_total += 3 * 4 * passes * tokens * step.seq * attention.width * recompute * \
+                stands_for[attention.layer] / _attention_ways(attention, held, roles, step)
+    return total, attention_total
 
 
 def _attention_ways(attention, held, roles, step) -> int:
@@ -601,5 +626,16 @@ def _seconds(t: Transfer, step: _Step, profile: Profile, hosts: dict[str, int]) 
     n = step.ways(t.axes)
     factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "all-to-all": (n - 1) / n,
               "reduce-scatter": float(n - 1), "collective-permute": 1.0}[t.kind]
-    bandwidth = profile.inter_host_bandwidth if any(a in hosts for a in t.axes) else profile.intra_host_bandwidth
-    return t.count * (profile.collective_latency + factor * t.bytes / bandwidth)
+    return t.count * (profile.collective_latency + factor * t.bytes / _bandwidth(t.axes, n, profile, hosts))
+
+
+def _bandwidth(axes: tuple[str, ...], n: int, profile: Profile, hosts: dict[str, int]) -> float:
+    """Bytes/s one device moves in a collective over `axes`. Inside a host: its links. Across hosts,
+    NCCL-style rings cross between hosts once per ring and run one ring per device of the group
+    inside a host, each over that device's own link: k devices per host move k links' worth, up to
+    the links inside the host."""
+    spanned = math.prod(hosts.get(a, 1) for a in axes)
+    if spanned <= 1:
+        return profile.intra_host_bandwidth * profile.link_efficiency
+    local = max(1, n // spanned)
+    return min(profile.intra_host_bandwidth, local * profile.inter_host_bandwidth) * profile.link_efficiency

@@ -38,7 +38,9 @@ class Profile:
     peak_flops_by_dtype: dict[str, float] = dataclasses.field(default_factory=dict)
     matmul_efficiency: float = DEFAULT_MATMUL_EFFICIENCY    # share of peak a large matmul reaches
     link_efficiency: float = DEFAULT_LINK_EFFICIENCY        # share of link bandwidth a large collective reaches
+    attention_efficiency: float = DEFAULT_MATMUL_EFFICIENCY  # share of peak the attention's own matmuls reach
     attention: str = "materialised"  # "materialised": scores written to memory (XLA's attention); "fused": on chip
+    low_precision_native: bool = True   # bf16 compute keeps activations and their collectives in 2 bytes
     source: str = "built in"
 
     def flops_for(self, dtype: str) -> float:
@@ -65,7 +67,8 @@ PROFILES = {
         "copies through memory",
         peak_flops=220e9 / 8, memory_bytes=24 * GiB // 8, memory_bandwidth=4.8e9, intra_host_bandwidth=4.8e9,
         inter_host_bandwidth=1e9, collective_latency=50e-6, devices_per_host=8,
-        matmul_efficiency=1.0, link_efficiency=1.0),     # the figures above are measured, not datasheet peaks
+        matmul_efficiency=1.0, link_efficiency=1.0, attention_efficiency=1.0,  # measured figures, not peaks
+        low_precision_native=False),    # XLA on CPU computes and reduces bf16 in float32 (measured)
 }
 
 
@@ -110,6 +113,11 @@ class ProfileFile(BaseModel):
     matmul_efficiency: Share = Field(DEFAULT_MATMUL_EFFICIENCY, description="share of peak a large matmul reaches")
     link_efficiency: Share = Field(DEFAULT_LINK_EFFICIENCY,
                                    description="share of link bandwidth a large collective reaches")
+    attention_efficiency: Share | None = Field(
+        None, description="share of peak the attention's score and value matmuls reach (default: matmul_efficiency)")
+    low_precision_native: bool = Field(
+        True, description="bf16/fp16 compute keeps activations and their collectives in 2 bytes (false: the "
+                          "device computes and reduces them in float32, as XLA on CPU does)")
     attention: Literal["fused", "materialised"] = Field(
         "materialised", description="materialised: attention scores are written to memory and read back (XLA's "
                                     "attention); fused: they stay on chip (a flash-attention kernel)")
@@ -134,6 +142,8 @@ def load_profile(path: str | Path) -> Profile:
     found = validate_mapping(ProfileFile, data, file=str(path), positions=positions)
     values = found.model_dump()
     values["memory_bytes"] = int(values["memory_bytes"])
+    if values["attention_efficiency"] is None:
+        values["attention_efficiency"] = values["matmul_efficiency"]
     return Profile(**values, source=str(path))
 
 

@@ -1,0 +1,182 @@
+"""`auto` and the cost model against published large-scale training runs.
+
+Two published tables, each with its configurations and measured throughput per device:
+
+- Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+  Megatron-LM" (SC'21), Table 1: GPT models from 1.7B to 1T parameters on up to 3,072 A100 80GB
+  (Selene), vocabulary 51,200, sequence 2,048, tensor parallel inside a node, pipelines across
+  nodes, activation recomputation, fp16. Throughput is given in teraFLOP/s per GPU with the
+  paper's formula F = 96 B s l h^2 (1 + s/6h + V/16lh) per iteration (recomputation included);
+  tokens/s per GPU = that / (F / B s).
+- MosaicML llm-foundry, scripts/train/benchmarking/README.md, table "H100 80GB BF16": MPT models
+  trained with FSDP (FULL_SHARD) and flash attention, throughput in tokens/s per GPU. The rows
+  with gradient accumulation are modelled at their microbatch (batch = microbatch x GPUs): a plan
+  cannot say gradient accumulation, and each accumulated step does the same work per token.
+
+Each row is modelled twice with the hardware written as profile files (profiles/): the published
+configuration itself, and what `auto` picks (bf16 compute, 80 GB per device, 8 devices per host).
+The models are MiniGPT (GPT: layer norms, biases, GELU MLP 4x, untied head) at the published shapes.
+
+    python benchmarks/published_runs.py [--only megatron|mpt] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from shardplan.checks.paths import param_infos  # noqa: E402
+from shardplan.planner import auto  # noqa: E402
+from shardplan.planner.cost import Workload  # noqa: E402
+from shardplan.planner.profiles import load_profile  # noqa: E402
+from shardplan.planner.representative import Representative  # noqa: E402
+from shardplan.planner.roles import definition_order, recognise  # noqa: E402
+from shardplan.run.models import build_model  # noqa: E402
+
+TARGET = 0.25
+# (billions of parameters, heads, hidden, layers, tensor, pipeline, GPUs, batch, teraFLOP/s per GPU)
+MEGATRON = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+            (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+            (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+            (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+            (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]
+# (name, hidden, heads, layers, GPUs, microbatch per GPU, activation checkpointing, tokens/s per GPU)
+MPT = [("7b", 4096, 32, 32, 8, 6, False, 10643), ("13b", 5120, 40, 40, 64, 2, False, 4800),
+       ("30b", 7168, 64, 48, 32, 14, True, 2308), ("70b", 8192, 64, 80, 64, 8, True, 1039)]
+
+
+def megatron_rows():
+    profile = load_profile(REPO / "profiles" / "a100-80gb-selene.yaml")
+    for billions, heads, hidden, layers, tensor, pipeline, gpus, batch, tflops in MEGATRON:
+        seq, vocab = 2048, 51200
+        per_token = 96 * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+        data = gpus // (tensor * pipeline)
+        published = auto.Candidate(
+            {name: n for name, n in (("stage", pipeline), ("data", data), ("model", tensor)) if n > 1},
+            _hosts(pipeline, data, gpus), tensor > 1, tensor > 1, False, False,
+            "1f1b" if pipeline > 1 else None, batch // data if pipeline > 1 else 1, 1, "full", False, "bfloat16")
+        yield (f"GPT {billions:g}B", dict(vocab_size=vocab, maxlen=seq, embed_dim=hidden, num_heads=heads,
+                                          feed_forward_dim=4 * hidden, num_transformer_blocks=layers),
+               gpus, Workload(batch, seq), profile, published, tflops * 1e12 / per_token, megatron_2021)
+
+
+def megatron_2021(c: auto.Candidate) -> bool:
+    """What Megatron-LM had in 2021: tensor and pipeline parallelism, full recomputation; no
+    sharded weights or optimizer state, no sequence parallelism, no selective recomputation."""
+    return not (c.fsdp or c.zero1 or c.sequence) and c.remat == "full"
+
+
+def fsdp_only(c: auto.Candidate) -> bool:
+    """What the MPT runs used: FSDP over every device, no tensor or pipeline parallelism."""
+    return c.fsdp and not c.tensor and not c.schedule and c.remat in ("none", "full")
+
+
+def mpt_rows():
+    profile = load_profile(REPO / "profiles" / "h100-80gb-sxm.yaml")
+    for name, hidden, heads, layers, gpus, microbatch, checkpointing, tokens in MPT:
+        published = auto.Candidate({"data": gpus}, _hosts(1, gpus, gpus), False, False, True, False,
+                                   remat="full" if checkpointing else "none", compute="bfloat16")
+        yield (f"MPT {name}", dict(vocab_size=50368, maxlen=2048, embed_dim=hidden, num_heads=heads,
+                                   feed_forward_dim=4 * hidden, num_transformer_blocks=layers),
+               gpus, Workload(microbatch * gpus, 2048), profile, published, float(tokens), fsdp_only)
+
+
+def _hosts(stage: int, data: int, gpus: int) -> dict:
+    """Hosts of 8 over the stage axis first, then data (as `auto` would place them)."""
+    hosts = max(1, gpus // 8)
+    on_stage = min(stage, hosts)
+    while hosts % on_stage or stage % on_stage:
+        on_stage -= 1
+    on_data = hosts // on_stage
+    return {name: n for name, n in (("stage", on_stage), ("data", on_data)) if n > 1}
+
+
+def run_row(label, config, gpus, workload, profile, published, measured, toolbox=None):
+    order: list[str] = []
+    started = time.perf_counter()
+    model = build_model("minigpt_model:MiniGPT", config, on_built=lambda m: order.extend(definition_order(m)))
+    params = param_infos(model)
+    roles = recognise(params, order)
+    rep = Representative.of(params, roles)
+    _, theirs = auto.sketch(published, roles, rep, workload, profile)
+    tokens = workload.batch * workload.seq
+    row = {"model": label, "devices": gpus, "batch": workload.batch, "seq": workload.seq,
+           "published": {"tensor": published.axes.get("model", 1), "pipeline": published.axes.get("stage", 1),
+                         "rules": published.rules_label(), "tokens_per_s_per_device": measured,
+                         "modelled_tokens_per_s_per_device": tokens / theirs.step_s / gpus,
+                         "modelled_peak_bytes": theirs.peak_bytes}}
+    for key, only in (("auto", toolbox), ("auto_any", None)):
+        found = auto.search(params, roles, devices=gpus, workload=workload, profile=profile, memory=80 * 10**9,
+                            hosts=max(1, gpus // 8), compute="bfloat16", only=only)
+        best = found.best
+        row[key] = None if best is None else {
+            "tensor": best.candidate.axes.get("model", 1), "pipeline": best.candidate.axes.get("stage", 1),
+            "mesh": best.candidate.label(), "rules": best.candidate.rules_label(),
+            "modelled_tokens_per_s_per_device": tokens / best.estimate.step_s / gpus,
+            "modelled_peak_bytes": best.estimate.peak_bytes}
+    row["seconds"] = time.perf_counter() - started
+    return row
+
+
+def verdict(row) -> str:
+    """The targets: auto (with the run's own options) picks the same tensor degree and a pipeline
+    within 2x; the published configuration is modelled within 25% of its measured throughput."""
+    mine, theirs = row["auto"], row["published"]
+    misses = []
+    if mine is None:
+        misses.append("nothing fits")
+    elif mine["tensor"] != theirs["tensor"]:
+        misses.append("tensor")
+    if mine is not None and not theirs["pipeline"] / 2 <= mine["pipeline"] <= theirs["pipeline"] * 2:
+        misses.append("pipeline")
+    if abs(theirs["modelled_tokens_per_s_per_device"] / theirs["tokens_per_s_per_device"] - 1) > TARGET:
+        misses.append("throughput")
+    return "ok" if not misses else "misses " + ", ".join(misses)
+
+
+def _shape(pick) -> str:
+    return f"{pick['tensor']}/{pick['pipeline']}" if pick else "-"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", choices=["megatron", "mpt"])
+    parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    args = parser.parse_args()
+    sources = [("megatron", megatron_rows), ("mpt", mpt_rows)]
+    rows = []
+    print("tokens/s per GPU: measured, modelled for the published configuration, modelled for auto's picks "
+          "(with the run's own options / with every option); TP/PP: tensor and pipeline degrees\n")
+    print(f"{'model':10} {'GPUs':>5} {'TP/PP':>6} {'auto':>6} {'any':>6}  {'measured':>8} {'modelled':>8} {'err':>5} "
+          f"{'auto':>7} {'any':>7} {'s':>5}  verdict; auto's plan with any option")
+    for name, source in sources:
+        if args.only and args.only != name:
+            continue
+        for spec in source():
+            row = run_row(*spec)
+            rows.append(row)
+            theirs, mine, other = row["published"], row["auto"], row["auto_any"]
+            measured = theirs["tokens_per_s_per_device"]
+            modelled = theirs["modelled_tokens_per_s_per_device"]
+            picks = [f"{p['modelled_tokens_per_s_per_device']:>7.0f}" if p else f"{'-':>7}" for p in (mine, other)]
+            print(f"{row['model']:10} {row['devices']:>5} {_shape(theirs):>6} {_shape(mine):>6} {_shape(other):>6}  "
+                  f"{measured:>8.0f} {modelled:>8.0f} {modelled / measured - 1:>+5.0%} {picks[0]} {picks[1]} "
+                  f"{row['seconds']:>5.1f}  {verdict(row)}; "
+                  f"{other['mesh'] + ', ' + other['rules'] if other else ''}", flush=True)
+    ok = sum(verdict(r) == "ok" for r in rows)
+    worst = max((abs(r["published"]["modelled_tokens_per_s_per_device"] / r["published"]["tokens_per_s_per_device"] - 1)
+                 for r in rows), default=0.0)
+    print(f"\n{ok} of {len(rows)} rows meet every target; worst throughput error of the published configurations "
+          f"modelled: {worst:.0%} (target {TARGET:.0%})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

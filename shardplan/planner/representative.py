@@ -1,0 +1,78 @@
+"""Lay a candidate out on one layer standing for all: what makes `auto` linear in depth. Pure.
+
+When the repeated layers share one structure (the same relative paths, shapes and dtypes), the
+cost of a plan is the cost of the parameters outside the layers plus that of one layer times the
+layers a device holds (`estimate(..., counts=)`). `auto` ranks every candidate this way and checks
+the few it shows in full (`check_params` on every parameter); a test holds the two equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from shardplan.checks.layout import ParamLayout, shard_shape, zero1_spec
+from shardplan.checks.paths import ParamInfo
+from shardplan.checks.stages import StageMap
+from shardplan.checks.validate import data_axes
+from shardplan.plan.schema import Plan, normalize_spec
+from shardplan.planner.roles import ModelRoles
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Representative:
+    params: list[ParamInfo]     # the parameters outside the layers, and layer 0's (or all, when layers differ)
+    layer_paths: frozenset[str]  # which of them stand for a parameter of every layer
+    layer_count: int            # 0: no repeated layers, or layers that differ (nothing stands for others)
+
+    @classmethod
+    def of(cls, params: list[ParamInfo], roles: ModelRoles) -> "Representative":
+        if not roles.layers or roles.layer_count < 2:
+            return cls(list(params), frozenset(), 0)
+        pattern = re.compile(rf"{re.escape(roles.layers)}/(\d+)/(.*)")
+        by_layer: dict[int, list[tuple[str, tuple, str]]] = {}
+        outside = []
+        for p in params:
+            found = pattern.fullmatch(p.path)
+            if found:
+                by_layer.setdefault(int(found.group(1)), []).append((found.group(2), p.shape, p.dtype.name))
+            else:
+                outside.append(p)
+        structures = {tuple(sorted(entries)) for entries in by_layer.values()}
+        if len(structures) != 1 or len(by_layer) != roles.layer_count:
+            return cls(list(params), frozenset(), 0)
+        first = [p for p in params if p.path.startswith(f"{roles.layers}/0/")]
+        return cls(outside + first, frozenset(p.path for p in first), roles.layer_count)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Layout:
+    """What `estimate` reads of a checked plan (`Report` has the same fields)."""
+
+    plan: Plan
+    axes: dict[str, int]
+    stage_map: StageMap | None
+    params: list[ParamLayout]
+
+
+def lay_out(plan: Plan, specs: dict[str, list], rep: Representative, sizes: dict[str, int],
+            roles: ModelRoles) -> tuple[Layout, dict[str, int] | None]:
+    """(layout of the representative parameters under `plan`, counts for `estimate`)."""
+    pipe = plan.pipeline
+    stages = sizes[pipe.axis] if pipe else 1
+    virtual = pipe.virtual_stages if pipe else 1
+    stage_map = None
+    if pipe:
+        per_chunk = roles.layer_count // (stages * virtual)
+        stage_map = StageMap(pipe.layers, tuple((i // per_chunk) % stages for i in range(roles.layer_count)),
+                             stages, virtual)
+    data = data_axes(plan, sizes) if plan.optimizer == "zero1" else ()
+    layouts = []
+    for p in rep.params:
+        spec = normalize_spec(specs[p.path])
+        opt_spec = zero1_spec(p.shape, spec, sizes, data)
+        stage = (0 if p.path in rep.layer_paths else stage_map.stage_of_path(p.path)) if stage_map else None
+        layouts.append(ParamLayout(p.path, p.shape, p.dtype.name, p.dtype.itemsize, spec, opt_spec, None, None,
+                                   shard_shape(p.shape, spec, sizes), shard_shape(p.shape, opt_spec, sizes), stage))
+    counts = {path: rep.layer_count // stages for path in rep.layer_paths} if rep.layer_count else None
+    return Layout(plan, sizes, stage_map, layouts), counts
