@@ -144,6 +144,13 @@ def search(params: list[ParamInfo], roles: ModelRoles, *, devices: int, workload
         heapq.heappush(slowest, -cost.step_s)
         if len(slowest) > keep:
             heapq.heappop(slowest)
+    # Sequence parallelism only where memory needs it: its cost is modelled as Megatron's, and XLA's
+    # partitioner was measured to move more (a caveat on every such estimate).
+    plain = {repr(c) for _, _, c, _ in fitting if not c.sequence}
+    twin_fits = [t[2].sequence and repr(dataclasses.replace(t[2], sequence=False)) in plain for t in fitting]
+    rejected += [Ranked(t[2], None, None, t[3], "sequence parallelism not needed: fits without it")
+                 for t, drop in zip(fitting, twin_fits) if drop]
+    fitting = [t for t, drop in zip(fitting, twin_fits) if not drop]
     fitting.sort(key=lambda t: (round(t[0], 12), t[3].collective_bytes, len(t[2].axes), t[2].zero1, t[2].fsdp,
                                 t[2].remat != "none", t[2].sequence, t[1]))
     ranked = []

@@ -95,10 +95,12 @@ class Estimate:
 
     @property
     def peak_bytes(self) -> int:
-        """Arguments, the compute copy, and the larger of the backward's two ends: every activation
-        kept with the head's gradients made first, or every gradient with the activations freed."""
+        """Arguments, the compute copy, and the larger of the step's two high points: the backward's
+        start (every activation kept, the head's gradients made), or the update (every gradient, and
+        the optimizer's new moments before they replace the old: measured, XLA does not update them
+        in place)."""
         return self.argument_bytes + self.compute_copy_bytes + max(self.activation_bytes + self.early_grad_bytes,
-                                                                   self.grad_bytes)
+                                                                   self.grad_bytes + self.optimizer_bytes)
 
     @property
     def collective_bytes(self) -> int:
