@@ -16,7 +16,7 @@ from shardplan.checks.paths import param_infos
 from shardplan.planner import auto
 from shardplan.planner.cost import Workload, estimate
 from shardplan.planner.profiles import get_profile
-from shardplan.planner.representative import Representative, lay_out
+from shardplan.planner.representative import Representative
 from shardplan.planner.roles import abstract_with_roles, recognise_module
 from shardplan.run.measure import measure
 

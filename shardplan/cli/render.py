@@ -339,7 +339,7 @@ def render_estimate(console: Console, workload, profile, cost) -> None:
                   f"{cost.compute_s * 1e3:.2f} ms{bubble} + communication {cost.exposed_communication_s * 1e3:.2f} ms"
                   + (f" ({hidden * 1e3:.2f} ms more runs during the backward)" if hidden > 0 else ""))
     for caveat in cost.caveats:
-        console.print(Text.assemble(("  approximate: ", "bold yellow"), caveat), soft_wrap=True)
+        console.print(Text.assemble(("  approximate: ", "bold yellow"), caveat))     # wrapped at the width
 
 
 

@@ -446,7 +446,7 @@ def why_lost(loser: Ranked, winner: Ranked) -> str:
     a, b = loser.estimate, winner.estimate
     if loser is winner:
         return "chosen"
-    gaps = {"communication": a.communication_s - b.communication_s,
+    gaps = {"communication": a.exposed_communication_s - b.exposed_communication_s,
             "pipeline bubble": a.compute_s - a.compute_s * (1 - a.bubble) - (b.compute_s - b.compute_s * (1 - b.bubble)),
             "compute": a.compute_s * (1 - a.bubble) - b.compute_s * (1 - b.bubble)}
     reason, gap = max(gaps.items(), key=lambda kv: kv[1])
@@ -489,8 +489,8 @@ def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 
              f"{human_bytes(cost.param_bytes)}, optimizer {human_bytes(cost.optimizer_bytes)}, activations "
              f"{human_bytes(cost.activation_bytes)}),",
              f"# {human_bytes(cost.collective_bytes)} moved in {cost.collective_count} collectives, "
-             f"step {seconds(cost.step_s)} (compute {seconds(cost.compute_s)}, communication "
-             f"{seconds(cost.communication_s)}).",
+             f"step {seconds(cost.step_s)} (compute {seconds(cost.compute_s)}, communication not hidden by it "
+             f"{seconds(cost.exposed_communication_s)}).",
              "# Runners-up:"]
     for other in found.ranked[1:1 + runners_up]:
         lines.append(f"#   {other.candidate.label()}, {other.candidate.rules_label()}: "

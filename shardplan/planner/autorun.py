@@ -150,7 +150,7 @@ def _rerank(found: planner.Search, measured: dict) -> planner.Search:
             rejected.append(dataclasses.replace(item, rejected="compiled memory over the budget"))
             continue
         scale = got.collectives.total_bytes / cost.collective_bytes if cost.collective_bytes else 1.0
-        ranked.append((item, cost.compute_s + cost.communication_s * scale))
+        ranked.append((item, cost.compute_s + cost.exposed_communication_s * scale))
     measured_first = sorted(ranked, key=lambda pair: pair[1])
     return dataclasses.replace(found, ranked=[item for item, _ in measured_first], rejected=rejected)
 
@@ -186,7 +186,7 @@ def _print_table(console: Console, found: planner.Search, measured: dict, top: i
                       "shown plans'")
     if best is not None:
         for caveat in best.estimate.caveats:
-            console.print(Text.assemble(("approximate: ", "bold yellow"), caveat), soft_wrap=True)
+            console.print(Text.assemble(("approximate: ", "bold yellow"), caveat))
     if measured:
         console.print(f"{len(measured)} candidates compiled on simulated devices and re-ranked with the compiler's "
                       "collective bytes and memory")
