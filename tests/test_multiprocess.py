@@ -59,7 +59,7 @@ def test_local_launcher_two_processes_match_one(tmp_path):
 
 def test_killed_process_fails_the_run_by_name_and_resume_finishes_it(tmp_path):
     out = tmp_path / "run"
-    launcher = subprocess.Popen([*LAUNCH, "--local", "2", "--", *train_args(out, 30)], cwd=REPO, env=env(),
+    launcher = subprocess.Popen([*LAUNCH, "--local", "2", "--", *train_args(out, 20)], cwd=REPO, env=env(),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     pids = {}
     while len(pids) < 2:
@@ -79,15 +79,15 @@ def test_killed_process_fails_the_run_by_name_and_resume_finishes_it(tmp_path):
     assert "process 1 was killed by signal SIGKILL" in rest
     print(f"launcher gave up {elapsed:.1f} s after the kill")
     assert elapsed < FAILURE_BOUND_S, f"the launcher took {elapsed:.1f} s to give up"
-    assert max(losses_of(out)) < 30
+    assert max(losses_of(out)) < 20
 
-    resumed = subprocess.run([*LAUNCH, "--local", "2", "--", *train_args(out, 30, "--resume")], cwd=REPO,
+    resumed = subprocess.run([*LAUNCH, "--local", "2", "--", *train_args(out, 20, "--resume")], cwd=REPO,
                              env=env(), capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert "resumed from step" in resumed.stdout
     final = losses_of(out)
-    assert sorted(final) == list(range(1, 31))
-    np.testing.assert_allclose(final[30], one_process(tmp_path, 30)[30], rtol=1e-5)
+    assert sorted(final) == list(range(1, 21))
+    np.testing.assert_allclose(final[20], one_process(tmp_path, 20)[20], rtol=1e-5)
 
 
 def test_ray_launcher_two_workers_match_one_process(tmp_path):

@@ -101,7 +101,7 @@ def _cli_train(out, steps, *extra):
 
 
 def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
-    steps = 60
+    steps = 30
     killed = tmp_path / "killed"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(_cli_train(killed, steps), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
