@@ -100,7 +100,8 @@ def held_out(count: int, batch: int, seq: int) -> list[dict]:
 
     config = dict(vocab=8192, dim=256, heads=8, kv_heads=2, hidden=768, layers=4)
     abstract, roles = abstract_with_roles(lambda: Llama(**config, rngs=nnx.Rngs(0)))
-    found = search(param_infos(abstract), roles, devices=8, workload=Workload(batch, seq), profile=get_profile("cpu"))
+    found = search(param_infos(abstract), roles, devices=8, workload=Workload(batch, seq), profile=get_profile("cpu"),
+                   keep=10_000)     # every candidate checked in full: the pipelines are picked from them
     picked, seen = [], set()
     for ranked in found.ranked:
         key = (ranked.candidate.label(), ranked.candidate.tensor, ranked.candidate.vocab, ranked.candidate.fsdp,
@@ -133,7 +134,8 @@ def heads_first(count: int, batch: int, seq: int) -> list[dict]:
 
     config = GemmaConfig(vocab=8192, embed=256, heads=8, kv_heads=4, head_dim=32, hidden=768, layers=4, window=32)
     abstract, roles = abstract_with_roles(lambda: GemmaLike(config, rngs=nnx.Rngs(0)))
-    found = search(param_infos(abstract), roles, devices=8, workload=Workload(batch, seq), profile=get_profile("cpu"))
+    found = search(param_infos(abstract), roles, devices=8, workload=Workload(batch, seq), profile=get_profile("cpu"),
+                   keep=10_000)     # every candidate checked in full: the pipelines are picked from them
     picked = []
     for ranked in found.ranked:
         if ranked.candidate.schedule is None and len(picked) < count:

@@ -80,6 +80,8 @@ class Estimate:
     step_s: float               # compute over the bubble, plus the communication compute does not hide
     compute_copy_bytes: int = 0  # parameters cast to the compute dtype for the step
     early_grad_bytes: int = 0   # gradients made while every activation is still kept: the head's
+    gathered_bytes: int = 0     # FSDP: weights gathered whole for use (outside the layers, and two layers')
+    regathered_bytes: int = 0   # ZeRO-1: updated parameters gathered whole before they replace the old
     exposed_communication_s: float = 0.0
     caveats: tuple[str, ...] = ()   # what this layout has that the model does not know: figures approximate
 
@@ -99,8 +101,9 @@ class Estimate:
         start (every activation kept, the head's gradients made), or the update (every gradient, and
         the optimizer's new moments before they replace the old: measured, XLA does not update them
         in place)."""
-        return self.argument_bytes + self.compute_copy_bytes + max(self.activation_bytes + self.early_grad_bytes,
-                                                                   self.grad_bytes + self.optimizer_bytes)
+        return self.argument_bytes + self.compute_copy_bytes + max(
+            self.activation_bytes + self.early_grad_bytes + self.gathered_bytes,
+            self.grad_bytes + self.optimizer_bytes + self.regathered_bytes)
 
     @property
     def collective_bytes(self) -> int:
@@ -129,6 +132,7 @@ class Estimate:
                 "collective_bytes": self.collective_bytes, "collective_count": self.collective_count,
                 "collectives": [dataclasses.asdict(t) for t in self.transfers],
                 "compute_copy_bytes": self.compute_copy_bytes, "early_grad_bytes": self.early_grad_bytes,
+                "gathered_bytes": self.gathered_bytes, "regathered_bytes": self.regathered_bytes,
                 "flops": self.flops, "compute_s": self.compute_s, "communication_s": self.communication_s,
                 "exposed_communication_s": self.exposed_communication_s,
                 "bubble": self.bubble, "step_s": self.step_s, "caveats": list(self.caveats)}
@@ -223,6 +227,15 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
     if options.compute_itemsize != param_itemsize:
         compute_copy = sum(math.prod(p.shard_shape) * step.count(p.path) for p in held) * options.compute_itemsize
     early_grads = sum(p.bytes_per_device for p in held if p.path in roles.after_layers)
+    gathered = regathered = 0
+    for p in held:
+        fsdp = step.ways(tuple(a for a in spec_axes(p.spec) if a in batch_axes))
+        if fsdp > 1 and roles.layer_of(p.path) is not None:
+            # gathered whole in the compute dtype; a good schedule holds two layers' at a time (an FSDP
+            # embedding or head moves activations instead, see `_matrix_transfers`)
+            gathered += math.prod(p.shard_shape) * fsdp * min(p.itemsize, itemsize) * min(2, step.count(p.path))
+        if p.opt_spec != p.spec:
+            regathered += p.bytes_per_device * step.count(p.path)
     matmul_flops, attention_flops = _flops(held, roles, step)
     flops = matmul_flops + attention_flops
     bubble = _bubble(step)
@@ -242,7 +255,7 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
     exposed = communication_s - hidden + max(0.0, hidden - BACKWARD_SHARE * compute_s)
     return Estimate(param_bytes, optimizer_bytes, 2 * step.tokens * TOKEN_BYTES, stored, remat,
                     microbatch, microbatch_remat, tuple(transfers), flops, compute_s, communication_s, bubble,
-                    compute_s + exposed, compute_copy, early_grads, exposed,
+                    compute_s + exposed, compute_copy, early_grads, gathered, regathered, exposed,
                     options.caveats + _layout_caveats(held, roles))
 
 
@@ -516,6 +529,11 @@ def _per_token(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple
                 size, out = size * LOGIT_COPIES, out * LOGIT_COPIES
         full[layer] = full.get(layer, 0.0) + size
         dots[layer] = dots.get(layer, 0.0) + out
+        if p.path in roles.tied:        # its second use: the logits, a head of the whole vocabulary
+            vocab = p.shape[role.in_dims[0]] / _tensor_ways(p, role.in_dims, step)
+            logits = (step.width + vocab) * b * LOGIT_COPIES
+            full["after"] = full.get("after", 0.0) + logits
+            dots["after"] = dots.get("after", 0.0) + logits
     held_layers = {roles.layer_of(p.path) for p in held} - {None}
     for attention in roles.attention:
         if step.attention_stored and (attention.layer in held_layers or
