@@ -76,13 +76,14 @@ def test_ranking_on_one_layer_equals_the_full_check(name):
     if name == "minigpt":
         build = lambda: minigpt_model.MiniGPT(**MINIGPT, rngs=nnx.Rngs(0))  # noqa: E731
     else:
-        build = lambda: Llama(vocab=128, dim=64, heads=8, kv_heads=2, hidden=128, layers=4, rngs=nnx.Rngs(0))  # noqa: E731
+        # wide enough that FSDP splits the layers' matrices too (at least FSDP_MIN_BYTES)
+        build = lambda: Llama(vocab=512, dim=128, heads=8, kv_heads=2, hidden=256, layers=4, rngs=nnx.Rngs(0))  # noqa: E731
     model, roles = abstract_with_roles(build)
     params = param_infos(model)
     rep = Representative.of(params, roles)
     assert len(rep.params) < len(params) and rep.layer_count == 4
     workload, profile = Workload(BATCH, SEQ), get_profile("h200")
-    compared = 0
+    compared = gathered = 0
     for n, candidate in enumerate(auto.candidates(roles, 8, 2, workload, compute="bfloat16")):
         if n % 9:
             continue
@@ -97,7 +98,8 @@ def test_ranking_on_one_layer_equals_the_full_check(name):
                 assert a[key] == pytest.approx(value, rel=1e-9), (candidate.label(), candidate.rules_label(), key)
         assert fast.by_kind(axes=True) == full.estimate.by_kind(axes=True)
         compared += 1
-    assert compared > 20
+        gathered += fast.gathered_bytes > 0
+    assert compared > 20 and (gathered or name == "minigpt")
 
 
 def test_layers_that_differ_are_all_laid_out():

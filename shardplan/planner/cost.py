@@ -230,10 +230,13 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
     gathered = regathered = 0
     for p in held:
         fsdp = step.ways(tuple(a for a in spec_axes(p.spec) if a in batch_axes))
-        if fsdp > 1 and roles.layer_of(p.path) is not None:
+        layer = roles.layer_of(p.path)
+        if fsdp > 1 and layer is not None:
             # gathered whole in the compute dtype; a good schedule holds two layers' at a time (an FSDP
             # embedding or head moves activations instead, see `_matrix_transfers`)
-            gathered += math.prod(p.shard_shape) * fsdp * min(p.itemsize, itemsize) * min(2, step.count(p.path))
+            count = step.count(p.path)
+            twice = min(2, count) if count > 1 else int(layer < 2)     # one layer for all, or each layer
+            gathered += math.prod(p.shard_shape) * fsdp * min(p.itemsize, itemsize) * twice
         if p.opt_spec != p.spec:
             regathered += p.bytes_per_device * step.count(p.path)
     matmul_flops, attention_flops = _flops(held, roles, step)
