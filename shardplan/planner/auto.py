@@ -114,7 +114,8 @@ def search(params: list[ParamInfo], roles: ModelRoles, *, devices: int, workload
     pipeline bubble); once `keep` plans fit and the next bound exceeds the slowest of them, the
     rest cannot rank and are not costed. `pipelines=False`: none with a pipeline, for a model that
     cannot run its layers as one. `margin`: the share of the budget kept free, for what the memory
-    model does not count. `progress(done, total)` is called as candidates are costed.
+    model does not count. `progress(done, total)` is called as candidates are costed. `only(candidate)`:
+    consider only the candidates it accepts (e.g. the options a published run had).
     """
     import heapq
     budget = memory if memory is not None else profile.memory_bytes
@@ -163,9 +164,7 @@ def search(params: list[ParamInfo], roles: ModelRoles, *, devices: int, workload
         elif checked.estimate.peak_bytes > usable:
             rejected.append(dataclasses.replace(checked, rejected="over the memory budget"))
         else:
-            ranked.append(checked)
-    ranked.sort(key=lambda r: (round(r.estimate.step_s, 12), r.estimate.collective_bytes, len(r.candidate.axes),
-                               r.candidate.zero1, r.candidate.fsdp))
+            ranked.append(checked)      # in the order above: the full cost equals the one-layer cost (tested)
     return Search(ranked, rejected, params, roles, workload, profile, budget, usable, len(fitting), pruned)
 
 
