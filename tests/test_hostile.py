@@ -524,3 +524,32 @@ def test_every_shipped_plan_on_the_wrong_device_count_is_an_error_not_a_crash(na
                               *trust)
             assert code in (0, 1), (devices, extra, text)
             no_bug(code, text)
+
+
+PROFILE_TEXT = [(REPO / "profiles" / name).read_text() for name in ("a100-80gb-selene.yaml", "h100-80gb-sxm.yaml")]
+
+
+@st.composite
+def mutated_profile(draw):
+    text = draw(st.sampled_from(PROFILE_TEXT))
+    for _ in range(draw(st.integers(1, 4))):
+        at = draw(st.integers(0, len(text)))
+        cut = draw(st.integers(0, 12))
+        text = text[:at] + draw(st.sampled_from(WORDS + ["-1", "1.5", "80GiB", "lots", "1e400", "nan"])) + text[at + cut:]
+    return text
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(profile=mutated_profile(), extra=st.sampled_from([[], ["--compute-dtype", "bfloat16"],
+                                                         ["--memory-margin", "1.5"], ["--memory-margin", "0.5"]]))
+def test_mutated_profile_files_are_diagnostics_never_crashes(tmp_path_factory, capsys, profile, extra):
+    folder = tmp_path_factory.mktemp("profile")
+    path = folder / "profile.yaml"
+    path.write_text(profile)
+    code, text = call(shardplan_cli.main, capsys, "profiles", path)
+    assert code in (0, 1, 2), text
+    no_bug(code, text)
+    code, text = call(shardplan_cli.main, capsys, "auto", "--model", "minigpt_model:MiniGPT", *MINIGPT_TINY,
+                      "--devices", "8", "--profile", path, "-o", folder / "auto.yaml", *extra)
+    assert code in (0, 1, 2), text
+    no_bug(code, text)
