@@ -77,7 +77,8 @@ def test_ranking_on_one_layer_equals_the_full_check(name):
         build = lambda: minigpt_model.MiniGPT(**MINIGPT, rngs=nnx.Rngs(0))  # noqa: E731
     else:
         # wide enough that FSDP splits the layers' matrices too (at least FSDP_MIN_BYTES)
-        build = lambda: Llama(vocab=512, dim=128, heads=8, kv_heads=2, hidden=256, layers=4, rngs=nnx.Rngs(0))  # noqa: E731
+        build = lambda: Llama(vocab=512, dim=128, heads=8, kv_heads=2, hidden=256, layers=4,  # noqa: E731
+                              rngs=nnx.Rngs(0))
     model, roles = abstract_with_roles(build)
     params = param_infos(model)
     rep = Representative.of(params, roles)
@@ -118,7 +119,8 @@ def test_auto_plans_with_remat_and_sequence_parallelism_validate_and_train_like_
     if name == "minigpt":
         build = lambda: minigpt_model.MiniGPT(**MINIGPT, rngs=nnx.Rngs(0))  # noqa: E731
     else:
-        build = lambda: Llama(vocab=128, dim=64, heads=8, kv_heads=2, hidden=128, layers=2, rngs=nnx.Rngs(0))  # noqa: E731
+        build = lambda: Llama(vocab=128, dim=64, heads=8, kv_heads=2, hidden=128, layers=2,  # noqa: E731
+                              rngs=nnx.Rngs(0))
     model, roles = abstract_with_roles(build)
     found = auto.search(param_infos(model), roles, devices=8, workload=Workload(BATCH, SEQ),
                         profile=get_profile("cpu"), only=lambda c: c.remat == "full" and c.sequence)

@@ -353,8 +353,8 @@ def render_profiles(console: Console, profiles) -> None:
                      f"{p.intra_host_bandwidth / 1e9:g} / {p.inter_host_bandwidth / 1e9:g}", str(p.devices_per_host),
                      f"{p.matmul_efficiency:g} / {p.attention_efficiency:g} / {p.link_efficiency:g}",
                      f"{p.collective_latency * 1e6:g}", p.attention])
-    print_fitted(console, "device profiles", ["name", "peak TFLOP/s", "memory", "memory GB/s",
-                                              "links GB/s (host / between)", "per host", "share: matmul / attention / link",
-                                              "latency us", "attention"], rows)
+    columns = ["name", "peak TFLOP/s", "memory", "memory GB/s", "links GB/s (host / between)", "per host",
+               "share: matmul / attention / link", "latency us", "attention"]
+    print_fitted(console, "device profiles", columns, rows)
     for p in profiles:
         console.print(Text.assemble((f"{p.name}", "bold"), f" ({p.source}): {p.description}"), soft_wrap=True)

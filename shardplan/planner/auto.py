@@ -478,7 +478,8 @@ def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 
     from shardplan.checks.layout import human_bytes
     c, cost = chosen.candidate, chosen.estimate
     lines = [f"# Written by: {command}",
-             f"# Chosen among {found.fitting} candidates whose modelled peak fits {human_bytes(found.usable)} per device "
+             f"# Chosen among {found.fitting} candidates whose modelled peak fits {human_bytes(found.usable)} "
+             "per device "
              f"(the budget {human_bytes(found.memory)} less a {1 - found.usable / found.memory:.0%} safety margin;",
              f"# {len(found.rejected)} more were invalid or too big, {found.pruned} could not beat these and were "
              "not costed),",

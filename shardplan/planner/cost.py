@@ -1,7 +1,13 @@
 """Cost model of one training step under a plan: bytes, communication, FLOPs and a modelled time. Pure.
 
 Everything is per device, for the device holding the first pipeline stage (stages are balanced),
-for a language-model step: `batch` sequences of `seq` tokens, cross-entropy loss, AdamW.
+for a language-model step: `batch` sequences of `seq` tokens, cross-entropy loss, AdamW. The plan's
+step sections count too: `remat` (what the layers keep, what the backward recomputes), `precision`
+(the compute dtype's peak, its copy of the parameters, 2-byte activations where the device computes
+it natively) and `activations` (sequence parallelism, modelled as Megatron's and flagged). Time is
+matmul FLOPs at the profile's achievable rate, elementwise bytes at memory bandwidth, collectives at
+the achievable link rate (hierarchical across hosts), with the data-parallel gradient reduction
+hidden behind the backward outside pipelines. See the README for what is not modelled.
 
 Communication follows what XLA's SPMD partitioner emits for each layout, as measured on the
 compiled HLO (`benchmarks/cost_model.py` keeps it honest):
@@ -80,7 +86,7 @@ class Estimate:
     step_s: float               # compute over the bubble, plus the communication compute does not hide
     compute_copy_bytes: int = 0  # parameters cast to the compute dtype for the step
     early_grad_bytes: int = 0   # gradients made while every activation is still kept: the head's
-    gathered_bytes: int = 0     # FSDP: weights gathered whole for use (outside the layers, and two layers')
+    gathered_bytes: int = 0     # FSDP: the layers' weights gathered whole for use, two layers at a time
     regathered_bytes: int = 0   # ZeRO-1: updated parameters gathered whole before they replace the old
     exposed_communication_s: float = 0.0
     caveats: tuple[str, ...] = ()   # what this layout has that the model does not know: figures approximate
@@ -313,7 +319,7 @@ def _layout_caveats(held, roles: ModelRoles) -> tuple[str, ...]:
         role = roles.roles.get(p.path)
         if role is not None and role.kind == EMBEDDING and sum(1 for entry in p.spec if entry) > 1:
             return (f"{p.path} is split on both dims {format_spec(p.spec)}; XLA adds gathers and an all-to-all "
-                    "the cost model does not count (measured: 3.3x the modelled bytes)",)
+                    "the cost model does not count (measured: about 3.5x the modelled bytes)",)
     return ()
 
 
@@ -349,7 +355,7 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
         if gathered:
             # 1F1B runs the head inside the pipeline, whole: its split weight is gathered once per step
             mine.append(Transfer("all-gather", _split_axes(p, tuple(range(len(p.shape))), step.batch_axes),
-                                      p.bytes_per_device + gathered, 1, f"{p.path}: 1F1B head gathered for the step"))
+                                 p.bytes_per_device + gathered, 1, f"{p.path}: 1F1B head gathered for the step"))
         elif role.kind in (EMBEDDING, COLUMN, ROW, MATMUL):
             found, moved_activations = _matrix_transfers(p, role, step, staged, in_layer)
             mine += found
@@ -365,15 +371,14 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
             continue                            # its whole gradient was all-reduced with the gather
         if p.opt_spec != p.spec:            # ZeRO-1 updates a shard, then gathers the parameter
             extra = tuple(a for a in spec_axes(p.opt_spec) if a not in axes)
-            mine.append(Transfer("all-gather", extra, p.bytes_per_device, 1,
-                                      f"{p.path}: ZeRO-1 update gathered"))
+            mine.append(Transfer("all-gather", extra, p.bytes_per_device, 1, f"{p.path}: ZeRO-1 update gathered"))
             in_loop = step.schedule == "1f1b" and p.path in after
             if role.kind == COLUMN and not role.closes and extra and not in_loop:
                 # XLA gathers the head's input activations and computes each shard's gradient whole
                 passes, tokens = step.passes(staged)
                 n_in = math.prod(p.shape[d] for d in role.in_dims)
                 mine.append(Transfer("all-gather", extra, int(tokens * step.ways(extra) * n_in * step.itemsize),
-                                          passes, f"{p.path}: ZeRO-1 head activations gathered"))
+                                     passes, f"{p.path}: ZeRO-1 head activations gathered"))
                 reduce_over = tuple(a for a in reduce_over if a not in extra)
         # a gathered head's gradient is computed, reduced and moved whole inside the pipeline
         size = p.bytes_per_device + gathered
@@ -384,10 +389,9 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
             # a tied embedding's two uses (lookup, logits) are reduced separately
             reductions[key] = reductions.get(key, 0) + size * count * (2 if p.path in roles.tied else 1)
         if head:
-            mine.append(Transfer("all-reduce", (step.stage_axis,), size, 1,
-                                      f"{p.path}: 1F1B head reduced over stages"))
+            mine.append(Transfer("all-reduce", (step.stage_axis,), size, 1, f"{p.path}: 1F1B head reduced over stages"))
             mine.append(Transfer("collective-permute", (step.stage_axis,), size, 1,
-                                      f"{p.path}: 1F1B head moved to the first stage"))
+                                 f"{p.path}: 1F1B head moved to the first stage"))
         transfers += _times(mine, count)
     for (axes, ops), nbytes in reductions.items():
         what = GRADIENT_REDUCTION + (", inside the pipeline loop" if ops > 1 else "")
