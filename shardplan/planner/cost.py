@@ -536,8 +536,9 @@ def _per_token(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple
                 size, out = size * LOGIT_COPIES, out * LOGIT_COPIES
         full[layer] = full.get(layer, 0.0) + size
         dots[layer] = dots.get(layer, 0.0) + out
-        if p.path in roles.tied:        # its second use: the logits, a head of the whole vocabulary
-            vocab = p.shape[role.in_dims[0]] / _tensor_ways(p, role.in_dims, step)
+        if p.path in roles.tied:        # its second use: the logits (a 1F1B head runs gathered, whole)
+            vocab = p.shape[role.in_dims[0]] / (1 if step.schedule == "1f1b" else
+                                                _tensor_ways(p, role.in_dims, step))
             logits = (step.width + vocab) * b * LOGIT_COPIES
             full["after"] = full.get("after", 0.0) + logits
             dots["after"] = dots.get("after", 0.0) + logits
