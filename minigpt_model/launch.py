@@ -8,6 +8,7 @@ period (they would otherwise wait for JAX's heartbeat timeout), and the launcher
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -38,9 +39,14 @@ def describe_exit(code: int) -> str:
     return f"exited with status {code}"
 
 
+# gloo prints from several threads at once, so its messages can interleave mid-line: a line may hold
+# one after another's start, or be the tail of one (`  peer ranks. Expected number of connected ...`).
+_GLOO_CHATTER = re.compile(r"\[Gloo\]|connected peer ranks is\s*:")
+
+
 def is_noise(line: str) -> bool:
     """Third-party chatter a run prints per connection (gloo: `[Gloo] Rank 3 is connected to 1 peer ranks`)."""
-    return line.startswith("[Gloo]")
+    return _GLOO_CHATTER.search(line) is not None
 
 
 def launch_local(count: int, train_args: list[str], *, devices_per_process: int | None,
