@@ -88,7 +88,7 @@ def mpt_rows():
 
 
 def _hosts(stage: int, data: int, gpus: int) -> dict:
-    """Hosts of 8 over the stage axis first, then data (as `auto` would place them)."""
+    """Hosts of 8 spread over the stage axis first, then data (one of the placements `auto` tries)."""
     hosts = max(1, gpus // 8)
     on_stage = min(stage, hosts)
     while hosts % on_stage or stage % on_stage:

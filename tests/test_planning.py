@@ -25,6 +25,12 @@ from test_auto import BATCH, MINIGPT, SEQ, _losses, _single_device_losses, _writ
 
 REPO = Path(__file__).resolve().parents[1]
 COMPILED = dict(MINIGPT, maxlen=64, vocab_size=8192, embed_dim=256, feed_forward_dim=256)
+BUILD = {
+    "minigpt": lambda: minigpt_model.MiniGPT(**MINIGPT, rngs=nnx.Rngs(0)),
+    "llama": lambda: Llama(vocab=128, dim=64, heads=8, kv_heads=2, hidden=128, layers=2, rngs=nnx.Rngs(0)),
+    # wide enough that FSDP splits the layers' matrices too (at least FSDP_MIN_BYTES)
+    "wide llama": lambda: Llama(vocab=512, dim=128, heads=8, kv_heads=2, hidden=256, layers=4, rngs=nnx.Rngs(0)),
+}
 
 
 def _variant(changes: dict) -> shardplan.Plan:
@@ -70,16 +76,10 @@ def test_layouts_outside_the_model_say_so(compiled_model):
         assert any(words in caveat for caveat in cost.caveats), cost.caveats
 
 
-@pytest.mark.parametrize("name", ["minigpt", "llama"])
+@pytest.mark.parametrize("name", ["minigpt", "wide llama"])
 def test_ranking_on_one_layer_equals_the_full_check(name):
     """Every field of the estimate, for a sample of every kind of candidate."""
-    if name == "minigpt":
-        build = lambda: minigpt_model.MiniGPT(**MINIGPT, rngs=nnx.Rngs(0))  # noqa: E731
-    else:
-        # wide enough that FSDP splits the layers' matrices too (at least FSDP_MIN_BYTES)
-        build = lambda: Llama(vocab=512, dim=128, heads=8, kv_heads=2, hidden=256, layers=4,  # noqa: E731
-                              rngs=nnx.Rngs(0))
-    model, roles = abstract_with_roles(build)
+    model, roles = abstract_with_roles(BUILD[name])
     params = param_infos(model)
     rep = Representative.of(params, roles)
     assert len(rep.params) < len(params) and rep.layer_count == 4
@@ -105,10 +105,8 @@ def test_ranking_on_one_layer_equals_the_full_check(name):
 
 def test_layers_that_differ_are_all_laid_out():
     from shardplan.checks.paths import ParamInfo
-    _, roles = abstract_with_roles(lambda: Llama(vocab=128, dim=64, heads=8, kv_heads=2, hidden=128, layers=2,
-                                                 rngs=nnx.Rngs(0)))
-    params = param_infos(nnx.eval_shape(lambda: Llama(vocab=128, dim=64, heads=8, kv_heads=2, hidden=128, layers=2,
-                                                      rngs=nnx.Rngs(0))))
+    model, roles = abstract_with_roles(BUILD["llama"])
+    params = param_infos(model)
     changed = [ParamInfo(p.path, (p.shape[0], 2 * p.shape[1]), p.dtype) if p.path == "layers/1/mlp/up/kernel" else p
                for p in params]
     assert Representative.of(changed, roles).params == changed
@@ -116,11 +114,7 @@ def test_layers_that_differ_are_all_laid_out():
 
 @pytest.mark.parametrize("name", ["minigpt", "llama"])
 def test_auto_plans_with_remat_and_sequence_parallelism_validate_and_train_like_one_device(name, tmp_path):
-    if name == "minigpt":
-        build = lambda: minigpt_model.MiniGPT(**MINIGPT, rngs=nnx.Rngs(0))  # noqa: E731
-    else:
-        build = lambda: Llama(vocab=128, dim=64, heads=8, kv_heads=2, hidden=128, layers=2,  # noqa: E731
-                              rngs=nnx.Rngs(0))
+    build = BUILD[name]
     model, roles = abstract_with_roles(build)
     found = auto.search(param_infos(model), roles, devices=8, workload=Workload(BATCH, SEQ),
                         profile=get_profile("cpu"), only=lambda c: c.remat == "full" and c.sequence)
@@ -132,7 +126,7 @@ def test_auto_plans_with_remat_and_sequence_parallelism_validate_and_train_like_
 
 
 def test_auto_with_bf16_compute_writes_precision_and_stays_close(tmp_path):
-    build = lambda: minigpt_model.MiniGPT(**MINIGPT, rngs=nnx.Rngs(0))  # noqa: E731
+    build = BUILD["minigpt"]
     model, roles = abstract_with_roles(build)
     found = auto.search(param_infos(model), roles, devices=8, workload=Workload(BATCH, SEQ),
                         profile=get_profile("cpu"), compute="bfloat16")

@@ -47,6 +47,7 @@ def test_shipped_profile_files_load(name):
 
 @pytest.mark.parametrize("edit, code, where", [
     (("peak_flops: 312e12", "peak_flops: lots"), "invalid-value", (2, "peak_flops")),
+    (("peak_flops: 312e12", "peak_flops: 1e400"), "invalid-value", (2, "peak_flops")),     # infinite
     (("memory_bandwidth:", "memory_bandwith:"), "unknown-key", (4, "memory_bandwith")),
     (("devices_per_host: 8", "devices_per_host: 0"), "invalid-value", (7, "devices_per_host")),
     (("devices_per_host: 8", "devices_per_host: 8\nlink_efficiency: 1.5"), "invalid-value", (8, "link_efficiency")),

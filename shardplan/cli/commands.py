@@ -114,8 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="global batch (sequences) for the cost estimate (default: 4 per device)")
     inspect.add_argument("--seq", type=_count(1), default=128, metavar="T",
                          help="tokens per sequence for the cost estimate (default 128)")
-    inspect.add_argument("--profile", default="h200",  # a built-in name or a profile file
-                         help="device profile for the modelled step time: h200, tpu-v5e or cpu (default h200)")
+    inspect.add_argument("--profile", default="h200",
+                         help="device profile for the modelled step time: a built-in name (h200, tpu-v5e, cpu) or "
+                              "a profile file (.yaml/.toml; see `shardplan profiles`) (default h200)")
     inspect.set_defaults(handler=_inspect)
 
     explain = commands.add_parser("explain", help="which rule gives PATH its spec, and which rules it shadows")

@@ -11,6 +11,7 @@ memory budget, and ranked by modelled step time.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 import re
 from typing import Any
@@ -19,7 +20,7 @@ from shardplan.checks.paths import ParamInfo
 from shardplan.checks.report import Report, check_params
 from shardplan.checks.validate import REPLICATED_WARNING_BYTES, data_axes
 from shardplan.plan.schema import Plan, spec_axes
-from shardplan.planner.cost import Estimate, Workload, _schedule_bubble, estimate
+from shardplan.planner.cost import Estimate, Workload, _schedule_bubble, estimate, model_flops
 from shardplan.planner.profiles import Profile
 from shardplan.planner.representative import Representative, lay_out
 from shardplan.planner.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR, ModelRoles
@@ -117,7 +118,6 @@ def search(params: list[ParamInfo], roles: ModelRoles, *, devices: int, workload
     model does not count. `progress(done, total)` is called as candidates are costed. `only(candidate)`:
     consider only the candidates it accepts (e.g. the options a published run had).
     """
-    import heapq
     budget = memory if memory is not None else profile.memory_bytes
     usable = int(budget * (1 - margin))
     rep = Representative.of(params, roles)
@@ -201,23 +201,7 @@ class _Bounds:
     @classmethod
     def of(cls, params, roles: ModelRoles, workload: Workload, profile: Profile, compute: str | None,
            devices: int) -> "_Bounds":
-        tokens = workload.batch * workload.seq
-        layer = other = 0.0
-        for p in params:
-            role = roles.roles.get(p.path)
-            if role is None or role.kind not in (COLUMN, ROW, MATMUL):
-                continue
-            flops = 6 * tokens * math.prod(p.shape)
-            if roles.layer_of(p.path) is None:
-                other += flops
-            else:
-                layer += flops
-        for attention in roles.attention:
-            flops = 12 * tokens * workload.seq * attention.width
-            if attention.layer is None:
-                other += flops
-            else:
-                layer += flops
+        layer, other = model_flops(params, roles, workload)
         dtype = compute or (params[0].dtype.name if params else "float32")
         # the faster of the two rates keeps it a bound when attention runs at another efficiency
         efficiency = max(profile.matmul_efficiency, profile.attention_efficiency)
@@ -272,10 +256,9 @@ def candidates(roles: ModelRoles, devices: int, hosts: int, workload: Workload, 
 
 
 def _pipelines(base: Candidate, stage: int, data: int, roles: ModelRoles, workload: Workload):
-    rows = workload.batch // data if workload.batch % data == 0 else 0
-    counts = sorted({factor * stage for factor in MICROBATCH_FACTORS} | {rows})
-    for microbatches in counts:
-        if not rows or rows % microbatches or microbatches < stage:
+    rows = workload.batch // data           # `candidates` keeps only meshes whose data axis divides the batch
+    for microbatches in sorted({factor * stage for factor in MICROBATCH_FACTORS} | {rows}):
+        if rows % microbatches or microbatches < stage:
             continue
         yield dataclasses.replace(base, schedule="gpipe", microbatches=microbatches)
         yield dataclasses.replace(base, schedule="1f1b", microbatches=microbatches)
@@ -477,6 +460,7 @@ def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 
     """The chosen plan as a commented YAML file, every comment saying why."""
     from shardplan.checks.layout import human_bytes
     c, cost = chosen.candidate, chosen.estimate
+    caveats = [f"# Approximate: {caveat}." for caveat in cost.caveats]
     lines = [f"# Written by: {command}",
              f"# Chosen among {found.fitting} candidates whose modelled peak fits {human_bytes(found.usable)} "
              "per device "
@@ -485,6 +469,7 @@ def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 
              "not costed),",
              f"# ranked by modelled step time on the {found.profile.name} profile for a batch of "
              f"{found.workload.batch} x {found.workload.seq} tokens.",
+             *caveats,
              f"# Modelled per device: {human_bytes(cost.peak_bytes)} at the peak (parameters "
              f"{human_bytes(cost.param_bytes)}, optimizer {human_bytes(cost.optimizer_bytes)}, activations "
              f"{human_bytes(cost.activation_bytes)}),",
@@ -529,8 +514,6 @@ def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 
             [f"  - match: '{rule.match}'\n    policy: {rule.policy}" for rule in plan.remat]
     if plan.precision.compute:
         lines += ["precision:", f"  compute: {plan.precision.compute}       # parameters stay in their dtype"]
-    if cost.caveats:
-        lines = lines[:4] + [f"# Approximate: {caveat}." for caveat in cost.caveats] + lines[4:]
     return "\n".join(lines) + "\n"
 
 

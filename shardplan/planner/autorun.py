@@ -46,7 +46,7 @@ def run_auto(console: Console, *, factory: str, config: dict, devices: int, host
                                hosts=hosts, input_name=input_name, model={"factory": factory, "config": config},
                                pipelines=refusal is None, compute=compute, progress=progress,
                                keep=max(planner.KEEP, top, measure),
-                               **({"margin": margin} if margin is not None else {}))
+                               margin=planner.MEMORY_MARGIN if margin is None else margin)
     measured = {}
     if measure and found.ranked:
         measured = _measure(console, found, factory, config, measure, paths, input_name)

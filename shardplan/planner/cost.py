@@ -46,6 +46,8 @@ LOGIT_COPIES = 3                # logits, their softmax and their gradient are a
 ELEMENTWISE_PASSES = 4          # stored activation bytes moved by elementwise work: written and read, forward and back
 BACKWARD_SHARE = 2 / 3          # of a step's compute, the backward's: what a gradient reduction can hide behind
 GRADIENT_REDUCTION = "gradients, data parallel"
+WEIGHT_FLOPS = 6                # per weight and token: 2 forward, 4 backward
+ATTENTION_FLOPS = 12            # per token, key position and query width: two matmuls, each 2 forward, 4 backward
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
@@ -225,7 +227,8 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
     transfers = _communication(held, roles, step)
     param_bytes = sum(p.bytes_per_device * step.count(p.path) for p in held)
     optimizer_bytes = sum(p.opt_bytes_per_device * step.count(p.path) for p in held)
-    stored, remat, microbatch, microbatch_remat = _activations(held, roles, step)
+    kept = _per_token(held, roles, step)
+    stored, remat, microbatch, microbatch_remat = _activations(kept, step)
     if step.schedule == "1f1b":     # the gathered head weights and their whole gradients, for the step
         whole_head = 2 * sum(_head_gathered(p, step) for p in held if p.path in roles.after_layers | roles.tied)
         stored, remat = stored + whole_head, remat + whole_head
@@ -250,7 +253,7 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
     bubble = _bubble(step)
     # Elementwise work (norms, activations, softmax, residual adds) is bound by memory bandwidth:
     # each stored activation is written and read once forward and once as a gradient backward.
-    elementwise_s = _traffic(held, roles, step) / profile.memory_bandwidth
+    elementwise_s = _traffic(kept, _scores(held, roles, step), step) / profile.memory_bandwidth
     peak = profile.flops_for(options.compute_dtype)
     compute_s = (matmul_flops / (peak * profile.matmul_efficiency) + attention_flops /
                  (peak * profile.attention_efficiency) + elementwise_s) / (1.0 - bubble)
@@ -560,11 +563,11 @@ def _scores(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> float:
                stands_for[attention.layer] for attention in roles.attention if attention.layer in stands_for)
 
 
-def _activations(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple[int, int, int, int]:
-    """Bytes kept for the backward: (as run, layers rematerialised, one microbatch's layers as run,
-    the same rematerialised)."""
+def _activations(kept: tuple[dict, dict, dict], step: _Step) -> tuple[int, int, int, int]:
+    """Bytes kept for the backward (`kept`: from `_per_token`): (as run, layers rematerialised, one
+    microbatch's layers as run, the same rematerialised)."""
     b = step.itemsize
-    full, dots, stands_for = _per_token(held, roles, step)
+    full, dots, stands_for = dict(kept[0]), kept[1], kept[2]
     outside = full.pop(None, 0.0)
     head = full.pop("after", 0.0)
     count = sum(stands_for[layer] for layer in full)
@@ -592,13 +595,13 @@ def _activations(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tup
     return int(stored + step.tokens * outside), int(remat + step.tokens * outside), *microbatch
 
 
-def _traffic(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> float:
+def _traffic(kept: tuple[dict, dict, dict], scores: float, step: _Step) -> float:
     """Bytes elementwise work moves per step: every stored activation written and read forward and
     again as a gradient backward; attention scores (when written out) more often, as Megatron's
     fused kernels do: written by the first matmul, softmax and dropout read and write them, the
-    second matmul reads them (5 passes forward, 10 backward). A rematerialised forward: again."""
-    full, _, stands_for = _per_token(held, roles, step)
-    scores = _scores(held, roles, step)
+    second matmul reads them (5 passes forward, 10 backward). A rematerialised forward: again.
+    `kept`: from `_per_token`; `scores`: from `_scores`."""
+    full, _, stands_for = kept
     layers = sum(size * stands_for[layer] for layer, size in full.items() if isinstance(layer, int)) - 2 * scores
     rest = sum(size for layer, size in full.items() if not isinstance(layer, int))
     again = step.remat == "full" or step.schedule == "1f1b"
@@ -620,14 +623,30 @@ def _flops(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple[flo
         passes, tokens = step.passes(p.stage is not None)
         recompute = 8 / 6 if step.recomputes(p.stage is not None, layer is not None) else 1.0
         tensor = step.ways(_split_axes(p, tuple(range(len(p.shape))), step.batch_axes))
-        total += 6 * passes * tokens * math.prod(p.shape) / tensor * recompute * step.count(p.path)
+        total += WEIGHT_FLOPS * passes * tokens * math.prod(p.shape) / tensor * recompute * step.count(p.path)
     for attention in roles.attention:
         if attention.layer in stands_for:
             passes, tokens = step.passes(step.stage_axis is not None)
             recompute = 8 / 6 if step.recomputes(step.stage_axis is not None, attention.layer is not None) else 1.0
-            attention_total += 3 * 4 * passes * tokens * step.seq * attention.width * recompute * \
+            attention_total += ATTENTION_FLOPS * passes * tokens * step.seq * attention.width * recompute * \
                 stands_for[attention.layer] / _attention_ways(attention, held, roles, step)
     return total, attention_total
+
+
+def model_flops(params, roles: ModelRoles, workload: Workload) -> tuple[float, float]:
+    """(in the repeated layers, elsewhere) matmul FLOPs of one step of the whole model, nothing
+    recomputed: what `_flops` counts, before any split."""
+    tokens = workload.batch * workload.seq
+    layer = other = 0.0
+    for p in params:
+        role = roles.roles.get(p.path)
+        if role is not None and role.kind in (COLUMN, ROW, MATMUL):
+            flops = WEIGHT_FLOPS * tokens * math.prod(p.shape)
+            layer, other = (layer + flops, other) if roles.layer_of(p.path) is not None else (layer, other + flops)
+    for attention in roles.attention:
+        flops = ATTENTION_FLOPS * tokens * workload.seq * attention.width
+        layer, other = (layer + flops, other) if attention.layer is not None else (layer, other + flops)
+    return layer, other
 
 
 def _attention_ways(attention, held, roles, step) -> int:

@@ -73,7 +73,7 @@ PROFILES = {
 
 
 def _number(value):
-    """312e12, '312e12', '312 TFLOP/s' style strings without the unit: YAML reads 312e12 as a string."""
+    """A number, also written as a string: YAML reads `312e12` (no dot) as a string, and `1_000` is allowed."""
     if isinstance(value, str):
         text = value.strip().replace("_", "")
         try:
@@ -90,8 +90,8 @@ def _size(value):
     return _number(value)
 
 
-Positive = Annotated[float, BeforeValidator(_number), Field(gt=0)]
-Share = Annotated[float, BeforeValidator(_number), Field(gt=0, le=1)]
+Positive = Annotated[float, BeforeValidator(_number), Field(gt=0, allow_inf_nan=False)]
+Share = Annotated[float, BeforeValidator(_number), Field(gt=0, le=1, allow_inf_nan=False)]
 
 
 class ProfileFile(BaseModel):
@@ -101,7 +101,7 @@ class ProfileFile(BaseModel):
     name: str
     description: str = ""
     peak_flops: Positive = Field(description="dense matmul FLOP/s in the dtype of most training, e.g. 312e12")
-    memory_bytes: Annotated[float, BeforeValidator(_size), Field(gt=0)] = Field(
+    memory_bytes: Annotated[float, BeforeValidator(_size), Field(gt=0, allow_inf_nan=False)] = Field(
         description="memory per device in bytes, or a size such as 80GiB")
     memory_bandwidth: Positive = Field(description="device memory bandwidth, bytes/s")
     intra_host_bandwidth: Positive = Field(description="bytes/s one device sends over the links inside a host")
