@@ -47,6 +47,8 @@ STEP_VARIANTS = [
     ("dp_tp bf16 compute", {"precision": {"params": "float32", "compute": "bfloat16"}}),
     ("dp_tp bf16 + remat", {"precision": {"params": "float32", "compute": "bfloat16"},
                             "remat": [{"match": BLOCKS, "policy": "full"}]}),
+    ("dp_tp accumulate 4", {"accumulate": 4}),
+    ("dp_tp accum 4 + remat", {"accumulate": 4, "remat": [{"match": BLOCKS, "policy": "full"}]}),
     ("dp_tp_sp (shipped)", None),
     ("dp_tp embed [model,data]", {"embed_2d": True}),
 ]

@@ -113,6 +113,10 @@ CASES = {
                               PIPE_PARAMS, 8, None, ["layers/0/w", "'stage'"], 7),
     "pipeline-microbatches": (pipe("  microbatches: 3\n"), PIPE_PARAMS, 8, {"tokens": (8, 16)},
                               ["3 microbatches", "2 data shard(s)", "gives 4"], 7),
+    "accumulate-microbatches": (HEAD + "params: [{match: '.*', spec: []}]\naccumulate: 3\n", PARAMS, 8,
+                                {"tokens": (8, 16)}, ["3 accumulated microbatches", "4 data shard(s)", "gives 2"], 7),
+    "accumulate-with-pipeline": (pipe("  microbatches: 2\n") + "accumulate: 4\n", PIPE_PARAMS, 8, None,
+                                 ["accumulate: 4", "pipeline", "pipeline.microbatches (now 2)"], 9),
     "mesh-types-unknown-axis": ("version: 1\nmesh:\n  axes: {data: 8}\n  types: {dta: explicit}\n"
                                 "params: [{match: '.*', spec: []}]\n", PARAMS, 8, None,
                                 ["mesh.types names axis 'dta'", "did you mean 'data'"], 4),

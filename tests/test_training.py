@@ -51,6 +51,16 @@ def test_twenty_steps_match_one_device(tmp_path, plan, one_device_losses):
     assert [r["step"] for r in records] == list(range(1, 21)) and "eval_loss" in records[9]
 
 
+def test_accumulated_training_matches_one_device_sample_included(tmp_path, one_device_losses):
+    """What users run: the trainer on a plan with accumulation, its default sample at the end."""
+    plan = tmp_path / "accumulate.yaml"
+    plan.write_text((PLANS / "minigpt_dp_tp.yaml").read_text() + "accumulate: 2\n")
+    result = train(tiny_config(tmp_path / "run", plan=str(plan), sample_tokens=TrainConfig.sample_tokens))
+    losses = np.array([result.losses[s] for s in range(1, 21)])
+    np.testing.assert_allclose(losses, one_device_losses, rtol=2e-4)
+    assert result.sample
+
+
 def test_checkpoint_restores_under_another_plan_and_on_one_device(tmp_path):
     run = tmp_path / "run"
     first = train(tiny_config(run, plan=str(PLANS / "minigpt_dp_tp.yaml"), steps=10, checkpoint_every=10))

@@ -175,9 +175,9 @@ def _check_layout(plan, stage_map: StageMap, where) -> list[Diagnostic]:
 
 
 def check_microbatches(plan: Plan, batch: int, sizes: dict[str, int], data: tuple[str, ...]) -> list[Diagnostic]:
-    """The microbatch count must divide each data shard's part of the batch."""
+    """The pipeline's microbatch count, or the `accumulate` count, must divide each data shard's batch."""
     pipe = plan.pipeline
-    if pipe is None:
+    if pipe is None and plan.accumulate == 1:
         return []
     shards = 1
     for axis in data:
@@ -185,12 +185,15 @@ def check_microbatches(plan: Plan, batch: int, sizes: dict[str, int], data: tupl
     per_shard = batch // shards if batch % shards == 0 else None
     found = []
     where = _locator(plan)
-    if per_shard is None or per_shard % pipe.microbatches:
-        found.append(where("pipeline-microbatches", ("pipeline", "microbatches"),
-                           f"{pipe.microbatches} microbatches must divide each data shard's batch, but a batch of "
+    count, code, keys = ((pipe.microbatches, "pipeline-microbatches", ("pipeline", "microbatches")) if pipe else
+                         (plan.accumulate, "accumulate-microbatches", ("accumulate",)))
+    if per_shard is None or per_shard % count:
+        what = "microbatches" if pipe else "accumulated microbatches (accumulate)"
+        found.append(where(code, keys,
+                           f"{count} {what} must divide each data shard's batch, but a batch of "
                            f"{batch} over {shards} data shard(s) gives {batch / shards:g} rows per shard",
-                           hint=f"use a batch that is a multiple of {shards * pipe.microbatches}"))
-    if pipe.schedule == "interleaved" and pipe.virtual_stages > 1 and pipe.microbatches < sizes.get(pipe.axis, 1):
+                           hint=f"use a batch that is a multiple of {shards * count}"))
+    if pipe and pipe.schedule == "interleaved" and pipe.virtual_stages > 1 and pipe.microbatches < sizes.get(pipe.axis, 1):
         found.append(where("pipeline-microbatches", ("pipeline", "microbatches"),
                            f"interleaved needs at least as many microbatches as stages ({sizes[pipe.axis]}), but got "
                            f"{pipe.microbatches}", hint=f"set microbatches: {sizes[pipe.axis]} or more"))

@@ -345,11 +345,21 @@ def data_axes(plan: Plan, sizes: dict[str, int]) -> tuple[str, ...]:
 
 
 def validate_optimizer(plan: Plan, sizes: dict[str, int]) -> list[Diagnostic]:
-    if plan.optimizer != "zero1" or data_axes(plan, sizes):
-        return []
-    line, col = plan.locate("optimizer")
-    return [Diagnostic("zero1-no-data-axis", "error",
-                       "`optimizer: zero1` shards optimizer state over the data axis, but no input spec shards its "
-                       "batch dim and the mesh has no axis named 'data'",
-                       file=plan.file, line=line, column=col,
-                       hint="declare the batch sharding under `inputs:` (e.g. `tokens: [data, null]`)")]
+    """The optimizer and the step's own microbatches against the mesh and the pipeline."""
+    found = []
+    if plan.optimizer == "zero1" and not data_axes(plan, sizes):
+        line, col = plan.locate("optimizer")
+        found.append(Diagnostic("zero1-no-data-axis", "error",
+                                "`optimizer: zero1` shards optimizer state over the data axis, but no input spec "
+                                "shards its batch dim and the mesh has no axis named 'data'",
+                                file=plan.file, line=line, column=col,
+                                hint="declare the batch sharding under `inputs:` (e.g. `tokens: [data, null]`)"))
+    if plan.accumulate > 1 and plan.pipeline is not None:
+        line, col = plan.locate("accumulate")
+        found.append(Diagnostic("accumulate-with-pipeline", "error",
+                                f"accumulate: {plan.accumulate} and a pipeline both split the batch into "
+                                "microbatches; a pipeline already runs its microbatches one after another",
+                                file=plan.file, line=line, column=col,
+                                hint=f"drop `accumulate` and set pipeline.microbatches (now "
+                                     f"{plan.pipeline.microbatches}) to the count you want"))
+    return found

@@ -60,6 +60,8 @@ CODES: dict[str, str] = {
     "pipeline-layer-call": "the model calls its layers in a way a pipeline cannot run (per-layer arguments, code between layers, caches)",
     "example-call-failed": "the model fails on the example inputs (the plan's input shapes or `example=`)",
     # step options
+    "accumulate-microbatches": "the `accumulate` count does not divide each data shard's batch",
+    "accumulate-with-pipeline": "`accumulate` and a pipeline both split the batch into microbatches",
     "activation-unknown-axis": "an activations spec names an axis the mesh does not have",
     "activation-shape": "an activations spec does not fit the output it names (rank, divisibility, an axis twice)",
     "annotation-overridden": "the plan gives a parameter another spec than the model's own annotation",

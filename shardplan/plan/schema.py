@@ -197,6 +197,11 @@ class Plan(_Strict):
     remat: list[RematRule] = Field(default_factory=list, description="Ordered rules from module paths to a "
                                    "rematerialisation policy; the first full match wins.")
     precision: Precision = Field(default_factory=Precision, description="Parameter and compute dtypes.")
+    accumulate: int = Field(
+        default=1, ge=1, le=4096, description="Gradient accumulation: microbatches each step's batch is split into "
+        "when there is no pipeline. `shardplan.model_loss` runs forward and backward on one microbatch after another "
+        "and sums their gradients, so activations are one microbatch's; the loss must be a mean over rows. A "
+        "pipeline splits the batch itself (`pipeline.microbatches`).")
     logical_axes: dict[AxisName, Union[None, AxisName, list[AxisName]]] = Field(
         default_factory=dict, description="Logical dim name -> the mesh axis (or list of axes, or null: not split) it "
         "stands for. Specs in params, inputs and activations may use the logical names; moving a plan from tensor "

@@ -166,6 +166,7 @@ class _Step:
     sequence_ways: int = 1      # tensor ways that split the sequence between the layers' matmuls
     attention_stored: bool = True   # attention scores are written to memory (not fused on chip)
     counts: dict | None = None  # path -> how many parameters it stands for (one layer for all alike)
+    accumulate: int = 1         # microbatches run in turn without a pipeline (gradient accumulation)
 
     def count(self, path: str) -> int:
         return self.counts.get(path, 1) if self.counts else 1
@@ -178,12 +179,17 @@ class _Step:
         """(passes per step, tokens per pass) for a parameter inside / outside the pipelined layers."""
         if staged:
             return self.microbatches, self.tokens / self.microbatches
+        if self.stage_axis is None:
+            return self.accumulate, self.tokens / self.accumulate
         return 1, float(self.tokens)
 
     def reductions_per_step(self, staged: bool, head: bool) -> int:
         """How often a gradient is all-reduced over the batch axes: once, unless a pipeline's batch
         axes stay automatic (a layer is FSDP-split over them); then XLA reduces a layer's gradient
-        in every backward tick (1F1B: every backward, and its head's every loss)."""
+        in every backward tick (1F1B: every backward, and its head's every loss). Gradient
+        accumulation reduces each microbatch's gradient as it comes (measured on XLA)."""
+        if self.stage_axis is None:
+            return self.accumulate
         if self.manual_batch:
             return 1
         if self.schedule == "1f1b" and (staged or head):
@@ -222,7 +228,7 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
         manual_batch=not any(a in batch_axes for p in report.params if p.stage is not None
                              for a in spec_axes(p.spec)),
         remat=options.remat, sequence_ways=options.sequence_ways, attention_stored=options.attention_stored,
-        counts=counts)
+        counts=counts, accumulate=plan.accumulate if pipe is None else 1)
     held = [p for p in report.params if p.stage in (None, 0)]
     transfers = _communication(held, roles, step)
     param_bytes = sum(p.bytes_per_device * step.count(p.path) for p in held)
@@ -236,6 +242,8 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
     if options.compute_itemsize != param_itemsize:
         compute_copy = sum(math.prod(p.shard_shape) * step.count(p.path) for p in held) * options.compute_itemsize
     early_grads = sum(p.bytes_per_device for p in held if p.path in roles.after_layers)
+    if step.accumulate > 1:     # the running sum of the gradients, and each microbatch's before it is added
+        early_grads = 2 * param_bytes
     gathered = regathered = 0
     for p in held:
         fsdp = step.ways(tuple(a for a in spec_axes(p.spec) if a in batch_axes))
@@ -268,7 +276,7 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
     return Estimate(param_bytes, optimizer_bytes, 2 * step.tokens * TOKEN_BYTES, stored, remat,
                     microbatch, microbatch_remat, tuple(transfers), flops, compute_s, communication_s, bubble,
                     compute_s + exposed, compute_copy, early_grads, gathered, regathered, exposed,
-                    options.caveats + _layout_caveats(held, roles))
+                    options.caveats + _layout_caveats(held, roles, step))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -316,14 +324,19 @@ def step_options(plan, roles: ModelRoles, sizes: dict[str, int], batch_axes: tup
                        profile.attention != "fused", tuple(caveats))
 
 
-def _layout_caveats(held, roles: ModelRoles) -> tuple[str, ...]:
-    """Layouts whose collectives the model does not follow (measured: it under-counts them)."""
+def _layout_caveats(held, roles: ModelRoles, step: _Step) -> tuple[str, ...]:
+    """Layouts whose collectives the model does not follow (measured)."""
+    found = []
     for p in held:
         role = roles.roles.get(p.path)
         if role is not None and role.kind == EMBEDDING and sum(1 for entry in p.spec if entry) > 1:
-            return (f"{p.path} is split on both dims {format_spec(p.spec)}; XLA adds gathers and an all-to-all "
-                    "the cost model does not count (measured: about 3.5x the modelled bytes)",)
-    return ()
+            found.append(f"{p.path} is split on both dims {format_spec(p.spec)}; XLA adds gathers and an all-to-all "
+                         "the cost model does not count (measured: about 3.5x the modelled bytes)")
+            break
+    if step.accumulate > 1 and any(a in step.batch_axes for p in held for a in spec_axes(p.spec)):
+        found.append("FSDP with gradient accumulation: the model gathers each weight once per microbatch; XLA "
+                     "keeps some gathered across microbatches and gathers others again in the backward")
+    return tuple(found)
 
 
 @functools.lru_cache(maxsize=8)
@@ -397,7 +410,8 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
                                  f"{p.path}: 1F1B head moved to the first stage"))
         transfers += _times(mine, count)
     for (axes, ops), nbytes in reductions.items():
-        what = GRADIENT_REDUCTION + (", inside the pipeline loop" if ops > 1 else "")
+        what = GRADIENT_REDUCTION + ("" if ops == 1 else ", per microbatch" if step.stage_axis is None else
+                                     ", inside the pipeline loop")
         transfers.append(Transfer("all-reduce", axes, nbytes, ops, what))
     transfers += _pipeline_transfers(step)
     return _merge(transfers)
@@ -446,10 +460,11 @@ def _matrix_transfers(p: ParamLayout, role: Role, step: _Step, staged: bool,
     # the weight is cast to the compute dtype before XLA gathers it; its gradient comes back so
     whole = math.prod(p.shard_shape) * min(p.itemsize, step.itemsize) * ways
     # Inside a pipeline loop the weight is gathered again for the backward (1F1B: also for the
-    # recomputed forward) and its gradient reduced per microbatch.
+    # recomputed forward) and its gradient reduced per microbatch; gradient accumulation gathers
+    # and reduces once per microbatch.
     gathers = (3 if step.schedule == "1f1b" else 2) if staged else 1
     gather_weight = [Transfer("all-gather", fsdp, whole, gathers * passes, f"{p.path}: FSDP weight gathered"),
-                     Transfer("all-reduce", fsdp, whole, passes if staged else 1, f"{p.path}: FSDP gradient")]
+                     Transfer("all-reduce", fsdp, whole, passes, f"{p.path}: FSDP gradient")]
     split_rows = role.kind == EMBEDDING and set(fsdp) <= set(_split_axes(p, role.in_dims))
     split_outputs = role.kind in (COLUMN, MATMUL) and set(fsdp) <= set(_split_axes(p, role.out_dims))
     if split_rows:
@@ -579,9 +594,8 @@ def _activations(kept: tuple[dict, dict, dict], step: _Step) -> tuple[int, int, 
               "dots": boundary + biggest + sum(dots[layer] * stands_for[layer] for layer in full)}[step.remat]
     passes, tokens = step.passes(bool(full) and step.stage_axis is not None)
     microbatch = int(tokens * layers), int(tokens * rematerialised)
-    if step.stage_axis is None:
-        return (int(step.tokens * (layers + outside + head)), int(step.tokens * (rematerialised + outside + head)),
-                *microbatch)
+    if step.stage_axis is None:             # (with gradient accumulation: one microbatch's)
+        return int(tokens * (layers + outside + head)), int(tokens * (rematerialised + outside + head)), *microbatch
     if step.schedule == "1f1b":             # the head runs inside the loop, one microbatch at a time
         outside += head * tokens / step.tokens
         head = 0.0

@@ -17,8 +17,10 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
+from shardplan.run.accumulate import accumulated_loss
 from shardplan.run.layer_call import (CallArgs, PipelineCallError, calling_without_updates, describe_layer_call,
                                       draw_keys)
+from shardplan.run.step_options import accumulation
 from shardplan.run.pipeline import (Layers, circular_forward, cross_entropy, fit_microbatches, merge_microbatches,
                                     one_f_one_b_loss, sequential_forward, split_microbatches, stack, unstack)
 
@@ -208,8 +210,10 @@ def model_loss(model: nnx.Module, loss_of: Callable, targets, *args, **kwargs):
     """Mean `loss_of(model(*args, **kwargs), targets)` over the batch, for any model.
 
     Under a 1F1B plan the loss is computed inside the pipeline, at the last stage as each microbatch
-    arrives (`loss_of` must then be a mean over the rows, as cross-entropy is); the model's own code
-    after its layers runs there per microbatch. Otherwise this is exactly the expression above.
+    arrives; the model's own code after its layers runs there per microbatch. Under `accumulate: N`
+    the batch runs as N microbatches in turn, their gradients summed as they come. In both cases
+    `loss_of` must be a mean over the rows, as cross-entropy is. Otherwise this is exactly the
+    expression above.
 
     >>> import numpy as np, shardplan, minigpt_model
     >>> from flax import nnx
@@ -221,6 +225,8 @@ def model_loss(model: nnx.Module, loss_of: Callable, targets, *args, **kwargs):
     True
     """
     found = pipelined_layers(model)
+    if found is None and accumulation(model) > 1:
+        return accumulated_loss(model, loss_of, targets, args, kwargs, accumulation(model))
     if found is None or found[1].schedule != "1f1b":
         return loss_of(model(*args, **kwargs), targets)
     request = _LossRequest(model, loss_of, targets, args, kwargs)

@@ -1,5 +1,6 @@
 """The plan's step options on any NNX model, without touching its code: the output sharding of
-modules (`activations:`), rematerialisation (`remat:`) and compute precision (`precision:`).
+modules (`activations:`), rematerialisation (`remat:`), compute precision (`precision:`) and the
+microbatches `shardplan.model_loss` accumulates gradients over (`accumulate:`, read back by `accumulation`).
 
 A module a rule names gets, in place, a subclass of its own class whose `__call__` wraps the
 original: remat around the call, a sharding constraint on its output; the root module, when a
@@ -30,6 +31,7 @@ class Options:
     sharding: NamedSharding | None = None       # of the module's output
     remat: str | None = None                    # "full" or a jax.checkpoint_policies name
     compute: str | None = None                  # root only: dtype the call runs in
+    accumulate: int = 1                         # root only: microbatches `model_loss` runs in turn
 
 
 def module_paths(model) -> list[tuple[str, nnx.Module]]:
@@ -61,10 +63,17 @@ def planned_options(plan: Plan, model, mesh) -> dict[int, Options]:
         options = Options(
             sharding=NamedSharding(mesh, partition_spec(normalize_spec(activation.spec))) if activation else None,
             remat=remat.policy if remat and remat.policy != "none" else None,
-            compute=plan.precision.compute if path == "" else None)
+            compute=plan.precision.compute if path == "" else None,
+            accumulate=plan.accumulate if path == "" else 1)
         if options != Options():
             found[id(module)] = options
     return found
+
+
+def accumulation(model) -> int:
+    """The microbatches the model's plan accumulates gradients over (1: none)."""
+    options = getattr(type(model), "_shardplan_options", None)
+    return options.accumulate if options is not None else 1
 
 
 def apply_step_options(plan: Plan, model, mesh) -> None:
