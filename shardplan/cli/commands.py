@@ -194,8 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
         "auto", help="propose a plan: enumerate meshes and rule sets, rank them by modelled step time",
         description="Recognise the model's parameter roles from its structure and shapes, enumerate\n"
                     "meshes (stage x data x model), rule sets (replicated, FSDP, Megatron,\n"
-                    "vocabulary-parallel, ZeRO-1), pipeline schedules, rematerialisation of the layers\n"
-                    "and sequence parallelism, drop what does not fit the memory budget less a safety\n"
+                    "vocabulary-parallel, ZeRO-1), pipeline schedules, rematerialisation of the layers,\n"
+                    "sequence parallelism and gradient accumulation, drop what does not fit the memory budget less a safety\n"
                     "margin, rank the rest by the cost model's step time (bounded search: what cannot\n"
                     "beat the best found is not costed), check the best in full, print them and write\n"
                     "the winner as a commented plan. Nothing is allocated unless --measure.",

@@ -3,7 +3,8 @@
 Candidates are every mesh `stage x data x model` that multiplies to the device count, each with
 rule sets built from the parameters' roles (`shardplan.planner.roles`): replicated, Megatron tensor
 parallelism over `model` (with or without a vocabulary-split embedding and head), FSDP over
-`data`, ZeRO-1, and for `stage > 1` every schedule and microbatch count that fits. Each is checked
+`data`, ZeRO-1, and for `stage > 1` every schedule and microbatch count that fits; without a
+pipeline, gradient accumulation over microbatches. Each is checked
 exactly as a hand-written plan is (`check_params`), costed (`shardplan.planner.cost`), dropped if over the
 memory budget, and ranked by modelled step time.
 """
@@ -28,6 +29,7 @@ from shardplan.planner.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR
 # FSDP leaves matrices smaller than this replicated: gathering them costs more latency than they save.
 FSDP_MIN_BYTES = 1 << 16
 MICROBATCH_FACTORS = (1, 2, 4, 8, 16)   # microbatches = factor x stages, or one sequence per microbatch
+MAX_ACCUMULATE = 64                     # gradient accumulation without a pipeline: counts that divide the rows
 REMAT_CHOICES = ("none", "dots", "full")
 REMAT_POLICY = {"dots": "dots_with_no_batch_dims_saveable", "full": "full"}
 # The budget share auto leaves free: the memory model's largest under-estimate against the compiler
@@ -50,6 +52,7 @@ class Candidate:
     remat: str = "none"                 # rematerialisation of the repeated layers: none, dots or full
     sequence: bool = False              # sequence parallelism over 'model' in the layers' norm regions
     compute: str | None = None          # compute dtype when not the parameters'
+    accumulate: int = 1                 # gradient accumulation: microbatches run in turn (no pipeline)
 
     def label(self) -> str:
         mesh = " x ".join(f"{name} {size}" for name, size in self.axes.items())
@@ -70,6 +73,8 @@ class Candidate:
             parts.append(f"{self.schedule}{virtual} M={self.microbatches}")
         if self.sequence:
             parts.append("sp")
+        if self.accumulate > 1:
+            parts.append(f"accumulate {self.accumulate}")
         if self.remat != "none":
             parts.append(f"remat {self.remat}")
         if self.compute:
@@ -145,15 +150,15 @@ def search(params: list[ParamInfo], roles: ModelRoles, *, devices: int, workload
         heapq.heappush(slowest, -cost.step_s)
         if len(slowest) > keep:
             heapq.heappop(slowest)
-    # Sequence parallelism only where memory needs it: its cost is modelled as Megatron's, and XLA's
-    # partitioner was measured to move more (a caveat on every such estimate).
-    plain = {repr(c) for _, _, c, _ in fitting if not c.sequence}
-    twin_fits = [t[2].sequence and repr(dataclasses.replace(t[2], sequence=False)) in plain for t in fitting]
-    rejected += [Ranked(t[2], None, None, t[3], "sequence parallelism not needed: fits without it")
-                 for t, drop in zip(fitting, twin_fits) if drop]
-    fitting = [t for t, drop in zip(fitting, twin_fits) if not drop]
+    # Sequence parallelism and gradient accumulation only where memory needs them: sequence
+    # parallelism is modelled as Megatron's while XLA's partitioner was measured to move more (a
+    # caveat on every such estimate); accumulation only adds reductions.
+    fits = {repr(c) for _, _, c, _ in fitting}
+    unneeded = [_unneeded(c, fits) for _, _, c, _ in fitting]
+    rejected += [Ranked(t[2], None, None, t[3], why) for t, why in zip(fitting, unneeded) if why]
+    fitting = [t for t, why in zip(fitting, unneeded) if not why]
     fitting.sort(key=lambda t: (round(t[0], 12), t[3].collective_bytes, len(t[2].axes), t[2].zero1, t[2].fsdp,
-                                t[2].remat != "none", t[2].sequence, t[1]))
+                                t[2].remat != "none", t[2].sequence, t[2].accumulate, t[1]))
     ranked = []
     for _, _, candidate, _ in fitting:
         if len(ranked) == keep:
@@ -166,6 +171,16 @@ def search(params: list[ParamInfo], roles: ModelRoles, *, devices: int, workload
         else:
             ranked.append(checked)      # in the order above: the full cost equals the one-layer cost (tested)
     return Search(ranked, rejected, params, roles, workload, profile, budget, usable, len(fitting), pruned)
+
+
+def _unneeded(c: Candidate, fits: set[str]) -> str | None:
+    """Why a candidate's sequence parallelism or accumulation is not needed: a simpler twin fits."""
+    if c.sequence and repr(dataclasses.replace(c, sequence=False)) in fits:
+        return "sequence parallelism not needed: fits without it"
+    fewer = [a for a in range(1, c.accumulate) if repr(dataclasses.replace(c, accumulate=a)) in fits]
+    if fewer:
+        return f"accumulation not needed: fits with {'none' if fewer[0] == 1 else fewer[0]}"
+    return None
 
 
 def sketch(candidate: Candidate, roles: ModelRoles, rep: Representative, workload: Workload, profile: Profile, *,
@@ -249,10 +264,15 @@ def candidates(roles: ModelRoles, devices: int, hosts: int, workload: Workload, 
                 for fsdp, zero1 in ((False, False),) if data == 1 else ((False, False), (True, False),
                                                                           (False, True)):
                     base = Candidate(axes, host_split, tensor, vocab, fsdp, zero1, compute=compute)
+                    rows = workload.batch // data
+                    accumulate = [a for a in range(1, min(rows, MAX_ACCUMULATE) + 1) if rows % a == 0] \
+                        if stage == 1 else [1]
                     for shaped in [base] if stage == 1 else _pipelines(base, stage, data, roles, workload):
                         for remat in REMAT_CHOICES if layered else ("none",):
                             for sequence in (False, True) if tensor and layered else (False,):
-                                yield dataclasses.replace(shaped, remat=remat, sequence=sequence)
+                                for count in accumulate:
+                                    yield dataclasses.replace(shaped, remat=remat, sequence=sequence,
+                                                              accumulate=count)
 
 
 def _pipelines(base: Candidate, stage: int, data: int, roles: ModelRoles, workload: Workload):
@@ -349,6 +369,8 @@ def plan_document(candidate: Candidate, roles: ModelRoles, params: list[ParamInf
     document["inputs"] = {input_name: ["data", None] if "data" in candidate.axes else []}
     if candidate.zero1:
         document["optimizer"] = "zero1"
+    if candidate.accumulate > 1:
+        document["accumulate"] = candidate.accumulate
     if candidate.schedule:
         document["pipeline"] = {"axis": "stage", "layers": roles.layers, "stages": "even",
                                 "microbatches": candidate.microbatches, "schedule": candidate.schedule,
@@ -490,6 +512,9 @@ def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 
     lines += ["inputs:"] + [f"  {name}: {_flow(spec)}" for name, spec in chosen.plan.inputs.items()]
     if c.zero1:
         lines.append("optimizer: zero1            # AdamW moments also split over 'data'")
+    if c.accumulate > 1:
+        lines.append(f"accumulate: {c.accumulate}                # gradient accumulation: the batch runs as "
+                     f"{c.accumulate} microbatches in turn")
     if c.schedule:
         pipe = chosen.plan.pipeline
         lines += ["pipeline:", f"  axis: {pipe.axis}", f"  layers: {pipe.layers}",

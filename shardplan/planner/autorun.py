@@ -198,6 +198,7 @@ def _json(found: planner.Search, measured: dict, top: int) -> dict:
             "workload": dataclasses.asdict(found.workload),
             "ranked": [{"mesh": r.candidate.axes, "hosts": r.candidate.hosts, "rules": r.candidate.rules_label(),
                         "remat": r.candidate.remat, "sequence_parallel": r.candidate.sequence,
+                        "accumulate": r.candidate.accumulate,
                         "compute": r.candidate.compute,
                         "estimate": r.estimate.to_json()} for r in found.ranked[:top]],
             "rejected": len(found.rejected)}
