@@ -51,6 +51,8 @@ VARIANTS = {
     "bf16 compute, f32 masters": ("minigpt_dp_tp.yaml", "precision: {compute: bfloat16}\n"),
     "bf16 parameters": ("minigpt_dp_tp.yaml", "precision: {params: bfloat16, compute: bfloat16}\n"),
     "shipped minigpt_dp_tp_sp": ("minigpt_dp_tp_sp.yaml", ""),
+    "accumulate 4": ("minigpt_dp_tp.yaml", "accumulate: 4\n"),
+    "accumulate 4, remat full": ("minigpt_dp_tp.yaml", "accumulate: 4\n" + REMAT % "full"),
 }
 
 
