@@ -76,7 +76,7 @@ def _accumulated(one: Callable, count: int, batched: tuple[bool, ...], floating:
             floats_m = at(floats, float_batched, m)
             if not grads:
                 loss, rest = loss_at(params, floats_m)
-                return (total + loss, rest, summed), None
+                return (total + loss.astype(jnp.float32), rest, summed), None
             (loss, rest), (g_params, g_floats) = jax.value_and_grad(loss_at, argnums=(0, 1), has_aux=True)(
                 params, floats_m)
             whole = [g for g, b in zip(g_floats, float_batched) if not b]
