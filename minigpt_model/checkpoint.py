@@ -80,14 +80,15 @@ def _pure(node) -> dict:
     return nnx.to_pure_dict(nnx.state(node))
 
 
-def _layers_of(model) -> str | None:
-    """The stacked-layers attribute of a pipelined model (checkpoints keep the unpipelined layout)."""
+def _layers_of(model) -> tuple[str, tuple[int, ...] | None] | None:
+    """(stacked-layers attribute, layers per unequal stage) of a pipelined model (checkpoints keep the
+    unpipelined layout)."""
     found = pipelined_layers(model)
-    return found[0] if found else None
+    return (found[0], found[1].stage_counts) if found else None
 
 
-def _plain(tree: dict, layers: str | None) -> dict:
-    return to_plain_tree(tree, layers) if layers else tree
+def _plain(tree: dict, layers) -> dict:
+    return to_plain_tree(tree, *layers) if layers else tree
 
 
 def _abstract(tree: dict) -> dict:
@@ -179,7 +180,7 @@ class Checkpoints:
                                   f"{type(exc).__name__}: {exc}") from None
         for name, node in nodes.items():
             tree = restored[name]
-            _update(node, to_stacked_tree(tree, current[name], layers) if layers else tree)
+            _update(node, to_stacked_tree(tree, current[name], *layers) if layers else tree)
         return restored["meta"]
 
     def _step(self, step: int | None) -> int:

@@ -226,3 +226,26 @@ def test_apply_plan_raises_with_every_error(tmp_path):
         shardplan.apply_plan(plan, model, shardplan.make_mesh(plan))
     assert {d.code for d in exc.value.errors} == {"spec-too-long", "unknown-axis"}
     assert "bias" in str(exc.value) and "modle" in str(exc.value)
+
+
+def test_unequal_stages_are_padded_runs_as_even_as_the_layer_count_allows(tmp_path):
+    """6 layers over 4 stages: `stages: even` gives 2, 2, 1, 1 without a word; an empty stage, or an
+    interleaved schedule, cannot run unequal stages (errors); a needlessly lopsided split runs, warned."""
+    params = [ParamInfo(f"layers/{i}/w", (64, 64), F32) for i in range(6)] + PIPE_PARAMS[-2:]
+    head = "version: 1\nmesh: {axes: {stage: 4, data: 2}}\ninputs: {tokens: [data, null]}\n"
+
+    def report(pipeline: str):
+        (tmp_path / "plan.yaml").write_text(head + "pipeline:\n  axis: stage\n  layers: layers\n" + pipeline + REPLICATE)
+        return check_params(shardplan.load_plan(tmp_path / "plan.yaml"), params, list(range(8)))
+
+    even = report("")
+    assert even.diagnostics == [] and even.stage_map.counts == (2, 2, 1, 1) and even.stage_map.per_chunk == 2
+    interleaved = report("  schedule: interleaved\n  virtual_stages: 2\n")
+    assert [d.code for d in interleaved.errors] == ["stage-unbalanced"]
+    rules = "  stages:\n    - {match: 'layers/[0-3]', stage: 0}\n    - {match: 'layers/4', stage: 1}\n"
+    empty = report(rules + "    - {match: 'layers/5', stage: 3}\n")
+    assert [d.code for d in empty.errors] == ["stage-unbalanced"] and "holds no layer" in empty.errors[0].message
+    lopsided = report("  stages:\n    - {match: 'layers/[0-2]', stage: 0}\n    - {match: 'layers/3', stage: 1}\n"
+                      "    - {match: 'layers/4', stage: 2}\n    - {match: 'layers/5', stage: 3}\n")
+    assert lopsided.ok and [(d.code, d.severity) for d in lopsided.diagnostics] == [("stage-unbalanced", "warning")]
+    assert "the largest (3 layers) sets the pace where 1 or 2 layers would do" in lopsided.diagnostics[0].message

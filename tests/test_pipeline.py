@@ -167,3 +167,44 @@ def test_layers_that_differ_in_a_non_array_attribute_run_each_with_its_own_setti
     model = shardplan.apply_plan(plan, _Alternating(rngs=nnx.Rngs(0)), shardplan.make_mesh(plan))
     np.testing.assert_allclose(model(x), _Alternating(rngs=nnx.Rngs(0))(x), atol=1e-6)
     assert [layer.window for layer in shardplan.to_plain(model).layers] == [4, None, 4, None]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_uneven_stages_train_like_one_device_checkpoint_and_go_back_to_plain(schedule, tmp_path):
+    """6 layers on 4 stages: 2, 2, 1, 1, each stage padded to 2 slots; the padding passes activations
+    through, holds zeros and never leaves the model (to_plain, checkpoints)."""
+    from minigpt_model.checkpoint import Checkpoints
+    config = dict(CONFIG, num_transformer_blocks=6)
+    rng = np.random.default_rng(2)
+    batches = rng.integers(0, 128, size=(3, 16, 17), dtype=np.int32)
+    reference = minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0))
+    ref_opt = nnx.Optimizer(reference, optax.adamw(1e-3), wrt=nnx.Param)
+    expected = [float(train_step(reference, ref_opt, b[:, :-1], b[:, 1:], training=False)) for b in batches]
+
+    plan = _plan("minigpt_pp4.yaml", schedule)
+    report = shardplan.check(plan, minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0)))
+    assert report.ok and report.stage_map.counts == (2, 2, 1, 1), [d.format() for d in report.diagnostics]
+    mesh = shardplan.make_mesh(plan)
+    model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0)), mesh)
+    optimizer = shardplan.shard_optimizer(plan, model, optax.adamw(1e-3), mesh)
+    got = []
+    for b in batches:
+        tokens = shardplan.shard_inputs(plan, {"tokens": b[:, :-1]}, mesh)["tokens"]
+        got.append(float(train_step(model, optimizer, tokens, jax.device_put(b[:, 1:], tokens.sharding),
+                                    training=False)))
+    np.testing.assert_allclose(got, expected, rtol=ADAMW_RTOL)
+    stacked = np.asarray(model.transformer_blocks.linear1.kernel.get_value())
+    assert stacked.shape == (4, 1, 2, 64, 128) and not stacked[2:, 0, 1].any()     # padding stays zero
+    plain = shardplan.to_plain(model)
+    assert len(plain.transformer_blocks) == 6
+    for mine, theirs in zip(plain.transformer_blocks, reference.transformer_blocks):
+        np.testing.assert_allclose(mine.linear1.kernel.get_value(), theirs.linear1.kernel.get_value(), atol=1e-5)
+    # a checkpoint holds the six layers, and restores into the same plan
+    checkpoints = Checkpoints(tmp_path / "ckpt")
+    checkpoints.save(1, model, optimizer, {"step": 1})
+    restored = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(1)), mesh)
+    checkpoints.restore(restored)
+    np.testing.assert_array_equal(restored.transformer_blocks.linear1.kernel.get_value(), stacked)
+    tokens = batches[0][:, :-1]
+    np.testing.assert_allclose(plain(tokens), model(shardplan.shard_inputs(plan, {"tokens": tokens}, mesh)["tokens"]),
+                               atol=1e-4)

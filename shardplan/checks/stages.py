@@ -14,7 +14,9 @@ from shardplan.plan.schema import Plan
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StageMap:
-    """Layer i (in list order) runs on stage `stage_of[i]`; `per_chunk` layers per chunk, `virtual` chunks per stage."""
+    """Layer i (in list order) runs on stage `stage_of[i]`; `virtual` chunks per stage of `per_chunk`
+    layers. Stages of unequal size (gpipe and 1F1B only) are padded to the largest: `counts` says how
+    many of a stage's `per_chunk` slots hold layers."""
 
     layers: str
     stage_of: tuple[int, ...]
@@ -22,8 +24,19 @@ class StageMap:
     virtual: int
 
     @property
+    def counts(self) -> tuple[int, ...]:
+        """Layers per stage."""
+        return tuple(self.stage_of.count(s) for s in range(self.stages))
+
+    @property
     def per_chunk(self) -> int:
+        if self.virtual == 1:
+            return max(self.counts)
         return len(self.stage_of) // (self.stages * self.virtual)
+
+    @property
+    def uneven(self) -> bool:
+        return len(set(self.counts)) > 1
 
     def stage_of_path(self, path: str) -> int | None:
         found = re.match(re.escape(self.layers) + r"/(\d+)/", path)
@@ -70,9 +83,9 @@ def plan_stages(plan: Plan, params: list[ParamInfo], sizes: dict[str, int],
 
 
 def _locator(plan: Plan):
-    def where(code, keys, message, hint=None, path=None):
+    def where(code, keys, message, hint=None, path=None, severity="error"):
         line, col = plan.locate(*keys)
-        return Diagnostic(code, "error", message, file=plan.file, line=line, column=col, hint=hint, path=path)
+        return Diagnostic(code, severity, message, file=plan.file, line=line, column=col, hint=hint, path=path)
     return where
 
 
@@ -115,14 +128,17 @@ def _assign(plan, indices: list[int], stages: int, virtual: int, where) -> tuple
     if indices != list(range(count)):
         return None, [where("pipeline-no-layers", ("pipeline", "layers"),
                             f"layer indices must run 0..{count - 1}, but got {indices[:8]}")]
-    if count % (stages * virtual):
+    if count % (stages * virtual) and (virtual > 1 or count < stages):
         need = stages * virtual
         return None, [where("stage-unbalanced", ("pipeline", "stages"),
-                            f"{count} layers cannot be split evenly over {stages} stages x {virtual} chunk(s) = {need}",
+                            f"{count} layers cannot be split evenly over {stages} stages x {virtual} chunk(s) = {need}"
+                            + ("" if virtual > 1 else " (every stage needs a layer)"),
                             hint=f"use a layer count divisible by {need} (e.g. {count - count % need or need} or "
                                  f"{count - count % need + need}) or another stage count")]
-    per_chunk = count // (stages * virtual)
     if pipe.stages == "even":
+        if count % stages and virtual == 1:
+            return balanced_stages(count, stages), []
+        per_chunk = count // (stages * virtual)
         return [(i // per_chunk) % stages for i in range(count)], []
     compiled = []
     for k, rule in enumerate(pipe.stages):
@@ -150,15 +166,40 @@ def _assign(plan, indices: list[int], stages: int, virtual: int, where) -> tuple
     return (None if found else stage_of), found
 
 
+def balanced_stages(count: int, stages: int) -> list[int]:
+    """Stage of each of `count` layers in consecutive runs as equal as they can be, the first stages
+    one layer longer (the last stage also runs the model's head).
+
+    >>> balanced_stages(10, 4)
+    [0, 0, 0, 1, 1, 1, 2, 2, 3, 3]
+    """
+    sizes = [count // stages + (s < count % stages) for s in range(stages)]
+    return [s for s, size in enumerate(sizes) for _ in range(size)]
+
+
 def _check_layout(plan, stage_map: StageMap, where) -> list[Diagnostic]:
     pipe = plan.pipeline
-    counts = [stage_map.stage_of.count(s) for s in range(stage_map.stages)]
+    counts = list(stage_map.counts)
+    found = []
     if len(set(counts)) > 1:
-        even = len(stage_map.stage_of) // stage_map.stages
-        return [where("stage-unbalanced", ("pipeline", "stages"),
-                      f"stages hold unequal numbers of layers {dict(enumerate(counts))}; every stage runs in lockstep, "
-                      "so the largest one sets the pace", hint=f"give each stage {even} layers (or use stages: even)")]
-    expected = [(i // stage_map.per_chunk) % stage_map.stages for i in range(len(stage_map.stage_of))]
+        count = len(stage_map.stage_of)
+        fewest = count // stage_map.stages
+        even = f"{fewest} layers" if count % stage_map.stages == 0 else f"{fewest} or {fewest + 1} layers"
+        if stage_map.virtual > 1 or min(counts) == 0:
+            problem = "an interleaved schedule needs equal chunks" if stage_map.virtual > 1 else "a stage holds no layer"
+            return [where("stage-unbalanced", ("pipeline", "stages"),
+                          f"stages hold unequal numbers of layers {dict(enumerate(counts))}; {problem}",
+                          hint=f"give each stage {even} (or use stages: even)")]
+        if max(counts) > fewest + (count % stage_map.stages > 0):
+            # runnable (stages are padded to the largest), but slower than it need be
+            found.append(where("stage-unbalanced", ("pipeline", "stages"),
+                               f"stages hold unequal numbers of layers {dict(enumerate(counts))}; every stage runs "
+                               f"in lockstep, so the largest ({max(counts)} layers) sets the pace where {even} "
+                               "would do", hint=f"give each stage {even} (or use stages: even)", severity="warning"))
+    if stage_map.virtual == 1:
+        expected = sorted(stage_map.stage_of)      # consecutive runs in stage order
+    else:
+        expected = [(i // stage_map.per_chunk) % stage_map.stages for i in range(len(stage_map.stage_of))]
     if list(stage_map.stage_of) != expected:
         first = next(i for i, (a, b) in enumerate(zip(stage_map.stage_of, expected)) if a != b)
         if stage_map.virtual == 1:
@@ -171,7 +212,7 @@ def _check_layout(plan, stage_map: StageMap, where) -> list[Diagnostic]:
                       f"layers) on stage c mod {stage_map.stages}, but {pipe.layers}/{first} is on stage "
                       f"{stage_map.stage_of[first]}, expected {expected[first]}", path=f"{pipe.layers}/{first}",
                       hint="use stages: even, which places chunks circularly")]
-    return []
+    return found
 
 
 def check_microbatches(plan: Plan, batch: int, sizes: dict[str, int], data: tuple[str, ...]) -> list[Diagnostic]:

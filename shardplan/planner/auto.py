@@ -251,7 +251,7 @@ def candidates(roles: ModelRoles, devices: int, hosts: int, workload: Workload, 
     """Meshes x rule sets x pipeline settings x step options; the checker weeds out what does not divide."""
     layered = roles.layers is not None
     for stage, data, model in _factorisations(devices):
-        if stage > 1 and (not pipelines or not layered or roles.layer_count % stage):
+        if stage > 1 and (not pipelines or not layered or roles.layer_count < stage):   # (unequal stages are padded)
             continue
         if model > devices // hosts:
             continue                        # tensor parallelism stays inside a host
@@ -518,7 +518,7 @@ def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 
     if c.schedule:
         pipe = chosen.plan.pipeline
         lines += ["pipeline:", f"  axis: {pipe.axis}", f"  layers: {pipe.layers}",
-                  "  stages: even               # consecutive, equal runs of layers",
+                  "  stages: even               # consecutive runs of layers, " + _stage_sizes(c, found.roles),
                   f"  microbatches: {pipe.microbatches}",
                   f"  schedule: {pipe.schedule}     # modelled bubble {cost.bubble:.3f}"]
         if pipe.virtual_stages > 1:
@@ -540,6 +540,13 @@ def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 
     if plan.precision.compute:
         lines += ["precision:", f"  compute: {plan.precision.compute}       # parameters stay in their dtype"]
     return "\n".join(lines) + "\n"
+
+
+def _stage_sizes(c: Candidate, roles: ModelRoles) -> str:
+    stages, layers = c.axes["stage"], roles.layer_count
+    if layers % stages == 0:
+        return "equal"
+    return f"{layers // stages} or {layers // stages + 1} (the first stages one longer, each padded to the longest)"
 
 
 def _flow(value) -> str:

@@ -13,7 +13,7 @@ import re
 
 from shardplan.checks.layout import ParamLayout, shard_shape, zero1_spec
 from shardplan.checks.paths import ParamInfo
-from shardplan.checks.stages import StageMap
+from shardplan.checks.stages import StageMap, balanced_stages
 from shardplan.checks.validate import data_axes
 from shardplan.plan.schema import Plan, normalize_spec
 from shardplan.planner.roles import ModelRoles
@@ -64,8 +64,9 @@ def lay_out(plan: Plan, specs: dict[str, list], rep: Representative, sizes: dict
     stage_map = None
     if pipe:
         per_chunk = roles.layer_count // (stages * virtual)
-        stage_map = StageMap(pipe.layers, tuple((i // per_chunk) % stages for i in range(roles.layer_count)),
-                             stages, virtual)
+        stage_of = balanced_stages(roles.layer_count, stages) if roles.layer_count % (stages * virtual) else \
+            [(i // per_chunk) % stages for i in range(roles.layer_count)]
+        stage_map = StageMap(pipe.layers, tuple(stage_of), stages, virtual)
     data = data_axes(plan, sizes) if plan.optimizer == "zero1" else ()
     layouts = []
     for p in rep.params:
@@ -74,5 +75,7 @@ def lay_out(plan: Plan, specs: dict[str, list], rep: Representative, sizes: dict
         stage = (0 if p.path in rep.layer_paths else stage_map.stage_of_path(p.path)) if stage_map else None
         layouts.append(ParamLayout(p.path, p.shape, p.dtype.name, p.dtype.itemsize, spec, opt_spec, None, None,
                                    shard_shape(p.shape, spec, sizes), shard_shape(p.shape, opt_spec, sizes), stage))
-    counts = {path: rep.layer_count // stages for path in rep.layer_paths} if rep.layer_count else None
+    # a device holds the layers of its stage: stage 0's, the largest when stages are unequal
+    held = stage_map.counts[0] if stage_map else rep.layer_count
+    counts = {path: held for path in rep.layer_paths} if rep.layer_count else None
     return Layout(plan, sizes, stage_map, layouts), counts

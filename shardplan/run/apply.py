@@ -66,7 +66,7 @@ def _pipelined(plan: Plan, model: nnx.Module, mesh, report: Report, specs: dict)
     layers = PipelinedLayers(list(getattr(model, pipe.layers)), name=pipe.layers, stages=stage_map.stages,
                              virtual=stage_map.virtual, mesh=mesh, axis=pipe.axis, schedule=pipe.schedule,
                              microbatches=pipe.microbatches, batch_axes=_manual_batch_axes(plan, report, specs),
-                             plain_graphdef=plain_graphdef)
+                             plain_graphdef=plain_graphdef, counts=stage_map.counts)
     setattr(model, pipe.layers, layers)
     for keys, variable in nnx.to_flat_state(nnx.state(model)):
         path = join_path(keys)

@@ -72,6 +72,15 @@ class Layers:
     kinds: tuple
     kind_of: tuple[int, ...]
     call: LayerCall
+    counts: tuple[int, ...] | None = None   # layers per stage, when unequal (stages padded to the largest)
+
+    def chunk(self, chunk, per_chunk: int):
+        """(model index of the chunk's first layer, how many of its slots hold layers or None: all);
+        `chunk` may be traced. Unequal stages have one chunk each."""
+        if self.counts is None:
+            return chunk * per_chunk, None
+        offsets = [sum(self.counts[:s]) for s in range(len(self.counts))]
+        return jnp.asarray(offsets, jnp.int32)[chunk], jnp.asarray(self.counts, jnp.int32)[chunk]
 
     def run(self, layer_state, index, h, split, whole, keys):
         """Layer `index` (model order; may be traced) on the activation `h`: the layer's own kind, chosen
@@ -92,13 +101,17 @@ def _chunk(state, index):
     return jax.tree.map(lambda a: a[index], state)
 
 
-def _run_chunk(layers: Layers, chunk_state, h, split, whole, keys, first_layer):
-    """The chunk's layers one after another, under scan."""
+def _run_chunk(layers: Layers, chunk_state, h, split, whole, keys, first_layer, size=None):
+    """The chunk's layers one after another, under scan; with `size`, the slots from `size` on are
+    padding and pass the activation through."""
     count = jax.tree.leaves(chunk_state)[0].shape[0]
 
     def layer(h, inputs):
         layer_state, index = inputs
-        return layers.run(layer_state, first_layer + index, h, split, whole, keys), None
+        if size is None:
+            return layers.run(layer_state, first_layer + index, h, split, whole, keys), None
+        return jax.lax.cond(index < size, lambda: layers.run(layer_state, first_layer + index, h, split, whole, keys),
+                            lambda: h), None
 
     h, _ = jax.lax.scan(layer, h, (chunk_state, jnp.arange(count)))
     return h
@@ -141,11 +154,18 @@ def _at(arrays, m):
 
 
 def sequential_forward(layers: Layers, stacked, h, split, whole, keys):
-    """The stacked layers in model order, one after another (no pipeline): chunk c is at [c % stages, c // stages]."""
-    def in_order(a):
-        stages, virtual, per_chunk = a.shape[:3]
-        return jnp.swapaxes(a, 0, 1).reshape(virtual * stages * per_chunk, *a.shape[3:])
-    return _run_chunk(layers, jax.tree.map(in_order, stacked), h, split, whole, keys, 0)
+    """The stacked layers in model order, one after another (no pipeline)."""
+    return _run_chunk(layers, jax.tree.map(lambda a: model_order(a, layers.counts), stacked), h, split, whole, keys, 0)
+
+
+def model_order(a, counts: tuple[int, ...] | None = None):
+    """(stages, virtual, per_chunk, ...) -> (layers, ...) in model order (chunk c is at [c % stages,
+    c // stages]), without the padding slots of unequal stages."""
+    stages, virtual, per_chunk = a.shape[:3]
+    flat = jnp.swapaxes(a, 0, 1).reshape(virtual * stages * per_chunk, *a.shape[3:])
+    if counts is None or len(set(counts)) == 1:
+        return flat
+    return flat[jnp.asarray([s * per_chunk + j for s, n in enumerate(counts) for j in range(n)])]
 
 
 def circular_forward(layers: Layers, stacked, xs, split, whole, keys, *, mesh, axis: str,
@@ -180,9 +200,9 @@ def _circular_runner(layers: Layers, mesh, axis: str, batch_axes: tuple[str, ...
             active = (rel >= 0) & (rel < virtual * micro)
             first_input = jnp.where(repeat == 0, xs[m], looped[m])
             h_in = jnp.where(s == 0, first_input, incoming)
-            chunk_id = repeat * stages + s
+            first, size = layers.chunk(repeat * stages + s, per_chunk)
             h = jax.lax.cond(active, lambda: _run_chunk(layers, _chunk(state, repeat), h_in, _at(split, m), whole,
-                                                        fold_keys(keys, m), chunk_id * per_chunk),
+                                                        fold_keys(keys, m), first, size),
                              lambda: jnp.zeros_like(h_in))
             done = active & (s == stages - 1) & (repeat == virtual - 1)
             outs = jnp.where(done, outs.at[m].set(h), outs)
@@ -244,9 +264,11 @@ def _schedule(layers, head, mesh, axis, batch_axes, stacked, head_params, xs, he
         s = jax.lax.axis_index(axis)
         last = stages - 1
 
+        first, size = layers.chunk(s, per_chunk)
+
         def stage_fn(state, h, m):
             return _run_chunk(layers, state, h, _at(layer_split, m), layer_whole, fold_keys(layer_keys, m),
-                              s * per_chunk)
+                              first, size)
 
         def head_loss(head_params, h, m):
             return head(head_params, head_rest, h, _at(head_split, m), head_whole, fold_keys(head_keys, m),
@@ -309,24 +331,30 @@ def cross_entropy(logits, targets):
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-def stack(layers: list[dict], stages: int, virtual: int) -> dict:
+def stack(layers: list[dict], stages: int, virtual: int, counts: tuple[int, ...] | None = None) -> dict:
     """Per-layer pure states -> one state of (stages, virtual, per_chunk, ...) arrays, chunk c on stage c % stages.
-    Shape structs (an abstract model) stack to shape structs."""
-    per_chunk = len(layers) // (stages * virtual)
+    Unequal stages (`counts` layers each, one chunk) are padded with zeros to the largest. Shape structs
+    (an abstract model) stack to shape structs."""
+    uneven = counts is not None and len(set(counts)) > 1
+    per_chunk = max(counts) if uneven else len(layers) // (stages * virtual)
 
     def arrange(*arrays):
         if isinstance(arrays[0], jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct((stages, virtual, per_chunk, *arrays[0].shape), arrays[0].dtype)
+        if uneven:
+            padding = [jnp.zeros_like(arrays[0])] * per_chunk
+            starts = [sum(counts[:s]) for s in range(stages)]
+            return jnp.stack([jnp.stack([*arrays[start:start + n], *padding[n:]]) for start, n in zip(starts, counts)]
+                             )[:, None]
         stacked = jnp.stack(arrays)                                                    # (L, ...)
         return jnp.swapaxes(stacked.reshape(virtual, stages, per_chunk, *stacked.shape[1:]), 0, 1)
     return jax.tree.map(arrange, *layers)
 
 
-def unstack(stacked: dict) -> list[dict]:
+def unstack(stacked: dict, counts: tuple[int, ...] | None = None) -> list[dict]:
     """Inverse of `stack`."""
     leaves, treedef = jax.tree.flatten(stacked)
-    stages, virtual, per_chunk = leaves[0].shape[:3]
-    flat = [jnp.swapaxes(a, 0, 1).reshape(stages * virtual * per_chunk, *a.shape[3:]) for a in leaves]
+    flat = [model_order(a, counts) for a in leaves]
     return [jax.tree.unflatten(treedef, [a[i] for a in flat]) for i in range(flat[0].shape[0])]
 
 
@@ -334,12 +362,12 @@ def _is_stacked(subtree) -> bool:
     return isinstance(subtree, dict) and bool(subtree) and not all(isinstance(k, int) for k in subtree)
 
 
-def _unstack_any(subtree: dict) -> list[dict]:
+def _unstack_any(subtree: dict, counts: tuple[int, ...] | None = None) -> list[dict]:
     """`unstack` for arrays, and for shape structs (each layer keeping the stacked sharding's inner dims)."""
     leaves, treedef = jax.tree.flatten(subtree)
     if not isinstance(leaves[0], jax.ShapeDtypeStruct):
-        return unstack(subtree)
-    count = leaves[0].shape[0] * leaves[0].shape[1] * leaves[0].shape[2]
+        return unstack(subtree, counts)
+    count = sum(counts) if counts else leaves[0].shape[0] * leaves[0].shape[1] * leaves[0].shape[2]
 
     def layer_struct(leaf):
         sharding = leaf.sharding
@@ -349,15 +377,16 @@ def _unstack_any(subtree: dict) -> list[dict]:
     return [jax.tree.unflatten(treedef, [layer_struct(leaf) for leaf in leaves]) for _ in range(count)]
 
 
-def to_plain_tree(tree, layers: str):
-    """A pure state (model or optimizer) with stacked layers -> the unpipelined model's layout."""
+def to_plain_tree(tree, layers: str, counts: tuple[int, ...] | None = None):
+    """A pure state (model or optimizer) with stacked layers -> the unpipelined model's layout
+    (`counts`: layers per stage, when unequal)."""
     if not isinstance(tree, dict):
         return tree
-    return {k: dict(enumerate(_unstack_any(v))) if k == layers and _is_stacked(v) else to_plain_tree(v, layers)
-            for k, v in tree.items()}
+    return {k: dict(enumerate(_unstack_any(v, counts))) if k == layers and _is_stacked(v) else
+            to_plain_tree(v, layers, counts) for k, v in tree.items()}
 
 
-def to_stacked_tree(plain, like, layers: str):
+def to_stacked_tree(plain, like, layers: str, counts: tuple[int, ...] | None = None):
     """Inverse of `to_plain_tree`, placing each stacked array as its counterpart in `like`."""
     if not isinstance(like, dict):
         return plain
@@ -366,8 +395,8 @@ def to_stacked_tree(plain, like, layers: str):
         if k == layers and _is_stacked(v):
             first = jax.tree.leaves(v)[0]
             per_layer = [plain[k][i] for i in range(len(plain[k]))]
-            stacked = stack(per_layer, first.shape[0], first.shape[1])
+            stacked = stack(per_layer, first.shape[0], first.shape[1], counts)
             out[k] = jax.tree.map(lambda a, ref: jax.device_put(a, ref.sharding), stacked, v)
         else:
-            out[k] = to_stacked_tree(plain[k], v, layers)
+            out[k] = to_stacked_tree(plain[k], v, layers, counts)
     return out

@@ -22,7 +22,8 @@ from shardplan.run.layer_call import (CallArgs, PipelineCallError, calling_witho
                                       draw_keys)
 from shardplan.run.step_options import accumulation
 from shardplan.run.pipeline import (Layers, circular_forward, cross_entropy, fit_microbatches, merge_microbatches,
-                                    one_f_one_b_loss, sequential_forward, split_microbatches, stack, unstack)
+                                    model_order, one_f_one_b_loss, sequential_forward, split_microbatches, stack,
+                                    unstack)
 
 # Set by `model_loss` under a 1F1B plan: the layers then run the whole 1F1B schedule, loss included.
 _LOSS_REQUEST: contextvars.ContextVar = contextvars.ContextVar("shardplan_loss_request", default=None)
@@ -44,20 +45,29 @@ class PipelinedLayers(nnx.Module):
     """The layer list of a pipelined model (see the module docstring)."""
 
     def __init__(self, layers: list[nnx.Module], *, name: str, stages: int, virtual: int, mesh, axis: str,
-                 schedule: str, microbatches: int, batch_axes: tuple[str, ...], plain_graphdef):
+                 schedule: str, microbatches: int, batch_axes: tuple[str, ...], plain_graphdef,
+                 counts: tuple[int, ...] | None = None):
         graphdefs = [nnx.graphdef(layer) for layer in layers]
         kinds = list(dict.fromkeys(graphdefs))
-        stacked = nnx.merge(kinds[0], stack([nnx.to_pure_dict(nnx.state(layer)) for layer in layers], stages, virtual))
+        counts = tuple(counts) if counts and len(set(counts)) > 1 else None     # unequal stages, padded
+        stacked = nnx.merge(kinds[0], stack([nnx.to_pure_dict(nnx.state(layer)) for layer in layers], stages, virtual,
+                                            counts))
         for key in nnx.state(stacked):
             setattr(self, key, getattr(stacked, key))
         self._pipeline_kinds, self._pipeline_kind_of = tuple(kinds), tuple(kinds.index(g) for g in graphdefs)
         self._pipeline_name, self._pipeline_mesh, self._pipeline_axis = name, mesh, axis
         self._pipeline_schedule, self._pipeline_microbatches = schedule, microbatches
         self._pipeline_batch_axes, self._pipeline_plain = tuple(batch_axes), plain_graphdef
+        self._pipeline_counts = counts
 
     @property
     def schedule(self) -> str:
         return self._pipeline_schedule
+
+    @property
+    def stage_counts(self) -> tuple[int, ...] | None:
+        """Layers per stage when stages are unequal (each padded to the largest); None when equal."""
+        return self._pipeline_counts
 
     # A list of one entry: the model's loop over its layers calls the whole pipeline once.
     def __len__(self) -> int:
@@ -79,7 +89,7 @@ class PipelinedLayers(nnx.Module):
         described = None
         for kind, graphdef in enumerate(self._pipeline_kinds):
             index = self._pipeline_kind_of.index(kind)
-            layer = nnx.merge(graphdef, jax.tree.map(lambda a: _in_model_order(a)[index], state))
+            layer = nnx.merge(graphdef, jax.tree.map(lambda a: model_order(a, self._pipeline_counts)[index], state))
             found = describe_layer_call(layer, args, kwargs, f"{self._pipeline_name}/{index}")
             if described is not None and found[0] != described[0]:
                 raise PipelineCallError(f"the layers of {self._pipeline_name} differ in what they return for the same "
@@ -93,7 +103,7 @@ class PipelinedLayers(nnx.Module):
             return replay
         state = nnx.state(self)
         call, split, whole, rngs = self._layer_call(state, args, kwargs)
-        layers = Layers(self._pipeline_kinds, self._pipeline_kind_of, call)
+        layers = Layers(self._pipeline_kinds, self._pipeline_kind_of, call, self._pipeline_counts)
         keys = draw_keys(rngs)
         request = _LOSS_REQUEST.get()
         if request is not None:      # (the model may run on a copy of itself: compute precision)
@@ -179,12 +189,6 @@ def _used_inputs(function: Callable, leaves: list) -> list[bool]:
         return [True] * len(leaves)
 
 
-def _in_model_order(a):
-    """(stages, virtual, per_chunk, ...) -> (layers, ...) in model order."""
-    stages, virtual, per_chunk = a.shape[:3]
-    return jax.numpy.swapaxes(a, 0, 1).reshape(virtual * stages * per_chunk, *a.shape[3:])
-
-
 def pipelined_layers(model) -> tuple[str, PipelinedLayers] | None:
     """(attribute, layers) of a model whose layers `apply_plan` pipelined; None for any other model."""
     if not isinstance(model, nnx.Module):
@@ -202,7 +206,7 @@ def to_plain(model: nnx.Module) -> nnx.Module:
         return model
     name, layers = found
     state = nnx.to_pure_dict(nnx.state(model))
-    state[name] = dict(enumerate(unstack(state[name])))
+    state[name] = dict(enumerate(unstack(state[name], layers.stage_counts)))
     return nnx.merge(layers._pipeline_plain, state)
 
 
