@@ -220,6 +220,16 @@ def main() -> None:
             steps.append(row)
             print_row(row, width=26)
         print_worst("largest step-option error", steps)
+        print("\nunequal stages: minigpt_pp4 (gpipe, 4 stages) on 6 blocks (2, 2, 1, 1) and minigpt_3d (1f1b, 2 stages) "
+              "on 7 blocks (4, 3)")
+        for name, blocks in (("minigpt_pp4.yaml", 6), ("minigpt_3d.yaml", 7)):
+            unequal = dict(config, num_transformer_blocks=blocks)
+            plan = shardplan.load_plan(REPO / "plans" / name)
+            plan = plan.model_copy(update={"model": plan.model.model_copy(update={"config": unequal}),
+                                           "name": f"{plan.name} on {blocks} blocks"})
+            row = compare(plan, unequal, args.batch, args.seq)
+            steps.append(row)
+            print_row(row, width=26)
     others = []
     if args.held_out:
         print(f"\nheld out: the top {args.held_out} distinct plans `auto` proposes for the LLaMA-style test model "
