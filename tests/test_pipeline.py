@@ -199,12 +199,14 @@ def test_uneven_stages_train_like_one_device_checkpoint_and_go_back_to_plain(sch
     assert len(plain.transformer_blocks) == 6
     for mine, theirs in zip(plain.transformer_blocks, reference.transformer_blocks):
         np.testing.assert_allclose(mine.linear1.kernel.get_value(), theirs.linear1.kernel.get_value(), atol=1e-5)
+    tokens = batches[0][:, :-1]
+    np.testing.assert_allclose(plain(tokens), model(shardplan.shard_inputs(plan, {"tokens": tokens}, mesh)["tokens"]),
+                               atol=1e-4)
+    if schedule == "gpipe":
+        return                      # (checkpoints do not depend on the schedule: 1f1b checks them)
     # a checkpoint holds the six layers, and restores into the same plan
     checkpoints = Checkpoints(tmp_path / "ckpt")
     checkpoints.save(1, model, optimizer, {"step": 1})
     restored = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(1)), mesh)
     checkpoints.restore(restored)
     np.testing.assert_array_equal(restored.transformer_blocks.linear1.kernel.get_value(), stacked)
-    tokens = batches[0][:, :-1]
-    np.testing.assert_allclose(plain(tokens), model(shardplan.shard_inputs(plan, {"tokens": tokens}, mesh)["tokens"]),
-                               atol=1e-4)
