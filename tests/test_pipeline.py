@@ -67,18 +67,14 @@ def _plan(base: str, schedule: str, virtual: int = 1):
 # ones, are compared with one device in test_wild_models.py; here the shipped plans train.
 
 
-@pytest.mark.parametrize("base, schedule, virtual", [("minigpt_3d.yaml", "1f1b", 1), ("minigpt_pp4.yaml", "gpipe", 1),
-                                                     ("minigpt_pp4.yaml", "interleaved", 2)])
-def test_five_adamw_steps_match_one_device(base, schedule, virtual):
-    rng = np.random.default_rng(1)
-    batches = rng.integers(0, 128, size=(5, 16, 17), dtype=np.int32)
-    reference = minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0))
+def _adamw_steps(plan, config: dict, batches):
+    """AdamW steps on one device without a plan and under `plan`: (reference model, sharded model, its
+    optimizer, mesh), the losses checked equal."""
+    reference = minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0))
     ref_opt = nnx.Optimizer(reference, optax.adamw(1e-3), wrt=nnx.Param)
     expected = [float(train_step(reference, ref_opt, b[:, :-1], b[:, 1:], training=False)) for b in batches]
-
-    plan = _plan(base, schedule, virtual)
     mesh = shardplan.make_mesh(plan)
-    model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0)), mesh)
+    model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0)), mesh)
     optimizer = shardplan.shard_optimizer(plan, model, optax.adamw(1e-3), mesh)
     got = []
     for b in batches:
@@ -86,6 +82,15 @@ def test_five_adamw_steps_match_one_device(base, schedule, virtual):
         got.append(float(train_step(model, optimizer, tokens, jax.device_put(b[:, 1:], tokens.sharding),
                                     training=False)))
     np.testing.assert_allclose(got, expected, rtol=ADAMW_RTOL)
+    return reference, model, optimizer, mesh
+
+
+@pytest.mark.parametrize("base, schedule, virtual", [("minigpt_3d.yaml", "1f1b", 1), ("minigpt_pp4.yaml", "gpipe", 1),
+                                                     ("minigpt_pp4.yaml", "interleaved", 2)])
+def test_five_adamw_steps_match_one_device(base, schedule, virtual):
+    batches = np.random.default_rng(1).integers(0, 128, size=(5, 16, 17), dtype=np.int32)
+    plan = _plan(base, schedule, virtual)
+    _, model, _, mesh = _adamw_steps(plan, CONFIG, batches)
     stacked = model.transformer_blocks.linear1.kernel.get_value()
     assert stacked.shape == (plan.mesh.axes["stage"], virtual, 8 // (plan.mesh.axes["stage"] * virtual), 64, 128)
     assert stacked.sharding.spec[0] == "stage"
@@ -175,24 +180,11 @@ def test_uneven_stages_train_like_one_device_checkpoint_and_go_back_to_plain(sch
     through, holds zeros and never leaves the model (to_plain, checkpoints)."""
     from minigpt_model.checkpoint import Checkpoints
     config = dict(CONFIG, num_transformer_blocks=6)
-    rng = np.random.default_rng(2)
-    batches = rng.integers(0, 128, size=(3, 16, 17), dtype=np.int32)
-    reference = minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0))
-    ref_opt = nnx.Optimizer(reference, optax.adamw(1e-3), wrt=nnx.Param)
-    expected = [float(train_step(reference, ref_opt, b[:, :-1], b[:, 1:], training=False)) for b in batches]
-
+    batches = np.random.default_rng(2).integers(0, 128, size=(3, 16, 17), dtype=np.int32)
     plan = _plan("minigpt_pp4.yaml", schedule)
     report = shardplan.check(plan, minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0)))
     assert report.ok and report.stage_map.counts == (2, 2, 1, 1), [d.format() for d in report.diagnostics]
-    mesh = shardplan.make_mesh(plan)
-    model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0)), mesh)
-    optimizer = shardplan.shard_optimizer(plan, model, optax.adamw(1e-3), mesh)
-    got = []
-    for b in batches:
-        tokens = shardplan.shard_inputs(plan, {"tokens": b[:, :-1]}, mesh)["tokens"]
-        got.append(float(train_step(model, optimizer, tokens, jax.device_put(b[:, 1:], tokens.sharding),
-                                    training=False)))
-    np.testing.assert_allclose(got, expected, rtol=ADAMW_RTOL)
+    reference, model, optimizer, mesh = _adamw_steps(plan, config, batches)
     stacked = np.asarray(model.transformer_blocks.linear1.kernel.get_value())
     assert stacked.shape == (4, 1, 2, 64, 128) and not stacked[2:, 0, 1].any()     # padding stays zero
     plain = shardplan.to_plain(model)

@@ -131,17 +131,24 @@ def test_layers_that_differ_are_all_laid_out():
     assert Representative.of(changed, roles).params == changed
 
 
+def _written_and_trained(found, build, tmp_path) -> shardplan.Plan:
+    """auto's chosen plan, written and read back: it validates without a word and trains 3 steps to the
+    one-device losses."""
+    plan = _written(found, tmp_path)
+    report = shardplan.check(plan, build(), input_shapes={"tokens": (BATCH, SEQ)})
+    assert report.diagnostics == [], [d.format() for d in report.diagnostics]
+    np.testing.assert_allclose(_losses(plan, build), _single_device_losses(build), rtol=1e-5)
+    return plan
+
+
 @pytest.mark.parametrize("name", ["minigpt", "llama"])
 def test_auto_plans_with_remat_and_sequence_parallelism_validate_and_train_like_one_device(name, tmp_path):
     build = BUILD[name]
     model, roles = abstract_with_roles(build)
     found = auto.search(param_infos(model), roles, devices=8, workload=Workload(BATCH, SEQ),
                         profile=get_profile("cpu"), only=lambda c: c.remat == "full" and c.sequence)
-    plan = _written(found, tmp_path)
+    plan = _written_and_trained(found, build, tmp_path)
     assert plan.remat and plan.activations, (tmp_path / "auto.yaml").read_text()
-    report = shardplan.check(plan, build(), input_shapes={"tokens": (BATCH, SEQ)})
-    assert report.diagnostics == [], [d.format() for d in report.diagnostics]
-    np.testing.assert_allclose(_losses(plan, build), _single_device_losses(build), rtol=1e-5)
 
 
 def test_auto_accumulates_gradients_only_where_memory_needs_it(tmp_path):
@@ -153,11 +160,8 @@ def test_auto_accumulates_gradients_only_where_memory_needs_it(tmp_path):
     assert any((r.rejected or "").startswith("accumulation not needed") for r in roomy.rejected)
     found = auto.search(params, roles, devices=8, workload=workload, profile=get_profile("cpu"),
                         only=lambda c: c.accumulate > 1)
-    plan = _written(found, tmp_path)
+    plan = _written_and_trained(found, build, tmp_path)
     assert plan.accumulate > 1, (tmp_path / "auto.yaml").read_text()
-    report = shardplan.check(plan, build(), input_shapes={"tokens": (BATCH, SEQ)})
-    assert report.diagnostics == [], [d.format() for d in report.diagnostics]
-    np.testing.assert_allclose(_losses(plan, build), _single_device_losses(build), rtol=1e-5)
 
 
 def test_auto_pipelines_layers_the_stages_do_not_divide_and_trains_like_one_device(tmp_path):
@@ -165,12 +169,9 @@ def test_auto_pipelines_layers_the_stages_do_not_divide_and_trains_like_one_devi
     model, roles = abstract_with_roles(build)
     found = auto.search(param_infos(model), roles, devices=8, workload=Workload(BATCH, SEQ),
                         profile=get_profile("cpu"), only=lambda c: c.axes.get("stage") == 2)
-    plan = _written(found, tmp_path)
-    assert plan.pipeline is not None
+    plan = _written_and_trained(found, build, tmp_path)
     assert "1 or 2 (the first stages one longer" in (tmp_path / "auto.yaml").read_text()
-    report = shardplan.check(plan, build(), input_shapes={"tokens": (BATCH, SEQ)})
-    assert report.diagnostics == [] and report.stage_map.counts == (2, 1), [d.format() for d in report.diagnostics]
-    np.testing.assert_allclose(_losses(plan, build), _single_device_losses(build), rtol=1e-5)
+    assert shardplan.check(plan, build()).stage_map.counts == (2, 1)
 
 
 def test_auto_with_bf16_compute_writes_precision_and_stays_close(tmp_path):
