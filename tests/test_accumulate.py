@@ -109,3 +109,15 @@ def test_gradients_reach_float_inputs_and_targets_and_model_rng_state_advances(w
     # with dropout on, each microbatch draws its own mask from the model's stream, which advances
     _, _, model = run("accumulate: 4\n", False)
     assert int(model.dropout.rngs.count.get_value()) == 4
+
+
+def test_inspect_shows_accumulation_and_refuses_a_batch_it_cannot_split(tmp_path, capsys):
+    from shardplan.cli import main
+    plan = tmp_path / "accumulate.yaml"
+    plan.write_text((PLANS / "minigpt_dp_tp.yaml").read_text() + "accumulate: 4\n")
+    assert main(["inspect", str(plan)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "gradient accumulation: 4 microbatches in turn" in out
+    assert main(["inspect", str(plan), "--batch", "8"]) == 1         # 2 rows per data shard
+    out = " ".join(capsys.readouterr().out.split())
+    assert "accumulate-microbatches" in out and "multiple of 16" in out and "Cost estimate" not in out

@@ -401,6 +401,13 @@ def _inspect(args, console: Console) -> int:
     from shardplan.cli import render
     order: list[str] = []
     report = _report(args, order)
+    if report.ok:       # the estimate's batch must split as the plan's microbatches do
+        from dataclasses import replace
+
+        from shardplan.checks.stages import check_microbatches
+        from shardplan.checks.validate import data_axes
+        found = check_microbatches(report.plan, _batch(args, report), report.axes, data_axes(report.plan, report.axes))
+        report = replace(report, diagnostics=report.diagnostics + found)
     cost = _estimate(args, report, order) if report.ok else None
     if args.device is not None and args.device not in report.device_ids:
         raise UsageError(f"--device requires one of the mesh's device ids {report.device_ids}, but got {args.device}")
@@ -418,7 +425,7 @@ def _inspect(args, console: Console) -> int:
     render.render_devices(console, report)
     render.render_pipeline(console, report)
     if cost is not None:
-        render.render_estimate(console, *cost)
+        render.render_estimate(console, *cost, accumulate=report.plan.accumulate)
     render.render_params(console, report, collapse=not args.all_params)
     if args.device is not None and report.devices:      # no per-device layout when the mesh does not fit
         render.render_device_detail(console, report, args.device, collapse=not args.all_params)
@@ -583,6 +590,11 @@ def _report(args, order: list[str] | None = None):
     return with_model_checks(report, plan, model)
 
 
+def _batch(args, report) -> int:
+    """inspect's global batch: --batch, or 4 sequences per device."""
+    return args.batch or 4 * len(report.device_ids)
+
+
 def _estimate(args, report, order: list[str]):
     """(workload, profile, estimate) of the cost model for inspect."""
     from shardplan.planner.cost import Workload, estimate
@@ -592,7 +604,7 @@ def _estimate(args, report, order: list[str]):
         profile = get_profile(args.profile)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    workload = Workload(args.batch or 4 * len(report.device_ids), args.seq)
+    workload = Workload(_batch(args, report), args.seq)
     roles = recognise(report.params, order)
     return workload, profile, estimate(report, roles, workload, profile)
 

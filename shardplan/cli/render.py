@@ -311,7 +311,7 @@ def render_summary(console: Console, report: Report) -> None:
     render_diagnostics(console, report.diagnostics)
 
 
-def render_estimate(console: Console, workload, profile, cost) -> None:
+def render_estimate(console: Console, workload, profile, cost, *, accumulate: int = 1) -> None:
     """The cost model's figures for one device: memory, communication by kind and axes, time."""
     from shardplan.checks.layout import human_bytes
     console.print(Text.assemble("\n", ("Cost estimate", "bold"), f" per device, batch {workload.batch} x "
@@ -320,6 +320,9 @@ def render_estimate(console: Console, workload, profile, cost) -> None:
                   f"optimizer {human_bytes(cost.optimizer_bytes)}, activations {human_bytes(cost.activation_bytes)} "
                   f"({human_bytes(cost.activation_bytes_remat)} with rematerialised layers); "
                   f"peak {human_bytes(cost.peak_bytes)}")
+    if accumulate > 1:
+        console.print(f"  gradient accumulation: {accumulate} microbatches in turn; the activations above are one "
+                      "microbatch's, and each microbatch's gradient is reduced as it comes")
     if cost.bubble:
         console.print(f"  one microbatch through this stage's layers keeps {human_bytes(cost.microbatch_activation_bytes)}"
                       f" ({human_bytes(cost.microbatch_activation_bytes_remat)} rematerialised); the schedule's "
