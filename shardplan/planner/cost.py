@@ -243,8 +243,12 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
     optimizer_bytes = sum(p.opt_bytes_per_device * step.count(p.path) for p in held)
     kept = _per_token(held, roles, step)
     stored, remat, microbatch, microbatch_remat = _activations(kept, step)
-    if step.schedule == "1f1b":     # the gathered head weights and their whole gradients, for the step
-        whole_head = 2 * sum(_head_gathered(p, step) for p in held if p.path in roles.after_layers | roles.tied)
+    if step.schedule == "1f1b":
+        # the head runs inside the loop, gathered whole: its weights beyond the shard, the running sum
+        # of their gradients and each microbatch's before it is added (measured in XLA's buffers)
+        # (an FSDP-split head too: it enters the loop whole)
+        whole_head = sum(3 * p.bytes_per_device * step.ways(spec_axes(p.spec)) - p.bytes_per_device
+                         for p in held if p.path in roles.after_layers | roles.tied)
         stored, remat = stored + whole_head, remat + whole_head
     compute_copy = 0
     if options.compute_itemsize != param_itemsize:
@@ -252,6 +256,8 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
     early_grads = sum(p.bytes_per_device for p in held if p.path in roles.after_layers)
     if step.accumulate > 1:     # the running sum of the gradients, and each microbatch's before it is added
         early_grads = 2 * param_bytes
+    elif step.schedule == "1f1b":   # the same for the stage's layers, inside the loop (the head's: above)
+        early_grads = 2 * sum(p.bytes_per_device * step.count(p.path) for p in held if p.stage is not None)
     gathered = regathered = 0
     for p in held:
         fsdp = step.ways(tuple(a for a in spec_axes(p.spec) if a in batch_axes))
@@ -262,6 +268,10 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
             count = step.count(p.path)
             twice = min(2, count) if count > 1 else int(layer < 2)     # one layer for all, or each layer
             gathered += math.prod(p.shard_shape) * fsdp * min(p.itemsize, itemsize) * twice
+        elif fsdp > 1 and _gathered_outside_layers(p, roles, step):
+            # an FSDP embedding or head whose weight XLA gathers (not its activations): whole at the
+            # backward's start
+            gathered += math.prod(p.shard_shape) * fsdp * min(p.itemsize, itemsize)
         if p.opt_spec != p.spec:
             regathered += p.bytes_per_device * step.count(p.path)
     matmul_flops, attention_flops = _flops(held, roles, step)
@@ -520,6 +530,17 @@ def _merge(transfers: list[Transfer]) -> list[Transfer]:
         key = (t.kind, t.axes, t.bytes, t.what)
         merged[key] = dataclasses.replace(t, count=merged[key].count + t.count) if key in merged else t
     return [t for t in merged.values() if t.count and t.bytes]
+
+
+def _gathered_outside_layers(p: ParamLayout, roles: ModelRoles, step: _Step) -> bool:
+    """Whether XLA gathers this FSDP-split matrix outside the layers whole (a 1F1B head: counted as
+    one, whole; otherwise when moving activations would cost more, see `_matrix_transfers`)."""
+    role = roles.roles.get(p.path)
+    if role is None or role.kind not in (EMBEDDING, COLUMN, ROW, MATMUL):
+        return False
+    if step.schedule == "1f1b" and (p.path in roles.after_layers or p.path in roles.tied):
+        return False
+    return not _matrix_transfers(p, role, step, p.stage is not None)[1]
 
 
 def _head_gathered(p: ParamLayout, step: _Step) -> int:
