@@ -85,18 +85,22 @@ def test_cost_model_on_gradient_accumulation_matches_the_compiled_step(compiled_
 
 
 def test_cost_model_on_one_f_one_b_matches_the_compiled_step(compiled_model):
-    """The shipped 3-D plan (1F1B, vocabulary-parallel head): the head runs inside the loop gathered
-    whole, beside the running sum of its gradients and each microbatch's (measured in XLA's buffers).
-    Collective bytes within 2%; peak within 6% (measured -3.4%; -9.9% when the model counted the
-    gathered head and one gradient only)."""
+    """The shipped 3-D plan (1F1B, vocabulary-parallel head). The head runs inside the loop with its
+    vocabulary still split (it once entered whole: the compiled step then moved 1.9x the bytes at
+    article size), beside the running sum of its gradients and each microbatch's, and the stage's
+    layer gradients twice (measured in XLA's buffers). Collective bytes within 2%; the backward's
+    start, this step's high point, within 6% of the compiled peak (measured -0.3%); the modelled peak,
+    an upper bound, above it."""
     model, roles = compiled_model
     plan = shardplan.load_plan(REPO / "plans" / "minigpt_3d.yaml").model_copy(update={"model": None})
     report = shardplan.check(plan, model, input_shapes={"tokens": (BATCH, 64)})
     cost = estimate(report, roles, Workload(BATCH, 64), get_profile("cpu"))
     compiled = measure(plan, minigpt_model.MiniGPT(**COMPILED, rngs=nnx.Rngs(0)), BATCH, 64)
     assert cost.collective_bytes == pytest.approx(compiled.collectives.total_bytes, rel=0.02)
-    assert cost.peak_bytes == pytest.approx(compiled.peak_bytes, rel=0.06)
-    assert not cost.caveats
+    assert not any("gathered for the step" in t.what for t in cost.transfers)
+    backward_start = cost.argument_bytes + cost.activation_bytes + cost.early_grad_bytes + cost.gathered_bytes
+    assert backward_start == pytest.approx(compiled.peak_bytes, rel=0.06)
+    assert cost.peak_bytes >= compiled.peak_bytes and not cost.caveats
 
 
 def test_layouts_outside_the_model_say_so(compiled_model):

@@ -107,8 +107,8 @@ class Estimate:
     def peak_bytes(self) -> int:
         """Arguments, the compute copy, and the larger of the step's two high points: the backward's
         start (every activation kept, the head's gradients made), or the update (every gradient, and
-        the optimizer's new moments before they replace the old: measured, XLA does not update them
-        in place)."""
+        the optimizer's new moments before they replace the old: measured, XLA does not always update
+        them in place; an upper bound, by up to 20% of the peak when it does)."""
         return self.argument_bytes + self.compute_copy_bytes + max(
             self.activation_bytes + self.early_grad_bytes + self.gathered_bytes,
             self.grad_bytes + self.optimizer_bytes + self.regathered_bytes)
@@ -244,10 +244,9 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
     kept = _per_token(held, roles, step)
     stored, remat, microbatch, microbatch_remat = _activations(kept, step)
     if step.schedule == "1f1b":
-        # the head runs inside the loop, gathered whole: its weights beyond the shard, the running sum
-        # of their gradients and each microbatch's before it is added (measured in XLA's buffers)
-        # (an FSDP-split head too: it enters the loop whole)
-        whole_head = sum(3 * p.bytes_per_device * step.ways(spec_axes(p.spec)) - p.bytes_per_device
+        # the head runs inside the loop: its weights (gathered, when they enter whole), the running
+        # sum of their gradients and each microbatch's before it is added (measured in XLA's buffers)
+        whole_head = sum(_head_gathered(p, roles, step) + 2 * (p.bytes_per_device + _head_gathered(p, roles, step))
                          for p in held if p.path in roles.after_layers | roles.tied)
         stored, remat = stored + whole_head, remat + whole_head
     compute_copy = 0
@@ -389,11 +388,11 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
         staged = p.stage is not None
         moved_activations = False
         head = step.schedule == "1f1b" and (p.path in after or p.path in roles.tied)   # a tied embedding is a head too
-        gathered = _head_gathered(p, step) if head else 0
+        gathered = _head_gathered(p, roles, step) if head else 0
         if gathered:
-            # 1F1B runs the head inside the pipeline, whole: its split weight is gathered once per step
-            mine.append(Transfer("all-gather", _split_axes(p, tuple(range(len(p.shape))), step.batch_axes),
-                                 p.bytes_per_device + gathered, 1, f"{p.path}: 1F1B head gathered for the step"))
+            # 1F1B runs such a head inside the pipeline whole: its split weight is gathered once per step
+            mine.append(Transfer("all-gather", tuple(spec_axes(p.spec)), p.bytes_per_device + gathered, 1,
+                                 f"{p.path}: 1F1B head gathered for the step"))
         elif role.kind in (EMBEDDING, COLUMN, ROW, MATMUL):
             found, moved_activations = _matrix_transfers(p, role, step, staged, in_layer)
             mine += found
@@ -543,9 +542,14 @@ def _gathered_outside_layers(p: ParamLayout, roles: ModelRoles, step: _Step) -> 
     return not _matrix_transfers(p, role, step, p.stage is not None)[1]
 
 
-def _head_gathered(p: ParamLayout, step: _Step) -> int:
-    """Bytes a device gathers beyond its shard of a 1F1B head weight (split over other than batch axes)."""
-    return p.bytes_per_device * (step.ways(_split_axes(p, tuple(range(len(p.shape))), step.batch_axes)) - 1)
+def _head_gathered(p: ParamLayout, roles: ModelRoles, step: _Step) -> int:
+    """Bytes a device gathers beyond its shard of a 1F1B head weight. The head runs inside the loop,
+    where a weight split over tensor axes only keeps its split; one split over a batch axis (or
+    while FSDP-split layers keep those automatic), or a tied embedding, enters whole (see
+    `shardplan.run.pipelined`)."""
+    whole = (p.path in roles.tied or not step.manual_batch or
+             any(a in step.batch_axes for a in spec_axes(p.spec)))
+    return p.bytes_per_device * (step.ways(spec_axes(p.spec)) - 1) if whole else 0
 
 
 def _tensor_ways(p: ParamLayout, dims: tuple[int, ...], step: _Step) -> int:
@@ -574,7 +578,7 @@ def _per_token(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple
         elif role.kind == EMBEDDING:
             size = out = math.prod(p.shape[d] for d in role.out_dims) * b
         else:
-            whole = layer == "after" and step.schedule == "1f1b"      # a 1F1B head runs gathered, whole
+            whole = layer == "after" and step.schedule == "1f1b" and _head_gathered(p, roles, step) > 0
             n_in = math.prod(p.shape[d] for d in role.in_dims) / (1 if whole else _tensor_ways(p, role.in_dims, step))
             n_out = math.prod(p.shape[d] for d in role.out_dims) / (1 if whole else
                                                                     _tensor_ways(p, role.out_dims, step))
@@ -587,7 +591,7 @@ def _per_token(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple
                 size, out = size * LOGIT_COPIES, out * LOGIT_COPIES
         full[layer] = full.get(layer, 0.0) + size
         dots[layer] = dots.get(layer, 0.0) + out
-        if p.path in roles.tied:        # its second use: the logits (a 1F1B head runs gathered, whole)
+        if p.path in roles.tied:        # its second use: the logits (a 1F1B one runs whole)
             vocab = p.shape[role.in_dims[0]] / (1 if step.schedule == "1f1b" else
                                                 _tensor_ways(p, role.in_dims, step))
             logits = (step.width + vocab) * b * LOGIT_COPIES

@@ -17,7 +17,7 @@ from shardplan.run.abstract import eval_shape
 from shardplan.run.step_options import apply_step_options
 from shardplan.plan.diagnostics import PlanError
 from shardplan.plan.matching import NormalSpec
-from shardplan.plan.schema import Plan, normalize_spec
+from shardplan.plan.schema import Plan, normalize_spec, spec_axes
 
 
 def partition_spec(spec: NormalSpec) -> PartitionSpec:
@@ -66,7 +66,8 @@ def _pipelined(plan: Plan, model: nnx.Module, mesh, report: Report, specs: dict)
     layers = PipelinedLayers(list(getattr(model, pipe.layers)), name=pipe.layers, stages=stage_map.stages,
                              virtual=stage_map.virtual, mesh=mesh, axis=pipe.axis, schedule=pipe.schedule,
                              microbatches=pipe.microbatches, batch_axes=_manual_batch_axes(plan, report, specs),
-                             plain_graphdef=plain_graphdef, counts=stage_map.counts)
+                             plain_graphdef=plain_graphdef, counts=stage_map.counts,
+                             split_heads=_tensor_split_outside(plan, report, specs))
     setattr(model, pipe.layers, layers)
     for keys, variable in nnx.to_flat_state(nnx.state(model)):
         path = join_path(keys)
@@ -77,11 +78,16 @@ def _pipelined(plan: Plan, model: nnx.Module, mesh, report: Report, specs: dict)
     return model
 
 
+def _tensor_split_outside(plan: Plan, report: Report, specs: dict) -> tuple[str, ...]:
+    """Parameters outside the pipelined layers split over tensor axes only (none of the batch axes)."""
+    batch = set(data_axes(plan, report.axes))
+    return tuple(path for path, spec in specs.items() if path.split("/")[0] != plan.pipeline.layers and
+                 spec_axes(spec) and not set(spec_axes(spec)) & batch)
+
+
 def _manual_batch_axes(plan: Plan, report: Report, specs: dict) -> tuple[str, ...]:
     """Data axes the pipeline can run manually: those no layer parameter is split over (an
     FSDP-split layer needs XLA to gather it, so its axis stays automatic)."""
-    from shardplan.plan.schema import spec_axes
-    from shardplan.checks.validate import data_axes
     prefix = plan.pipeline.layers + "/"
     used = {a for path, spec in specs.items() if path.startswith(prefix) for a in spec_axes(spec)}
     return tuple(a for a in data_axes(plan, report.axes) if a != plan.pipeline.axis and a not in used)

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
+from shardplan.checks.paths import join_path
 from shardplan.run.accumulate import accumulated_loss
 from shardplan.run.layer_call import (CallArgs, PipelineCallError, calling_without_updates, describe_layer_call,
                                       draw_keys)
@@ -27,7 +28,8 @@ from shardplan.run.pipeline import (Layers, circular_forward, cross_entropy, fit
 
 # Set by `model_loss` under a 1F1B plan: the layers then run the whole 1F1B schedule, loss included.
 _LOSS_REQUEST: contextvars.ContextVar = contextvars.ContextVar("shardplan_loss_request", default=None)
-# Set while 1F1B runs the model's code after its layers for one microbatch: the layers' output.
+# Set while 1F1B runs the model's code around its layers for one microbatch: what the layers return,
+# given their input.
 _REPLAY: contextvars.ContextVar = contextvars.ContextVar("shardplan_replay", default=None)
 
 
@@ -46,7 +48,7 @@ class PipelinedLayers(nnx.Module):
 
     def __init__(self, layers: list[nnx.Module], *, name: str, stages: int, virtual: int, mesh, axis: str,
                  schedule: str, microbatches: int, batch_axes: tuple[str, ...], plain_graphdef,
-                 counts: tuple[int, ...] | None = None):
+                 counts: tuple[int, ...] | None = None, split_heads: tuple[str, ...] = ()):
         graphdefs = [nnx.graphdef(layer) for layer in layers]
         kinds = list(dict.fromkeys(graphdefs))
         counts = tuple(counts) if counts and len(set(counts)) > 1 else None     # unequal stages, padded
@@ -59,6 +61,7 @@ class PipelinedLayers(nnx.Module):
         self._pipeline_schedule, self._pipeline_microbatches = schedule, microbatches
         self._pipeline_batch_axes, self._pipeline_plain = tuple(batch_axes), plain_graphdef
         self._pipeline_counts = counts
+        self._pipeline_split_heads = frozenset(split_heads)    # weights after the layers 1F1B may keep split
 
     @property
     def schedule(self) -> str:
@@ -100,7 +103,7 @@ class PipelinedLayers(nnx.Module):
     def __call__(self, *args, **kwargs):
         replay = _REPLAY.get()
         if replay is not None:
-            return replay
+            return replay(args[0])
         state = nnx.state(self)
         call, split, whole, rngs = self._layer_call(state, args, kwargs)
         layers = Layers(self._pipeline_kinds, self._pipeline_kind_of, call, self._pipeline_counts)
@@ -135,7 +138,8 @@ class PipelinedLayers(nnx.Module):
         microbatches, batch_axes = self._fit(x.shape[0])
         graphdef, params, rest = nnx.split(request.model, nnx.Param, ...)
         leaves, params_def = jax.tree.flatten(params)
-        in_layers = [path[0].key == self._pipeline_name for path, _ in jax.tree.flatten_with_path(params)[0]]
+        paths = [join_path(path).removesuffix("/.value") for path, _ in jax.tree.flatten_with_path(params)[0]]
+        in_layers = [path.split("/")[0] == self._pipeline_name for path in paths]
         head_params = [leaf for leaf, inside in zip(leaves, in_layers) if not inside]
         rest_leaves, rest_def = jax.tree.flatten(rest)
         model_call, model_split, model_whole, model_rngs = CallArgs.of(request.args, request.kwargs, x.shape[0])
@@ -144,7 +148,7 @@ class PipelinedLayers(nnx.Module):
         head_keys = draw_keys(model_rngs)
         outside = [i for i, inside in enumerate(in_layers) if not inside]
 
-        def head_loss(head_params, rest_leaves, h, split, whole, keys, targets, *, used=None):
+        def replayed(head_params, rest_leaves, layers_return, split, whole, keys, used):
             # Weights the head does not read are placeholders: the layers' (never touched, the layers
             # replay their output), and zeros for the code before the layers (run, then pruned as dead).
             given = dict(zip(used if used is not None else outside, head_params))
@@ -152,13 +156,22 @@ class PipelinedLayers(nnx.Module):
                     for i in range(len(in_layers))]
             model = nnx.merge(graphdef, jax.tree.unflatten(params_def, full), jax.tree.unflatten(rest_def, rest_leaves))
             args, kwargs = model_call.rebuild(split, whole, keys)
-            token = _REPLAY.set(call.output(h))
+            token = _REPLAY.set(layers_return)
             try:
-                out = calling_without_updates(model, lambda: model(*args, **kwargs), "the model",
-                                              "under 1f1b (which replays its forward per microbatch) it")
+                return calling_without_updates(model, lambda: model(*args, **kwargs), "the model",
+                                               "under 1f1b (which replays its forward per microbatch) it")
             finally:
                 _REPLAY.reset(token)
+
+        def head_loss(head_params, rest_leaves, h, split, whole, keys, targets, *, used=None):
+            out = replayed(head_params, rest_leaves, lambda _: call.output(h), split, whole, keys, used)
             return request.loss_of(out, targets)
+
+        def layers_input(head_params):
+            entering = []
+            replayed(head_params, rest_leaves, lambda x: entering.append(x) or call.output(x),
+                     [first(a) for a in model_split], model_whole, head_keys, None)
+            return jax.numpy.sum(entering[0])
 
         def micro(a):
             return split_microbatches(a, microbatches)
@@ -166,12 +179,19 @@ class PipelinedLayers(nnx.Module):
         def first(a):
             return micro(a)[0]
         # Only the weights the head reads enter the pipeline (the code before the layers, replayed
-        # per microbatch, is pruned). The head runs inside the region that is manual over the stage and
-        # batch axes, where XLA cannot partition weights split over the remaining axes: they enter whole.
+        # per microbatch, is pruned). A weight split over tensor axes only keeps its split (the loop
+        # leaves those axes to XLA): a vocabulary-parallel head stays so, as in Megatron. The rest
+        # enter whole: in jax 0.10.2 XLA's partitioner aborts the process (a failed check) on a head
+        # split over an automatic batch axis, and on a weight the dead code before the layers also
+        # reads (a tied embedding's lookup).
         used = _used_inputs(lambda params: head_loss(params, rest_leaves, first(x), [first(a) for a in model_split],
                                                      model_whole, head_keys, first(request.targets)), head_params)
+        before = _used_inputs(layers_input, head_params)
+        split_ok = [path in self._pipeline_split_heads and not read_before and batch_axes == self._pipeline_batch_axes
+                    for path, read_before in zip([p for p, inside in zip(paths, in_layers) if not inside], before)]
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        head_params = [jax.lax.with_sharding_constraint(p, replicated) for p, keep in zip(head_params, used) if keep]
+        head_params = [p if keep_split else jax.lax.with_sharding_constraint(p, replicated)
+                       for p, keep, keep_split in zip(head_params, used, split_ok) if keep]
         used_at = [i for i, keep in zip(outside, used) if keep]
         return one_f_one_b_loss(
             layers, state, functools.partial(head_loss, used=used_at), head_params, rest_leaves, micro(x),
