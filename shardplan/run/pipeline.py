@@ -309,7 +309,7 @@ def _schedule(layers, head, mesh, axis, batch_axes, stacked, head_params, xs, he
             zero_head = jax.tree.map(jnp.zeros_like, head_params)
             loss_m, gh, gy = jax.lax.cond(f_on & (s == last), at_last,
                                           lambda: (jnp.zeros((), jnp.float32), zero_head, jnp.zeros_like(h)))
-            loss_sum, g_head = loss_sum + loss_m, jax.tree.map(jnp.add, g_head, gh)
+            loss_sum, g_head = loss_sum + loss_m, _accumulate(g_head, gh)
 
             mb = t - (2 * last - s)
             b_on = (mb >= 0) & (mb < micro)
@@ -320,22 +320,22 @@ def _schedule(layers, head, mesh, axis, batch_axes, stacked, head_params, xs, he
                 _, vjp = jax.vjp(lambda st, x: stage_fn(st, x, mb_), state, stash[mb_ % slots])
                 return vjp(cot)
             gl, gx = jax.lax.cond(b_on, backward, lambda: (jax.tree.map(jnp.zeros_like, state), jnp.zeros_like(h)))
-            g_layers = jax.tree.map(jnp.add, g_layers, gl)
+            g_layers = _accumulate(g_layers, gl)
             dxs = jnp.where(b_on & (s == 0), dxs.at[mb_].set(gx), dxs)
             return (_to_last(h, axis, stages), _to_previous(gx, axis, stages), stash, g_layers, g_head,
                     loss_sum, dxs), None
 
         zeros = jnp.zeros_like(xs[0])
-        carry = (zeros, zeros, jnp.zeros((slots, *xs.shape[1:]), xs.dtype), jax.tree.map(jnp.zeros_like, state),
-                 jax.tree.map(jnp.zeros_like, head_params), jnp.zeros((), jnp.float32), jnp.zeros_like(xs))
+        carry = (zeros, zeros, jnp.zeros((slots, *xs.shape[1:]), xs.dtype), _running_sum(state),
+                 _running_sum(head_params), jnp.zeros((), jnp.float32), jnp.zeros_like(xs))
         (_, _, _, g_layers, g_head, loss_sum, dxs), _ = jax.lax.scan(tick, carry, jnp.arange(micro + 2 * last))
         scale = 1.0 / micro
         if batch_axes:      # each shard's loss is a mean over its rows: average them, once
             g_layers, g_head, loss_sum = jax.lax.pmean((g_layers, g_head, loss_sum), batch_axes)
             dxs = dxs / shards
-        g_layers = jax.tree.map(lambda g: (g * scale)[None, None], g_layers)
-        stacked_out = jax.tree.map(lambda g: (g * scale)[None], (g_head, loss_sum, dxs))
-        return g_layers, stacked_out
+        g_layers = jax.tree.map(lambda g, a: (g * scale).astype(a.dtype)[None, None], g_layers, state)
+        g_head = jax.tree.map(lambda g, a: (g * scale).astype(a.dtype)[None], g_head, head_params)
+        return g_layers, (g_head, (loss_sum * scale)[None], (dxs * scale)[None])
 
     rows = _batch_spec(batch_axes, None)
     inputs = (rows, P())
@@ -345,6 +345,16 @@ def _schedule(layers, head, mesh, axis, batch_axes, stacked, head_params, xs, he
     g_layers, (g_head, loss, dxs) = run(stacked, head_params, head_rest, xs, layer_inputs, head_inputs, targets, keys)
     g_head, loss = jax.tree.map(lambda g: g[stages - 1], g_head), loss[stages - 1]
     return loss, (g_layers, g_head, dxs[0])
+
+
+def _running_sum(like):
+    """Zeros to sum gradients of `like` into: float32 at least, whatever the compute dtype (a bf16 sum
+    over many microbatches loses the small ones; Megatron keeps float32 too)."""
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32)), like)
+
+
+def _accumulate(total, new):
+    return jax.tree.map(lambda t, g: t + g.astype(t.dtype), total, new)
 
 
 def cross_entropy(logits, targets):

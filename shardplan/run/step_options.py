@@ -179,13 +179,18 @@ def _rematerialised(run, policy: str):
     return remat_run
 
 
+def _floating(a) -> bool:
+    return hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)
+
+
 def _in_dtype(run, dtype):
     """`run` on a copy of the module whose floating parameters are cast to `dtype` (gradients flow back
     to the stored ones); floating outputs in `dtype` come back in the parameters' dtype."""
     def cast_run(module, args, kwargs):
         graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-        stored = {a.dtype for a in jax.tree.leaves(params) if jnp.issubdtype(a.dtype, jnp.floating)}
-        low = jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
+        # (1F1B's head replays the model with plain-number placeholders for the layers' weights)
+        stored = {a.dtype for a in jax.tree.leaves(params) if _floating(a)}
+        low = jax.tree.map(lambda a: a.astype(dtype) if _floating(a) else a, params)
         copy = nnx.merge(graphdef, low, rest)
         before = jax.tree.leaves(rest)
         out = run(copy, args, kwargs)
