@@ -252,7 +252,8 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
     compute_copy = 0
     if options.compute_itemsize != param_itemsize:
         compute_copy = sum(math.prod(p.shard_shape) * step.count(p.path) for p in held) * options.compute_itemsize
-    early_grads = sum(p.bytes_per_device for p in held if p.path in roles.after_layers)
+    # the head's gradients, made as the backward starts (a tied embedding's second use too)
+    early_grads = sum(p.bytes_per_device for p in held if p.path in roles.after_layers | roles.tied)
     if step.accumulate > 1:     # the running sum of the gradients, and each microbatch's before it is added
         early_grads = 2 * param_bytes
     elif step.schedule == "1f1b":
