@@ -82,13 +82,12 @@ def test_bfloat16_compute_tracks_float32(plain):
     assert {np.asarray(g).dtype for g in jax.tree.leaves(grads)} == {np.dtype("float32")}
 
 
-@pytest.mark.parametrize("base", ["minigpt_3d.yaml", "minigpt_pp4.yaml"])
-def test_bfloat16_compute_inside_a_pipeline_tracks_float32(base, plain):
+def test_bfloat16_compute_under_1f1b_tracks_float32(plain):
     """Under 1F1B this crashed twice over: the head's replay met the layers' placeholder weights in the
     cast, and XLA's CPU compiler aborted on the bfloat16 all-reduce of the gradients summed in the
     loop. The loop now sums gradients in float32 (as Megatron does: a bfloat16 sum over many
     microbatches loses the small ones) and casts once at the end."""
-    loss, grads = _loss_and_grads(BF16, base)
+    loss, grads = _loss_and_grads(BF16, "minigpt_3d.yaml")
     assert loss == pytest.approx(plain[0], rel=1e-3)
     assert _relative(grads, plain[1]) <= 0.1
     assert {np.asarray(g).dtype for g in jax.tree.leaves(grads)} == {np.dtype("float32")}
