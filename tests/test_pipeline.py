@@ -1,6 +1,11 @@
 """Pipelines: schedules as data, stage diagnostics, and numerics of every schedule against one device."""
 
+import contextlib
+import io
+import re
+
 import jax
+import jax.ad_checkpoint
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -240,10 +245,6 @@ def test_uneven_stages_train_like_one_device_checkpoint_and_go_back_to_plain(sch
 
 def _saved_for_backward(loss, state) -> list[tuple[int, ...]]:
     """Shapes of the values autodiff keeps from the forward for the backward of `loss(state)`."""
-    import contextlib
-    import io
-    import re
-    import jax.ad_checkpoint
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         jax.ad_checkpoint.print_saved_residuals(loss, state)

@@ -186,9 +186,11 @@ class PipelinedLayers(nnx.Module):
         # reads (a tied embedding's lookup).
         used = _used_inputs(lambda params: head_loss(params, rest_leaves, first(x), [first(a) for a in model_split],
                                                      model_whole, head_keys, first(request.targets)), head_params)
-        before = _used_inputs(layers_input, head_params)
-        split_ok = [path in self._pipeline_split_heads and not read_before and batch_axes == self._pipeline_batch_axes
-                    for path, read_before in zip([p for p, inside in zip(paths, in_layers) if not inside], before)]
+        may_split = [batch_axes == self._pipeline_batch_axes and paths[i] in self._pipeline_split_heads
+                     for i in outside]
+        # (tracing the code before the layers again only when some weight could keep its split)
+        before = _used_inputs(layers_input, head_params) if any(may_split) else may_split
+        split_ok = [may and not read_before for may, read_before in zip(may_split, before)]
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         head_params = [p if keep_split else jax.lax.with_sharding_constraint(p, replicated)
                        for p, keep, keep_split in zip(head_params, used, split_ok) if keep]
