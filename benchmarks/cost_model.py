@@ -34,6 +34,7 @@ from shardplan.planner.cost import Workload, estimate  # noqa: E402
 from shardplan.run.measure import measure  # noqa: E402
 from shardplan.checks.paths import param_infos  # noqa: E402
 from shardplan.planner.profiles import get_profile  # noqa: E402
+from shardplan.planner.kept import with_code  # noqa: E402
 from shardplan.planner.roles import abstract_with_roles, recognise_module  # noqa: E402
 
 PLANS = ["minigpt_dp.yaml", "minigpt_tp.yaml", "minigpt_dp_tp.yaml", "minigpt_fsdp.toml", "minigpt_3d.yaml",
@@ -57,7 +58,7 @@ TARGET = 0.15
 
 def compare(plan: shardplan.Plan, config: dict, batch: int, seq: int) -> dict:
     model = minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0))
-    roles = recognise_module(model)
+    roles = with_code(recognise_module(model), model, seq)
     report = shardplan.check(plan, model, input_shapes={"tokens": (batch, seq)})
     assert report.ok, [d.message for d in report.errors]
     modelled = estimate(report, roles, Workload(batch, seq), get_profile("cpu"))
@@ -102,6 +103,7 @@ def held_out(count: int, batch: int, seq: int) -> list[dict]:
 
     config = dict(vocab=8192, dim=256, heads=8, kv_heads=2, hidden=768, layers=4)
     abstract, roles = abstract_with_roles(lambda: Llama(**config, rngs=nnx.Rngs(0)))
+    roles = with_code(roles, abstract, seq)
     found = search(param_infos(abstract), roles, devices=8, workload=Workload(batch, seq), profile=get_profile("cpu"),
                    keep=10_000)     # every candidate checked in full: the pipelines are picked from them
     picked, seen = [], set()
@@ -136,6 +138,7 @@ def heads_first(count: int, batch: int, seq: int) -> list[dict]:
 
     config = GemmaConfig(vocab=8192, embed=256, heads=8, kv_heads=4, head_dim=32, hidden=768, layers=4, window=32)
     abstract, roles = abstract_with_roles(lambda: GemmaLike(config, rngs=nnx.Rngs(0)))
+    roles = with_code(roles, abstract, seq, arguments=_gemma_arguments)
     found = search(param_infos(abstract), roles, devices=8, workload=Workload(batch, seq), profile=get_profile("cpu"),
                    keep=10_000)     # every candidate checked in full: the pipelines are picked from them
     picked = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -400,7 +401,7 @@ def _validate_plan_only(args, console: Console) -> int:
 def _inspect(args, console: Console) -> int:
     from shardplan.cli import render
     order: list[str] = []
-    report = _report(args, order)
+    report, model = _checked_model(args, order)
     if report.ok:       # the estimate's batch must split as the plan's microbatches do
         from dataclasses import replace
 
@@ -408,7 +409,7 @@ def _inspect(args, console: Console) -> int:
         from shardplan.checks.validate import data_axes
         found = check_microbatches(report.plan, _batch(args, report), report.axes, data_axes(report.plan, report.axes))
         report = replace(report, diagnostics=report.diagnostics + found)
-    cost = _estimate(args, report, order) if report.ok else None
+    cost = _estimate(args, report, order, model) if report.ok else None
     if args.device is not None and args.device not in report.device_ids:
         raise UsageError(f"--device requires one of the mesh's device ids {report.device_ids}, but got {args.device}")
     if args.json:
@@ -417,7 +418,7 @@ def _inspect(args, console: Console) -> int:
             data["device"] = render.device_detail_json(report, args.device)
         if cost is not None:
             data["estimate"] = {"batch": cost[0].batch, "seq": cost[0].seq, "profile": cost[1].name,
-                                **cost[2].to_json()}
+                                **cost[2].to_json(), "code_keeps": dataclasses.asdict(cost[3])}
         print(json.dumps(data, indent=2))
         return EXIT_OK if report.ok else EXIT_INVALID
     # The summary first (mesh, per-device totals, pipeline, estimate), then the tables.
@@ -425,7 +426,7 @@ def _inspect(args, console: Console) -> int:
     render.render_devices(console, report)
     render.render_pipeline(console, report)
     if cost is not None:
-        render.render_estimate(console, *cost, accumulate=report.plan.accumulate)
+        render.render_estimate(console, *cost[:3], accumulate=report.plan.accumulate, code=cost[3])
     render.render_params(console, report, collapse=not args.all_params)
     if args.device is not None and report.devices:      # no per-device layout when the mesh does not fit
         render.render_device_detail(console, report, args.device, collapse=not args.all_params)
@@ -573,21 +574,25 @@ def _auto(args, console: Console) -> int:
 
 
 def _report(args, order: list[str] | None = None):
-    """Load the plan, build the model abstractly (with consent), and check it for the devices.
+    """Load the plan, build the model abstractly (with consent), and check it for the devices."""
+    return _checked_model(args, [] if order is None else order)[0]
+
+
+def _checked_model(args, order: list[str]):
+    """(report, abstract model): the plan checked against the model for the devices.
 
     Without an accelerator (or with --devices) the layout is computed for N virtual devices:
     no JAX devices are needed to lay a plan out, so none are simulated.
     """
     plan = load_plan(args.plan)
-    order = [] if order is None else order
     from shardplan.run.devices import has_accelerator
     from shardplan.checks.paths import param_infos
     from shardplan.checks.report import check, check_params, with_model_checks
     model = _abstract_model(args, plan, order)
     if args.devices is None and has_accelerator():
-        return check(plan, model)
+        return check(plan, model), model
     report = check_params(plan, param_infos(model), list(range(_device_count(args.devices, plan))))
-    return with_model_checks(report, plan, model)
+    return with_model_checks(report, plan, model), model
 
 
 def _batch(args, report) -> int:
@@ -595,9 +600,10 @@ def _batch(args, report) -> int:
     return args.batch or 4 * len(report.device_ids)
 
 
-def _estimate(args, report, order: list[str]):
-    """(workload, profile, estimate) of the cost model for inspect."""
+def _estimate(args, report, order: list[str], model):
+    """(workload, profile, estimate, what the model's code keeps) of the cost model for inspect."""
     from shardplan.planner.cost import Workload, estimate
+    from shardplan.planner.kept import with_code
     from shardplan.planner.profiles import get_profile
     from shardplan.planner.roles import recognise
     try:
@@ -605,8 +611,9 @@ def _estimate(args, report, order: list[str]):
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     workload = Workload(_batch(args, report), args.seq)
-    roles = recognise(report.params, order)
-    return workload, profile, estimate(report, roles, workload, profile)
+    roles = with_code(recognise(report.params, order), model, workload.seq,
+                      input_name=next(iter(report.plan.inputs), "tokens"))
+    return workload, profile, estimate(report, roles, workload, profile), roles.code
 
 
 def _abstract_model(args, plan: Plan, order: list[str]):

@@ -311,8 +311,9 @@ def render_summary(console: Console, report: Report) -> None:
     render_diagnostics(console, report.diagnostics)
 
 
-def render_estimate(console: Console, workload, profile, cost, *, accumulate: int = 1) -> None:
-    """The cost model's figures for one device: memory, communication by kind and axes, time."""
+def render_estimate(console: Console, workload, profile, cost, *, accumulate: int = 1, code=None) -> None:
+    """The cost model's figures for one device: memory, communication by kind and axes, time (`code`:
+    what the model's code keeps beyond a plain transformer, `shardplan.planner.roles.CodeCopies`)."""
     from shardplan.checks.layout import human_bytes
     console.print(Text.assemble("\n", ("Cost estimate", "bold"), f" per device, batch {workload.batch} x "
                                 f"{workload.seq} tokens, {profile.name} profile (from shapes; nothing compiled):"))
@@ -320,6 +321,8 @@ def render_estimate(console: Console, workload, profile, cost, *, accumulate: in
                   f"optimizer {human_bytes(cost.optimizer_bytes)}, activations {human_bytes(cost.activation_bytes)} "
                   f"({human_bytes(cost.activation_bytes_remat)} with rematerialised layers); "
                   f"peak {human_bytes(cost.peak_bytes)}")
+    if code is not None:
+        _render_code(console, code)
     if accumulate > 1:
         console.print(f"  gradient accumulation: {accumulate} microbatches in turn; the activations above are one "
                       "microbatch's, and each microbatch's gradient is reduced as it comes")
@@ -344,6 +347,19 @@ def render_estimate(console: Console, workload, profile, cost, *, accumulate: in
     for caveat in cost.caveats:
         console.print(Text.assemble(("  approximate: ", "bold yellow"), caveat))     # wrapped at the width
 
+
+
+def _render_code(console: Console, code) -> None:
+    """What one traced forward found that the parameters do not show (counted in the estimate)."""
+    more = [f"{n:g} of {what}" for n, what in ((code.scores, "each layer's attention scores"),
+                                                (code.logits, "the logits"), (code.head_weights, "the head's weights"))
+            if n]
+    if more:
+        console.print(f"  the model's code keeps more copies than a plain transformer's (read from one traced "
+                      f"forward, counted above): {', '.join(more)}")
+    if code.heads != 1:
+        console.print(f"  its attention scores have {code.heads:g}x the heads its parameter shapes suggest (heads kept "
+                      "flattened; read from one traced forward, counted above)")
 
 
 def render_profiles(console: Console, profiles) -> None:

@@ -25,6 +25,7 @@ def run_auto(console: Console, *, factory: str, config: dict, devices: int, host
              margin: float | None = None) -> int:
     from shardplan.run.models import ModelLoadError, build_model
     from shardplan.checks.paths import param_infos
+    from shardplan.planner.kept import with_code
     from shardplan.planner.roles import definition_order, recognise
     order: list[str] = []
     with console.status("building the model abstractly (nothing is allocated)"):
@@ -33,8 +34,9 @@ def run_auto(console: Console, *, factory: str, config: dict, devices: int, host
         except ModelLoadError as exc:
             raise usage_error(str(exc)) from None
     params = param_infos(model)
-    roles = recognise(params, order)
     workload = Workload(batch, seq)
+    with console.status("reading what the model's code keeps for the backward (one traced forward)"):
+        roles = with_code(recognise(params, order), model, seq, input_name=input_name)
     refusal = _pipeline_refusal(model, roles.layers, input_name, workload)
     if refusal:
         console.print(Text.assemble(("no pipeline candidates: ", "bold"), refusal))

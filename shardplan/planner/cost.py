@@ -43,6 +43,7 @@ from shardplan.planner.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR
 
 TOKEN_BYTES = 4                 # tokens and targets are int32
 LOGIT_COPIES = 3                # logits, their softmax and their gradient are alive together
+SCORE_COPIES = 2                # attention scores and probabilities kept per head (XLA fuses the rest)
 ELEMENTWISE_PASSES = 4          # stored activation bytes moved by elementwise work: written and read, forward and back
 BACKWARD_SHARE = 2 / 3          # of a step's compute, the backward's: what a gradient reduction can hide behind
 GRADIENT_REDUCTION = "gradients, data parallel"
@@ -249,6 +250,10 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
         whole_head = sum((3 * _head_ways(p, roles, step) - 1) * p.bytes_per_device * step.count(p.path)
                          for p in held if p.path in roles.after_layers | roles.tied)
         stored, remat = stored + whole_head, remat + whole_head
+    # copies of the head's weights the model's code keeps for the backward (a tied head's transpose)
+    head_copies = int(roles.code.head_weights * sum(p.bytes_per_device for p in held
+                                                   if p.path in roles.after_layers | roles.tied))
+    stored, remat = stored + head_copies, remat + head_copies
     compute_copy = 0
     if options.compute_itemsize != param_itemsize:
         compute_copy = sum(math.prod(p.shard_shape) * step.count(p.path) for p in held) * options.compute_itemsize
@@ -548,7 +553,13 @@ def _gathered_outside_layers(p: ParamLayout, roles: ModelRoles, step: _Step) -> 
         return False
     if step.schedule == "1f1b" and (p.path in roles.after_layers or p.path in roles.tied):
         return False
-    return not _matrix_transfers(p, role, step, p.stage is not None)[1]
+    return not _moves_activations(p, role, step)
+
+
+def _moves_activations(p: ParamLayout, role: Role, step: _Step) -> bool:
+    """Whether XLA runs this FSDP-split matrix by moving activations rather than gathering it."""
+    return any(a in step.batch_axes for a in spec_axes(p.spec)) and \
+        _matrix_transfers(p, role, step, p.stage is not None)[1]
 
 
 def _head_ways(p: ParamLayout, roles: ModelRoles, step: _Step) -> int:
@@ -569,6 +580,7 @@ def _per_token(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple
     """Bytes per token kept for the backward, by layer (None: before the layers, "after": after them):
     (everything autodiff keeps, the matmul outputs alone, how many layers each entry stands for)."""
     b = step.itemsize
+    code = roles.code
     full: dict = {}
     dots: dict = {}
     stands_for: dict = {}
@@ -597,13 +609,17 @@ def _per_token(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple
             read.add((layer, n_in))
             size, out = (n_in + n_out) * b, n_out * b
             if role.kind == COLUMN and not role.closes:
-                size, out = size * LOGIT_COPIES, out * LOGIT_COPIES
+                # an FSDP head whose outputs XLA computes for the whole batch on a slice of the vocabulary
+                # keeps some in that layout too (all-to-all from and to the batch's): measured 4.1
+                # copies in all on MiniGPT, 5 on the LLaMA-style model
+                copies = LOGIT_COPIES + code.logits + (not whole and _moves_activations(p, role, step))
+                size, out = size * LOGIT_COPIES + n_out * b * (copies - LOGIT_COPIES), out * copies
         full[layer] = full.get(layer, 0.0) + size
         dots[layer] = dots.get(layer, 0.0) + out
         if p.path in roles.tied:        # its second use: the logits (a 1F1B one runs whole)
             vocab = p.shape[role.in_dims[0]] / (1 if step.schedule == "1f1b" else
                                                 _tensor_ways(p, role.in_dims, step))
-            logits = (step.width + vocab) * b * LOGIT_COPIES
+            logits = (step.width + vocab) * b * LOGIT_COPIES + vocab * b * code.logits
             full["after"] = full.get("after", 0.0) + logits
             dots["after"] = dots.get("after", 0.0) + logits
     held_layers = {roles.layer_of(p.path) for p in held} - {None}
@@ -611,7 +627,8 @@ def _per_token(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple
         if step.attention_stored and (attention.layer in held_layers or
                                       (attention.layer is None and None in full)):
             ways = _attention_ways(attention, held, roles, step)
-            full[attention.layer] = full.get(attention.layer, 0.0) + 2 * attention.heads / ways * step.seq * b
+            full[attention.layer] = full.get(attention.layer, 0.0) + (SCORE_COPIES + code.scores) * attention.heads * code.heads / ways * \
+                step.seq * b
     return full, dots, stands_for
 
 
@@ -620,7 +637,8 @@ def _scores(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> float:
     if not step.attention_stored:
         return 0.0
     stands_for = {roles.layer_of(p.path): step.count(p.path) for p in held}
-    return sum(attention.heads / _attention_ways(attention, held, roles, step) * step.seq * step.itemsize *
+    return sum(attention.heads * roles.code.heads / _attention_ways(attention, held, roles, step) * step.seq *
+               step.itemsize *
                stands_for[attention.layer] for attention in roles.attention if attention.layer in stands_for)
 
 
@@ -648,8 +666,10 @@ def _activations(kept: tuple[dict, dict, dict], step: _Step) -> tuple[int, int, 
         in_flight = 2 * step.stages - 1
         stored = tokens * (in_flight * step.width * b + layers)
     else:
+        # every tick runs one of the stage's `virtual` chunks and keeps its activations (gpipe's idle
+        # ticks too: they compute on and drop what they compute)
         ticks = step.virtual * step.microbatches + step.stages - 1
-        stored = tokens * ticks * layers
+        stored = tokens * ticks * layers / step.virtual
     remat = tokens * (2 * step.stages - 1) * step.width * b + tokens * biggest
     outside += head
     return int(stored + step.tokens * outside), int(remat + step.tokens * outside), *microbatch

@@ -46,6 +46,17 @@ class Attention:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class CodeCopies:
+    """What the model's code keeps for the backward beyond a plain transformer's, which the parameters
+    do not show (`shardplan.planner.kept.traced_copies`; never fewer: the plain constants stay a floor)."""
+
+    scores: float = 0.0         # of each attention layer's float32 scores
+    logits: float = 0.0         # of the float32 logits
+    head_weights: float = 0.0   # of the output head's weights (a tied head's transpose)
+    heads: float = 1.0          # the scores' heads per head `Attention` counts (which guesses flattened ones)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ModelRoles:
     width: int                          # residual-stream width
     roles: dict[str, Role]
@@ -55,6 +66,7 @@ class ModelRoles:
     attention: tuple[Attention, ...]
     after_layers: frozenset[str]        # parameters defined after the repeated layers (the 1F1B head)
     tied: frozenset[str] = frozenset()  # embeddings that are also the output head (no head matrix of its own)
+    code: CodeCopies = CodeCopies()     # read from the model's code, not its parameters (default: a plain one's)
 
     @property
     def modules(self) -> list[str]:

@@ -15,7 +15,7 @@ from flax import nnx
 
 
 @contextlib.contextmanager
-def _short_tracer_errors():
+def short_tracer_errors():
     try:
         from jax._src.interpreters.partial_eval import DynamicJaxprTracer
     except ImportError:             # a jax without this tracer: nothing to shorten
@@ -34,5 +34,5 @@ def _short_tracer_errors():
 
 def eval_shape(fn, *args, **kwargs):
     """`nnx.eval_shape(fn, *args, **kwargs)`, linear in the number of variables set."""
-    with _short_tracer_errors():
+    with short_tracer_errors():
         return nnx.eval_shape(fn, *args, **kwargs)
