@@ -1,8 +1,8 @@
 """How `auto`'s time and memory grow with devices and with depth, on a 70B-class LLaMA shape.
 
 Each point runs in a fresh process (so its peak resident memory is its own): build the model
-abstractly, recognise roles, search (bf16 compute, H200 profile, 8 devices per host), check the
-best plans in full. Prints seconds (build and search apart), peak RSS, candidates enumerated /
+abstractly, recognise roles, trace one forward for what the code keeps, search (bf16 compute, H200
+profile, 8 devices per host), check the best plans in full. Prints seconds (build and search apart), peak RSS, candidates enumerated /
 costed / pruned by the time bound / fitting, and the plan chosen.
 
     python benchmarks/auto_scale.py [--devices 8 64 512 4096] [--layers 20 40 80 160] [--json out.json]
@@ -30,11 +30,13 @@ def point(devices: int, layers: int) -> dict:
     from shardplan.checks.paths import param_infos
     from shardplan.planner import auto
     from shardplan.planner.cost import Workload
+    from shardplan.planner.kept import with_code
     from shardplan.planner.profiles import get_profile
     from shardplan.planner.roles import abstract_with_roles
 
     started = time.perf_counter()
     model, roles = abstract_with_roles(lambda: Llama(**SHAPE, layers=layers, rngs=nnx.Rngs(0)))
+    roles = with_code(roles, model, 4096)       # as `shardplan auto` does: one traced forward
     params = param_infos(model)
     built = time.perf_counter()
     listed = sum(1 for _ in auto.candidates(roles, devices, max(1, devices // 8), Workload(max(64, 4 * devices), 4096),

@@ -112,14 +112,16 @@ def _gemma_arguments(tokens):
 def test_what_the_code_keeps_is_read_from_one_traced_forward():
     """Soft-capped scores and logits keep tanh and its derivative (two more copies of each), a tied
     head the embedding's transpose; the LLaMA-style model keeps its heads flattened, which the roles
-    guess 64 wide: 2 where it has 8; plain MiniGPT keeps nothing more."""
+    guess 64 wide: 2 where it has 8; plain MiniGPT keeps nothing more. A forward that cannot run on
+    the tokens alone keeps the plain constants, and says so."""
     gemma = GemmaConfig(vocab=512, embed=64, heads=4, kv_heads=2, head_dim=16, hidden=128, layers=2, window=8)
     model, roles = abstract_with_roles(lambda: GemmaLike(gemma, rngs=nnx.Rngs(0)))
-    assert with_code(roles, model, SEQ, arguments=_gemma_arguments).code == CodeCopies(2.0, 2.0, 1.0)
+    assert with_code(roles, model, SEQ, arguments=_gemma_arguments).code == CodeCopies(2.0, 2.0, 1.0, traced=True)
+    assert with_code(roles, model, SEQ).code == CodeCopies()     # tokens alone: no positions, no mask
     model, roles = abstract_with_roles(BUILD["wide llama"])
-    assert with_code(roles, model, SEQ).code == CodeCopies(heads=4.0)
+    assert with_code(roles, model, SEQ).code == CodeCopies(heads=4.0, traced=True)
     model, roles = abstract_with_roles(BUILD["minigpt"])
-    assert with_code(roles, model, SEQ).code == CodeCopies()
+    assert with_code(roles, model, SEQ).code == CodeCopies(traced=True)
 
 
 def test_cost_model_counts_what_soft_capped_code_keeps():

@@ -351,6 +351,10 @@ def render_estimate(console: Console, workload, profile, cost, *, accumulate: in
 
 def _render_code(console: Console, code) -> None:
     """What one traced forward found that the parameters do not show (counted in the estimate)."""
+    if not code.traced:
+        console.print("  activations counted as a plain transformer's: the forward could not be traced with the "
+                      "tokens alone")
+        return
     more = [f"{n:g} of {what}" for n, what in ((code.scores, "each layer's attention scores"),
                                                 (code.logits, "the logits"), (code.head_weights, "the head's weights"))
             if n]

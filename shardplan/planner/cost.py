@@ -362,12 +362,12 @@ def _layout_caveats(held, roles: ModelRoles, step: _Step) -> tuple[str, ...]:
             break
     if step.schedule == "gpipe":
         found.append("gpipe's peak memory: XLA keeps more of the loop's activations than the model counts (the "
-                     "compiled peak measured from 0.86x to 1.5x the modelled one on the CPU backend, the most with FSDP "
-                     "or layers of more than one kind)")
+                     "compiled peak measured from 0.86x to 1.4x the modelled one on the CPU backend, the most with "
+                     "FSDP)")
     if step.stage_axis and any(p.stage is not None and a in step.batch_axes for p in held for a in spec_axes(p.spec)):
         found.append("FSDP inside a pipeline: XLA gathers the layers' weights again and moves activations inside "
                      "the loop in ways the model does not follow (measured on the CPU backend: the compiled step "
-                     "moves up to 3x the modelled bytes, its peak within -33% to +13% of the modelled one)")
+                     "moves up to 3x the modelled bytes, its peak within -31% to +15% of the modelled one)")
     if step.accumulate > 1 and any(a in step.batch_axes for p in held for a in spec_axes(p.spec)):
         found.append("FSDP with gradient accumulation: the model gathers each weight once per microbatch; XLA "
                      "keeps some gathered across microbatches and gathers others again in the backward")

@@ -71,8 +71,9 @@ def traced_copies(model, call: Callable, roles: ModelRoles, seq: int) -> CodeCop
             weights += nbytes / head[tuple(r.shape)]
     # the roles guess the heads of a model that keeps them flattened: the scores' shape tells
     ratio = heads / max((a.heads for a in roles.attention), default=1) if heads else 1.0
-    return CodeCopies(max(0.0, scores / ratio - PLAIN_SCORE_COPIES), max(0.0, logits - PLAIN_LOGIT_COPIES),
-                      weights, ratio)
+    return CodeCopies(*(round(max(0.0, n), 2) for n in (scores / ratio - PLAIN_SCORE_COPIES,
+                                                         logits - PLAIN_LOGIT_COPIES, weights)),
+                      round(ratio, 3), traced=True)
 
 
 def trace_length(model, seq: int) -> int:
