@@ -4,8 +4,9 @@ The cost model reads activations off the parameters' roles, with constants measu
 transformers (MiniGPT, the LLaMA-style test model). A model's code can keep more: soft-capped
 attention scores and logits (Gemma 2) keep `tanh` and its derivative beside them, two more copies
 of each; a tied head keeps the embedding's transpose. One forward and loss are traced abstractly
-(`jax.vjp` under `jax.eval_shape`: nothing is computed) and the residuals the backward needs are
-counted in the cost model's units, beyond what a plain transformer keeps.
+(`jax.vjp` under `jax.make_jaxpr`: nothing is computed) and the residuals the backward needs are
+counted in copies (of any float dtype: the cost model applies its own), beyond what a plain
+transformer keeps.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from collections.abc import Callable
 
 from shardplan.planner.roles import COLUMN, CodeCopies, ModelRoles
 
-# What a plain transformer's code keeps, in the units below (traced on MiniGPT and the LLaMA-style
-# model): per attention layer the masked scores, their exponent and the probabilities in float32
-# and a boolean mask; the loss's log-probabilities.
+# What a plain transformer's code keeps, in copies (traced on MiniGPT and the LLaMA-style model): per
+# attention layer the masked scores, their exponent and the probabilities, and a boolean mask (a
+# quarter of a float32 copy); the loss's log-probabilities.
 PLAIN_SCORE_COPIES = 3.25
 PLAIN_LOGIT_COPIES = 1.0
 
@@ -53,22 +54,23 @@ def traced_copies(model, call: Callable, roles: ModelRoles, seq: int) -> CodeCop
     vocab = _vocab(roles, shapes)
     if vocab in {d for path, shape in shapes.items() if path not in roles.after_layers | roles.tied for d in shape}:
         vocab = None        # a layer's size too: logits cannot be told apart, their extra copies not counted
-    batch = next((math.prod(r.shape[:-2]) for r in kept if len(r.shape) >= 2 and tuple(r.shape[-2:]) == (seq, vocab)), 1)
-    head = {tuple(reversed(shapes[path])): math.prod(shapes[path]) * 4
+    batch = next((math.prod(r.shape[:-2]) for r in kept if len(r.shape) >= 2 and tuple(r.shape[-2:]) == (seq, vocab)),
+                 1)
+    head = {tuple(reversed(shapes[path])): math.prod(shapes[path])
             for path in roles.after_layers | roles.tied if len(set(shapes[path])) > 1}
-    score_unit = batch * sum(a.heads for a in roles.attention) * seq * seq * 4   # one copy, as the roles count heads
-    logit_unit = batch * seq * (vocab or 0) * 4
+    score_unit = batch * sum(a.heads for a in roles.attention) * seq * seq     # one copy, as the roles count heads
+    logit_unit = batch * seq * (vocab or 0)
     scores = logits = weights = 0.0
     heads = 0       # as the code has them (the roles guess heads a model keeps flattened)
     for r in kept:
-        nbytes = math.prod(r.shape) * r.dtype.itemsize
+        size = math.prod(r.shape) * (0.25 if r.dtype == bool else 1.0)
         if score_unit and len(r.shape) >= 3 and tuple(r.shape[-2:]) == (seq, seq):
-            scores += nbytes / score_unit
+            scores += size / score_unit
             heads = max(heads, math.prod(r.shape[:-2]) // batch)
         elif logit_unit and len(r.shape) >= 2 and tuple(r.shape[-2:]) == (seq, vocab):
-            logits += nbytes / logit_unit
+            logits += size / logit_unit
         elif tuple(r.shape) in head:
-            weights += nbytes / head[tuple(r.shape)]
+            weights += size / head[tuple(r.shape)]
     # the roles guess the heads of a model that keeps them flattened: the scores' shape tells
     ratio = heads / max((a.heads for a in roles.attention), default=1) if heads else 1.0
     return CodeCopies(*(round(max(0.0, n), 2) for n in (scores / ratio - PLAIN_SCORE_COPIES,
@@ -112,8 +114,8 @@ def with_code(roles: ModelRoles, model, seq: int, *, arguments: Callable | None 
     from shardplan.checks.calls import call_arguments
     length = trace_length(model, seq)
     tokens = jnp.zeros((1, length), jnp.int32)
-    args, kwargs = arguments(tokens) if arguments else call_arguments(model, {input_name: tokens})
     try:
+        args, kwargs = arguments(tokens) if arguments else call_arguments(model, {input_name: tokens})
         code = traced_copies(model, lambda m: m(*args, **kwargs), roles, length)
     except Exception:       # noqa: BLE001 - the estimate then counts a plain transformer's copies
         return roles
