@@ -377,7 +377,7 @@ def _layout_caveats(held, roles: ModelRoles, step: _Step) -> tuple[str, ...]:
             roles.layer_of(p.path) is not None and a in step.batch_axes for p in held for a in spec_axes(p.spec)):
         found.append("FSDP with rematerialised layers: XLA's CPU scheduler gathers the layers' weights for the "
                      "backward early and keeps their gradients whole until one combined reduction (measured on the "
-                     "CPU backend: the compiled peak 1.35x to 1.6x the modelled one)")
+                     "CPU backend: the compiled peak 1.35x to 2x the modelled one)")
     if step.accumulate > 1 and any(a in step.batch_axes for p in held for a in spec_axes(p.spec)):
         found.append("FSDP with gradient accumulation: the model gathers each weight once per microbatch; XLA "
                      "keeps some gathered across microbatches and gathers others again in the backward")
