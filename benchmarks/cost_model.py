@@ -52,6 +52,7 @@ STEP_VARIANTS = [
     ("dp_tp accum 4 + remat", {"accumulate": 4, "remat": [{"match": BLOCKS, "policy": "full"}]}),
     ("dp_tp_sp (shipped)", None),
     ("dp_tp embed [model,data]", {"embed_2d": True}),
+    ("fsdp remat full", {"source": "minigpt_fsdp.toml", "remat": [{"match": BLOCKS, "policy": "full"}]}),
 ]
 TARGET = 0.15
 
@@ -81,10 +82,15 @@ def row(name: str, modelled, compiled) -> dict:
 
 
 def step_variant(name: str, changes: dict | None, config: dict) -> shardplan.Plan:
-    """minigpt_dp_tp with `changes` (None: the shipped minigpt_dp_tp_sp plan), on `config`."""
+    """minigpt_dp_tp (or the shipped plan `changes["source"]` names) with `changes` (None: the shipped
+    minigpt_dp_tp_sp plan), on `config`."""
+    import tomllib
+
     import yaml
-    source = "minigpt_dp_tp_sp.yaml" if changes is None else "minigpt_dp_tp.yaml"
-    document = yaml.safe_load((REPO / "plans" / source).read_text())
+    changes = dict(changes) if changes else changes
+    source = "minigpt_dp_tp_sp.yaml" if changes is None else changes.pop("source", "minigpt_dp_tp.yaml")
+    text = (REPO / "plans" / source).read_text()
+    document = tomllib.loads(text) if source.endswith(".toml") else yaml.safe_load(text)
     document["model"]["config"] = config
     document["name"] = name
     if changes and changes.pop("embed_2d", False):
@@ -217,7 +223,7 @@ def main() -> None:
     steps = []
     if not args.skip_shipped:
         print("\nthe step in the plan: minigpt_dp_tp with rematerialisation, bf16 compute, sequence parallelism and a "
-              "2-D embedding split")
+              "2-D embedding split; minigpt_fsdp with rematerialisation")
         for name, changes in STEP_VARIANTS:
             row = compare(step_variant(name, changes, config), config, args.batch, args.seq)
             steps.append(row)
