@@ -91,8 +91,9 @@ def test_cost_model_on_one_f_one_b_matches_the_compiled_step(compiled_model):
     vocabulary still split (it once entered whole: the compiled step then moved 1.9x the bytes at
     article size), beside the running sum of its gradients and each microbatch's, and the stage's
     layer gradients twice (measured in XLA's buffers). Collective bytes within 2%; the backward's
-    start, this step's high point, within 6% of the compiled peak (measured -0.3%); the modelled peak,
-    an upper bound, above it."""
+    start within 6% of the compiled peak (measured -0.3%), and the modelled peak too (measured +1.2%:
+    after a pipeline XLA updates the optimizer state in place; counting all new moments at once
+    gave +26%)."""
     model, roles = compiled_model
     plan = shardplan.load_plan(REPO / "plans" / "minigpt_3d.yaml").model_copy(update={"model": None})
     report = shardplan.check(plan, model, input_shapes={"tokens": (BATCH, 64)})
@@ -102,7 +103,7 @@ def test_cost_model_on_one_f_one_b_matches_the_compiled_step(compiled_model):
     assert not any("gathered for the step" in t.what for t in cost.transfers)
     backward_start = cost.argument_bytes + cost.activation_bytes + cost.early_grad_bytes + cost.gathered_bytes
     assert backward_start == pytest.approx(compiled.peak_bytes, rel=0.06)
-    assert cost.peak_bytes >= compiled.peak_bytes and not cost.caveats
+    assert cost.peak_bytes == pytest.approx(compiled.peak_bytes, rel=0.06) and not cost.caveats
 
 
 def _gemma_arguments(tokens):
