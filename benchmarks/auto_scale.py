@@ -2,8 +2,9 @@
 
 Each point runs in a fresh process (so its peak resident memory is its own): build the model
 abstractly, recognise roles, trace one forward for what the code keeps, search (bf16 compute, H200
-profile, 8 devices per host), check the best plans in full. Prints seconds (build and search apart), peak RSS, candidates enumerated /
-costed / pruned by the time bound / fitting, and the plan chosen.
+profile, 8 devices per host), check the best plans in full. Prints seconds (build and search
+apart), peak RSS, candidates enumerated / costed / pruned by the time bound / fitting, and the
+plan chosen.
 
     python benchmarks/auto_scale.py [--devices 8 64 512 4096] [--layers 20 40 80 160] [--json out.json]
 """
