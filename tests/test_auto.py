@@ -172,6 +172,7 @@ def test_cli_auto_writes_a_plan_that_validate_accepts(tmp_path, capsys):
                  "--batch", "16", "--seq", "16", "-o", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "chosen" in printed and f"wrote {out}" in printed.replace("\n", "")
+    assert "plain transformer's" not in printed         # MiniGPT's forward was traced
     assert main(["validate", str(out)]) == 0
     assert main(["auto", "--model", "minigpt_model:MiniGPT", *config, "--devices", "8", "--memory-per-device",
                  "1KiB", "-o", str(tmp_path / "none.yaml")]) == 1
@@ -179,6 +180,11 @@ def test_cli_auto_writes_a_plan_that_validate_accepts(tmp_path, capsys):
     assert not (tmp_path / "none.yaml").exists()
     assert main(["auto", "--model", "minigpt_model:MiniGPT", "--devices", "8", "--memory-per-device", "lots",
                  "-o", str(out)]) == 2
+    capsys.readouterr()
+    # a forward that needs positions and a mask from its caller cannot be traced on the tokens alone
+    assert main(["auto", "--model", "wild_models:GemmaLike", "--path", str(REPO / "tests"), "--devices", "8",
+                 "--profile", "cpu", "--batch", "16", "--seq", "32", "-o", str(tmp_path / "gemma.yaml")]) == 0
+    assert "activations counted as a plain transformer's" in capsys.readouterr().out.replace("\n", " ")
 
 
 def test_inspect_json_carries_the_estimate(capsys):

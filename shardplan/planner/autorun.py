@@ -37,6 +37,9 @@ def run_auto(console: Console, *, factory: str, config: dict, devices: int, host
     workload = Workload(batch, seq)
     with console.status("reading what the model's code keeps for the backward (one traced forward)"):
         roles = with_code(recognise(params, order), model, seq, input_name=input_name)
+    if not roles.code.traced:
+        console.print(Text.assemble(("activations counted as a plain transformer's: ", "bold"),
+                                    f"the forward could not be traced with `{input_name}` alone"))
     refusal = _pipeline_refusal(model, roles.layers, input_name, workload)
     if refusal:
         console.print(Text.assemble(("no pipeline candidates: ", "bold"), refusal))

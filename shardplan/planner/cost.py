@@ -92,7 +92,7 @@ class Estimate:
     gathered_bytes: int = 0     # FSDP: the layers' weights gathered whole for use, two layers at a time
     regathered_bytes: int = 0   # ZeRO-1: updated parameters gathered whole before they replace the old
     exposed_communication_s: float = 0.0
-    updated_bytes: int | None = None    # new optimizer state alive at once at the update (None: all of it)
+    updated_bytes: int = 0      # new optimizer state alive at once at the update
     caveats: tuple[str, ...] = ()   # what this layout has that the model does not know: figures approximate
 
     @property
@@ -111,10 +111,9 @@ class Estimate:
         start (every activation kept, the head's gradients made), or the update (every gradient, and
         the optimizer's new moments before they replace the old: measured, XLA does not always update
         them in place outside a pipeline; there an upper bound, by up to 14% of the peak when it does)."""
-        updated = self.optimizer_bytes if self.updated_bytes is None else self.updated_bytes
         return self.argument_bytes + self.compute_copy_bytes + max(
             self.activation_bytes + self.early_grad_bytes + self.gathered_bytes,
-            self.grad_bytes + updated + self.regathered_bytes)
+            self.grad_bytes + self.updated_bytes + self.regathered_bytes)
 
     @property
     def collective_bytes(self) -> int:
@@ -144,7 +143,7 @@ class Estimate:
                 "collectives": [dataclasses.asdict(t) for t in self.transfers],
                 "compute_copy_bytes": self.compute_copy_bytes, "early_grad_bytes": self.early_grad_bytes,
                 "gathered_bytes": self.gathered_bytes, "regathered_bytes": self.regathered_bytes,
-                "updated_bytes": self.optimizer_bytes if self.updated_bytes is None else self.updated_bytes,
+                "updated_bytes": self.updated_bytes,
                 "flops": self.flops, "compute_s": self.compute_s, "communication_s": self.communication_s,
                 "exposed_communication_s": self.exposed_communication_s,
                 "bubble": self.bubble, "step_s": self.step_s, "caveats": list(self.caveats)}
@@ -313,7 +312,7 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
                     compute_s + exposed, compute_copy, early_grads, gathered, regathered, exposed,
                     # after a pipeline XLA updates in place, parameter by parameter (measured on 1F1B
                     # steps of two sizes); outside one it did not always
-                    max((p.opt_bytes_per_device for p in held), default=0) if step.stage_axis else None,
+                    max((p.opt_bytes_per_device for p in held), default=0) if step.stage_axis else optimizer_bytes,
                     options.caveats + _layout_caveats(held, roles, step))
 
 
@@ -644,8 +643,8 @@ def _per_token(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple
         if step.attention_stored and (attention.layer in held_layers or
                                       (attention.layer is None and None in full)):
             ways = _attention_ways(attention, held, roles, step)
-            full[attention.layer] = full.get(attention.layer, 0.0) + (SCORE_COPIES + code.scores) * attention.heads * code.heads / ways * \
-                step.seq * b
+            copies = (SCORE_COPIES + code.scores) * attention.heads * code.heads / ways
+            full[attention.layer] = full.get(attention.layer, 0.0) + copies * step.seq * b
     return full, dots, stands_for
 
 
