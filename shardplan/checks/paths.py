@@ -39,3 +39,9 @@ def param_infos(model) -> list[ParamInfo]:
         infos.append(ParamInfo(join_path(keys), tuple(value.shape), np.dtype(value.dtype),
                                None if annotated is None else tuple(annotated)))
     return sorted(infos, key=lambda info: info.path)
+
+
+def module_paths(model) -> list[tuple[str, object]]:
+    """(path, module) of every module in the model graph, the root as ''."""
+    from flax import nnx
+    return [(join_path(path), node) for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)]

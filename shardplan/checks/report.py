@@ -121,7 +121,7 @@ def with_model_checks(report: Report, plan: Plan, model, example: Callable | Non
     pipeline does and whether the activation specs fit the outputs they name."""
     from shardplan.checks.calls import check_layer_calls, example_call
     from shardplan.checks.step import check_step_modules, check_step_shapes
-    from shardplan.run.step_options import module_paths
+    from shardplan.checks.paths import module_paths
     found = check_step_modules(plan, [path for path, _ in module_paths(model)]) if plan.activations or plan.remat else []
     call = None
     if report.stage_map is not None or plan.activations:

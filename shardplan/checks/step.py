@@ -66,12 +66,12 @@ def check_step_shapes(plan: Plan, model, sizes: dict[str, int], call: Callable) 
 
     from shardplan.checks.calls import record_calls
     from shardplan.checks.paths import join_path
-    from shardplan.run.step_options import first_match
+    from shardplan.plan.matching import first_module_rule
     if not plan.activations:
         return []
     targets = {}
     for path, node in nnx.iter_graph(model):
-        rule = first_match(plan.activations, join_path(path)) if isinstance(node, nnx.Module) else None
+        rule = first_module_rule(plan.activations, join_path(path)) if isinstance(node, nnx.Module) else None
         if rule is not None:
             targets[id(node)] = join_path(path)
     try:
@@ -80,7 +80,7 @@ def check_step_shapes(plan: Plan, model, sizes: dict[str, int], call: Callable) 
         return []          # reported by the pipeline's call check, or by the step itself
     found, seen = [], set()
     for recorded in calls:
-        rule = first_match(plan.activations, recorded.layer)
+        rule = first_module_rule(plan.activations, recorded.layer)
         k = plan.activations.index(rule)
         spec = normalize_spec(rule.spec)
         for leaf in jax.tree.leaves(recorded.output):

@@ -20,7 +20,7 @@ CODES: dict[str, str] = {
     "plan-too-large": "the plan file exceeds a reading limit: size, nesting depth or alias expansion",
     # rules against the model and mesh
     "invalid-regex": "a rule's `match` is not a valid regular expression",
-    "regex-too-slow": "a `match` pattern whose matching time can explode (nested or many unbounded repeats)",
+    "regex-too-slow": "a `match` pattern that needs a backtracking engine (backreference, lookaround) or that RE2 refuses",
     "unknown-axis": "a spec names an axis the mesh does not have",
     "axis-repeated": "a spec uses the same mesh axis twice",
     "spec-too-long": "a spec has more entries than the parameter has dims",

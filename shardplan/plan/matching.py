@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import re._parser as sre_parse   # the stdlib's own regex parser: inspect a pattern's structure before using it
-from re._constants import ANY, BRANCH, MAX_REPEAT, MAXREPEAT, MIN_REPEAT, SUBPATTERN
+from re._constants import (ASSERT, ASSERT_NOT, ATOMIC_GROUP, BRANCH, GROUPREF, GROUPREF_EXISTS, MAX_REPEAT,
+                           MIN_REPEAT, POSSESSIVE_REPEAT, SUBPATTERN)
+
+import re2
 
 from shardplan.plan.diagnostics import Diagnostic
 from shardplan.plan.schema import Plan, normalize_spec
@@ -18,7 +22,7 @@ class Rule:
     """A plan rule, compiled. `index` is 0-based; users see `#index+1`."""
 
     index: int
-    pattern: re.Pattern | None    # None when the regex is invalid
+    pattern: "re2._Regexp | None"    # None when the regex is invalid
     source: str
     spec: NormalSpec
     line: int | None
@@ -34,63 +38,63 @@ class Rule:
 
 
 class SlowPattern(ValueError):
-    """A regular expression whose backtracking can take exponential (or high polynomial) time."""
+    """A regular expression that needs backtracking (backreferences, lookaround), so no linear-time engine runs it."""
 
 
-MAX_UNBOUNDED_REPEATS = 6      # `.*`, `\d+`, ... in one pattern
-MAX_ANY_REPEATS = 3            # of which `.*`/`.+`: k of them cost up to len(path)**k steps on a miss
+# Constructs that only a backtracking engine can run, as the stdlib's parser names them.
+_BACKTRACKING = {GROUPREF: "a backreference", GROUPREF_EXISTS: "a conditional group '(?(…)…)'",
+                 ASSERT: "a lookahead or lookbehind", ASSERT_NOT: "a negative lookahead or lookbehind",
+                 POSSESSIVE_REPEAT: "a possessive repeat", ATOMIC_GROUP: "an atomic group '(?>…)'"}
+_RE2_OPTIONS = re2.Options()
+_RE2_OPTIONS.log_errors = False      # its refusals are ours to report, not lines on stderr
 
 
-def compile_pattern(source: str) -> re.Pattern:
-    r"""`re.compile(source)`, refusing patterns whose matching time can explode.
+def compile_pattern(source: str) -> "re2._Regexp":
+    r"""A plan pattern compiled for RE2, whose matching time is linear in the path's length.
 
-    Python's `re` backtracks: `(a+)+b` takes over a minute against a 40-character path. Refused:
-    a repeated group that contains a variable-width part (`(a+)+`, `(\w+/)*`, `(.*x){9}`), and
-    more than a few unbounded repeats in one pattern. Raises `re.error` or `SlowPattern`.
+    Python's `re` backtracks: `(a+)+b` or `(a|a)*b` take minutes against a 40-character path. Plan
+    patterns are parsed by Python's `re` (so every error reads as Python's) and matched by RE2.
+    Raises `re.error` for an invalid pattern, `SlowPattern` for one that needs backtracking.
 
-    >>> compile_pattern(r'transformer_blocks/\d+/mha/(query|key|value)/kernel').pattern[:18]
-    'transformer_blocks'
-    >>> compile_pattern(r'(a+)+b')
+    >>> compile_pattern(r'blocks/\d+/(query|key)/kernel').fullmatch('blocks/3/key/kernel') is not None
+    True
+    >>> compile_pattern(r'(a)\1')  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    shardplan.plan.matching.SlowPattern: '(…)+' repeats a part of variable width ('+'); nested repeats can backtrack exponentially
+    shardplan.plan.matching.SlowPattern: it uses a backreference, ...
     """
-    pattern = re.compile(source)
-    counts = {"unbounded": 0, "any": 0}
-    _check_repeats(sre_parse.parse(source), counts, inside=None)
-    if counts["unbounded"] > MAX_UNBOUNDED_REPEATS or counts["any"] > MAX_ANY_REPEATS:
-        raise SlowPattern(f"{counts['unbounded']} unbounded repeats ({counts['any']} of them '.*' or '.+'); "
-                          f"at most {MAX_UNBOUNDED_REPEATS} (and {MAX_ANY_REPEATS} of '.') keep matching fast")
-    return pattern
+    parsed = sre_parse.parse(source)
+    construct = _backtracking_construct(parsed)
+    if construct:
+        raise SlowPattern(f"it uses {construct}, which only a backtracking engine can match, in time that can grow "
+                          "without bound (plan patterns are matched by RE2, in time linear in the path)")
+    try:
+        return re2.compile(source, _RE2_OPTIONS)
+    except re2.error as exc:
+        reason = exc.args[0].decode(errors="replace") if exc.args and isinstance(exc.args[0], bytes) else str(exc)
+        raise SlowPattern(f"RE2, the linear-time engine plan patterns are matched by, does not take it: {reason}") \
+            from None
 
 
-def _check_repeats(items, counts: dict, inside: str | None) -> None:
+def _backtracking_construct(items) -> str | None:
     for op, value in items:
-        if op in (MAX_REPEAT, MIN_REPEAT):
-            low, high, body = value
-            symbol = {(0, MAXREPEAT): "*", (1, MAXREPEAT): "+", (0, 1): "?"}.get(
-                (low, high), f"{{{low}}}" if low == high else f"{{{low},{high}}}")
-            width = body.getwidth()
-            if inside is not None and (low != high or width[0] != width[1]):
-                raise SlowPattern(f"'(…){inside}' repeats a part of variable width ('{symbol}'); nested repeats can "
-                                  "backtrack exponentially")
-            if high == MAXREPEAT:
-                counts["unbounded"] += 1
-                counts["any"] += any(inner_op is ANY for inner_op, _ in body)
-            _check_repeats(body, counts, symbol if high > 1 else inside)
-        elif op is SUBPATTERN:
-            sub = value[-1]
-            if inside is not None and sub.getwidth()[0] != sub.getwidth()[1] and _has_branch(sub):
-                raise SlowPattern(f"'(…){inside}' repeats alternatives of different widths; nested repeats can "
-                                  "backtrack exponentially")
-            _check_repeats(sub, counts, inside)
-        elif op is BRANCH:
-            for alternative in value[1]:
-                _check_repeats(alternative, counts, inside)
+        if op in _BACKTRACKING:
+            return _BACKTRACKING[op]
+        for sub in _subpatterns(op, value):
+            found = _backtracking_construct(sub)
+            if found:
+                return found
+    return None
 
 
-def _has_branch(items) -> bool:
-    return any(op is BRANCH for op, _ in items)
+def _subpatterns(op, value) -> list:
+    if op in (MAX_REPEAT, MIN_REPEAT):
+        return [value[2]]
+    if op is SUBPATTERN:
+        return [value[-1]]
+    if op is BRANCH:
+        return list(value[1])
+    return []
 
 
 def compile_rules(plan: Plan) -> tuple[list[Rule], list[Diagnostic]]:
@@ -105,15 +109,14 @@ def compile_rules(plan: Plan) -> tuple[list[Rule], list[Diagnostic]]:
 
 
 def checked_pattern(source: str, subject: str, *, invalid_code: str = "invalid-regex",
-                    **where) -> tuple[re.Pattern | None, Diagnostic | None]:
+                    **where) -> tuple["re2._Regexp | None", Diagnostic | None]:
     """The compiled pattern, or None and the diagnostic that says why it cannot be used."""
     try:
         return compile_pattern(source), None
     except SlowPattern as exc:
-        return None, Diagnostic("regex-too-slow", "error", f"{subject} match {source!r} could take very long to "
-                                f"match: {exc}", hint="write each path segment without nesting repeats, e.g. "
-                                "'[^/]+' for a segment, '.*' once for any rest, or list the names: '(query|key)'",
-                                **where)
+        return None, Diagnostic("regex-too-slow", "error", f"{subject} match {source!r} cannot be used: {exc}", hint="plan patterns match whole paths, so anchors and "
+                                "lookaround are rarely needed: list the names ('(query|key)'), use '[^/]+' for a "
+                                "segment, '.*' for any rest", **where)
     except (re.error, RecursionError, OverflowError) as exc:
         return None, Diagnostic(invalid_code, "error", f"{subject} match {source!r} is not a valid regular "
                                 f"expression: {exc}", hint="patterns are Python regular expressions; escape literal "
@@ -122,6 +125,24 @@ def checked_pattern(source: str, subject: str, *, invalid_code: str = "invalid-r
 
 def first_match(rules: list[Rule], path: str) -> Rule | None:
     return next((rule for rule in rules if rule.matches(path)), None)
+
+
+def module_rule_matches(source: str, path: str) -> bool:
+    """Whether a step-option rule's `match` fully matches a module path (bad patterns match nothing:
+    the validator reports them)."""
+    pattern = _module_pattern(source)
+    return pattern is not None and pattern.fullmatch(path) is not None
+
+
+def first_module_rule(rules, path: str):
+    """The first step-option rule (`activations`, `remat`) whose `match` fully matches a module path."""
+    return next((rule for rule in rules if module_rule_matches(rule.match, path)), None)
+
+
+@functools.lru_cache(maxsize=4096)
+def _module_pattern(source: str):
+    pattern, problem = checked_pattern(source, "rule")
+    return None if problem else pattern
 
 
 def assign(rules: list[Rule], paths: list[str]) -> dict[str, Rule | None]:

@@ -330,24 +330,24 @@ class StepOptions:
 
 def step_options(plan, roles: ModelRoles, sizes: dict[str, int], batch_axes: tuple[str, ...],
                  profile: Profile, param_dtype: str = "float32") -> StepOptions:
-    import re
-
     import numpy as np
+
+    from shardplan.plan.matching import module_rule_matches
     caveats = []
     layer = f"{roles.layers}/0" if roles.layers else None
     modules = _modules(roles.order)
     remat = "none"
     for rule in plan.remat:
-        if layer and re.fullmatch(rule.match, layer):
+        if layer and module_rule_matches(rule.match, layer):
             remat = _REMAT_KIND[rule.policy]
             break
-        if any(re.fullmatch(rule.match, m) for m in modules):
+        if any(module_rule_matches(rule.match, m) for m in modules):
             caveats.append(f"remat rule {rule.match!r} names parts of layers or other modules; the cost model "
                            "counts rematerialisation of whole repeated layers only")
             break
     sequence = set()
     for rule in plan.activations:
-        if not any(re.fullmatch(rule.match, m) for m in modules):
+        if not any(module_rule_matches(rule.match, m) for m in modules):
             continue
         for entry in rule.spec[1:2]:
             axes = [entry] if isinstance(entry, str) else list(entry or [])

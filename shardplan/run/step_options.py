@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from shardplan.checks.paths import join_path
-from shardplan.plan.matching import checked_pattern
+from shardplan.checks.paths import join_path, module_paths
+from shardplan.plan.matching import first_module_rule
 from shardplan.plan.schema import Plan, normalize_spec
 
 
@@ -34,32 +34,12 @@ class Options:
     accumulate: int = 1                         # root only: microbatches `model_loss` runs in turn
 
 
-def module_paths(model) -> list[tuple[str, nnx.Module]]:
-    """(path, module) of every module in the model graph, the root as ''."""
-    return [(join_path(path), node) for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)]
-
-
-def first_match(rules, path: str):
-    """The first rule whose `match` fully matches `path` (bad patterns are the validator's to report)."""
-    for rule in rules:
-        pattern = _pattern(rule.match)
-        if pattern is not None and pattern.fullmatch(path):
-            return rule
-    return None
-
-
-@functools.lru_cache(maxsize=4096)
-def _pattern(match: str):
-    pattern, problem = checked_pattern(match, "rule")
-    return None if problem else pattern
-
-
 def planned_options(plan: Plan, model, mesh) -> dict[int, Options]:
     """id(module) -> its options, for every module the plan's step options name."""
     from shardplan.run.apply import partition_spec
     found = {}
     for path, module in module_paths(model):
-        activation, remat = first_match(plan.activations, path), first_match(plan.remat, path)
+        activation, remat = first_module_rule(plan.activations, path), first_module_rule(plan.remat, path)
         options = Options(
             sharding=NamedSharding(mesh, partition_spec(normalize_spec(activation.spec))) if activation else None,
             remat=remat.policy if remat and remat.policy != "none" else None,
