@@ -137,10 +137,16 @@ def _sharding_type_error() -> type:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from shardplan.cli.terminal import inert_streams
+    with inert_streams():       # input text never drives the terminal, whatever prints it
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    from shardplan.cli.terminal import consoles
     args = build_parser().parse_args(argv)
     # markup=False: file names, prompts and messages are printed as they are.
-    console = Console(highlight=False, markup=False)
-    err = Console(stderr=True, highlight=False, markup=False)
+    console, err = consoles()
     from minigpt_model.checkpoint import CheckpointError
     from minigpt_model.data import DataError
     from minigpt_model.tokenizer import TokenizerUnavailable
@@ -222,7 +228,8 @@ def _sample(args, console: Console) -> int:
     from minigpt_model.checkpoint import restore_for_inference
     from minigpt_model.sampling import generate
     from rich.text import Text
-    err = Console(stderr=True, highlight=False, markup=False)
+    from shardplan.cli.terminal import consoles
+    err = consoles()[1]
     model, tokenizer, model_config = restore_for_inference(
         args.checkpoint, warn=lambda message: err.print(Text.assemble(("warning: ", "yellow"), message)))
     if args.top_k > tokenizer.vocab_size:

@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Callable, TextIO
 
+from shardplan.plan.inert import inert
 from shardplan.run.distributed import SIBLING_GRACE_S
 
 
@@ -50,8 +51,9 @@ def is_noise(line: str) -> bool:
 
 
 def launch_local(count: int, train_args: list[str], *, devices_per_process: int | None,
-                 out: TextIO = sys.stdout, verbose: bool = False) -> int:
+                 out: TextIO | None = None, verbose: bool = False) -> int:
     """Run `count` processes on this machine; 0 if all succeed, else 1 (the failed process is named)."""
+    out = out or sys.stdout
     if not train_args or train_args[0] != "train":
         out.write("launch: the command after -- must be `train ...`\n")
         return 2
@@ -101,5 +103,5 @@ def watch(polls: list[Callable[[], int | None]], kills: list[Callable[[], None]]
 def _pump(stream, prefix: str, out: TextIO, verbose: bool) -> None:
     for line in stream:
         if verbose or not is_noise(line):
-            out.write(prefix + line)
+            out.write(prefix + inert(line))
             out.flush()

@@ -27,11 +27,12 @@ def _worker_class():
             import subprocess
 
             from minigpt_model.launch import is_noise
+            from shardplan.plan.inert import inert
             proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
             for line in proc.stdout:
                 if verbose or not is_noise(line):
-                    print(f"[w{index}] {line}", end="", flush=True)
+                    print(f"[w{index}] {inert(line)}", end="", flush=True)
             return proc.wait()
 
     return TrainWorker

@@ -28,6 +28,7 @@ from minigpt_model.sampling import generate
 from minigpt_model.steps import eval_step, make_optimizer, train_step
 from minigpt_model.tokenizer import END_OF_TEXT, get_tokenizer
 from shardplan.cli.render import render_summary
+from shardplan.cli.terminal import InertConsole
 from shardplan.run.abstract import eval_shape
 
 # Small enough that the default run finishes in minutes on two CPU cores with 8 simulated
@@ -99,7 +100,7 @@ def train(config: TrainConfig, *, console: Console | None = None, devices=None,
     only process 0 prints and writes metrics, and all of them write checkpoints together.
     """
     lead = jax.process_index() == 0
-    console = (console or Console(markup=False)) if lead else Console(quiet=True)
+    console = (console or InertConsole(markup=False)) if lead else Console(quiet=True)
     plan = shardplan.load_plan(_plan_path(config.plan))
     mesh = shardplan.make_mesh(plan, devices=devices)
     tokenizer = get_tokenizer(config.tokenizer)

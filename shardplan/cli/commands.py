@@ -12,6 +12,8 @@ import traceback
 from rich.console import Console
 from rich.text import Text
 
+from shardplan.cli.terminal import consoles, inert_streams
+from shardplan.plan.inert import inert
 from shardplan.plan.diagnostics import PlanError
 from shardplan.plan.loader import load_plan
 from shardplan.plan.schema import MAX_MESH_DEVICES, Plan
@@ -261,10 +263,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    with inert_streams():       # input text never drives the terminal, whatever prints it
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     # markup=False: plan text (regexes such as `[a-z]+`) and messages are printed as they are.
-    console = Console(highlight=False, markup=False)
-    err = Console(stderr=True, highlight=False, markup=False)
+    console, err = consoles()
     try:
         return args.handler(args, console)
     except PlanError as exc:
@@ -286,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_error(console: Console, message: str, label: str = "error") -> None:
     """One line, however long: logs and CI output keep it whole."""
-    console.print(Text.assemble((f"{label}: ", "bold red"), message), soft_wrap=True)
+    console.print(Text.assemble((f"{label}: ", "bold red"), inert(message)), soft_wrap=True)
 
 
 def report_bug(console: Console, exc: BaseException, *, debug: bool, program: str) -> int:
@@ -326,9 +332,9 @@ def _convert(args, console: Console) -> int:
         logical = read_logical_rules(read(args.logical_rules), args.logical_rules) if args.logical_rules else None
     except (ConvertError, OSError, FileTooLarge) as error:
         raise UsageError(str(error)) from None
-    text = plan_text(rules, mesh, source=args.rules or args.logical_rules,
+    text = inert(plan_text(rules, mesh, source=args.rules or args.logical_rules,
                      input_spec=[args.input_spec.split(",") if "," in args.input_spec else args.input_spec, None]
-                     if args.input_spec else None, logical=logical, logical_source=args.logical_rules)
+                     if args.input_spec else None, logical=logical, logical_source=args.logical_rules))
     plan = parse_plan(text, file=args.output)           # what we write must at least parse
     Path(args.output).write_text(text)
     console.print(f"wrote {args.output}: {len(plan.params)} rules over mesh {mesh}; check it with "
@@ -380,7 +386,7 @@ def _validate(args, console: Console) -> int:
     except ModelNotBuilt as exc:
         # Validating a plan from someone else must be safe: check what needs no model, build nothing.
         code = _validate_plan_only(args, console)
-        print_error(Console(stderr=True, highlight=False, markup=False), str(exc),
+        print_error(consoles()[1], str(exc),
                     label="not checked against the model")
         return code if code == EXIT_INVALID else EXIT_USAGE
     render_diagnostics(console, report.diagnostics)

@@ -18,6 +18,7 @@ import math
 
 from shardplan.checks.layout import device_coords, human_bytes
 from shardplan.checks.report import Report
+from shardplan.plan.inert import inert
 from shardplan.plan.schema import format_spec
 
 FONT = "font-family='DejaVu Sans, Helvetica, Arial, sans-serif'"
@@ -30,11 +31,11 @@ WIDTH = 960
 def _text(x: float, y: float, text: str, *, size: int = 12, anchor: str = "start", weight: str = "normal",
           fill: str = "#222", mono: bool = False) -> str:
     return (f"<text x='{x:.1f}' y='{y:.1f}' font-size='{size}' text-anchor='{anchor}' font-weight='{weight}' "
-            f"fill='{fill}' {MONO if mono else FONT}>{html.escape(text)}</text>")
+            f"fill='{fill}' {MONO if mono else FONT}>{html.escape(inert(text))}</text>")
 
 
 def _rect(x: float, y: float, w: float, h: float, fill: str, *, stroke: str = "#555", title: str = "") -> str:
-    tip = f"<title>{html.escape(title)}</title>" if title else ""
+    tip = f"<title>{html.escape(inert(title))}</title>" if title else ""
     return (f"<rect x='{x:.1f}' y='{y:.1f}' width='{w:.1f}' height='{h:.1f}' fill='{fill}' stroke='{stroke}' "
             f"stroke-width='1'>{tip}</rect>")
 

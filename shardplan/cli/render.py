@@ -15,6 +15,7 @@ from rich.text import Text
 from shardplan.checks.layout import device_coords, human_bytes, imbalance, index_ranges
 from shardplan.checks.report import Report
 from shardplan.plan.diagnostics import Diagnostic
+from shardplan.plan.inert import inert
 from shardplan.plan.schema import format_spec
 
 _STYLE = {"error": "bold red", "warning": "yellow"}
@@ -24,18 +25,18 @@ def render_diagnostics(console: Console, diagnostics: list[Diagnostic]) -> None:
     """Each diagnostic as `file:line:col: severity[code] message`, the offending line with a caret, the hint."""
     lines_of: dict[str, list[str]] = {}
     for d in diagnostics:
-        head = Text(f"{d.location}: ", style="bold")
+        head = Text(f"{inert(d.location)}: ", style="bold")
         head.append(f"{d.severity}[{d.code}]", style=_STYLE[d.severity])
-        head.append(f" {d.message}")
+        head.append(f" {inert(d.message)}")
         # soft_wrap: one line per diagnostic however narrow the console, so logs and grep keep it whole
         console.print(head, soft_wrap=True)
         source = _source_line(d, lines_of)
         if source is not None:
-            console.print(Text(f"  {d.line:>4} | {source}", style="dim"), soft_wrap=True)
+            console.print(Text(f"  {d.line:>4} | {inert(source)}", style="dim"), soft_wrap=True)
             if d.column:
                 console.print(Text("       | " + " " * (d.column - 1) + "^", style=_STYLE[d.severity]))
         if d.hint:
-            console.print(Text(f"  hint: {d.hint}", style="cyan"), soft_wrap=True)
+            console.print(Text(f"  hint: {inert(d.hint)}", style="cyan"), soft_wrap=True)
 
 
 def _source_line(d: Diagnostic, cache: dict[str, list[str]]) -> str | None:
@@ -190,6 +191,7 @@ def print_fitted(console: Console, title: str, columns: list[str], rows: list[li
     The first column (a path) folds when space is short; on a console too narrow for the other
     columns plus a readable path, each row is printed as its path over an indented line of the rest.
     """
+    rows = [[inert(cell) for cell in row] for row in rows]      # escaped before they are measured
     widths = [max([len(column)] + [len(row[index]) for row in rows]) for index, column in enumerate(columns)]
     rest = sum(widths[1:]) + 3 * (len(columns) - 1)      # padding on both sides and a separator
     console.print(Text(title, style="bold"), soft_wrap=True)

@@ -54,6 +54,8 @@ def read_bounded(path: Path, limit: int) -> bytes:
     FIFO blocks until someone writes to it. Opened non-blocking, then checked on the open file,
     so a file swapped for a FIFO after the check cannot block either.
     """
+    if "\0" in str(path):          # no file has such a name; os.open would raise ValueError
+        raise FileNotFoundError(f"{path!r} is not a file name: it holds a NUL character")
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
         info = os.fstat(fd)

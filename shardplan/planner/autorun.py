@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from shardplan.checks.layout import human_bytes
+from shardplan.plan.inert import inert
 from shardplan.planner import auto as planner
 from shardplan.planner.cost import Workload
 
@@ -108,7 +109,7 @@ def _write_atomically(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     with os.fdopen(fd, "w") as handle:
-        handle.write(text)
+        handle.write(inert(text))
     os.replace(tmp, path)
 
 
