@@ -163,8 +163,12 @@ class Checkpoints:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.move(str(source), str(target))
                 moved.append(target)
-        self._manager.reload()
+        self.reload()
         return moved
+
+    def reload(self) -> None:
+        """Read the saved steps from the directory again (another process may have changed it)."""
+        self._manager.reload()
 
     def restore(self, model: nnx.Module, optimizer: nnx.Optimizer | None = None, *, step: int | None = None) -> dict:
         """Load a checkpoint into `model` (and `optimizer`), each array taking the layout it has now."""

@@ -26,7 +26,9 @@ examples:
   minigpt launch --ray --address HEAD:6379 --num-workers 4 -- train --out /shared/run
 
 exit status: 0 done, 1 bad plan, data, checkpoint or run directory (also: another run there,
-a full disk), 2 usage error (bad option or --config), 3 a bug in minigpt/shardplan, 130 interrupted
+a full disk), 2 usage error (bad option or --config), 3 a bug in minigpt/shardplan, 75 preempted
+(SIGTERM: the step in flight was saved, or the last checkpoint kept; run again with --resume),
+130 interrupted
 """
 
 
@@ -95,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     train.add_argument("--devices", type=_number(int, 1, 4096), metavar="N",
                        help="simulate N CPU devices in this process (default without an accelerator: 8)")
+    train.add_argument("--preemption-grace", type=_number(float, 0.0), default=defaults.preemption_grace, metavar="S",
+                       help="on SIGTERM, finish the step, save and exit 75; give up after S seconds, keeping the "
+                            "last checkpoint")
     train.add_argument("--coordinator", metavar="HOST:PORT",
                        help="join a multi-process run whose process 0 listens at HOST:PORT (also read from "
                             "JAX_COORDINATOR_ADDRESS; under SLURM or Open MPI all three are detected)")
@@ -155,8 +160,13 @@ def _main(argv: list[str] | None) -> int:
     from shardplan.cli.commands import print_error, report_bug
     from shardplan.run.devices import DeviceSetupError
     from shardplan.run.models import ModelLoadError
+    from shardplan.run.preemption import EXIT_PREEMPTED, Preempted
     try:
         return args.handler(args, console)
+    except Preempted as exc:
+        if not getattr(args, "process_id", None):
+            err.print(str(exc), soft_wrap=True)
+        return EXIT_PREEMPTED
     except PlanError as exc:
         from shardplan.cli.render import render_diagnostics
         render_diagnostics(err, exc.diagnostics)
@@ -201,7 +211,7 @@ def _train(args, console: Console) -> int:
                          warmup_steps=args.warmup_steps, eval_every=args.eval_every,
                          checkpoint_every=args.checkpoint_every, seed=args.seed, data=tuple(args.data),
                          separator=args.separator, tokenizer=args.tokenizer, out=args.out, resume=args.resume,
-                         model=parse_overrides(args.config))
+                         model=parse_overrides(args.config), preemption_grace=args.preemption_grace)
     result = train(config, console=console)
     last = max(result.losses) if result.losses else config.steps
     if not args.process_id:

@@ -7,6 +7,7 @@ period (they would otherwise wait for JAX's heartbeat timeout), and the launcher
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -19,6 +20,7 @@ from typing import Callable, TextIO
 
 from shardplan.plan.inert import inert
 from shardplan.run.distributed import SIBLING_GRACE_S
+from shardplan.run.preemption import EXIT_PREEMPTED
 
 
 def free_port() -> int:
@@ -70,26 +72,48 @@ def launch_local(count: int, train_args: list[str], *, devices_per_process: int 
              for i, proc in enumerate(procs)]
     for pump in pumps:
         pump.start()
-    failed = watch([proc.poll for proc in procs], [proc.kill for proc in procs])
+    with forwarding_sigterm(lambda: [proc.send_signal(signal.SIGTERM) for proc in procs if proc.poll() is None]):
+        failed = watch([proc.poll for proc in procs], [proc.kill for proc in procs])
     for pump in pumps:
         pump.join(timeout=5)
-    if failed is None:
-        out.write(f"[launch] all {count} processes finished\n")
-        return 0
-    index, code = failed
-    out.write(f"[launch] process {index} {describe_exit(code)}; the run failed (continue it with --resume)\n")
-    return 1
+    return outcome(failed, [proc.returncode for proc in procs], out, "processes", "process")
+
+
+def outcome(failed: tuple[int, int] | None, codes: list[int], out: TextIO, plural: str, singular: str) -> int:
+    if failed is not None:
+        index, code = failed
+        out.write(f"[launch] {singular} {index} {describe_exit(code)}; the run failed (continue it with --resume)\n")
+        return 1
+    if EXIT_PREEMPTED in codes:
+        out.write(f"[launch] preempted: all {len(codes)} {plural} saved the same step; continue with the same "
+                  "command and --resume\n")
+        return EXIT_PREEMPTED
+    out.write(f"[launch] all {len(codes)} {plural} finished\n")
+    return 0
+
+
+@contextlib.contextmanager
+def forwarding_sigterm(forward: Callable[[], object]):
+    """While in it, a SIGTERM to the launcher is passed on to every worker (each saves and exits 75)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: forward())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def watch(polls: list[Callable[[], int | None]], kills: list[Callable[[], None]]) -> tuple[int, int] | None:
     """Wait for all workers; after the first failure, kill the rest once the grace period is over.
-    Returns (index, exit code) of the first failure, or None."""
+    Returns (index, exit code) of the first failure, or None; exiting 75 (preempted, saved) is no failure."""
     first: tuple[int, int] | None = None
     failed_at = 0.0
     while True:
         codes = [poll() for poll in polls]
         for i, code in enumerate(codes):
-            if code not in (None, 0) and first is None:
+            if code not in (None, 0, EXIT_PREEMPTED) and first is None:
                 first, failed_at = (i, code), time.monotonic()
         if all(code is not None for code in codes):
             return first

@@ -11,25 +11,34 @@ import os
 import sys
 import time
 
-from minigpt_model.launch import describe_exit, free_port, train_command
+from minigpt_model.launch import describe_exit, forwarding_sigterm, free_port, outcome, train_command
 from shardplan.run.distributed import SIBLING_GRACE_S
+from shardplan.run.preemption import EXIT_PREEMPTED
 
 
 def _worker_class():
     import ray
 
-    @ray.remote(num_cpus=0.01)
+    @ray.remote(num_cpus=0.01, max_concurrency=2)     # `terminate` runs while `run` streams
     class TrainWorker:
+        proc = None
+
         def coordinator(self) -> str:
             return f"{ray.util.get_node_ip_address()}:{free_port()}"
+
+        def terminate(self) -> None:
+            """Pass the preemption notice on: the training process saves and exits 75."""
+            if self.proc is not None and self.proc.poll() is None:
+                import signal
+                self.proc.send_signal(signal.SIGTERM)
 
         def run(self, index: int, command: list[str], cwd: str, verbose: bool = False) -> int:
             import subprocess
 
             from minigpt_model.launch import is_noise
             from shardplan.plan.inert import inert
-            proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            self.proc = proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
             for line in proc.stdout:
                 if verbose or not is_noise(line):
                     print(f"[w{index}] {inert(line)}", end="", flush=True)
@@ -63,20 +72,21 @@ def launch_ray(workers: int, train_args: list[str], *, devices_per_process: int 
         runs = [actor.run.remote(i, train_command(train_args, coordinator=coordinator, processes=workers, index=i,
                                                   devices=devices_per_process), os.getcwd(), verbose)
                 for i, actor in enumerate(actors)]
-        failure = _wait(ray, runs, actors)
+        with forwarding_sigterm(lambda: [actor.terminate.remote() for actor in actors]):
+            failure, codes = _wait(ray, runs, actors)
     finally:
         ray.shutdown()
-    if failure is None:
-        print(f"[launch] all {workers} Ray workers finished", flush=True)
-        return 0
-    index, why = failure
-    print(f"[launch] Ray worker {index} {why}; the run failed (continue it with --resume)", flush=True)
-    return 1
+    if failure is not None:
+        index, why = failure
+        print(f"[launch] Ray worker {index} {why}; the run failed (continue it with --resume)", flush=True)
+        return 1
+    return outcome(None, codes, sys.stdout, "Ray workers", "Ray worker")
 
 
-def _wait(ray, runs, actors) -> tuple[int, str] | None:
-    """First failing worker (its index and what happened), stopping the others after a grace period."""
-    pending, first, failed_at = dict(enumerate(runs)), None, 0.0
+def _wait(ray, runs, actors) -> tuple[tuple[int, str] | None, list[int]]:
+    """First failing worker (its index and what happened) and the exit codes, stopping the others after a
+    grace period; a worker that exits 75 (preempted, saved) is no failure."""
+    pending, first, failed_at, codes = dict(enumerate(runs)), None, 0.0, []
     while pending:
         ready, _ = ray.wait(list(pending.values()), num_returns=1, timeout=0.5)
         for ref in ready:
@@ -84,7 +94,8 @@ def _wait(ray, runs, actors) -> tuple[int, str] | None:
             del pending[index]
             try:
                 code = ray.get(ref)
-                why = None if code == 0 else describe_exit(code)
+                codes.append(code)
+                why = None if code in (0, EXIT_PREEMPTED) else describe_exit(code)
             except ray.exceptions.RayError as exc:
                 why = f"was lost ({type(exc).__name__})"
             if why and first is None:
@@ -94,4 +105,4 @@ def _wait(ray, runs, actors) -> tuple[int, str] | None:
                 ray.kill(actors[index])
             ray.wait(list(pending.values()), num_returns=len(pending), timeout=10)
             pending.clear()
-    return first
+    return first, codes

@@ -21,12 +21,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.text import Text
 
 import shardplan
-from minigpt_model.checkpoint import CheckpointError, Checkpoints, DiskFull, is_disk_full
+from minigpt_model.checkpoint import CheckpointError, Checkpoints, DiskFull, is_disk_full, verify
 from minigpt_model.data import Dataset, DataError, build_dataset, read_documents
 from minigpt_model.model import MiniGPT
 from minigpt_model.sampling import generate
 from minigpt_model.steps import eval_step, make_optimizer, train_step
 from minigpt_model.tokenizer import END_OF_TEXT, get_tokenizer
+from shardplan.run.preemption import Preempted, PreemptionWatch
 from shardplan.cli.render import render_summary
 from shardplan.cli.terminal import InertConsole
 from shardplan.run.abstract import eval_shape
@@ -71,6 +72,7 @@ class TrainConfig:
     model: dict = dataclasses.field(default_factory=dict)     # overrides of DEFAULT_MODEL
     sample_prompt: str = "Once upon a time"
     sample_tokens: int = 200
+    preemption_grace: float = 25.0      # seconds from a SIGTERM to the saved checkpoint before giving up
 
     def model_config(self, vocab_size: int) -> dict[str, Any]:
         return {**DEFAULT_MODEL, **self.model, "vocab_size": vocab_size}
@@ -141,10 +143,10 @@ def _run(config, plan, mesh, model_config, tokenizer, dataset, out, lead, stop_a
     checkpoints = Checkpoints(out / "checkpoints")
     start = _resume(checkpoints, model, optimizer, model_config, config, console, out)
     metrics = _Metrics(out / "metrics.jsonl", keep_until=start, write=lead, warn=lambda m: _warn(console, m))
-
+    watch = _preemption_watch(config, checkpoints, console)
     try:
         losses, evals = _loop(config, plan, mesh, dataset, model, optimizer, checkpoints, metrics, model_config,
-                              tokenizer, start, stop_after, console)
+                              tokenizer, start, stop_after, console, watch)
     except OSError as exc:
         if not is_disk_full(exc):
             raise
@@ -152,6 +154,7 @@ def _run(config, plan, mesh, model_config, tokenizer, dataset, out, lead, stop_a
         raise DiskFull(f"the disk is full writing to {out} ({exc.strerror or exc}); checkpoints up to step "
                        f"{last} are intact: free space, then continue with --resume") from None
     finally:
+        watch.close()
         checkpoints.close()
     if lead:
         try:
@@ -168,8 +171,23 @@ def _run(config, plan, mesh, model_config, tokenizer, dataset, out, lead, stop_a
     return RunResult(losses, evals, sample, out)
 
 
+def _preemption_watch(config: TrainConfig, checkpoints: Checkpoints, console) -> PreemptionWatch:
+    def intact() -> str:
+        step = checkpoints.latest_step()
+        return f"checkpoint step {step} is intact" if step is not None else "no checkpoint was written yet"
+
+    def notice() -> None:
+        console.print(f"preemption notice: finishing the step in flight, then saving (within {config.preemption_grace:g} "
+                      f"s; a second signal stops at once and {intact()})", soft_wrap=True)
+
+    def give_up() -> None:
+        console.print(f"preempted: the save did not finish within --preemption-grace {config.preemption_grace:g} s; "
+                      f"{intact()}; continue with --resume", soft_wrap=True)
+    return PreemptionWatch(grace_s=config.preemption_grace, give_up=give_up, notice=notice)
+
+
 def _loop(config, plan, mesh, dataset: Dataset, model, optimizer, checkpoints, metrics, model_config, tokenizer,
-          start, stop_after, console):
+          start, stop_after, console, watch: PreemptionWatch):
     losses, evals = {}, {}
     base_key = jax.random.key(config.seed + 1)
     tokens_per_step = config.batch_size * model_config["maxlen"]
@@ -198,10 +216,14 @@ def _loop(config, plan, mesh, dataset: Dataset, model, optimizer, checkpoints, m
                 evals[done] = record["eval_loss"] = _evaluate(model, eval_data)
                 progress.console.print(f"step {done}: train loss {loss:.4f}, eval loss {evals[done]:.4f}")
             metrics.append(record)
-            if done % config.checkpoint_every == 0 or done == config.steps:
+            stop = watch.should_stop(done)
+            if stop or done % config.checkpoint_every == 0 or done == config.steps:
                 checkpoints.save(done, model, optimizer, {"step": done, "data_step": done, "seed": config.seed,
                                                           "model": model_config, "tokenizer": tokenizer.name,
                                                           "plan": config.plan})
+            if stop:
+                raise Preempted(f"preempted: saved step {done} to {checkpoints.directory}; continue with the same "
+                                "command and --resume", done)
             progress.update(task, completed=done, info=f"loss {loss:.3f}  {rate:,.0f} tok/s")
             if report_every and (done % report_every == 0 or done == last):
                 console.print(f"train {done}/{config.steps}: loss {loss:.3f}, {rate:,.0f} tok/s, "
@@ -322,13 +344,15 @@ def _claim_directory(out: Path, config: TrainConfig, model_config: dict, digest:
 
 
 def _warn(console, message: str) -> None:
-    console.print(Text.assemble(("warning: ", "yellow"), message))
+    console.print(Text.assemble(("warning: ", "yellow"), message), soft_wrap=True)
 
 
 def _resume(checkpoints: Checkpoints, model, optimizer, model_config, config: TrainConfig, console, out: Path) -> int:
     """Restore the newest intact checkpoint; damaged newer ones are reported and set aside, never used."""
     if not config.resume or not checkpoints.all_steps():
         return 0
+    if jax.process_count() > 1:
+        return _resume_agreed(checkpoints, model, optimizer, model_config, console, out)
     for step, meta in checkpoints.intact_steps(warn=lambda m: _warn(console, m)):
         if meta["model"] != model_config:
             raise CheckpointError(f"the checkpoint in {checkpoints.directory} is of model {meta['model']}, not "
@@ -345,13 +369,43 @@ def _resume(checkpoints: Checkpoints, model, optimizer, model_config, config: Tr
                           f"move {checkpoints.directory} away to start the run over")
 
 
+def _resume_agreed(checkpoints: Checkpoints, model, optimizer, model_config, console, out: Path) -> int:
+    """`_resume` for several processes: process 0 lists the steps and verifies their checksums, every
+    process reads the metadata of each candidate (orbax reads collectively), the first step all can
+    read is restored by all, and process 0 sets the damaged newer ones aside for everyone."""
+    from jax.experimental import multihost_utils
+    lead, warn = jax.process_index() == 0, (lambda m: _warn(console, m))
+    listed = np.full(64, -1, np.int32)
+    steps = sorted(checkpoints.all_steps(), reverse=True)[:64]
+    listed[:len(steps)] = steps
+    for step in (int(s) for s in multihost_utils.broadcast_one_to_all(listed) if s >= 0):
+        problem = verify(checkpoints.directory / str(step)) if lead else None
+        if int(multihost_utils.broadcast_one_to_all(np.int32(problem is None))):
+            try:
+                meta = checkpoints.meta(step)
+            except CheckpointError as exc:
+                problem = str(exc)
+            if multihost_utils.process_allgather(np.int32(problem is None)).all():
+                break
+        warn(f"checkpoint step {step} in {checkpoints.directory} is damaged: {problem or 'unreadable on another process'}")
+    else:
+        raise CheckpointError(f"no checkpoint in {checkpoints.directory} can be restored (see the warnings above); "
+                              f"move {checkpoints.directory} away to start the run over")
+    if meta["model"] != model_config:
+        raise CheckpointError(f"the checkpoint in {checkpoints.directory} is of model {meta['model']}, not {model_config}")
+    checkpoints.restore(model, optimizer, step=step)
+    _all_processes_reach("checkpoint restored")
+    if lead:
+        _set_aside_newer(checkpoints, step, out, console)
+    _all_processes_reach("damaged checkpoints set aside")
+    checkpoints.reload()
+    console.print(f"resumed from step {meta['step']} ({checkpoints.directory}), agreed by all "
+                  f"{jax.process_count()} processes", soft_wrap=True)
+    return int(meta["data_step"])
+
+
 def _set_aside_newer(checkpoints: Checkpoints, step: int, out: Path, console) -> None:
     newer = [s for s in checkpoints.all_steps() if s > step]
-    if not newer:
-        return
-    if jax.process_count() > 1:
-        raise CheckpointError(f"checkpoint step(s) {newer} in {checkpoints.directory} are damaged; move them out of "
-                              "the directory, then resume again")
     for target in checkpoints.set_aside(newer, out / "damaged"):
         _warn(console, f"moved the damaged checkpoint to {target}; continuing from step {step}")
 
@@ -414,5 +468,5 @@ def _plot(out: Path, records: list[dict]) -> bool:
     return True
 
 
-__all__ = ["TrainConfig", "RunResult", "RunError", "DataError", "CheckpointError", "ModelConfigError", "train",
-           "DEFAULT_MODEL"]
+__all__ = ["TrainConfig", "RunResult", "RunError", "DataError", "CheckpointError", "ModelConfigError", "Preempted",
+           "train", "DEFAULT_MODEL"]

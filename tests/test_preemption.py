@@ -1,0 +1,126 @@
+"""Preemption: SIGTERM mid-run saves the step in flight and exits 75, in one process and through the
+launcher; a second SIGTERM during the save keeps the previous checkpoint; --resume reaches the
+uninterrupted run's losses; a damaged newest checkpoint in a multi-process run is set aside by agreement."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from minigpt_model.checkpoint import CHECKSUMS, Checkpoints
+from shardplan.run.preemption import EXIT_PREEMPTED
+
+from conftest import REPO
+from test_multiprocess import LAUNCH, env, losses_of, one_process, train_args
+
+TRAIN = [sys.executable, "-m", "minigpt_model.cli"]
+
+
+_UNINTERRUPTED: dict[int, dict[int, float]] = {}
+
+
+def uninterrupted(tmp_path, steps: int) -> dict[int, float]:
+    """One process's losses over the same run, trained once per length for the whole module."""
+    if steps not in _UNINTERRUPTED:
+        _UNINTERRUPTED[steps] = one_process(tmp_path, steps)
+    return _UNINTERRUPTED[steps]
+
+
+def wait_for(condition, process, what: str, timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, f"the run ended before {what}: {process.communicate()[0][-3000:]}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.002)
+
+
+def steps_done(out) -> int:
+    path = out / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def saved_steps(out) -> list[int]:
+    checkpoints = Checkpoints(out / "checkpoints")
+    try:
+        return checkpoints.all_steps()
+    finally:
+        checkpoints.close()
+
+
+def test_sigterm_saves_the_step_in_flight_and_resume_matches_an_uninterrupted_run(tmp_path):
+    out = tmp_path / "run"
+    args = [*train_args(out, 30), "--checkpoint-every", "10"]
+    run = subprocess.Popen([*TRAIN, *args], cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+    wait_for(lambda: steps_done(out) >= 13, run, "step 13")
+    run.send_signal(signal.SIGTERM)
+    text, _ = run.communicate(timeout=120)
+    assert run.returncode == EXIT_PREEMPTED, text[-3000:]
+    last = max(losses_of(out))
+    assert 13 <= last < 30 and saved_steps(out)[-1] == last, (last, saved_steps(out))     # no finished step lost
+    assert f"preempted: saved step {last} to {out / 'checkpoints'}" in " ".join(text.split())
+    assert "--resume" in text
+
+    resumed = subprocess.run([*TRAIN, *args, "--resume"], cwd=REPO, env=env(), capture_output=True, text=True,
+                             timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"resumed from step {last}" in resumed.stdout
+    final, expected = losses_of(out), uninterrupted(tmp_path, 30)
+    assert sorted(final) == list(range(1, 31))
+    np.testing.assert_allclose([final[s] for s in range(1, 31)], [expected[s] for s in range(1, 31)], rtol=1e-5)
+
+
+def test_a_second_sigterm_during_the_save_keeps_the_previous_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    args = [*train_args(out, 30), "--checkpoint-every", "10"]
+    run = subprocess.Popen([*TRAIN, *args], cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+    wait_for(lambda: steps_done(out) >= 12, run, "step 12")
+    run.send_signal(signal.SIGTERM)
+    saving = lambda: any("tmp" in p.name for p in (out / "checkpoints").iterdir())   # orbax's unfinished step
+    wait_for(saving, run, "the preemption save to start")
+    run.send_signal(signal.SIGTERM)
+    text, _ = run.communicate(timeout=60)
+    assert run.returncode == -signal.SIGTERM, f"the second signal did not stop the save: {text[-2000:]}"
+    assert saved_steps(out) == [10] and "preemption notice" in text
+    checkpoints = Checkpoints(out / "checkpoints")     # what --resume reads first (resuming: the test above)
+    try:
+        step, meta = next(checkpoints.intact_steps())
+    finally:
+        checkpoints.close()
+    assert step == 10 and meta["data_step"] == 10
+
+
+def test_launcher_forwards_sigterm_all_save_one_step_and_a_damaged_newest_is_set_aside_by_agreement(tmp_path):
+    out = tmp_path / "run"
+    args = [*train_args(out, 20), "--checkpoint-every", "10"]
+    launcher = subprocess.Popen([*LAUNCH, "--local", "2", "--", *args], cwd=REPO, env=env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    wait_for(lambda: steps_done(out) >= 12, launcher, "step 12")
+    launcher.send_signal(signal.SIGTERM)
+    text, _ = launcher.communicate(timeout=120)
+    assert launcher.returncode == EXIT_PREEMPTED, text[-3000:]
+    assert "[launch] preempted: all 2 processes saved the same step" in text
+    last = max(losses_of(out))
+    assert 12 <= last < 20 and saved_steps(out)[-1] == last, (last, saved_steps(out))
+
+    resumed = subprocess.run([*LAUNCH, "--local", "2", "--", *args, "--resume"], cwd=REPO, env=env(),
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0 and f"resumed from step {last}" in resumed.stdout, resumed.stdout[-3000:]
+    expected = uninterrupted(tmp_path, 20)
+    np.testing.assert_allclose(losses_of(out)[20], expected[20], rtol=1e-5)
+
+    newest = out / "checkpoints" / "20"                 # flip bytes of one recorded file of the newest step
+    victim = newest / sorted(json.loads((newest / CHECKSUMS).read_text()))[0]
+    victim.write_bytes(bytes(b ^ 0xFF for b in victim.read_bytes()))
+    again = subprocess.run([*LAUNCH, "--local", "2", "--", *args, "--resume"], cwd=REPO, env=env(),
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert "checkpoint step 20" in again.stdout and "is damaged" in again.stdout
+    assert f"resumed from step {last}" in again.stdout and "agreed by all 2 processes" in again.stdout
+    assert any(p.name.startswith("step-20-") for p in (out / "damaged").iterdir())
+    np.testing.assert_allclose(losses_of(out)[20], expected[20], rtol=1e-5)
