@@ -3,7 +3,6 @@ launcher; a second SIGTERM during the save keeps the previous checkpoint; --resu
 uninterrupted run's losses; a damaged newest checkpoint in a multi-process run is set aside by agreement."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -38,6 +37,16 @@ def wait_for(condition, process, what: str, timeout: float = 240.0) -> None:
         time.sleep(0.002)
 
 
+def start_training(tmp_path, *, until_step: int):
+    """A 30-step run checkpointing every 10 steps, in its own process, once it has finished `until_step`."""
+    out = tmp_path / "run"
+    args = [*train_args(out, 30), "--checkpoint-every", "10"]
+    run = subprocess.Popen([*TRAIN, *args], cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+    wait_for(lambda: steps_done(out) >= until_step, run, f"step {until_step}")
+    return out, args, run
+
+
 def steps_done(out) -> int:
     path = out / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
@@ -52,11 +61,7 @@ def saved_steps(out) -> list[int]:
 
 
 def test_sigterm_saves_the_step_in_flight_and_resume_matches_an_uninterrupted_run(tmp_path):
-    out = tmp_path / "run"
-    args = [*train_args(out, 30), "--checkpoint-every", "10"]
-    run = subprocess.Popen([*TRAIN, *args], cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True)
-    wait_for(lambda: steps_done(out) >= 13, run, "step 13")
+    out, args, run = start_training(tmp_path, until_step=13)
     run.send_signal(signal.SIGTERM)
     text, _ = run.communicate(timeout=120)
     assert run.returncode == EXIT_PREEMPTED, text[-3000:]
@@ -75,11 +80,7 @@ def test_sigterm_saves_the_step_in_flight_and_resume_matches_an_uninterrupted_ru
 
 
 def test_a_second_sigterm_during_the_save_keeps_the_previous_checkpoint(tmp_path):
-    out = tmp_path / "run"
-    args = [*train_args(out, 30), "--checkpoint-every", "10"]
-    run = subprocess.Popen([*TRAIN, *args], cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True)
-    wait_for(lambda: steps_done(out) >= 12, run, "step 12")
+    out, args, run = start_training(tmp_path, until_step=12)
     run.send_signal(signal.SIGTERM)
     saving = lambda: any("tmp" in p.name for p in (out / "checkpoints").iterdir())   # orbax's unfinished step
     wait_for(saving, run, "the preemption save to start")
@@ -95,7 +96,7 @@ def test_a_second_sigterm_during_the_save_keeps_the_previous_checkpoint(tmp_path
     assert step == 10 and meta["data_step"] == 10
 
 
-def test_launcher_forwards_sigterm_all_save_one_step_and_a_damaged_newest_is_set_aside_by_agreement(tmp_path):
+def test_launcher_forwards_sigterm_all_save_one_step_and_a_damaged_one_is_set_aside_by_agreement(tmp_path):
     out = tmp_path / "run"
     args = [*train_args(out, 20), "--checkpoint-every", "10"]
     launcher = subprocess.Popen([*LAUNCH, "--local", "2", "--", *args], cwd=REPO, env=env(), stdout=subprocess.PIPE,
@@ -108,19 +109,13 @@ def test_launcher_forwards_sigterm_all_save_one_step_and_a_damaged_newest_is_set
     last = max(losses_of(out))
     assert 12 <= last < 20 and saved_steps(out)[-1] == last, (last, saved_steps(out))
 
-    resumed = subprocess.run([*LAUNCH, "--local", "2", "--", *args, "--resume"], cwd=REPO, env=env(),
-                             capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0 and f"resumed from step {last}" in resumed.stdout, resumed.stdout[-3000:]
-    expected = uninterrupted(tmp_path, 20)
-    np.testing.assert_allclose(losses_of(out)[20], expected[20], rtol=1e-5)
-
-    newest = out / "checkpoints" / "20"                 # flip bytes of one recorded file of the newest step
+    newest = out / "checkpoints" / str(last)     # flip bytes of one recorded file of the step just saved
     victim = newest / sorted(json.loads((newest / CHECKSUMS).read_text()))[0]
     victim.write_bytes(bytes(b ^ 0xFF for b in victim.read_bytes()))
-    again = subprocess.run([*LAUNCH, "--local", "2", "--", *args, "--resume"], cwd=REPO, env=env(),
-                           capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0, again.stdout[-3000:]
-    assert "checkpoint step 20" in again.stdout and "is damaged" in again.stdout
-    assert f"resumed from step {last}" in again.stdout and "agreed by all 2 processes" in again.stdout
-    assert any(p.name.startswith("step-20-") for p in (out / "damaged").iterdir())
-    np.testing.assert_allclose(losses_of(out)[20], expected[20], rtol=1e-5)
+    resumed = subprocess.run([*LAUNCH, "--local", "2", "--", *args, "--resume"], cwd=REPO, env=env(),
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert f"checkpoint step {last}" in resumed.stdout and "is damaged" in resumed.stdout
+    assert "resumed from step 10" in resumed.stdout and "agreed by all 2 processes" in resumed.stdout
+    assert any(p.name.startswith(f"step-{last}-") for p in (out / "damaged").iterdir())
+    np.testing.assert_allclose(losses_of(out)[20], uninterrupted(tmp_path, 20)[20], rtol=1e-5)
