@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 import minigpt_model  # noqa: E402
 import shardplan  # noqa: E402
 from minigpt_model.steps import train_step  # noqa: E402
-from shardplan.planner.hlo import collective_stats  # noqa: E402
+from shardplan.run.hlo import collective_stats  # noqa: E402
 
 PLANS = ["minigpt_dp.yaml", "minigpt_tp.yaml", "minigpt_dp_tp.yaml", "minigpt_fsdp.toml"]
 

@@ -9,7 +9,7 @@ from flax import nnx
 import minigpt_model
 import shardplan
 from minigpt_model.steps import train_step
-from shardplan.run.apply import partition_spec
+from shardplan.run.specs import partition_spec
 from shardplan.checks.paths import join_path
 
 from conftest import PLANS, TINY_MINIGPT

@@ -13,10 +13,10 @@ import minigpt_model
 import shardplan
 from shardplan.planner import auto
 from shardplan.planner.cost import Workload, estimate
-from shardplan.planner.hlo import collective_stats
+from shardplan.run.hlo import collective_stats
 from shardplan.run.measure import measure, prepare, lm_train_step, lm_loss
 from shardplan.checks.paths import param_infos
-from shardplan.planner.profiles import get_profile
+from shardplan.planner.profiles import get_profile, parse_bytes
 from shardplan.planner.roles import COLUMN, ROW, abstract_with_roles, recognise_module
 from shardplan.plan.schema import spec_axes
 
@@ -159,9 +159,9 @@ ENTRY %main (x: f32[4]) -> f32[4] {
 
 
 def test_sizes_parse_and_refuse():
-    assert auto.parse_bytes("16GiB") == 16 * 2**30
+    assert parse_bytes("16GiB") == 16 * 2**30
     with pytest.raises(ValueError, match="16GiB"):
-        auto.parse_bytes("sixteen")
+        parse_bytes("sixteen")
 
 
 def test_cli_auto_writes_a_plan_that_validate_accepts(tmp_path, capsys):

@@ -5,9 +5,9 @@ import importlib
 
 import pytest
 
-MODULES = ["shardplan.plan.schema", "shardplan.checks.layout", "shardplan.checks.mesh", "shardplan.planner.hlo", "shardplan.checks.paths",
-           "shardplan.plan.loader", "shardplan.checks.report", "shardplan.run.apply", "shardplan.planner.roles", "shardplan.planner.auto",
-           "shardplan.plan.matching", "shardplan.run.models", "shardplan.run.pipeline", "shardplan.checks.diff"]
+MODULES = ["shardplan.plan.schema", "shardplan.checks.layout", "shardplan.checks.mesh", "shardplan.run.hlo", "shardplan.checks.paths",
+           "shardplan.plan.loader", "shardplan.checks.report", "shardplan.run.apply", "shardplan.run.specs", "shardplan.planner.roles", "shardplan.planner.auto",
+           "shardplan.plan.matching", "shardplan.planner.profiles", "shardplan.plan.inert", "shardplan.run.models", "shardplan.run.pipeline", "shardplan.checks.diff"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -5,7 +5,7 @@ import pytest
 from jax.sharding import NamedSharding
 
 import shardplan
-from shardplan.run.apply import partition_spec
+from shardplan.run.specs import partition_spec
 from shardplan.checks.layout import device_coords, index_ranges, shard_shape, zero1_spec
 from shardplan.plan.schema import format_spec, normalize_spec
 

@@ -6,7 +6,7 @@ import optax
 from flax import nnx
 
 import shardplan
-from shardplan.run.apply import partition_spec
+from shardplan.run.specs import partition_spec
 from shardplan.checks.paths import param_infos
 
 from models import ConvClassifier, Llama

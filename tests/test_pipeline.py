@@ -16,7 +16,7 @@ import minigpt_model
 import shardplan
 from minigpt_model.steps import loss_fn, train_step
 from shardplan.run.pipeline import stack, unstack
-from shardplan.run.schedules import article_bubble, bubble_fraction, max_in_flight, timeline
+from shardplan.checks.schedules import article_bubble, bubble_fraction, max_in_flight, timeline
 
 from conftest import PLANS
 

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import shardplan
-from shardplan.run.layer_call import PipelineCallError
+from shardplan.checks.layer_contract import PipelineCallError
 from shardplan.run.pipeline import unstack
 from shardplan.run.pipelined import PipelinedLayers
 from wild_models import GemmaConfig, GemmaLike, QwenLike, VitLike, gemma_inputs, qwen_inputs

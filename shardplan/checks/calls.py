@@ -118,7 +118,7 @@ def record_calls(model, targets: dict[int, str], call: Callable, on_call=None) -
 
 def check_layer_calls(plan: Plan, model, call: Callable) -> list[Diagnostic]:
     """Trace `call(model)` abstractly and check the pipeline can run the layers as the model calls them."""
-    from shardplan.run.layer_call import PipelineCallError, calling_without_updates
+    from shardplan.checks.layer_contract import PipelineCallError, calling_without_updates
     pipe = plan.pipeline
     line, column = plan.locate("pipeline", "layers")
 
@@ -152,7 +152,7 @@ def _analyse(name: str, calls: list[_Call], count: int, problem) -> list[Diagnos
     import jax
     from flax import nnx
 
-    from shardplan.run.layer_call import PipelineCallError, _describe, _is_array
+    from shardplan.checks.layer_contract import PipelineCallError, describe_value, is_array
     order = [c.layer for c in calls]
     if order != list(range(count)):
         shown = order[:12] + (["..."] if len(order) > 12 else [])
@@ -161,9 +161,9 @@ def _analyse(name: str, calls: list[_Call], count: int, problem) -> list[Diagnos
                        f"{name} layers {shown} (expected 0..{count - 1})", path=f"{name}/0",
                        hint="pipeline a list the forward loops over once (for layer in self.layers: x = layer(x, ...))")
     first = calls[0]
-    if not first.args or not _is_array(first.args[0]) or first.args[0].ndim < 1:
+    if not first.args or not is_array(first.args[0]) or first.args[0].ndim < 1:
         return problem("pipeline-layer-call",
-                       f"{name}/0 is called with {_describe(first.args[0]) if first.args else 'no positional argument'} "
+                       f"{name}/0 is called with {describe_value(first.args[0]) if first.args else 'no positional argument'} "
                        "first; a pipeline needs the activation (an array whose leading dim is the batch) as the first "
                        "positional argument", path=f"{name}/0")
 
@@ -171,7 +171,7 @@ def _analyse(name: str, calls: list[_Call], count: int, problem) -> list[Diagnos
         return jax.tree.flatten((c.args[1:], c.kwargs), is_leaf=lambda v: isinstance(v, nnx.Rngs))
     leaves0, tree0 = rest(first)
     for previous, c in zip(calls, calls[1:]):
-        out = [leaf for leaf in jax.tree.leaves(previous.output) if _is_array(leaf)]
+        out = [leaf for leaf in jax.tree.leaves(previous.output) if is_array(leaf)]
         if len(out) != 1:
             break                  # reported below with the output check
         if not c.args or c.args[0] is not out[0]:
@@ -186,15 +186,15 @@ def _analyse(name: str, calls: list[_Call], count: int, problem) -> list[Diagnos
                            f"{name}/{c.layer} is called with other arguments than {name}/0 ({tree} vs {tree0}); a "
                            "pipeline runs every layer with the same arguments", path=f"{name}/{c.layer}", hint=FIX)
         for position, (got, want) in enumerate(zip(leaves, leaves0)):
-            same = got is want if (_is_array(want) or isinstance(want, nnx.Rngs)) else _equal(got, want)
+            same = got is want if (is_array(want) or isinstance(want, nnx.Rngs)) else _equal(got, want)
             if not same:
                 return problem("pipeline-layer-call",
-                               f"{name}/{c.layer} gets {_describe(got)} where {name}/0 gets {_describe(want)} (argument "
+                               f"{name}/{c.layer} gets {describe_value(got)} where {name}/0 gets {describe_value(want)} (argument "
                                f"leaf {position + 1} after the activation); per-layer arguments such as cache[i] "
                                "cannot be pipelined: every layer runs with the same arguments", path=f"{name}/{c.layer}",
                                hint=FIX)
     try:
-        from shardplan.run.layer_call import check_output
+        from shardplan.checks.layer_contract import check_output
         check_output(first.output, first.args[0], f"{name}/0")
     except PipelineCallError as error:
         return problem("pipeline-layer-call", str(error), path=f"{name}/0",

@@ -62,7 +62,7 @@ class Report:
 def _pipeline_json(report: "Report") -> dict | None:
     if report.stage_map is None:
         return None
-    from shardplan.run.schedules import bubble_fraction, timeline
+    from shardplan.checks.schedules import bubble_fraction, timeline
     pipe, stage_map = report.plan.pipeline, report.stage_map
     grid = timeline(pipe.schedule, stage_map.stages, pipe.microbatches, stage_map.virtual)
     return {"axis": pipe.axis, "schedule": pipe.schedule, "microbatches": pipe.microbatches,

@@ -546,7 +546,6 @@ def _diff(args, console: Console) -> int:
 
 
 def _auto(args, console: Console) -> int:
-    from shardplan.planner import auto as planner
     from shardplan.planner.autorun import run_auto
     if args.devices % args.hosts:
         raise UsageError(f"--devices ({args.devices}) must be a positive multiple of --hosts ({args.hosts})")
@@ -558,8 +557,8 @@ def _auto(args, console: Console) -> int:
         raise UsageError(f"--measure compiles every candidate on {args.devices} simulated CPU devices; "
                          "measure with at most 64 (the ranking without --measure needs no devices)")
     try:
-        memory = planner.parse_bytes(args.memory_per_device) if args.memory_per_device else None
-        from shardplan.planner.profiles import get_profile
+        from shardplan.planner.profiles import get_profile, parse_bytes
+        memory = parse_bytes(args.memory_per_device) if args.memory_per_device else None
         profile = get_profile(args.profile)
     except ValueError as exc:
         raise UsageError(str(exc)) from None

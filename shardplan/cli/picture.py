@@ -191,7 +191,7 @@ def _shorten(text: str, width: int) -> str:
 
 
 def _pipeline(report: Report, y: float) -> tuple[list[str], float]:
-    from shardplan.run.schedules import bubble_fraction, timeline
+    from shardplan.checks.schedules import bubble_fraction, timeline
     pipe, stage_map = report.plan.pipeline, report.stage_map
     grid = timeline(pipe.schedule, stage_map.stages, pipe.microbatches, stage_map.virtual)
     parts = [_text(20, y + 16, f"Pipeline over '{pipe.axis}': {pipe.schedule}, {pipe.microbatches} microbatches, "

@@ -160,7 +160,7 @@ def _id_list(ids: list[int]) -> str:
 
 def render_pipeline(console: Console, report: Report) -> None:
     """Stage map (layers and bytes per stage) and the schedule as a timeline with its bubble."""
-    from shardplan.run.schedules import article_bubble, bubble_fraction, max_in_flight, render_timeline, timeline
+    from shardplan.checks.schedules import article_bubble, bubble_fraction, max_in_flight, render_timeline, timeline
     stage_map, pipe = report.stage_map, report.plan.pipeline
     if stage_map is None:
         return

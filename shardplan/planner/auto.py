@@ -420,7 +420,7 @@ def rules(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo]) -> l
         pattern = _fold_layer(path, roles.layers)
         if pattern not in found:
             role = roles.of(path)
-            found[pattern] = (spec, f"{_describe(role)} {tuple(by_path[path].shape)}")
+            found[pattern] = (spec, f"{describe_value(role)} {tuple(by_path[path].shape)}")
     listed = [(pattern, spec, comment) for pattern, (spec, comment) in found.items()]
     return listed + [(".*", "replicated", "norms, small vectors and everything else: every device holds it")]
 
@@ -432,7 +432,7 @@ def _fold_layer(path: str, layers: str | None) -> str:
     return re.escape(path)
 
 
-def _describe(role) -> str:
+def describe_value(role) -> str:
     if role.kind == COLUMN:
         return "reads the residual stream (column)" if role.closes else "output head (column)"
     if role.kind == ROW:
@@ -462,21 +462,6 @@ def why_lost(loser: Ranked, winner: Ranked) -> str:
 
 def seconds(s: float) -> str:
     return f"{s * 1e3:.2f} ms" if s >= 1e-3 else f"{s * 1e6:.1f} us"
-
-
-def parse_bytes(text: str) -> int:
-    """'16GiB' -> 17179869184; also GB, MiB, MB, KiB, KB, or plain bytes.
-
-    >>> parse_bytes("80GiB"), parse_bytes("1.5 GB"), parse_bytes("4096")
-    (85899345920, 1500000000, 4096)
-    """
-    found = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
-    if not found:
-        raise ValueError(f"cannot read {text!r} as a size; write e.g. 16GiB, 80GB or 512MiB")
-    unit = (found.group(2) or "B").upper()
-    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
-    return int(float(found.group(1)) * scale)
 
 
 def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 3) -> str:

@@ -760,7 +760,7 @@ def _bubble(step: _Step) -> float:
 
 @functools.lru_cache(maxsize=256)
 def _schedule_bubble(schedule: str, stages: int, microbatches: int, virtual: int) -> float:
-    from shardplan.run.schedules import bubble_fraction, timeline
+    from shardplan.checks.schedules import bubble_fraction, timeline
     return bubble_fraction(timeline(schedule, stages, microbatches, virtual))
 
 

@@ -83,9 +83,23 @@ def _number(value):
     return value
 
 
+def parse_bytes(text: str) -> int:
+    """'16GiB' -> 17179869184; also GB, MiB, MB, KiB, KB, or plain bytes.
+
+    >>> parse_bytes("80GiB"), parse_bytes("1.5 GB"), parse_bytes("4096")
+    (85899345920, 1500000000, 4096)
+    """
+    found = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
+    if not found:
+        raise ValueError(f"cannot read {text!r} as a size; write e.g. 16GiB, 80GB or 512MiB")
+    unit = (found.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    return int(float(found.group(1)) * scale)
+
+
 def _size(value):
     if isinstance(value, str) and re.search(r"[A-Za-z]", value) and not re.fullmatch(r"[\d.]+e[+-]?\d+", value.strip()):
-        from shardplan.planner.auto import parse_bytes
         return parse_bytes(value)
     return _number(value)
 

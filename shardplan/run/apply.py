@@ -14,19 +14,10 @@ from shardplan.checks.report import Report, check
 from shardplan.checks.stages import check_microbatches
 from shardplan.checks.validate import data_axes, validate_inputs, validate_optimizer
 from shardplan.run.abstract import eval_shape
+from shardplan.run.specs import partition_spec
 from shardplan.run.step_options import apply_step_options
 from shardplan.plan.diagnostics import PlanError
-from shardplan.plan.matching import NormalSpec
 from shardplan.plan.schema import Plan, normalize_spec, spec_axes
-
-
-def partition_spec(spec: NormalSpec) -> PartitionSpec:
-    """`PartitionSpec` of a normalized spec.
-
-    >>> partition_spec((None, ("model",), ("data", "model")))
-    P(None, 'model', ('data', 'model'))
-    """
-    return PartitionSpec(*(None if e is None else e[0] if len(e) == 1 else tuple(e) for e in spec))
 
 
 def apply_plan(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh, *, example=None) -> nnx.Module:

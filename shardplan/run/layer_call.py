@@ -17,18 +17,12 @@ import dataclasses
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 
+from shardplan.checks.layer_contract import (PipelineCallError, calling_without_updates, check_output, describe_value,
+                                             is_array)
+
 SPLIT, WHOLE, STATIC, RNGS = "split", "whole", "static", "rngs"
-
-
-class PipelineCallError(ValueError):
-    """A layer call the pipeline cannot run (the message says which argument or output, and why)."""
-
-
-def _is_array(value) -> bool:
-    return isinstance(value, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) or isinstance(value, jax.core.Tracer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +42,7 @@ class CallArgs:
             if isinstance(leaf, nnx.Rngs):
                 kinds.append((RNGS, tuple(name for name, _ in leaf.items())))
                 rngs.append(leaf)
-            elif _is_array(leaf):
+            elif is_array(leaf):
                 batched = leaf.ndim >= 1 and leaf.shape[0] == rows
                 kinds.append(SPLIT if batched else WHOLE)
                 (split if batched else whole).append(leaf)
@@ -106,9 +100,9 @@ class LayerCall:
 
 def describe_layer_call(layer: nnx.Module, args: tuple, kwargs: dict, where: str) -> tuple[LayerCall, list, list, list]:
     """Take a layer call apart, checking it fits the contract by tracing the layer once abstractly."""
-    if not args or not _is_array(args[0]) or args[0].ndim < 1:
+    if not args or not is_array(args[0]) or args[0].ndim < 1:
         raise PipelineCallError(
-            f"{where} is called with {_describe(args[0]) if args else 'no positional argument'} first, but a pipeline "
+            f"{where} is called with {describe_value(args[0]) if args else 'no positional argument'} first, but a pipeline "
             "needs the activation (an array whose leading dim is the batch) as the first positional argument")
     x = args[0]
     rest, split, whole, rngs = CallArgs.of(args[1:], kwargs, x.shape[0])
@@ -126,49 +120,3 @@ def describe_layer_call(layer: nnx.Module, args: tuple, kwargs: dict, where: str
         raise PipelineCallError(f"{where} fails when called with the model's arguments: "
                                 f"{type(error).__name__}: {error}") from error
     return LayerCall(rest, check_output(out, x, where)), split, whole, rngs
-
-
-def calling_without_updates(module, call, where: str, what: str = "its layers"):
-    """`call()`, refusing a module that updates its own state (batch statistics, a stored RNG stream's
-    counter, a cache) during the call: a pipeline runs each layer on every microbatch and keeps no
-    per-layer state between them, so such updates would be lost."""
-    from flax import nnx
-    before = nnx.to_flat_state(nnx.state(module, nnx.Not(nnx.Param)))
-    values = [variable.get_value() for _, variable in before]
-    out = call()
-    changed = [keys for (keys, variable), value in zip(before, values) if variable.get_value() is not value]
-    if changed:
-        path = "/".join(str(k) for k in changed[0])
-        raise PipelineCallError(
-            f"{where} updates its state during the call ({path}{f' and {len(changed) - 1} more' if len(changed) > 1 else ''}: "
-            f"batch statistics, a stored RNG stream or a cache); a pipeline keeps no per-layer state between "
-            f"microbatches, so {what} must not change their variables: pass `rngs=` to the call instead of storing "
-            "a stream, use normalisation without running statistics, or run without a pipeline")
-    return out
-
-
-def check_output(out, x, where: str):
-    """The treedef of a layer's output, which must hold the activation (same shape and dtype as `x`) as
-    its only array."""
-    leaves, out_treedef = jax.tree.flatten(out)
-    arrays = [leaf for leaf in leaves if _is_array(leaf)]
-    if len(arrays) != len(leaves) or len(arrays) != 1:
-        raise PipelineCallError(
-            f"{where} returns {_describe(out)}; a pipeline carries only the activation from layer to layer, so a "
-            "layer must return it alone or as the only array of its output (e.g. (None, x)). Per-layer outputs "
-            "such as caches or auxiliary losses cannot leave a pipeline: call the model without a cache")
-    (y,) = arrays
-    if (y.shape, y.dtype) != (x.shape, x.dtype):
-        raise PipelineCallError(f"{where} maps the activation {tuple(x.shape)} {x.dtype} to {tuple(y.shape)} "
-                                f"{y.dtype}; pipelined layers must keep its shape and dtype")
-    return out_treedef
-
-
-def _describe(value) -> str:
-    if _is_array(value):
-        return f"an array {tuple(value.shape)} {value.dtype}"
-    if isinstance(value, (tuple, list)):
-        return f"a {type(value).__name__} of ({', '.join(_describe(v) for v in value)})"
-    if isinstance(value, dict):
-        return "a dict of {" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in value.items()) + "}"
-    return repr(value) if value is None or isinstance(value, (bool, int, float, str)) else type(value).__name__

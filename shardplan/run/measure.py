@@ -15,7 +15,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from shardplan.planner.hlo import CollectiveStats, collective_stats
+from shardplan.run.hlo import CollectiveStats, collective_stats
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

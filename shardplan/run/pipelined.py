@@ -17,10 +17,10 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
+from shardplan.checks.layer_contract import PipelineCallError, calling_without_updates
 from shardplan.checks.paths import join_path
 from shardplan.run.accumulate import accumulated_loss
-from shardplan.run.layer_call import (CallArgs, PipelineCallError, calling_without_updates, describe_layer_call,
-                                      draw_keys)
+from shardplan.run.layer_call import CallArgs, describe_layer_call, draw_keys
 from shardplan.run.step_options import accumulation
 from shardplan.run.pipeline import (Layers, circular_forward, cross_entropy, fit_microbatches, merge_microbatches,
                                     model_order, one_f_one_b_loss, sequential_forward, split_microbatches, stack,

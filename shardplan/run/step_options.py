@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from shardplan.checks.paths import join_path, module_paths
+from shardplan.checks.paths import module_paths
+from shardplan.run.specs import partition_spec
 from shardplan.plan.matching import first_module_rule
 from shardplan.plan.schema import Plan, normalize_spec
 
@@ -36,7 +37,6 @@ class Options:
 
 def planned_options(plan: Plan, model, mesh) -> dict[int, Options]:
     """id(module) -> its options, for every module the plan's step options name."""
-    from shardplan.run.apply import partition_spec
     found = {}
     for path, module in module_paths(model):
         activation, remat = first_module_rule(plan.activations, path), first_module_rule(plan.remat, path)

@@ -1,0 +1,63 @@
+"""The layer-call contract a pipeline needs, checked on a traced call: the layer returns the activation
+(same shape and dtype) as its only array, and changes none of its own state. Both the checks (from an
+abstract trace) and the pipeline (`shardplan.run.layer_call`) hold a call to it.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+
+class PipelineCallError(ValueError):
+    """A layer call the pipeline cannot run (the message says which argument or output, and why)."""
+
+
+def is_array(value) -> bool:
+    return isinstance(value, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) or isinstance(value, jax.core.Tracer)
+
+
+def calling_without_updates(module, call, where: str, what: str = "its layers"):
+    """`call()`, refusing a module that updates its own state (batch statistics, a stored RNG stream's
+    counter, a cache) during the call: a pipeline runs each layer on every microbatch and keeps no
+    per-layer state between them, so such updates would be lost."""
+    from flax import nnx
+    before = nnx.to_flat_state(nnx.state(module, nnx.Not(nnx.Param)))
+    values = [variable.get_value() for _, variable in before]
+    out = call()
+    changed = [keys for (keys, variable), value in zip(before, values) if variable.get_value() is not value]
+    if changed:
+        path = "/".join(str(k) for k in changed[0])
+        raise PipelineCallError(
+            f"{where} updates its state during the call ({path}{f' and {len(changed) - 1} more' if len(changed) > 1 else ''}: "
+            f"batch statistics, a stored RNG stream or a cache); a pipeline keeps no per-layer state between "
+            f"microbatches, so {what} must not change their variables: pass `rngs=` to the call instead of storing "
+            "a stream, use normalisation without running statistics, or run without a pipeline")
+    return out
+
+
+def check_output(out, x, where: str):
+    """The treedef of a layer's output, which must hold the activation (same shape and dtype as `x`) as
+    its only array."""
+    leaves, out_treedef = jax.tree.flatten(out)
+    arrays = [leaf for leaf in leaves if is_array(leaf)]
+    if len(arrays) != len(leaves) or len(arrays) != 1:
+        raise PipelineCallError(
+            f"{where} returns {describe_value(out)}; a pipeline carries only the activation from layer to layer, so a "
+            "layer must return it alone or as the only array of its output (e.g. (None, x)). Per-layer outputs "
+            "such as caches or auxiliary losses cannot leave a pipeline: call the model without a cache")
+    (y,) = arrays
+    if (y.shape, y.dtype) != (x.shape, x.dtype):
+        raise PipelineCallError(f"{where} maps the activation {tuple(x.shape)} {x.dtype} to {tuple(y.shape)} "
+                                f"{y.dtype}; pipelined layers must keep its shape and dtype")
+    return out_treedef
+
+
+def describe_value(value) -> str:
+    if is_array(value):
+        return f"an array {tuple(value.shape)} {value.dtype}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of ({', '.join(describe_value(v) for v in value)})"
+    if isinstance(value, dict):
+        return "a dict of {" + ", ".join(f"{k!r}: {describe_value(v)}" for k, v in value.items()) + "}"
+    return repr(value) if value is None or isinstance(value, (bool, int, float, str)) else type(value).__name__
