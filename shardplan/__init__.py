@@ -16,7 +16,8 @@ from shardplan.plan.loader import load_plan, parse_plan
 from shardplan.plan.schema import Plan
 
 __all__ = ["CODES", "Diagnostic", "Plan", "PlanError", "Report", "apply_plan", "check", "constrain", "init", "load_plan",
-           "make_mesh", "model_loss", "parse_plan", "shard_inputs", "shard_local_inputs", "shard_optimizer", "to_plain"]
+           "make_mesh", "model_loss", "parse_plan", "shard_inputs", "shard_local_inputs", "shard_optimizer",
+           "simulate_cpu_devices", "to_plain"]
 
 
 def __getattr__(name: str):
@@ -27,6 +28,9 @@ def __getattr__(name: str):
                 "partition_spec"):
         from shardplan.run import apply
         return getattr(apply, name)
+    if name == "simulate_cpu_devices":     # must run before JAX starts: importing it starts nothing
+        from shardplan.run.devices import simulate_cpu_devices
+        return simulate_cpu_devices
     if name in ("model_loss", "to_plain"):
         from shardplan.run import pipelined
         return getattr(pipelined, name)

@@ -20,7 +20,7 @@ from shardplan.planner.profiles import get_profile, parse_bytes
 from shardplan.planner.roles import COLUMN, ROW, abstract_with_roles, recognise_module
 from shardplan.plan.schema import spec_axes
 
-from models import Llama
+from minigpt_model.llama import Llama
 from test_other_models import LLAMA_PLAN
 
 REPO = Path(__file__).resolve().parents[1]

@@ -25,7 +25,7 @@ def test_validate_shipped_plans_exit_zero(capsys):
 
 
 def test_validate_refuses_seed_tutorial_naming_rank_and_divisibility(capsys):
-    code, out, _ = run(capsys, "validate", "plans/seed_tutorial.yaml")
+    code, out, _ = run(capsys, "validate", "docs/examples/seed_tutorial.yaml")
     text = " ".join(out.split())
     assert code == 1
     assert "spec-too-long" in text and "transformer_blocks/0/layer_norm1/bias has rank 1" in text
@@ -95,7 +95,7 @@ def test_explain_names_rule_line_and_shadowed(capsys):
     assert code == 0
     assert "P('model')" in text and "rule #3" in text and "minigpt_tp.yaml:22" in text
     assert "shadows rule #10 '.*'" in text
-    code, out, _ = run(capsys, "explain", "plans/seed_tutorial.yaml", "nowhere/kernel")
+    code, out, _ = run(capsys, "explain", "docs/examples/seed_tutorial.yaml", "nowhere/kernel")
     assert code == 1 and "no rule matches" in out
 
 

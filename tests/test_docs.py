@@ -2,8 +2,15 @@
 
 import doctest
 import importlib
+import os
+import re
+import shlex
+import subprocess
+import sys
 
 import pytest
+
+from conftest import REPO
 
 MODULES = ["shardplan.plan.schema", "shardplan.checks.layout", "shardplan.checks.mesh", "shardplan.run.hlo", "shardplan.checks.paths",
            "shardplan.plan.loader", "shardplan.checks.report", "shardplan.run.apply", "shardplan.run.specs", "shardplan.planner.roles", "shardplan.planner.auto",
@@ -14,3 +21,44 @@ MODULES = ["shardplan.plan.schema", "shardplan.checks.layout", "shardplan.checks
 def test_docstring_examples(name):
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0
+
+
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def _blocks(path, language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```", path.read_text(), re.S | re.M)
+
+
+def test_the_readme_python_example_runs_as_written_in_a_fresh_process(tmp_path):
+    (example,) = _blocks(REPO / "README.md", "python")
+    script = tmp_path / "example.py"
+    script.write_text(example)
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    done = subprocess.run([sys.executable, str(script)], cwd=REPO, env={**env, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ok, loss = done.stdout.splitlines()[:2]
+    assert ok.startswith("True") and float(loss) > 0, done.stdout
+
+
+def _commands() -> list[tuple[str, str]]:
+    found = []
+    for path in DOCS:
+        for block in _blocks(path, "console"):
+            found += [(path.name, line[2:].split("  #")[0].strip()) for line in block.splitlines()
+                      if line.startswith("$ shardplan ")]
+    return found
+
+
+@pytest.mark.parametrize("page, command", _commands())
+def test_every_shardplan_command_the_docs_show_runs(page, command, tmp_path, capsys):
+    """Exit 0 (or 1 where the page shows the plan refused); never 2, a file or option the page invents."""
+    from shardplan.cli import main
+    argv = shlex.split(command.split(" > ")[0])[1:]
+    for flag in ("-o", "--svg"):
+        if flag in argv:
+            argv[argv.index(flag) + 1] = str(tmp_path / argv[argv.index(flag) + 1])
+    code = main(argv)
+    out = capsys.readouterr()
+    assert code in (0, 1), (page, command, out.out[-2000:] + out.err[-2000:])

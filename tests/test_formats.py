@@ -16,7 +16,7 @@ def _specs(plan, model) -> dict:
 
 
 def test_logical_axes_resolve_and_one_line_adds_fsdp():
-    from models import Llama
+    from minigpt_model.llama import Llama
     model = Llama(vocab=128, dim=64, heads=8, kv_heads=2, hidden=128, layers=2, rngs=nnx.Rngs(0))
     text = (PLANS / "llama_logical.yaml").read_text()
     tp = _specs(shardplan.parse_plan(text), model)
@@ -28,7 +28,7 @@ def test_logical_axes_resolve_and_one_line_adds_fsdp():
 
 
 def test_logical_plan_computes_like_one_device():
-    from models import Llama
+    from minigpt_model.llama import Llama
     plan = shardplan.load_plan(PLANS / "llama_logical.yaml")
     tokens = np.random.default_rng(0).integers(0, 128, size=(8, 16), dtype=np.int32)
     config = plan.model.config

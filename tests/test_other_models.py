@@ -9,7 +9,8 @@ import shardplan
 from shardplan.run.specs import partition_spec
 from shardplan.checks.paths import param_infos
 
-from models import ConvClassifier, Llama
+from minigpt_model.llama import Llama
+from models import ConvClassifier
 
 LLAMA_PLAN = """\
 version: 1

@@ -109,7 +109,7 @@ def test_five_adamw_steps_match_one_device(base, schedule, virtual):
 
 def test_pipeline_for_a_llama_style_model(write_plan):
     """before-modules -> layers -> after-modules also fits the LLaMA-style test model."""
-    from models import Llama
+    from minigpt_model.llama import Llama
     plan = shardplan.load_plan(write_plan(
         "version: 1\nmesh: {axes: {stage: 2, data: 4}}\ninputs: {tokens: [data, null]}\n"
         "pipeline: {axis: stage, layers: layers, microbatches: 2, schedule: gpipe}\n"
@@ -127,7 +127,7 @@ def test_one_f_one_b_head_split_over_a_batch_axis_enters_whole(write_plan):
     split over a batch axis too (FSDP) it enters whole, since XLA's partitioner (jax 0.10.2) aborted
     the whole process on this very layout with the head split inside the loop. It gives one device's
     loss and gradients, and the training step compiles."""
-    from models import Llama
+    from minigpt_model.llama import Llama
     from shardplan.run.pipeline import cross_entropy
     LARGER = dict(vocab=1024, dim=128, hidden=256, layers=4)       # (smaller, XLA did not abort)
     plan = shardplan.load_plan(write_plan(

@@ -21,7 +21,7 @@ from shardplan.planner.representative import Representative
 from shardplan.planner.roles import CodeCopies, abstract_with_roles, recognise_module
 from shardplan.run.measure import measure
 
-from models import Llama
+from minigpt_model.llama import Llama
 from wild_models import GemmaConfig, GemmaLike, gemma_inputs
 from test_auto import BATCH, MINIGPT, SEQ, _losses, _single_device_losses, _written
 

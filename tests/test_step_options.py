@@ -94,7 +94,7 @@ def test_bfloat16_compute_under_1f1b_tracks_float32(plain):
 
 
 def test_bfloat16_compute_on_a_llama_style_model(write_plan):
-    from models import Llama
+    from minigpt_model.llama import Llama
     text = ("version: 1\nmesh: {axes: {data: 4, model: 2}}\ninputs: {tokens: [data, null]}\n"
             "params:\n  - {match: 'layers/\\d+/attn/w(q|k|v)/kernel', spec: [null, model]}\n"
             "  - {match: 'layers/\\d+/attn/wo/kernel', spec: [model]}\n  - {match: '.*', spec: []}\n")

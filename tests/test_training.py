@@ -154,7 +154,7 @@ def test_bad_input_gets_clear_message_and_nothing_half_written(capsys, tmp_path)
     (tmp_path / "tiny.txt").write_text("One tiny story.")
     code, _, err = run_cli(capsys, *base, "--data", str(tmp_path / "tiny.txt"))
     assert code == 1 and "a batch needs 8 windows" in err and not out.exists()
-    code, _, err = run_cli(capsys, *base, "--plan", "plans/seed_tutorial.yaml")
+    code, _, err = run_cli(capsys, *base, "--plan", "docs/examples/seed_tutorial.yaml")
     assert code == 1 and "spec-too-long" in err and not out.exists()
 
     code, _, _ = run_cli(capsys, *base)

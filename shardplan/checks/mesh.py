@@ -44,7 +44,9 @@ def resolve_axes(plan: Plan, device_count: int) -> tuple[dict[str, int], list[Di
             "mesh-size-mismatch", "error",
             f"mesh {_shape(axes)} requires {fixed} devices, but {device_count} are available",
             file=plan.file, line=line, column=col,
-            hint=f"make the sizes multiply to {device_count}, use -1 on one axis to fill, or run with --devices {fixed}")]
+            hint=f"make the sizes multiply to {device_count}, use -1 on one axis to fill, or get {fixed} CPU devices: "
+                 f"--devices {fixed} on the command line, shardplan.simulate_cpu_devices({fixed}) in Python before "
+                 "anything starts JAX")]
     return axes, []
 
 

@@ -29,7 +29,7 @@ class NotAModule(TypeError):
 
 
 # Factories shipped with shardplan: a plan may name them without consent (they only build a model).
-BUILTIN_FACTORIES = frozenset({"minigpt_model:MiniGPT", "minigpt_model.model:MiniGPT"})
+BUILTIN_FACTORIES = frozenset({"minigpt_model:MiniGPT", "minigpt_model.model:MiniGPT", "minigpt_model.llama:Llama"})
 TRUST_ENV = "SHARDPLAN_TRUST_PLAN"
 
 
