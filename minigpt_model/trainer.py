@@ -158,7 +158,9 @@ def _run(config, plan, mesh, model_config, tokenizer, dataset, out, lead, stop_a
         checkpoints.close()
     if lead:
         try:
-            if not _plot(out, metrics.records()):
+            if _plot(out, metrics.records()):
+                console.print(f"drew {out / 'loss.png'}")
+            else:
                 console.print("loss.png not drawn: matplotlib is not installed (pip install -e '.[plot]')")
         except OSError as exc:      # the picture is a convenience; the run itself is saved
             _warn(console, f"loss.png not drawn: {exc.strerror or exc}")

@@ -17,11 +17,11 @@ def run(capsys, *argv):
     return code, out, err
 
 
-def test_validate_shipped_plans_exit_zero(capsys):
-    for name in ("minigpt_dp.yaml", "minigpt_tp.yaml", "minigpt_dp_tp.yaml", "minigpt_fsdp.toml"):
-        code, out, _ = run(capsys, "validate", str(PLANS / name))
-        assert code == 0, out
-        assert "valid" in out
+def test_folded_rows_count_their_layers_in_numeric_order(capsys):
+    code, out, _ = run(capsys, "inspect", str(PLANS / "minigpt_tp.yaml"), "--config", "num_transformer_blocks=12",
+                       "--config", "embed_dim=64", "--config", "feed_forward_dim=128")
+    assert code == 0 and "transformer_blocks/{0..11}/mha/query/kernel" in out, out
+    assert "{0..1,10" not in out
 
 
 def test_validate_refuses_seed_tutorial_naming_rank_and_divisibility(capsys):

@@ -26,6 +26,9 @@ def test_params_lists_paths_shapes_bytes_roles_and_rules(capsys):
     assert "transformer_blocks/{0..1}/mha/query/kernel" in out
     line = " ".join(out.split("transformer_blocks/{0..1}/mha/query/kernel")[1].split("\n")[:2])
     assert "(256, 8, 32)" in " ".join(line.split()) and "column" in line and "P(None, 'model')" in line
+    code, out, _ = run(capsys, "params", "--model", "minigpt_model:MiniGPT", "--config", "vocab_size=500",
+                       "--plan", PLANS / "minigpt_tp.yaml")        # 500 is not divisible by the 8 'model' devices
+    assert code == 1 and "error[not-divisible]" in out and "output_layer/kernel" in out, out
     code, out, _ = run(capsys, "params", "--model", "minigpt_model:MiniGPT", *TINY, "--json")
     rows = {row["path"]: row for row in json.loads(out)}
     assert rows["output_layer/kernel"] == {"path": "output_layer/kernel", "shape": [256, 512], "dtype": "float32",

@@ -70,7 +70,7 @@ def test_validate_and_inspect_never_run_a_plans_factory(tmp_path, capsys, monkey
         for command in ("validate", "inspect"):
             code, text = call(shardplan_cli.main, capsys, command, plan)
             assert code == 2, text
-            assert "--trust-plan" in text and f"--model {factory}" in text
+            assert "--trust-plan" in text and "--model module:callable" in text and f"--model {factory}" not in text
             no_bug(code, text)
         code, text = call(shardplan_cli.main, capsys, "validate", plan, "--plan-only")
         assert code == 0 and "valid (plan only, without the model)" in text
@@ -93,6 +93,12 @@ def test_validate_and_inspect_never_run_a_plans_factory(tmp_path, capsys, monkey
     monkeypatch.setenv("SHARDPLAN_TRUST_PLAN", "1")
     code, text = call(shardplan_cli.main, capsys, "validate", plan)
     assert code == 0 and (tmp_path / "called.txt").exists()
+
+
+def test_a_refused_factory_is_never_suggested_to_the_user(capsys):
+    code, text = call(shardplan_cli.main, capsys, "validate", REPO / "docs" / "examples" / "untrusted.yaml")
+    assert code == 2 and "nothing was run" in text and "--trust-plan" in text, text
+    assert "os:system" not in text.split("is code")[1], text      # named once, as what was refused
 
 
 def test_the_shipped_model_and_typed_models_need_no_flag(capsys):

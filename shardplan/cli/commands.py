@@ -505,17 +505,22 @@ def _params(args, console: Console) -> int:
     order: list[str] = []
     params = _model_params(args.model, args.config, order, paths=args.import_paths)
     roles = recognise(params, order)
-    rules = None
+    rules, errors = None, []
     if args.plan:
+        from shardplan.checks.report import check_params
+        from shardplan.cli.render import render_diagnostics
         from shardplan.plan.matching import compile_rules
         plan = load_plan(args.plan)
-        rules, problems = compile_rules(plan)
-        from shardplan.cli.render import render_diagnostics
-        render_diagnostics(console, problems)
+        rules, _ = compile_rules(plan)
+        report = check_params(plan, params, list(range(_device_count(None, plan))))
+        errors = report.errors     # what each spec means on this model: a dim its axes do not divide, ...
     if args.json:
         print(json.dumps(params_json(params, roles, rules), indent=2))
     else:
         render_param_list(console, params, roles, rules, collapse=not args.all_params)
+    if errors:
+        render_diagnostics(console if not args.json else consoles()[1], errors)
+        return EXIT_INVALID
     return EXIT_OK
 
 
@@ -627,9 +632,10 @@ def _abstract_model(args, plan: Plan, order: list[str]):
     if factory is None:
         raise ModelNotBuilt(f"{args.plan} names no model (model.factory); pass --model module:callable")
     if not consented(factory, typed=bool(args.model), trust_flag=args.trust_plan):
-        raise ModelNotBuilt(f"the plan's model.factory {factory!r} is code, and plans are data: it runs only if "
-                              f"you pass --trust-plan (or set SHARDPLAN_TRUST_PLAN=1), or name your model yourself "
-                              f"with --model {factory}")
+        raise ModelNotBuilt(f"the plan's model.factory {factory!r} is code, and plans are data: nothing was run. "
+                            "If you know that code and want it run, pass --trust-plan (or set SHARDPLAN_TRUST_PLAN=1); "
+                            "otherwise name the model you mean yourself with --model module:callable, or check only "
+                            "what needs no model with --plan-only")
     config = dict(plan.model.config) if plan.model and not args.model else {}
     try:
         config.update(parse_overrides(args.config))

@@ -113,7 +113,7 @@ def _groups(items, layout, collapse: bool, path=lambda item: item.path) -> list[
             named.append((path(members[0]), members))
             continue
         indices = [int(_LAYER_INDEX.search(path(m)).group()) for m in members]
-        named.append((pattern.replace("*", "{" + _index_ranges(indices) + "}", 1), members))
+        named.append((pattern.replace("*", "{" + _index_ranges(sorted(indices)) + "}", 1), members))
     return named
 
 
