@@ -1,10 +1,14 @@
 """Plans in the terms users bring: logical axes, and the rule formats of other tools."""
 
+import json
+
 import numpy as np
 import pytest
 from flax import nnx
 
 import shardplan
+from shardplan.checks.paths import ParamInfo
+from shardplan.checks.report import check_params
 
 from conftest import PLANS
 
@@ -113,16 +117,158 @@ def test_easylm_rules_convert_to_a_plan_with_the_same_specs(tmp_path, monkeypatc
                                                                 for e in s]) for p, s in exported]
 
 
-def test_maxtext_logical_rules_become_logical_axes(tmp_path):
+# Shaped like MaxText's base.yml (written for these tests): names with several rules that fall back per
+# array, mesh axes MaxText lists but most runs leave at size 1, and names with no rule at all.
+MAXTEXT_RULES = """logical_axis_rules: [
+  ['activation_batch', ['data', 'fsdp', 'fsdp_transpose', 'expert']],
+  ['activation_embed', 'tensor'],
+  ['mlp', ['fsdp_transpose', 'tensor', 'tensor_sequence', 'autoregressive']],
+  ['vocab', ['tensor', 'tensor_transpose', 'tensor_sequence', 'autoregressive']],
+  ['heads', ['tensor', 'tensor_transpose', 'tensor_sequence', 'autoregressive']],
+  ['q_heads', ['tensor', 'tensor_transpose', 'tensor_sequence', 'autoregressive']],
+  ['kv_heads', ['tensor', 'tensor_transpose', 'tensor_sequence', 'autoregressive']],
+  ['embed', ['fsdp', 'fsdp_transpose', 'sequence', 'tensor_transpose', 'expert']],
+  ['embed', ['fsdp', 'sequence', 'tensor_transpose', 'expert']],
+  ['embed', ['fsdp', 'fsdp_transpose', 'sequence', 'expert']],
+  ['embed', ['fsdp', 'sequence', 'expert']],
+  ['embed_no_exp', ['fsdp', 'fsdp_transpose', 'sequence', 'tensor_transpose']],
+  ['norm', ['tensor', 'tensor_transpose', 'tensor_sequence']],
+  ['layers', 'stage'],
+  ['kv', []],
+  ['kv_head_dim', []],
+  ['exp', 'expert'],
+  ['diloco', 'diloco'],
+]
+"""
+# The logical axes of parameters as a MaxText decoder annotates them (and one name no rule has).
+MAXTEXT_PARAMS = [["vocab", "embed"], ["embed", "q_heads", "kv"], ["embed", "kv_heads", "kv_head_dim"],
+                  ["heads", "kv", "embed"], ["embed", "mlp"], ["mlp", "embed"], ["norm"], ["embed", "vocab"],
+                  ["exp", "embed_no_exp", "mlp"], ["exp", "mlp", "embed_no_exp"], ["layers", "embed", "mlp"],
+                  ["embed", "num_activations", "mlp"], ["diloco", "embed"]]
+MAXTEXT_MESHES = [{"fsdp": 8}, {"data": 2, "fsdp": 4}, {"fsdp": 4, "tensor": 2}, {"data": 2, "tensor": 4},
+                  {"fsdp": 2, "fsdp_transpose": 2, "tensor": 2}, {"expert": 4, "fsdp": 2},
+                  {"stage": 2, "fsdp": 2, "tensor": 2}, {"sequence": 2, "fsdp": 2, "tensor_transpose": 2}]
+
+
+def _physical(entries, sizes) -> list:
+    """A spec with axes of size 1 dropped, as MaxText runs it."""
+    out = []
+    for entry in entries:
+        axes = [a for a in ([] if entry is None else [entry] if isinstance(entry, str) else list(entry)) if sizes[a] > 1]
+        out.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    return out
+
+
+@pytest.mark.parametrize("given", MAXTEXT_MESHES)
+def test_maxtext_rules_convert_to_what_flax_resolves(given):
+    """Every spec of the converted plan equals flax.linen.logical_to_mesh_axes with MaxText's rules."""
+    from flax.linen import logical_to_mesh_axes
     from shardplan.plan.convert import plan_text, read_logical_rules
-    rules = read_logical_rules("logical_axis_rules:\n  - [batch, [data, fsdp]]\n  - [embed, fsdp]\n"
-                               "  - [mlp, tensor]\n  - [mlp, model]\n  - [heads, [tensor, sequence]]\n  - [norm, null]\n")
-    text = plan_text([], {"data": 4, "model": 2}, source="maxtext.yml", input_spec=["batch", None], logical=rules,
-                     logical_source="maxtext.yml")
-    plan = shardplan.parse_plan(text)
-    assert plan.logical_axes == {"batch": "data", "embed": None, "mlp": "model", "heads": None, "norm": None}
-    assert plan.inputs["tokens"] == ["data", None]
-    assert "was [data, fsdp]" in text
+    rules = read_logical_rules(MAXTEXT_RULES)
+    text = plan_text([], given, source="base.yml", logical=rules, logical_source="base.yml")
+    params = "".join(f"  - {{match: 'p{k}', spec: {json.dumps(names)}}}\n" for k, names in enumerate(MAXTEXT_PARAMS))
+    plan = shardplan.parse_plan(text.replace("params:\n", "params:\n" + params, 1))
+    sizes = plan.mesh.axes
+    named = {a for _, axes in rules for a in ([axes] if isinstance(axes, str) else axes or [])}
+    assert set(sizes) == named | set(given) and all(sizes[a] == 1 for a in sizes if a not in given)
+    flax_rules = [(name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in rules]
+    for k, names in enumerate(MAXTEXT_PARAMS):
+        want = _physical(list(logical_to_mesh_axes(names, flax_rules)), sizes)
+        got = _physical(plan.params[k].spec, sizes)
+        assert got == want, (names, got, want)
+    infos = [ParamInfo(f"p{k}", (16,) * len(n), np.dtype("float32")) for k, n in enumerate(MAXTEXT_PARAMS)]
+    report = check_params(plan, infos, list(range(8)))
+    assert not report.errors, [d.format() for d in report.errors]
+
+
+def test_explain_names_the_logical_rule_each_dim_took(tmp_path, capsys):
+    from shardplan.cli import main
+    from shardplan.plan.convert import plan_text, read_logical_rules
+    text = plan_text([], {"fsdp": 2, "fsdp_transpose": 2, "tensor": 2}, source="base.yml",
+                     logical=read_logical_rules(MAXTEXT_RULES), logical_source="base.yml")
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(text.replace("params:\n", "params:\n  - {match: 'mlp/wi/kernel', spec: [embed, mlp]}\n", 1))
+    assert main(["explain", str(plan), "mlp/wi/kernel"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "embed: logical rule #9" in out and "mlp: logical rule #3" in out, out       # embed fell back twice
+
+
+# Shaped like an EasyDeL config module (written for these tests): one rule list per data-parallel style,
+# chosen by an argument with a default, and a second config class with lists of its own.
+EASYDEL = '''
+from jax.sharding import PartitionSpec
+
+
+class LlamaConfig:
+    def get_partition_rules(self, fully_sharded_data_parallel: bool = True):
+        return (
+            ("token_emb/embedding", PartitionSpec("tp", ("fsdp", "sp"))),
+            ("mha/(query|key|value)/kernel", PartitionSpec(("fsdp", "sp"), "tp")),
+            ("mha/out/kernel", PartitionSpec("tp", ("fsdp", "sp"))),
+            ("linear1/kernel", PartitionSpec(("fsdp", "sp"), "tp")),
+            ("linear2/kernel", PartitionSpec("tp", ("fsdp", "sp"))),
+            ("output_layer/kernel", PartitionSpec(("fsdp", "sp"), "tp")),
+            (".*", PartitionSpec(None)),
+        ) if not fully_sharded_data_parallel else (
+            ("token_emb/embedding", PartitionSpec(("fsdp", "sp"))),
+            ("(?i)MHA/(query|key|value)/kernel", PartitionSpec(("fsdp", "sp"))),
+            ("mha/out/kernel", PartitionSpec(("fsdp", "sp"))),
+            ("linear1/kernel", PartitionSpec(("fsdp", "sp"))),
+            ("linear2/kernel", PartitionSpec(("fsdp", "sp"))),
+            ("output_layer/kernel", PartitionSpec(("fsdp", "sp"))),
+            (".*", PartitionSpec(("fsdp", "sp"))),
+        )
+
+
+class VisionLlamaConfig(LlamaConfig):
+    def get_partition_rules(self, fully_sharded_data_parallel: bool = True):
+        if not fully_sharded_data_parallel:
+            return (("vision/.*", PartitionSpec("tp")), (".*", PartitionSpec(None)))
+        else:
+            return (("vision/.*", PartitionSpec(("fsdp", "sp"))), (".*", PartitionSpec(("fsdp", "sp"))))
+'''
+
+
+def test_easydel_files_with_several_lists_are_chosen_explicitly_never_silently(tmp_path, capsys):
+    from shardplan.cli import main
+    from shardplan.plan.convert import pick, rule_lists
+    rules = tmp_path / "llama_config.py"
+    rules.write_text(EASYDEL)
+    out = tmp_path / "plan.yaml"
+    base = ["convert", str(rules), "--mesh", "fsdp=4,sp=1,tp=2", "-o", str(out)]
+    assert main(base) == 2 and not out.exists()                       # two classes: which one?
+    err = " ".join(capsys.readouterr().err.split())
+    assert "holds 2 rule lists" in err and "LlamaConfig.get_partition_rules when fully_sharded_data_parallel=True" in err
+    assert "VisionLlamaConfig" in err and "--list NAME" in err
+    lists = rule_lists(EASYDEL, "python", "llama_config.py")
+    model, paths = _minigpt_paths()
+    for flags, wanted in (([], True), (["--flag", "fully_sharded_data_parallel=false"], False)):
+        assert main([*base, "--list", "LlamaConfig", *flags]) == 0
+        said = " ".join(capsys.readouterr().out.split())
+        assert "7 rules from LlamaConfig.get_partition_rules" in said, said
+        assert ("(its default)" in said) == (not flags)
+        expected = next(rl for rl in lists if rl.where == "LlamaConfig.get_partition_rules"
+                        and rl.when == (("fully_sharded_data_parallel", wanted),))
+        chosen, _ = pick(lists, "f", choose="LlamaConfig", flags={"fully_sharded_data_parallel": wanted})
+        assert chosen == expected
+        assert _specs(shardplan.load_plan(out), model) == _searched_specs(expected.rules, paths)
+
+
+def test_converted_patterns_keep_inline_flags_and_a_bad_one_names_the_input_line(tmp_path, capsys):
+    from shardplan.cli import main
+    rules = tmp_path / "rules.py"
+    rules.write_text("from jax.sharding import PartitionSpec as PS\n\nRULES = (\n    ('(?i)OUTPUT_layer/kernel', PS(None, 'mp')),\n"
+                     "    ('mha/(query)\\\\1', PS()),\n    ('.*', PS()),\n)\n")
+    out = tmp_path / "plan.yaml"
+    assert main(["convert", str(rules), "--mesh", "dp=4,mp=2", "-o", str(out)]) == 1 and not out.exists()
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{rules}:5" in err and "regex-too-slow" in err and "nothing was written" in err, err
+    rules.write_text(rules.read_text().replace("    ('mha/(query)\\\\1', PS()),\n", ""))
+    assert main(["convert", str(rules), "--mesh", "dp=4,mp=2", "-o", str(out)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    plan = shardplan.load_plan(out)
+    model, paths = _minigpt_paths()
+    assert _specs(plan, model)["output_layer/kernel"] == ((None, ("mp",)))
 
 
 def test_convert_refuses_what_it_cannot_read(tmp_path, capsys):

@@ -213,8 +213,11 @@ def _unused_and_shadowed(plan: Plan, rules: list[Rule], params: list[ParamInfo],
             found.append(Diagnostic(
                 "unused-rule", "warning", f"{rule.label} matches no parameter of the model",
                 file=plan.file, line=line, column=col, rule=rule.index,
-                hint=(f"paths look like {close[0]!r}; " if close else "") +
-                     "patterns must match the whole path (re.fullmatch); run `shardplan inspect` to list the paths"))
+                hint=(f"paths look like {close[0]!r}; " if close else "") + (
+                    "it was converted from a re.search pattern, so it matches a path containing the original anywhere;"
+                    " no path of this model does" if rule.source.startswith(".*(?:") or "(?:" in rule.source[:12]
+                    else "patterns must match the whole path (re.fullmatch)") +
+                     "; run `shardplan inspect` to list the paths"))
         else:
             takers = sorted({winners[path].index for path in matched})
             found.append(Diagnostic(

@@ -166,6 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--logical-rules", metavar="FILE", help="MaxText-style logical_axis_rules (YAML)")
     convert.add_argument("--mesh", required=True, metavar="AXIS=N,...", help="the mesh, e.g. dp=4,mp=2")
     convert.add_argument("--input-spec", metavar="AXES", help="the tokens input's batch axes, e.g. dp (comma-separated)")
+    convert.add_argument("--list", metavar="NAME", help="which rule list, when the file holds several: the class, "
+                         "function or YAML key it is in (e.g. LlamaConfig)")
+    convert.add_argument("--flag", action="append", default=[], metavar="NAME=BOOL",
+                         help="the value of an argument the rule lists depend on (e.g. fully_sharded_data_parallel="
+                              "false); otherwise its literal default")
     convert.add_argument("-o", "--output", required=True, help="plan file to write (.yaml)")
     convert.add_argument("--debug", action="store_true", help="show tracebacks")
     convert.set_defaults(handler=_convert)
@@ -316,7 +321,8 @@ class ModelNotBuilt(UsageError):
 def _convert(args, console: Console) -> int:
     from pathlib import Path
 
-    from shardplan.plan.convert import ConvertError, plan_text, read_logical_rules, read_rules
+    from shardplan.checks.report import check_plan_only
+    from shardplan.plan.convert import ConvertError, pick, plan_text, read_logical_rules, rule_lists
     from shardplan.plan.loader import MAX_PLAN_BYTES, FileTooLarge, parse_plan, read_bounded
 
     def read(name: str) -> str:
@@ -324,22 +330,48 @@ def _convert(args, console: Console) -> int:
     if not args.rules and not args.logical_rules:
         raise UsageError("give a rule list, --logical-rules, or both")
     mesh = _mesh_argument(args.mesh)
+    flags = dict(_flag_argument(flag) for flag in args.flag)
+    chosen, how = None, ""
     try:
-        rules = []
         if args.rules:
             fmt = "python" if args.rules.endswith(".py") else "yaml"
-            rules = read_rules(read(args.rules), fmt, args.rules)
+            chosen, how = pick(rule_lists(read(args.rules), fmt, args.rules), args.rules, choose=args.list, flags=flags)
         logical = read_logical_rules(read(args.logical_rules), args.logical_rules) if args.logical_rules else None
     except (ConvertError, OSError, FileTooLarge) as error:
         raise UsageError(str(error)) from None
-    text = inert(plan_text(rules, mesh, source=args.rules or args.logical_rules,
-                     input_spec=[args.input_spec.split(",") if "," in args.input_spec else args.input_spec, None]
-                     if args.input_spec else None, logical=logical, logical_source=args.logical_rules))
-    plan = parse_plan(text, file=args.output)           # what we write must at least parse
+    source = args.rules or args.logical_rules
+    text = inert(plan_text(chosen.rules if chosen else [], mesh, source=source,
+                           input_spec=[args.input_spec.split(",") if "," in args.input_spec else args.input_spec, None]
+                           if args.input_spec else None, logical=logical, logical_source=args.logical_rules))
+    try:    # what we write must be a plan that validates (everything that needs no model)
+        plan = parse_plan(text, file=args.output)
+        problems = [d for d in check_plan_only(plan, _device_count(None, plan)) if d.severity == "error"]
+    except PlanError as error:
+        problems = error.errors
+    if problems:
+        raise PlanError([_in_source(d, source, chosen) for d in problems])
     Path(args.output).write_text(text)
-    console.print(f"wrote {args.output}: {len(plan.params)} rules over mesh {mesh}; check it with "
+    what = f" from {chosen.where}" + (f" ({how})" if how else "") if chosen and chosen.where not in ("<module>", "<list>") else ""
+    count = len(plan.params)
+    console.print(f"wrote {args.output}: {count} rule{'' if count == 1 else 's'}{what} over mesh {mesh}; check it with "
                   f"`shardplan validate {args.output} --model ...`")
     return EXIT_OK
+
+
+def _in_source(diagnostic, source: str, chosen):
+    """A diagnostic of the converted plan, told where its rule came from (nothing was written)."""
+    import dataclasses
+    line = chosen.lines[diagnostic.rule] if chosen and diagnostic.rule is not None and \
+        diagnostic.rule < len(chosen.lines) else None
+    return dataclasses.replace(diagnostic, file=source, line=line, column=None,
+                               message=f"{diagnostic.message} (converting {source}: nothing was written)")
+
+
+def _flag_argument(text: str) -> tuple[str, bool]:
+    name, _, value = text.partition("=")
+    if not name or value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+        raise UsageError(f"--flag takes NAME=true or NAME=false (e.g. fully_sharded_data_parallel=false), but got {text!r}")
+    return name, value.lower() in ("true", "1", "yes")
 
 
 def _mesh_argument(text: str) -> dict[str, int]:
@@ -473,7 +505,14 @@ def _explain(args, console: Console) -> int:
         return f"rule #{rule.index + 1} '{rule.source}' at {plan.file}:{rule.line}"
     console.print(Text.assemble((args.path, "bold"), f" -> spec {format_spec(winner.spec)} from {named(winner)}"))
     written = plan.written_spec("params", winner.index)
-    if written is not None:
+    if written is not None and plan.logical_rules:
+        from shardplan.plan.logical import resolve
+        _, given = resolve(written, plan.logical_rules, plan.mesh.axes)
+        taken = [f"{entry}: " + (f"logical rule #{k + 1} {list(plan.logical_rules[k])}" if k is not None
+                                 else "no rule takes it (not split)")
+                 for entry, k in zip(written, given) if isinstance(entry, str) and entry not in plan.mesh.axes]
+        console.print(f"  written {written} in logical names; per array, as flax resolves them: {'; '.join(taken)}")
+    elif written is not None:
         names = [n for entry in written for n in ([entry] if isinstance(entry, str) else entry or [])]
         mapped = ", ".join(f"{n}: {plan.logical_axes[n] if plan.logical_axes.get(n) is not None else 'null'}"
                            for n in dict.fromkeys(names) if n in plan.logical_axes)

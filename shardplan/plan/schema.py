@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 # A spec entry: null or "_" (dim not sharded), an axis name, or a list of axis names
 # (dim sharded over their product, major to minor).
@@ -206,12 +206,21 @@ class Plan(_Strict):
         default_factory=dict, description="Logical dim name -> the mesh axis (or list of axes, or null: not split) it "
         "stands for. Specs in params, inputs and activations may use the logical names; moving a plan from tensor "
         "parallel to FSDP is then one line here.")
+    logical_rules: list[Annotated[tuple[AxisName, Union[None, AxisName, list[AxisName]]],
+                                  BeforeValidator(lambda pair: tuple(pair) if isinstance(pair, list) else pair)]] = Field(
+        default_factory=list, description="Instead of logical_axes: ordered [logical name, mesh axes] pairs resolved "
+        "per array as flax.linen.logical_to_mesh_axes does (MaxText's logical_axis_rules): a rule is taken for its "
+        "name's dim only if none of its axes is already taken by another dim of that array, else a later rule for "
+        "the same name is tried; a name no rule takes is not split.")
 
     @model_validator(mode="after")
     def _resolve_logical_axes(self) -> "Plan":
         """Specs in logical names become specs in mesh axes; the originals stay for `explain`."""
-        if not self.logical_axes:
+        if not self.logical_axes and not self.logical_rules:
             return self
+        if self.logical_axes and self.logical_rules:
+            raise ValueError("give logical_axes (one mesh axis per name) or logical_rules (ordered, with flax's "
+                             "per-array fallbacks), not both")
         clash = [name for name in self.logical_axes if name in self.mesh.axes]
         if clash:
             raise ValueError(f"logical axis {clash[0]!r} is also a mesh axis name; give logical names of their own "
@@ -236,9 +245,13 @@ class Plan(_Strict):
         return self
 
     def resolve_logical(self, spec):
-        """A spec with its logical names replaced by the mesh axes `logical_axes` gives them."""
-        if spec in ("replicated", "annotated") or not self.logical_axes:
+        """A spec with its logical names replaced by the mesh axes `logical_axes` (or `logical_rules`) gives them."""
+        if spec in ("replicated", "annotated") or not (self.logical_axes or self.logical_rules):
             return spec
+        if self.logical_rules:
+            from shardplan.plan.logical import resolve
+            entries = [None if entry == UNSHARDED else entry for entry in spec]
+            return resolve(entries, self.logical_rules, self.mesh.axes)[0]
         out = []
         for entry in spec:
             names = [entry] if isinstance(entry, str) else list(entry or [])
