@@ -134,3 +134,24 @@ def test_json_schema_carries_the_bounds(capsys):
     for axes in ({"data": 0}, {"_": 2}, {"data": 100000}, {"data": True}):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate({**base, "mesh": {"axes": axes}}, schema)
+
+
+def test_a_deep_model_read_from_shallow_builds_lays_out_as_the_whole_build(capsys, monkeypatch):
+    """`inspect` builds 2 and 3 layers when a config key sets the depth; the layout, the diagnostics and
+    the estimate equal those of the model built whole (SHALLOW_ENOUGH raised: nothing is read shallow)."""
+    import shardplan.run.depth as depth
+    argv = ["inspect", str(PLANS / "minigpt_3d.yaml"), "--json", "--config", "num_transformer_blocks=20",
+            "--config", "embed_dim=64", "--config", "feed_forward_dim=128", "--config", "vocab_size=512"]
+    found = []
+    monkeypatch.setattr(depth, "read_deep", lambda build, config, real=depth.read_deep: found.append(
+        real(build, config)) or found[-1])
+    code, shallow, _ = run(capsys, *argv)
+    assert found[0] is not None and (found[0].key, found[0].depth) == ("num_transformer_blocks", 20)
+    monkeypatch.setattr(depth, "SHALLOW_ENOUGH", 10**6)
+    code_whole, whole, _ = run(capsys, *argv)
+    assert code == code_whole == 0 and found[1] is None
+    assert json.loads(shallow) == json.loads(whole)
+    from shardplan.run.depth import read_deep
+    from shardplan.run.models import build_model
+    assert read_deep(lambda config, order: build_model("minigpt_model:MiniGPT", config), {"embed_dim": 64,
+                     "feed_forward_dim": 128, "num_transformer_blocks": 2}) is None      # widths are no depth

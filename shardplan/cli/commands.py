@@ -439,7 +439,7 @@ def _validate_plan_only(args, console: Console) -> int:
 def _inspect(args, console: Console) -> int:
     from shardplan.cli import render
     order: list[str] = []
-    report, model = _checked_model(args, order)
+    report, model, deep = _checked_model(args, order)
     if report.ok:       # the estimate's batch must split as the plan's microbatches do
         from dataclasses import replace
 
@@ -447,7 +447,7 @@ def _inspect(args, console: Console) -> int:
         from shardplan.checks.validate import data_axes
         found = check_microbatches(report.plan, _batch(args, report), report.axes, data_axes(report.plan, report.axes))
         report = replace(report, diagnostics=report.diagnostics + found)
-    cost = _estimate(args, report, order, model) if report.ok else None
+    cost = _estimate(args, report, order, model, deep) if report.ok else None
     if args.device is not None and args.device not in report.device_ids:
         raise UsageError(f"--device requires one of the mesh's device ids {report.device_ids}, but got {args.device}")
     if args.json:
@@ -637,11 +637,14 @@ def _checked_model(args, order: list[str]):
     from shardplan.run.devices import has_accelerator
     from shardplan.checks.paths import param_infos
     from shardplan.checks.report import check, check_params, with_model_checks
-    model = _abstract_model(args, plan, order)
     if args.devices is None and has_accelerator():
-        return check(plan, model), model
-    report = check_params(plan, param_infos(model), list(range(_device_count(args.devices, plan))))
-    return with_model_checks(report, plan, model), model
+        model = _abstract_model(args, plan, order)
+        return check(plan, model), model, None
+    deep = _deep_model(args, plan, order)
+    model = deep.shallow if deep else _abstract_model(args, plan, order)
+    report = check_params(plan, deep.params if deep else param_infos(model),
+                          list(range(_device_count(args.devices, plan))))
+    return with_model_checks(report, plan, model), model, deep
 
 
 def _batch(args, report) -> int:
@@ -649,24 +652,47 @@ def _batch(args, report) -> int:
     return args.batch or 4 * len(report.device_ids)
 
 
-def _estimate(args, report, order: list[str], model):
-    """(workload, profile, estimate, what the model's code keeps) of the cost model for inspect."""
+def _estimate(args, report, order: list[str], model, deep=None):
+    """(workload, profile, estimate, what the model's code keeps) of the cost model for inspect; a deep
+    model's code is traced at its shallow depth (the residuals per layer are the same)."""
     from shardplan.planner.cost import Workload, estimate
     from shardplan.planner.kept import with_code
     from shardplan.planner.profiles import get_profile
     from shardplan.planner.roles import recognise
+    from shardplan.checks.paths import param_infos
     try:
         profile = get_profile(args.profile)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     workload = Workload(_batch(args, report), args.seq)
-    roles = with_code(recognise(report.params, order), model, workload.seq,
-                      input_name=next(iter(report.plan.inputs), "tokens"))
+    roles = recognise(report.params, order)
+    traced = recognise(param_infos(model), deep.shallow_order) if deep else roles
+    code = with_code(traced, model, workload.seq, input_name=next(iter(report.plan.inputs), "tokens")).code
+    roles = dataclasses.replace(roles, code=code)
     return workload, profile, estimate(report, roles, workload, profile), roles.code
 
 
+def _deep_model(args, plan: Plan, order: list[str]):
+    """The model read from shallow builds when a config key sets a large depth (see `run/depth.py`), else None."""
+    from shardplan.run.depth import read_deep
+    factory, config = _factory_and_config(args, plan)
+
+    def build(probe_config: dict, probe_order: list[str]):
+        return _build(args, factory, probe_config, probe_order)
+    deep = read_deep(build, config)
+    if deep is not None:
+        order.extend(deep.order)
+    return deep
+
+
 def _abstract_model(args, plan: Plan, order: list[str]):
-    from shardplan.run.models import ModelLoadError, build_model, consented, parse_overrides
+    factory, config = _factory_and_config(args, plan)
+    return _build(args, factory, config, order)
+
+
+def _factory_and_config(args, plan: Plan) -> tuple[str, dict]:
+    """The model the command builds (with consent) and its config, the plan's with --config over it."""
+    from shardplan.run.models import ModelLoadError, consented, parse_overrides
     factory = args.model or (plan.model.factory if plan.model else None)
     if factory is None:
         raise ModelNotBuilt(f"{args.plan} names no model (model.factory); pass --model module:callable")
@@ -678,7 +704,15 @@ def _abstract_model(args, plan: Plan, order: list[str]):
     config = dict(plan.model.config) if plan.model and not args.model else {}
     try:
         config.update(parse_overrides(args.config))
-        from shardplan.planner.roles import definition_order
+    except ModelLoadError as exc:
+        raise UsageError(str(exc)) from None
+    return factory, config
+
+
+def _build(args, factory: str, config: dict, order: list[str]):
+    from shardplan.planner.roles import definition_order
+    from shardplan.run.models import ModelLoadError, build_model
+    try:
         return build_model(factory, config, paths=tuple(args.import_paths),
                            on_built=lambda module: order.extend(definition_order(module)))
     except ModelLoadError as exc:

@@ -747,10 +747,21 @@ def model_flops(params, roles: ModelRoles, workload: Workload) -> tuple[float, f
 
 def _attention_ways(attention, held, roles, step) -> int:
     """How many ways tensor parallelism splits the attention's heads (its query's outputs)."""
-    for p in held:
-        if roles.layer_of(p.path) == attention.layer and roles.roles[p.path].kind == COLUMN:
-            return _tensor_ways(p, roles.roles[p.path].out_dims, step)
-    return 1
+    p = _first_columns(held, roles).get(attention.layer)
+    return 1 if p is None else _tensor_ways(p, roles.roles[p.path].out_dims, step)
+
+
+_LAST_COLUMNS: list = [None, None, {}]       # (held, roles, layer -> its first column matrix): one pass, not one a layer
+
+
+def _first_columns(held, roles) -> dict:
+    if _LAST_COLUMNS[0] is not held or _LAST_COLUMNS[1] is not roles:
+        columns: dict = {}
+        for p in held:
+            if roles.roles[p.path].kind == COLUMN:
+                columns.setdefault(roles.layer_of(p.path), p)
+        _LAST_COLUMNS[:] = [held, roles, columns]
+    return _LAST_COLUMNS[2]
 
 
 def _bubble(step: _Step) -> float:

@@ -150,7 +150,8 @@ def recognise(params: list[ParamInfo], order: list[str] | None = None) -> ModelR
     """
     by_path = {p.path: p for p in params}
     order = [path for path in (order or []) if path in by_path] or sorted(by_path)
-    order += [path for path in sorted(by_path) if path not in set(order)]
+    listed = set(order)
+    order += [path for path in sorted(by_path) if path not in listed]
     width = residual_width(params)
     layers, layer_count = _repeated_layers(order, by_path)
     matrices = [path for path in order if len(by_path[path].shape) >= 2 and not path.endswith(("/bias", "embedding"))]
@@ -190,11 +191,15 @@ def recognise(params: list[ParamInfo], order: list[str] | None = None) -> ModelR
         else:
             kind, group = MATMUL, None
         roles[path] = Role(path, kind, in_dims, out_dims, group=group)
+    owners: dict[str, list[str]] = {}       # a module's matrices, in definition order
+    for other, role in roles.items():
+        if role.kind in (COLUMN, ROW, MATMUL):
+            owners.setdefault(_parent(other), []).append(other)
     for path in order:
         info = by_path[path]
         if path in roles:
             continue
-        owner = _bias_owner(path, info, roles, by_path)
+        owner = _bias_owner(path, info, roles, by_path, owners.get(_parent(path), []))
         if owner is not None:
             roles[path] = Role(path, BIAS, (), tuple(range(len(info.shape))), owner=owner)
         else:
@@ -261,14 +266,12 @@ def _layer_prefix(path: str, layers: str | None) -> str:
     return found.group(1) if found else ""
 
 
-def _bias_owner(path: str, info: ParamInfo, roles: dict[str, Role], by_path: dict[str, ParamInfo]) -> str | None:
-    """The matrix in the same module whose output dims this parameter's shape equals."""
-    parent = _parent(path)
-    for other, role in roles.items():
-        if _parent(other) == parent and role.kind in (COLUMN, ROW, MATMUL):
-            shape = by_path[other].shape
-            if tuple(shape[d] for d in role.out_dims) == info.shape:
-                return other
+def _bias_owner(path: str, info: ParamInfo, roles: dict[str, Role], by_path: dict[str, ParamInfo],
+                siblings: list[str]) -> str | None:
+    """The matrix in the same module (`siblings`) whose output dims this parameter's shape equals."""
+    for other in siblings:
+        if tuple(by_path[other].shape[d] for d in roles[other].out_dims) == info.shape:
+            return other
     return None
 
 
