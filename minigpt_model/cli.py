@@ -7,6 +7,8 @@ import sys
 
 from rich.console import Console
 
+from shardplan.cli.terminal import HelpFormatter
+
 DESCRIPTION = """\
 Train the article's MiniGPT, sharded by a shardplan plan, and sample from it.
 
@@ -51,7 +53,7 @@ def _number(kind, minimum, maximum=None):
 POSITIVE, NON_NEGATIVE = _number(int, 1), _number(int, 0)
 
 
-class _Defaults(argparse.HelpFormatter):
+class _Defaults(HelpFormatter):
     """Shows each option's default, unless it has none worth showing or its help already says it."""
 
     def _get_help_string(self, action):
@@ -66,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     from minigpt_model.trainer import TrainConfig
     defaults = TrainConfig()
     parser = argparse.ArgumentParser(prog="minigpt", description=DESCRIPTION, epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     train = commands.add_parser("train", help="train under a plan (defaults: built-in corpus, dp x tp on 8 devices)",
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    from shardplan.cli.terminal import consoles
+    from shardplan.cli.terminal import consoles, print_wrapped
     args = build_parser().parse_args(argv)
     # markup=False: file names, prompts and messages are printed as they are.
     console, err = consoles()
@@ -165,7 +167,7 @@ def _main(argv: list[str] | None) -> int:
         return args.handler(args, console)
     except Preempted as exc:
         if not getattr(args, "process_id", None):
-            err.print(str(exc), soft_wrap=True)
+            print_wrapped(err, str(exc))
         return EXIT_PREEMPTED
     except PlanError as exc:
         from shardplan.cli.render import render_diagnostics

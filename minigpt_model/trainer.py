@@ -29,7 +29,7 @@ from minigpt_model.steps import eval_step, make_optimizer, train_step
 from minigpt_model.tokenizer import END_OF_TEXT, get_tokenizer
 from shardplan.run.preemption import Preempted, PreemptionWatch
 from shardplan.cli.render import render_summary
-from shardplan.cli.terminal import InertConsole
+from shardplan.cli.terminal import InertConsole, print_wrapped
 from shardplan.run.abstract import eval_shape
 
 # Small enough that the default run finishes in minutes on two CPU cores with 8 simulated
@@ -179,12 +179,12 @@ def _preemption_watch(config: TrainConfig, checkpoints: Checkpoints, console) ->
         return f"checkpoint step {step} is intact" if step is not None else "no checkpoint was written yet"
 
     def notice() -> None:
-        console.print(f"preemption notice: finishing the step in flight, then saving (within {config.preemption_grace:g} "
-                      f"s; a second signal stops at once and {intact()})", soft_wrap=True)
+        print_wrapped(console, f"preemption notice: finishing the step in flight, then saving (within "
+                               f"{config.preemption_grace:g} s; a second signal stops at once and {intact()})")
 
     def give_up() -> None:
-        console.print(f"preempted: the save did not finish within --preemption-grace {config.preemption_grace:g} s; "
-                      f"{intact()}; continue with --resume", soft_wrap=True)
+        print_wrapped(console, f"preempted: the save did not finish within --preemption-grace "
+                               f"{config.preemption_grace:g} s; {intact()}; continue with --resume")
     return PreemptionWatch(grace_s=config.preemption_grace, give_up=give_up, notice=notice)
 
 
@@ -346,7 +346,7 @@ def _claim_directory(out: Path, config: TrainConfig, model_config: dict, digest:
 
 
 def _warn(console, message: str) -> None:
-    console.print(Text.assemble(("warning: ", "yellow"), message), soft_wrap=True)
+    print_wrapped(console, Text.assemble(("warning: ", "yellow"), message))
 
 
 def _resume(checkpoints: Checkpoints, model, optimizer, model_config, config: TrainConfig, console, out: Path) -> int:
@@ -401,8 +401,8 @@ def _resume_agreed(checkpoints: Checkpoints, model, optimizer, model_config, con
         _set_aside_newer(checkpoints, step, out, console)
     _all_processes_reach("damaged checkpoints set aside")
     checkpoints.reload()
-    console.print(f"resumed from step {meta['step']} ({checkpoints.directory}), agreed by all "
-                  f"{jax.process_count()} processes", soft_wrap=True)
+    print_wrapped(console, f"resumed from step {meta['step']} ({checkpoints.directory}), agreed by all "
+                           f"{jax.process_count()} processes")
     return int(meta["data_step"])
 
 

@@ -155,3 +155,38 @@ def test_a_deep_model_read_from_shallow_builds_lays_out_as_the_whole_build(capsy
     from shardplan.run.models import build_model
     assert read_deep(lambda config, order: build_model("minigpt_model:MiniGPT", config), {"embed_dim": 64,
                      "feed_forward_dim": 128, "num_transformer_blocks": 2}) is None      # widths are no depth
+
+
+NARROW_COMMANDS = [
+    ["--help"], *[[c, "--help"] for c in ("validate", "inspect", "explain", "diff", "convert", "export", "params", "auto",
+                                          "profiles", "schema")],
+    ["validate", "docs/examples/seed_tutorial.yaml"], ["inspect", "plans/minigpt_3d.yaml", "--device", "5"],
+    ["inspect", "plans/minigpt_fsdp.toml", "--config", "num_transformer_blocks=48"], ["profiles"],
+    ["explain", "plans/minigpt_tp.yaml", "transformer_blocks/0/mha/out/kernel"], ["export", "plans/minigpt_tp.yaml"],
+    ["diff", "plans/minigpt_dp_tp.yaml", "plans/minigpt_fsdp.toml"], ["params", "--model", "minigpt_model:MiniGPT"],
+    ["auto", "--model", "minigpt_model:MiniGPT", "--config", "num_transformer_blocks=2", "--devices", "8",
+     "--profile", "cpu", "-o", "{tmp}/auto.yaml"],
+]
+
+
+@pytest.mark.parametrize("argv", NARROW_COMMANDS, ids=lambda argv: " ".join(argv[:2]))
+def test_no_line_of_any_command_is_wider_than_an_80_column_console(argv, capsys, monkeypatch, tmp_path):
+    from minigpt_model import cli as minigpt_cli
+    monkeypatch.setenv("COLUMNS", "80")
+    for main_of in (main,) + ((minigpt_cli.main,) if argv == ["--help"] else ()):
+        try:
+            main_of([a.replace("{tmp}", str(tmp_path)) for a in argv])
+        except SystemExit:
+            pass
+        out, err = capsys.readouterr()
+        wide = [line for line in (out + err).splitlines() if len(line) > 80]
+        assert not wide, wide[:3]
+
+
+@pytest.mark.parametrize("command", ["train", "launch", "sample"])
+def test_no_line_of_minigpts_help_is_wider_than_80_columns(command, capsys, monkeypatch):
+    from minigpt_model import cli as minigpt_cli
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit):
+        minigpt_cli.main([command, "--help"])
+    assert all(len(line) <= 80 for line in capsys.readouterr().out.splitlines())

@@ -92,6 +92,7 @@ def test_a_factory_taking_a_config_object_is_filled_from_config_keys(tmp_path, c
     folder.mkdir()
     (folder / "configured_model.py").write_text(CONFIG_MODEL)
     code, _, err = run(capsys, "params", "--model", "configured_model:Model", "--config", "depth=3")
+    err = " ".join(err.split())
     assert code == 2 and "--path DIR" in err and str(tmp_path) not in err.split("searched")[0]
     code, out, _ = run(capsys, "params", "--model", "configured_model:Model", "--config", "depth=3",
                        "--config", "width=32", "--path", folder, "--json")

@@ -12,7 +12,7 @@ import traceback
 from rich.console import Console
 from rich.text import Text
 
-from shardplan.cli.terminal import consoles, inert_streams
+from shardplan.cli.terminal import HelpFormatter, consoles, inert_streams, print_wrapped
 from shardplan.plan.inert import inert
 from shardplan.plan.diagnostics import PlanError
 from shardplan.plan.loader import load_plan
@@ -80,7 +80,7 @@ def _path_and_debug(sub: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardplan", description=DESCRIPTION, epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def model_args(sub: argparse.ArgumentParser) -> None:
@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "to B (what restoring an A checkpoint under B, or resharding live, transfers): a\n"
                     "device keeps what it already holds, and receives the rest of its new shard.",
         epilog="example:\n  shardplan diff plans/minigpt_dp_tp.yaml plans/minigpt_fsdp.toml",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=HelpFormatter)
     diff.add_argument("plan", help="plan A (its model is the one compared, unless --model)")
     diff.add_argument("other", metavar="plan_b", help="plan B")
     diff.add_argument("--model", help="model factory module:callable (default: plan A's model.factory, with consent)")
@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "with comments saying what each rule was. Validate it against your model next.",
         epilog="example:\n  shardplan convert partition_rules.py --mesh dp=4,mp=2 --input-spec dp -o plan.yaml\n"
                "  shardplan convert --logical-rules maxtext_rules.yaml --mesh data=4,fsdp=2 -o plan.yaml",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=HelpFormatter)
     convert.add_argument("rules", nargs="?", help="rule list: .py (EasyLM/EasyDeL style) or .yaml")
     convert.add_argument("--logical-rules", metavar="FILE", help="MaxText-style logical_axis_rules (YAML)")
     convert.add_argument("--mesh", required=True, metavar="AXIS=N,...", help="the mesh, e.g. dp=4,mp=2")
@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "matmul, bias, vector). With --plan, also the rule that matches each path and its spec.",
         epilog="example:\n  shardplan params --model minigpt_model:MiniGPT --config num_transformer_blocks=2\n"
                "  shardplan params --model minigpt_model:MiniGPT --plan plans/minigpt_tp.yaml --all-params",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=HelpFormatter)
     _typed_model(params)
     params.add_argument("--plan", help="also show the rule of this plan that matches each path, and its spec")
     params.add_argument("--all-params", action="store_true",
@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example:\n  shardplan auto --model minigpt_model:MiniGPT --config vocab_size=50304 --devices 8 "
                "--memory-per-device 1GiB -o auto.yaml\n  shardplan auto --model tests.models:Llama --config vocab=32000 "
                "--config dim=4096 ... --devices 64 --hosts 8 --profile h200 --memory-per-device 80GiB -o llama.yaml",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=HelpFormatter)
     _typed_model(auto)
     auto.add_argument("--devices", type=_count(1, MAX_AUTO_DEVICES), required=True, metavar="N",
                       help=f"number of devices to plan for (at most {MAX_AUTO_DEVICES})")
@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  name: my-a100\n  peak_flops: 312e12\n  memory_bytes: 80GiB\n  memory_bandwidth: 2.0e12\n"
                "  intra_host_bandwidth: 300e9\n  inter_host_bandwidth: 25e9\n  devices_per_host: 8\n\n"
                "example:\n  shardplan profiles\n  shardplan profiles profiles/a100-80gb-selene.yaml",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=HelpFormatter)
     profiles.add_argument("file", nargs="?", help="a profile file to check and show")
     profiles.add_argument("--json", action="store_true", help="print the profiles as JSON")
     profiles.set_defaults(handler=_profiles, debug=False)
@@ -261,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "language server: `# yaml-language-server: $schema=plan.schema.json`). Rules JSON\n"
                     "Schema cannot express (at most one -1 axis, regex validity, everything about the\n"
                     "model) are checked by `shardplan validate`.",
-        epilog="example:\n  shardplan schema > plan.schema.json", formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog="example:\n  shardplan schema > plan.schema.json", formatter_class=HelpFormatter)
     schema.add_argument("--profile", action="store_true", help="the schema of device profile files instead")
     schema.set_defaults(handler=_schema, debug=False)
     return parser
@@ -296,8 +296,8 @@ def _main(argv: list[str] | None) -> int:
 
 
 def print_error(console: Console, message: str, label: str = "error") -> None:
-    """One line, however long: logs and CI output keep it whole."""
-    console.print(Text.assemble((f"{label}: ", "bold red"), inert(message)), soft_wrap=True)
+    """The message wrapped at the console's width, its continuation lines indented."""
+    print_wrapped(console, Text.assemble((f"{label}: ", "bold red"), inert(message)))
 
 
 def report_bug(console: Console, exc: BaseException, *, debug: bool, program: str) -> int:

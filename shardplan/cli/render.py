@@ -14,6 +14,7 @@ from rich.text import Text
 
 from shardplan.checks.layout import device_coords, human_bytes, imbalance, index_ranges
 from shardplan.checks.report import Report
+from shardplan.cli.terminal import print_wrapped
 from shardplan.plan.diagnostics import Diagnostic
 from shardplan.plan.inert import inert
 from shardplan.plan.schema import format_spec
@@ -28,15 +29,16 @@ def render_diagnostics(console: Console, diagnostics: list[Diagnostic]) -> None:
         head = Text(f"{inert(d.location)}: ", style="bold")
         head.append(f"{d.severity}[{d.code}]", style=_STYLE[d.severity])
         head.append(f" {inert(d.message)}")
-        # soft_wrap: one line per diagnostic however narrow the console, so logs and grep keep it whole
-        console.print(head, soft_wrap=True)
+        print_wrapped(console, head)       # continuation lines indented: each diagnostic still reads as one
         source = _source_line(d, lines_of)
-        if source is not None:
-            console.print(Text(f"  {d.line:>4} | {inert(source)}", style="dim"), soft_wrap=True)
-            if d.column:
+        if source is not None:      # the plan's own line, as context: cut at the console's edge if longer
+            excerpt = f"  {d.line:>4} | {inert(source)}"
+            cut = excerpt if len(excerpt) <= console.width else excerpt[:console.width - 1] + "…"
+            console.print(Text(cut, style="dim"), soft_wrap=True)
+            if d.column and d.column + 8 < console.width:
                 console.print(Text("       | " + " " * (d.column - 1) + "^", style=_STYLE[d.severity]))
         if d.hint:
-            console.print(Text(f"  hint: {inert(d.hint)}", style="cyan"), soft_wrap=True)
+            print_wrapped(console, Text(f"  hint: {inert(d.hint)}", style="cyan"), indent=8)
 
 
 def _source_line(d: Diagnostic, cache: dict[str, list[str]]) -> str | None:
@@ -194,7 +196,7 @@ def print_fitted(console: Console, title: str, columns: list[str], rows: list[li
     rows = [[inert(cell) for cell in row] for row in rows]      # escaped before they are measured
     widths = [max([len(column)] + [len(row[index]) for row in rows]) for index, column in enumerate(columns)]
     rest = sum(widths[1:]) + 3 * (len(columns) - 1)      # padding on both sides and a separator
-    console.print(Text(title, style="bold"), soft_wrap=True)
+    print_wrapped(console, Text(title, style="bold"))
     path_width = min(widths[0], console.width - rest - 3)
     if path_width >= 24:
         table = Table(header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
@@ -211,10 +213,15 @@ def print_fitted(console: Console, title: str, columns: list[str], rows: list[li
     def line(cells: list[str]) -> str:
         return "  " + gap.join(cell.rjust(width) if column in right else cell.ljust(width)
                                for cell, width, column in zip(cells, widths[1:], columns[1:])).rstrip()
+    if len(line(columns[1:])) > console.width:        # not even one row fits: each as its cells, named
+        for row in rows:
+            print_wrapped(console, Text(row[0], style="cyan"))
+            print_wrapped(console, "  " + "; ".join(f"{c} {v}" for c, v in zip(columns[1:], row[1:]) if v), indent=4)
+        return
     console.print(Text(columns[0], style="bold"))
     console.print(Text(line(columns[1:]), style="bold"), soft_wrap=True)
     for row in rows:
-        console.print(Text(row[0], style="cyan"), soft_wrap=True)
+        print_wrapped(console, Text(row[0], style="cyan"))
         console.print(line(row[1:]), soft_wrap=True)
 
 
@@ -275,9 +282,9 @@ def render_diff(console: Console, changes, name_a: str, name_b: str, devices: in
                  right=("n", "params moved", "opt moved"))
     params, opt = sum(c.param_bytes_moved for c in changes), sum(c.opt_bytes_moved for c in changes)
     same = sum(c.spec_a == c.spec_b for c in changes)
-    console.print(f"{same} of {len(changes)} parameters keep their spec; going from A to B moves "
+    print_wrapped(console, f"{same} of {len(changes)} parameters keep their spec; going from A to B moves "
                   f"{human_bytes(params)} of parameters and {human_bytes(opt)} of optimizer state "
-                  f"({human_bytes((params + opt) / devices)} per device on average)", soft_wrap=True)
+                  f"({human_bytes((params + opt) / devices)} per device on average)")
 
 
 def render_device_detail(console: Console, report: Report, device_id: int, *, collapse: bool = True) -> None:
@@ -308,7 +315,7 @@ def render_summary(console: Console, report: Report) -> None:
     render_mesh(console, report)
     if report.devices:
         d = report.devices[0]
-        console.print(f"  per device: params {human_bytes(d.param_bytes)}, optimizer state "
+        print_wrapped(console, f"  per device: params {human_bytes(d.param_bytes)}, optimizer state "
                       f"{human_bytes(d.opt_bytes)}; imbalance {imbalance(report.devices):.2f}")
     render_diagnostics(console, report.diagnostics)
 
@@ -317,19 +324,20 @@ def render_estimate(console: Console, workload, profile, cost, *, accumulate: in
     """The cost model's figures for one device: memory, communication by kind and axes, time (`code`:
     what the model's code keeps beyond a plain transformer, `shardplan.planner.roles.CodeCopies`)."""
     from shardplan.checks.layout import human_bytes
-    console.print(Text.assemble("\n", ("Cost estimate", "bold"), f" per device, batch {workload.batch} x "
-                                f"{workload.seq} tokens, {profile.name} profile (from shapes; nothing compiled):"))
-    console.print(f"  memory: parameters {human_bytes(cost.param_bytes)}, gradients {human_bytes(cost.grad_bytes)}, "
+    console.print()
+    print_wrapped(console, Text.assemble(("Cost estimate", "bold"), f" per device, batch {workload.batch} x "
+                                         f"{workload.seq} tokens, {profile.name} profile (from shapes; nothing compiled):"))
+    print_wrapped(console, f"  memory: parameters {human_bytes(cost.param_bytes)}, gradients {human_bytes(cost.grad_bytes)}, "
                   f"optimizer {human_bytes(cost.optimizer_bytes)}, activations {human_bytes(cost.activation_bytes)} "
                   f"({human_bytes(cost.activation_bytes_remat)} with rematerialised layers); "
                   f"peak {human_bytes(cost.peak_bytes)}")
     if code is not None:
         _render_code(console, code)
     if accumulate > 1:
-        console.print(f"  gradient accumulation: {accumulate} microbatches in turn; the activations above are one "
+        print_wrapped(console, f"  gradient accumulation: {accumulate} microbatches in turn; the activations above are one "
                       "microbatch's, and each microbatch's gradient is reduced as it comes")
     if cost.bubble:
-        console.print(f"  one microbatch through this stage's layers keeps {human_bytes(cost.microbatch_activation_bytes)}"
+        print_wrapped(console, f"  one microbatch through this stage's layers keeps {human_bytes(cost.microbatch_activation_bytes)}"
                       f" ({human_bytes(cost.microbatch_activation_bytes_remat)} rematerialised); the schedule's "
                       "stored activations are included above")
     table = Table(box=None, pad_edge=False)
@@ -340,31 +348,31 @@ def render_estimate(console: Console, workload, profile, cost, *, accumulate: in
     if cost.transfers:
         console.print(table)
     else:
-        console.print("  no collectives")
+        print_wrapped(console, "  no collectives")
     bubble = f", pipeline bubble {cost.bubble:.3f}" if cost.bubble else ""
     hidden = cost.communication_s - cost.exposed_communication_s
-    console.print(f"  {cost.flops / 1e12:.3f} TFLOP; modelled step {cost.step_s * 1e3:.2f} ms = compute "
+    print_wrapped(console, f"  {cost.flops / 1e12:.3f} TFLOP; modelled step {cost.step_s * 1e3:.2f} ms = compute "
                   f"{cost.compute_s * 1e3:.2f} ms{bubble} + communication {cost.exposed_communication_s * 1e3:.2f} ms"
                   + (f" ({hidden * 1e3:.2f} ms more runs during the backward)" if hidden > 0 else ""))
     for caveat in cost.caveats:
-        console.print(Text.assemble(("  approximate: ", "bold yellow"), caveat))     # wrapped at the width
+        print_wrapped(console, Text.assemble(("  approximate: ", "bold yellow"), caveat))
 
 
 
 def _render_code(console: Console, code) -> None:
     """What one traced forward found that the parameters do not show (counted in the estimate)."""
     if not code.traced:
-        console.print("  activations counted as a plain transformer's: the forward could not be traced with the "
+        print_wrapped(console, "  activations counted as a plain transformer's: the forward could not be traced with the "
                       "tokens alone")
         return
     more = [f"{n:g} of {what}" for n, what in ((code.scores, "each layer's attention scores"),
                                                 (code.logits, "the logits"), (code.head_weights, "the head's weights"))
             if n]
     if more:
-        console.print(f"  the model's code keeps more copies than a plain transformer's (read from one traced "
+        print_wrapped(console, f"  the model's code keeps more copies than a plain transformer's (read from one traced "
                       f"forward, counted above): {', '.join(more)}")
     if code.heads != 1:
-        console.print(f"  its attention scores have {code.heads:g}x the heads its parameter shapes suggest (heads kept "
+        print_wrapped(console, f"  its attention scores have {code.heads:g}x the heads its parameter shapes suggest (heads kept "
                       "flattened; read from one traced forward, counted above)")
 
 
@@ -382,4 +390,4 @@ def render_profiles(console: Console, profiles) -> None:
                "share: matmul / attention / link", "latency us", "attention"]
     print_fitted(console, "device profiles", columns, rows)
     for p in profiles:
-        console.print(Text.assemble((f"{p.name}", "bold"), f" ({p.source}): {p.description}"), soft_wrap=True)
+        print_wrapped(console, Text.assemble((f"{p.name}", "bold"), f" ({p.source}): {p.description}"))

@@ -6,11 +6,13 @@ escapes everything else written to stdout and stderr (argparse, JSON, tracebacks
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import sys
 
 from rich.console import Console
 from rich.segment import Segment
+from rich.text import Text
 
 from shardplan.plan.inert import inert
 
@@ -62,3 +64,62 @@ def inert_streams():
 def consoles() -> tuple[InertConsole, InertConsole]:
     """The CLIs' consoles for stdout and stderr: text printed as written (no markup), escaped."""
     return InertConsole(highlight=False, markup=False), InertConsole(stderr=True, highlight=False, markup=False)
+
+
+def print_wrapped(console: Console, text: Text | str, *, indent: int = 4) -> None:
+    """`text` broken at spaces into lines no wider than the console, lines after the first indented by
+    `indent` (a word longer than a line is split); styles are kept."""
+    text = Text(text) if isinstance(text, str) else text
+    width = max(console.width, 2 * indent + 20)
+    for number, (start, end) in enumerate(_lines(text.plain, width, indent)):
+        line = text[start:end]
+        line.rstrip()
+        console.print(Text(" " * indent) + line if number else line, soft_wrap=True)
+
+
+def _lines(plain: str, width: int, indent: int) -> list[tuple[int, int]]:
+    """(start, end) of each line of `plain` wrapped greedily at spaces; `indent` takes room after the first."""
+    import re
+    spans, start, end, room = [], 0, 0, width
+    for word in re.finditer(r"\S+\s*", plain):
+        w_start, bare_end = word.start(), word.start() + len(word.group().rstrip())
+        if end > start and bare_end - start > room:         # the word does not fit on this line
+            spans.append((start, end))
+            start, room = w_start, width - indent
+        while bare_end - start > room:                       # a word longer than a line
+            spans.append((start, start + room))
+            start, room = start + room, width - indent
+        end = bare_end
+    if end > start or not spans:
+        spans.append((start, max(end, start)))
+    return spans
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """`--help` at the terminal's width: prose paragraphs refilled, indented lines (examples, lists)
+    kept as written but broken at spaces, their continuation marked `\\`, when wider than the terminal."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        import textwrap
+        out = []
+        for block in text.split("\n\n"):
+            lines = block.splitlines()
+            if lines and not any(line.startswith(" ") for line in lines) and not block.rstrip().endswith(":"):
+                out.append(textwrap.fill(" ".join(lines), width, initial_indent=indent, subsequent_indent=indent))
+                continue
+            out.append("\n".join(_broken(indent + line, width) for line in lines))
+        return "\n\n".join(out)
+
+
+def _broken(line: str, width: int) -> str:
+    """An example line wider than `width` broken at spaces, shell-style (`\\` then a deeper indent)."""
+    if len(line) <= width:
+        return line
+    lead = len(line) - len(line.lstrip())
+    words, lines, current = line.split(), [], " " * lead
+    for word in words:
+        if len(current) + len(word) + 2 > width and current.strip():
+            lines.append(current.rstrip() + " \\")
+            current = " " * (lead + 4)
+        current += word + " "
+    return "\n".join(lines + [current.rstrip()])

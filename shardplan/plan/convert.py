@@ -254,7 +254,8 @@ def export_rules(plan: Plan, fmt: str = "python") -> str:
              "from jax.sharding import PartitionSpec as PS", "", "partition_rules = ("]
     for pattern, spec in pairs:
         entries = ", ".join("None" if e is None else repr(e[0]) if len(e) == 1 else repr(tuple(e)) for e in spec)
-        lines.append(f"    ({pattern!r}, PS({entries})),")
+        one = f"    ({pattern!r}, PS({entries})),"
+        lines += [one] if len(one) <= 80 else [f"    ({pattern!r},", f"     PS({entries})),"]
     return "\n".join(lines + [")"]) + "\n"
 
 

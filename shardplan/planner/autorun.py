@@ -162,17 +162,15 @@ def _rerank(found: planner.Search, measured: dict) -> planner.Search:
 
 
 def _print_table(console: Console, found: planner.Search, measured: dict, top: int) -> None:
-    if not console.is_terminal:
-        console.width = max(console.width, 170)     # a piped table stays one line per candidate
-    table = Table(title=f"best {len(found.ranked)} of {found.fitting} plans that fit {human_bytes(found.usable)} per "
-                        f"device (budget less the safety margin; {found.profile.name}, batch {found.workload.batch} x "
-                        f"{found.workload.seq})",
-                  title_justify="left")
+    from shardplan.cli.terminal import print_wrapped
+    title = (f"best {len(found.ranked)} of {found.fitting} plans that fit {human_bytes(found.usable)} per device "
+             f"(budget less the safety margin; {found.profile.name}, batch {found.workload.batch} x "
+             f"{found.workload.seq})")
     columns = ["#", "mesh", "rules", "bytes/device", "communication", "step (modelled)"]
     columns += ["compiled: moved / peak"] if measured else []
-    for column in columns + ["why it lost"]:
-        table.add_column(column, justify="right" if column in ("#", "bytes/device", "communication") else "left")
+    columns += ["why it lost"]
     best = found.best
+    rows = []
     for rank, item in enumerate(found.ranked[:top], 1):
         cost = item.estimate
         row = [str(rank), item.candidate.label(), item.candidate.rules_label(), human_bytes(cost.peak_bytes),
@@ -180,8 +178,20 @@ def _print_table(console: Console, found: planner.Search, measured: dict, top: i
         if measured:
             got = measured.get(_key(item))
             row.append(f"{human_bytes(got.collectives.total_bytes)} / {human_bytes(got.peak_bytes)}" if got else "-")
-        table.add_row(*row, "chosen" if item is best else planner.why_lost(item, best))
-    console.print(table)
+        rows.append(row + ["chosen" if item is best else planner.why_lost(item, best)])
+    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
+    if sum(widths) + 3 * len(columns) + 1 <= console.width:
+        table = Table(title=title, title_justify="left")
+        for column in columns:
+            table.add_column(column, justify="right" if column in ("#", "bytes/device", "communication") else "left")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+    else:       # too wide for the console: each candidate as its cells, named, wrapped
+        print_wrapped(console, Text(title, style="bold"))
+        for row in rows:
+            print_wrapped(console, Text.assemble((f"{row[0]}. {row[1]}, {row[2]}", "bold"), f": {row[-1]}"), indent=4)
+            print_wrapped(console, "    " + "; ".join(f"{c} {v}" for c, v in zip(columns[3:-1], row[3:-1])), indent=6)
     reasons: dict[str, int] = {}
     for item in found.rejected:
         reasons[item.rejected] = reasons.get(item.rejected, 0) + 1
