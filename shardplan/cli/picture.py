@@ -73,19 +73,22 @@ def _grid_shape(axes: dict[str, int]) -> tuple[int, int]:
 
 def _mesh(report: Report, y: float) -> tuple[list[str], float]:
     axes = list(report.axes)
+    totals = [d.param_bytes + d.opt_bytes for d in report.devices]
+    lightest, heaviest = min(totals), max(totals)
+    shading = (f"darker holds more ({human_bytes(lightest)} to {human_bytes(heaviest)})" if heaviest > lightest
+               else "every device holds the same")
     parts = [_text(20, y + 16, "Devices: bytes held (parameters + AdamW state)", size=14, weight="bold"),
-             _text(20, y + 32, f"each box: device id, its coordinates ({', '.join(axes)}), its bytes; darker holds "
-                               "more", size=10, fill="#555")]
+             _text(20, y + 32, f"each box: device id, its coordinates ({', '.join(axes)}), its bytes; {shading}",
+                   size=10, fill="#555")]
     y += 42
     rows, columns = _grid_shape(report.axes)
     cell_w = min(150.0, (WIDTH - 40) / columns)
     cell_h = 58.0
-    heaviest = max(d.param_bytes + d.opt_bytes for d in report.devices) or 1
     for d in report.devices:
         row, column = divmod(d.position, columns)
         x0, y0 = 20 + column * cell_w, y + row * cell_h
         total = d.param_bytes + d.opt_bytes
-        shade = 0.15 + 0.6 * total / heaviest
+        shade = 0.15 + 0.6 * (total - lightest) / (heaviest - lightest) if heaviest > lightest else 0.45
         fill = f"rgba(78,121,167,{shade:.2f})"
         named = ", ".join(f"{axis}={d.coords[axis]}" for axis in axes)
         parts.append(_rect(x0 + 2, y0 + 2, cell_w - 4, cell_h - 4, fill,
@@ -194,9 +197,13 @@ def _pipeline(report: Report, y: float) -> tuple[list[str], float]:
     from shardplan.checks.schedules import bubble_fraction, timeline
     pipe, stage_map = report.plan.pipeline, report.stage_map
     grid = timeline(pipe.schedule, stage_map.stages, pipe.microbatches, stage_map.virtual)
+    idle = sum(not cell for tick in grid for cell in tick)
     parts = [_text(20, y + 16, f"Pipeline over '{pipe.axis}': {pipe.schedule}, {pipe.microbatches} microbatches, "
-                               f"{len(grid)} ticks, bubble {bubble_fraction(grid):.1%}", size=14, weight="bold")]
-    y += 30
+                               f"{len(grid)} ticks", size=14, weight="bold"),
+             _text(20, y + 32, f"{idle} of {len(grid) * stage_map.stages} cells idle; bubble "
+                               f"{bubble_fraction(grid):.1%} of stage time, a backward lasting two forwards (a cell "
+                               "holding one is that much longer)", size=10, fill="#555")]
+    y += 42
     label_w = 70.0
     cell_w = min(36.0, (WIDTH - 40 - label_w) / max(1, len(grid)))
     cell_h = 24.0
