@@ -1,6 +1,7 @@
 """The command line: exit codes, file:line diagnostics without tracebacks, inspect views."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -87,6 +88,11 @@ def test_inspect_svg(capsys, tmp_path):
     target = tmp_path / "layout.svg"
     code, _, _ = run(capsys, "inspect", "plans/minigpt_dp.yaml", "--svg", str(target))
     assert code == 0 and target.read_text().startswith("<svg")
+    assert "every device holds the same" in target.read_text()      # a balanced plan is not shaded as unequal
+    code, _, _ = run(capsys, "inspect", "plans/minigpt_pp4.yaml", "--svg", str(target))
+    svg = target.read_text()
+    idle = len(re.findall(r"<title>tick \d+: idle</title>", svg))
+    assert code == 0 and f"{idle} of " in svg and "cells idle" in svg       # the count a reader makes
 
 
 def test_explain_names_rule_line_and_shadowed(capsys):
