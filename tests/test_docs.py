@@ -62,3 +62,18 @@ def test_every_shardplan_command_the_docs_show_runs(page, command, tmp_path, cap
     code = main(argv)
     out = capsys.readouterr()
     assert code in (0, 1), (page, command, out.out[-2000:] + out.err[-2000:])
+
+
+def test_every_yaml_example_in_the_docs_reads_and_every_whole_plan_validates():
+    import yaml
+
+    import shardplan
+    from shardplan.checks.report import check_plan_only
+    examples = [(path.name, block) for path in DOCS for block in _blocks(path, "yaml")]
+    assert len(examples) >= 5
+    for page, block in examples:
+        assert isinstance(yaml.safe_load(block), dict), (page, block[:200])
+        if block.lstrip().startswith(("version: 1", "# ")) and "version: 1" in block:
+            plan = shardplan.parse_plan(block, file=page)
+            errors = [d for d in check_plan_only(plan, 8) if d.severity == "error"]
+            assert not errors, (page, [d.format() for d in errors])
