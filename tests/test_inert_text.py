@@ -24,7 +24,7 @@ hostile = st.lists(st.one_of(st.sampled_from(SEQUENCES), st.text("ab_/.", min_si
 TINY = ["--config", "vocab_size=64", "--config", "embed_dim=32", "--config", "num_heads=4", "--config",
         "feed_forward_dim=64", "--config", "num_transformer_blocks=2", "--config", "maxlen=16"]
 MINIGPT = ["--model", "minigpt_model:MiniGPT", *TINY]
-FUZZ = settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+FUZZ = settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 
 
 def run(main, capsys, *argv) -> tuple[int, str]:
@@ -68,10 +68,10 @@ def test_plan_fields_through_every_plan_command(tmp_path_factory, capsys, s):
         plan = folder / f"{field}.yaml"
         plan.write_text(text)
         svg = folder / f"{field}.svg"
-        for argv in (["validate", plan, *MINIGPT], ["validate", plan, "--plan-only"], ["inspect", plan, *MINIGPT],
-                     ["inspect", plan, *MINIGPT, "--json"], ["inspect", plan, *MINIGPT, "--svg", svg],
-                     ["explain", plan, s], ["export", plan], ["diff", plan, plan, *MINIGPT],
-                     ["params", "--plan", plan, *MINIGPT]):
+        # inspect prints what validate does (diagnostics, verdict) and more; diff and params print the specs
+        for argv in (["validate", plan, "--plan-only"], ["inspect", plan, *MINIGPT, "--svg", svg],
+                     ["inspect", plan, *MINIGPT, "--json"], ["explain", plan, s], ["export", plan],
+                     ["diff", plan, plan, *MINIGPT], ["params", "--plan", plan, *MINIGPT]):
             code, out = run(shardplan_cli.main, capsys, *argv)
             assert code != 3, out
             assert_inert(out, f"{field} via {argv[0]}")

@@ -1,5 +1,6 @@
-"""Multi-process training: 2 processes x 4 simulated devices equal 1 process x 8, via the local
-launcher and via Ray; a killed process fails the run quickly and by name, and --resume finishes it."""
+"""Multi-process training: 2 processes x 4 simulated devices equal 1 process x 8 via Ray (via the local
+launcher: tests/test_preemption.py); a killed process fails the run quickly and by name, and --resume
+finishes it."""
 
 import json
 import os
@@ -42,19 +43,6 @@ def one_process(tmp_path, steps: int, plan: str = "plans/minigpt_dp_tp.yaml") ->
     """The same run in this process, on 8 devices (the schedule depends on the step count)."""
     return train(tiny_config(tmp_path / "single", steps=steps, checkpoint_every=5, eval_every=1000,
                              warmup_steps=5, plan=plan)).losses
-
-
-def test_local_launcher_two_processes_match_one(tmp_path):
-    out = tmp_path / "run"
-    done = subprocess.run([*LAUNCH, "--local", "2", "--", *train_args(out, 10)], cwd=REPO, env=env(),
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:]
-    assert "[p0] " in done.stdout and "[launch] process 1: pid" in done.stdout
-    assert "all 2 processes finished" in done.stdout
-    assert "[Gloo]" not in done.stdout          # per-rank connection chatter, shown only with --verbose
-    assert "8 device(s)" in done.stdout                         # one global mesh over both processes
-    got, expected = losses_of(out), one_process(tmp_path, 10)
-    np.testing.assert_allclose([got[s] for s in range(1, 11)], [expected[s] for s in range(1, 11)], rtol=1e-5)
 
 
 def test_killed_process_fails_the_run_by_name_and_resume_finishes_it(tmp_path):

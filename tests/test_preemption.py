@@ -39,9 +39,9 @@ def wait_for(condition, process, what: str, timeout: float = 240.0) -> None:
 
 
 def start_training(tmp_path, *, until_step: int):
-    """A 30-step run checkpointing every 10 steps, in its own process, once it has finished `until_step`."""
+    """A 20-step run checkpointing every 10 steps, in its own process, once it has finished `until_step`."""
     out = tmp_path / "run"
-    args = [*train_args(out, 30), "--checkpoint-every", "10"]
+    args = [*train_args(out, 20), "--checkpoint-every", "10"]
     run = subprocess.Popen([*TRAIN, *args], cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True)
     wait_for(lambda: steps_done(out) >= until_step, run, f"step {until_step}")
@@ -49,8 +49,9 @@ def start_training(tmp_path, *, until_step: int):
 
 
 def said(text: str) -> str:
-    """What the processes printed, as one line: launcher prefixes and line breaks taken out."""
-    return " ".join(re.sub(r"(?m)^\[p\d+\] ", "", text).split())
+    """What the processes printed with launcher prefixes and all whitespace taken out (lines wrap at the
+    console's width, long paths after a '/'); compare with `said(expected)`."""
+    return "".join(re.sub(r"(?m)^\[p\d+\] ", "", text).split())
 
 
 def steps_done(out) -> int:
@@ -72,17 +73,17 @@ def test_sigterm_saves_the_step_in_flight_and_resume_matches_an_uninterrupted_ru
     text, _ = run.communicate(timeout=120)
     assert run.returncode == EXIT_PREEMPTED, text[-3000:]
     last = max(losses_of(out))
-    assert 13 <= last < 30 and saved_steps(out)[-1] == last, (last, saved_steps(out))     # no finished step lost
-    assert f"preempted: saved step {last} to {out / 'checkpoints'}" in said(text)
+    assert 13 <= last < 20 and saved_steps(out)[-1] == last, (last, saved_steps(out))     # no finished step lost
+    assert said(f"preempted: saved step {last} to {out / 'checkpoints'}") in said(text)
     assert "--resume" in text
 
     resumed = subprocess.run([*TRAIN, *args, "--resume"], cwd=REPO, env=env(), capture_output=True, text=True,
                              timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resumed from step {last}" in resumed.stdout
-    final, expected = losses_of(out), uninterrupted(tmp_path, 30)
-    assert sorted(final) == list(range(1, 31))
-    np.testing.assert_allclose([final[s] for s in range(1, 31)], [expected[s] for s in range(1, 31)], rtol=1e-5)
+    final, expected = losses_of(out), uninterrupted(tmp_path, 20)
+    assert sorted(final) == list(range(1, 21))
+    np.testing.assert_allclose([final[s] for s in range(1, 21)], [expected[s] for s in range(1, 21)], rtol=1e-5)
 
 
 def test_a_second_sigterm_during_the_save_keeps_the_previous_checkpoint(tmp_path):
@@ -112,8 +113,13 @@ def test_launcher_forwards_sigterm_all_save_one_step_and_a_damaged_one_is_set_as
     text, _ = launcher.communicate(timeout=120)
     assert launcher.returncode == EXIT_PREEMPTED, text[-3000:]
     assert "[launch] preempted: all 2 processes saved the same step" in text
+    assert "[p0] " in text and "[launch] process 1: pid" in text and "[Gloo]" not in text     # gloo chatter hidden
+    assert "8 device(s)" in text                                # one global mesh over both processes
     last = max(losses_of(out))
     assert 12 <= last < 20 and saved_steps(out)[-1] == last, (last, saved_steps(out))
+    expected = uninterrupted(tmp_path, 20)          # 2 processes x 4 devices compute what 1 x 8 does
+    np.testing.assert_allclose([losses_of(out)[s] for s in range(1, last + 1)],
+                               [expected[s] for s in range(1, last + 1)], rtol=1e-5)
 
     newest = out / "checkpoints" / str(last)     # flip bytes of one recorded file of the step just saved
     victim = newest / sorted(json.loads((newest / CHECKSUMS).read_text()))[0]
@@ -121,7 +127,10 @@ def test_launcher_forwards_sigterm_all_save_one_step_and_a_damaged_one_is_set_as
     resumed = subprocess.run([*LAUNCH, "--local", "2", "--", *args, "--resume"], cwd=REPO, env=env(),
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
-    assert f"checkpoint step {last}" in said(resumed.stdout) and "is damaged" in said(resumed.stdout)
-    assert "resumed from step 10" in said(resumed.stdout) and "agreed by all 2 processes" in said(resumed.stdout)
+    printed = said(resumed.stdout)
+    assert said(f"checkpoint step {last}") in printed and said("is damaged") in printed
+    assert said("resumed from step 10") in printed and said("agreed by all 2 processes") in printed
     assert any(p.name.startswith(f"step-{last}-") for p in (out / "damaged").iterdir())
-    np.testing.assert_allclose(losses_of(out)[20], uninterrupted(tmp_path, 20)[20], rtol=1e-5)
+    assert "all 2 processes finished" in resumed.stdout
+    np.testing.assert_allclose([losses_of(out)[s] for s in range(1, 21)], [expected[s] for s in range(1, 21)],
+                               rtol=1e-5)

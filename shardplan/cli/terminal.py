@@ -86,9 +86,11 @@ def _lines(plain: str, width: int, indent: int) -> list[tuple[int, int]]:
         if end > start and bare_end - start > room:         # the word does not fit on this line
             spans.append((start, end))
             start, room = w_start, width - indent
-        while bare_end - start > room:                       # a word longer than a line
-            spans.append((start, start + room))
-            start, room = start + room, width - indent
+        while bare_end - start > room:                       # a word longer than a line: break after a '/'
+            slash = plain.rfind("/", start, start + room)
+            cut = slash + 1 if slash - start >= room // 2 else start + room
+            spans.append((start, cut))
+            start, room = cut, width - indent
         end = bare_end
     if end > start or not spans:
         spans.append((start, max(end, start)))
