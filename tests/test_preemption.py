@@ -86,7 +86,7 @@ def test_sigterm_saves_the_step_in_flight_and_resume_matches_an_uninterrupted_ru
     np.testing.assert_allclose([final[s] for s in range(1, 21)], [expected[s] for s in range(1, 21)], rtol=1e-5)
 
 
-def test_a_second_sigterm_during_the_save_keeps_the_previous_checkpoint(tmp_path):
+def test_a_second_sigterm_during_the_save_keeps_the_previous_checkpoint_and_resume_finishes(tmp_path):
     out, args, run = start_training(tmp_path, until_step=12)
     run.send_signal(signal.SIGTERM)
     saving = lambda: any("tmp" in p.name for p in (out / "checkpoints").iterdir())   # orbax's unfinished step
@@ -95,12 +95,19 @@ def test_a_second_sigterm_during_the_save_keeps_the_previous_checkpoint(tmp_path
     text, _ = run.communicate(timeout=60)
     assert run.returncode == -signal.SIGTERM, f"the second signal did not stop the save: {text[-2000:]}"
     assert saved_steps(out) == [10] and "preemption notice" in text
-    checkpoints = Checkpoints(out / "checkpoints")     # what --resume reads first (resuming: the test above)
+    checkpoints = Checkpoints(out / "checkpoints")     # the torn save is no step; the one before is intact
     try:
         step, meta = next(checkpoints.intact_steps())
     finally:
         checkpoints.close()
     assert step == 10 and meta["data_step"] == 10
+    # a process killed mid-save, like one killed at any moment, resumes to the uninterrupted run's losses
+    resumed = subprocess.run([*TRAIN, *args, "--resume"], cwd=REPO, env=env(), capture_output=True, text=True,
+                             timeout=300)
+    assert resumed.returncode == 0 and "resumed from step 10" in resumed.stdout, resumed.stdout[-3000:]
+    final = losses_of(out)
+    assert sorted(final) == list(range(1, 21))
+    np.testing.assert_allclose(final[20], uninterrupted(tmp_path, 20)[20], rtol=1e-5)
 
 
 def test_launcher_forwards_sigterm_all_save_one_step_and_a_damaged_one_is_set_aside_by_agreement(tmp_path):
