@@ -240,6 +240,8 @@ def test_easydel_files_with_several_lists_are_chosen_explicitly_never_silently(t
     err = " ".join(capsys.readouterr().err.split())
     assert "holds 2 rule lists" in err and "LlamaConfig.get_partition_rules when fully_sharded_data_parallel=True" in err
     assert "VisionLlamaConfig" in err and "--list NAME" in err
+    assert main([*base, "--list", "LlamaConfig", "--flag", "fsdp=false"]) == 2      # a flag that can do nothing
+    assert "--flag fsdp: no rule list depends on it" in " ".join(capsys.readouterr().err.split())
     lists = rule_lists(EASYDEL, "python", "llama_config.py")
     model, paths = _minigpt_paths()
     for flags, wanted in (([], True), (["--flag", "fully_sharded_data_parallel=false"], False)):

@@ -329,6 +329,9 @@ def _convert(args, console: Console) -> int:
         return read_bounded(Path(name), MAX_PLAN_BYTES).decode("utf-8", errors="replace")
     if not args.rules and not args.logical_rules:
         raise UsageError("give a rule list, --logical-rules, or both")
+    if (args.list or args.flag) and not args.rules:
+        raise UsageError("--list and --flag choose among the lists of a rule file; give one (they do not apply to "
+                         "--logical-rules)")
     mesh = _mesh_argument(args.mesh)
     flags = dict(_flag_argument(flag) for flag in args.flag)
     chosen, how = None, ""

@@ -66,6 +66,10 @@ def pick(lists: list[RuleList], source: str, *, choose: str | None, flags: dict[
     key); `flags` fix the arguments their conditions test; an argument neither fixes takes the
     function's literal default. More than one list left is refused, listing them.
     """
+    tested = {name for rl in lists for name, _ in rl.when}
+    if set(flags) - tested:
+        raise ConvertError(f"{source}: --flag {', '.join(sorted(set(flags) - tested))}: no rule list depends on it "
+                           f"({'they depend on ' + ', '.join(sorted(tested)) if tested else 'none depends on any argument'})")
     if choose:
         lists = [rl for rl in lists if choose in rl.where.split(".") or choose == rl.where]
         if not lists:

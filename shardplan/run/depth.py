@@ -19,6 +19,7 @@ from shardplan.checks.paths import ParamInfo, param_infos
 # Below this many layers the model is built as it is: the probe's two builds would cost as much.
 SHALLOW_ENOUGH = 16
 _LAYER = re.compile(r"(.+?)/(\d+)/(.+)")
+_DEPTH_NAME = re.compile(r"layer|block|depth", re.IGNORECASE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +37,10 @@ class Deep:
 def read_deep(build, config: dict[str, Any]) -> Deep | None:
     """`build(config, order) -> abstract model` probed at depths 2 and 3 on each int config key above
     `SHALLOW_ENOUGH`; the first key that is a pure depth gives the deep model, else None (build it whole)."""
-    for key, depth in config.items():
+    # Keys named like a depth first: probing another key (a vocabulary size) builds the model whole, twice.
+    keys = sorted(config, key=lambda key: not _DEPTH_NAME.search(key))
+    for key in keys:
+        depth = config[key]
         if type(depth) is not int or depth <= SHALLOW_ENOUGH:
             continue
         builds = []
