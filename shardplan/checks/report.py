@@ -12,6 +12,7 @@ from shardplan.checks.stages import StageMap, check_microbatches, plan_stages
 from shardplan.checks.step import check_step_axes
 from shardplan.checks.validate import (Placement, data_axes, idle_axes, rule_level, validate_inputs,
                                        validate_optimizer, validate_params)
+from shardplan.experts.checks import check_experts, expert_blocks
 from shardplan.plan.diagnostics import Diagnostic
 from shardplan.plan.matching import checked_pattern, compile_rules
 from shardplan.plan.schema import Plan
@@ -28,6 +29,7 @@ class Report:
     params: list[ParamLayout]
     devices: list[DeviceTotals]
     stage_map: StageMap | None = None
+    experts: tuple = ()                 # BlockRoles of the plan's MoE blocks
 
     @property
     def errors(self) -> list[Diagnostic]:
@@ -112,10 +114,10 @@ def check(plan: Plan, model, mesh=None, *, input_shapes: dict[str, tuple[int, ..
     report = check_params(plan, param_infos(model), device_ids, input_shapes=input_shapes,
                           processes=jax.process_count(), given_mesh=None if mesh is None else dict(mesh.shape),
                           given_types=None if mesh is None else _axis_types(mesh))
-    return with_model_checks(report, plan, model, example)
+    return with_model_checks(report, plan, model, example, mesh)
 
 
-def with_model_checks(report: Report, plan: Plan, model, example: Callable | None = None) -> Report:
+def with_model_checks(report: Report, plan: Plan, model, example: Callable | None = None, mesh=None) -> Report:
     """`report` plus what needs the model itself: its module paths against the step options' rules and,
     given an example call (`example`, or the plan's input shapes), whether it can run its layers as the
     pipeline does and whether the activation specs fit the outputs they name."""
@@ -124,12 +126,16 @@ def with_model_checks(report: Report, plan: Plan, model, example: Callable | Non
     from shardplan.checks.paths import module_paths
     found = check_step_modules(plan, [path for path, _ in module_paths(model)]) if plan.activations or plan.remat else []
     call = None
-    if report.stage_map is not None or plan.activations:
+    if report.stage_map is not None or plan.activations or report.experts:
         call = example if example is not None else example_call(plan, model)
     if call is not None and report.stage_map is not None:
         found += check_layer_calls(plan, model, call)
     if call is not None and not report.errors:
         found += check_step_shapes(plan, model, report.axes, call)
+    if call is not None and report.experts and not report.errors:
+        from shardplan.checks.mesh import make_mesh
+        from shardplan.experts.contract import check_expert_calls
+        found += check_expert_calls(plan, model, report, call, mesh if mesh is not None else make_mesh(plan))
     if not found:
         return report
     stage_map = None if any(d.severity == "error" for d in found) else report.stage_map
@@ -171,8 +177,11 @@ def check_params(plan: Plan, params: list[ParamInfo], device_ids: list[int], *,
     placements, found = validate_params(plan, params, rules, sizes)
     diagnostics += found + validate_inputs(plan, sizes, input_shapes) + validate_optimizer(plan, sizes)
     diagnostics += idle_axes(plan, placements, sizes) + check_step_axes(plan, sizes) if not mesh_diagnostics else []
-    stage_map, staging = plan_stages(plan, params, sizes, {p.param.path: p.spec for p in placements})
+    specs = {p.param.path: p.spec for p in placements}
+    stage_map, staging = plan_stages(plan, params, sizes, specs)
     diagnostics += staging
+    expert_roles, found = expert_blocks(plan, params)
+    diagnostics += found + (check_experts(plan, expert_roles, specs, sizes) if not mesh_diagnostics else [])
     if input_shapes:
         batch = next(iter(input_shapes.values()))[0]
         diagnostics += check_microbatches(plan, batch, sizes, data_axes(plan, sizes))
@@ -180,7 +189,7 @@ def check_params(plan: Plan, params: list[ParamInfo], device_ids: list[int], *,
     layouts = [_layout(p, sizes, data, stage_map) for p in placements]
     axis = plan.pipeline.axis if stage_map else None
     devices = device_totals(layouts, sizes, device_ids, axis) if not mesh_diagnostics else []
-    return Report(plan, sizes, device_ids, diagnostics, layouts, devices, stage_map)
+    return Report(plan, sizes, device_ids, diagnostics, layouts, devices, stage_map, tuple(expert_roles))
 
 
 def check_plan_only(plan: Plan, device_count: int) -> list[Diagnostic]:

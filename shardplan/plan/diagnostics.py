@@ -59,6 +59,16 @@ CODES: dict[str, str] = {
     "stage-layers-differ": "layers differ in parameters, shapes or specs and cannot be stacked",
     "pipeline-layer-call": "the model calls its layers in a way a pipeline cannot run (per-layer arguments, code between layers, caches)",
     "example-call-failed": "the model fails on the example inputs (the plan's input shapes or `example=`)",
+    # experts
+    "experts-invalid-regex": "`experts.blocks` is not a valid regular expression",
+    "experts-no-block": "`experts.blocks` matches no module that holds parameters",
+    "experts-no-router": "a block `experts.blocks` matches has no recognisable router and stacked expert weights",
+    "experts-no-axis": "`experts.axis` is not a mesh axis",
+    "experts-indivisible": "a block's expert count is not divisible by the expert axis",
+    "experts-axis-inconsistent": "an expert weight's spec does not put exactly the expert axis on its expert dim",
+    "experts-with-pipeline": "expert parallelism inside pipeline stages (not yet supported)",
+    "experts-contract": "a MoE block's code uses its experts in a way expert parallelism cannot run",
+    "experts-capacity-drops": "a capacity dispatch that drops tokens (expected share for a uniform router)",
     # step options
     "accumulate-microbatches": "the `accumulate` count does not divide each data shard's batch",
     "accumulate-with-pipeline": "`accumulate` and a pipeline both split the batch into microbatches",

@@ -168,6 +168,28 @@ class Precision(_Strict):
                                   "back in the parameters' dtype.")
 
 
+class ExpertsConfig(_Strict):
+    blocks: str = Field(description="Regular expression that must fully match the module path of each mixture-of-"
+                                    "experts block (e.g. `layers/\\d+/moe`). A block holds a router weight [D, E] and "
+                                    "expert weights stacked on a leading dim of E, and runs its experts through "
+                                    "jax.lax.ragged_dot on rows sorted by expert (docs/experts.md).")
+    axis: AxisName = Field(description="Mesh axis the experts are split over: each device holds E / size of them. "
+                                       "Its own axis, or the data axis (experts folded onto data parallelism).")
+    dispatch: Literal["dropless", "capacity"] = Field(
+        default="dropless", description="dropless: every routed token reaches its expert (each device's exchange "
+        "has room for all its tokens at every expert); capacity: room for capacity_factor x the uniform share, "
+        "rows beyond it dropped (their expert output is zero), as GShard, MaxText and Megatron do.")
+    capacity_factor: float | None = Field(
+        default=None, gt=0, le=64, description="With dispatch: capacity, slots per (device, expert) as a multiple "
+        "of the rows a uniform router sends there (1.25 is common).")
+
+    @model_validator(mode="after")
+    def _capacity_given(self) -> "ExpertsConfig":
+        if (self.dispatch == "capacity") != (self.capacity_factor is not None):
+            raise ValueError("dispatch: capacity needs a capacity_factor, and only it takes one")
+        return self
+
+
 class Plan(_Strict):
     """A parsed plan. `locate(...)` maps a key path to its file position."""
 
@@ -191,6 +213,8 @@ class Plan(_Strict):
     optimizer: Literal["same", "zero1"] = Field(
         default="same", description="same: optimizer state mirrors its parameter; zero1: also shard it over the data axis.")
     pipeline: PipelineConfig | None = Field(default=None, description="Pipeline stages (needs a mesh axis named by `axis`).")
+    experts: ExpertsConfig | None = Field(default=None, description="Expert parallelism for mixture-of-experts "
+                                          "blocks: which modules, over which axis, how tokens are dispatched.")
     activations: list[ActivationRule] = Field(
         default_factory=list, description="Ordered rules from module paths to the spec of the module's output, "
                                           "applied as sharding constraints; the first full match wins.")

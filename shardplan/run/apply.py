@@ -39,6 +39,9 @@ def apply_plan(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh, *, exampl
     """
     report = _checked(plan, model, mesh, example)
     specs = {layout.path: layout.spec for layout in report.params}
+    if report.experts:           # before the step options, so remat and constraints wrap the exchange
+        from shardplan.experts.block import install
+        install(plan, model, mesh, report.experts)
     apply_step_options(plan, model, mesh)
     if report.stage_map is not None:
         return _pipelined(plan, model, mesh, report, specs)

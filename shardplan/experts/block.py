@@ -1,0 +1,197 @@
+"""A MoE block made expert-parallel in place: its class becomes a subclass whose `__call__` runs the
+block's own code on each device's tokens, inside `jax.shard_map` over the batch axes, with each device's
+own experts (see `interpret`). Parameter paths, the graph and the block's code stay as they are.
+
+Outputs of the block that do not depend on the experts (a load-balancing loss, the router's logits,
+RNG counters) are taken from the block's ordinary call over the whole batch, so they equal one
+device's; XLA drops the experts from that call since nothing reads them there.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+import math
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from shardplan.experts import interpret
+
+
+# While `contract.check_expert_calls` traces: a list each exchange adds (block id, rows, tokens, experts, slots) to.
+TRACED: contextvars.ContextVar = contextvars.ContextVar("shardplan_expert_exchanges", default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertOptions:
+    """How one kind of block runs (hashable: it keys the subclass cache)."""
+
+    mesh: jax.sharding.Mesh
+    axis: str                        # the expert axis
+    batch_axes: tuple[str, ...]      # axes the tokens are split over (the expert axis among them)
+    experts: tuple[str, ...]         # paths, within the block, of the expert-stacked weights
+    capacity_factor: float | None    # None: dropless
+
+
+def make_expert_parallel(module: nnx.Module, options: ExpertOptions) -> None:
+    if not hasattr(type(module), "_shardplan_experts"):
+        module.__class__ = _expert_class(type(module), options)
+
+
+def plain_class(module) -> type:
+    return type(module).__mro__[1] if hasattr(type(module), "_shardplan_experts") else type(module)
+
+
+@functools.cache
+def _expert_class(cls: type, options: ExpertOptions) -> type:
+    @functools.wraps(cls.__call__)
+    def __call__(self, *args, **kwargs):
+        return expert_parallel_call(cls.__call__, options, self, args, kwargs)
+    namespace = {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                 "_shardplan_experts": options}
+    return type(cls)(cls.__name__, (cls,), namespace)
+
+
+def _is_array(x) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+@dataclasses.dataclass
+class Traced:
+    """The block's call as a pure function of its array leaves, traced on one device's tokens."""
+
+    closed: object
+    out_tree: object
+    tokens: list[int]         # positions of the token arrays among the leaves
+    experts: list[int]        # positions of the expert weights
+    depends: list[bool]       # per output leaf: does it depend on the experts?
+    local_rows: int
+
+
+def trace_block(original, options: ExpertOptions, module, args: tuple, kwargs: dict):
+    """(pure function of the array leaves, the leaves, `Traced`)."""
+    graphdef, state = nnx.split(module)
+    flat, tree = jax.tree.flatten((state, args, kwargs))
+    arrays = [k for k, x in enumerate(flat) if _is_array(x)]
+    state_leaves = len(jax.tree.leaves(state))
+
+    def pure(*leaves):
+        full = list(flat)
+        for k, x in zip(arrays, leaves):
+            full[k] = x
+        state, args, kwargs = jax.tree.unflatten(tree, full)
+        copy = nnx.merge(graphdef, state)
+        out = original(copy, *args, **kwargs)
+        return out, nnx.state(copy, nnx.Not(nnx.Param))
+
+    paths = ["/".join(str(getattr(k, "key", k)) for k in keys) for keys, _ in nnx.to_flat_state(state)]
+    expert_positions = [arrays.index(k) for k, path in enumerate(paths) if path in options.experts]
+    leaves = [flat[k] for k in arrays]
+    devices = math.prod(options.mesh.shape[a] for a in options.batch_axes)
+    batch = next((x.shape[0] for k, x in zip(arrays, leaves) if k >= state_leaves and x.ndim), None)
+    tokens = [i for i, (k, x) in enumerate(zip(arrays, leaves)) if k >= state_leaves and x.ndim and x.shape[0] == batch]
+    if batch is None or batch % devices:
+        raise interpret.ContractError(f"the block's input batch ({batch}) is not divisible by the {devices} devices "
+                                      f"of {options.batch_axes}", None)
+    avals = [jax.ShapeDtypeStruct((x.shape[0] // devices, *x.shape[1:]) if i in tokens else x.shape, x.dtype)
+             for i, x in enumerate(leaves)]
+    closed, shapes = jax.make_jaxpr(pure, return_shape=True)(*avals)
+    out_tree = jax.tree.structure(shapes)
+    depends = _depends_on(closed.jaxpr, set(expert_positions))
+    local = next(iter(avals[i] for i in tokens))
+    rows = int(np.prod(local.shape[:-1])) if local.ndim > 1 else local.shape[0]
+    return pure, leaves, Traced(closed, out_tree, tokens, expert_positions, depends, rows)
+
+
+def _depends_on(jaxpr, inputs: set[int]) -> list[bool]:
+    marked = {v for k, v in enumerate(jaxpr.invars) if k in inputs}
+    for eqn in jaxpr.eqns:
+        if any(not hasattr(v, "val") and v in marked for v in eqn.invars):
+            marked.update(eqn.outvars)
+    return [not hasattr(v, "val") and v in marked for v in jaxpr.outvars]
+
+
+def capacity_rule(options: ExpertOptions, local_rows: int, block: int):
+    def capacity(rows: int, experts: int) -> int:
+        if options.capacity_factor is None:
+            # each token picks an expert at most once: a device's tokens fill any one expert's slots
+            slots = local_rows if rows % local_rows == 0 else rows
+        else:
+            slots = max(1, math.ceil(options.capacity_factor * rows / experts))
+        seen = TRACED.get()
+        if seen is not None:
+            seen.append((block, rows, local_rows, experts, slots))
+        return slots
+    return capacity
+
+
+def expert_parallel_call(original, options: ExpertOptions, module, args: tuple, kwargs: dict):
+    try:
+        return _expert_parallel_call(original, options, module, args, kwargs)
+    except interpret.ContractError as exc:
+        exc.block = type(module) if exc.block is None else exc.block
+        raise
+
+
+def _expert_parallel_call(original, options: ExpertOptions, module, args: tuple, kwargs: dict):
+    pure, leaves, traced = trace_block(original, options, module, args, kwargs)
+    size = options.mesh.shape[options.axis]
+    dependent = [k for k, d in enumerate(traced.depends) if d]
+    out_avals = traced.closed.out_avals
+    for k in dependent:
+        if not out_avals[k].ndim or out_avals[k].shape[0] != traced.closed.in_avals[traced.tokens[0]].shape[0]:
+            raise interpret.ContractError("an output that depends on the experts is not one row per token "
+                                          f"(shape {out_avals[k].shape}); expert parallelism needs each token's "
+                                          "output to depend only on that token", None)
+
+    def per_device(*local):
+        ex = interpret.Exchange(options.axis, size, capacity_rule(options, traced.local_rows, type(module)))
+        outs = interpret.run(traced.closed, list(local), set(traced.experts), ex)
+        return [outs[k] for k in dependent]
+
+    rows = P(options.batch_axes)
+    in_specs = [rows if i in traced.tokens else P(options.axis) if i in traced.experts else P()
+                for i in range(len(leaves))]
+    sharded = jax.shard_map(per_device, mesh=options.mesh, in_specs=tuple(in_specs),
+                            out_specs=[rows] * len(dependent), axis_names=set(options.batch_axes), check_vma=False)
+    parallel = jax.jit(sharded)(*leaves)
+    outs = [None] * len(out_avals)
+    for k, value in zip(dependent, parallel):
+        outs[k] = value
+    if len(dependent) < len(outs):
+        whole = jax.tree.leaves(pure(*leaves))
+        outs = [whole[k] if value is None else value for k, value in enumerate(outs)]
+    out, rest = jax.tree.unflatten(traced.out_tree, outs)
+    if jax.tree.leaves(rest):
+        nnx.update(module, rest)
+    return out
+
+
+def expert_options(plan, mesh, roles) -> dict[str, ExpertOptions]:
+    """Block path -> how it runs, for the plan's MoE blocks."""
+    from shardplan.checks.validate import data_axes
+    axis = plan.experts.axis
+    batch = data_axes(plan, dict(mesh.shape))
+    batch = batch if axis in batch else (*batch, axis)
+    capacity = plan.experts.capacity_factor if plan.experts.dispatch == "capacity" else None
+    found = {}
+    for r in roles:
+        prefix = r.block + "/" if r.block else ""
+        found[r.block] = ExpertOptions(mesh, axis, batch, tuple(p[len(prefix):] for p in r.experts), capacity)
+    return found
+
+
+def install(plan, model, mesh, roles) -> list[tuple[nnx.Module, type]]:
+    """Make the plan's MoE blocks expert-parallel in place; (module, its class before) of each."""
+    from shardplan.checks.paths import module_paths
+    options = expert_options(plan, mesh, roles)
+    changed = []
+    for path, module in module_paths(model):
+        if path in options and not hasattr(type(module), "_shardplan_experts"):
+            changed.append((module, type(module)))
+            make_expert_parallel(module, options[path])
+    return changed

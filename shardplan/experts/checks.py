@@ -1,0 +1,99 @@
+"""The plan's `experts:` section against the model's parameters and the mesh (pure)."""
+
+from __future__ import annotations
+
+import math
+
+from shardplan.checks.paths import ParamInfo
+from shardplan.experts.roles import BlockRoles, block_roles, module_prefixes
+from shardplan.plan.diagnostics import Diagnostic
+from shardplan.plan.matching import checked_pattern
+from shardplan.plan.schema import Plan
+
+ROLE_HINT = ("a MoE block holds a router weight [D, E] and expert weights stacked as [E, ...] "
+             "(e.g. [E, D, F] and [E, F, D]); see docs/experts.md")
+
+
+def expert_blocks(plan: Plan, params: list[ParamInfo]) -> tuple[list[BlockRoles], list[Diagnostic]]:
+    """The roles in every block `experts.blocks` matches, and what is wrong with the section."""
+    experts = plan.experts
+    if experts is None:
+        return [], []
+    line, col = plan.locate("experts", "blocks")
+    where = dict(file=plan.file, line=line, column=col)
+    pattern, problem = checked_pattern(experts.blocks, "experts.blocks", invalid_code="experts-invalid-regex", **where)
+    if problem:
+        return [], [problem]
+    blocks = [path for path in module_prefixes(params) if pattern.fullmatch(path)]
+    if not blocks:
+        return [], [Diagnostic("experts-no-block", "error", f"experts.blocks {experts.blocks!r} matches no module "
+                               "that holds parameters", hint="module paths look like `layers/0/moe`; "
+                               "`shardplan inspect` lists the parameters", **where)]
+    roles, found = [], []
+    for block in blocks:
+        r = block_roles(block, params)
+        if r.router is None:
+            found.append(Diagnostic("experts-no-router", "error", f"block {block!r} has no router and stacked expert "
+                                    "weights shardplan can recognise", path=block, hint=ROLE_HINT, **where))
+        else:
+            roles.append(r)
+    return roles, found
+
+
+def check_experts(plan: Plan, roles: list[BlockRoles], specs: dict[str, tuple], sizes: dict[str, int]) -> list[Diagnostic]:
+    """The expert axis against the mesh, the expert counts and the parameter rules."""
+    experts = plan.experts
+    if experts is None:
+        return []
+    line, col = plan.locate("experts", "axis")
+    where = dict(file=plan.file, line=line, column=col)
+    if experts.axis not in sizes:
+        return [Diagnostic("experts-no-axis", "error", f"experts.axis {experts.axis!r} is not a mesh axis "
+                           f"(the mesh has {', '.join(sizes)})", hint="name an axis of `mesh.axes`, its own "
+                           "(e.g. expert: 4) or the data axis", **where)]
+    found = []
+    if plan.pipeline is not None:
+        pl, pc = plan.locate("pipeline")
+        found.append(Diagnostic("experts-with-pipeline", "error", "expert parallelism does not yet run inside "
+                                "pipeline stages", file=plan.file, line=pl, column=pc,
+                                hint="drop `pipeline` (use data, expert and tensor axes) or drop `experts`"))
+    size = sizes[experts.axis]
+    for r in roles:
+        if r.count % size:
+            found.append(Diagnostic("experts-indivisible", "error", f"block {r.block!r} has {r.count} experts, which "
+                                    f"the {size} devices of axis {experts.axis!r} do not divide", path=r.block,
+                                    hint=f"an expert axis size that divides {r.count}", **where))
+        for path in r.experts:
+            spec = specs.get(path)
+            if spec is None:
+                continue
+            lead = spec[0] if spec else None
+            later = [a for entry in spec[1:] if entry for a in entry]
+            if lead != (experts.axis,) or experts.axis in later:
+                found.append(Diagnostic(
+                    "experts-axis-inconsistent", "error",
+                    f"{path} is an expert stack of block {r.block!r} (dim 0 is its {r.count} experts, the router "
+                    f"{r.router} gives {r.count} scores), but its spec puts "
+                    f"{_entry(lead)} on dim 0{' and ' + experts.axis + ' on a later dim' if experts.axis in later else ''}",
+                    path=path, hint=f"give it spec [{experts.axis}, ...]: dim 0 over experts.axis and nothing else; "
+                    "later dims may use other axes (FSDP, tensor)", file=plan.file))
+    return found
+
+
+def _entry(entry) -> str:
+    return "nothing" if not entry else " x ".join(entry)
+
+
+def expected_drop_share(tokens: int, experts: int, top_k: int, capacity: int) -> float:
+    """Share of routed rows dropped when each of `tokens` tokens picks `top_k` of `experts` experts uniformly
+    and each (device, expert) pair has `capacity` slots: E[max(X - C, 0)] / E[X], X ~ Binomial(tokens, k/E)."""
+    p = min(1.0, top_k / experts)
+    mean = tokens * p
+    if mean == 0 or capacity >= tokens:
+        return 0.0
+    over = 0.0
+    for x in range(capacity + 1, tokens + 1):
+        log_pmf = (math.lgamma(tokens + 1) - math.lgamma(x + 1) - math.lgamma(tokens - x + 1)
+                   + x * math.log(p) + (tokens - x) * math.log1p(-p)) if 0 < p < 1 else (0.0 if x == tokens else -math.inf)
+        over += (x - capacity) * math.exp(log_pmf)
+    return over / mean

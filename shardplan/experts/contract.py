@@ -1,0 +1,51 @@
+"""Whether the plan's MoE blocks can run expert-parallel, found by tracing one example call abstractly
+with the blocks made expert-parallel (nothing is compiled or run)."""
+
+from __future__ import annotations
+
+from shardplan.experts.checks import expected_drop_share
+from shardplan.plan.diagnostics import Diagnostic
+
+
+def check_expert_calls(plan, model, report, call, mesh) -> list[Diagnostic]:
+    import jax
+    from flax import nnx
+
+    from shardplan.checks.paths import module_paths
+    from shardplan.experts.block import TRACED, install
+    from shardplan.experts.interpret import ContractError
+    paths = {id(m): p for p, m in module_paths(model)}
+    changed = install(plan, model, mesh, report.experts)
+    # the traced call runs on a copy of the model: its blocks are known by their class
+    names = {type(m): ", ".join(paths[id(o)] for o, _ in changed if type(o) is type(m)) for m, _ in changed}
+    seen: list = []
+    token = TRACED.set(seen)
+    line, col = plan.locate("experts", "blocks")
+    try:
+        graphdef, state = nnx.split(model)
+        jax.eval_shape(lambda s: call(nnx.merge(graphdef, s)), state)
+    except ContractError as exc:
+        block = names.get(exc.block, "?")
+        return [Diagnostic("experts-contract", "error", f"block {block}: {exc}"
+                           + (f" (at {exc.where})" if exc.where else ""), file=plan.file, line=line, column=col,
+                           path=block.split(", ")[0], hint="see docs/experts.md for what a MoE block may look like")]
+    except Exception:      # the example call's own failure is reported by the other model checks
+        return []
+    finally:
+        TRACED.reset(token)
+        for module, cls in changed:
+            module.__class__ = cls
+    found = []
+    if plan.experts.dispatch == "capacity":
+        for block, rows, tokens, experts, capacity in sorted({(names.get(b, "?"), *rest) for b, *rest in seen}):
+            block = block.split(", ")[0]
+            top_k = max(1, rows // max(tokens, 1))
+            share = expected_drop_share(tokens, experts, top_k, capacity)
+            if share > 0.001:
+                found.append(Diagnostic("experts-capacity-drops", "warning",
+                                        f"block {block!r}: capacity_factor {plan.experts.capacity_factor} gives "
+                                        f"{capacity} slots per (device, expert) for {tokens} tokens per device "
+                                        f"choosing {top_k} of {experts} experts; a uniform router drops about "
+                                        f"{share:.1%} of routed rows", file=plan.file, line=line, column=col,
+                                        path=block, hint="raise capacity_factor, or use dispatch: dropless"))
+    return found

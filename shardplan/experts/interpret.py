@@ -1,0 +1,208 @@
+"""The block's own traced program, run on one device's tokens with its own experts.
+
+Each `ragged_dot` whose right operand is an expert weight becomes: rows to the devices owning their
+experts (`exchange.dispatch`), a matmul with the local experts, and the result kept where it is. Row-wise
+operations on held rows (the activation between the up and down projections, a gate's product) run
+where the rows are, and a second `ragged_dot` on the same groups reuses the exchange, so an expert MLP
+costs one all-to-all out and one back. Anything else that reads held rows gets them back home first.
+The rest of the program runs as traced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+from jax.extend import core
+
+from shardplan.experts import exchange
+
+# Primitives that act on each element (so on each row) alone.
+ROW_WISE = frozenset("""abs add and atan2 cbrt ceil clamp convert_element_type copy copy_p cos cosh div erf erf_inv
+    erfc exp exp2 expm1 floor imag integer_pow is_finite log log1p logistic max min mul ne neg nextafter not or pow
+    real reduce_precision rem round rsqrt select_n sign sin sinh sqrt square stop_gradient sub tan tanh xor eq ge gt
+    le lt""".split())
+# Primitives that call a traced function: entered, so held rows and expert weights can flow through them.
+CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
+         "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr", "remat": "jaxpr",
+         "checkpoint": "jaxpr"}
+
+
+# What a refused use of an expert weight usually is, in the user's terms.
+_FORMS = {name: " (one expert indexed at a time: a loop over experts runs each on every token)"
+          for name in ("slice", "dynamic_slice", "gather", "squeeze", "index_in_dim")}
+_FORMS["dot_general"] = " (every token times every expert: an einsum over the expert dim)"
+
+
+class ContractError(Exception):
+    """The block uses an expert weight in a way expert parallelism cannot run; `where` is its source line."""
+
+    def __init__(self, message: str, where: str | None):
+        super().__init__(message)
+        self.where = where
+        self.block = None         # id of the block module, set by the block's call
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """A value whose rows sit on the devices owning their experts (see `exchange.dispatch`)."""
+
+    rows: jax.Array
+    route: exchange.Route
+    groups: object            # the group-sizes variable the route was made from
+
+
+@dataclasses.dataclass(frozen=True)
+class RowConstant:
+    """A value broadcast along the rows (the same for every row): it fits held rows as well as home ones."""
+
+    value: jax.Array
+    operand: jax.Array
+    params: dict
+
+    def fitted(self, rows: int):
+        shape = (rows, *self.value.shape[1:])
+        return jax.lax.broadcast_in_dim(self.operand, shape, self.params["broadcast_dimensions"])
+
+
+@dataclasses.dataclass
+class Exchange:
+    """The expert axis and how many slots each (source, expert) pair gets."""
+
+    axis: str
+    size: int
+    capacity_of: Callable[[int, int], int]     # (rows, experts) -> slots per source and expert
+    routes: dict = dataclasses.field(default_factory=dict)
+    sent: dict = dataclasses.field(default_factory=dict)
+
+    def dropped(self):
+        return sum(r.dropped for r in self.routes.values()) if self.routes else 0
+
+
+def where(eqn) -> str | None:
+    """`file:line` of the user's code that made `eqn` (the first frame outside JAX and Flax)."""
+    import os
+
+    import flax
+    from jax._src import source_info_util
+    library = os.path.dirname(flax.__file__)
+    for frame in source_info_util.user_frames(eqn.source_info.traceback):
+        if not frame.file_name.startswith(library):
+            return f"{frame.file_name}:{frame.start_line}"
+    return None
+
+
+def run(closed: core.ClosedJaxpr, args: list, experts: set[int], ex: Exchange) -> list:
+    """Evaluate `closed` on `args`; the inputs at positions `experts` are this device's expert weights."""
+    return _eval(closed.jaxpr, closed.consts, args, {v for k, v in enumerate(closed.jaxpr.invars) if k in experts}, ex,
+                 home=True)
+
+
+def _eval(jaxpr: core.Jaxpr, consts, args, experts: set, ex: Exchange, home: bool) -> list:
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    experts = set(experts)
+
+    def read(v):
+        return v.val if isinstance(v, core.Literal) else env[v]
+
+    def plain(x):
+        """`x` as an ordinary array on its own device."""
+        if isinstance(x, Held):
+            return exchange.combine(x.rows, x.route)
+        return x.value if isinstance(x, RowConstant) else x
+
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        values = [read(v) for v in eqn.invars]
+        from_experts = [not isinstance(v, core.Literal) and v in experts for v in eqn.invars]
+        held = [isinstance(x, Held) for x in values]
+        if name == "ragged_dot_general" and from_experts[1] and not any(from_experts[::2]):
+            outs = [_expert_matmul(eqn, values, ex)]
+        elif name in CALLS and (any(from_experts) or any(held)):
+            inner = eqn.params[CALLS[name]]
+            inner_experts = {v for v, e in zip(inner.jaxpr.invars if hasattr(inner, "jaxpr") else inner.invars,
+                                               from_experts) if e}
+            body = inner.jaxpr if hasattr(inner, "jaxpr") else inner
+            outs = _eval(body, getattr(inner, "consts", ()), values, inner_experts, ex, home=False)
+            experts |= {v for v, o in zip(eqn.outvars, outs) if isinstance(o, _ExpertValue)}
+            outs = [o.value if isinstance(o, _ExpertValue) else o for o in outs]
+        elif any(from_experts):
+            if name in ("convert_element_type", "copy", "copy_p") and len(values) == 1:
+                outs = [eqn.primitive.bind(values[0], **eqn.params)]
+                experts.add(eqn.outvars[0])
+            else:
+                raise ContractError(f"an expert weight goes into `{name}`{_FORMS.get(name, '')}; expert "
+                                    "parallelism runs expert weights only as the right operand of jax.lax.ragged_dot "
+                                    "on rows sorted by expert", where(eqn))
+        elif any(held) and name in ROW_WISE and _fits_rows(values, eqn):
+            outs = [_row_wise(eqn, values)]
+        elif name == "broadcast_in_dim" and 0 not in eqn.params["broadcast_dimensions"] and eqn.outvars[0].aval.ndim:
+            value = eqn.primitive.bind(values[0], **eqn.params)
+            outs = [RowConstant(value, values[0], eqn.params)]
+        else:
+            with eqn.ctx.manager:
+                outs = eqn.primitive.bind(*[plain(x) for x in values], **eqn.primitive.get_bind_params(eqn.params))
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs))
+    results = [read(v) for v in jaxpr.outvars]
+    if home:
+        return [plain(x) for x in results]
+    # Inside a called function, expert weights and held rows go back to the caller as they are.
+    return [_ExpertValue(x) if not isinstance(v, core.Literal) and v in experts else
+            x.value if isinstance(x, RowConstant) else x for v, x in zip(jaxpr.outvars, results)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _ExpertValue:
+    value: jax.Array
+
+
+def _fits_rows(values, eqn) -> bool:
+    """Every operand is held on the same route, broadcast along rows, or a scalar."""
+    routes = {x.groups for x in values if isinstance(x, Held)}
+    if len(routes) != 1:
+        return False
+    return all(isinstance(x, (Held, RowConstant)) or getattr(x, "ndim", 0) == 0 for x in values)
+
+
+def _row_wise(eqn, values) -> Held:
+    first = next(x for x in values if isinstance(x, Held))
+    rows = first.rows.shape[0]
+    operands = [x.rows if isinstance(x, Held) else x.fitted(rows) if isinstance(x, RowConstant) else x
+                for x in values]
+    return Held(eqn.primitive.bind(*operands, **eqn.params), first.route, first.groups)
+
+
+def _expert_matmul(eqn, values, ex: Exchange) -> Held:
+    lhs, weights, group_sizes = values[:3]
+    numbers = eqn.params["ragged_dot_dimension_numbers"]
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = numbers.dot_dimension_numbers
+    rank = eqn.invars[0].aval.ndim
+    if (rank != 2 or eqn.invars[1].aval.ndim != 3 or lhs_batch or rhs_batch or tuple(lhs_contract) != (1,)
+            or tuple(numbers.lhs_ragged_dimensions) != (0,) or tuple(numbers.rhs_group_dimensions) != (0,)
+            or tuple(rhs_contract) not in ((1,), (2,)) or eqn.params.get("group_offset") is not None):
+        raise ContractError("a ragged_dot over expert weights that is not rows [M, K] times experts [E, K, N] "
+                            "(or [E, N, K]) grouped on the rows", where(eqn))
+    groups = eqn.invars[2]
+    if isinstance(lhs, Held) and lhs.groups is groups:
+        route = lhs.route
+        rows = lhs.rows
+    else:
+        lhs = lhs.value if isinstance(lhs, RowConstant) else lhs
+        if isinstance(lhs, Held):
+            lhs = exchange.combine(lhs.rows, lhs.route)
+        route = ex.routes.get(groups)
+        if route is None:
+            count = lhs.shape[0]
+            experts = eqn.invars[1].aval.shape[0]
+            route = exchange.route(group_sizes, count, ex.capacity_of(count, experts), ex.axis, ex.size)
+            ex.routes[groups] = route
+        key = (id(eqn.invars[0]), groups)
+        rows = ex.sent.get(key)
+        if rows is None:
+            rows = ex.sent[key] = exchange.dispatch(lhs, route)
+    out = exchange.grouped_matmul(rows, weights, route, contracting=rhs_contract[0], precision=eqn.params["precision"],
+                                  preferred_element_type=eqn.params["preferred_element_type"])
+    return Held(out, route, groups)
