@@ -28,6 +28,17 @@ PIPE = "version: 1\nmesh: {axes: {stage: 2, data: 2, model: 2}}\ninputs: {tokens
 REPLICATE = "params: [{match: '.*', spec: replicated}]\n"
 
 
+MOE_PARAMS = [ParamInfo(f"layers/{i}/moe/{name}", shape, F32) for i in range(2)
+              for name, shape in (("router/kernel", (16, 8)), ("w_up", (8, 16, 32)), ("w_down", (8, 32, 16)))] + [
+    ParamInfo("head/kernel", (16, 64), F32)]
+MOE = "version: 1\nmesh: {axes: {data: 2, expert: 4}}\ninputs: {tokens: [[data, expert], null]}\n"
+EP_RULES = "params:\n  - {match: '.*moe/w_.*', spec: [expert, null, null]}\n  - {match: '.*', spec: replicated}\n"
+
+
+def moe(experts: str, params: str = EP_RULES, head: str = MOE) -> str:
+    return head + "experts: {" + experts + "}\n" + params
+
+
 def pipe(section: str, params: str = REPLICATE) -> str:
     return PIPE + "pipeline:\n  axis: stage\n  layers: layers\n" + section + params
 
@@ -139,6 +150,28 @@ CASES = {
     "stage-not-circular": (pipe("  schedule: interleaved\n  virtual_stages: 2\n  stages:\n"
                                 "    - {match: 'layers/[0-1]', stage: 0}\n    - {match: 'layers/[2-3]', stage: 1}\n"),
                            PIPE_PARAMS, 8, None, ["stage c mod 2", "layers/1"], 9),
+    "experts-invalid-regex": (moe("blocks: 'layers/(\\d+/moe', axis: expert"), MOE_PARAMS, 8, None,
+                              ["experts.blocks", "layers/("], 4),
+    "experts-no-block": (moe("blocks: 'blocks/\\d+/moe', axis: expert"), MOE_PARAMS, 8, None,
+                         ["experts.blocks 'blocks/", "matches no module"], 4),
+    "experts-no-router": (moe("blocks: 'layers/\\d+', axis: expert"), MOE_PARAMS[:1] + MOE_PARAMS[3:4], 8, None,
+                          ["'layers/0'", "router"], 4),
+    "experts-no-axis": (moe("blocks: 'layers/\\d+/moe', axis: experts"), MOE_PARAMS, 8, None,
+                        ["'experts'", "data, expert"], 4),
+    "experts-indivisible": (moe("blocks: 'layers/\\d+/moe', axis: expert", head=MOE.replace("data: 2, expert: 4",
+                            "data: 1, expert: 8").replace("[data, expert]", "[expert]")),
+                            [p for p in MOE_PARAMS if "layers/0" in p.path or "head" in p.path][:1] + [
+                                ParamInfo("layers/0/moe/w_up", (6, 16, 32), F32),
+                                ParamInfo("layers/0/moe/router/kernel", (16, 6), F32)], 8, None,
+                            ["'layers/0/moe' has 6 experts", "8 devices of axis 'expert'"], 4),
+    "experts-axis-inconsistent": (moe("blocks: 'layers/\\d+/moe', axis: expert", params=EP_RULES.replace(
+                                  "[expert, null, null]", "[data, expert, null]")), MOE_PARAMS, 8, None,
+                                  ["layers/0/moe/w_up", "8 experts", "rule #1 puts data on dim 0", "expert on a later dim"],
+                                  6),
+    "experts-with-pipeline": (moe("blocks: 'layers/\\d+/moe', axis: expert", head=MOE.replace("data: 2", "stage: 2")
+                                  .replace("[data, expert]", "[expert]"), params=EP_RULES
+                                  + "pipeline: {axis: stage, layers: layers}\n"),
+                              MOE_PARAMS, 8, None, ["pipeline stages"], 8),
     "stage-layers-differ": (pipe(""), PIPE_PARAMS[:-3] + [ParamInfo("layers/3/b", (32,), F32)] + PIPE_PARAMS[-2:],
                             8, None, ["layers/3/b", "(32,)", "identically shaped"], 6),
 }
@@ -169,9 +202,9 @@ def trigger(tmp_path: Path, code: str) -> list[shardplan.Diagnostic]:
 
 
 # Codes that need the model itself (how it calls its layers, its modules, their outputs): their bad
-# plans are in test_wild_models.py, test_step_options.py and test_formats.py.
+# plans are in test_wild_models.py, test_step_options.py, test_formats.py and test_experts.py.
 MODEL_CASES = {"pipeline-layer-call", "example-call-failed", "step-rule-unused", "activation-shape",
-               "annotation-overridden"}
+               "annotation-overridden", "experts-contract", "experts-capacity-drops"}
 
 
 def test_every_code_has_a_case():

@@ -181,7 +181,7 @@ def check_params(plan: Plan, params: list[ParamInfo], device_ids: list[int], *,
     stage_map, staging = plan_stages(plan, params, sizes, specs)
     diagnostics += staging
     expert_roles, found = expert_blocks(plan, params)
-    diagnostics += found + (check_experts(plan, expert_roles, specs, sizes) if not mesh_diagnostics else [])
+    diagnostics += found + (check_experts(plan, expert_roles, {p.param.path: p for p in placements}, sizes) if not mesh_diagnostics else [])
     if input_shapes:
         batch = next(iter(input_shapes.values()))[0]
         diagnostics += check_microbatches(plan, batch, sizes, data_axes(plan, sizes))
@@ -210,6 +210,12 @@ def check_plan_only(plan: Plan, device_count: int) -> list[Diagnostic]:
             _, problem = checked_pattern(rule.match, f"stage rule #{k + 1}", invalid_code="stage-invalid-regex",
                                          file=plan.file, line=line, column=col)
             diagnostics += [problem] if problem else []
+    if plan.experts is not None:
+        diagnostics += check_experts(plan, [], {}, sizes) if not mesh_diagnostics else []
+        line, col = plan.locate("experts", "blocks")
+        _, problem = checked_pattern(plan.experts.blocks, "experts.blocks", invalid_code="experts-invalid-regex",
+                                     file=plan.file, line=line, column=col)
+        diagnostics += [problem] if problem else []
     return sorted(diagnostics, key=lambda d: (d.line or 0, d.column or 0))
 
 

@@ -40,7 +40,7 @@ def expert_blocks(plan: Plan, params: list[ParamInfo]) -> tuple[list[BlockRoles]
     return roles, found
 
 
-def check_experts(plan: Plan, roles: list[BlockRoles], specs: dict[str, tuple], sizes: dict[str, int]) -> list[Diagnostic]:
+def check_experts(plan: Plan, roles: list[BlockRoles], placements: dict, sizes: dict[str, int]) -> list[Diagnostic]:
     """The expert axis against the mesh, the expert counts and the parameter rules."""
     experts = plan.experts
     if experts is None:
@@ -64,18 +64,21 @@ def check_experts(plan: Plan, roles: list[BlockRoles], specs: dict[str, tuple], 
                                     f"the {size} devices of axis {experts.axis!r} do not divide", path=r.block,
                                     hint=f"an expert axis size that divides {r.count}", **where))
         for path in r.experts:
-            spec = specs.get(path)
-            if spec is None:
+            placement = placements.get(path)
+            if placement is None:
                 continue
+            spec, rule = placement.spec, placement.rule
             lead = spec[0] if spec else None
             later = [a for entry in spec[1:] if entry for a in entry]
             if lead != (experts.axis,) or experts.axis in later:
                 found.append(Diagnostic(
                     "experts-axis-inconsistent", "error",
                     f"{path} is an expert stack of block {r.block!r} (dim 0 is its {r.count} experts, the router "
-                    f"{r.router} gives {r.count} scores), but its spec puts "
-                    f"{_entry(lead)} on dim 0{' and ' + experts.axis + ' on a later dim' if experts.axis in later else ''}",
-                    path=path, hint=f"give it spec [{experts.axis}, ...]: dim 0 over experts.axis and nothing else; "
+                    f"{r.router} gives {r.count} scores), but "
+                    + (f"rule #{rule.index + 1}" if rule else "its spec") + f" puts {_entry(lead)} on dim 0"
+                    + (f" and {experts.axis} on a later dim" if experts.axis in later else ""),
+                    path=path, rule=rule.index if rule else None, line=rule.line if rule else None,
+                    hint=f"give it spec [{experts.axis}, ...]: dim 0 over experts.axis and nothing else; "
                     "later dims may use other axes (FSDP, tensor)", file=plan.file))
     return found
 

@@ -1,0 +1,157 @@
+"""Expert parallelism on MoE models written the ways people write them (tests/moe_models.py): one
+compiled training step under each layout equals one device's, and the compiled step exchanges tokens
+by all-to-all, never moving an expert weight."""
+
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import shardplan
+from moe_models import DenseMoE, LoopMoE, MoEDecoder, SigmoidSharedMoE, SortedMoE
+
+TP_RULES = ("  - {match: '.*attn/(query|key|value)/kernel', spec: [null, model, null]}\n"
+            "  - {match: '.*attn/out/kernel', spec: [model, null, null]}\n")
+# name -> (mesh axes, token spec, expert axis, expert weight spec, other rules)
+LAYOUTS = {
+    "ep4": ("{data: 2, expert: 4}", "[[data, expert], null]", "expert", "[expert, null, null]", ""),
+    "folded": ("{data: 8}", "[data, null]", "data", "[data, null, null]", ""),
+    "ep_fsdp_tp": ("{data: 2, expert: 2, model: 2}", "[[data, expert], null]", "expert", "[expert, data, null]",
+                   TP_RULES),
+}
+MODELS = {"sorted": SortedMoE, "sigmoid_shared": SigmoidSharedMoE}
+
+
+def moe_plan(layout: str, dispatch: str = "") -> shardplan.Plan:
+    mesh, tokens, axis, spec, extra = LAYOUTS[layout]
+    return shardplan.parse_plan(
+        f"version: 1\nmesh: {{axes: {mesh}}}\ninputs: {{tokens: {{spec: {tokens}, shape: [16, 16]}}}}\n"
+        f"experts: {{blocks: 'layers/\\d+/moe', axis: {axis}{dispatch}}}\n"
+        f"params:\n  - match: 'layers/\\d+/moe/(w_.*|experts_.*|w1|w2|up|down)'\n    spec: {spec}\n{extra}"
+        "  - match: '.*'\n    spec: replicated\n")
+
+
+def loss_of(model, tokens):
+    logits, balance = model(tokens)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
+    return loss + 0.01 * balance, logits
+
+
+@nnx.jit
+def train_step(model, optimizer, tokens):
+    (loss, logits), grads = nnx.value_and_grad(loss_of, has_aux=True)(model, tokens)
+    optimizer.update(model, grads)
+    return loss, logits, grads
+
+
+TOKENS = np.asarray(jax.random.randint(jax.random.key(0), (16, 16), 0, 64))
+_REFERENCE = {}
+
+
+def one_device(kind):
+    """(loss, logits, grads, params after the step) on one device, computed once per model."""
+    if kind not in _REFERENCE:
+        model = MoEDecoder(kind, rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+        loss, logits, grads = train_step(model, optimizer, TOKENS)
+        _REFERENCE[kind] = (loss, logits, nnx.to_pure_dict(nnx.state(grads)), nnx.to_pure_dict(nnx.state(model)))
+    return _REFERENCE[kind]
+
+
+def sharded_step(plan, kind):
+    mesh = shardplan.make_mesh(plan)
+    model = shardplan.apply_plan(plan, MoEDecoder(kind, rngs=nnx.Rngs(0)), mesh)
+    optimizer = shardplan.shard_optimizer(plan, model, optax.adamw(1e-3), mesh)
+    tokens = shardplan.shard_inputs(plan, {"tokens": TOKENS}, mesh)["tokens"]
+    compiled = train_step.lower(model, optimizer, tokens).compile()
+    loss, logits, grads = train_step(model, optimizer, tokens)
+    return model, compiled, (loss, logits, nnx.to_pure_dict(nnx.state(grads)), nnx.to_pure_dict(nnx.state(model)))
+
+
+def assert_equal_runs(got, want, tol=1e-5):
+    np.testing.assert_allclose(got[0], want[0], rtol=tol, atol=tol)
+    np.testing.assert_allclose(got[1], want[1], rtol=tol, atol=tol)
+    for name, a, b in (("grads", got[2], want[2]), ("params after AdamW", got[3], want[3])):
+        diffs = jax.tree.map(lambda x, y: float(np.max(np.abs(np.asarray(x) - np.asarray(y)))), a, b)
+        worst = max(jax.tree.leaves(diffs))
+        assert worst < tol, f"{name} differ by {worst}: {diffs}"
+
+
+def collectives(text: str) -> dict[str, list[str]]:
+    found = {}
+    for line in text.splitlines():
+        m = re.search(r"\s(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(-start)?\(", line)
+        if m:
+            found.setdefault(m.group(1), []).append(line)
+    return found
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_expert_parallel_step_equals_one_device_and_moves_only_tokens(layout, model):
+    kind = MODELS[model]
+    plan = moe_plan(layout)
+    sharded, compiled, got = sharded_step(plan, kind)
+    assert_equal_runs(got, one_device(kind))
+
+    ops = collectives(compiled.as_text())
+    assert len(ops.get("all-to-all", [])) >= 4, ops.keys()         # per MoE layer: dispatch and combine
+    assert "collective-permute" not in ops
+    size = shardplan.make_mesh(plan).shape[plan.experts.axis]
+    weights = [v for _, v in nnx.to_flat_state(nnx.state(sharded.layers[0].moe, nnx.Param)) if v.get_value().ndim == 3]
+    for w in weights:
+        shard = w.get_value().sharding.shard_shape(w.get_value().shape)
+        assert shard[0] == w.get_value().shape[0] // size
+    # No all-gather touches an expert weight's shard (FSDP's gather over data of the later dims aside).
+    shards = {tuple(w.get_value().sharding.shard_shape(w.get_value().shape)) for w in weights}
+    for line in ops.get("all-gather", []):
+        assert not any(f"[{','.join(map(str, s))}]" in line for s in shards), line
+    if layout != "ep_fsdp_tp" and model == "sorted":     # (the balance loss over all tokens gathers scores)
+        assert "all-gather" not in ops
+    # Each device computes its experts on the rows routed to them: a fraction of one device's FLOPs
+    # (one device's ragged_dot is lowered densely on CPU, so the ratio exceeds the device count).
+    reference = train_step.lower(MoEDecoder(kind, rngs=nnx.Rngs(0)), nnx.Optimizer(
+        MoEDecoder(kind, rngs=nnx.Rngs(0)), optax.adamw(1e-3), wrt=nnx.Param), TOKENS).compile()
+    assert reference.cost_analysis()["flops"] / compiled.cost_analysis()["flops"] >= size
+
+
+def test_capacity_dispatch_equals_one_device_when_nothing_drops_and_warns_when_it_would():
+    roomy = moe_plan("ep4", ", dispatch: capacity, capacity_factor: 4.0")   # 4x the uniform share = every token
+    assert shardplan.check(roomy, MoEDecoder(SortedMoE, rngs=nnx.Rngs(0))).diagnostics == []
+    _, _, got = sharded_step(roomy, SortedMoE)
+    assert_equal_runs(got, one_device(SortedMoE))
+
+    tight = moe_plan("ep4", ", dispatch: capacity, capacity_factor: 1.0")
+    found = [d for d in shardplan.check(tight, MoEDecoder(SortedMoE, rngs=nnx.Rngs(0))).diagnostics
+             if d.code == "experts-capacity-drops"]
+    assert found and found[0].severity == "warning"
+    text = found[0].format()
+    for needle in ("layers/0/moe", "capacity_factor 1.0", "8 slots per (device, expert)", "32 tokens per device",
+                   "choosing 2 of 8 experts", "drops about 12.1%"):
+        assert needle in text, text
+
+
+def test_expected_drop_share_matches_a_simulated_uniform_router():
+    from shardplan.experts.checks import expected_drop_share
+    rng = np.random.default_rng(0)
+    picks = np.argsort(rng.random((20000, 32, 8)), axis=-1)[..., :2]          # 32 tokens pick 2 of 8 experts
+    per_expert = np.stack([(picks == e).sum(axis=(1, 2)) for e in range(8)], 1)
+    simulated = np.maximum(per_expert - 8, 0).sum() / per_expert.sum()
+    assert expected_drop_share(32, 8, 2, 8) == pytest.approx(simulated, rel=0.03)
+    assert expected_drop_share(32, 8, 2, 32) == 0.0
+
+
+@pytest.mark.parametrize("kind, op", [(LoopMoE, "slice"), (DenseMoE, "dot_general")])
+def test_blocks_that_run_every_expert_on_every_token_are_refused_before_anything_runs(kind, op):
+    plan = moe_plan("ep4")
+    model = MoEDecoder(kind, rngs=nnx.Rngs(0))
+    found = [d for d in shardplan.check(plan, model).diagnostics if d.code == "experts-contract"]
+    assert found and found[0].severity == "error"
+    text = found[0].format()
+    for needle in ("layers/0/moe, layers/1/moe", f"`{op}`", "ragged_dot", "moe_models.py:"):
+        assert needle in text, text
+    with pytest.raises(shardplan.PlanError, match="experts-contract"):
+        shardplan.apply_plan(plan, model, shardplan.make_mesh(plan))
