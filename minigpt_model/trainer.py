@@ -36,6 +36,8 @@ from shardplan.run.abstract import eval_shape
 # devices, large enough to learn the built-in stories; heads and widths divide 2, 4 and 8.
 DEFAULT_MODEL = dict(maxlen=128, embed_dim=128, num_heads=8, feed_forward_dim=512, num_transformer_blocks=4,
                      dropout_rate=0.1)
+# Model settings a plan's `model.config` chooses for the trainer: what the plan is written for.
+MODEL_KIND = ("num_experts", "experts_per_token")
 
 
 # Settings that make a run what it is; resuming with any of them changed is refused.
@@ -74,8 +76,13 @@ class TrainConfig:
     sample_tokens: int = 200
     preemption_grace: float = 25.0      # seconds from a SIGTERM to the saved checkpoint before giving up
 
-    def model_config(self, vocab_size: int) -> dict[str, Any]:
-        return {**DEFAULT_MODEL, **self.model, "vocab_size": vocab_size}
+    def model_config(self, vocab_size: int, plan: shardplan.Plan | None = None) -> dict[str, Any]:
+        """DEFAULT_MODEL, then the kind of MiniGPT a MiniGPT plan's model config names (its experts; the
+        size stays the trainer's), then --config."""
+        kind = {}
+        if plan is not None and plan.model is not None and plan.model.factory == "minigpt_model:MiniGPT":
+            kind = {k: v for k, v in plan.model.config.items() if k in MODEL_KIND}
+        return {**DEFAULT_MODEL, **kind, **self.model, "vocab_size": vocab_size}
 
     def identity(self) -> dict[str, Any]:
         """What must agree for --resume to continue the same run (data is compared by content, see `train`).
@@ -106,7 +113,7 @@ def train(config: TrainConfig, *, console: Console | None = None, devices=None,
     plan = shardplan.load_plan(_plan_path(config.plan))
     mesh = shardplan.make_mesh(plan, devices=devices)
     tokenizer = get_tokenizer(config.tokenizer)
-    model_config = config.model_config(tokenizer.vocab_size)
+    model_config = config.model_config(tokenizer.vocab_size, plan)
     report = shardplan.check(plan, _abstract_model(model_config), mesh)
     render_summary(console, report)
     if report.errors:

@@ -70,6 +70,8 @@ class Traced:
     experts: list[int]        # positions of the expert weights
     depends: list[bool]       # per output leaf: does it depend on the experts?
     local_rows: int
+    batch: int                # the block's input batch
+    padding: int              # zero rows added to it so that every device gets as many
 
 
 def trace_block(original, options: ExpertOptions, module, args: tuple, kwargs: dict):
@@ -94,17 +96,23 @@ def trace_block(original, options: ExpertOptions, module, args: tuple, kwargs: d
     devices = math.prod(options.mesh.shape[a] for a in options.batch_axes)
     batch = next((x.shape[0] for k, x in zip(arrays, leaves) if k >= state_leaves and x.ndim), None)
     tokens = [i for i, (k, x) in enumerate(zip(arrays, leaves)) if k >= state_leaves and x.ndim and x.shape[0] == batch]
-    if batch is None or batch % devices:
-        raise interpret.ContractError(f"the block's input batch ({batch}) is not divisible by the {devices} devices "
-                                      f"of {options.batch_axes}", None)
-    avals = [jax.ShapeDtypeStruct((x.shape[0] // devices, *x.shape[1:]) if i in tokens else x.shape, x.dtype)
+    if batch is None:
+        raise interpret.ContractError("the block is called without a batch of token arrays", None)
+    padding = -batch % devices
+    if padding:
+        # Outputs are per token (the contract), so zero rows added to fill every device change nothing
+        # (a sampler's batch of one, say); they are cut off again.
+        import jax.numpy as jnp
+        leaves = [jnp.pad(x, [(0, padding)] + [(0, 0)] * (x.ndim - 1)) if i in tokens else x
+                  for i, x in enumerate(leaves)]
+    avals = [jax.ShapeDtypeStruct(((batch + padding) // devices, *x.shape[1:]) if i in tokens else x.shape, x.dtype)
              for i, x in enumerate(leaves)]
     closed, shapes = jax.make_jaxpr(pure, return_shape=True)(*avals)
     out_tree = jax.tree.structure(shapes)
     depends = _depends_on(closed.jaxpr, set(expert_positions))
     local = next(iter(avals[i] for i in tokens))
     rows = int(np.prod(local.shape[:-1])) if local.ndim > 1 else local.shape[0]
-    return pure, leaves, Traced(closed, out_tree, tokens, expert_positions, depends, rows)
+    return pure, leaves, Traced(closed, out_tree, tokens, expert_positions, depends, rows, batch, padding)
 
 
 def _depends_on(jaxpr, inputs: set[int]) -> list[bool]:
@@ -149,8 +157,11 @@ def _expert_parallel_call(original, options: ExpertOptions, module, args: tuple,
                                           "output to depend only on that token", None)
 
     def per_device(*local):
+        # Traced again here, so the program's shardings name the manual axes it now runs under.
+        avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in traced.closed.in_avals]
+        closed = jax.make_jaxpr(pure)(*avals)
         ex = interpret.Exchange(options.axis, size, capacity_rule(options, traced.local_rows, type(module)))
-        outs = interpret.run(traced.closed, list(local), set(traced.experts), ex)
+        outs = interpret.run(closed, list(local), set(traced.experts), ex)
         return [outs[k] for k in dependent]
 
     rows = P(options.batch_axes)
@@ -159,11 +170,13 @@ def _expert_parallel_call(original, options: ExpertOptions, module, args: tuple,
     sharded = jax.shard_map(per_device, mesh=options.mesh, in_specs=tuple(in_specs),
                             out_specs=[rows] * len(dependent), axis_names=set(options.batch_axes), check_vma=False)
     parallel = jax.jit(sharded)(*leaves)
+    if traced.padding:
+        parallel = [x[:traced.batch] for x in parallel]
     outs = [None] * len(out_avals)
     for k, value in zip(dependent, parallel):
         outs[k] = value
     if len(dependent) < len(outs):
-        whole = jax.tree.leaves(pure(*leaves))
+        whole = jax.tree.leaves(pure(*[x[:traced.batch] if i in traced.tokens else x for i, x in enumerate(leaves)]))
         outs = [whole[k] if value is None else value for k, value in enumerate(outs)]
     out, rest = jax.tree.unflatten(traced.out_tree, outs)
     if jax.tree.leaves(rest):

@@ -142,8 +142,8 @@ def _eval(jaxpr: core.Jaxpr, consts, args, experts: set, ex: Exchange, home: boo
             value = eqn.primitive.bind(values[0], **eqn.params)
             outs = [RowConstant(value, values[0], eqn.params)]
         else:
-            with eqn.ctx.manager:
-                outs = eqn.primitive.bind(*[plain(x) for x in values], **eqn.primitive.get_bind_params(eqn.params))
+            # (not under eqn.ctx: it holds the mesh context of the trace, whose axes are not manual)
+            outs = eqn.primitive.bind(*[plain(x) for x in values], **eqn.primitive.get_bind_params(eqn.params))
             outs = outs if eqn.primitive.multiple_results else [outs]
         env.update(zip(eqn.outvars, outs))
     results = [read(v) for v in jaxpr.outvars]
