@@ -5,6 +5,7 @@ by all-to-all, never moving an expert weight."""
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -22,7 +23,10 @@ LAYOUTS = {
     "ep_fsdp_tp": ("{data: 2, expert: 2, model: 2}", "[[data, expert], null]", "expert", "[expert, data, null]",
                    TP_RULES),
 }
-MODELS = {"sorted": SortedMoE, "sigmoid_shared": SigmoidSharedMoE}
+MODELS = {"sorted": SortedMoE, "sigmoid_shared": SigmoidSharedMoE, "loop": LoopMoE, "dense": DenseMoE}
+# Every way of writing the block under plain EP; each layout that adds to it on two of them.
+CASES = [("ep4", m) for m in sorted(MODELS)] + [("folded", "sorted"), ("folded", "loop"),
+                                                ("ep_fsdp_tp", "sigmoid_shared"), ("ep_fsdp_tp", "dense")]
 
 
 def moe_plan(layout: str, dispatch: str = "") -> shardplan.Plan:
@@ -55,7 +59,7 @@ def one_device(kind):
     """(loss, logits, grads, params after the step) on one device, computed once per model."""
     if kind not in _REFERENCE:
         model = MoEDecoder(kind, rngs=nnx.Rngs(0))
-        optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+        optimizer = nnx.Optimizer(model, optax.adamw(1e-3, eps=1e-6), wrt=nnx.Param)
         loss, logits, grads = train_step(model, optimizer, TOKENS)
         _REFERENCE[kind] = (loss, logits, nnx.to_pure_dict(nnx.state(grads)), nnx.to_pure_dict(nnx.state(model)))
     return _REFERENCE[kind]
@@ -64,7 +68,7 @@ def one_device(kind):
 def sharded_step(plan, kind):
     mesh = shardplan.make_mesh(plan)
     model = shardplan.apply_plan(plan, MoEDecoder(kind, rngs=nnx.Rngs(0)), mesh)
-    optimizer = shardplan.shard_optimizer(plan, model, optax.adamw(1e-3), mesh)
+    optimizer = shardplan.shard_optimizer(plan, model, optax.adamw(1e-3, eps=1e-6), mesh)
     tokens = shardplan.shard_inputs(plan, {"tokens": TOKENS}, mesh)["tokens"]
     compiled = train_step.lower(model, optimizer, tokens).compile()
     loss, logits, grads = train_step(model, optimizer, tokens)
@@ -89,8 +93,7 @@ def collectives(text: str) -> dict[str, list[str]]:
     return found
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("layout, model", CASES)
 def test_expert_parallel_step_equals_one_device_and_moves_only_tokens(layout, model):
     kind = MODELS[model]
     plan = moe_plan(layout)
@@ -109,13 +112,14 @@ def test_expert_parallel_step_equals_one_device_and_moves_only_tokens(layout, mo
     shards = {tuple(w.get_value().sharding.shard_shape(w.get_value().shape)) for w in weights}
     for line in ops.get("all-gather", []):
         assert not any(f"[{','.join(map(str, s))}]" in line for s in shards), line
-    if layout != "ep_fsdp_tp" and model == "sorted":     # (the balance loss over all tokens gathers scores)
+    if layout != "ep_fsdp_tp" and model != "sigmoid_shared":    # (its balance loss over all tokens gathers scores)
         assert "all-gather" not in ops
-    # Each device computes its experts on the rows routed to them: a fraction of one device's FLOPs
-    # (one device's ragged_dot is lowered densely on CPU, so the ratio exceeds the device count).
+    # Each device computes its experts on the rows routed to them: about one device's FLOPs over the
+    # expert-parallel degree (the routing's sorts and gathers aside; one device's ragged_dot is lowered
+    # densely on CPU, so for the sorted forms the ratio exceeds the device count).
     reference = train_step.lower(MoEDecoder(kind, rngs=nnx.Rngs(0)), nnx.Optimizer(
-        MoEDecoder(kind, rngs=nnx.Rngs(0)), optax.adamw(1e-3), wrt=nnx.Param), TOKENS).compile()
-    assert reference.cost_analysis()["flops"] / compiled.cost_analysis()["flops"] >= size
+        MoEDecoder(kind, rngs=nnx.Rngs(0)), optax.adamw(1e-3, eps=1e-6), wrt=nnx.Param), TOKENS).compile()
+    assert reference.cost_analysis()["flops"] / compiled.cost_analysis()["flops"] >= 0.85 * size
 
 
 def test_capacity_dispatch_equals_one_device_when_nothing_drops_and_warns_when_it_would():
@@ -144,14 +148,21 @@ def test_expected_drop_share_matches_a_simulated_uniform_router():
     assert expected_drop_share(32, 8, 2, 32) == 0.0
 
 
-@pytest.mark.parametrize("kind, op", [(LoopMoE, "slice"), (DenseMoE, "dot_general")])
-def test_blocks_that_run_every_expert_on_every_token_are_refused_before_anything_runs(kind, op):
+class PenalisedMoE(SortedMoE):
+    """Returns an L2 penalty of its expert weights beside its output: the weights themselves are read."""
+
+    def __call__(self, x):
+        return super().__call__(x), 1e-4 * jnp.sum(self.w_up[...] ** 2)
+
+
+def test_a_block_that_reads_its_expert_weights_otherwise_is_refused_before_anything_runs():
     plan = moe_plan("ep4")
-    model = MoEDecoder(kind, rngs=nnx.Rngs(0))
+    model = MoEDecoder(PenalisedMoE, rngs=nnx.Rngs(0))
     found = [d for d in shardplan.check(plan, model).diagnostics if d.code == "experts-contract"]
     assert found and found[0].severity == "error"
     text = found[0].format()
-    for needle in ("layers/0/moe, layers/1/moe", f"`{op}`", "ragged_dot", "moe_models.py:"):
+    for needle in ("layers/0/moe, layers/1/moe", "output 2 of the block (shape ())", "not one row per token",
+                   "test_experts.py:"):
         assert needle in text, text
     with pytest.raises(shardplan.PlanError, match="experts-contract"):
         shardplan.apply_plan(plan, model, shardplan.make_mesh(plan))

@@ -152,15 +152,20 @@ def _expert_parallel_call(original, options: ExpertOptions, module, args: tuple,
     out_avals = traced.closed.out_avals
     for k in dependent:
         if not out_avals[k].ndim or out_avals[k].shape[0] != traced.closed.in_avals[traced.tokens[0]].shape[0]:
-            raise interpret.ContractError("an output that depends on the experts is not one row per token "
-                                          f"(shape {out_avals[k].shape}); expert parallelism needs each token's "
-                                          "output to depend only on that token", None)
+            var = traced.closed.jaxpr.outvars[k]
+            made = next((e for e in traced.closed.jaxpr.eqns if var in e.outvars), None)
+            raise interpret.ContractError(
+                f"output {k + 1} of the block (shape {tuple(out_avals[k].shape)}) depends on the expert weights "
+                "but is not one row per token (a statistic of the weights, or a sum over tokens); expert "
+                "parallelism needs each token's output to depend only on that token and the experts' weights to "
+                "be read only by matmuls", interpret.where(made) if made is not None else None)
 
     def per_device(*local):
         # Traced again here, so the program's shardings name the manual axes it now runs under.
         avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in traced.closed.in_avals]
         closed = jax.make_jaxpr(pure)(*avals)
-        ex = interpret.Exchange(options.axis, size, capacity_rule(options, traced.local_rows, type(module)))
+        ex = interpret.Exchange(options.axis, size, capacity_rule(options, traced.local_rows, type(module)),
+                                dropless=options.capacity_factor is None)
         outs = interpret.run(closed, list(local), set(traced.experts), ex)
         return [outs[k] for k in dependent]
 

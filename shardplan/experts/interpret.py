@@ -16,7 +16,7 @@ from typing import Callable
 import jax
 from jax.extend import core
 
-from shardplan.experts import exchange
+from shardplan.experts import dense, exchange
 
 # Primitives that act on each element (so on each row) alone.
 ROW_WISE = frozenset("""abs add and atan2 cbrt ceil clamp convert_element_type copy copy_p cos cosh div erf erf_inv
@@ -73,6 +73,7 @@ class Exchange:
     axis: str
     size: int
     capacity_of: Callable[[int, int], int]     # (rows, experts) -> slots per source and expert
+    dropless: bool = True
     routes: dict = dataclasses.field(default_factory=dict)
     sent: dict = dataclasses.field(default_factory=dict)
 
@@ -103,6 +104,7 @@ def _eval(jaxpr: core.Jaxpr, consts, args, experts: set, ex: Exchange, home: boo
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
     experts = set(experts)
+    sources = {}        # values broadcast along their last dim -> what they were broadcast from
 
     def read(v):
         return v.val if isinstance(v, core.Literal) else env[v]
@@ -111,47 +113,88 @@ def _eval(jaxpr: core.Jaxpr, consts, args, experts: set, ex: Exchange, home: boo
         """`x` as an ordinary array on its own device."""
         if isinstance(x, Held):
             return exchange.combine(x.rows, x.route)
-        return x.value if isinstance(x, RowConstant) else x
+        if isinstance(x, RowConstant):
+            return x.value
+        return dense.plain(x, ex)
 
     for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        values = [read(v) for v in eqn.invars]
-        from_experts = [not isinstance(v, core.Literal) and v in experts for v in eqn.invars]
-        held = [isinstance(x, Held) for x in values]
-        if name == "ragged_dot_general" and from_experts[1] and not any(from_experts[::2]):
-            outs = [_expert_matmul(eqn, values, ex)]
-        elif name in CALLS and (any(from_experts) or any(held)):
-            inner = eqn.params[CALLS[name]]
-            inner_experts = {v for v, e in zip(inner.jaxpr.invars if hasattr(inner, "jaxpr") else inner.invars,
-                                               from_experts) if e}
-            body = inner.jaxpr if hasattr(inner, "jaxpr") else inner
-            outs = _eval(body, getattr(inner, "consts", ()), values, inner_experts, ex, home=False)
-            experts |= {v for v, o in zip(eqn.outvars, outs) if isinstance(o, _ExpertValue)}
-            outs = [o.value if isinstance(o, _ExpertValue) else o for o in outs]
-        elif any(from_experts):
-            if name in ("convert_element_type", "copy", "copy_p") and len(values) == 1:
-                outs = [eqn.primitive.bind(values[0], **eqn.params)]
-                experts.add(eqn.outvars[0])
-            else:
-                raise ContractError(f"an expert weight goes into `{name}`{_FORMS.get(name, '')}; expert "
-                                    "parallelism runs expert weights only as the right operand of jax.lax.ragged_dot "
-                                    "on rows sorted by expert", where(eqn))
-        elif any(held) and name in ROW_WISE and _fits_rows(values, eqn):
-            outs = [_row_wise(eqn, values)]
-        elif name == "broadcast_in_dim" and 0 not in eqn.params["broadcast_dimensions"] and eqn.outvars[0].aval.ndim:
-            value = eqn.primitive.bind(values[0], **eqn.params)
-            outs = [RowConstant(value, values[0], eqn.params)]
-        else:
-            # (not under eqn.ctx: it holds the mesh context of the trace, whose axes are not manual)
-            outs = eqn.primitive.bind(*[plain(x) for x in values], **eqn.primitive.get_bind_params(eqn.params))
-            outs = outs if eqn.primitive.multiple_results else [outs]
+        try:
+            outs = _step(eqn, read, plain, experts, sources, ex)
+        except dense.DenseFormError as exc:
+            raise ContractError(str(exc), where(eqn)) from None
         env.update(zip(eqn.outvars, outs))
     results = [read(v) for v in jaxpr.outvars]
     if home:
-        return [plain(x) for x in results]
-    # Inside a called function, expert weights and held rows go back to the caller as they are.
+        try:
+            return [plain(x) for x in results]
+        except dense.DenseFormError as exc:
+            raise ContractError(str(exc), None) from None
+    # Inside a called function, expert weights, held rows and lazy values go back to the caller as they are.
     return [_ExpertValue(x) if not isinstance(v, core.Literal) and v in experts else
             x.value if isinstance(x, RowConstant) else x for v, x in zip(jaxpr.outvars, results)]
+
+
+def _step(eqn, read, plain, experts: set, sources: dict, ex: Exchange) -> list:
+    name = eqn.primitive.name
+    values = [read(v) for v in eqn.invars]
+    from_experts = [not isinstance(v, core.Literal) and v in experts for v in eqn.invars]
+    held = [isinstance(x, Held) for x in values]
+    lazy = [dense.is_lazy(x) for x in values]
+    if name == "ragged_dot_general" and from_experts[1] and not any(from_experts[::2]):
+        return [_expert_matmul(eqn, values, ex)]
+    if name in CALLS and (any(from_experts) or any(held) or any(lazy)):
+        inner = eqn.params[CALLS[name]]
+        body = inner.jaxpr if hasattr(inner, "jaxpr") else inner
+        inner_experts = {v for v, e in zip(body.invars, from_experts) if e}
+        outs = _eval(body, getattr(inner, "consts", ()), values, inner_experts, ex, home=False)
+        experts |= {v for v, o in zip(eqn.outvars, outs) if isinstance(o, _ExpertValue)}
+        return [o.value if isinstance(o, _ExpertValue) else o for o in outs]
+    if any(from_experts) or any(lazy):
+        values = [x if e or dense.is_lazy(x) else plain(x) for x, e in zip(values, from_experts)]
+        return [_dense_step(eqn, name, values, from_experts, experts, sources, ex)]
+    if any(held) and name in ROW_WISE and _fits_rows(values, eqn):
+        return [_row_wise(eqn, values)]
+    if name == "broadcast_in_dim" and 0 not in eqn.params["broadcast_dimensions"] and eqn.outvars[0].aval.ndim:
+        value = eqn.primitive.bind(values[0], **eqn.params)
+        return [RowConstant(value, values[0], eqn.params)]
+    # (not under eqn.ctx: it holds the mesh context of the trace, whose axes are not manual)
+    plain_values = [plain(x) for x in values]
+    outs = eqn.primitive.bind(*plain_values, **eqn.primitive.get_bind_params(eqn.params))
+    if name == "broadcast_in_dim":
+        sources[eqn.outvars[0]] = (plain_values[0], eqn.params["broadcast_dimensions"])
+    return outs if eqn.primitive.multiple_results else [outs]
+
+
+def _dense_step(eqn, name, values, from_experts, experts, sources, ex):
+    """An operation on an expert weight, an indexed expert or a lazy value (see `dense`)."""
+    if from_experts[0] and name in ("convert_element_type", "copy", "copy_p") and len(values) == 1:
+        experts.add(eqn.outvars[0])
+        return eqn.primitive.bind(values[0], **eqn.params)
+    if from_experts[0] and name == "slice":
+        return dense.expert_slice(eqn.params, values[0], eqn.invars[0], eqn.invars[0].aval)
+    if name == "squeeze" and isinstance(values[0], dense.ExpertSlice):
+        return dense.squeeze(values[0], eqn.params["dimensions"])
+    if name == "dot_general":
+        operands = [dense.Stack(x, v, v.aval.shape[0]) if e else x
+                    for x, v, e in zip(values, eqn.invars, from_experts)]
+        return dense.dot(eqn, *operands, ex)
+    if any(from_experts):
+        raise dense.DenseFormError(f"an expert weight goes into `{name}`{_FORMS.get(name, '')}; expert weights "
+                                   "may be the right operand of jax.lax.ragged_dot or multiply tokens "
+                                   "(docs/experts.md)")
+    if name == "add" and len(values) == 2:
+        return dense.add(*values, eqn)
+    if name == "mul" and len(values) == 2:
+        k = 0 if isinstance(values[0], dense.Lazy) else 1
+        other, var = values[1 - k], eqn.invars[1 - k]
+        if getattr(other, "ndim", 0) and not dense.is_lazy(other):
+            return dense.gate_by_mul(values[k], sources.get(var))
+    if name == "reduce_sum" and isinstance(values[0], dense.Lazy):
+        return dense.reduce_experts(values[0], eqn.params["axes"], ex)
+    if name in ROW_WISE:
+        return dense.row(eqn, values)
+    raise dense.DenseFormError(f"expert outputs go into `{name}`, which expert parallelism cannot run on the "
+                               "routed tokens alone")
 
 
 @dataclasses.dataclass(frozen=True)
