@@ -201,6 +201,8 @@ def main() -> None:
                         help="also compare the top K plans auto proposes for the Gemma-2-style test model (attention "
                              "kernels stored heads first) and its best pipeline of each schedule (0: skip)")
     parser.add_argument("--skip-shipped", action="store_true", help="leave out the shipped MiniGPT plans")
+    parser.add_argument("--experts", type=int, default=8, metavar="E",
+                        help="also compare expert-parallel plans on MiniGPT with E experts, 2 per token (0: skip)")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     args = parser.parse_args()
     config = dict(maxlen=args.seq, vocab_size=50304, embed_dim=256, num_heads=8, feed_forward_dim=256,
@@ -256,9 +258,30 @@ def main() -> None:
         for row in gemma:
             print_row(row, width=50)
         print_worst("largest heads-first error", gemma)
+    moe = []
+    if args.experts:
+        moe_config = dict(config, num_experts=args.experts, experts_per_token=2, num_transformer_blocks=4)
+        print(f"\nexperts: MiniGPT with {args.experts} experts (2 per token) in 4 blocks under plans/minigpt_moe_ep.yaml "
+              "and with the experts folded onto an 8-way data axis")
+        for plan in expert_plans(moe_config):
+            row = compare(plan, moe_config, args.batch, args.seq)
+            moe.append(row)
+            print_row(row, width=26)
+        print_worst("largest expert-parallel error", moe)
     if args.json:
         Path(args.json).write_text(json.dumps({"config": config, "batch": args.batch, "rows": rows, "steps": steps,
-                                               "held_out": others, "heads_first": gemma}, indent=2))
+                                               "held_out": others, "heads_first": gemma, "experts": moe}, indent=2))
+
+
+def expert_plans(config: dict) -> list[shardplan.Plan]:
+    import yaml
+    document = yaml.safe_load((REPO / "plans" / "minigpt_moe_ep.yaml").read_text())
+    document["model"]["config"] = config
+    plans = [shardplan.parse_plan(yaml.safe_dump(document))]
+    document.update(name="moe ep folded", mesh={"axes": {"data": 8}}, inputs={"tokens": ["data", None]},
+                    experts=dict(document["experts"], axis="data"))
+    document["params"][0]["spec"] = ["data", None, None]
+    return plans + [shardplan.parse_plan(yaml.safe_dump(document))]
 
 
 if __name__ == "__main__":

@@ -240,12 +240,17 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
                              for a in spec_axes(p.spec)),
         remat=options.remat, sequence_ways=options.sequence_ways, attention_stored=options.attention_stored,
         counts=counts, accumulate=plan.accumulate if pipe is None else 1)
-    held = [p for p in report.params if p.stage in (None, 0)]
-    transfers = _communication(held, roles, step)
-    param_bytes = sum(p.bytes_per_device * step.count(p.path) for p in held)
-    optimizer_bytes = sum(p.opt_bytes_per_device * step.count(p.path) for p in held)
+    every = [p for p in report.params if p.stage in (None, 0)]
+    experts = _expert_terms(report, every, step)
+    # the expert weights' own costs are the exchange's (`shardplan.experts.cost`), not a matrix's
+    held = [p for p in every if experts is None or p.path not in experts.paths]
+    transfers = _communication(held, roles, step) + (list(experts.transfers) if experts else [])
+    param_bytes = sum(p.bytes_per_device * step.count(p.path) for p in every)
+    optimizer_bytes = sum(p.opt_bytes_per_device * step.count(p.path) for p in every)
     kept = _per_token(held, roles, step)
     stored, remat, microbatch, microbatch_remat = _activations(kept, step)
+    if experts is not None:
+        stored, microbatch = stored + experts.kept_bytes, microbatch + experts.kept_bytes // step.accumulate
     if step.schedule == "1f1b":
         # the head runs inside the loop: its weights (gathered, when they enter whole), the running
         # sum of their gradients and each microbatch's before it is added (measured in XLA's buffers)
@@ -291,6 +296,7 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
         if p.opt_spec != p.spec:
             regathered += p.bytes_per_device * step.count(p.path)
     matmul_flops, attention_flops = _flops(held, roles, step)
+    matmul_flops += experts.flops if experts else 0.0
     flops = matmul_flops + attention_flops
     bubble = _bubble(step)
     # Elementwise work (norms, activations, softmax, residual adds) is bound by memory bandwidth:
@@ -313,7 +319,33 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
                     # after a pipeline XLA updates in place, parameter by parameter (measured on 1F1B
                     # steps of two sizes); outside one it did not always
                     max((p.opt_bytes_per_device for p in held), default=0) if step.stage_axis else optimizer_bytes,
-                    options.caveats + _layout_caveats(held, roles, step))
+                    options.caveats + _layout_caveats(held, roles, step) + (experts.caveats if experts else ()))
+
+
+@dataclasses.dataclass(frozen=True)
+class _ExpertTerms:
+    paths: frozenset
+    transfers: tuple
+    flops: float
+    kept_bytes: int
+    caveats: tuple
+
+
+def _expert_terms(report, held, step: _Step) -> _ExpertTerms | None:
+    """The plan's expert parallelism, costed by `shardplan.experts.cost`."""
+    if not report.experts or report.plan.experts is None:
+        return None
+    from shardplan.experts.cost import expert_cost
+    experts = report.plan.experts
+    layouts = {p.path: p for p in held}
+    passes, tokens = step.passes(False)
+    found = expert_cost(report.experts, layouts, axis=experts.axis,
+                        capacity_factor=experts.capacity_factor if experts.dispatch == "capacity" else None,
+                        batch_axes=step.batch_axes, sizes=step.sizes, passes=passes, tokens_per_pass=tokens,
+                        width=step.width, itemsize=step.itemsize, count=step.count,
+                        recompute=lambda path: step.recomputes(False, True))
+    return _ExpertTerms(frozenset(p for b in report.experts for p in b.experts),
+                        tuple(Transfer(*t) for t in found.transfers), found.flops, found.kept_bytes, found.caveats)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -1,0 +1,134 @@
+"""Mixture-of-experts MiniGPT under expert parallelism and the layouts it replaces, on 8 simulated devices.
+
+Per layout, one compiled training step: collective ops and bytes by kind (from the HLO), argument and
+temporary bytes per device (`memory_analysis`), FLOPs per device (`cost_analysis`), and training tokens/s
+relative to one device, all measured in one run. Layouts:
+
+- ep:          plans/minigpt_moe_ep.yaml, data 2 x expert 4, tokens exchanged by all-to-all
+- ep-folded:   experts over the 8-way data axis (each device 1 expert)
+- fsdp:        no expert parallelism; expert stacks split over data on their model dim (FSDP)
+- replicated:  no expert parallelism; every device holds every expert (data parallel)
+
+    python benchmarks/moe.py [--blocks 4] [--batch 32] [--seq 128] [--steps 5] [--json out.json]
+
+On CPU, one device's `ragged_dot` is lowered densely (every row against every expert), so the layouts
+without expert parallelism compute E / k times the routed FLOPs; the expert-parallel ones use one batched
+matmul per device over its own experts' rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import minigpt_model  # noqa: E402
+import shardplan  # noqa: E402
+from minigpt_model.steps import train_step  # noqa: E402
+from shardplan.run.hlo import collective_stats  # noqa: E402
+
+MOE = "transformer_blocks/\\d+/moe"
+LAYOUTS = {
+    "ep": None,
+    "ep-folded": f"""version: 1
+name: ep-folded
+mesh: {{axes: {{data: 8}}}}
+inputs: {{tokens: [data, null]}}
+experts: {{blocks: '{MOE}', axis: data}}
+params:
+  - {{match: '{MOE}/w_(in|out)', spec: [data, null, null]}}
+  - {{match: '.*', spec: replicated}}
+""",
+    "fsdp": f"""version: 1
+name: fsdp
+mesh: {{axes: {{data: 8}}}}
+inputs: {{tokens: [data, null]}}
+params:
+  - {{match: '{MOE}/w_in', spec: [null, data, null]}}
+  - {{match: '{MOE}/w_out', spec: [null, null, data]}}
+  - {{match: '.*', spec: replicated}}
+""",
+    "replicated": """version: 1
+name: replicated
+mesh: {axes: {data: 8}}
+inputs: {tokens: [data, null]}
+params: [{match: '.*', spec: replicated}]
+""",
+}
+
+
+def measure(plan: shardplan.Plan, config: dict, batch: int, seq: int, steps: int, devices=None) -> dict:
+    mesh = shardplan.make_mesh(plan, devices=devices)
+    model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0)), mesh)
+    optimizer = shardplan.shard_optimizer(plan, model, optax.adamw(1e-3), mesh)
+    tokens = np.random.default_rng(0).integers(0, config["vocab_size"], (batch, seq), dtype=np.int32)
+    tokens = shardplan.shard_inputs(plan, {"tokens": tokens}, mesh)["tokens"]
+    start = time.perf_counter()
+    compiled = train_step.lower(model, optimizer, tokens, tokens, training=False).compile()
+    compile_s = time.perf_counter() - start
+    stats = collective_stats(compiled.as_text())
+    memory = compiled.memory_analysis()
+    train_step(model, optimizer, tokens, tokens, training=False).block_until_ready()        # warm
+    start = time.perf_counter()
+    for _ in range(steps):
+        loss = train_step(model, optimizer, tokens, tokens, training=False)
+    loss.block_until_ready()
+    seconds = (time.perf_counter() - start) / steps
+    return {"layout": plan.name, "collective_count": dict(stats.count), "collective_bytes": dict(stats.bytes),
+            "total_collective_bytes": stats.total_bytes, "argument_bytes": memory.argument_size_in_bytes,
+            "temp_bytes": memory.temp_size_in_bytes, "flops": compiled.cost_analysis()["flops"],
+            "step_s": seconds, "tokens_per_s": batch * seq / seconds, "compile_s": round(compile_s, 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per layout")
+    parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    args = parser.parse_args()
+    config = dict(maxlen=args.seq, vocab_size=320, embed_dim=256, num_heads=8, feed_forward_dim=512,
+                  num_transformer_blocks=args.blocks, dropout_rate=0.0, num_experts=8, experts_per_token=2)
+    print(f"MoE MiniGPT {config}\nbatch {args.batch} x {args.seq}, 8 simulated CPU devices; bytes per device\n")
+    one = measure(shardplan.parse_plan(LAYOUTS["replicated"].replace("data: 8", "data: 1"), file="one-device"),
+                  config, args.batch, args.seq, args.steps, devices=jax.devices()[:1])
+    one["layout"] = "one device"
+    rows = [one]
+    for name, text in LAYOUTS.items():
+        plan = shardplan.load_plan(REPO / "plans" / "minigpt_moe_ep.yaml") if text is None else \
+            shardplan.parse_plan(text, file=name)
+        rows.append(measure(plan, config, args.batch, args.seq, args.steps))
+        rows[-1]["layout"] = name
+    kinds = ("all-to-all", "all-reduce", "all-gather", "reduce-scatter", "collective-permute")
+    print(f"{'layout':12} {'ops':>4} " + " ".join(f"{k[:10]:>10}" for k in kinds) +
+          f" {'args MiB':>8} {'temp MiB':>8} {'GFLOP/dev':>9} {'tok/s x1':>8}")
+    for r in rows:
+        b = r["collective_bytes"]
+        print(f"{r['layout']:12} {sum(r['collective_count'].values()):>4} " +
+              " ".join(f"{b.get(k, 0) / 2**20:>10.2f}" for k in kinds) +
+              f" {r['argument_bytes'] / 2**20:>8.2f} {r['temp_bytes'] / 2**20:>8.2f} {r['flops'] / 1e9:>9.2f}"
+              f" {r['tokens_per_s'] / one['tokens_per_s']:>8.2f}")
+    print("\ncollectives in MiB per device per step; tok/s x1: training tokens/s over one device's, same run")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"config": config, "batch": args.batch, "seq": args.seq,
+                                               "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

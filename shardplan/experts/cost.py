@@ -1,0 +1,72 @@
+"""What expert parallelism costs per device and step (pure): the dispatch and combine all-to-alls forward
+and backward, the expert matmuls on the rows each device holds, the exchange's buffers kept for the
+backward, and the expert weights' own gradient reduction. `shardplan.planner.cost` adds these in place
+of what it would count for the expert weights as ordinary matrices.
+
+Rows per device: each (source device, expert) pair has C slots, so a device holds E x C rows (its E / ep
+experts, from each of the ep devices of its group). Dropless, C is the device's tokens; with a capacity
+factor f, C = ceil(f x k x tokens / E) for k experts per token (the cost model does not know k: 2 is
+assumed and said).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+ASSUMED_TOP_K = 2
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExpertCost:
+    transfers: tuple              # (kind, axes, bytes of one op, ops, what)
+    flops: float
+    kept_bytes: int               # the exchange's rows kept for the backward, at the peak
+    caveats: tuple[str, ...] = ()
+
+
+def slots(tokens: float, experts: int, capacity_factor: float | None) -> int:
+    if capacity_factor is None:
+        return max(1, math.ceil(tokens))
+    return max(1, math.ceil(capacity_factor * ASSUMED_TOP_K * tokens / experts))
+
+
+def expert_cost(blocks, layouts: dict, *, axis: str, capacity_factor: float | None, batch_axes: tuple,
+                sizes: dict, passes: int, tokens_per_pass: float, width: int, itemsize: int, recompute,
+                count) -> ExpertCost:
+    """`blocks`: the plan's BlockRoles; `layouts`: path -> ParamLayout of the expert weights held here;
+    `recompute(path)`: whether the backward runs the block's forward again; `count(path)`: how many
+    blocks one stands for."""
+    transfers, flops, kept, caveats = [], 0.0, 0, []
+    for block in blocks:
+        held = [layouts[p] for p in block.experts if p in layouts]
+        if not held:
+            continue
+        n = count(held[0].path)
+        capacity = slots(tokens_per_pass, block.count, capacity_factor)
+        rows = block.count * capacity                       # E x C, on every device
+        again = recompute(held[0].path)
+        # one exchange out (the tokens, width D) and one back (the output, width D) per forward; their
+        # transposes in the backward; a forward run again in the backward exchanges again
+        exchanges = (2 if not again else 3) * 2 * passes
+        transfers.append(("all-to-all", (axis,), rows * width * itemsize, exchanges * n,
+                          f"{block.block}: tokens to their experts and back"))
+        inner = 0
+        for p in held:
+            later = tuple(a for entry in p.spec[1:] if entry for a in entry)
+            tensor = math.prod(sizes[a] for a in later if a not in batch_axes)
+            flops += 6 * (8 / 6 if again else 1) * passes * rows * math.prod(p.shape[1:]) / tensor * n
+            inner += math.prod(p.shape[1:]) // width
+            fsdp = tuple(a for a in later if a in batch_axes)
+            whole = math.prod(p.shard_shape) * p.itemsize * math.prod(sizes[a] for a in fsdp)
+            if fsdp:
+                transfers.append(("all-gather", fsdp, whole, passes * n, f"{p.path}: FSDP weight gathered"))
+            reduce_over = tuple(a for a in batch_axes if a != axis and a not in later)
+            if reduce_over:
+                transfers.append(("all-reduce", reduce_over, whole if fsdp else p.bytes_per_device, passes * n,
+                                  f"{p.path}: expert gradient over the other data-parallel devices"))
+        # kept for the backward: the rows that arrived, each matmul's output, the rows sent back
+        kept += rows * (2 * width + inner) * itemsize * passes * n
+    if capacity_factor is not None:
+        caveats.append(f"capacity slots costed for {ASSUMED_TOP_K} experts per token")
+    return ExpertCost(tuple(transfers), flops, kept, tuple(caveats))
