@@ -232,3 +232,16 @@ def test_conv_classifier_gets_a_valid_plan_and_no_idle_axis():
         used = {axis for p in ranked.report.params for axis in spec_axes(p.spec)} | {"data", "stage"}
         assert set(ranked.candidate.axes) <= used
     assert shardplan.check(found.best.plan, ConvClassifier(rngs=nnx.Rngs(0))).ok
+
+
+def test_auto_proposes_expert_parallelism_for_a_moe_model_and_its_plan_trains_like_one_device(tmp_path):
+    def build():
+        return minigpt_model.MiniGPT(**{**MINIGPT, "feed_forward_dim": 512}, num_experts=8, experts_per_token=2,
+                                     rngs=nnx.Rngs(0))
+    found, _, _ = _search(build)
+    assert found.best.candidate.experts, found.best.candidate.rules_label()
+    plan = _written(found, tmp_path)
+    assert plan.experts is not None and plan.experts.axis == "data"
+    report = shardplan.check(plan, build(), input_shapes={"tokens": (BATCH, SEQ)})
+    assert report.diagnostics == [], [d.format() for d in report.diagnostics]
+    np.testing.assert_allclose(_losses(plan, build), _single_device_losses(build), rtol=1e-5)

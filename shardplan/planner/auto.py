@@ -20,6 +20,7 @@ from typing import Any
 from shardplan.checks.paths import ParamInfo
 from shardplan.checks.report import Report, check_params
 from shardplan.checks.validate import REPLICATED_WARNING_BYTES, data_axes
+from shardplan.experts.roles import find_blocks
 from shardplan.plan.schema import Plan, spec_axes
 from shardplan.planner.cost import Estimate, Workload, _schedule_bubble, estimate, model_flops
 from shardplan.planner.profiles import Profile
@@ -54,6 +55,7 @@ class Candidate:
     sequence: bool = False              # sequence parallelism over 'model' in the layers' norm regions
     compute: str | None = None          # compute dtype when not the parameters'
     accumulate: int = 1                 # gradient accumulation: microbatches run in turn (no pipeline)
+    experts: bool = False               # expert parallelism, the experts folded onto 'data'
 
     def label(self) -> str:
         mesh = " x ".join(f"{name} {size}" for name, size in self.axes.items())
@@ -65,6 +67,8 @@ class Candidate:
         parts = []
         if self.tensor:
             parts.append("megatron" + ("+vocab" if self.vocab else ""))
+        if self.experts:
+            parts.append("ep")
         if self.fsdp:
             parts.append("fsdp")
         if self.zero1:
@@ -128,9 +132,10 @@ def search(params: list[ParamInfo], roles: ModelRoles, *, devices: int, workload
     usable = int(budget * (1 - margin))
     rep = Representative.of(params, roles)
     bounds = _Bounds.of(params, roles, workload, profile, compute, devices)
+    blocks = find_blocks(params)
     listed = sorted(((bounds.step(c), n, c) for n, c in enumerate(
-        candidates(roles, devices, hosts, workload, pipelines, compute)) if only is None or only(c)),
-        key=lambda t: t[:2])
+        candidates(roles, devices, hosts, workload, pipelines, compute, blocks[0].count if blocks else None))
+        if only is None or only(c)), key=lambda t: t[:2])
     fitting: list[tuple[float, int, Candidate, Estimate]] = []
     slowest: list[float] = []           # max-heap (negated) of the `keep` best step times
     rejected, pruned = [], 0
@@ -248,8 +253,19 @@ def _idle(candidate: Candidate, report) -> str | None:
 
 
 def candidates(roles: ModelRoles, devices: int, hosts: int, workload: Workload, pipelines: bool = True,
-               compute: str | None = None):
-    """Meshes x rule sets x pipeline settings x step options; the checker weeds out what does not divide."""
+               compute: str | None = None, experts: int | None = None):
+    """Meshes x rule sets x pipeline settings x step options; the checker weeds out what does not divide.
+    `experts`: the expert count of the model's MoE blocks (expert parallelism folded onto 'data' is
+    offered where 'data' divides it; not with a pipeline)."""
+    for c in _dense_candidates(roles, devices, hosts, workload, pipelines, compute):
+        yield c
+        data = c.axes.get("data", 1)
+        if experts and data > 1 and experts % data == 0 and c.schedule is None:
+            yield dataclasses.replace(c, experts=True)
+
+
+def _dense_candidates(roles: ModelRoles, devices: int, hosts: int, workload: Workload, pipelines: bool,
+                      compute: str | None):
     layered = roles.layers is not None
     for stage, data, model in _factorisations(devices):
         if stage > 1 and (not pipelines or not layered or roles.layer_count < stage):   # (unequal stages are padded)
@@ -313,7 +329,11 @@ def specs(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo]) -> d
     """Parameter path -> spec entries under the candidate's rule set."""
     sizes = candidate.axes
     out: dict[str, list] = {}
+    stacked = {path for b in find_blocks(params) for path in b.experts} if candidate.experts else set()
     for p in params:
+        if p.path in stacked:
+            out[p.path] = ["data"]          # each device its own experts; their other dims whole
+            continue
         role = roles.of(p.path)
         entries: list = [None] * len(p.shape)
         if candidate.tensor:
@@ -372,6 +392,10 @@ def plan_document(candidate: Candidate, roles: ModelRoles, params: list[ParamInf
         document["optimizer"] = "zero1"
     if candidate.accumulate > 1:
         document["accumulate"] = candidate.accumulate
+    if candidate.experts:
+        blocks = sorted({_fold_layer(b.block + "/", roles.layers)[:-1] for b in find_blocks(params)})
+        document["experts"] = {"blocks": blocks[0] if len(blocks) == 1 else "(" + "|".join(blocks) + ")",
+                               "axis": "data", "dispatch": "dropless"}
     if candidate.schedule:
         document["pipeline"] = {"axis": "stage", "layers": roles.layers, "stages": "even",
                                 "microbatches": candidate.microbatches, "schedule": candidate.schedule,
@@ -501,6 +525,10 @@ def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 
     if c.accumulate > 1:
         lines.append(f"accumulate: {c.accumulate}                # gradient accumulation: the batch runs as "
                      f"{c.accumulate} microbatches in turn")
+    if c.experts:
+        experts = chosen.plan.experts
+        lines += ["experts:                     # each device holds its share of the experts; tokens reach them by all-to-all",
+                  f"  blocks: '{experts.blocks}'", f"  axis: {experts.axis}", f"  dispatch: {experts.dispatch}"]
     if c.schedule:
         pipe = chosen.plan.pipeline
         lines += ["pipeline:", f"  axis: {pipe.axis}", f"  layers: {pipe.layers}",

@@ -53,6 +53,7 @@ class Layout:
     axes: dict[str, int]
     stage_map: StageMap | None
     params: list[ParamLayout]
+    experts: tuple = ()             # BlockRoles of the plan's MoE blocks among the parameters laid out
 
 
 def lay_out(plan: Plan, specs: dict[str, list], rep: Representative, sizes: dict[str, int],
@@ -78,4 +79,8 @@ def lay_out(plan: Plan, specs: dict[str, list], rep: Representative, sizes: dict
     # a device holds the layers of its stage: stage 0's, the largest when stages are unequal
     held = stage_map.counts[0] if stage_map else rep.layer_count
     counts = {path: held for path in rep.layer_paths} if rep.layer_count else None
-    return Layout(plan, sizes, stage_map, layouts), counts
+    experts = ()
+    if plan.experts is not None:
+        from shardplan.experts.roles import find_blocks
+        experts = tuple(find_blocks(rep.params))
+    return Layout(plan, sizes, stage_map, layouts, experts), counts
