@@ -179,3 +179,19 @@ def test_moe_minigpt_trains_under_the_shipped_plan_as_on_one_device_sample_inclu
     losses = [result.losses[s] for s in range(1, 9)]
     np.testing.assert_allclose(losses, [single.losses[s] for s in range(1, 9)], rtol=2e-4)
     assert losses[-1] < losses[0] and result.sample
+
+
+def test_inspect_shows_experts_per_device_and_the_exchange_and_explain_says_why_a_weight_is_stacked(capsys):
+    from shardplan.cli import main
+    assert main(["inspect", "plans/minigpt_moe_ep.yaml"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for needle in ("Experts over axis 'expert' (4 devices), dispatch dropless", "transformer_blocks/{0..7}/moe",
+                   "expert 0: 0-1, expert 1: 2-3, expert 2: 4-5, expert 3: 6-7", "w_in, w_out",
+                   "32 all-to-alls over 'expert', 128.00 MiB per device"):
+        assert needle in text, text[:2000]
+    assert main(["explain", "plans/minigpt_moe_ep.yaml", "transformer_blocks/3/moe/w_out", "--model",
+                 "minigpt_model:MiniGPT", "--config", "num_experts=8"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for needle in ("expert-stacked: dim 0 of (8, 256, 256) is the 8 experts of MoE block 'transformer_blocks/3/moe'",
+                   "router transformer_blocks/3/moe/router/kernel (256, 8)", "gives each device 2 of them"):
+        assert needle in text, text

@@ -466,6 +466,7 @@ def _inspect(args, console: Console) -> int:
     render.render_mesh(console, report)
     render.render_devices(console, report)
     render.render_pipeline(console, report)
+    render.render_experts(console, report, cost[2] if cost is not None else None)
     if cost is not None:
         render.render_estimate(console, *cost[:3], accumulate=report.plan.accumulate, code=cost[3])
     render.render_params(console, report, collapse=not args.all_params)
@@ -491,8 +492,10 @@ def _explain(args, console: Console) -> int:
     plan = load_plan(args.plan)
     rules, problems = compile_rules(plan)
     render_diagnostics(console, problems)
+    params = []
     if args.model:
-        paths = [p.path for p in _model_params(args.model, args.config, paths=args.import_paths)]
+        params = _model_params(args.model, args.config, paths=args.import_paths)
+        paths = [p.path for p in params]
         if args.path not in paths:
             import difflib
             close = difflib.get_close_matches(args.path, paths, n=3, cutoff=0.6)
@@ -524,7 +527,29 @@ def _explain(args, console: Console) -> int:
         console.print(f"  shadows {named(rule)} (spec {format_spec(rule.spec)})")
     if not shadowed:
         console.print("  no later rule matches this path")
+    if plan.experts is not None and params:
+        print_wrapped(console, _expert_role_text(plan, params, args.path))
     return EXIT_OK
+
+
+def _expert_role_text(plan, params, path: str) -> str:
+    """Why `path` is (or is not) an expert stack of the plan's MoE blocks."""
+    from shardplan.experts.checks import expert_blocks
+    roles, _ = expert_blocks(plan, params)
+    shapes = {p.path: p.shape for p in params}
+    for r in roles:
+        if path in r.experts:
+            size = plan.mesh.axes.get(plan.experts.axis)
+            share = f"; experts.axis {plan.experts.axis!r}" + (
+                f" ({size} devices) gives each device {r.count // size} of them" if size and size > 0 and
+                r.count % size == 0 else "")
+            return (f"  expert-stacked: dim 0 of {shapes[path]} is the {r.count} experts of MoE block {r.block!r}, "
+                    f"whose router {r.router} {shapes[r.router]} scores {r.count} of them (a 3-D weight of the "
+                    f"block whose leading dim is the router's width){share}")
+        if path == r.router:
+            return (f"  the router of MoE block {r.block!r}: it scores its {r.count} experts; every device "
+                    "holds it whole")
+    return "  not an expert weight of the plan's MoE blocks"
 
 
 def _model_params(factory: str, config_pairs: list[str], order: list[str] | None = None, paths=()):

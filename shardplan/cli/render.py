@@ -186,6 +186,32 @@ def render_pipeline(console: Console, report: Report) -> None:
                   "flight per stage")
 
 
+def render_experts(console: Console, report: Report, cost=None) -> None:
+    """Which experts each device holds, per MoE block kind, and what the exchange moves per step."""
+    experts = report.plan.experts
+    if not report.experts or experts is None or experts.axis not in report.axes:
+        return
+    size = report.axes[experts.axis]
+    blocks = _groups(report.experts, lambda r: (r.count, len(r.experts)), True, path=lambda r: r.block)
+    exchanged = [t for t in (cost.transfers if cost is not None else ()) if t.kind == "all-to-all"
+                 and t.what.endswith("tokens to their experts and back")]
+    title = f"Experts over axis {experts.axis!r} ({size} devices), dispatch {experts.dispatch}" + (
+        f" (capacity factor {experts.capacity_factor:g})" if experts.capacity_factor else "")
+    rows = []
+    for label, group in blocks:
+        r = group[0]
+        local = r.count // size if r.count % size == 0 else None
+        held = "-" if local is None else ", ".join(
+            f"{experts.axis} {i}: {i * local}" + (f"-{(i + 1) * local - 1}" if local > 1 else "") for i in range(size))
+        rows.append([label, str(r.count), "-" if local is None else str(local), held,
+                     ", ".join(p.rsplit("/", 1)[-1] for p in r.experts)])
+    print_fitted(console, title, ["blocks", "experts", "per device", "experts held", "stacked weights"], rows)
+    if exchanged:
+        ops = sum(t.count for t in exchanged)
+        console.print(f"exchange per step (all blocks, modelled): {ops} all-to-alls over {experts.axis!r}, "
+                      f"{human_bytes(sum(t.total for t in exchanged))} per device")
+
+
 def print_fitted(console: Console, title: str, columns: list[str], rows: list[list[str]], *,
                  right: tuple[str, ...] = ()) -> None:
     """A table whose cells are never cut: a spec or a shape is never shown as `P('mode…`.
