@@ -162,6 +162,7 @@ CASES = {
                             "data: 1, expert: 8").replace("[data, expert]", "[expert]")),
                             [p for p in MOE_PARAMS if "layers/0" in p.path or "head" in p.path][:1] + [
                                 ParamInfo("layers/0/moe/w_up", (6, 16, 32), F32),
+                                ParamInfo("layers/0/moe/w_down", (6, 32, 16), F32),
                                 ParamInfo("layers/0/moe/router/kernel", (16, 6), F32)], 8, None,
                             ["'layers/0/moe' has 6 experts", "8 devices of axis 'expert'"], 4),
     "experts-axis-inconsistent": (moe("blocks: 'layers/\\d+/moe', axis: expert", params=EP_RULES.replace(

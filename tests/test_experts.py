@@ -195,3 +195,41 @@ def test_inspect_shows_experts_per_device_and_the_exchange_and_explain_says_why_
     for needle in ("expert-stacked: dim 0 of (8, 256, 256) is the 8 experts of MoE block 'transformer_blocks/3/moe'",
                    "router transformer_blocks/3/moe/router/kernel (256, 8)", "gives each device 2 of them"):
         assert needle in text, text
+
+
+STEP_OPTIONS = {"remat and accumulation": ("remat: [{match: 'layers/\\d+', policy: full}]\naccumulate: 2\n", 1e-5),
+                "bf16 compute": ("precision: {compute: bfloat16}\n", 2e-2)}
+
+
+@pytest.mark.parametrize("options", sorted(STEP_OPTIONS))
+def test_step_options_wrap_the_exchange_as_any_module(options):
+    """Remat around the block's call, microbatches through `model_loss`, bf16 compute: EP equals data
+    parallelism with the same options (EP itself equals one device above)."""
+    text, tol = STEP_OPTIONS[options]
+    ep = shardplan.parse_plan(_plan_text("ep4") + text)
+    dp = shardplan.parse_plan("version: 1\nmesh: {axes: {data: 8}}\ninputs: {tokens: [data, null]}\n"
+                              "params: [{match: '.*', spec: replicated}]\n" + text)
+
+    def step(plan):
+        mesh = shardplan.make_mesh(plan)
+        model = shardplan.apply_plan(plan, MoEDecoder(SortedMoE, rngs=nnx.Rngs(0)), mesh)
+        tokens = shardplan.shard_inputs(plan, {"tokens": TOKENS}, mesh)["tokens"]
+
+        def loss(model):
+            return shardplan.model_loss(model, lambda out, t: optax.softmax_cross_entropy_with_integer_labels(
+                out[0][:, :-1], t[:, 1:]).mean(), tokens, tokens)
+        value, grads = nnx.jit(nnx.value_and_grad(loss))(model)
+        return float(value), nnx.to_pure_dict(nnx.state(grads))
+    (a, ga), (b, gb) = step(ep), step(dp)
+    np.testing.assert_allclose(a, b, rtol=tol)
+    worst = max(jax.tree.leaves(jax.tree.map(lambda x, y: float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) + 1e-9)),
+                                             ga, gb)))
+    assert worst < tol * 10, worst
+
+
+def _plan_text(layout: str) -> str:
+    mesh, tokens, axis, spec, extra = LAYOUTS[layout]
+    return (f"version: 1\nmesh: {{axes: {mesh}}}\ninputs: {{tokens: {tokens}}}\n"
+            f"experts: {{blocks: 'layers/\\d+/moe', axis: {axis}}}\n"
+            f"params:\n  - match: 'layers/\\d+/moe/(w_.*|experts_.*|w1|w2|up|down)'\n    spec: {spec}\n{extra}"
+            "  - match: '.*'\n    spec: replicated\n")
