@@ -15,6 +15,7 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -40,10 +41,6 @@ class ExpertOptions:
 def make_expert_parallel(module: nnx.Module, options: ExpertOptions) -> None:
     if not hasattr(type(module), "_shardplan_experts"):
         module.__class__ = _expert_class(type(module), options)
-
-
-def plain_class(module) -> type:
-    return type(module).__mro__[1] if hasattr(type(module), "_shardplan_experts") else type(module)
 
 
 @functools.cache
@@ -102,7 +99,6 @@ def trace_block(original, options: ExpertOptions, module, args: tuple, kwargs: d
     if padding:
         # Outputs are per token (the contract), so zero rows added to fill every device change nothing
         # (a sampler's batch of one, say); they are cut off again.
-        import jax.numpy as jnp
         leaves = [jnp.pad(x, [(0, padding)] + [(0, 0)] * (x.ndim - 1)) if i in tokens else x
                   for i, x in enumerate(leaves)]
     avals = [jax.ShapeDtypeStruct(((batch + padding) // devices, *x.shape[1:]) if i in tokens else x.shape, x.dtype)
@@ -123,7 +119,7 @@ def _depends_on(jaxpr, inputs: set[int]) -> list[bool]:
     return [not hasattr(v, "val") and v in marked for v in jaxpr.outvars]
 
 
-def capacity_rule(options: ExpertOptions, local_rows: int, block: int):
+def capacity_rule(options: ExpertOptions, local_rows: int, block: type):
     def capacity(rows: int, experts: int) -> int:
         if options.capacity_factor is None:
             # each token picks an expert at most once: a device's tokens fill any one expert's slots

@@ -25,7 +25,6 @@ class Route:
     capacity: int             # slots per (source device, expert)
     axis: str                 # the expert mesh axis
     size: int                 # its size, ep
-    dropped: jax.Array        # () int32: rows of this device beyond capacity
 
 
 def route(group_sizes: jax.Array, rows: int, capacity: int, axis: str, size: int) -> Route:
@@ -38,8 +37,7 @@ def route(group_sizes: jax.Array, rows: int, capacity: int, axis: str, size: int
     position = index - start
     kept = (expert < experts) & (position < capacity)
     slots = jnp.where(kept, expert * capacity + position, experts * capacity).astype(jnp.int32)
-    dropped = jnp.sum(jnp.maximum(group_sizes - capacity, 0)).astype(jnp.int32)
-    return Route(slots, experts, capacity, axis, size, dropped)
+    return Route(slots, experts, capacity, axis, size)
 
 
 def dispatch(rows: jax.Array, r: Route) -> jax.Array:

@@ -5,6 +5,7 @@ experts (`exchange.dispatch`), a matmul with the local experts, and the result k
 operations on held rows (the activation between the up and down projections, a gate's product) run
 where the rows are, and a second `ragged_dot` on the same groups reuses the exchange, so an expert MLP
 costs one all-to-all out and one back. Anything else that reads held rows gets them back home first.
+Blocks that run every expert on every token (a loop over `w[i]`, einsums over E) go through `dense`.
 The rest of the program runs as traced.
 """
 
@@ -30,9 +31,7 @@ CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "custom_j
 
 
 # What a refused use of an expert weight usually is, in the user's terms.
-_FORMS = {name: " (one expert indexed at a time: a loop over experts runs each on every token)"
-          for name in ("slice", "dynamic_slice", "gather", "squeeze", "index_in_dim")}
-_FORMS["dot_general"] = " (every token times every expert: an einsum over the expert dim)"
+_FORMS = {name: " (an expert picked by a traced index)" for name in ("dynamic_slice", "gather")}
 
 
 class ContractError(Exception):
@@ -41,7 +40,7 @@ class ContractError(Exception):
     def __init__(self, message: str, where: str | None):
         super().__init__(message)
         self.where = where
-        self.block = None         # id of the block module, set by the block's call
+        self.block = None         # the block's class, set by its call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +75,6 @@ class Exchange:
     dropless: bool = True
     routes: dict = dataclasses.field(default_factory=dict)
     sent: dict = dataclasses.field(default_factory=dict)
-
-    def dropped(self):
-        return sum(r.dropped for r in self.routes.values()) if self.routes else 0
 
 
 def where(eqn) -> str | None:

@@ -48,11 +48,6 @@ def block_roles(block: str, params: list[ParamInfo]) -> BlockRoles:
     return BlockRoles(block, None, (), None)
 
 
-def expert_role(path: str, roles: list[BlockRoles]) -> BlockRoles | None:
-    """The block whose stacked experts include `path`."""
-    return next((r for r in roles if path in r.experts), None)
-
-
 def find_blocks(params: list[ParamInfo]) -> list[BlockRoles]:
     """The MoE blocks of a model, found from shapes alone: the module of a router weight (a raw
     parameter) or the one holding the router submodule, when it holds experts the router scores."""
