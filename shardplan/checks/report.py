@@ -12,7 +12,7 @@ from shardplan.checks.stages import StageMap, check_microbatches, plan_stages
 from shardplan.checks.step import check_step_axes
 from shardplan.checks.validate import (Placement, data_axes, idle_axes, rule_level, validate_inputs,
                                        validate_optimizer, validate_params)
-from shardplan.experts.checks import check_experts, expert_blocks
+from shardplan.checks.experts import check_experts, expert_blocks
 from shardplan.plan.diagnostics import Diagnostic
 from shardplan.plan.matching import checked_pattern, compile_rules
 from shardplan.plan.schema import Plan
@@ -181,7 +181,9 @@ def check_params(plan: Plan, params: list[ParamInfo], device_ids: list[int], *,
     stage_map, staging = plan_stages(plan, params, sizes, specs)
     diagnostics += staging
     expert_roles, found = expert_blocks(plan, params)
-    diagnostics += found + (check_experts(plan, expert_roles, {p.param.path: p for p in placements}, sizes) if not mesh_diagnostics else [])
+    if not mesh_diagnostics:
+        found += check_experts(plan, expert_roles, {p.param.path: p for p in placements}, sizes)
+    diagnostics += found
     if input_shapes:
         batch = next(iter(input_shapes.values()))[0]
         diagnostics += check_microbatches(plan, batch, sizes, data_axes(plan, sizes))

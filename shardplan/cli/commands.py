@@ -534,7 +534,7 @@ def _explain(args, console: Console) -> int:
 
 def _expert_role_text(plan, params, path: str) -> str:
     """Why `path` is (or is not) an expert stack of the plan's MoE blocks."""
-    from shardplan.experts.checks import expert_blocks
+    from shardplan.checks.experts import expert_blocks
     roles, _ = expert_blocks(plan, params)
     shapes = {p.path: p.shape for p in params}
     for r in roles:

@@ -3,7 +3,7 @@ with the blocks made expert-parallel (nothing is compiled or run)."""
 
 from __future__ import annotations
 
-from shardplan.experts.checks import expected_drop_share
+from shardplan.checks.experts import expected_drop_share
 from shardplan.plan.diagnostics import Diagnostic
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from shardplan.checks.paths import ParamInfo
 from shardplan.checks.report import Report, check_params
 from shardplan.checks.validate import REPLICATED_WARNING_BYTES, data_axes
-from shardplan.experts.roles import find_blocks
+from shardplan.checks.expert_roles import find_blocks
 from shardplan.plan.schema import Plan, spec_axes
 from shardplan.planner.cost import Estimate, Workload, _schedule_bubble, estimate, model_flops
 from shardplan.planner.profiles import Profile

@@ -81,6 +81,6 @@ def lay_out(plan: Plan, specs: dict[str, list], rep: Representative, sizes: dict
     counts = {path: held for path in rep.layer_paths} if rep.layer_count else None
     experts = ()
     if plan.experts is not None:
-        from shardplan.experts.roles import find_blocks
+        from shardplan.checks.expert_roles import find_blocks
         experts = tuple(find_blocks(rep.params))
     return Layout(plan, sizes, stage_map, layouts, experts), counts

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from shardplan.checks.paths import ParamInfo
-from shardplan.experts.roles import BlockRoles, block_roles, module_prefixes
+from shardplan.checks.expert_roles import BlockRoles, block_roles, module_prefixes
 from shardplan.plan.diagnostics import Diagnostic
 from shardplan.plan.matching import checked_pattern
 from shardplan.plan.schema import Plan
