@@ -261,8 +261,8 @@ def main() -> None:
     moe = []
     if args.experts:
         moe_config = dict(config, num_experts=args.experts, experts_per_token=2, num_transformer_blocks=4)
-        print(f"\nexperts: MiniGPT with {args.experts} experts (2 per token) in 4 blocks under plans/minigpt_moe_ep.yaml "
-              "and with the experts folded onto an 8-way data axis")
+        print(f"\nexperts: MiniGPT with {args.experts} experts (2 per token) in 4 blocks under plans/minigpt_moe_ep.yaml, "
+              "with the experts folded onto an 8-way data axis, and in gpipe and 1F1B pipelines")
         for plan in expert_plans(moe_config):
             row = compare(plan, moe_config, args.batch, args.seq)
             moe.append(row)
@@ -281,7 +281,15 @@ def expert_plans(config: dict) -> list[shardplan.Plan]:
     document.update(name="moe ep folded", mesh={"axes": {"data": 8}}, inputs={"tokens": ["data", None]},
                     experts=dict(document["experts"], axis="data"))
     document["params"][0]["spec"] = ["data", None, None]
-    return plans + [shardplan.parse_plan(yaml.safe_dump(document))]
+    plans.append(shardplan.parse_plan(yaml.safe_dump(document)))
+    for schedule in ("gpipe", "1f1b"):
+        document.update(name=f"moe ep {schedule} 2x2x2", mesh={"axes": {"stage": 2, "data": 2, "expert": 2}},
+                        inputs={"tokens": [["data", "expert"], None]}, experts=dict(document["experts"], axis="expert"),
+                        pipeline={"axis": "stage", "layers": "transformer_blocks", "microbatches": 4,
+                                  "schedule": schedule})
+        document["params"][0]["spec"] = ["expert", None, None]
+        plans.append(shardplan.parse_plan(yaml.safe_dump(document)))
+    return plans
 
 
 if __name__ == "__main__":

@@ -169,10 +169,10 @@ CASES = {
                                   "[expert, null, null]", "[data, expert, null]")), MOE_PARAMS, 8, None,
                                   ["layers/0/moe/w_up", "8 experts", "rule #1 puts data on dim 0", "expert on a later dim"],
                                   6),
-    "experts-with-pipeline": (moe("blocks: 'layers/\\d+/moe', axis: expert", head=MOE.replace("data: 2", "stage: 2")
-                                  .replace("[data, expert]", "[expert]"), params=EP_RULES
-                                  + "pipeline: {axis: stage, layers: layers}\n"),
-                              MOE_PARAMS, 8, None, ["pipeline stages"], 8),
+    "experts-stage-axis": (moe("blocks: 'layers/\\d+/moe', axis: stage", head=MOE.replace("data: 2", "stage: 2")
+                               .replace("[data, expert]", "[expert]"), params=EP_RULES.replace("[expert,", "[stage,")
+                               + "pipeline: {axis: stage, layers: layers}\n"),
+                           MOE_PARAMS, 8, None, ["experts.axis 'stage' is the pipeline's stage axis"], 4),
     "stage-layers-differ": (pipe(""), PIPE_PARAMS[:-3] + [ParamInfo("layers/3/b", (32,), F32)] + PIPE_PARAMS[-2:],
                             8, None, ["layers/3/b", "(32,)", "identically shaped"], 6),
 }

@@ -230,3 +230,35 @@ def test_step_options_wrap_the_exchange_as_any_module(options):
                                              ga, gb)))
     assert worst < tol * 10, worst
 
+
+
+def test_experts_inside_pipeline_stages_with_tensor_parallelism_train_like_one_device():
+    """EP x TP x PP: MoE MiniGPT blocks in a 1F1B pipeline, attention split over `model`."""
+    import minigpt_model
+    from minigpt_model.steps import train_step as minigpt_step
+    config = dict(maxlen=16, vocab_size=128, embed_dim=64, num_heads=8, feed_forward_dim=128, num_transformer_blocks=4,
+                  dropout_rate=0.0, num_experts=4, experts_per_token=2)
+    plan = shardplan.parse_plan(
+        "version: 1\nmesh: {axes: {stage: 2, expert: 2, model: 2}}\ninputs: {tokens: [expert, null]}\n"
+        "experts: {blocks: 'transformer_blocks/\\d+/moe', axis: expert}\n"
+        "pipeline: {axis: stage, layers: transformer_blocks, microbatches: 2, schedule: 1f1b}\nparams:\n"
+        "  - {match: 'transformer_blocks/\\d+/moe/w_(in|out)', spec: [expert, null, null]}\n"
+        "  - {match: 'transformer_blocks/\\d+/mha/(query|key|value)/kernel', spec: [null, model, null]}\n"
+        "  - {match: 'transformer_blocks/\\d+/mha/out/kernel', spec: [model, null, null]}\n"
+        "  - {match: '.*', spec: replicated}\n")
+    tokens = TOKENS[:8] % 128
+    reference = minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(reference, optax.adamw(1e-3), wrt=nnx.Param)
+    want = [float(minigpt_step(reference, optimizer, tokens, tokens, training=False)) for _ in range(3)]
+    mesh = shardplan.make_mesh(plan)
+    model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0)), mesh)
+    optimizer = shardplan.shard_optimizer(plan, model, optax.adamw(1e-3), mesh)
+    placed = shardplan.shard_inputs(plan, {"tokens": tokens}, mesh)["tokens"]
+    got = [float(minigpt_step(model, optimizer, placed, placed, training=False)) for _ in range(3)]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    ops = collectives(minigpt_step.lower(model, optimizer, placed, placed, training=False).compile().as_text())
+    assert len(ops.get("all-to-all", [])) >= 4
+    w_in = model.transformer_blocks.moe.w_in.get_value()        # stacked (stage, chunk, layer, E, D, F)
+    assert w_in.sharding.shard_shape(w_in.shape)[3] == 2
+    shard = ",".join(map(str, w_in.sharding.shard_shape(w_in.shape)[3:]))
+    assert not any(f"[{shard}]" in line for line in ops.get("all-gather", []) + ops.get("collective-permute", []))

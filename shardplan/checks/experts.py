@@ -52,11 +52,10 @@ def check_experts(plan: Plan, roles: list[BlockRoles], placements: dict, sizes: 
                            f"(the mesh has {', '.join(sizes)})", hint="name an axis of `mesh.axes`, its own "
                            "(e.g. expert: 4) or the data axis", **where)]
     found = []
-    if plan.pipeline is not None:
-        pl, pc = plan.locate("pipeline")
-        found.append(Diagnostic("experts-with-pipeline", "error", "expert parallelism does not yet run inside "
-                                "pipeline stages", file=plan.file, line=pl, column=pc,
-                                hint="drop `pipeline` (use data, expert and tensor axes) or drop `experts`"))
+    if plan.pipeline is not None and plan.pipeline.axis == experts.axis:
+        found.append(Diagnostic("experts-stage-axis", "error", f"experts.axis {experts.axis!r} is the pipeline's "
+                                "stage axis: a stage's devices hold different layers, not the same layer's "
+                                "experts", hint="give the experts an axis of their own, or the data axis", **where))
     size = sizes[experts.axis]
     for r in roles:
         if r.count % size:

@@ -71,6 +71,16 @@ class Traced:
     padding: int              # zero rows added to it so that every device gets as many
 
 
+def split_axes(options: ExpertOptions) -> tuple[tuple[str, ...], object]:
+    """(the batch axes this call splits tokens over, the mesh to split on): inside a pipeline's stages its
+    stage and data axes are already manual, and the tokens already this device's along them."""
+    context = jax.sharding.get_abstract_mesh()
+    manual = set(getattr(context, "manual_axes", ()) or ())
+    if not manual:
+        return options.batch_axes, options.mesh
+    return tuple(a for a in options.batch_axes if a not in manual), context
+
+
 def trace_block(original, options: ExpertOptions, module, args: tuple, kwargs: dict):
     """(pure function of the array leaves, the leaves, `Traced`)."""
     graphdef, state = nnx.split(module)
@@ -90,7 +100,8 @@ def trace_block(original, options: ExpertOptions, module, args: tuple, kwargs: d
     paths = ["/".join(str(getattr(k, "key", k)) for k in keys) for keys, _ in nnx.to_flat_state(state)]
     expert_positions = [arrays.index(k) for k, path in enumerate(paths) if path in options.experts]
     leaves = [flat[k] for k in arrays]
-    devices = math.prod(options.mesh.shape[a] for a in options.batch_axes)
+    batch_axes, mesh = split_axes(options)
+    devices = math.prod(dict(zip(mesh.axis_names, mesh.axis_sizes))[a] for a in batch_axes)
     batch = next((x.shape[0] for k, x in zip(arrays, leaves) if k >= state_leaves and x.ndim), None)
     tokens = [i for i, (k, x) in enumerate(zip(arrays, leaves)) if k >= state_leaves and x.ndim and x.shape[0] == batch]
     if batch is None:
@@ -165,11 +176,12 @@ def _expert_parallel_call(original, options: ExpertOptions, module, args: tuple,
         outs = interpret.run(closed, list(local), set(traced.experts), ex)
         return [outs[k] for k in dependent]
 
-    rows = P(options.batch_axes)
+    batch_axes, mesh = split_axes(options)
+    rows = P(batch_axes)
     in_specs = [rows if i in traced.tokens else P(options.axis) if i in traced.experts else P()
                 for i in range(len(leaves))]
-    sharded = jax.shard_map(per_device, mesh=options.mesh, in_specs=tuple(in_specs),
-                            out_specs=[rows] * len(dependent), axis_names=set(options.batch_axes), check_vma=False)
+    sharded = jax.shard_map(per_device, mesh=mesh, in_specs=tuple(in_specs),
+                            out_specs=[rows] * len(dependent), axis_names=set(batch_axes), check_vma=False)
     parallel = jax.jit(sharded)(*leaves)
     if traced.padding:
         parallel = [x[:traced.batch] for x in parallel]

@@ -66,7 +66,7 @@ CODES: dict[str, str] = {
     "experts-no-axis": "`experts.axis` is not a mesh axis",
     "experts-indivisible": "a block's expert count is not divisible by the expert axis",
     "experts-axis-inconsistent": "an expert weight's spec does not put exactly the expert axis on its expert dim",
-    "experts-with-pipeline": "expert parallelism inside pipeline stages (not yet supported)",
+    "experts-stage-axis": "`experts.axis` is the pipeline's stage axis",
     "experts-contract": "a MoE block's code uses its experts in a way expert parallelism cannot run",
     "experts-capacity-drops": "a capacity dispatch that drops tokens (expected share for a uniform router)",
     # step options

@@ -338,12 +338,13 @@ def _expert_terms(report, held, step: _Step) -> _ExpertTerms | None:
     from shardplan.experts.cost import expert_cost
     experts = report.plan.experts
     layouts = {p.path: p for p in held}
-    passes, tokens = step.passes(False)
+    staged = any(layouts[path].stage is not None for b in report.experts for path in b.experts if path in layouts)
+    passes, tokens = step.runs(True) if staged else step.passes(False)
     found = expert_cost(report.experts, layouts, axis=experts.axis,
                         capacity_factor=experts.capacity_factor if experts.dispatch == "capacity" else None,
                         batch_axes=step.batch_axes, sizes=step.sizes, passes=passes, tokens_per_pass=tokens,
                         width=step.width, itemsize=step.itemsize, count=step.count,
-                        recompute=lambda path: step.recomputes(False, True))
+                        recompute=lambda path: step.recomputes(staged, True))
     return _ExpertTerms(frozenset(p for b in report.experts for p in b.experts),
                         tuple(Transfer(*t) for t in found.transfers), found.flops, found.kept_bytes, found.caveats)
 
