@@ -81,16 +81,19 @@ class TransformerBlock(nnx.Module):
 
 class MiniGPT(nnx.Module):
     """Token+position embedding, post-LN blocks, output projection. Defaults are the article's;
-    `num_experts` > 0 makes every block's MLP a mixture of that many experts, `experts_per_token` each."""
+    `num_experts` > 0 makes a block's MLP a mixture of that many experts, `experts_per_token` each: every
+    block's, or with `moe_every` k every k-th block's (the others dense, as models alternate them)."""
 
     def __init__(self, maxlen: int = 256, vocab_size: int = 50257, embed_dim: int = 256, num_heads: int = 8,
                  feed_forward_dim: int = 256, num_transformer_blocks: int = 8, *,
-                 dropout_rate: float = 0.1, num_experts: int = 0, experts_per_token: int = 2, rngs: nnx.Rngs):
+                 dropout_rate: float = 0.1, num_experts: int = 0, experts_per_token: int = 2, moe_every: int = 1,
+                 rngs: nnx.Rngs):
         self.embedding_layer = TokenAndPositionEmbedding(maxlen, vocab_size, embed_dim, rngs=rngs)
         self.transformer_blocks = nnx.List([
-            TransformerBlock(embed_dim, num_heads, feed_forward_dim, dropout_rate, num_experts=num_experts,
+            TransformerBlock(embed_dim, num_heads, feed_forward_dim, dropout_rate,
+                             num_experts=num_experts if i % moe_every == moe_every - 1 else 0,
                              experts_per_token=experts_per_token, rngs=rngs)
-            for _ in range(num_transformer_blocks)
+            for i in range(num_transformer_blocks)
         ])
         self.output_layer = nnx.Linear(embed_dim, vocab_size, rngs=rngs)
 

@@ -37,7 +37,7 @@ from shardplan.run.abstract import eval_shape
 DEFAULT_MODEL = dict(maxlen=128, embed_dim=128, num_heads=8, feed_forward_dim=512, num_transformer_blocks=4,
                      dropout_rate=0.1)
 # Model settings a plan's `model.config` chooses for the trainer: what the plan is written for.
-MODEL_KIND = ("num_experts", "experts_per_token")
+MODEL_KIND = ("num_experts", "experts_per_token", "moe_every")
 
 
 # Settings that make a run what it is; resuming with any of them changed is refused.

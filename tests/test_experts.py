@@ -232,20 +232,18 @@ def test_step_options_wrap_the_exchange_as_any_module(options):
 
 
 
-def test_experts_inside_pipeline_stages_with_tensor_parallelism_train_like_one_device():
-    """EP x TP x PP: MoE MiniGPT blocks in a 1F1B pipeline, attention split over `model`."""
+MOE_MINIGPT = dict(maxlen=16, vocab_size=128, embed_dim=64, num_heads=8, feed_forward_dim=128, num_transformer_blocks=4,
+                   dropout_rate=0.0, num_experts=4, experts_per_token=2)
+MINIGPT_EP_RULES = ("params:\n  - {match: 'transformer_blocks/\\d+/moe/w_(in|out)', spec: [expert, null, null]}\n"
+                    "  - {match: 'transformer_blocks/\\d+/mha/(query|key|value)/kernel', spec: [null, model, null]}\n"
+                    "  - {match: 'transformer_blocks/\\d+/mha/out/kernel', spec: [model, null, null]}\n"
+                    "  - {match: '.*', spec: replicated}\n")
+
+
+def three_minigpt_steps(plan, config):
+    """(one device's losses, the plan's losses, the plan's model, its compiled step's collectives)."""
     import minigpt_model
     from minigpt_model.steps import train_step as minigpt_step
-    config = dict(maxlen=16, vocab_size=128, embed_dim=64, num_heads=8, feed_forward_dim=128, num_transformer_blocks=4,
-                  dropout_rate=0.0, num_experts=4, experts_per_token=2)
-    plan = shardplan.parse_plan(
-        "version: 1\nmesh: {axes: {stage: 2, expert: 2, model: 2}}\ninputs: {tokens: [expert, null]}\n"
-        "experts: {blocks: 'transformer_blocks/\\d+/moe', axis: expert}\n"
-        "pipeline: {axis: stage, layers: transformer_blocks, microbatches: 2, schedule: 1f1b}\nparams:\n"
-        "  - {match: 'transformer_blocks/\\d+/moe/w_(in|out)', spec: [expert, null, null]}\n"
-        "  - {match: 'transformer_blocks/\\d+/mha/(query|key|value)/kernel', spec: [null, model, null]}\n"
-        "  - {match: 'transformer_blocks/\\d+/mha/out/kernel', spec: [model, null, null]}\n"
-        "  - {match: '.*', spec: replicated}\n")
     tokens = TOKENS[:8] % 128
     reference = minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(reference, optax.adamw(1e-3), wrt=nnx.Param)
@@ -255,8 +253,28 @@ def test_experts_inside_pipeline_stages_with_tensor_parallelism_train_like_one_d
     optimizer = shardplan.shard_optimizer(plan, model, optax.adamw(1e-3), mesh)
     placed = shardplan.shard_inputs(plan, {"tokens": tokens}, mesh)["tokens"]
     got = [float(minigpt_step(model, optimizer, placed, placed, training=False)) for _ in range(3)]
-    np.testing.assert_allclose(got, want, rtol=1e-5)
     ops = collectives(minigpt_step.lower(model, optimizer, placed, placed, training=False).compile().as_text())
+    return want, got, model, ops
+
+
+def test_blocks_alternating_dense_and_moe_train_like_one_device():
+    plan = shardplan.parse_plan("version: 1\nmesh: {axes: {data: 2, expert: 2, model: 2}}\n"
+                                "inputs: {tokens: [[data, expert], null]}\n"
+                                "experts: {blocks: 'transformer_blocks/\\d+/moe', axis: expert}\n" + MINIGPT_EP_RULES)
+    want, got, model, ops = three_minigpt_steps(plan, {**MOE_MINIGPT, "moe_every": 2})
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert not hasattr(model.transformer_blocks[0], "moe") and hasattr(model.transformer_blocks[1], "moe")
+    assert len(ops.get("all-to-all", [])) == 8          # 2 MoE blocks: dispatch and combine, forward and backward
+
+
+def test_experts_inside_pipeline_stages_with_tensor_parallelism_train_like_one_device():
+    """EP x TP x PP: MoE MiniGPT blocks in a 1F1B pipeline, attention split over `model`."""
+    plan = shardplan.parse_plan(
+        "version: 1\nmesh: {axes: {stage: 2, expert: 2, model: 2}}\ninputs: {tokens: [expert, null]}\n"
+        "experts: {blocks: 'transformer_blocks/\\d+/moe', axis: expert}\n"
+        "pipeline: {axis: stage, layers: transformer_blocks, microbatches: 2, schedule: 1f1b}\n" + MINIGPT_EP_RULES)
+    want, got, model, ops = three_minigpt_steps(plan, MOE_MINIGPT)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
     assert len(ops.get("all-to-all", [])) >= 4
     w_in = model.transformer_blocks.moe.w_in.get_value()        # stacked (stage, chunk, layer, E, D, F)
     assert w_in.sharding.shard_shape(w_in.shape)[3] == 2
