@@ -15,7 +15,8 @@ from shardplan.plan.diagnostics import CODES, Diagnostic, PlanError
 from shardplan.plan.loader import load_plan, parse_plan
 from shardplan.plan.schema import Plan
 
-__all__ = ["CODES", "Diagnostic", "Plan", "PlanError", "Report", "apply_plan", "check", "constrain", "init", "load_plan",
+__all__ = ["CODES", "Diagnostic", "Plan", "PlanError", "Report", "apply_plan", "check", "constrain", "dropped_rows",
+           "init", "load_plan",
            "make_mesh", "model_loss", "parse_plan", "shard_inputs", "shard_local_inputs", "shard_optimizer",
            "simulate_cpu_devices", "to_plain"]
 
@@ -31,6 +32,9 @@ def __getattr__(name: str):
     if name == "simulate_cpu_devices":     # must run before JAX starts: importing it starts nothing
         from shardplan.run.devices import simulate_cpu_devices
         return simulate_cpu_devices
+    if name == "dropped_rows":
+        from shardplan.experts.block import dropped_rows
+        return dropped_rows
     if name in ("model_loss", "to_plain"):
         from shardplan.run import pipelined
         return getattr(pipelined, name)

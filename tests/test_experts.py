@@ -132,7 +132,17 @@ def test_capacity_dispatch_equals_one_device_when_nothing_drops_and_warns_when_i
     _, _, got = sharded_step(roomy, SortedMoE)
     assert_equal_runs(got, one_device(SortedMoE))
 
+    mesh = shardplan.make_mesh(roomy)
+    model = shardplan.apply_plan(roomy, MoEDecoder(SortedMoE, rngs=nnx.Rngs(0)), mesh)
+    tokens = shardplan.shard_inputs(roomy, {"tokens": TOKENS}, mesh)["tokens"]
+    assert shardplan.dropped_rows(model, tokens) == {"layers/0/moe": 0, "layers/1/moe": 0}
+
     tight = moe_plan("ep4", ", dispatch: capacity, capacity_factor: 1.0")
+    model = shardplan.apply_plan(tight, MoEDecoder(SortedMoE, rngs=nnx.Rngs(0)), mesh)
+    dropped = shardplan.dropped_rows(model, tokens)
+    assert set(dropped) == {"layers/0/moe", "layers/1/moe"} and all(0 < n < 16 * 16 * 2 for n in dropped.values())
+    np.testing.assert_raises(AssertionError, np.testing.assert_allclose, model(tokens)[0], one_device(SortedMoE)[1],
+                             rtol=1e-5)
     found = [d for d in shardplan.check(tight, MoEDecoder(SortedMoE, rngs=nnx.Rngs(0))).diagnostics
              if d.code == "experts-capacity-drops"]
     assert found and found[0].severity == "warning"

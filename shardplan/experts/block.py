@@ -25,6 +25,8 @@ from shardplan.experts import interpret
 
 # While `contract.check_expert_calls` traces: a list each exchange adds (block id, rows, tokens, experts, slots) to.
 TRACED: contextvars.ContextVar = contextvars.ContextVar("shardplan_expert_exchanges", default=None)
+# While `dropped_rows` runs the model: a list each block's call adds (the block, rows dropped on all devices) to.
+DROPS: contextvars.ContextVar = contextvars.ContextVar("shardplan_expert_drops", default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,15 +176,22 @@ def _expert_parallel_call(original, options: ExpertOptions, module, args: tuple,
         ex = interpret.Exchange(options.axis, size, capacity_rule(options, traced.local_rows, type(module)),
                                 dropless=options.capacity_factor is None)
         outs = interpret.run(closed, list(local), set(traced.experts), ex)
-        return [outs[k] for k in dependent]
+        if counting:
+            outs.append(sum(ex.dropped, jnp.zeros((), jnp.int32)).reshape(1))
+        return [outs[k] for k in dependent] + outs[len(out_avals):]
 
+    counting = DROPS.get() is not None
     batch_axes, mesh = split_axes(options)
     rows = P(batch_axes)
     in_specs = [rows if i in traced.tokens else P(options.axis) if i in traced.experts else P()
                 for i in range(len(leaves))]
     sharded = jax.shard_map(per_device, mesh=mesh, in_specs=tuple(in_specs),
-                            out_specs=[rows] * len(dependent), axis_names=set(batch_axes), check_vma=False)
+                            out_specs=[rows] * (len(dependent) + counting), axis_names=set(batch_axes),
+                            check_vma=False)
     parallel = jax.jit(sharded)(*leaves)
+    if counting:
+        DROPS.get().append((module, jnp.sum(parallel[-1])))
+        parallel = parallel[:-1]
     if traced.padding:
         parallel = [x[:traced.batch] for x in parallel]
     outs = [None] * len(out_avals)
@@ -221,3 +230,23 @@ def install(plan, model, mesh, roles) -> list[tuple[nnx.Module, type]]:
             changed.append((module, type(module)))
             make_expert_parallel(module, options[path])
     return changed
+
+
+def dropped_rows(model: nnx.Module, *args, **kwargs) -> dict[str, int]:
+    """Block path -> routed rows its capacity dropped in one call `model(*args, **kwargs)` (all devices
+    together; dropless blocks: 0). Each row is one (token, expert) choice whose expert output is zero.
+    Not inside pipeline stages (their blocks run under the pipeline's loop)."""
+    from shardplan.checks.paths import module_paths
+    graphdef, state = nnx.split(model)
+
+    def run(state, args, kwargs):
+        copy = nnx.merge(graphdef, state)
+        paths = {id(m): p for p, m in module_paths(copy)}
+        seen: list = []
+        token = DROPS.set(seen)
+        try:
+            copy(*args, **kwargs)
+        finally:
+            DROPS.reset(token)
+        return {paths[id(block)]: count for block, count in seen}
+    return {path: int(count) for path, count in jax.jit(run)(state, args, kwargs).items()}

@@ -40,6 +40,11 @@ def route(group_sizes: jax.Array, rows: int, capacity: int, axis: str, size: int
     return Route(slots, experts, capacity, axis, size)
 
 
+def dropped(group_sizes: jax.Array, capacity: int) -> jax.Array:
+    """Rows of this device past their (device, expert) slots: their expert outputs are zero."""
+    return jnp.sum(jnp.maximum(group_sizes - capacity, 0)).astype(jnp.int32)
+
+
 def dispatch(rows: jax.Array, r: Route) -> jax.Array:
     """This device's rows -> (E/ep * ep * capacity, ...): the rows its own experts take, expert-major
     (expert, source device, slot); empty slots are zero."""

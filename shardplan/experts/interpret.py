@@ -75,6 +75,7 @@ class Exchange:
     dropless: bool = True
     routes: dict = dataclasses.field(default_factory=dict)
     sent: dict = dataclasses.field(default_factory=dict)
+    dropped: list = dataclasses.field(default_factory=list)     # per route: this device's dropped rows
 
 
 def where(eqn) -> str | None:
@@ -236,8 +237,10 @@ def _expert_matmul(eqn, values, ex: Exchange) -> Held:
         if route is None:
             count = lhs.shape[0]
             experts = eqn.invars[1].aval.shape[0]
-            route = exchange.route(group_sizes, count, ex.capacity_of(count, experts), ex.axis, ex.size)
+            capacity = ex.capacity_of(count, experts)
+            route = exchange.route(group_sizes, count, capacity, ex.axis, ex.size)
             ex.routes[groups] = route
+            ex.dropped.append(exchange.dropped(group_sizes, capacity))
         key = (id(eqn.invars[0]), groups)
         rows = ex.sent.get(key)
         if rows is None:
