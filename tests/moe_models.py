@@ -8,7 +8,8 @@ configs), none of them knowing about shardplan:
   load-balancing loss the block returns beside its output.
 - `LoopMoE`: a Python loop over stacked experts indexing `w[i]`, each expert on the tokens a one-hot
   mask of the routing selects.
-- `DenseMoE`: every expert on every token (einsums over E), weighted by the router's top-k weights.
+- `DenseMoE`: every expert on every token (einsums over E), weighted by the router's top-k weights;
+  `GateFirstDenseMoE` weighs the hidden units first, then sums the down projection over the experts.
 
 `MoEDecoder` puts one of them in each layer, after causal self-attention.
 """
@@ -113,6 +114,17 @@ class DenseMoE(nnx.Module):
         dense = jnp.sum(jax.nn.one_hot(chosen, self.up.shape[0]) * weights[..., None], axis=-2)   # (..., E)
         h = jax.nn.gelu(jnp.einsum("bsd,edf->bsef", x, self.up[...]))
         return jnp.einsum("bsef,efd,bse->bsd", h, self.down[...], dense)
+
+
+class GateFirstDenseMoE(DenseMoE):
+    """`DenseMoE` with the router's weights applied to the hidden units, then the down projection
+    summed over the experts (the einsum order the other way)."""
+
+    def __call__(self, x):
+        weights, chosen = _top_k(jax.nn.softmax(self.router(x)), self.top_k)
+        dense = jnp.sum(jax.nn.one_hot(chosen, self.up.shape[0]) * weights[..., None], axis=-2)
+        h = jnp.einsum("bse,bsef->bsef", dense, jax.nn.gelu(jnp.einsum("bsd,edf->bsef", x, self.up[...])))
+        return jnp.einsum("bsef,efd->bsd", h, self.down[...])
 
 
 class MoELayer(nnx.Module):

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import shardplan
-from moe_models import DenseMoE, LoopMoE, MoEDecoder, SigmoidSharedMoE, SortedMoE
+from moe_models import DenseMoE, GateFirstDenseMoE, LoopMoE, MoEDecoder, SigmoidSharedMoE, SortedMoE
 
 TP_RULES = ("  - {match: '.*attn/(query|key|value)/kernel', spec: [null, model, null]}\n"
             "  - {match: '.*attn/out/kernel', spec: [model, null, null]}\n")
@@ -23,9 +23,11 @@ LAYOUTS = {
     "ep_fsdp_tp": ("{data: 2, expert: 2, model: 2}", "[[data, expert], null]", "expert", "[expert, data, null]",
                    TP_RULES),
 }
-MODELS = {"sorted": SortedMoE, "sigmoid_shared": SigmoidSharedMoE, "loop": LoopMoE, "dense": DenseMoE}
+MODELS = {"sorted": SortedMoE, "sigmoid_shared": SigmoidSharedMoE, "loop": LoopMoE, "dense": DenseMoE,
+          "dense_gate_first": GateFirstDenseMoE}
 # Every way of writing the block under plain EP; each layout that adds to it on two of them.
-CASES = [("ep4", m) for m in sorted(MODELS)] + [("folded", "sorted"), ("folded", "loop"),
+CASES = [("ep4", m) for m in sorted(MODELS) if m != "dense_gate_first"] + [
+    ("folded", "sorted"), ("folded", "loop"), ("folded", "dense_gate_first"),
                                                 ("ep_fsdp_tp", "sigmoid_shared"), ("ep_fsdp_tp", "dense")]
 
 

@@ -176,19 +176,23 @@ def _matmul(x: Lazy, w, xc, wc, xb, wb, params, flip, ex):
         labels = _order(x.labels[:f] + ("K",) + x.labels[f + 1:], ("K", "F") if wc == (0,) else ("F", "K"),
                         xc, wc, xb, wb, flip)
         return x.with_node(node, labels, w.stack.shape[3 - (wc[0] + 1)])
-    if "E" not in x.labels or wc not in ((1,), (2,)):
+    if "E" not in x.labels:
         raise DenseFormError("expert outputs times an expert stack other than expert by expert")
     e = x.labels.index("E")
-    node = Node("matmul", (x.node,), w.value, w.key, contract=wc[0], params=params)
-    width = w.value.shape[3 - wc[0]]
-    stack_labels = ("E", "K", "F") if wc == (1,) else ("E", "F", "K")
+    pairs, batch = dict(zip(xc, wc)), dict(zip(xb, wb))
+    contract = pairs.get(f)
+    if contract not in (1, 2):
+        raise DenseFormError("expert outputs times an expert stack other than over their features")
+    node = Node("matmul", (x.node,), w.value, w.key, contract=contract, params=params)
+    width = w.value.shape[3 - contract]
+    stack_labels = ("E", "K", "F") if contract == 1 else ("E", "F", "K")
     x_labels = x.labels[:f] + ("K",) + x.labels[f + 1:]
-    if xb == (e,) and wb == (0,) and xc == (f,):
-        return x.with_node(node, _order(x_labels, stack_labels, xc, wc, xb, wb, flip), width)
-    if not xb and not wb and set(xc) == {e, f} and set(wc) == {0, wc[0] if len(wc) == 1 else max(wc)} and x.gate is not None:
+    out_labels = _order(x_labels, stack_labels, xc, wc, xb, wb, flip)
+    if batch == {e: 0} and set(pairs) == {f}:                   # expert by expert: still per pair
+        return x.with_node(node, out_labels, width)
+    if not batch and set(pairs) == {e, f} and pairs[e] == 0 and x.gate is not None:
         summed = x.with_node(node, tuple(l for l in x.labels if l not in ("E", "F")) + ("F",), width)
-        out_labels = _order(tuple(l if l != "E" else "E" for l in x_labels), stack_labels, xc, wc, xb, wb, flip)
-        return _arranged(materialise(summed, ex), summed, out_labels)
+        return _arranged(materialise(summed, ex), summed, out_labels)   # and summed over the experts
     raise DenseFormError("expert outputs summed over the experts before the router's weights apply")
 
 
