@@ -256,11 +256,11 @@ def candidates(roles: ModelRoles, devices: int, hosts: int, workload: Workload, 
                compute: str | None = None, experts: int | None = None):
     """Meshes x rule sets x pipeline settings x step options; the checker weeds out what does not divide.
     `experts`: the expert count of the model's MoE blocks (expert parallelism folded onto 'data' is
-    offered where 'data' divides it; not with a pipeline)."""
+    offered where 'data' divides it, with every rule set and pipeline)."""
     for c in _dense_candidates(roles, devices, hosts, workload, pipelines, compute):
         yield c
         data = c.axes.get("data", 1)
-        if experts and data > 1 and experts % data == 0 and c.schedule is None:
+        if experts and data > 1 and experts % data == 0:
             yield dataclasses.replace(c, experts=True)
 
 
