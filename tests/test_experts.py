@@ -22,13 +22,18 @@ LAYOUTS = {
     "folded": ("{data: 8}", "[data, null]", "data", "[data, null, null]", ""),
     "ep_fsdp_tp": ("{data: 2, expert: 2, model: 2}", "[[data, expert], null]", "expert", "[expert, data, null]",
                    TP_RULES),
+    # Megatron inside each expert: the up projections' outputs and the down projection's inputs over `model`
+    "ep_tp_experts": ("{data: 2, expert: 2, model: 2}", "[[data, expert], null]", "expert", "[expert, null, null]",
+                      "  - {match: 'layers/\\d+/moe/(w_gate|w_up|w1|up|experts_in)', spec: [expert, null, model]}\n"
+                      "  - {match: 'layers/\\d+/moe/(w_down|w2|down|experts_out)', spec: [expert, model, null]}\n"),
 }
 MODELS = {"sorted": SortedMoE, "sigmoid_shared": SigmoidSharedMoE, "loop": LoopMoE, "dense": DenseMoE,
           "dense_gate_first": GateFirstDenseMoE}
 # Every way of writing the block under plain EP; each layout that adds to it on two of them.
 CASES = [("ep4", m) for m in sorted(MODELS) if m != "dense_gate_first"] + [
     ("folded", "sorted"), ("folded", "loop"), ("folded", "dense_gate_first"),
-                                                ("ep_fsdp_tp", "sigmoid_shared"), ("ep_fsdp_tp", "dense")]
+                                                ("ep_fsdp_tp", "sigmoid_shared"), ("ep_fsdp_tp", "dense"),
+                                                ("ep_tp_experts", "sorted"), ("ep_tp_experts", "loop")]
 
 
 def moe_plan(layout: str, dispatch: str = "") -> shardplan.Plan:
@@ -40,7 +45,7 @@ def plan_text(layout: str, dispatch: str = "", shape: bool = False) -> str:
     tokens = f"{{spec: {tokens}, shape: [16, 16]}}" if shape else tokens
     return (f"version: 1\nmesh: {{axes: {mesh}}}\ninputs: {{tokens: {tokens}}}\n"
             f"experts: {{blocks: 'layers/\\d+/moe', axis: {axis}{dispatch}}}\n"
-            f"params:\n  - match: 'layers/\\d+/moe/(w_.*|experts_.*|w1|w2|up|down)'\n    spec: {spec}\n{extra}"
+            f"params:\n{extra}  - match: 'layers/\\d+/moe/(w_.*|experts_.*|w1|w2|up|down)'\n    spec: {spec}\n"
             "  - match: '.*'\n    spec: replicated\n")
 
 
