@@ -161,3 +161,29 @@ class MoEDecoder(nnx.Module):
             x, b = layer(x, mask)
             balance = balance + b
         return self.head(x), balance
+
+
+class MoEStack(nnx.Module):
+    """`MoEDecoder` whose layers return only their output (a balance loss a layer returns is dropped), so
+    a pipeline can run them; returns the logits."""
+
+    def __init__(self, kind=SortedMoE, *, vocab=64, dim=16, hidden=32, heads=2, layers=4, experts=4, top_k=2, rngs):
+        self.embed = nnx.Embed(vocab, dim, rngs=rngs)
+        self.layers = nnx.List([OutputOnly(MoELayer(dim, heads, kind(dim, hidden, experts, top_k, rngs=rngs),
+                                                    rngs=rngs)) for _ in range(layers)])
+        self.head = nnx.Linear(dim, vocab, use_bias=False, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+class OutputOnly(nnx.Module):
+    def __init__(self, layer):
+        self.layer = layer
+
+    def __call__(self, x):
+        mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]))
+        return self.layer(x, mask)[0]
