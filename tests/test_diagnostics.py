@@ -167,7 +167,8 @@ CASES = {
                             ["'layers/0/moe' has 6 experts", "8 devices of axis 'expert'"], 4),
     "experts-axis-inconsistent": (moe("blocks: 'layers/\\d+/moe', axis: expert", params=EP_RULES.replace(
                                   "[expert, null, null]", "[data, expert, null]")), MOE_PARAMS, 8, None,
-                                  ["layers/0/moe/w_up", "8 experts", "rule #1 puts data on dim 0", "expert on a later dim"],
+                                  ["layers/0/moe/w_up", "8 experts", "rule #1 puts data on dim 0", "expert on a later dim",
+                                   "the same holds for 3 more parameter(s) of this rule"],
                                   6),
     "experts-stage-axis": (moe("blocks: 'layers/\\d+/moe', axis: stage", head=MOE.replace("data: 2", "stage: 2")
                                .replace("[data, expert]", "[expert]"), params=EP_RULES.replace("[expert,", "[stage,")

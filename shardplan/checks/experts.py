@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 
 from shardplan.checks.paths import ParamInfo
-from shardplan.checks.expert_roles import BlockRoles, block_roles, module_prefixes
+from shardplan.checks.expert_roles import BlockRoles, block_roles, find_blocks, module_prefixes
+from shardplan.checks.validate import RuleProblems
 from shardplan.plan.diagnostics import Diagnostic
 from shardplan.plan.matching import checked_pattern
 from shardplan.plan.schema import Plan
@@ -26,9 +27,12 @@ def expert_blocks(plan: Plan, params: list[ParamInfo]) -> tuple[list[BlockRoles]
         return [], [problem]
     blocks = [path for path in module_prefixes(params) if pattern.fullmatch(path)]
     if not blocks:
-        return [], [Diagnostic("experts-no-block", "error", f"experts.blocks {experts.blocks!r} matches no module "
-                               "that holds parameters", hint="module paths look like `layers/0/moe`; "
-                               "`shardplan inspect` lists the parameters", **where)]
+        found = find_blocks(params)
+        hint = (f"the model's MoE blocks are at {_named([b.block for b in found])}" if found else
+                "the model has no MoE block shardplan recognises (a router [D, E] with expert weights stacked as "
+                "[E, ...]): was it built with its experts?")
+        return [], [Diagnostic("experts-no-block", "error", f"experts.blocks '{experts.blocks}' matches no module "
+                               "that holds parameters", hint=hint, **where)]
     roles, found = [], []
     for block in blocks:
         r = block_roles(block, params)
@@ -57,11 +61,11 @@ def check_experts(plan: Plan, roles: list[BlockRoles], placements: dict, sizes: 
                                 "stage axis: a stage's devices hold different layers, not the same layer's "
                                 "experts", hint="give the experts an axis of their own, or the data axis", **where))
     size = sizes[experts.axis]
+    indivisible: dict[int, list[str]] = {}
+    problems = RuleProblems(plan)          # one diagnostic per rule, as for the other per-parameter problems
     for r in roles:
         if r.count % size:
-            found.append(Diagnostic("experts-indivisible", "error", f"block {r.block!r} has {r.count} experts, which "
-                                    f"the {size} devices of axis {experts.axis!r} do not divide", path=r.block,
-                                    hint=f"an expert axis size that divides {r.count}", **where))
+            indivisible.setdefault(r.count, []).append(r.block)
         for path in r.experts:
             placement = placements.get(path)
             if placement is None:
@@ -69,17 +73,29 @@ def check_experts(plan: Plan, roles: list[BlockRoles], placements: dict, sizes: 
             spec, rule = placement.spec, placement.rule
             lead = spec[0] if spec else None
             later = [a for entry in spec[1:] if entry for a in entry]
-            if lead != (experts.axis,) or experts.axis in later:
-                found.append(Diagnostic(
-                    "experts-axis-inconsistent", "error",
-                    f"{path} is an expert stack of block {r.block!r} (dim 0 is its {r.count} experts, the router "
-                    f"{r.router} gives {r.count} scores), but "
-                    + (f"rule #{rule.index + 1}" if rule else "its spec") + f" puts {_entry(lead)} on dim 0"
-                    + (f" and {experts.axis} on a later dim" if experts.axis in later else ""),
-                    path=path, rule=rule.index if rule else None, line=rule.line if rule else None,
-                    hint=f"give it spec [{experts.axis}, ...]: dim 0 over experts.axis and nothing else; "
-                    "later dims may use other axes (FSDP, tensor)", file=plan.file))
-    return found
+            if lead == (experts.axis,) and experts.axis not in later:
+                continue
+            message = (f"{path} is an expert stack of block {r.block!r} (dim 0 is its {r.count} experts, the router "
+                       f"{r.router} gives {r.count} scores), but " + (f"rule #{rule.index + 1}" if rule else "its spec")
+                       + f" puts {_entry(lead)} on dim 0" + (f" and {experts.axis} on a later dim" if experts.axis in
+                                                            later else ""))
+            hint = (f"give it spec [{experts.axis}, ...]: dim 0 over experts.axis and nothing else; later dims may "
+                    "use other axes (FSDP, tensor)")
+            if rule is None:
+                found.append(Diagnostic("experts-axis-inconsistent", "error", message, file=plan.file, path=path,
+                                        hint=hint))
+            else:
+                problems.add(rule, "experts-axis-inconsistent", placement.param, message, hint)
+    for count, blocks in indivisible.items():
+        also = f" (so do {_named(blocks[1:])})" if len(blocks) > 1 else ""
+        found.append(Diagnostic("experts-indivisible", "error", f"block {blocks[0]!r} has {count} experts{also}, "
+                                f"which the {size} devices of axis {experts.axis!r} do not divide", path=blocks[0],
+                                hint=f"an expert axis size that divides {count}", **where))
+    return found + problems.diagnostics()
+
+
+def _named(paths: list[str], most: int = 3) -> str:
+    return ", ".join(paths[:most]) + (f" and {len(paths) - most} more" if len(paths) > most else "")
 
 
 def _entry(entry) -> str:

@@ -38,7 +38,7 @@ class Placement:
 def validate_params(plan: Plan, params: list[ParamInfo], rules: list[Rule],
                     sizes: dict[str, int]) -> tuple[list[Placement], list[Diagnostic]]:
     winners = assign(rules, [p.path for p in params])
-    placements, problems = [], _Problems(plan)
+    placements, problems = [], RuleProblems(plan)
     for param in params:
         rule = winners[param.path]
         given = dataclasses.replace(rule, spec=annotated_spec(plan, param)) if rule and rule.annotated else rule
@@ -118,7 +118,7 @@ def _repeated(axes: list[str]) -> list[str]:
 
 
 def _checked_spec(param: ParamInfo, rule: Rule, sizes: dict[str, int],
-                  problems: "_Problems") -> tuple[NormalSpec, bool]:
+                  problems: "RuleProblems") -> tuple[NormalSpec, bool]:
     spec = rule.spec
     usable = [entry if entry and all(a in sizes for a in entry) and not _repeated(spec_axes(spec)) else None
               for entry in spec]
@@ -160,7 +160,7 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-class _Problems:
+class RuleProblems:
     """Per-parameter problems grouped by (rule, code): one diagnostic names the first and counts the rest."""
 
     def __init__(self, plan: Plan):
