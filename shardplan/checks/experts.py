@@ -68,7 +68,7 @@ def check_experts(plan: Plan, roles: list[BlockRoles], placements: dict, sizes: 
             indivisible.setdefault(r.count, []).append(r.block)
         for path in r.experts:
             placement = placements.get(path)
-            if placement is None:
+            if placement is None or not placement.valid:      # the rule's own error says what is wrong
                 continue
             spec, rule = placement.spec, placement.rule
             lead = spec[0] if spec else None
