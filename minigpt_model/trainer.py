@@ -115,9 +115,9 @@ def train(config: TrainConfig, *, console: Console | None = None, devices=None,
     tokenizer = get_tokenizer(config.tokenizer)
     model_config = config.model_config(tokenizer.vocab_size, plan)
     report = shardplan.check(plan, _abstract_model(model_config), mesh)
-    render_summary(console, report)
-    if report.errors:
+    if report.errors:                   # the command prints them, once
         raise shardplan.PlanError(report.diagnostics)
+    render_summary(console, report)
     documents = read_documents(list(config.data), separator=config.separator, seed=config.seed)
     dataset = build_dataset(documents, tokenizer, seq_len=model_config["maxlen"], batch_size=config.batch_size,
                             seed=config.seed)
