@@ -24,6 +24,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from shardplan.run.pipeline import to_plain_tree, to_stacked_tree
+from shardplan.run.optimizer import load_plain_state, plain_abstract, plain_state
 from shardplan.run.pipelined import pipelined_layers
 
 
@@ -114,7 +115,7 @@ class Checkpoints:
             with _writer_noise_held_back():
                 self._manager.save(step, args=ocp.args.Composite(
                     model=ocp.args.StandardSave(_plain(_pure(model), layers)),
-                    optimizer=ocp.args.StandardSave(_plain(_pure(optimizer), layers)),
+                    optimizer=ocp.args.StandardSave(_plain(plain_state(optimizer), layers)),
                     meta=ocp.args.JsonSave(meta)), force=True)
                 self._manager.wait_until_finished()
                 if jax.process_index() == 0:
@@ -175,8 +176,9 @@ class Checkpoints:
         step = self._step(step)
         layers = _layers_of(model)
         nodes = {"model": model} | ({"optimizer": optimizer} if optimizer is not None else {})
-        current = {name: _pure(node) for name, node in nodes.items()}
-        items = {name: ocp.args.StandardRestore(_plain(_abstract(tree), layers)) for name, tree in current.items()}
+        # (the optimizer's state as checkpoints keep it: ZeRO-1 padding cut)
+        current = {"model": _abstract(_pure(model))} | ({"optimizer": plain_abstract(optimizer)} if optimizer else {})
+        items = {name: ocp.args.StandardRestore(_plain(tree, layers)) for name, tree in current.items()}
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(), **items))
         except Exception as exc:      # a different shape, or files damaged without checksums to tell
@@ -184,7 +186,11 @@ class Checkpoints:
                                   f"{type(exc).__name__}: {exc}") from None
         for name, node in nodes.items():
             tree = restored[name]
-            _update(node, to_stacked_tree(tree, current[name], *layers) if layers else tree)
+            tree = to_stacked_tree(tree, current[name], *layers) if layers else tree
+            if name == "model":
+                _update(node, tree)
+            else:
+                load_plain_state(node, tree)
         return restored["meta"]
 
     def _step(self, step: int | None) -> int:

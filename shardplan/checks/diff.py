@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from shardplan.checks.layout import ADAM_MOMENTS, ParamLayout, device_coords, index_ranges
+from shardplan.checks.layout import ParamLayout, device_coords, index_ranges
 from shardplan.checks.report import Report
 
 
@@ -81,5 +81,5 @@ def layout_diff(report_a: Report, report_b: Report) -> list[ParamChange]:
         changes.append(ParamChange(
             b.path, a.spec, b.spec,
             _moved(a, b, a.spec, b.spec, report_a, report_b, coords) * itemsize,
-            _moved(a, b, a.opt_spec, b.opt_spec, report_a, report_b, coords) * itemsize * ADAM_MOMENTS))
+            _moved(a, b, a.opt_spec, b.opt_spec, report_a, report_b, coords) * b.state_itemsize))
     return changes

@@ -78,6 +78,26 @@ def zero1_spec(shape: tuple[int, ...], spec: NormalSpec, sizes: dict[str, int],
     return spec
 
 
+def zero1_layout(shape: tuple[int, ...], spec: NormalSpec, sizes: dict[str, int],
+                 data: tuple[str, ...]) -> tuple[tuple[int, ...], NormalSpec]:
+    """(shape, spec) of a parameter's optimizer state under ZeRO-1: `zero1_spec` where a dim divides;
+    else the last dim padded to a multiple of its shards x the data ways and split over the data axes
+    too (as Megatron pads its flat buffer), so any data size splits every non-scalar state.
+
+    >>> zero1_layout((64, 32), (None, ("model",)), {"data": 3, "model": 2}, ("data",))
+    ((64, 36), (None, ('model', 'data')))
+    >>> zero1_layout((), (), {"data": 3}, ("data",))
+    ((), ())
+    """
+    found = zero1_spec(shape, spec, sizes, data)
+    if found != spec or not data or not shape or any(a in spec_axes(spec) for a in data):
+        return shape, found
+    padded = list(spec) + [None] * (len(shape) - len(spec))
+    ways = _ways(padded[-1], sizes) * math.prod(sizes[a] for a in data)
+    padded[-1] = tuple(padded[-1] or ()) + tuple(data)
+    return (*shape[:-1], -(-shape[-1] // ways) * ways), trim_spec(tuple(padded))
+
+
 def trim_spec(spec: NormalSpec) -> NormalSpec:
     """Drop trailing unsharded entries: (None, ('model',), None) -> (None, ('model',))."""
     spec = tuple(spec)
@@ -108,6 +128,7 @@ class ParamLayout:
     shard_shape: tuple[int, ...]
     opt_shard_shape: tuple[int, ...]
     stage: int | None = None    # pipeline stage holding it; None: every stage
+    state_itemsize: int = ADAM_MOMENTS * 4      # optimizer-state bytes per element (moments, master weights)
 
     @property
     def nbytes(self) -> int:
@@ -119,7 +140,24 @@ class ParamLayout:
 
     @property
     def opt_bytes_per_device(self) -> int:
-        return ADAM_MOMENTS * math.prod(self.opt_shard_shape) * self.itemsize
+        return math.prod(self.opt_shard_shape) * self.state_itemsize
+
+
+def param_layout(path: str, shape: tuple[int, ...], dtype: np.dtype, spec: NormalSpec, sizes: dict[str, int],
+                 data: tuple[str, ...], precision, rule: int | None = None, rule_line: int | None = None,
+                 stage: int | None = None) -> ParamLayout:
+    """A parameter's layout under the plan: stored in `precision.params` (if floating), its optimizer
+    state (AdamW's two moments, and float32 master weights under `precision.master`) split over the
+    `data` axes too under ZeRO-1, padded where no dim divides."""
+    dtype = np.dtype(dtype)
+    floating = "float" in dtype.name            # bfloat16 (from ml_dtypes) is no np.floating
+    if precision.params and floating:
+        dtype = np.dtype(precision.params)
+    opt_shape, opt_spec = zero1_layout(shape, spec, sizes, data)
+    state = (ADAM_MOMENTS + 1) * np.dtype(precision.master).itemsize if precision.master and floating else \
+        ADAM_MOMENTS * dtype.itemsize
+    return ParamLayout(path, shape, dtype.name, dtype.itemsize, spec, opt_spec, rule, rule_line,
+                       shard_shape(shape, spec, sizes), shard_shape(opt_shape, opt_spec, sizes), stage, state)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from shardplan.checks.layout import DeviceTotals, ParamLayout, device_totals, imbalance, shard_shape, zero1_spec
+from shardplan.checks.layout import DeviceTotals, ParamLayout, device_totals, imbalance, param_layout
 from shardplan.checks.mesh import check_given_mesh, check_hosts, resolve_axes
 from shardplan.checks.paths import ParamInfo
 from shardplan.checks.stages import StageMap, check_microbatches, plan_stages
@@ -188,7 +188,7 @@ def check_params(plan: Plan, params: list[ParamInfo], device_ids: list[int], *,
         batch = next(iter(input_shapes.values()))[0]
         diagnostics += check_microbatches(plan, batch, sizes, data_axes(plan, sizes))
     data = data_axes(plan, sizes) if plan.optimizer == "zero1" else ()
-    layouts = [_layout(p, sizes, data, stage_map) for p in placements]
+    layouts = [_layout(p, sizes, data, stage_map, plan.precision) for p in placements]
     axis = plan.pipeline.axis if stage_map else None
     devices = device_totals(layouts, sizes, device_ids, axis) if not mesh_diagnostics else []
     return Report(plan, sizes, device_ids, diagnostics, layouts, devices, stage_map, tuple(expert_roles))
@@ -221,13 +221,10 @@ def check_plan_only(plan: Plan, device_count: int) -> list[Diagnostic]:
     return sorted(diagnostics, key=lambda d: (d.line or 0, d.column or 0))
 
 
-def _layout(placement: Placement, sizes: dict[str, int], data: tuple[str, ...],
-            stage_map: StageMap | None) -> ParamLayout:
+def _layout(placement: Placement, sizes: dict[str, int], data: tuple[str, ...], stage_map: StageMap | None,
+            precision) -> ParamLayout:
     param = placement.param
-    opt_spec = zero1_spec(param.shape, placement.spec, sizes, data) if placement.valid else placement.spec
-    return ParamLayout(param.path, param.shape, param.dtype.name, param.dtype.itemsize, placement.spec, opt_spec,
-                       placement.rule.index if placement.rule else None,
-                       placement.rule.line if placement.rule else None,
-                       shard_shape(param.shape, placement.spec, sizes),
-                       shard_shape(param.shape, opt_spec, sizes),
-                       stage_map.stage_of_path(param.path) if stage_map else None)
+    return param_layout(param.path, param.shape, param.dtype, placement.spec, sizes, data if placement.valid else (),
+                        precision, placement.rule.index if placement.rule else None,
+                        placement.rule.line if placement.rule else None,
+                        stage_map.stage_of_path(param.path) if stage_map else None)

@@ -166,6 +166,18 @@ class Precision(_Strict):
         default=None, description="dtype the forward and backward run in: floating parameters are cast to it for "
                                   "the call (gradients reach the stored parameters in their dtype); outputs come "
                                   "back in the parameters' dtype.")
+    master: Literal["float32"] | None = Field(
+        default=None, description="Keep float32 master weights in the optimizer state (split with the moments "
+        "under `optimizer: zero1`, moments in float32 too): the optimizer updates them in float32 and writes the "
+        "stored parameters (`params`, e.g. bfloat16) as their rounding, as Megatron's distributed optimizer does. "
+        "Needs `params` narrower than float32. Gradients come in the parameters' dtype.")
+
+    @model_validator(mode="after")
+    def _master_over_narrow_params(self) -> "Precision":
+        if self.master is not None and self.params in (None, "float32", "float64"):
+            raise ValueError("`master: float32` keeps float32 copies of parameters stored narrower: set "
+                             "`params` to bfloat16 or float16 as well")
+        return self
 
 
 class ExpertsConfig(_Strict):

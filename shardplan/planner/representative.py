@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from shardplan.checks.layout import ParamLayout, shard_shape, zero1_spec
+from shardplan.checks.layout import ParamLayout, param_layout
 from shardplan.checks.paths import ParamInfo
 from shardplan.checks.stages import StageMap, balanced_stages
 from shardplan.checks.validate import data_axes
@@ -72,10 +72,8 @@ def lay_out(plan: Plan, specs: dict[str, list], rep: Representative, sizes: dict
     layouts = []
     for p in rep.params:
         spec = normalize_spec(specs[p.path])
-        opt_spec = zero1_spec(p.shape, spec, sizes, data)
         stage = (0 if p.path in rep.layer_paths else stage_map.stage_of_path(p.path)) if stage_map else None
-        layouts.append(ParamLayout(p.path, p.shape, p.dtype.name, p.dtype.itemsize, spec, opt_spec, None, None,
-                                   shard_shape(p.shape, spec, sizes), shard_shape(p.shape, opt_spec, sizes), stage))
+        layouts.append(param_layout(p.path, p.shape, p.dtype, spec, sizes, data, plan.precision, stage=stage))
     # a device holds the layers of its stage: stage 0's, the largest when stages are unequal
     held = stage_map.counts[0] if stage_map else rep.layer_count
     counts = {path: held for path in rep.layer_paths} if rep.layer_count else None

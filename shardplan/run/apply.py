@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shardplan.checks.layout import zero1_spec
+from shardplan.checks.layout import zero1_layout
 from shardplan.checks.paths import join_path
 from shardplan.checks.report import Report, check
 from shardplan.checks.stages import check_microbatches
 from shardplan.checks.validate import data_axes, validate_inputs, validate_optimizer
 from shardplan.run.abstract import eval_shape
+from shardplan.run.optimizer import master_weights, padded_state
 from shardplan.run.specs import partition_spec
 from shardplan.run.step_options import apply_step_options
 from shardplan.plan.diagnostics import PlanError
@@ -167,13 +169,25 @@ def shard_optimizer(plan: Plan, model: nnx.Module, tx: optax.GradientTransformat
     if problems:
         raise PlanError(problems)
     data = data_axes(plan, sizes) if plan.optimizer == "zero1" else ()
-    planned = _planned_specs(model)
+    planned = _planned_specs(model, sizes, data)
+    if plan.precision.master:
+        tx = master_weights(tx, jnp.dtype(plan.precision.master))
+    leaves = jax.tree.flatten_with_path(nnx.as_pure(nnx.state(model, nnx.Param)))[0]
+    widths = [_padding(planned[join_path(path).removesuffix("/.value")]) for path, _ in leaves]
+    if any(widths):
+        tx = padded_state(tx, widths)
     optimizer = _unplaced_optimizer(model, tx)
     # All of the optimizer's state, its step counter included, must live on the mesh.
     for keys, variable in nnx.to_flat_state(nnx.state(optimizer)):
         shape = tuple(getattr(variable.get_value(), "shape", ()))
-        spec = _spec_of_state(keys, shape, planned)
-        _place(variable, NamedSharding(mesh, partition_spec(zero1_spec(shape, spec, sizes, data))))
+        layout = _param_of_state(keys, shape, planned)
+        if layout is None:
+            _place(variable, NamedSharding(mesh, PartitionSpec()))
+            continue
+        param_shape, spec, opt_shape, opt_spec = layout
+        _place(variable, NamedSharding(mesh, partition_spec(opt_spec)))
+        if opt_shape != param_shape:      # checkpoints keep it unpadded, placed as its parameter
+            variable.set_metadata(unpadded=(param_shape, NamedSharding(mesh, partition_spec(spec))))
     return optimizer
 
 
@@ -191,8 +205,9 @@ def _unplaced_optimizer(model: nnx.Module, tx) -> nnx.Optimizer:
             variable.set_metadata(**metadata)
 
 
-def _planned_specs(model: nnx.Module) -> dict[str, tuple]:
-    """Path -> (shape, spec) of every parameter, from the layout `apply_plan` recorded on it."""
+def _planned_specs(model: nnx.Module, sizes: dict[str, int], data: tuple[str, ...]) -> dict[str, tuple]:
+    """Path -> (shape, spec, optimizer-state shape, its spec) of every parameter, in `jax.tree.leaves`
+    order of the parameters' state, from the layout `apply_plan` recorded on it."""
     planned = {}
     for keys, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         metadata = variable.get_metadata()
@@ -200,18 +215,24 @@ def _planned_specs(model: nnx.Module) -> dict[str, tuple]:
             raise ValueError(f"shard_optimizer requires a model placed by apply_plan, but {join_path(keys)} "
                              "carries no planned sharding")
         spec = tuple(None if e is None else (e,) if isinstance(e, str) else tuple(e) for e in metadata["out_sharding"])
-        planned[join_path(keys)] = (tuple(variable.get_value().shape), spec)
+        shape = tuple(variable.get_value().shape)
+        planned[join_path(keys)] = (shape, spec, *zero1_layout(shape, spec, sizes, data))
     return planned
 
 
-def _spec_of_state(keys: tuple, shape: tuple, planned: dict) -> tuple:
-    """The spec of the parameter an optimizer-state leaf belongs to (longest key suffix naming a parameter
-    of its shape); () for anything else, such as step counts."""
+def _padding(layout: tuple) -> int:
+    shape, _, opt_shape, _ = layout
+    return opt_shape[-1] - shape[-1] if shape else 0
+
+
+def _param_of_state(keys: tuple, shape: tuple, planned: dict) -> tuple | None:
+    """The layout of the parameter an optimizer-state leaf belongs to (longest key suffix naming a
+    parameter whose state has its shape); None for anything else, such as step counts."""
     for start in range(len(keys)):
         found = planned.get(join_path(keys[start:]))
-        if found is not None and found[0] == shape:
-            return found[1]
-    return ()
+        if found is not None and shape in (found[0], found[2]):
+            return found if shape == found[2] else (found[0], found[1], found[0], found[1])
+    return None
 
 
 def constrain(*nodes) -> None:
