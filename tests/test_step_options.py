@@ -234,16 +234,23 @@ def test_explicit_plan_trains_with_the_trainer(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------ sharded initialisation
 
-@pytest.mark.parametrize("name", ["minigpt_fsdp.toml", "minigpt_3d.yaml"])
+LLAMA_PP4 = (PLANS / "llama_logical.yaml").read_text().replace("axes: {data: 4, model: 2}", "axes: {stage: 4, data: 1, model: 2}") \
+    .replace("layers: 2}", "layers: 8}") + "pipeline: {axis: stage, layers: layers, microbatches: 4, schedule: 1f1b}\n"
+
+
+@pytest.mark.parametrize("name", ["minigpt_fsdp.toml", "minigpt_3d.yaml", "llama 4 stages"])
 def test_init_builds_every_parameter_on_its_shards(name):
-    """(A pipeline's stacked layers are built whole over the stage axis before they are placed: the
-    peak bound holds for the other plans only; every plan's result is placed and equal.)"""
+    """A device's compiled init peak stays within 3x its planned parameter bytes, pipelines included (their
+    layers are created split over the stage axis too, then stacked into their stages leaf by leaf)."""
+    from minigpt_model.llama import Llama
     from shardplan.checks.paths import param_infos
     from shardplan.run.apply import init_program
-    plan = shardplan.load_plan(PLANS / name)
+    plan = shardplan.parse_plan(LLAMA_PP4) if name.startswith("llama") else shardplan.load_plan(PLANS / name)
     mesh = shardplan.make_mesh(plan)
 
     def factory():
+        if name.startswith("llama"):
+            return Llama(**plan.model.config, rngs=nnx.Rngs(3))
         return minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(3))
     graphdef, program = init_program(plan, factory, mesh)
     compiled = program.lower().compile()
@@ -251,17 +258,18 @@ def test_init_builds_every_parameter_on_its_shards(name):
     planned = max(d.param_bytes for d in report.devices)
     whole = sum(p.nbytes for p in param_infos(nnx.eval_shape(factory)))
     memory = compiled.memory_analysis()
-    # the program's outputs are the planned shards, and a device's peak stays near them (random-number
-    # scratch on top; measured 2.4x), where building then placing holds the whole model on one device
-    abstract = shardplan.apply_plan(plan, nnx.eval_shape(factory), mesh)
-    wanted = [s.sharding for s in jax.tree.leaves(nnx.state(abstract))]
-    got = jax.tree.leaves(compiled.output_shardings)
-    assert len(got) == len(wanted) and all(g.is_equivalent_to(w, len(s.shape)) for g, w, s in
-                                           zip(got, wanted, jax.tree.leaves(nnx.state(abstract))))
+    # the program's outputs are at most the planned shards (a pipeline's layers: finer, before stacking),
+    # and a device's peak stays near them (random-number scratch on top; measured 1.8x to 2.4x), where
+    # building then placing holds the whole model on one device
+    if plan.pipeline is None:
+        abstract = shardplan.apply_plan(plan, nnx.eval_shape(factory), mesh)
+        wanted = [s.sharding for s in jax.tree.leaves(nnx.state(abstract))]
+        got = jax.tree.leaves(compiled.output_shardings)
+        assert len(got) == len(wanted) and all(g.is_equivalent_to(w, len(s.shape)) for g, w, s in
+                                               zip(got, wanted, jax.tree.leaves(nnx.state(abstract))))
     assert memory.output_size_in_bytes <= planned * 1.01 + 4096
     peak = memory.output_size_in_bytes + memory.temp_size_in_bytes
-    if plan.pipeline is None:
-        assert peak <= 3 * planned, (peak, planned, whole)
+    assert peak <= 3 * planned < whole, (peak, planned, whole)
     model = shardplan.init(plan, factory, mesh)
     reference = shardplan.apply_plan(plan, factory(), mesh)
     for (path, got), (_, want) in zip(nnx.to_flat_state(nnx.state(model, nnx.Param)),

@@ -24,6 +24,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -361,24 +362,62 @@ def cross_entropy(logits, targets):
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-def stack(layers: list[dict], stages: int, virtual: int, counts: tuple[int, ...] | None = None) -> dict:
+def stack(layers: list[dict], stages: int, virtual: int, counts: tuple[int, ...] | None = None,
+          sharding_of: Callable | None = None) -> dict:
     """Per-layer pure states -> one state of (stages, virtual, per_chunk, ...) arrays, chunk c on stage c % stages.
     Unequal stages (`counts` layers each, one chunk) are padded with zeros to the largest. Shape structs
-    (an abstract model) stack to shape structs."""
+    (an abstract model) stack to shape structs.
+
+    Given `sharding_of(path)` (the stacked layout of the leaf at that '/'-joined path), concrete arrays
+    are stacked in place: each stage's devices receive their own layers only, so no device holds more
+    than its stage's share of a leaf twice over (`shardplan.init` of a pipeline plan relies on it)."""
     uneven = counts is not None and len(set(counts)) > 1
     per_chunk = max(counts) if uneven else len(layers) // (stages * virtual)
+    if uneven:
+        starts = [sum(counts[:s]) for s in range(stages)]
+        positions = [(s, 0, j) for s, n in enumerate(counts) for j in range(n)]
+    else:   # layer i is layer l of chunk c = i // per_chunk, on stage c % stages, repeat c // stages
+        positions = [((i // per_chunk) % stages, i // (per_chunk * stages), i % per_chunk) for i in range(len(layers))]
 
-    def arrange(*arrays):
+    def arrange(path, *arrays):
         if isinstance(arrays[0], jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct((stages, virtual, per_chunk, *arrays[0].shape), arrays[0].dtype)
+        if sharding_of is not None and isinstance(arrays[0], jax.Array) and not isinstance(arrays[0], jax.core.Tracer) \
+                and jax.process_count() == 1:
+            sharding = sharding_of("/".join(str(getattr(k, "key", k)) for k in path))
+            return _stacked_on_stages(arrays, positions, (stages, virtual, per_chunk), sharding)
         if uneven:
             padding = [jnp.zeros_like(arrays[0])] * per_chunk
-            starts = [sum(counts[:s]) for s in range(stages)]
             return jnp.stack([jnp.stack([*arrays[start:start + n], *padding[n:]]) for start, n in zip(starts, counts)]
                              )[:, None]
         stacked = jnp.stack(arrays)                                                    # (L, ...)
         return jnp.swapaxes(stacked.reshape(virtual, stages, per_chunk, *stacked.shape[1:]), 0, 1)
-    return jax.tree.map(arrange, *layers)
+    return jax.tree.map_with_path(arrange, *layers)
+
+
+def _stacked_on_stages(arrays, positions, leading: tuple[int, int, int], sharding):
+    """The stacked array in `sharding` (stage axis on dim 0), assembled from per-device pieces: each layer
+    goes to its stage's devices only, in the layer's own layout there."""
+    mesh, axis = sharding.mesh, sharding.spec[0]
+    axis = axis[0] if isinstance(axis, tuple) else axis
+    at = mesh.axis_names.index(axis)
+    layer_spec = P(*tuple(sharding.spec)[3:])
+    on_stage = [jax.sharding.NamedSharding(jax.sharding.Mesh(np.take(mesh.devices, s, axis=at),
+                                                             tuple(n for n in mesh.axis_names if n != axis)),
+                                           layer_spec) for s in range(leading[0])]
+    placed = {}
+    for array, position in zip(arrays, positions):
+        for shard in jax.device_put(array, on_stage[position[0]]).addressable_shards:
+            placed[(shard.device, position)] = shard.data
+    shape = (*leading, *arrays[0].shape)
+    pieces = []
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        stage = index[0].start or 0
+        slots = [placed.get((device, (stage, v, l))) for v in range(leading[1]) for l in range(leading[2])]
+        like = next(x for x in slots if x is not None)
+        slots = [x if x is not None else jnp.zeros_like(like, device=device) for x in slots]
+        pieces.append(jnp.stack(slots).reshape(1, leading[1], leading[2], *like.shape))
+    return jax.make_array_from_single_device_arrays(shape, sharding, pieces)
 
 
 def unstack(stacked: dict, counts: tuple[int, ...] | None = None) -> list[dict]:

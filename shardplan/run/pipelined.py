@@ -48,12 +48,13 @@ class PipelinedLayers(nnx.Module):
 
     def __init__(self, layers: list[nnx.Module], *, name: str, stages: int, virtual: int, mesh, axis: str,
                  schedule: str, microbatches: int, batch_axes: tuple[str, ...], plain_graphdef,
-                 counts: tuple[int, ...] | None = None, split_heads: tuple[str, ...] = ()):
+                 counts: tuple[int, ...] | None = None, split_heads: tuple[str, ...] = (),
+                 sharding_of: Callable | None = None):
         graphdefs = [nnx.graphdef(layer) for layer in layers]
         kinds = list(dict.fromkeys(graphdefs))
         counts = tuple(counts) if counts and len(set(counts)) > 1 else None     # unequal stages, padded
         stacked = nnx.merge(kinds[0], stack([nnx.to_pure_dict(nnx.state(layer)) for layer in layers], stages, virtual,
-                                            counts))
+                                            counts, sharding_of))
         for key in nnx.state(stacked):
             setattr(self, key, getattr(stacked, key))
         self._pipeline_kinds, self._pipeline_kind_of = tuple(kinds), tuple(kinds.index(g) for g in graphdefs)
