@@ -67,7 +67,8 @@ def _pipelined(plan: Plan, model: nnx.Module, mesh, report: Report, specs: dict)
                              microbatches=pipe.microbatches, batch_axes=_manual_batch_axes(plan, report, specs),
                              plain_graphdef=plain_graphdef, counts=stage_map.counts,
                              split_heads=_tensor_split_outside(plan, report, specs),
-                             sharding_of=lambda path: NamedSharding(mesh, partition_spec(stacked_spec(path))))
+                             sharding_of=lambda path: NamedSharding(mesh, partition_spec(stacked_spec(path))),
+                             data_axes=tuple(a for a in data_axes(plan, report.axes) if a != pipe.axis))
     setattr(model, pipe.layers, layers)
     for keys, variable in nnx.to_flat_state(nnx.state(model)):
         path = join_path(keys)

@@ -245,40 +245,46 @@ def _circular_runner(layers: Layers, mesh, axis: str, batch_axes: tuple[str, ...
                                  check_vma=False))
 
 
-def one_f_one_b_loss(layers: Layers, stacked, head: Callable, head_params, head_rest, xs, layer_inputs, head_inputs,
-                     targets, keys, *, mesh, axis: str, batch_axes: tuple[str, ...] = ()):
+def one_f_one_b_loss(layers: Layers, stacked, head: Callable, head_params, embed: Callable, embed_params, head_rest,
+                     layer_inputs, head_inputs, targets, keys, *, mesh, axis: str, batch_axes: tuple[str, ...] = (),
+                     embed_branch: bool = True):
     """Mean loss over microbatches, with gradients computed by the 1F1B schedule itself (averaged over
-    the manual `batch_axes` once, after the loop). `head(params, rest, h, split, whole, keys, targets)`
-    is one microbatch's loss; `layer_inputs` / `head_inputs` are each (split, whole) arguments; `keys`
-    (layer keys, head keys). Gradients flow to the stacked layers, the head's
-    parameters and the activation entering the pipeline."""
+    the manual `batch_axes` once, after the loop). `embed(params, rest, split, whole, keys)` is one
+    microbatch's input to the layers (the model's code before them) and runs on the first stage as
+    that microbatch enters; `head(params, rest, h, split, whole, keys, targets)` is one microbatch's
+    loss and runs on the last stage as it leaves. `layer_inputs` / `head_inputs` are each (split,
+    whole) arguments (`head_inputs` serve `embed` too); `keys` (layer keys, head keys). Gradients flow
+    to the stacked layers and to the parameters `head` and `embed` read. `embed_branch`: the first
+    stage alone runs `embed` (false: every stage does and the others drop it, as when a batch axis
+    is left to XLA, whose collectives inside a branch only one stage takes would never complete)."""
 
-    def schedule(stacked, head_params, xs, *rest):
-        return _schedule(layers, head, mesh, axis, batch_axes, stacked, head_params, xs, *rest)
+    def schedule(stacked, head_params, embed_params, *rest):
+        return _schedule(layers, head, embed, embed_branch, mesh, axis, batch_axes, stacked, head_params,
+                         embed_params, *rest)
 
     @jax.custom_vjp
-    def loss(stacked, head_params, xs, *rest):
-        return schedule(stacked, head_params, xs, *rest)[0]
+    def loss(stacked, head_params, embed_params, *rest):
+        return schedule(stacked, head_params, embed_params, *rest)[0]
 
     def backward(grads, cotangent):
         # no gradient flows into the other arguments (model inputs, masks, keys): the step differentiates
-        # parameters, and the pipeline's input gets its gradient through `xs`
+        # parameters
         return (*jax.tree.map(lambda g: g * cotangent.astype(g.dtype), grads), None, None, None, None, None)
 
     loss.defvjp(schedule, backward)
-    return loss(stacked, head_params, xs, head_rest, layer_inputs, head_inputs, targets, keys)
+    return loss(stacked, head_params, embed_params, head_rest, layer_inputs, head_inputs, targets, keys)
 
 
-def _schedule(layers, head, mesh, axis, batch_axes, stacked, head_params, xs, head_rest, layer_inputs, head_inputs,
-              targets, keys):
+def _schedule(layers, head, embed, embed_branch, mesh, axis, batch_axes, stacked, head_params, embed_params, head_rest,
+              layer_inputs, head_inputs, targets, keys):
     stages, _, per_chunk = jax.tree.leaves(stacked)[0].shape[:3]
-    micro = xs.shape[0]
+    micro = targets.shape[0]
     slots = 2 * stages - 1                               # most microbatches a stage has in flight
     shards = 1
     for name in batch_axes:
         shards *= mesh.shape[name]
 
-    def per_device(state, head_params, head_rest, xs, layer_inputs, head_inputs, targets, keys):
+    def per_device(state, head_params, embed_params, head_rest, layer_inputs, head_inputs, targets, keys):
         layer_keys, head_keys = _shard_keys(keys[0], mesh, batch_axes), _shard_keys(keys[1], mesh, batch_axes)
         (layer_split, layer_whole), (head_split, head_whole) = layer_inputs, head_inputs
         state = _chunk(_chunk(state, 0), 0)                               # (per_chunk, ...)
@@ -293,14 +299,23 @@ def _schedule(layers, head, mesh, axis, batch_axes, stacked, head_params, xs, he
 
         def head_loss(head_params, h, m):
             return head(head_params, head_rest, h, _at(head_split, m), head_whole, fold_keys(head_keys, m),
-                             targets[m])
+                        targets[m])
+
+        def entering(embed_params, m):
+            return embed(embed_params, head_rest, _at(head_split, m), head_whole, fold_keys(head_keys, m))
+
+        like = jax.eval_shape(entering, embed_params, 0)
 
         def tick(carry, t):
-            incoming, cot_in, stash, g_layers, g_head, loss_sum, dxs = carry
+            incoming, cot_in, stash, g_layers, g_head, g_embed, loss_sum = carry
             mf = t - s
             f_on = (mf >= 0) & (mf < micro)
             mf_ = jnp.clip(mf, 0, micro - 1)
-            h_in = jnp.where(s == 0, xs[mf_], incoming)
+            if embed_branch:
+                h_in = jax.lax.cond(f_on & (s == 0), lambda: entering(embed_params, mf_).astype(like.dtype),
+                                    lambda: incoming)
+            else:       # XLA's collectives for an automatic batch axis must run on every stage alike
+                h_in = jnp.where(s == 0, entering(embed_params, mf_).astype(like.dtype), incoming)
             h = jax.lax.cond(f_on, lambda: stage_fn(state, h_in, mf_), lambda: jnp.zeros_like(h_in))
             stash = jnp.where(f_on, stash.at[mf_ % slots].set(h_in), stash)
 
@@ -322,30 +337,39 @@ def _schedule(layers, head, mesh, axis, batch_axes, stacked, head_params, xs, he
                 return vjp(cot)
             gl, gx = jax.lax.cond(b_on, backward, lambda: (jax.tree.map(jnp.zeros_like, state), jnp.zeros_like(h)))
             g_layers = _accumulate(g_layers, gl)
-            dxs = jnp.where(b_on & (s == 0), dxs.at[mb_].set(gx), dxs)
-            return (_to_last(h, axis, stages), _to_previous(gx, axis, stages), stash, g_layers, g_head,
-                    loss_sum, dxs), None
 
-        zeros = jnp.zeros_like(xs[0])
-        carry = (zeros, zeros, jnp.zeros((slots, *xs.shape[1:]), xs.dtype), _running_sum(state),
-                 _running_sum(head_params), jnp.zeros((), jnp.float32), jnp.zeros_like(xs))
-        (_, _, _, g_layers, g_head, loss_sum, dxs), _ = jax.lax.scan(tick, carry, jnp.arange(micro + 2 * last))
+            def embed_backward():    # the first stage takes the microbatch's gradient into the code before
+                _, vjp = jax.vjp(lambda p: entering(p, mb_), embed_params)
+                return vjp(gx.astype(like.dtype))[0]
+            zero_embed = jax.tree.map(jnp.zeros_like, embed_params)
+            ge = jax.lax.cond(b_on & (s == 0), embed_backward, lambda: zero_embed) if embed_branch else \
+                jax.tree.map(lambda g, z: jnp.where(b_on & (s == 0), g, z), embed_backward(), zero_embed)
+            g_embed = _accumulate(g_embed, ge)
+            return (_to_last(h, axis, stages), _to_previous(gx, axis, stages), stash, g_layers, g_head, g_embed,
+                    loss_sum), None
+
+        zeros = jnp.zeros(like.shape, like.dtype)
+        carry = (zeros, zeros, jnp.zeros((slots, *like.shape), like.dtype), _running_sum(state),
+                 _running_sum(head_params), _running_sum(embed_params), jnp.zeros((), jnp.float32))
+        (_, _, _, g_layers, g_head, g_embed, loss_sum), _ = jax.lax.scan(tick, carry, jnp.arange(micro + 2 * last))
         scale = 1.0 / micro
         if batch_axes:      # each shard's loss is a mean over its rows: average them, once
-            g_layers, g_head, loss_sum = jax.lax.pmean((g_layers, g_head, loss_sum), batch_axes)
-            dxs = dxs / shards
+            g_layers, g_head, g_embed, loss_sum = jax.lax.pmean((g_layers, g_head, g_embed, loss_sum), batch_axes)
         g_layers = jax.tree.map(lambda g, a: (g * scale).astype(a.dtype)[None, None], g_layers, state)
         g_head = jax.tree.map(lambda g, a: (g * scale).astype(a.dtype)[None], g_head, head_params)
-        return g_layers, (g_head, (loss_sum * scale)[None], (dxs * scale)[None])
+        g_embed = jax.tree.map(lambda g, a: (g * scale).astype(a.dtype)[None], g_embed, embed_params)
+        return g_layers, (g_head, g_embed, (loss_sum * scale)[None])
 
     rows = _batch_spec(batch_axes, None)
     inputs = (rows, P())
-    run = jax.shard_map(per_device, mesh=mesh, in_specs=(P(axis), P(), P(), rows, inputs, inputs, rows, P()),
-                        out_specs=(P(axis), (P(axis), P(axis), _batch_spec(batch_axes, axis, None))),
+    run = jax.shard_map(per_device, mesh=mesh, in_specs=(P(axis), P(), P(), P(), inputs, inputs, rows, P()),
+                        out_specs=(P(axis), (P(axis), P(axis), P(axis))),
                         axis_names={axis, *batch_axes}, check_vma=False)
-    g_layers, (g_head, loss, dxs) = run(stacked, head_params, head_rest, xs, layer_inputs, head_inputs, targets, keys)
+    g_layers, (g_head, g_embed, loss) = run(stacked, head_params, embed_params, head_rest, layer_inputs,
+                                            head_inputs, targets, keys)
     g_head, loss = jax.tree.map(lambda g: g[stages - 1], g_head), loss[stages - 1]
-    return loss, (g_layers, g_head, dxs[0])
+    g_embed = jax.tree.map(lambda g: g[0], g_embed)
+    return loss, (g_layers, g_head, g_embed)
 
 
 def _running_sum(like):

@@ -49,7 +49,7 @@ class PipelinedLayers(nnx.Module):
     def __init__(self, layers: list[nnx.Module], *, name: str, stages: int, virtual: int, mesh, axis: str,
                  schedule: str, microbatches: int, batch_axes: tuple[str, ...], plain_graphdef,
                  counts: tuple[int, ...] | None = None, split_heads: tuple[str, ...] = (),
-                 sharding_of: Callable | None = None):
+                 sharding_of: Callable | None = None, data_axes: tuple[str, ...] | None = None):
         graphdefs = [nnx.graphdef(layer) for layer in layers]
         kinds = list(dict.fromkeys(graphdefs))
         counts = tuple(counts) if counts and len(set(counts)) > 1 else None     # unequal stages, padded
@@ -61,6 +61,7 @@ class PipelinedLayers(nnx.Module):
         self._pipeline_name, self._pipeline_mesh, self._pipeline_axis = name, mesh, axis
         self._pipeline_schedule, self._pipeline_microbatches = schedule, microbatches
         self._pipeline_batch_axes, self._pipeline_plain = tuple(batch_axes), plain_graphdef
+        self._pipeline_data_axes = tuple(batch_axes if data_axes is None else data_axes)
         self._pipeline_counts = counts
         self._pipeline_split_heads = frozenset(split_heads)    # weights after the layers 1F1B may keep split
 
@@ -133,9 +134,11 @@ class PipelinedLayers(nnx.Module):
                                 dict(self._pipeline_mesh.shape))
 
     def _one_f_one_b(self, request: _LossRequest, layers: Layers, state, x, split, whole, keys):
-        """The 1F1B schedule with the model's own code after the layers as its head: for each microbatch
-        the last stage runs the model's forward on that microbatch's inputs with the layers replaced by
-        their output (the code before the layers is then unused and pruned)."""
+        """The 1F1B schedule with the model's own code around the layers, per microbatch: as a microbatch
+        enters, the first stage replays the model's forward on its inputs up to the layers (their input
+        is taken, the rest pruned); as it leaves, the last stage replays the forward with the layers
+        replaced by their output (the code before them pruned). The forward on the whole batch that
+        called the layers is then unused and pruned too."""
         microbatches, batch_axes = self._fit(x.shape[0])
         graphdef, params, rest = nnx.split(request.model, nnx.Param, ...)
         leaves, params_def = jax.tree.flatten(params)
@@ -168,38 +171,45 @@ class PipelinedLayers(nnx.Module):
             out = replayed(head_params, rest_leaves, lambda _: call.output(h), split, whole, keys, used)
             return request.loss_of(out, targets)
 
-        def layers_input(head_params):
+        def layers_entry(params, rest_leaves, split, whole, keys, *, used=None):
             entering = []
-            replayed(head_params, rest_leaves, lambda x: entering.append(x) or call.output(x),
-                     [first(a) for a in model_split], model_whole, head_keys, None)
-            return jax.numpy.sum(entering[0])
+            replayed(params, rest_leaves, lambda x: entering.append(x) or call.output(x), split, whole, keys, used)
+            return entering[0]
 
         def micro(a):
             return split_microbatches(a, microbatches)
 
         def first(a):
             return micro(a)[0]
-        # Only the weights the head reads enter the pipeline (the code before the layers, replayed
-        # per microbatch, is pruned). A weight split over tensor axes only keeps its split (the loop
-        # leaves those axes to XLA): a vocabulary-parallel head stays so, as in Megatron. The rest
-        # enter whole: in jax 0.10.2 XLA's partitioner aborts the process (a failed check) on a head
-        # split over an automatic batch axis, and on a weight the dead code before the layers also
-        # reads (a tied embedding's lookup).
-        used = _used_inputs(lambda params: head_loss(params, rest_leaves, first(x), [first(a) for a in model_split],
-                                                     model_whole, head_keys, first(request.targets)), head_params)
+        sample = ([first(a) for a in model_split], model_whole, head_keys)
+        # Only the weights the head reads enter the pipeline for the head, and only those the code before
+        # the layers reads for it (each replayed per microbatch: the rest of the model's forward is pruned).
+        # A weight split over tensor axes only keeps its split for the head (the loop leaves those axes to
+        # XLA): a vocabulary-parallel head stays so, as in Megatron. The rest enter whole: in jax 0.10.2
+        # XLA's partitioner aborts the process (a failed check) on a head split over an automatic batch
+        # axis, and on a weight the code before the layers also reads (a tied embedding's lookup).
+        used = _used_inputs(lambda params: head_loss(params, rest_leaves, first(x), *sample[:2], head_keys,
+                                                     first(request.targets)), head_params)
+        before = _used_inputs(lambda params: jax.numpy.sum(layers_entry(params, rest_leaves, *sample)), head_params)
         may_split = [batch_axes == self._pipeline_batch_axes and paths[i] in self._pipeline_split_heads
                      for i in outside]
-        # (tracing the code before the layers again only when some weight could keep its split)
-        before = _used_inputs(layers_input, head_params) if any(may_split) else may_split
         split_ok = [may and not read_before for may, read_before in zip(may_split, before)]
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        head_params = [p if keep_split else jax.lax.with_sharding_constraint(p, replicated)
-                       for p, keep, keep_split in zip(head_params, used, split_ok) if keep]
+
+        def entering_whole(params, keep_split=None):
+            return [p if keep_split is not None and keep_split[k] else jax.lax.with_sharding_constraint(p, replicated)
+                    for k, p in enumerate(params)]
+        read_by_head = [p for p, keep in zip(head_params, used) if keep]
+        head_in = entering_whole(read_by_head, [ok for ok, keep in zip(split_ok, used) if keep])
+        embed_in = entering_whole([p for p, read in zip(head_params, before) if read])
         used_at = [i for i, keep in zip(outside, used) if keep]
+        read_at = [i for i, read in zip(outside, before) if read]
         return one_f_one_b_loss(
-            layers, state, functools.partial(head_loss, used=used_at), head_params, rest_leaves, micro(x),
+            layers, state, functools.partial(head_loss, used=used_at), head_in,
+            functools.partial(layers_entry, used=read_at), embed_in, rest_leaves,
             ([micro(a) for a in split], whole), ([micro(a) for a in model_split], model_whole),
-            micro(request.targets), (keys, head_keys), mesh=mesh, axis=self._pipeline_axis, batch_axes=batch_axes)
+            micro(request.targets), (keys, head_keys), mesh=mesh, axis=self._pipeline_axis, batch_axes=batch_axes,
+            embed_branch=batch_axes == self._pipeline_data_axes)
 
 
 def _used_inputs(function: Callable, leaves: list) -> list[bool]:
