@@ -256,6 +256,10 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
         # sum of their gradients and each microbatch's before it is added (measured in XLA's buffers)
         whole_head = sum((3 * _head_ways(p, roles, step) - 1) * p.bytes_per_device * step.count(p.path)
                          for p in held if p.path in roles.after_layers | roles.tied)
+        # the code before the layers too: the running sum of its weights' gradients (XLA adds each
+        # microbatch's into it in place; measured on minigpt_3d)
+        whole_head += sum(p.bytes_per_device * step.count(p.path) for p in held
+                          if _before_layers_in_loop(p, roles, step))
         stored, remat = stored + whole_head, remat + whole_head
     # copies of the head's weights the model's code keeps for the backward (a tied head's transpose)
     head_copies = int(roles.code.head_weights * sum(p.bytes_per_device for p in held
@@ -487,6 +491,10 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
             key = (group, step.reductions_per_step(staged, head))
             # a tied embedding's two uses (lookup, logits) are reduced separately
             reductions[key] = reductions.get(key, 0) + size * count * (2 if p.path in roles.tied else 1)
+        if _before_layers_in_loop(p, roles, step):
+            # the first stage computes its gradient in the loop; the other stages take it from there
+            mine.append(Transfer("all-reduce", (step.stage_axis,), size, 1,
+                                 f"{p.path}: 1F1B gradient from the first stage"))
         if head:
             mine.append(Transfer("all-reduce", (step.stage_axis,), size, 1, f"{p.path}: 1F1B head reduced over stages"))
             mine.append(Transfer("collective-permute", (step.stage_axis,), size, 1,
@@ -611,6 +619,13 @@ def _moves_activations(p: ParamLayout, role: Role, step: _Step) -> bool:
         _matrix_transfers(p, role, step, p.stage is not None)[1]
 
 
+def _before_layers_in_loop(p: ParamLayout, roles: ModelRoles, step: _Step) -> bool:
+    """A weight the code before the layers reads, which 1F1B runs per microbatch on the first stage
+    (a tied embedding counts as a head)."""
+    return step.schedule == "1f1b" and p.stage is None and roles.layer_of(p.path) is None and \
+        p.path not in roles.after_layers and p.path not in roles.tied
+
+
 def _head_ways(p: ParamLayout, roles: ModelRoles, step: _Step) -> int:
     """How many shards of a 1F1B head weight a device gathers. The head runs inside the loop, where a
     weight split over tensor axes only keeps its split (1); one split over a batch axis (or while
@@ -709,8 +724,8 @@ def _activations(kept: tuple[dict, dict, dict], step: _Step) -> tuple[int, int, 
     microbatch = int(tokens * layers), int(tokens * rematerialised)
     if step.stage_axis is None:             # (with gradient accumulation: one microbatch's)
         return int(tokens * (layers + outside + head)), int(tokens * (rematerialised + outside + head)), *microbatch
-    if step.schedule == "1f1b":             # the head runs inside the loop, one microbatch at a time
-        outside += head * tokens / step.tokens
+    if step.schedule == "1f1b":             # the code around the layers runs in the loop, a microbatch at a time
+        outside = (outside + head) * tokens / step.tokens
         head = 0.0
         in_flight = 2 * step.stages - 1
         stored = tokens * (in_flight * step.width * b + layers)

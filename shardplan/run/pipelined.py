@@ -201,7 +201,8 @@ class PipelinedLayers(nnx.Module):
                     for k, p in enumerate(params)]
         read_by_head = [p for p, keep in zip(head_params, used) if keep]
         head_in = entering_whole(read_by_head, [ok for ok, keep in zip(split_ok, used) if keep])
-        embed_in = entering_whole([p for p, read in zip(head_params, before) if read])
+        embed_in = entering_whole([p for p, read in zip(head_params, before) if read],
+                                  [may for may, read in zip(may_split, before) if read])
         used_at = [i for i, keep in zip(outside, used) if keep]
         read_at = [i for i, read in zip(outside, before) if read]
         return one_f_one_b_loss(
