@@ -184,10 +184,10 @@ class PipelinedLayers(nnx.Module):
         sample = ([first(a) for a in model_split], model_whole, head_keys)
         # Only the weights the head reads enter the pipeline for the head, and only those the code before
         # the layers reads for it (each replayed per microbatch: the rest of the model's forward is pruned).
-        # A weight split over tensor axes only keeps its split for the head (the loop leaves those axes to
-        # XLA): a vocabulary-parallel head stays so, as in Megatron. The rest enter whole: in jax 0.10.2
-        # XLA's partitioner aborts the process (a failed check) on a head split over an automatic batch
-        # axis, and on a weight the code before the layers also reads (a tied embedding's lookup).
+        # A weight split over tensor axes only keeps its split (the loop leaves those axes to XLA): a
+        # vocabulary-parallel embedding and head stay so, as in Megatron. The rest enter whole: in jax
+        # 0.10.2 XLA's partitioner aborts the process (a failed check) on a head split over an automatic
+        # batch axis, and on a weight both the head and the code before the layers read (a tied embedding).
         used = _used_inputs(lambda params: head_loss(params, rest_leaves, first(x), *sample[:2], head_keys,
                                                      first(request.targets)), head_params)
         before = _used_inputs(lambda params: jax.numpy.sum(layers_entry(params, rest_leaves, *sample)), head_params)
@@ -202,7 +202,7 @@ class PipelinedLayers(nnx.Module):
         read_by_head = [p for p, keep in zip(head_params, used) if keep]
         head_in = entering_whole(read_by_head, [ok for ok, keep in zip(split_ok, used) if keep])
         embed_in = entering_whole([p for p, read in zip(head_params, before) if read],
-                                  [may for may, read in zip(may_split, before) if read])
+                                  [may and not by_head for may, by_head, read in zip(may_split, used, before) if read])
         used_at = [i for i, keep in zip(outside, used) if keep]
         read_at = [i for i, read in zip(outside, before) if read]
         return one_f_one_b_loss(
