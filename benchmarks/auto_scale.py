@@ -26,7 +26,7 @@ SHAPE = dict(vocab=32000, dim=8192, heads=64, kv_heads=8, hidden=28672)      # L
 def point(devices: int, layers: int) -> dict:
     sys.path[:0] = [str(REPO), str(REPO / "tests")]
     from flax import nnx
-    from models import Llama
+    from minigpt_model.llama import Llama
 
     from shardplan.checks.paths import param_infos
     from shardplan.planner import auto

@@ -48,6 +48,8 @@ STEP_VARIANTS = [
     ("dp_tp bf16 compute", {"precision": {"params": "float32", "compute": "bfloat16"}}),
     ("dp_tp bf16 + remat", {"precision": {"params": "float32", "compute": "bfloat16"},
                             "remat": [{"match": BLOCKS, "policy": "full"}]}),
+    ("dp_tp bf16 + masters, zero1", {"precision": {"params": "bfloat16", "master": "float32", "compute": "bfloat16"},
+                                     "optimizer": "zero1"}),
     ("dp_tp accumulate 4", {"accumulate": 4}),
     ("dp_tp accum 4 + remat", {"accumulate": 4, "remat": [{"match": BLOCKS, "policy": "full"}]}),
     ("dp_tp_sp (shipped)", None),
@@ -104,7 +106,7 @@ def held_out(count: int, batch: int, seq: int) -> list[dict]:
     """Plans the model was not fitted on: `auto`'s top candidates for the LLaMA-style test model,
     plus its best candidate of each pipeline schedule, with and without FSDP."""
     sys.path.insert(0, str(REPO / "tests"))
-    from models import Llama
+    from minigpt_model.llama import Llama
     from shardplan.planner.auto import search
 
     config = dict(vocab=8192, dim=256, heads=8, kv_heads=2, hidden=768, layers=4)

@@ -170,6 +170,7 @@ class _Step:
     attention_stored: bool = True   # attention scores are written to memory (not fused on chip)
     counts: dict | None = None  # path -> how many parameters it stands for (one layer for all alike)
     accumulate: int = 1         # microbatches run in turn without a pipeline (gradient accumulation)
+    widened: bool = False       # narrow gradients are reduced in float32 (XLA on CPU)
 
     def count(self, path: str) -> int:
         return self.counts.get(path, 1) if self.counts else 1
@@ -230,6 +231,8 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
     param_itemsize = itemsize
     if profile.low_precision_native:
         itemsize = options.compute_itemsize     # activations, their collectives and FSDP's moves
+    else:
+        itemsize = max(itemsize, 4)             # XLA on CPU computes narrow parameters in float32
     step = _Step(
         sizes=sizes, batch_axes=batch_axes, stage_axis=pipe.axis if pipe else None,
         schedule=pipe.schedule if pipe else None, stages=stage_map.stages if pipe else 1,
@@ -239,7 +242,7 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
         manual_batch=not any(a in batch_axes for p in report.params if p.stage is not None
                              for a in spec_axes(p.spec)),
         remat=options.remat, sequence_ways=options.sequence_ways, attention_stored=options.attention_stored,
-        counts=counts, accumulate=plan.accumulate if pipe is None else 1)
+        counts=counts, accumulate=plan.accumulate if pipe is None else 1, widened=not profile.low_precision_native)
     every = [p for p in report.params if p.stage in (None, 0)]
     experts = _expert_terms(report, every, step)
     # the expert weights' own costs are the exchange's (`shardplan.experts.cost`), not a matrix's
@@ -474,7 +477,9 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
             continue                            # its whole gradient was all-reduced with the gather
         if p.opt_spec != p.spec:            # ZeRO-1 updates a shard, then gathers the parameter
             extra = tuple(a for a in spec_axes(p.opt_spec) if a not in axes)
-            mine.append(Transfer("all-gather", extra, p.bytes_per_device, 1, f"{p.path}: ZeRO-1 update gathered"))
+            widened = max(4, p.itemsize) / p.itemsize if step.widened else 1
+            mine.append(Transfer("all-gather", extra, int(p.bytes_per_device * widened), 1,
+                                 f"{p.path}: ZeRO-1 update gathered"))
             in_loop = step.schedule == "1f1b" and p.path in after
             if role.kind == COLUMN and not role.closes and extra and not in_loop:
                 # XLA gathers the head's input activations and computes each shard's gradient whole
@@ -490,7 +495,8 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
                                    step.schedule != "1f1b" else ())
             key = (group, step.reductions_per_step(staged, head))
             # a tied embedding's two uses (lookup, logits) are reduced separately
-            reductions[key] = reductions.get(key, 0) + size * count * (2 if p.path in roles.tied else 1)
+            widened = max(4, p.itemsize) / p.itemsize if step.widened else 1
+            reductions[key] = reductions.get(key, 0) + int(size * widened) * count * (2 if p.path in roles.tied else 1)
         if _before_layers_in_loop(p, roles, step):
             # the first stage computes its gradient in the loop; the other stages take it from there
             mine.append(Transfer("all-reduce", (step.stage_axis,), size, 1,
@@ -584,9 +590,8 @@ def _pipeline_transfers(step: _Step) -> list[Transfer]:
     whole = int(step.tokens * step.width * b)
     if step.schedule == "1f1b":
         ticks = step.microbatches + 2 * step.stages - 2
-        return [Transfer("collective-permute", axis, microbatch, 2 * ticks, "activations and their gradients"),
-                Transfer("collective-permute", axis, whole, 2, "embedded inputs placed on the stages"),
-                Transfer("all-reduce", axis, whole, 1, "last stage's outputs shared")]
+        # (the code around the layers runs in the loop: nothing enters or leaves it whole)
+        return [Transfer("collective-permute", axis, microbatch, 2 * ticks, "activations and their gradients")]
     ticks = step.virtual * step.microbatches + step.stages - 1
     return [Transfer("collective-permute", axis, microbatch, 2 * ticks, "activations and their gradients"),
             Transfer("collective-permute", axis, whole, 2, "inputs to the first stage, gradients back"),
