@@ -5,7 +5,8 @@ Two published tables, each with its configurations and measured throughput per d
 - Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
   Megatron-LM" (SC'21), Table 1: GPT models from 1.7B to 1T parameters on up to 3,072 A100 80GB
   (Selene), vocabulary 51,200, sequence 2,048, tensor parallel inside a node, pipelines across
-  nodes, activation recomputation, fp16. Throughput is given in teraFLOP/s per GPU with the
+  nodes, activation recomputation, fp16 parameters with fp32 master weights (modelled as bf16 with
+  masters, `precision.master`; no distributed optimizer in 2021). Throughput is given in teraFLOP/s per GPU with the
   paper's formula F = 96 B s l h^2 (1 + s/6h + V/16lh) per iteration (recomputation included);
   tokens/s per GPU = that / (F / B s).
 - MosaicML llm-foundry, scripts/train/benchmarking/README.md, table "H100 80GB BF16": MPT models
@@ -39,6 +40,7 @@ from shardplan.planner.roles import definition_order, recognise  # noqa: E402
 from shardplan.run.models import build_model  # noqa: E402
 
 TARGET = 0.25
+DEVICE_MEMORY = 80 * 10**9      # every row ran on 80 GB devices
 # (billions of parameters, heads, hidden, layers, tensor, pipeline, GPUs, batch, teraFLOP/s per GPU)
 MEGATRON = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
             (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
@@ -60,7 +62,8 @@ def megatron_rows():
         published = auto.Candidate(
             {name: n for name, n in (("stage", pipeline), ("data", data), ("model", tensor)) if n > 1},
             _hosts(pipeline, data, gpus), tensor > 1, tensor > 1, False, False,
-            "1f1b" if pipeline > 1 else None, batch // data if pipeline > 1 else 1, 1, "full", False, "bfloat16")
+            "1f1b" if pipeline > 1 else None, batch // data if pipeline > 1 else 1, 1, "full", False, "bfloat16",
+            master=True)
         yield (f"GPT {billions:g}B", dict(vocab_size=vocab, maxlen=seq, embed_dim=hidden, num_heads=heads,
                                           feed_forward_dim=4 * hidden, num_transformer_blocks=layers),
                gpus, Workload(batch, seq), profile, published, tflops * 1e12 / per_token, megatron_2021)
@@ -115,7 +118,7 @@ def run_row(label, config, gpus, workload, profile, published, measured, toolbox
                          "modelled_tokens_per_s_per_device": tokens / theirs.step_s / gpus,
                          "modelled_peak_bytes": theirs.peak_bytes}}
     for key, only in (("auto", toolbox), ("auto_any", None)):
-        found = auto.search(params, roles, devices=gpus, workload=workload, profile=profile, memory=80 * 10**9,
+        found = auto.search(params, roles, devices=gpus, workload=workload, profile=profile, memory=DEVICE_MEMORY,
                             hosts=max(1, gpus // 8), compute="bfloat16", only=only)
         best = found.best
         row[key] = None if best is None else {
@@ -140,6 +143,8 @@ def verdict(row) -> str:
         misses.append("pipeline")
     if abs(theirs["modelled_tokens_per_s_per_device"] / theirs["tokens_per_s_per_device"] - 1) > TARGET:
         misses.append("throughput")
+    if theirs["modelled_peak_bytes"] > DEVICE_MEMORY:
+        misses.append("published does not fit")
     return "ok" if not misses else "misses " + ", ".join(misses)
 
 
@@ -157,7 +162,7 @@ def main() -> None:
     print("tokens/s per GPU: measured, modelled for the published configuration, modelled for auto's picks "
           "(with the run's own options / with every option); TP/PP: tensor and pipeline degrees\n")
     print(f"{'model':10} {'GPUs':>5} {'TP/PP':>6} {'auto':>6} {'any':>6}  {'measured':>8} {'modelled':>8} {'err':>5} "
-          f"{'auto':>7} {'any':>7} {'s':>5}  verdict; auto's plan with any option")
+          f"{'peak GB':>7} {'auto':>7} {'any':>7} {'s':>5}  verdict; auto's plan with any option")
     for name, source in sources:
         if args.only and args.only != name:
             continue
@@ -169,7 +174,8 @@ def main() -> None:
             modelled = theirs["modelled_tokens_per_s_per_device"]
             picks = [f"{p['modelled_tokens_per_s_per_device']:>7.0f}" if p else f"{'-':>7}" for p in (mine, other)]
             print(f"{row['model']:10} {row['devices']:>5} {_shape(theirs):>6} {_shape(mine):>6} {_shape(other):>6}  "
-                  f"{measured:>8.0f} {modelled:>8.0f} {modelled / measured - 1:>+5.0%} {picks[0]} {picks[1]} "
+                  f"{measured:>8.0f} {modelled:>8.0f} {modelled / measured - 1:>+5.0%} "
+                  f"{theirs['modelled_peak_bytes'] / 1e9:>7.1f} {picks[0]} {picks[1]} "
                   f"{row['seconds']:>5.1f}  {verdict(row)}; "
                   f"{other['mesh'] + ', ' + other['rules'] if other else ''}", flush=True)
     ok = sum(verdict(r) == "ok" for r in rows)

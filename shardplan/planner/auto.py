@@ -56,6 +56,7 @@ class Candidate:
     compute: str | None = None          # compute dtype when not the parameters'
     accumulate: int = 1                 # gradient accumulation: microbatches run in turn (no pipeline)
     experts: bool = False               # expert parallelism, the experts folded onto 'data'
+    master: bool = False                # parameters stored in the compute dtype, float32 masters in the optimizer
 
     def label(self) -> str:
         mesh = " x ".join(f"{name} {size}" for name, size in self.axes.items())
@@ -83,7 +84,7 @@ class Candidate:
         if self.remat != "none":
             parts.append(f"remat {self.remat}")
         if self.compute:
-            parts.append(self.compute)
+            parts.append(self.compute + (" + f32 masters" if self.master else ""))
         return ", ".join(parts) or "replicated (data parallel)"
 
 
@@ -409,6 +410,8 @@ def plan_document(candidate: Candidate, roles: ModelRoles, params: list[ParamInf
         document["remat"] = [{"match": f"{re.escape(roles.layers)}/\\d+", "policy": REMAT_POLICY[candidate.remat]}]
     if candidate.compute:
         document["precision"] = {"compute": candidate.compute}
+        if candidate.master:
+            document["precision"].update(params=candidate.compute, master="float32")
     return document
 
 
@@ -551,7 +554,11 @@ def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 
                 "dots": "keep the matmul outputs, recompute the elementwise work"}[c.remat]
         lines += [f"remat:                       # {what}"] + \
             [f"  - match: '{rule.match}'\n    policy: {rule.policy}" for rule in plan.remat]
-    if plan.precision.compute:
+    if plan.precision.master:
+        lines += ["precision:", f"  params: {plan.precision.params}        # stored, and the gradients",
+                  "  master: float32            # masters and moments in the optimizer state",
+                  f"  compute: {plan.precision.compute}"]
+    elif plan.precision.compute:
         lines += ["precision:", f"  compute: {plan.precision.compute}       # parameters stay in their dtype"]
     return "\n".join(lines) + "\n"
 
