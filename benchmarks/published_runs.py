@@ -1,6 +1,6 @@
 """`auto` and the cost model against published large-scale training runs.
 
-Two published tables, each with its configurations and measured throughput per device:
+Three published tables, each with its configurations and measured throughput per device:
 
 - Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
   Megatron-LM" (SC'21), Table 1: GPT models from 1.7B to 1T parameters on up to 3,072 A100 80GB
@@ -9,6 +9,9 @@ Two published tables, each with its configurations and measured throughput per d
   masters, `precision.master`; no distributed optimizer in 2021). Throughput is given in teraFLOP/s per GPU with the
   paper's formula F = 96 B s l h^2 (1 + s/6h + V/16lh) per iteration (recomputation included);
   tokens/s per GPU = that / (F / B s).
+- Smith et al. 2022, "Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B", section 2.4:
+  the 530B model at tensor 8 x pipeline 35 on 280, 350 and 420 DGX A100 nodes, batch 1920, in
+  teraFLOP/s per GPU with Megatron's formula (converted as above).
 - MosaicML llm-foundry, scripts/train/benchmarking/README.md, table "H100 80GB BF16": MPT models
   trained with FSDP (FULL_SHARD) and flash attention, throughput in tokens/s per GPU. The 30B and
   70B rows accumulate gradients over 3 and 4 microbatches; they are modelled so (`accumulate`).
@@ -17,7 +20,7 @@ Each row is modelled twice with the hardware written as profile files (profiles/
 configuration itself, and what `auto` picks (bf16 compute, 80 GB per device, 8 devices per host).
 The models are MiniGPT (GPT: layer norms, biases, GELU MLP 4x, untied head) at the published shapes.
 
-    python benchmarks/published_runs.py [--only megatron|mpt] [--json out.json]
+    python benchmarks/published_runs.py [--only megatron|mt-nlg|mpt] [--json out.json]
 """
 
 from __future__ import annotations
@@ -66,6 +69,27 @@ def megatron_rows():
             master=True)
         yield (f"GPT {billions:g}B", dict(vocab_size=vocab, maxlen=seq, embed_dim=hidden, num_heads=heads,
                                           feed_forward_dim=4 * hidden, num_transformer_blocks=layers),
+               gpus, Workload(batch, seq), profile, published, tflops * 1e12 / per_token, megatron_2021)
+
+
+# Smith et al. 2022, "Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B", section 2.4:
+# 105 layers, hidden 20480, 128 heads, vocabulary 50272, sequence 2048, batch 1920, tensor 8 x pipeline 35
+# on 280, 350 and 420 DGX A100 nodes (Selene): 126, 121 and 113 teraFLOP/s per GPU (Megatron's formula).
+MT_NLG = [(280, 126), (350, 121), (420, 113)]
+
+
+def mt_nlg_rows():
+    profile = load_profile(REPO / "profiles" / "a100-80gb-selene.yaml")
+    layers, hidden, heads, vocab, seq, batch, tensor, pipeline = 105, 20480, 128, 50272, 2048, 1920, 8, 35
+    per_token = 96 * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+    for nodes, tflops in MT_NLG:
+        gpus = nodes * 8
+        data = gpus // (tensor * pipeline)
+        published = auto.Candidate({"stage": pipeline, "data": data, "model": tensor}, _hosts(pipeline, data, gpus),
+                                   True, True, False, False, "1f1b", batch // data, 1, "full", False, "bfloat16",
+                                   master=True)
+        yield (f"MT-NLG {gpus}", dict(vocab_size=vocab, maxlen=seq, embed_dim=hidden, num_heads=heads,
+                                      feed_forward_dim=4 * hidden, num_transformer_blocks=layers),
                gpus, Workload(batch, seq), profile, published, tflops * 1e12 / per_token, megatron_2021)
 
 
@@ -154,10 +178,10 @@ def _shape(pick) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=["megatron", "mpt"])
+    parser.add_argument("--only", choices=["megatron", "mt-nlg", "mpt"])
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     args = parser.parse_args()
-    sources = [("megatron", megatron_rows), ("mpt", mpt_rows)]
+    sources = [("megatron", megatron_rows), ("mt-nlg", mt_nlg_rows), ("mpt", mpt_rows)]
     rows = []
     print("tokens/s per GPU: measured, modelled for the published configuration, modelled for auto's picks "
           "(with the run's own options / with every option); TP/PP: tensor and pipeline degrees\n")
