@@ -91,7 +91,8 @@ def _adamw_steps(plan, config: dict, batches):
 
 
 @pytest.mark.parametrize("base, schedule, virtual", [("minigpt_3d.yaml", "1f1b", 1), ("minigpt_pp4.yaml", "gpipe", 1),
-                                                     ("minigpt_pp4.yaml", "interleaved", 2)])
+                                                     ("minigpt_pp4.yaml", "interleaved", 2),
+                                                     ("minigpt_pp4.yaml", "1f1b", 2)])     # interleaved 1F1B
 def test_five_adamw_steps_match_one_device(base, schedule, virtual):
     batches = np.random.default_rng(1).integers(0, 128, size=(5, 16, 17), dtype=np.int32)
     plan = _plan(base, schedule, virtual)

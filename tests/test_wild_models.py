@@ -80,12 +80,13 @@ MODELS = {
         lambda x: ((x,), {"rngs": nnx.Rngs(0), "deterministic": True}), _ce, _images),
 }
 MESHES = {"2x2x2": "{stage: 2, data: 2, model: 2}", "4x2x1": "{stage: 4, data: 2, model: 1}"}
-SCHEDULES = ["gpipe", "interleaved", "1f1b"]
+SCHEDULES = ["gpipe", "interleaved", "1f1b", "interleaved-1f1b"]     # the last: 1f1b with virtual_stages 2
 # The whole matrix takes ~4 min on 2 cores. The default run takes one case per model shaped like the
 # public ones, every schedule and both meshes among them (~40 s); MiniGPT trains under every schedule
-# in test_pipeline.py. SHARDPLAN_FULL_MATRIX=1 runs all 24.
+# in test_pipeline.py. SHARDPLAN_FULL_MATRIX=1 runs all 32.
 FULL = os.environ.get("SHARDPLAN_FULL_MATRIX") == "1"
-DEFAULT = {("gemma", "interleaved", "2x2x2"), ("qwen", "1f1b", "4x2x1"), ("vit", "gpipe", "2x2x2")}
+DEFAULT = {("gemma", "interleaved", "2x2x2"), ("qwen", "1f1b", "4x2x1"), ("vit", "gpipe", "2x2x2"),
+           ("gemma", "interleaved-1f1b", "2x2x2")}
 CASES = [pytest.param(name, schedule, mesh, marks=() if FULL or (name, schedule, mesh) in DEFAULT else
                       pytest.mark.skip(reason="full matrix only (SHARDPLAN_FULL_MATRIX=1)"))
          for name in MODELS for schedule in SCHEDULES for mesh in MESHES]
@@ -107,8 +108,9 @@ def _loss(name, model, x, y):
 def _plan(name, mesh, schedule, microbatches=4):
     layers, rules = MODELS[name][1], MODELS[name][2]
     lines = ["version: 1", f"mesh: {{axes: {MESHES[mesh]}}}", "inputs: {x: [data]}", "pipeline:", "  axis: stage",
-             f"  layers: {layers}", f"  microbatches: {microbatches}", f"  schedule: {schedule}"]
-    lines += ["  virtual_stages: 2"] if schedule == "interleaved" else []
+             f"  layers: {layers}", f"  microbatches: {microbatches}",
+             f"  schedule: {schedule.removeprefix('interleaved-')}"]
+    lines += ["  virtual_stages: 2"] if schedule.startswith("interleaved") else []
     lines += ["params:"] + [f"  - {{match: '{m}', spec: {s}}}" for m, s in rules] + ["  - {match: '.*', spec: []}"]
     return shardplan.parse_plan("\n".join(lines) + "\n", file=f"{name}-{mesh}-{schedule}.yaml")
 

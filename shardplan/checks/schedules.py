@@ -8,6 +8,7 @@ weighting a backward as `backward_cost` forwards (2, the usual estimate).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -27,7 +28,7 @@ def forward_tick(stage: int, microbatch: int, repeat: int, microbatches: int) ->
 def timeline(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> list[list[list[Work]]]:
     """grid[tick][stage] -> the work done there (empty: idle)."""
     if schedule == "1f1b":
-        return _one_f_one_b(stages, microbatches)
+        return _one_f_one_b(stages, microbatches, virtual)
     virtual = virtual if schedule == "interleaved" else 1
     forward_ticks = virtual * microbatches + stages - 1
     grid = [[[] for _ in range(stages)] for _ in range(2 * forward_ticks)]
@@ -40,15 +41,77 @@ def timeline(schedule: str, stages: int, microbatches: int, virtual: int = 1) ->
     return grid
 
 
-def _one_f_one_b(stages: int, microbatches: int) -> list[list[list[Work]]]:
-    """Forward of m at stage s at tick m+s; its backward at tick m + 2(S-1) - s, right after the last
-    stage's forward. A stage therefore holds at most 2(S-1-s)+1 microbatches in flight, whatever M."""
-    grid = [[[] for _ in range(stages)] for _ in range(microbatches + 2 * stages - 2)]
-    for m in range(microbatches):
-        for s in range(stages):
-            grid[m + s][s].append(Work("F", m))
-            grid[m + 2 * (stages - 1) - s][s].append(Work("B", m))
+def _one_f_one_b(stages: int, microbatches: int, virtual: int = 1) -> list[list[list[Work]]]:
+    """1F1B, and with `virtual` chunks per device Megatron's interleaved 1F1B (see `OneFOneB`)."""
+    table = OneFOneB.of(stages, microbatches, virtual)
+    grid = [[[] for _ in range(stages)] for _ in range(table.ticks)]
+    for s in range(stages):
+        for t in range(table.ticks):
+            for kind, work in (("F", table.forward[s][t]), ("B", table.backward[s][t])):
+                if work is not None:
+                    grid[t][s].append(Work(kind, work[0], work[1]))
     return grid
+
+
+@dataclasses.dataclass(frozen=True)
+class OneFOneB:
+    """The 1F1B schedule as tables, per stage and tick: the (microbatch, chunk) forwarded and the one
+    taken backward (None: idle), and the stash slot each forward's input is kept in until its backward.
+
+    Chunk v of stage s holds layers chunk v*S + s. Each stage forwards in Megatron's interleaved order
+    (microbatches in groups of S: chunk 0 of the group, then chunk 1, ...), its i-th forward at tick
+    i + s, and takes its j-th backward (the same order, chunks reversed) at tick j + V*S + S - 2 - s:
+    every input arrives from a neighbour one tick before it is needed, and the last chunk's backward
+    of a microbatch runs on the tick of its forward. With V = 1 this is plain 1F1B (forward of m at
+    stage s at tick m + s, backward at m + 2(S-1) - s). Ticks: V*M + V*S + S - 2; a tick runs 1/V of a
+    stage's layers, so the bubble is (S-1)/V of a microbatch's forward and backward, as Megatron's.
+    Needs M to be a multiple of S when V > 1.
+    """
+
+    stages: int
+    microbatches: int
+    virtual: int
+    ticks: int
+    forward: tuple          # [stage][tick] -> (microbatch, chunk) or None
+    backward: tuple
+    forward_slot: tuple     # [stage][tick] -> stash slot of that forward's input (0 when idle)
+    backward_slot: tuple
+    slots: int              # stash slots a stage needs: most forwards in flight at once
+
+    @staticmethod
+    @functools.lru_cache(maxsize=64)
+    def of(stages: int, microbatches: int, virtual: int = 1) -> "OneFOneB":
+        S, M, V = stages, microbatches, virtual
+        if V > 1 and M % S:
+            raise ValueError(f"interleaved 1F1B needs microbatches a multiple of the stages ({S}), got {M}")
+        order = [((i // (S * V)) * S + i % S, (i // S) % V) for i in range(M * V)]
+        backward_order = [(m, V - 1 - v) for m, v in order]
+        ticks = V * M + V * S + S - 2
+        forward, backward, f_slot, b_slot, most = [], [], [], [], 0
+        for s in range(S):
+            f_row, b_row, fs_row, bs_row = [None] * ticks, [None] * ticks, [0] * ticks, [0] * ticks
+            ends = {}
+            for j, work in enumerate(backward_order):
+                ends[work] = j + V * S + S - 2 - s
+                b_row[ends[work]] = work
+            free, busy = [], []          # slots by the tick they are freed
+            for i, work in enumerate(order):
+                start = i + s
+                f_row[start] = work
+                busy.sort()
+                while busy and busy[0][0] < start:
+                    free.append(busy.pop(0)[1])
+                slot = min(free) if free else len(busy) + len(free)
+                if slot in free:
+                    free.remove(slot)
+                busy.append((ends[work], slot))
+                fs_row[start], bs_row[ends[work]] = slot, slot
+                most = max(most, slot + 1)
+            forward.append(tuple(f_row))
+            backward.append(tuple(b_row))
+            f_slot.append(tuple(fs_row))
+            b_slot.append(tuple(bs_row))
+        return OneFOneB(S, M, V, ticks, tuple(forward), tuple(backward), tuple(f_slot), tuple(b_slot), most)
 
 
 def bubble_fraction(grid: list[list[list[Work]]], backward_cost: float = 2.0) -> float:

@@ -129,7 +129,9 @@ class PipelineConfig(_Strict):
         default="even", description="Ordered stage rules (first full match wins) or 'even'.")
     microbatches: int = Field(default=1, ge=1, le=4096, description="Microbatches per step.")
     schedule: Literal["gpipe", "1f1b", "interleaved"] = Field(default="gpipe", description="Pipeline schedule.")
-    virtual_stages: int = Field(default=1, ge=1, le=64, description="Chunks per device for the interleaved schedule.")
+    virtual_stages: int = Field(default=1, ge=1, le=64, description="Chunks of layers per device: with 1f1b, "
+                                "Megatron's interleaved 1F1B (microbatches a multiple of the stages); with "
+                                "interleaved, the circular schedule.")
 
 
 # jax.checkpoint_policies names a remat rule may use, besides `none` and `full`. (The offload policies

@@ -87,7 +87,8 @@ def branch_share(plan) -> float:
     import jax
     stages = resolve_axes(plan, jax.device_count())[0][pipe.axis]
     if pipe.schedule == "1f1b":
-        return pipe.microbatches / (pipe.microbatches + 2 * stages - 2)
+        from shardplan.checks.schedules import OneFOneB
+        return pipe.virtual_stages * pipe.microbatches / OneFOneB.of(stages, pipe.microbatches, pipe.virtual_stages).ticks
     work = pipe.virtual_stages * pipe.microbatches if pipe.schedule == "interleaved" else pipe.microbatches
     return work / (work + stages - 1)
 

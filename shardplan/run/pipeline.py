@@ -277,9 +277,14 @@ def one_f_one_b_loss(layers: Layers, stacked, head: Callable, head_params, embed
 
 def _schedule(layers, head, embed, embed_branch, mesh, axis, batch_axes, stacked, head_params, embed_params, head_rest,
               layer_inputs, head_inputs, targets, keys):
-    stages, _, per_chunk = jax.tree.leaves(stacked)[0].shape[:3]
+    from shardplan.checks.schedules import OneFOneB
+    stages, virtual, per_chunk = jax.tree.leaves(stacked)[0].shape[:3]
     micro = targets.shape[0]
-    slots = 2 * stages - 1                               # most microbatches a stage has in flight
+    plan = OneFOneB.of(stages, micro, virtual)
+    # the schedule's tables, [stage, tick]: microbatch (-1: idle), chunk, stash slot
+    tables = [jnp.asarray([[(w[k] if w else -1) for w in row] for row in rows], jnp.int32)
+              for rows in (plan.forward, plan.backward) for k in (0, 1)]
+    tables += [jnp.asarray(plan.forward_slot, jnp.int32), jnp.asarray(plan.backward_slot, jnp.int32)]
     shards = 1
     for name in batch_axes:
         shards *= mesh.shape[name]
@@ -287,15 +292,15 @@ def _schedule(layers, head, embed, embed_branch, mesh, axis, batch_axes, stacked
     def per_device(state, head_params, embed_params, head_rest, layer_inputs, head_inputs, targets, keys):
         layer_keys, head_keys = _shard_keys(keys[0], mesh, batch_axes), _shard_keys(keys[1], mesh, batch_axes)
         (layer_split, layer_whole), (head_split, head_whole) = layer_inputs, head_inputs
-        state = _chunk(_chunk(state, 0), 0)                               # (per_chunk, ...)
+        state = _chunk(state, 0)                                          # (virtual, per_chunk, ...)
         s = jax.lax.axis_index(axis)
         last = stages - 1
+        f_m, f_v, b_m, b_v, f_slot, b_slot = (table[s] for table in tables)
 
-        first, size = layers.chunk(s, per_chunk)
-
-        def stage_fn(state, h, m):
-            return _run_chunk(layers, state, h, _at(layer_split, m), layer_whole, fold_keys(layer_keys, m),
-                              first, size)
+        def stage_fn(state, h, m, v):
+            first, size = layers.chunk(v * stages + s, per_chunk)
+            return _run_chunk(layers, _chunk(state, v), h, _at(layer_split, m), layer_whole,
+                              fold_keys(layer_keys, m), first, size)
 
         def head_loss(head_params, h, m):
             return head(head_params, head_rest, h, _at(head_split, m), head_whole, fold_keys(head_keys, m),
@@ -308,32 +313,29 @@ def _schedule(layers, head, embed, embed_branch, mesh, axis, batch_axes, stacked
 
         def tick(carry, t):
             incoming, cot_in, stash, g_layers, g_head, g_embed, loss_sum = carry
-            mf = t - s
-            f_on = (mf >= 0) & (mf < micro)
-            mf_ = jnp.clip(mf, 0, micro - 1)
+            f_on, mf_, vf, f_at = f_m[t] >= 0, jnp.maximum(f_m[t], 0), f_v[t], f_slot[t]
+            b_on, mb_, vb, b_at = b_m[t] >= 0, jnp.maximum(b_m[t], 0), b_v[t], b_slot[t]
+            enters, leaves = f_on & (s == 0) & (vf == 0), f_on & (s == last) & (vf == virtual - 1)
             if embed_branch:
-                h_in = jax.lax.cond(f_on & (s == 0), lambda: entering(embed_params, mf_).astype(like.dtype),
-                                    lambda: incoming)
+                h_in = jax.lax.cond(enters, lambda: entering(embed_params, mf_).astype(like.dtype), lambda: incoming)
             else:       # XLA's collectives for an automatic batch axis must run on every stage alike
-                h_in = jnp.where(s == 0, entering(embed_params, mf_).astype(like.dtype), incoming)
-            h = jax.lax.cond(f_on, lambda: stage_fn(state, h_in, mf_), lambda: jnp.zeros_like(h_in))
-            stash = jnp.where(f_on, stash.at[mf_ % slots].set(h_in), stash)
+                h_in = jnp.where(enters, entering(embed_params, mf_).astype(like.dtype), incoming)
+            h = jax.lax.cond(f_on, lambda: stage_fn(state, h_in, mf_, vf), lambda: jnp.zeros_like(h_in))
+            stash = jnp.where(f_on, stash.at[f_at].set(h_in), stash)
 
             def at_last():
                 loss, (gh, gy) = jax.value_and_grad(head_loss, argnums=(0, 1))(head_params, h, mf_)
                 return loss.astype(jnp.float32), gh, gy
             zero_head = jax.tree.map(jnp.zeros_like, head_params)
-            loss_m, gh, gy = jax.lax.cond(f_on & (s == last), at_last,
+            loss_m, gh, gy = jax.lax.cond(leaves, at_last,
                                           lambda: (jnp.zeros((), jnp.float32), zero_head, jnp.zeros_like(h)))
             loss_sum, g_head = loss_sum + loss_m, _accumulate(g_head, gh)
 
-            mb = t - (2 * last - s)
-            b_on = (mb >= 0) & (mb < micro)
-            mb_ = jnp.clip(mb, 0, micro - 1)
-            cot = jnp.where(s == last, gy, cot_in)
+            # the last chunk's backward runs on its forward's tick, from the loss just computed
+            cot = jnp.where((s == last) & (vb == virtual - 1), gy, cot_in)
 
             def backward():
-                _, vjp = jax.vjp(lambda st, x: stage_fn(st, x, mb_), state, stash[mb_ % slots])
+                _, vjp = jax.vjp(lambda st, x: stage_fn(st, x, mb_, vb), state, stash[b_at])
                 return vjp(cot)
             gl, gx = jax.lax.cond(b_on, backward, lambda: (jax.tree.map(jnp.zeros_like, state), jnp.zeros_like(h)))
             g_layers = _accumulate(g_layers, gl)
@@ -342,20 +344,21 @@ def _schedule(layers, head, embed, embed_branch, mesh, axis, batch_axes, stacked
                 _, vjp = jax.vjp(lambda p: entering(p, mb_), embed_params)
                 return vjp(gx.astype(like.dtype))[0]
             zero_embed = jax.tree.map(jnp.zeros_like, embed_params)
-            ge = jax.lax.cond(b_on & (s == 0), embed_backward, lambda: zero_embed) if embed_branch else \
-                jax.tree.map(lambda g, z: jnp.where(b_on & (s == 0), g, z), embed_backward(), zero_embed)
+            done = b_on & (s == 0) & (vb == 0)
+            ge = jax.lax.cond(done, embed_backward, lambda: zero_embed) if embed_branch else \
+                jax.tree.map(lambda g, z: jnp.where(done, g, z), embed_backward(), zero_embed)
             g_embed = _accumulate(g_embed, ge)
             return (_to_last(h, axis, stages), _to_previous(gx, axis, stages), stash, g_layers, g_head, g_embed,
                     loss_sum), None
 
         zeros = jnp.zeros(like.shape, like.dtype)
-        carry = (zeros, zeros, jnp.zeros((slots, *like.shape), like.dtype), _running_sum(state),
+        carry = (zeros, zeros, jnp.zeros((plan.slots, *like.shape), like.dtype), _running_sum(state),
                  _running_sum(head_params), _running_sum(embed_params), jnp.zeros((), jnp.float32))
-        (_, _, _, g_layers, g_head, g_embed, loss_sum), _ = jax.lax.scan(tick, carry, jnp.arange(micro + 2 * last))
+        (_, _, _, g_layers, g_head, g_embed, loss_sum), _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
         scale = 1.0 / micro
         if batch_axes:      # each shard's loss is a mean over its rows: average them, once
             g_layers, g_head, g_embed, loss_sum = jax.lax.pmean((g_layers, g_head, g_embed, loss_sum), batch_axes)
-        g_layers = jax.tree.map(lambda g, a: (g * scale).astype(a.dtype)[None, None], g_layers, state)
+        g_layers = jax.tree.map(lambda g, a: (g * scale).astype(a.dtype)[None], g_layers, state)
         g_head = jax.tree.map(lambda g, a: (g * scale).astype(a.dtype)[None], g_head, head_params)
         g_embed = jax.tree.map(lambda g, a: (g * scale).astype(a.dtype)[None], g_embed, embed_params)
         return g_layers, (g_head, g_embed, (loss_sum * scale)[None])

@@ -41,6 +41,7 @@ class _LossRequest:
     args: tuple
     kwargs: dict
     loss: Any = None
+    plain: bool = False         # the layers ran their plain forward: the loss is the model's output's
 
 
 class PipelinedLayers(nnx.Module):
@@ -111,12 +112,17 @@ class PipelinedLayers(nnx.Module):
         layers = Layers(self._pipeline_kinds, self._pipeline_kind_of, call, self._pipeline_counts)
         keys = draw_keys(rngs)
         request = _LOSS_REQUEST.get()
+        stages, virtual = jax.tree.leaves(state)[0].shape[:2]
+        if request is not None and virtual > 1 and self._fit(args[0].shape[0])[0] % stages:
+            # interleaved 1F1B needs whole groups of `stages` microbatches; a smaller batch (an evaluation)
+            # runs the circular forward and the model's own loss instead: the same result
+            request.plain = True
+            request = None
         if request is not None:      # (the model may run on a copy of itself: compute precision)
             request.loss = self._one_f_one_b(request, layers, state, args[0], split, whole, keys)
             return call.output(args[0])      # the model's code after the layers runs on it unused (and is pruned)
         x = args[0]
         microbatches, batch_axes = self._fit(x.shape[0])
-        stages, virtual = jax.tree.leaves(state)[0].shape[:2]
         if virtual > 1 and microbatches < stages:
             # The circular schedule needs a microbatch per stage to loop back in time; so few rows
             # (sampling) run layer after layer instead: the same computation, without overlap.
@@ -187,7 +193,8 @@ class PipelinedLayers(nnx.Module):
         # A weight split over tensor axes only keeps its split (the loop leaves those axes to XLA): a
         # vocabulary-parallel embedding and head stay so, as in Megatron. The rest enter whole: in jax
         # 0.10.2 XLA's partitioner aborts the process (a failed check) on a head split over an automatic
-        # batch axis, and on a weight both the head and the code before the layers read (a tied embedding).
+        # batch axis, on a weight both the head and the code before the layers read (a tied embedding), and
+        # on the training step of a split embedding while a batch axis is left to XLA (FSDP-split layers).
         used = _used_inputs(lambda params: head_loss(params, rest_leaves, first(x), *sample[:2], head_keys,
                                                      first(request.targets)), head_params)
         before = _used_inputs(lambda params: jax.numpy.sum(layers_entry(params, rest_leaves, *sample)), head_params)
@@ -201,8 +208,10 @@ class PipelinedLayers(nnx.Module):
                     for k, p in enumerate(params)]
         read_by_head = [p for p, keep in zip(head_params, used) if keep]
         head_in = entering_whole(read_by_head, [ok for ok, keep in zip(split_ok, used) if keep])
+        every_batch_axis_manual = batch_axes == self._pipeline_data_axes
         embed_in = entering_whole([p for p, read in zip(head_params, before) if read],
-                                  [may and not by_head for may, by_head, read in zip(may_split, used, before) if read])
+                                  [may and not by_head and every_batch_axis_manual
+                                   for may, by_head, read in zip(may_split, used, before) if read])
         used_at = [i for i, keep in zip(outside, used) if keep]
         read_at = [i for i, read in zip(outside, before) if read]
         return one_f_one_b_loss(
@@ -210,7 +219,7 @@ class PipelinedLayers(nnx.Module):
             functools.partial(layers_entry, used=read_at), embed_in, rest_leaves,
             ([micro(a) for a in split], whole), ([micro(a) for a in model_split], model_whole),
             micro(request.targets), (keys, head_keys), mesh=mesh, axis=self._pipeline_axis, batch_axes=batch_axes,
-            embed_branch=batch_axes == self._pipeline_data_axes)
+            embed_branch=every_batch_axis_manual)
 
 
 def _used_inputs(function: Callable, leaves: list) -> list[bool]:
@@ -270,9 +279,11 @@ def model_loss(model: nnx.Module, loss_of: Callable, targets, *args, **kwargs):
     request = _LossRequest(model, loss_of, targets, args, kwargs)
     token = _LOSS_REQUEST.set(request)
     try:
-        model(*args, **kwargs)
+        output = model(*args, **kwargs)
     finally:
         _LOSS_REQUEST.reset(token)
+    if request.plain:
+        return loss_of(output, targets)
     if request.loss is None:
         raise PipelineCallError(f"the model's forward never called its pipelined layers ({found[0]})")
     return request.loss
