@@ -2,9 +2,11 @@
 
 1. For S = 4 stages and M in {4, 8, 16, 32} microbatches: the bubble fraction of each schedule,
    computed from the schedule itself, next to the article's stage-after-stage (S-1)/S.
-2. Per-device temporary memory of one compiled training step (`memory_analysis()`), gpipe vs
-   1f1b, with the microbatch size fixed so that the batch grows with M: GPipe keeps every
-   microbatch's activations, 1F1B at most 2S-1 stage inputs.
+2. Per-device temporary memory of one compiled training step (`memory_analysis()`): gpipe, 1f1b,
+   the circular schedule (`interleaved`, v = 2) and interleaved 1F1B (`1f1b`, v = 2), with the
+   microbatch size fixed so that the batch grows with M: GPipe and the circular schedule keep every
+   microbatch's activations, 1F1B at most 2S-1 stage inputs, interleaved 1F1B about (v+1)S chunk
+   inputs.
 3. Compile time of one training step for 8 vs 32 layers (layers run under scan).
 
     python benchmarks/pipeline.py [--json out.json]
@@ -45,7 +47,7 @@ def plan_for(schedule: str, microbatches: int, virtual: int = 1) -> shardplan.Pl
     text = (REPO / "plans" / "minigpt_pp4.yaml").read_text()
     text = text.replace("schedule: gpipe", f"schedule: {schedule}\n  virtual_stages: {virtual}")
     text = text.replace("microbatches: 8", f"microbatches: {microbatches}")
-    return shardplan.parse_plan(text, file=f"pp4-{schedule}-{microbatches}")
+    return shardplan.parse_plan(text, file=f"pp4-{schedule}-v{virtual}-{microbatches}")
 
 
 def compile_step(plan: shardplan.Plan, layers: int, batch: int):
@@ -65,28 +67,32 @@ def main() -> None:
     results: dict = {"bubble": [], "memory": [], "compile": []}
 
     print(f"1. bubble fraction, S = {STAGES} (a backward counted as 2 forwards)")
-    print(f"{'M':>4} {'gpipe':>8} {'1f1b':>8} {'interleaved v=2':>16} {'article (S-1)/S':>16}")
+    print(f"{'M':>4} {'gpipe':>8} {'1f1b':>8} {'circular v=2':>13} {'1f1b v=2':>9} {'(S-1)/(vM+S-1)':>15} "
+          f"{'article (S-1)/S':>16}")
     for m in (4, 8, 16, 32):
         row = {"microbatches": m, "gpipe": bubble_fraction(timeline("gpipe", STAGES, m)),
                "1f1b": bubble_fraction(timeline("1f1b", STAGES, m)),
                "interleaved_v2": bubble_fraction(timeline("interleaved", STAGES, m, 2)),
-               "article": article_bubble(STAGES)}
+               "1f1b_v2": bubble_fraction(timeline("1f1b", STAGES, m, 2)),
+               "formula_v2": (STAGES - 1) / (2 * m + STAGES - 1), "article": article_bubble(STAGES)}
         results["bubble"].append(row)
-        print(f"{m:>4} {row['gpipe']:>8.3f} {row['1f1b']:>8.3f} {row['interleaved_v2']:>16.3f} {row['article']:>16.3f}")
+        print(f"{m:>4} {row['gpipe']:>8.3f} {row['1f1b']:>8.3f} {row['interleaved_v2']:>13.3f} {row['1f1b_v2']:>9.3f} "
+              f"{row['formula_v2']:>15.3f} {row['article']:>16.3f}")
 
     print(f"\n2. temporary memory per device of one compiled step, minigpt_pp4 (4 stages x 2 data), 8 layers, "
           f"{ROWS_PER_MICROBATCH} rows x {MODEL['maxlen']} tokens per microbatch")
-    print(f"{'M':>4} {'gpipe MiB':>10} {'1f1b MiB':>10} {'in flight gpipe/1f1b':>22}")
+    variants = {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "circular v=2": ("interleaved", 2), "1f1b v=2": ("1f1b", 2)}
+    print("".join([f"{'M':>4}"] + [f"{name + ' MiB':>17}" for name in variants]) + "  in flight (chunk inputs)")
     for m in (4, 8, 16, 32):
         row = {"microbatches": m}
-        for schedule in ("gpipe", "1f1b"):
-            compiled, _ = compile_step(plan_for(schedule, m), 8, m * ROWS_PER_MICROBATCH)
-            row[schedule] = compiled.memory_analysis().temp_size_in_bytes
+        for name, (schedule, virtual) in variants.items():
+            compiled, _ = compile_step(plan_for(schedule, m, virtual), 8, m * ROWS_PER_MICROBATCH)
+            row[name] = compiled.memory_analysis().temp_size_in_bytes
         results["memory"].append(row)
-        flight = f"{max_in_flight(timeline('gpipe', STAGES, m))}/{max_in_flight(timeline('1f1b', STAGES, m))}"
-        print(f"{m:>4} {row['gpipe'] / 2**20:>10.2f} {row['1f1b'] / 2**20:>10.2f} {flight:>22}")
+        flight = "/".join(str(max_in_flight(timeline(s, STAGES, m, v))) for s, v in variants.values())
+        print("".join([f"{m:>4}"] + [f"{row[name] / 2**20:>17.2f}" for name in variants]) + f"  {flight}")
     first, last = results["memory"][0], results["memory"][-1]
-    print(f"   M 4 -> 32: gpipe x{last['gpipe'] / first['gpipe']:.2f}, 1f1b x{last['1f1b'] / first['1f1b']:.2f}")
+    print("   M 4 -> 32: " + ", ".join(f"{name} x{last[name] / first[name]:.2f}" for name in variants))
 
     print("\n3. compile time of one training step, gpipe, 8 microbatches")
     for layers in (8, 32):

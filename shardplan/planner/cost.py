@@ -589,7 +589,8 @@ def _pipeline_transfers(step: _Step) -> list[Transfer]:
     microbatch = int(step.tokens / step.microbatches * step.width * b)
     whole = int(step.tokens * step.width * b)
     if step.schedule == "1f1b":
-        ticks = step.microbatches + 2 * step.stages - 2
+        from shardplan.checks.schedules import OneFOneB
+        ticks = OneFOneB.of(step.stages, step.microbatches, step.virtual).ticks
         # (the code around the layers runs in the loop: nothing enters or leaves it whole)
         return [Transfer("collective-permute", axis, microbatch, 2 * ticks, "activations and their gradients")]
     ticks = step.virtual * step.microbatches + step.stages - 1
@@ -730,10 +731,12 @@ def _activations(kept: tuple[dict, dict, dict], step: _Step) -> tuple[int, int, 
     if step.stage_axis is None:             # (with gradient accumulation: one microbatch's)
         return int(tokens * (layers + outside + head)), int(tokens * (rematerialised + outside + head)), *microbatch
     if step.schedule == "1f1b":             # the code around the layers runs in the loop, a microbatch at a time
+        from shardplan.checks.schedules import OneFOneB
         outside = (outside + head) * tokens / step.tokens
         head = 0.0
-        in_flight = 2 * step.stages - 1
-        stored = tokens * (in_flight * step.width * b + layers)
+        # the stash of chunk inputs in flight, and one chunk's forward recomputed in its backward
+        in_flight = OneFOneB.of(step.stages, step.microbatches, step.virtual).slots
+        stored = tokens * (in_flight * step.width * b + layers / step.virtual)
     else:
         # every tick runs one of the stage's `virtual` chunks and keeps its activations (gpipe's idle
         # ticks too: they compute on and drop what they compute)
