@@ -166,7 +166,9 @@ def render_pipeline(console: Console, report: Report) -> None:
     stage_map, pipe = report.stage_map, report.plan.pipeline
     if stage_map is None:
         return
-    table = Table(title=f"Pipeline over axis {pipe.axis!r}: {pipe.schedule}, {pipe.microbatches} microbatches",
+    schedule = pipe.schedule if stage_map.virtual == 1 else \
+        f"{'interleaved 1f1b' if pipe.schedule == '1f1b' else 'circular'}, {stage_map.virtual} chunks per stage"
+    table = Table(title=f"Pipeline over axis {pipe.axis!r}: {schedule}, {pipe.microbatches} microbatches",
                   header_style="bold")
     for column in ("stage", "layers", "devices", "params/device", "opt state/device"):
         table.add_column(column, justify="right" if "/" in column else "left")
