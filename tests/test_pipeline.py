@@ -289,3 +289,16 @@ def test_the_loop_keeps_no_weights_per_tick(case, write_plan):
     saved = _saved_for_backward(loss, state)
     stacked = jax.tree.leaves(nnx.state(pipelined_layers(model)[1]))
     assert saved and not _weights_per_tick(saved, stacked, virtual * microbatches + stages - 1)
+
+
+def test_interleaved_one_f_one_b_needs_whole_groups_of_microbatches():
+    """Megatron's interleaved 1F1B runs microbatches in groups of the stages: 6 on 4 stages is refused,
+    naming the setting and the stages; 8 is a plan whose timeline has the formula's bubble."""
+    from shardplan.checks.schedules import OneFOneB, bubble_fraction, timeline
+    plan = shardplan.parse_plan(_plan("minigpt_pp4.yaml", "1f1b", 2).model_dump_json().replace(
+        '"microbatches":8', '"microbatches":6'))
+    report = shardplan.check(plan, nnx.eval_shape(lambda: minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0))))
+    found = [d for d in report.errors if d.code == "pipeline-microbatches"]
+    assert found and "groups of the stages (4)" in found[0].message and "6 microbatches" in found[0].message
+    assert abs(bubble_fraction(timeline("1f1b", 4, 8, 2)) - 3 / (2 * 8 + 3)) < 1e-9
+    assert OneFOneB.of(4, 32, 2).slots == OneFOneB.of(4, 8, 2).slots == 11      # whatever M

@@ -73,6 +73,11 @@ def plan_stages(plan: Plan, params: list[ParamInfo], sizes: dict[str, int],
                             hint="name the model attribute that holds the repeated layers, e.g. transformer_blocks")]
     stages, virtual = sizes[pipe.axis], pipe.virtual_stages if pipe.schedule in ("interleaved", "1f1b") else 1
     found = _axis_in_specs(plan, pipe.axis, specs, where) + _layers_differ(pipe.layers, layers, specs, where)
+    if pipe.schedule == "1f1b" and virtual > 1 and pipe.microbatches % stages:
+        found.append(where("pipeline-microbatches", ("pipeline", "microbatches"),
+                           f"interleaved 1F1B (1f1b with virtual_stages {virtual}) runs microbatches in groups of "
+                           f"the stages ({stages}), but got {pipe.microbatches} microbatches",
+                           hint=f"set microbatches to a multiple of {stages}"))
     stage_of, assign_found = _assign(plan, sorted(layers), stages, virtual, where)
     found += assign_found
     if stage_of is None:
@@ -234,12 +239,6 @@ def check_microbatches(plan: Plan, batch: int, sizes: dict[str, int], data: tupl
                            f"{count} {what} must divide each data shard's batch, but a batch of "
                            f"{batch} over {shards} data shard(s) gives {batch / shards:g} rows per shard",
                            hint=f"use a batch that is a multiple of {shards * count}"))
-    stages = sizes.get(pipe.axis, 1) if pipe else 1
-    if pipe and pipe.schedule == "1f1b" and pipe.virtual_stages > 1 and pipe.microbatches % stages:
-        found.append(where("pipeline-microbatches", ("pipeline", "microbatches"),
-                           f"interleaved 1F1B (1f1b with virtual_stages {pipe.virtual_stages}) runs microbatches in "
-                           f"groups of the stages ({stages}), but got {pipe.microbatches} microbatches",
-                           hint=f"set microbatches to a multiple of {stages}"))
     if pipe and pipe.schedule == "interleaved" and pipe.virtual_stages > 1 and pipe.microbatches < sizes.get(pipe.axis, 1):
         found.append(where("pipeline-microbatches", ("pipeline", "microbatches"),
                            f"interleaved needs at least as many microbatches as stages ({sizes[pipe.axis]}), but got "
