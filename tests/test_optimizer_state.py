@@ -116,3 +116,11 @@ def test_padded_state_and_masters_checkpoint_and_restore_on_other_data_sizes(tmp
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
         assert state_split(other) == []
     checkpoints.close()
+
+
+def test_master_weights_over_float32_parameters_are_refused_with_the_line():
+    with pytest.raises(shardplan.PlanError) as exc:
+        shardplan.parse_plan("version: 1\nmesh: {axes: {data: 8}}\ninputs: {tokens: [data, null]}\n"
+                             "params: [{match: '.*', spec: []}]\nprecision: {master: float32}\n", file="m.yaml")
+    found = exc.value.errors[0]
+    assert found.code == "invalid-value" and found.line == 5 and "set `params` to bfloat16" in found.message
