@@ -442,8 +442,10 @@ def _stacked_on_stages(arrays, positions, leading: tuple[int, int, int], shardin
         stage = index[0].start or 0
         slots = [placed.get((device, (stage, v, l))) for v in range(leading[1]) for l in range(leading[2])]
         like = next(x for x in slots if x is not None)
-        slots = [x if x is not None else jnp.zeros_like(like, device=device) for x in slots]
-        pieces.append(jnp.stack(slots).reshape(1, leading[1], leading[2], *like.shape))
+        # (on this device alone, whatever mesh the caller has set: the trainer runs under `jax.set_mesh`)
+        with jax.set_mesh(jax.sharding.Mesh(np.array([device]), ("device",))):
+            slots = [x if x is not None else jnp.zeros_like(like, device=device) for x in slots]
+            pieces.append(jnp.stack(slots).reshape(1, leading[1], leading[2], *like.shape))
     return jax.make_array_from_single_device_arrays(shape, sharding, pieces)
 
 
