@@ -10,10 +10,12 @@ stages with `ppermute`.
 - gpipe / interleaved: a circular forward over `virtual * microbatches + stages - 1` ticks;
   chunk c of the layers lives on stage c % stages, so with `virtual` > 1 each microbatch loops
   over the stages `virtual` times. The backward is the autodiff transpose of that loop.
-- 1f1b: forward and backward interleaved in one loop (`_one_f_one_b`), the loss computed at the
-  last stage as each microbatch arrives; a stage keeps only the inputs of its in-flight
-  microbatches (at most 2*stages - 1) and recomputes the rest in its backward. Exposed to
-  autodiff through a `custom_vjp` whose forward already produced the gradients.
+- 1f1b: forward and backward interleaved in one loop (`_schedule`, driven by the static tables of
+  `shardplan.checks.schedules.OneFOneB`; with `virtual` > 1 Megatron's interleaved 1F1B). The model's
+  code before the layers runs on the first stage as each microbatch enters, the code after them
+  (and the loss) on the last as it leaves; a stage keeps only the inputs of its in-flight chunks
+  (2*stages - 1 without chunks) and recomputes the rest in its backward. Exposed to autodiff
+  through a `custom_vjp` whose forward already produced the gradients.
 """
 
 from __future__ import annotations
