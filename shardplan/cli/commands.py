@@ -618,7 +618,7 @@ def _diff(args, console: Console) -> int:
 
 
 def _auto(args, console: Console) -> int:
-    from shardplan.planner.autorun import run_auto
+    from shardplan.cli.autorun import run_auto
     if args.devices % args.hosts:
         raise UsageError(f"--devices ({args.devices}) must be a positive multiple of --hosts ({args.hosts})")
     if not args.output.lower().endswith((".yaml", ".yml")):
