@@ -302,3 +302,24 @@ def test_interleaved_one_f_one_b_needs_whole_groups_of_microbatches():
     assert found and "groups of the stages (4)" in found[0].message and "6 microbatches" in found[0].message
     assert abs(bubble_fraction(timeline("1f1b", 4, 8, 2)) - 3 / (2 * 8 + 3)) < 1e-9
     assert OneFOneB.of(4, 32, 2).slots == OneFOneB.of(4, 8, 2).slots == 11      # whatever M
+
+
+def test_interleaved_one_f_one_b_on_a_batch_of_too_few_microbatches_gives_the_plain_loss():
+    """A batch of 6 rows placed by hand (`shard_inputs` asks for the plan's microbatches) fits 3
+    microbatches, not whole groups of 4 stages: `model_loss` runs the circular forward and the model's
+    own loss, equal to the unpipelined model's."""
+    from shardplan.run.pipeline import cross_entropy
+    plan = _plan("minigpt_pp4.yaml", "1f1b", 2)
+    mesh = shardplan.make_mesh(plan)
+    model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0)), mesh)
+    batch = np.random.default_rng(2).integers(0, 128, size=(6, 17), dtype=np.int32)
+    tokens = jax.device_put(batch[:, :-1], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+    got = float(nnx.jit(lambda m, x: shardplan.model_loss(m, cross_entropy, batch[:, 1:], x))(model, tokens))
+    plain = minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0))
+    assert got == pytest.approx(float(cross_entropy(plain(batch[:, :-1]), batch[:, 1:])), rel=1e-5)
+
+
+def test_gpipe_with_chunks_is_refused_rather_than_ignored():
+    with pytest.raises(shardplan.PlanError) as exc:
+        _plan("minigpt_pp4.yaml", "gpipe", 2)
+    assert exc.value.errors[0].code == "invalid-value" and "would do nothing" in exc.value.errors[0].message

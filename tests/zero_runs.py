@@ -42,10 +42,8 @@ def train(plan, devices, data=None, tx=None):
     mesh, model, optimizer = build(plan, devices, tx)
     losses = []
     for batch in batches() if data is None else data:
-        placed = shardplan.shard_inputs(plan, {"tokens": batch[:, :-1], "targets": batch[:, 1:]}, mesh) \
-            if "targets" in plan.inputs else None
-        tokens, targets = (placed["tokens"], placed["targets"]) if placed else \
-            [shardplan.shard_inputs(plan, {"tokens": x}, mesh)["tokens"] for x in (batch[:, :-1], batch[:, 1:])]
+        tokens, targets = [shardplan.shard_inputs(plan, {"tokens": x}, mesh)["tokens"]
+                           for x in (batch[:, :-1], batch[:, 1:])]
         losses.append(float(train_step(model, optimizer, tokens, targets, training=False)))
     return model, optimizer, np.array(losses)
 

@@ -101,9 +101,11 @@ class OneFOneB:
                 busy.sort()
                 while busy and busy[0][0] < start:
                     free.append(busy.pop(0)[1])
-                slot = min(free) if free else len(busy) + len(free)
-                if slot in free:
+                if free:
+                    slot = min(free)
                     free.remove(slot)
+                else:           # every slot so far is busy: a new one
+                    slot = len(busy)
                 busy.append((ends[work], slot))
                 fs_row[start], bs_row[ends[work]] = slot, slot
                 most = max(most, slot + 1)

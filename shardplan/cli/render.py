@@ -142,7 +142,8 @@ def render_devices(console: Console, report: Report) -> None:
     groups: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
     for d in report.devices:
         groups[(d.param_bytes, d.opt_bytes)].append(d.device_id)
-    table = Table(title="Per device (optimizer state: AdamW, 2 moments)", header_style="bold")
+    state = "AdamW, 2 moments" + (f" and {report.plan.precision.master} masters" if report.plan.precision.master else "")
+    table = Table(title=f"Per device (optimizer state: {state})", header_style="bold")
     for column in ("devices", "params", "opt state", "total"):
         table.add_column(column, justify="left" if column == "devices" else "right")
     for (param_bytes, opt_bytes), ids in groups.items():

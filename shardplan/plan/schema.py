@@ -131,7 +131,15 @@ class PipelineConfig(_Strict):
     schedule: Literal["gpipe", "1f1b", "interleaved"] = Field(default="gpipe", description="Pipeline schedule.")
     virtual_stages: int = Field(default=1, ge=1, le=64, description="Chunks of layers per device: with 1f1b, "
                                 "Megatron's interleaved 1F1B (microbatches a multiple of the stages); with "
-                                "interleaved, the circular schedule.")
+                                "interleaved, the circular schedule. gpipe has one chunk per device.")
+
+    @model_validator(mode="after")
+    def _chunks_need_a_schedule_for_them(self) -> "PipelineConfig":
+        if self.schedule == "gpipe" and self.virtual_stages > 1:
+            raise ValueError(f"gpipe runs one chunk of layers per device, so virtual_stages {self.virtual_stages} "
+                             "would do nothing: use schedule 1f1b (Megatron's interleaved 1F1B) or interleaved "
+                             "(the circular schedule), or leave virtual_stages out")
+        return self
 
 
 # jax.checkpoint_policies names a remat rule may use, besides `none` and `full`. (The offload policies

@@ -172,6 +172,10 @@ class _Step:
     accumulate: int = 1         # microbatches run in turn without a pipeline (gradient accumulation)
     widened: bool = False       # narrow gradients are reduced in float32 (XLA on CPU)
 
+    def widening(self, p: ParamLayout) -> float:
+        """How much larger than the stored parameter its gradient moves (float32 on a widening backend)."""
+        return max(4, p.itemsize) / p.itemsize if self.widened else 1.0
+
     def count(self, path: str) -> int:
         return self.counts.get(path, 1) if self.counts else 1
 
@@ -477,8 +481,7 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
             continue                            # its whole gradient was all-reduced with the gather
         if p.opt_spec != p.spec:            # ZeRO-1 updates a shard, then gathers the parameter
             extra = tuple(a for a in spec_axes(p.opt_spec) if a not in axes)
-            widened = max(4, p.itemsize) / p.itemsize if step.widened else 1
-            mine.append(Transfer("all-gather", extra, int(p.bytes_per_device * widened), 1,
+            mine.append(Transfer("all-gather", extra, int(p.bytes_per_device * step.widening(p)), 1,
                                  f"{p.path}: ZeRO-1 update gathered"))
             in_loop = step.schedule == "1f1b" and p.path in after
             if role.kind == COLUMN and not role.closes and extra and not in_loop:
@@ -495,8 +498,8 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
                                    step.schedule != "1f1b" else ())
             key = (group, step.reductions_per_step(staged, head))
             # a tied embedding's two uses (lookup, logits) are reduced separately
-            widened = max(4, p.itemsize) / p.itemsize if step.widened else 1
-            reductions[key] = reductions.get(key, 0) + int(size * widened) * count * (2 if p.path in roles.tied else 1)
+            reductions[key] = reductions.get(key, 0) + int(size * step.widening(p)) * count * \
+                (2 if p.path in roles.tied else 1)
         if _before_layers_in_loop(p, roles, step):
             # the first stage computes its gradient in the loop; the other stages take it from there
             mine.append(Transfer("all-reduce", (step.stage_axis,), size, 1,

@@ -146,12 +146,13 @@ def init_program(plan: Plan, factory, mesh: jax.sharding.Mesh, *, example=None):
     """(graph definition, program returning the model's state in the plan's layout) of `init`.
 
     The program is one jitted function; under a pipeline plan it is `create` (also jitted: its compiled
-    peak is the init's) followed by stacking the layers one parameter at a time (`_stacked_state`)."""
+    peak is the init's) followed by stacking the layers one parameter at a time
+    (`shardplan.run.pipeline.stack`)."""
     abstract = apply_plan(plan, eval_shape(factory), mesh, example=example)
     graphdef, planned = nnx.split(abstract)
-    shardings = jax.tree.map(lambda s: s.sharding, planned)
     if plan.pipeline is not None:
         return graphdef, _PipelineInit(plan, factory, mesh, example)
+    shardings = jax.tree.map(lambda s: s.sharding, planned)
 
     def build():
         return nnx.state(apply_plan(plan, factory(), mesh, example=example))
@@ -273,8 +274,8 @@ def _param_of_state(keys: tuple, shape: tuple, planned: dict) -> tuple | None:
     parameter whose state has its shape); None for anything else, such as step counts."""
     for start in range(len(keys)):
         found = planned.get(join_path(keys[start:]))
-        if found is not None and shape in (found[0], found[2]):
-            return found if shape == found[2] else (found[0], found[1], found[0], found[1])
+        if found is not None and shape == found[2]:
+            return found
     return None
 
 

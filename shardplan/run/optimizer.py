@@ -119,7 +119,7 @@ def load_plain_state(optimizer, pure: dict) -> None:
             for key in keys:
                 value = value[key]
             widths = [(0, 0)] * (value.ndim - 1) + [(0, target.shape[-1] - value.shape[-1])]
-            _put(pure, keys, jax.jit(lambda x: jnp.pad(x, widths), out_shardings=target.sharding)(value))
+            _put(pure, keys, jax.device_put(jnp.pad(value, widths), target.sharding))
     state = nnx.state(optimizer)
     nnx.replace_by_pure_dict(state, pure)
     nnx.update(optimizer, state)

@@ -287,9 +287,6 @@ def _schedule(layers, head, embed, embed_branch, mesh, axis, batch_axes, stacked
     tables = [jnp.asarray([[(w[k] if w else -1) for w in row] for row in rows], jnp.int32)
               for rows in (plan.forward, plan.backward) for k in (0, 1)]
     tables += [jnp.asarray(plan.forward_slot, jnp.int32), jnp.asarray(plan.backward_slot, jnp.int32)]
-    shards = 1
-    for name in batch_axes:
-        shards *= mesh.shape[name]
 
     def per_device(state, head_params, embed_params, head_rest, layer_inputs, head_inputs, targets, keys):
         layer_keys, head_keys = _shard_keys(keys[0], mesh, batch_axes), _shard_keys(keys[1], mesh, batch_axes)

@@ -50,7 +50,7 @@ class PipelinedLayers(nnx.Module):
     def __init__(self, layers: list[nnx.Module], *, name: str, stages: int, virtual: int, mesh, axis: str,
                  schedule: str, microbatches: int, batch_axes: tuple[str, ...], plain_graphdef,
                  counts: tuple[int, ...] | None = None, split_heads: tuple[str, ...] = (),
-                 sharding_of: Callable | None = None, data_axes: tuple[str, ...] | None = None):
+                 data_axes: tuple[str, ...], sharding_of: Callable | None = None):
         graphdefs = [nnx.graphdef(layer) for layer in layers]
         kinds = list(dict.fromkeys(graphdefs))
         counts = tuple(counts) if counts and len(set(counts)) > 1 else None     # unequal stages, padded
@@ -62,7 +62,7 @@ class PipelinedLayers(nnx.Module):
         self._pipeline_name, self._pipeline_mesh, self._pipeline_axis = name, mesh, axis
         self._pipeline_schedule, self._pipeline_microbatches = schedule, microbatches
         self._pipeline_batch_axes, self._pipeline_plain = tuple(batch_axes), plain_graphdef
-        self._pipeline_data_axes = tuple(batch_axes if data_axes is None else data_axes)
+        self._pipeline_data_axes = tuple(data_axes)      # every batch axis; `batch_axes`: those run manually
         self._pipeline_counts = counts
         self._pipeline_split_heads = frozenset(split_heads)    # weights after the layers 1F1B may keep split
 
@@ -203,15 +203,13 @@ class PipelinedLayers(nnx.Module):
         split_ok = [may and not read_before for may, read_before in zip(may_split, before)]
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
-        def entering_whole(params, keep_split=None):
-            return [p if keep_split is not None and keep_split[k] else jax.lax.with_sharding_constraint(p, replicated)
-                    for k, p in enumerate(params)]
-        read_by_head = [p for p, keep in zip(head_params, used) if keep]
-        head_in = entering_whole(read_by_head, [ok for ok, keep in zip(split_ok, used) if keep])
+        def entering(reads, keeps_split):      # the weights one part reads, each split or whole
+            return [p if keep else jax.lax.with_sharding_constraint(p, replicated)
+                    for p, read, keep in zip(head_params, reads, keeps_split) if read]
         every_batch_axis_manual = batch_axes == self._pipeline_data_axes
-        embed_in = entering_whole([p for p, read in zip(head_params, before) if read],
-                                  [may and not by_head and every_batch_axis_manual
-                                   for may, by_head, read in zip(may_split, used, before) if read])
+        head_in = entering(used, split_ok)
+        embed_in = entering(before, [may and not by_head and every_batch_axis_manual
+                                     for may, by_head in zip(may_split, used)])
         used_at = [i for i, keep in zip(outside, used) if keep]
         read_at = [i for i, read in zip(outside, before) if read]
         return one_f_one_b_loss(
