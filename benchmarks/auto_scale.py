@@ -33,7 +33,7 @@ def point(devices: int, layers: int) -> dict:
     from shardplan.planner.cost import Workload
     from shardplan.planner.kept import with_code
     from shardplan.planner.profiles import get_profile
-    from shardplan.planner.roles import abstract_with_roles
+    from shardplan.run.abstract import abstract_with_roles
 
     started = time.perf_counter()
     model, roles = abstract_with_roles(lambda: Llama(**SHAPE, layers=layers, rngs=nnx.Rngs(0)))

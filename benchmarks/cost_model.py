@@ -35,7 +35,8 @@ from shardplan.run.measure import measure  # noqa: E402
 from shardplan.checks.paths import param_infos  # noqa: E402
 from shardplan.planner.profiles import get_profile  # noqa: E402
 from shardplan.planner.kept import with_code  # noqa: E402
-from shardplan.planner.roles import abstract_with_roles, recognise_module  # noqa: E402
+from shardplan.checks.roles import recognise_module  # noqa: E402
+from shardplan.run.abstract import abstract_with_roles  # noqa: E402
 
 PLANS = ["minigpt_dp.yaml", "minigpt_tp.yaml", "minigpt_dp_tp.yaml", "minigpt_fsdp.toml", "minigpt_3d.yaml",
          "minigpt_pp4.yaml"]

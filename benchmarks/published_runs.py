@@ -39,7 +39,7 @@ from shardplan.planner import auto  # noqa: E402
 from shardplan.planner.cost import Workload  # noqa: E402
 from shardplan.planner.profiles import load_profile  # noqa: E402
 from shardplan.planner.representative import Representative  # noqa: E402
-from shardplan.planner.roles import definition_order, recognise  # noqa: E402
+from shardplan.checks.roles import definition_order, recognise  # noqa: E402
 from shardplan.run.models import build_model  # noqa: E402
 
 TARGET = 0.25

@@ -33,7 +33,7 @@ from minigpt_model.tokenizer import ByteTokenizer  # noqa: E402
 from minigpt_model.trainer import DEFAULT_MODEL, TrainConfig  # noqa: E402
 from shardplan.planner.cost import Workload, estimate  # noqa: E402
 from shardplan.planner.profiles import get_profile  # noqa: E402
-from shardplan.planner.roles import recognise_module  # noqa: E402
+from shardplan.checks.roles import recognise_module  # noqa: E402
 
 PLANS = ["minigpt_dp.yaml", "minigpt_tp.yaml", "minigpt_dp_tp.yaml", "minigpt_fsdp.toml", "minigpt_3d.yaml",
          "minigpt_pp4.yaml"]

@@ -19,3 +19,35 @@ class ConvClassifier(nnx.Module):
         x = self.norm(nnx.relu(self.stages["body"](x)))
         x = x.mean(axis=(1, 2))
         return self.head[1](nnx.relu(self.head[0](x)))
+
+
+class PositionedBlock(nnx.Module):
+    def __init__(self, dim, heads, hidden, *, rngs):
+        self.attention = nnx.MultiHeadAttention(num_heads=heads, in_features=dim, decode=False, rngs=rngs)
+        self.norm1 = nnx.LayerNorm(dim, rngs=rngs)
+        self.up = nnx.Linear(dim, hidden, rngs=rngs)
+        self.down = nnx.Linear(hidden, dim, rngs=rngs)
+        self.norm2 = nnx.LayerNorm(dim, rngs=rngs)
+
+    def __call__(self, x, mask):
+        x = x + self.attention(self.norm1(x), mask=mask)
+        return x + self.down(nnx.gelu(self.up(self.norm2(x))))
+
+
+class PositionedDecoder(nnx.Module):
+    """A decoder on `nnx.MultiHeadAttention` that takes its positions from its caller (learned position
+    embeddings looked up by them, the causal mask built from them), as long-context training feeds
+    them: such a model may be given its sequence in any order."""
+
+    def __init__(self, vocab=64, dim=32, heads=4, hidden=64, layers=2, maxlen=64, *, rngs: nnx.Rngs):
+        self.tokens = nnx.Embed(vocab, dim, rngs=rngs)
+        self.places = nnx.Embed(maxlen, dim, rngs=rngs)
+        self.layers = nnx.List([PositionedBlock(dim, heads, hidden, rngs=rngs) for _ in range(layers)])
+        self.head = nnx.Linear(dim, vocab, rngs=rngs)
+
+    def __call__(self, tokens, positions):
+        mask = (positions[:, None, :, None] >= positions[:, None, None, :])        # (B, 1, T, T)
+        x = self.tokens(tokens) + self.places(positions)
+        for layer in self.layers:
+            x = layer(x, mask)
+        return self.head(x)

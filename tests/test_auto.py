@@ -17,7 +17,8 @@ from shardplan.run.hlo import collective_stats
 from shardplan.run.measure import measure, prepare, lm_train_step, lm_loss
 from shardplan.checks.paths import param_infos
 from shardplan.planner.profiles import get_profile, parse_bytes
-from shardplan.planner.roles import COLUMN, ROW, abstract_with_roles, recognise_module
+from shardplan.checks.roles import COLUMN, ROW, recognise_module
+from shardplan.run.abstract import abstract_with_roles
 from shardplan.plan.schema import spec_axes
 
 from minigpt_model.llama import Llama

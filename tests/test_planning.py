@@ -18,7 +18,8 @@ from shardplan.planner.cost import Workload, estimate
 from shardplan.planner.profiles import get_profile
 from shardplan.planner.kept import with_code
 from shardplan.planner.representative import Representative
-from shardplan.planner.roles import CodeCopies, abstract_with_roles, recognise_module
+from shardplan.checks.roles import CodeCopies, recognise_module
+from shardplan.run.abstract import abstract_with_roles
 from shardplan.run.measure import measure
 
 from minigpt_model.llama import Llama

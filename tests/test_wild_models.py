@@ -371,7 +371,7 @@ def test_auto_splits_heads_first_attention_and_proposes_no_pipeline_it_cannot_ru
     from shardplan.checks.paths import param_infos
     from shardplan.cli import main
     from shardplan.planner.auto import Candidate, specs
-    from shardplan.planner.roles import abstract_with_roles
+    from shardplan.run.abstract import abstract_with_roles
     out = tmp_path / "auto.yaml"
     assert main(["auto", "--model", "wild_models:GemmaLike", "--path", "tests", "--devices", "8", "--profile", "cpu",
                  "--batch", "8", "--seq", "16", "--measure", "1", "-o", str(out)]) == 0

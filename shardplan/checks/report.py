@@ -12,6 +12,7 @@ from shardplan.checks.stages import StageMap, check_microbatches, plan_stages
 from shardplan.checks.step import check_step_axes
 from shardplan.checks.validate import (Placement, data_axes, idle_axes, rule_level, validate_inputs,
                                        validate_optimizer, validate_params)
+from shardplan.checks.context import check_context
 from shardplan.checks.experts import check_experts, expert_blocks
 from shardplan.plan.diagnostics import Diagnostic
 from shardplan.plan.matching import checked_pattern, compile_rules
@@ -126,7 +127,7 @@ def with_model_checks(report: Report, plan: Plan, model, example: Callable | Non
     from shardplan.checks.paths import module_paths
     found = check_step_modules(plan, [path for path, _ in module_paths(model)]) if plan.activations or plan.remat else []
     call = None
-    if report.stage_map is not None or plan.activations or report.experts:
+    if report.stage_map is not None or plan.activations or report.experts or plan.context:
         call = example if example is not None else example_call(plan, model)
     if call is not None and report.stage_map is not None:
         found += check_layer_calls(plan, model, call)
@@ -136,6 +137,12 @@ def with_model_checks(report: Report, plan: Plan, model, example: Callable | Non
         from shardplan.checks.mesh import make_mesh
         from shardplan.experts.contract import check_expert_calls
         found += check_expert_calls(plan, model, report, call, mesh if mesh is not None else make_mesh(plan))
+    if plan.context is not None and not report.errors:
+        from shardplan.checks.roles import recognise_module
+        from shardplan.context.contract import check_context_calls
+        from shardplan.checks.mesh import make_mesh
+        found += check_context_calls(plan, model, recognise_module(model), call,
+                                     mesh if mesh is not None else make_mesh(plan))
     if not found:
         return report
     stage_map = None if any(d.severity == "error" for d in found) else report.stage_map
@@ -184,6 +191,7 @@ def check_params(plan: Plan, params: list[ParamInfo], device_ids: list[int], *,
     if not mesh_diagnostics:
         found += check_experts(plan, expert_roles, {p.param.path: p for p in placements}, sizes)
     diagnostics += found
+    diagnostics += check_context(plan, sizes, input_shapes) if not mesh_diagnostics else []
     if input_shapes:
         batch = next(iter(input_shapes.values()))[0]
         diagnostics += check_microbatches(plan, batch, sizes, data_axes(plan, sizes))
@@ -212,6 +220,7 @@ def check_plan_only(plan: Plan, device_count: int) -> list[Diagnostic]:
             _, problem = checked_pattern(rule.match, f"stage rule #{k + 1}", invalid_code="stage-invalid-regex",
                                          file=plan.file, line=line, column=col)
             diagnostics += [problem] if problem else []
+    diagnostics += check_context(plan, sizes, plan.example_shapes()) if not mesh_diagnostics else []
     if plan.experts is not None:
         diagnostics += check_experts(plan, [], {}, sizes) if not mesh_diagnostics else []
         line, col = plan.locate("experts", "blocks")

@@ -27,7 +27,7 @@ def run_auto(console: Console, *, factory: str, config: dict, devices: int, host
     from shardplan.run.models import ModelLoadError, build_model
     from shardplan.checks.paths import param_infos
     from shardplan.planner.kept import with_code
-    from shardplan.planner.roles import definition_order, recognise
+    from shardplan.checks.roles import definition_order, recognise
     order: list[str] = []
     with console.status("building the model abstractly (nothing is allocated)"):
         try:

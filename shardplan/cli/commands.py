@@ -556,7 +556,7 @@ def _model_params(factory: str, config_pairs: list[str], order: list[str] | None
     """Parameter infos of the model `factory` builds abstractly (the user typed it: consent)."""
     from shardplan.run.models import ModelLoadError, build_model, parse_overrides
     from shardplan.checks.paths import param_infos
-    from shardplan.planner.roles import definition_order
+    from shardplan.checks.roles import definition_order
     order = [] if order is None else order
     try:
         model = build_model(factory, parse_overrides(config_pairs), paths=tuple(paths),
@@ -568,7 +568,7 @@ def _model_params(factory: str, config_pairs: list[str], order: list[str] | None
 
 def _params(args, console: Console) -> int:
     from shardplan.cli.render import params_json, render_param_list
-    from shardplan.planner.roles import recognise
+    from shardplan.checks.roles import recognise
     order: list[str] = []
     params = _model_params(args.model, args.config, order, paths=args.import_paths)
     roles = recognise(params, order)
@@ -686,7 +686,7 @@ def _estimate(args, report, order: list[str], model, deep=None):
     from shardplan.planner.cost import Workload, estimate
     from shardplan.planner.kept import with_code
     from shardplan.planner.profiles import get_profile
-    from shardplan.planner.roles import recognise
+    from shardplan.checks.roles import recognise
     from shardplan.checks.paths import param_infos
     try:
         profile = get_profile(args.profile)
@@ -738,7 +738,7 @@ def _factory_and_config(args, plan: Plan) -> tuple[str, dict]:
 
 
 def _build(args, factory: str, config: dict, order: list[str]):
-    from shardplan.planner.roles import definition_order
+    from shardplan.checks.roles import definition_order
     from shardplan.run.models import ModelLoadError, build_model
     try:
         return build_model(factory, config, paths=tuple(args.import_paths),

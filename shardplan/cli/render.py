@@ -351,7 +351,7 @@ def render_summary(console: Console, report: Report) -> None:
 
 def render_estimate(console: Console, workload, profile, cost, *, accumulate: int = 1, code=None) -> None:
     """The cost model's figures for one device: memory, communication by kind and axes, time (`code`:
-    what the model's code keeps beyond a plain transformer, `shardplan.planner.roles.CodeCopies`)."""
+    what the model's code keeps beyond a plain transformer, `shardplan.checks.roles.CodeCopies`)."""
     from shardplan.checks.layout import human_bytes
     console.print()
     print_wrapped(console, Text.assemble(("Cost estimate", "bold"), f" per device, batch {workload.batch} x "

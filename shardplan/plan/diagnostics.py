@@ -69,6 +69,14 @@ CODES: dict[str, str] = {
     "experts-stage-axis": "`experts.axis` is the pipeline's stage axis",
     "experts-contract": "a MoE block's code uses its experts in a way expert parallelism cannot run",
     "experts-capacity-drops": "a capacity dispatch that drops tokens (expected share for a uniform router)",
+    # context parallelism
+    "context-no-axis": "`context.axis` is not a mesh axis",
+    "context-axis-misused": "the context axis is the stage axis, or splits an input's batch dim",
+    "context-no-input": "no input splits its sequence over the context axis",
+    "context-not-divisible": "a sequence length the context axis (twice it, with load balancing) does not divide",
+    "context-no-attention": "`all_gather` but no attention (query, key and value projections) is recognised",
+    "context-ring-attention": "`ring` but some attention does not go through a function shardplan can replace",
+    "context-positions": "load balancing, but the model computes positions or masks from the sequence order itself",
     # step options
     "accumulate-microbatches": "the `accumulate` count does not divide each data shard's batch",
     "accumulate-with-pipeline": "`accumulate` and a pipeline both split the batch into microbatches",

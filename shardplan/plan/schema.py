@@ -212,6 +212,21 @@ class ExpertsConfig(_Strict):
         return self
 
 
+class ContextConfig(_Strict):
+    axis: AxisName = Field(description="Mesh axis the sequence is split over: each device holds sequence / size "
+                                       "of every activation's rows. The batch inputs name it on their sequence dim.")
+    strategy: Literal["all_gather", "ring"] = Field(
+        default="all_gather", description="all_gather: queries stay split, keys and values are gathered over the "
+        "axis before attention (any attention code; derived from the query, key and value projections). ring: keys "
+        "and values travel around the axis, one block per step, merged with an online softmax, so no device holds "
+        "the whole sequence's keys or scores (attention through nnx.MultiHeadAttention, nnx.dot_product_attention "
+        "or jax.nn.dot_product_attention).")
+    load_balance: bool = Field(
+        default=False, description="Lay the sequence out so each device holds a head and a tail chunk (device i: "
+        "chunks i and 2 x size - 1 - i), which evens out a causal mask's work. `shard_inputs` reorders every "
+        "sequence dim of the inputs; the model must take its positions and masks from its inputs.")
+
+
 class Plan(_Strict):
     """A parsed plan. `locate(...)` maps a key path to its file position."""
 
@@ -237,6 +252,8 @@ class Plan(_Strict):
     pipeline: PipelineConfig | None = Field(default=None, description="Pipeline stages (needs a mesh axis named by `axis`).")
     experts: ExpertsConfig | None = Field(default=None, description="Expert parallelism for mixture-of-experts "
                                           "blocks: which modules, over which axis, how tokens are dispatched.")
+    context: ContextConfig | None = Field(default=None, description="Context parallelism: the sequence split over "
+                                          "a mesh axis, with attention across it (docs/context.md).")
     activations: list[ActivationRule] = Field(
         default_factory=list, description="Ordered rules from module paths to the spec of the module's output, "
                                           "applied as sharding constraints; the first full match wins.")

@@ -1,7 +1,7 @@
 """`shardplan auto`: enumerate plans for a model, a device count and a memory budget; rank them. Pure.
 
 Candidates are every mesh `stage x data x model` that multiplies to the device count, each with
-rule sets built from the parameters' roles (`shardplan.planner.roles`): replicated, Megatron tensor
+rule sets built from the parameters' roles (`shardplan.checks.roles`): replicated, Megatron tensor
 parallelism over `model` (with or without a vocabulary-split embedding and head), FSDP over
 `data`, ZeRO-1, and for `stage > 1` every schedule and microbatch count that fits; without a
 pipeline, gradient accumulation over microbatches. Each is checked
@@ -25,7 +25,7 @@ from shardplan.plan.schema import Plan, spec_axes
 from shardplan.planner.cost import Estimate, Workload, _schedule_bubble, estimate, model_flops
 from shardplan.planner.profiles import Profile
 from shardplan.planner.representative import Representative, lay_out
-from shardplan.planner.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR, ModelRoles
+from shardplan.checks.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR, ModelRoles
 
 # FSDP leaves matrices smaller than this replicated: gathering them costs more latency than they save.
 FSDP_MIN_BYTES = 1 << 16

@@ -39,7 +39,7 @@ from shardplan.checks.layout import ParamLayout
 from shardplan.checks.validate import data_axes
 from shardplan.plan.schema import format_spec, spec_axes
 from shardplan.planner.profiles import Profile
-from shardplan.planner.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR, ModelRoles, Role
+from shardplan.checks.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR, ModelRoles, Role
 
 TOKEN_BYTES = 4                 # tokens and targets are int32
 LOGIT_COPIES = 3                # logits, their softmax and their gradient are alive together

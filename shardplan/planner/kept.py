@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from shardplan.planner.roles import COLUMN, CodeCopies, ModelRoles
+from shardplan.checks.roles import COLUMN, CodeCopies, ModelRoles
 
 # What a plain transformer's code keeps, in copies (traced on MiniGPT and the LLaMA-style model): per
 # attention layer the masked scores, their exponent and the probabilities, and a boolean mask (a

@@ -16,7 +16,7 @@ from shardplan.checks.paths import ParamInfo
 from shardplan.checks.stages import StageMap, balanced_stages
 from shardplan.checks.validate import data_axes
 from shardplan.plan.schema import Plan, normalize_spec
-from shardplan.planner.roles import ModelRoles
+from shardplan.checks.roles import ModelRoles
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

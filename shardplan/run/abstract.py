@@ -13,6 +13,9 @@ import contextlib
 
 from flax import nnx
 
+from shardplan.checks.paths import param_infos
+from shardplan.checks.roles import ModelRoles, definition_order, recognise
+
 
 @contextlib.contextmanager
 def short_tracer_errors():
@@ -36,3 +39,17 @@ def eval_shape(fn, *args, **kwargs):
     """`nnx.eval_shape(fn, *args, **kwargs)`, linear in the number of variables set."""
     with short_tracer_errors():
         return nnx.eval_shape(fn, *args, **kwargs)
+
+
+def abstract_with_roles(build) -> tuple[object, ModelRoles]:
+    """(abstract model, roles) from `build()` under `nnx.eval_shape`: nothing is allocated, and the
+    definition order is read from the module while it is being built."""
+    order: list[str] = []
+
+    def construct():
+        module = build()
+        order.extend(definition_order(module))
+        return module
+
+    model = eval_shape(construct)
+    return model, recognise(param_infos(model), order)

@@ -9,12 +9,13 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from shardplan.checks.context import check_context, context_inputs
 from shardplan.checks.layout import zero1_layout, zero1_spec
 from shardplan.checks.paths import join_path
 from shardplan.checks.report import Report, check
 from shardplan.checks.stages import check_microbatches
 from shardplan.checks.validate import data_axes, validate_inputs, validate_optimizer
-from shardplan.run.abstract import eval_shape
+from shardplan.run.abstract import abstract_with_roles, eval_shape
 from shardplan.run.optimizer import master_weights, padded_state
 from shardplan.run.specs import partition_spec
 from shardplan.run.step_options import apply_step_options
@@ -22,14 +23,16 @@ from shardplan.plan.diagnostics import PlanError
 from shardplan.plan.schema import Plan, normalize_spec, spec_axes
 
 
-def apply_plan(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh, *, example=None) -> nnx.Module:
+def apply_plan(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh, *, example=None, roles=None) -> nnx.Module:
     """Place every parameter of `model` on `mesh` as the plan says; raise `PlanError` listing every error.
 
     The model is updated in place and returned. Variables that are not parameters (RNG
     state, batch statistics) are replicated. Under a pipeline plan only the layer list is
     replaced (by `PipelinedLayers`): the model keeps its class and its forward; `example`
     (see `shardplan.check`) checks first that the forward can run its layers as a pipeline. Works on `nnx.eval_shape` models too: their
-    shapes then carry the planned shardings.
+    shapes then carry the planned shardings. `roles` (`shardplan.checks.roles.recognise`) tell context
+    parallelism which matrices are an attention's queries, keys and values when the model is abstract
+    (its state then sorted by name, not in definition order); a live model's are read from it.
 
     >>> import shardplan, minigpt_model
     >>> from flax import nnx
@@ -44,6 +47,9 @@ def apply_plan(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh, *, exampl
     if report.experts:           # before the step options, so remat and constraints wrap the exchange
         from shardplan.experts.block import install
         install(plan, model, mesh, report.experts)
+    if plan.context is not None:
+        from shardplan.context.install import install as install_context
+        install_context(plan, model, mesh, roles)
     apply_step_options(plan, model, mesh)
     if report.stage_map is not None:
         return _pipelined(plan, model, mesh, report, specs)
@@ -148,10 +154,11 @@ def init_program(plan: Plan, factory, mesh: jax.sharding.Mesh, *, example=None):
     The program is one jitted function; under a pipeline plan it is `create` (also jitted: its compiled
     peak is the init's) followed by stacking the layers one parameter at a time
     (`shardplan.run.pipeline.stack`)."""
-    abstract = apply_plan(plan, eval_shape(factory), mesh, example=example)
+    abstract, roles = abstract_with_roles(factory)
+    abstract = apply_plan(plan, abstract, mesh, example=example, roles=roles)
     graphdef, planned = nnx.split(abstract)
     if plan.pipeline is not None:
-        return graphdef, _PipelineInit(plan, factory, mesh, example)
+        return graphdef, _PipelineInit(plan, factory, mesh, example, roles)
     shardings = jax.tree.map(lambda s: s.sharding, planned)
 
     def build():
@@ -166,8 +173,8 @@ class _PipelineInit:
     the axes they are replicated on too (a sliver of every layer per device), and the layers are then
     stacked into their stages one parameter at a time, each moving only its own bytes."""
 
-    def __init__(self, plan: Plan, factory, mesh, example):
-        self.plan, self.mesh, self.example = plan, mesh, example
+    def __init__(self, plan: Plan, factory, mesh, example, roles):
+        self.plan, self.mesh, self.example, self.roles = plan, mesh, example, roles
         abstract = eval_shape(factory)
         report = _checked(plan, abstract, mesh, example)
         specs = {layout.path: layout.spec for layout in report.params}
@@ -186,7 +193,7 @@ class _PipelineInit:
 
     def __call__(self):
         model = nnx.merge(self.graphdef, self.create())
-        return nnx.state(apply_plan(self.plan, model, self.mesh, example=self.example))
+        return nnx.state(apply_plan(self.plan, model, self.mesh, example=self.example, roles=self.roles))
 
     def lower(self):
         return self.create.lower()
@@ -317,6 +324,7 @@ def shard_inputs(plan: Plan, batch: dict, mesh: jax.sharding.Mesh) -> dict:
     P('data', None)
     """
     _check_inputs(plan, {name: tuple(x.shape) for name, x in batch.items()}, mesh)
+    batch = _balanced(plan, batch, mesh)
     return {name: jax.device_put(x, _input_sharding(plan, name, mesh)) for name, x in batch.items()}
 
 
@@ -328,9 +336,25 @@ def shard_local_inputs(plan: Plan, batch: dict, mesh: jax.sharding.Mesh) -> dict
         return shard_inputs(plan, batch, mesh)
     shapes = {name: (x.shape[0] * processes, *x.shape[1:]) for name, x in batch.items()}
     _check_inputs(plan, shapes, mesh)
+    batch = _balanced(plan, batch, mesh)
     return {name: jax.make_array_from_process_local_data(_input_sharding(plan, name, mesh), np.asarray(x),
                                                          shapes[name])
             for name, x in batch.items()}
+
+
+def _balanced(plan: Plan, batch: dict, mesh) -> dict:
+    """The batch with its sequences laid out for a load-balanced context axis (each device a head and a
+    tail chunk): every dim after the first of an input's sequence length, so a mask follows its tokens."""
+    context = plan.context
+    if context is None or not context.load_balance or dict(mesh.shape)[context.axis] == 1:
+        return batch
+    from shardplan.context.layout import laid_out
+    split = context_inputs(plan)
+    lengths = {batch[name].shape[dim] for name, dim in split.items() if name in batch}
+    if not lengths:
+        return batch
+    length = lengths.pop()
+    return {name: laid_out(np.asarray(x), length, dict(mesh.shape)[context.axis]) for name, x in batch.items()}
 
 
 def _input_sharding(plan: Plan, name: str, mesh) -> NamedSharding:
@@ -342,5 +366,6 @@ def _check_inputs(plan: Plan, shapes: dict[str, tuple], mesh) -> None:
     diagnostics = validate_inputs(plan, sizes, shapes)
     if shapes:
         diagnostics += check_microbatches(plan, next(iter(shapes.values()))[0], sizes, data_axes(plan, sizes))
+    diagnostics += check_context(plan, sizes, shapes)
     if any(d.severity == "error" for d in diagnostics):
         raise PlanError(diagnostics)

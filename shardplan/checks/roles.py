@@ -43,6 +43,7 @@ class Attention:
     layer: int | None
     width: int                  # query output size (heads x head size)
     heads: int
+    members: tuple[str, ...] = ()   # the matrices' paths: the queries' first, then keys and values
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -219,22 +220,6 @@ def recognise_module(module) -> ModelRoles:
     return recognise(param_infos(module), definition_order(module))
 
 
-def abstract_with_roles(build) -> tuple[object, ModelRoles]:
-    """(abstract model, roles) from `build()` under `nnx.eval_shape`: nothing is allocated, and the
-    definition order is read from the module while it is being built."""
-    from shardplan.checks.paths import param_infos
-    order: list[str] = []
-
-    def construct():
-        module = build()
-        order.extend(definition_order(module))
-        return module
-
-    from shardplan.run.abstract import eval_shape
-    model = eval_shape(construct)
-    return model, recognise(param_infos(model), order)
-
-
 def top_level(order) -> list[str]:
     """Top-level attributes holding parameters, in the order of `order`."""
     return list(dict.fromkeys(path.split("/", 1)[0] for path in order))
@@ -308,5 +293,5 @@ def _attention(order, roles, by_path, layers) -> tuple[Attention, ...]:
             width = math.prod(out)
             heads = out[0] if len(out) > 1 else max(1, width // ASSUMED_HEAD_DIM)
             layer = int(prefix.rsplit("/", 1)[-1]) if prefix else None
-            found.append(Attention(layer, width, heads))
+            found.append(Attention(layer, width, heads, tuple(members)))
     return tuple(found)
