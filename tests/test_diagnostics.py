@@ -39,6 +39,10 @@ def moe(experts: str, params: str = EP_RULES, head: str = MOE) -> str:
     return head + "experts: {" + experts + "}\n" + params
 
 
+def context_plan(axes: str, tokens: str, context: str) -> str:
+    return f"version: 1\nmesh: {{axes: {{{axes}}}}}\ninputs: {{tokens: {tokens}}}\ncontext: {{{context}}}\n" + REPLICATE
+
+
 def pipe(section: str, params: str = REPLICATE) -> str:
     return PIPE + "pipeline:\n  axis: stage\n  layers: layers\n" + section + params
 
@@ -170,6 +174,16 @@ CASES = {
                                   ["layers/0/moe/w_up", "8 experts", "rule #1 puts data on dim 0", "expert on a later dim",
                                    "the same holds for 3 more parameter(s) of this rule"],
                                   6),
+    "context-no-axis": (context_plan(axes="data: 4, model: 2", tokens="[data, context]", context="axis: context"),
+                        PARAMS, 8, None, ["context.axis 'context'", "data, model"], 4),
+    "context-axis-misused": (context_plan(axes="data: 2, context: 4", tokens="[context, data]",
+                                            context="axis: context"), PARAMS, 8, None,
+                             ["input 'tokens' splits its batch dim (0)", "[data, context]"], 3),
+    "context-no-input": (context_plan(axes="data: 2, context: 4", tokens="[data, null]", context="axis: context"),
+                         PARAMS, 8, None, ["no input splits its sequence", "tokens: [data, context]"], 4),
+    "context-not-divisible": (context_plan(axes="data: 2, context: 4", tokens="[data, context]",
+                                             context="axis: context, load_balance: true"), PARAMS, 8,
+                              {"tokens": (8, 12)}, ["sequence of 12 tokens", "2 x 4 chunks", "multiple of 8"], 3),
     "experts-stage-axis": (moe("blocks: 'layers/\\d+/moe', axis: stage", head=MOE.replace("data: 2", "stage: 2")
                                .replace("[data, expert]", "[expert]"), params=EP_RULES.replace("[expert,", "[stage,")
                                + "pipeline: {axis: stage, layers: layers}\n"),
@@ -204,9 +218,10 @@ def trigger(tmp_path: Path, code: str) -> list[shardplan.Diagnostic]:
 
 
 # Codes that need the model itself (how it calls its layers, its modules, their outputs): their bad
-# plans are in test_wild_models.py, test_step_options.py, test_formats.py and test_experts.py.
+# plans are in test_wild_models.py, test_step_options.py, test_formats.py, test_experts.py and test_context.py.
 MODEL_CASES = {"pipeline-layer-call", "example-call-failed", "step-rule-unused", "activation-shape",
-               "annotation-overridden", "experts-contract", "experts-capacity-drops"}
+               "annotation-overridden", "experts-contract", "experts-capacity-drops", "context-no-attention",
+               "context-ring-attention", "context-positions"}
 
 
 def test_every_code_has_a_case():

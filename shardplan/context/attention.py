@@ -86,7 +86,10 @@ class Ring:
 
         def local(q, k, v, extras, positions):
             return ring_attention(q, k, v, scale=scale, positions=positions, axis=self.axis, size=size, **extras)
-        run = jax.shard_map(local, mesh=self.mesh, in_specs=(split, split, split, jax.tree.map(spec, extras), P()),
+        # inside a pipeline's shard_map the mesh in context has its stage (and batch) axes manual already
+        within = jax.sharding.get_abstract_mesh()
+        mesh = within if not within.empty and self.axis in within.axis_names else self.mesh
+        run = jax.shard_map(local, mesh=mesh, in_specs=(split, split, split, jax.tree.map(spec, extras), P()),
                             out_specs=split, axis_names={self.axis}, check_vma=False)
         return run(query, key, value, extras, positions)
 

@@ -74,7 +74,9 @@ def _pipelined(plan: Plan, model: nnx.Module, mesh, report: Report, specs: dict)
                              plain_graphdef=plain_graphdef, counts=stage_map.counts,
                              split_heads=_tensor_split_outside(plan, report, specs),
                              sharding_of=lambda path: NamedSharding(mesh, partition_spec(stacked_spec(path))),
-                             data_axes=tuple(a for a in data_axes(plan, report.axes) if a != pipe.axis))
+                             data_axes=tuple(a for a in data_axes(plan, report.axes) if a != pipe.axis),
+                             context_axis=plan.context.axis if plan.context and report.axes[plan.context.axis] > 1
+                             else None)
     setattr(model, pipe.layers, layers)
     for keys, variable in nnx.to_flat_state(nnx.state(model)):
         path = join_path(keys)

@@ -249,7 +249,7 @@ def _circular_runner(layers: Layers, mesh, axis: str, batch_axes: tuple[str, ...
 
 def one_f_one_b_loss(layers: Layers, stacked, head: Callable, head_params, embed: Callable, embed_params, head_rest,
                      layer_inputs, head_inputs, targets, keys, *, mesh, axis: str, batch_axes: tuple[str, ...] = (),
-                     embed_branch: bool = True):
+                     embed_branch: bool = True, branches: bool = True):
     """Mean loss over microbatches, with gradients computed by the 1F1B schedule itself (averaged over
     the manual `batch_axes` once, after the loop). `embed(params, rest, split, whole, keys)` is one
     microbatch's input to the layers (the model's code before them) and runs on the first stage as
@@ -258,10 +258,14 @@ def one_f_one_b_loss(layers: Layers, stacked, head: Callable, head_params, embed
     whole) arguments (`head_inputs` serve `embed` too); `keys` (layer keys, head keys). Gradients flow
     to the stacked layers and to the parameters `head` and `embed` read. `embed_branch`: the first
     stage alone runs `embed` (false: every stage does and the others drop it, as when a batch axis
-    is left to XLA, whose collectives inside a branch only one stage takes would never complete)."""
+    is left to XLA, whose collectives inside a branch only one stage takes would never complete).
+    `branches` false: no part runs in a branch at all; every stage computes its forward, backward and
+    the loss at every tick and keeps what its tick calls for (a sequence split over an automatic
+    context axis: XLA's collective permutes there wait for every device)."""
+    embed_branch = embed_branch and branches
 
     def schedule(stacked, head_params, embed_params, *rest):
-        return _schedule(layers, head, embed, embed_branch, mesh, axis, batch_axes, stacked, head_params,
+        return _schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axes, stacked, head_params,
                          embed_params, *rest)
 
     @jax.custom_vjp
@@ -277,7 +281,7 @@ def one_f_one_b_loss(layers: Layers, stacked, head: Callable, head_params, embed
     return loss(stacked, head_params, embed_params, head_rest, layer_inputs, head_inputs, targets, keys)
 
 
-def _schedule(layers, head, embed, embed_branch, mesh, axis, batch_axes, stacked, head_params, embed_params, head_rest,
+def _schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axes, stacked, head_params, embed_params, head_rest,
               layer_inputs, head_inputs, targets, keys):
     from shardplan.checks.schedules import OneFOneB
     stages, virtual, per_chunk = jax.tree.leaves(stacked)[0].shape[:3]
@@ -287,6 +291,11 @@ def _schedule(layers, head, embed, embed_branch, mesh, axis, batch_axes, stacked
     tables = [jnp.asarray([[(w[k] if w else -1) for w in row] for row in rows], jnp.int32)
               for rows in (plan.forward, plan.backward) for k in (0, 1)]
     tables += [jnp.asarray(plan.forward_slot, jnp.int32), jnp.asarray(plan.backward_slot, jnp.int32)]
+
+    def when(on, run, otherwise):
+        if branches:
+            return jax.lax.cond(on, run, otherwise)
+        return jax.tree.map(lambda a, b: jnp.where(on, a, b), run(), otherwise())
 
     def per_device(state, head_params, embed_params, head_rest, layer_inputs, head_inputs, targets, keys):
         layer_keys, head_keys = _shard_keys(keys[0], mesh, batch_axes), _shard_keys(keys[1], mesh, batch_axes)
@@ -319,15 +328,14 @@ def _schedule(layers, head, embed, embed_branch, mesh, axis, batch_axes, stacked
                 h_in = jax.lax.cond(enters, lambda: entering(embed_params, mf_).astype(like.dtype), lambda: incoming)
             else:       # XLA's collectives for an automatic batch axis must run on every stage alike
                 h_in = jnp.where(enters, entering(embed_params, mf_).astype(like.dtype), incoming)
-            h = jax.lax.cond(f_on, lambda: stage_fn(state, h_in, mf_, vf), lambda: jnp.zeros_like(h_in))
+            h = when(f_on, lambda: stage_fn(state, h_in, mf_, vf), lambda: jnp.zeros_like(h_in))
             stash = jnp.where(f_on, stash.at[f_at].set(h_in), stash)
 
             def at_last():
                 loss, (gh, gy) = jax.value_and_grad(head_loss, argnums=(0, 1))(head_params, h, mf_)
                 return loss.astype(jnp.float32), gh, gy
             zero_head = jax.tree.map(jnp.zeros_like, head_params)
-            loss_m, gh, gy = jax.lax.cond(leaves, at_last,
-                                          lambda: (jnp.zeros((), jnp.float32), zero_head, jnp.zeros_like(h)))
+            loss_m, gh, gy = when(leaves, at_last, lambda: (jnp.zeros((), jnp.float32), zero_head, jnp.zeros_like(h)))
             loss_sum, g_head = loss_sum + loss_m, _accumulate(g_head, gh)
 
             # the last chunk's backward runs on its forward's tick, from the loss just computed
@@ -336,7 +344,7 @@ def _schedule(layers, head, embed, embed_branch, mesh, axis, batch_axes, stacked
             def backward():
                 _, vjp = jax.vjp(lambda st, x: stage_fn(st, x, mb_, vb), state, stash[b_at])
                 return vjp(cot)
-            gl, gx = jax.lax.cond(b_on, backward, lambda: (jax.tree.map(jnp.zeros_like, state), jnp.zeros_like(h)))
+            gl, gx = when(b_on, backward, lambda: (jax.tree.map(jnp.zeros_like, state), jnp.zeros_like(h)))
             g_layers = _accumulate(g_layers, gl)
 
             def embed_backward():    # the first stage takes the microbatch's gradient into the code before

@@ -50,7 +50,7 @@ class PipelinedLayers(nnx.Module):
     def __init__(self, layers: list[nnx.Module], *, name: str, stages: int, virtual: int, mesh, axis: str,
                  schedule: str, microbatches: int, batch_axes: tuple[str, ...], plain_graphdef,
                  counts: tuple[int, ...] | None = None, split_heads: tuple[str, ...] = (),
-                 data_axes: tuple[str, ...], sharding_of: Callable | None = None):
+                 data_axes: tuple[str, ...], sharding_of: Callable | None = None, context_axis: str | None = None):
         graphdefs = [nnx.graphdef(layer) for layer in layers]
         kinds = list(dict.fromkeys(graphdefs))
         counts = tuple(counts) if counts and len(set(counts)) > 1 else None     # unequal stages, padded
@@ -65,6 +65,7 @@ class PipelinedLayers(nnx.Module):
         self._pipeline_data_axes = tuple(data_axes)      # every batch axis; `batch_axes`: those run manually
         self._pipeline_counts = counts
         self._pipeline_split_heads = frozenset(split_heads)    # weights after the layers 1F1B may keep split
+        self._pipeline_context = context_axis                  # the sequence split over it: 1F1B takes no branch
 
     @property
     def schedule(self) -> str:
@@ -217,7 +218,7 @@ class PipelinedLayers(nnx.Module):
             functools.partial(layers_entry, used=read_at), embed_in, rest_leaves,
             ([micro(a) for a in split], whole), ([micro(a) for a in model_split], model_whole),
             micro(request.targets), (keys, head_keys), mesh=mesh, axis=self._pipeline_axis, batch_axes=batch_axes,
-            embed_branch=every_batch_axis_manual)
+            embed_branch=every_batch_axis_manual, branches=self._pipeline_context is None)
 
 
 def _used_inputs(function: Callable, leaves: list) -> list[bool]:
