@@ -165,6 +165,41 @@ def heads_first(count: int, batch: int, seq: int) -> list[dict]:
     return rows
 
 
+CONTEXT_PLANS = [      # (name, mesh axes, strategy, rules)
+    ("data 2 x context 4, all_gather", "data: 2, context: 4", "all_gather", None),
+    ("data 2 x context 4, ring", "data: 2, context: 4", "ring", None),
+    ("dp2 x cp2 x tp2, all_gather", "data: 2, context: 2, model: 2", "all_gather", "tensor"),
+    ("dp2 x cp2 x tp2, ring", "data: 2, context: 2, model: 2", "ring", "tensor"),
+]
+TENSOR_RULES = [{"match": r"layers/\d+/attn/w(q|k|v)/kernel", "spec": [None, "model"]},
+                {"match": r"layers/\d+/attn/wo/kernel", "spec": ["model"]},
+                {"match": r"layers/\d+/mlp/(gate|up)/kernel", "spec": [None, "model"]},
+                {"match": r"layers/\d+/mlp/down/kernel", "spec": ["model"]}]
+
+
+def context_rows(batch: int, seq: int) -> list[dict]:
+    """Context parallelism on the LLaMA-style test model with as many key/value heads as query heads
+    (grouped ones have their gradients reduced in the repeated width: a caveat), all-gather and ring,
+    with data and tensor parallelism."""
+    import yaml
+    from minigpt_model.llama import Llama
+
+    config = dict(vocab=8192, dim=256, heads=8, kv_heads=8, hidden=768, layers=4)
+    rows = []
+    for name, axes, strategy, rules in CONTEXT_PLANS:
+        document = {"version": 1, "name": name, "mesh": {"axes": yaml.safe_load("{" + axes + "}")},
+                    "inputs": {"tokens": ["data", "context"]}, "context": {"axis": "context", "strategy": strategy},
+                    "params": (TENSOR_RULES if rules else []) + [{"match": ".*", "spec": "replicated"}]}
+        plan = shardplan.parse_plan(yaml.safe_dump(document))
+        model = Llama(**config, rngs=nnx.Rngs(0))
+        roles = with_code(recognise_module(model), model, seq)
+        report = shardplan.check(plan, model, input_shapes={"tokens": (batch, seq)})
+        assert report.ok, [d.message for d in report.errors]
+        modelled = estimate(report, roles, Workload(batch, seq), get_profile("cpu"))
+        rows.append(row(name, modelled, measure(plan, Llama(**config, rngs=nnx.Rngs(0)), batch, seq)))
+    return rows
+
+
 def _gemma_arguments(tokens):
     from wild_models import gemma_inputs
     return gemma_inputs(tokens), {}
@@ -206,6 +241,8 @@ def main() -> None:
     parser.add_argument("--skip-shipped", action="store_true", help="leave out the shipped MiniGPT plans")
     parser.add_argument("--experts", type=int, default=8, metavar="E",
                         help="also compare expert-parallel plans on MiniGPT with E experts, 2 per token (0: skip)")
+    parser.add_argument("--context", action=argparse.BooleanOptionalAction, default=True,
+                        help="also compare context-parallel plans (all-gather and ring) on the LLaMA-style model")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     args = parser.parse_args()
     config = dict(maxlen=args.seq, vocab_size=50304, embed_dim=256, num_heads=8, feed_forward_dim=256,
@@ -271,9 +308,18 @@ def main() -> None:
             moe.append(row)
             print_row(row, width=26)
         print_worst("largest expert-parallel error", moe)
+    context = []
+    if args.context:
+        print("\ncontext: the LLaMA-style test model (vocab 8192, dim 256, 8 heads, 8 kv heads, 4 layers) with its "
+              "sequence split over a context axis")
+        context = context_rows(args.batch, args.seq)
+        for row_ in context:
+            print_row(row_, width=34)
+        print_worst("largest context-parallel error", context)
     if args.json:
         Path(args.json).write_text(json.dumps({"config": config, "batch": args.batch, "rows": rows, "steps": steps,
-                                               "held_out": others, "heads_first": gemma, "experts": moe}, indent=2))
+                                               "held_out": others, "heads_first": gemma, "experts": moe,
+                                               "context": context}, indent=2))
 
 
 def expert_plans(config: dict) -> list[shardplan.Plan]:

@@ -171,6 +171,8 @@ class _Step:
     counts: dict | None = None  # path -> how many parameters it stands for (one layer for all alike)
     accumulate: int = 1         # microbatches run in turn without a pipeline (gradient accumulation)
     widened: bool = False       # narrow gradients are reduced in float32 (XLA on CPU)
+    context: str | None = None  # the context axis (it splits the sequence, so it counts as a batch axis)
+    ring: bool = False          # context strategy ring: no scores kept
 
     def widening(self, p: ParamLayout) -> float:
         """How much larger than the stored parameter its gradient moves (float32 on a widening backend)."""
@@ -228,6 +230,9 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
     plan, sizes = report.plan, report.axes
     stage_map = report.stage_map
     batch_axes = tuple(a for a in data_axes(plan, sizes) if plan.pipeline is None or a != plan.pipeline.axis)
+    # A context axis splits every activation's tokens, and its devices reduce gradients as data ranks do.
+    context = plan.context.axis if plan.context and sizes.get(plan.context.axis, 1) > 1 else None
+    batch_axes += (context,) if context and context not in batch_axes else ()
     itemsize = max((p.itemsize for p in report.params), default=4)
     pipe = plan.pipeline if stage_map else None
     options = step_options(plan, roles, sizes, batch_axes, profile,
@@ -246,12 +251,15 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
         manual_batch=not any(a in batch_axes for p in report.params if p.stage is not None
                              for a in spec_axes(p.spec)),
         remat=options.remat, sequence_ways=options.sequence_ways, attention_stored=options.attention_stored,
-        counts=counts, accumulate=plan.accumulate if pipe is None else 1, widened=not profile.low_precision_native)
+        counts=counts, accumulate=plan.accumulate if pipe is None else 1, widened=not profile.low_precision_native,
+        context=context, ring=bool(context) and plan.context.strategy == "ring")
     every = [p for p in report.params if p.stage in (None, 0)]
     experts = _expert_terms(report, every, step)
     # the expert weights' own costs are the exchange's (`shardplan.experts.cost`), not a matrix's
     held = [p for p in every if experts is None or p.path not in experts.paths]
     transfers = _communication(held, roles, step) + (list(experts.transfers) if experts else [])
+    sequence = _context_terms(held, roles, step)
+    transfers += [Transfer(*t) for t in sequence.transfers]
     param_bytes = sum(p.bytes_per_device * step.count(p.path) for p in every)
     optimizer_bytes = sum(p.opt_bytes_per_device * step.count(p.path) for p in every)
     kept = _per_token(held, roles, step)
@@ -324,13 +332,18 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
     hidden = sum(seconds for t, seconds in timed if t.what.startswith(GRADIENT_REDUCTION)) \
         if step.stage_axis is None else 0.0
     exposed = communication_s - hidden + max(0.0, hidden - BACKWARD_SHARE * compute_s)
+    if step.ring and profile.low_precision_native:
+        # each ring step's permutes run while the step's block is scored (asynchronous collectives)
+        ring_s = sum(seconds for t, seconds in timed if t.what.startswith("context ring"))
+        exposed -= min(ring_s, attention_flops / (peak * profile.attention_efficiency))
     return Estimate(param_bytes, optimizer_bytes, 2 * step.tokens * TOKEN_BYTES, stored, remat,
                     microbatch, microbatch_remat, tuple(transfers), flops, compute_s, communication_s, bubble,
                     compute_s + exposed, compute_copy, early_grads, gathered, regathered, exposed,
                     # after a pipeline XLA updates in place, parameter by parameter (measured on 1F1B
                     # steps of two sizes); outside one it did not always
                     max((p.opt_bytes_per_device for p in held), default=0) if step.stage_axis else optimizer_bytes,
-                    options.caveats + _layout_caveats(held, roles, step) + (experts.caveats if experts else ()))
+                    options.caveats + _layout_caveats(held, roles, step) + (experts.caveats if experts else ()) +
+                    sequence.caveats)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -696,13 +709,48 @@ def _per_token(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple
             full["after"] = full.get("after", 0.0) + logits
             dots["after"] = dots.get("after", 0.0) + logits
     held_layers = {roles.layer_of(p.path) for p in held} - {None}
+    for layer, width in _kv_widths(held, roles, step).items():
+        # context parallelism keeps the whole sequence's keys and values (`shardplan.context.cost`)
+        full[layer] = full.get(layer, 0.0) + 2 * width * b * (step.ways((step.context,)) - 1)
     for attention in roles.attention:
-        if step.attention_stored and (attention.layer in held_layers or
+        if step.attention_stored and not step.ring and (attention.layer in held_layers or
                                       (attention.layer is None and None in full)):
             ways = _attention_ways(attention, held, roles, step)
             copies = (SCORE_COPIES + code.scores) * attention.heads * code.heads / ways
             full[attention.layer] = full.get(attention.layer, 0.0) + copies * step.seq * b
     return full, dots, stands_for
+
+
+def _kv_widths(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> dict:
+    """Attention layer -> its key (= value) width per device, for the layers held, under a context axis."""
+    if step.context is None:
+        return {}
+    layouts = {p.path: p for p in held}
+    found = {}
+    for attention in roles.attention:
+        keys = [layouts[m] for m in attention.members[1:] if m in layouts]
+        if not keys:
+            continue
+        widths = [math.prod(p.shape[d] for d in roles.roles[p.path].out_dims) /
+                  _tensor_ways(p, roles.roles[p.path].out_dims, step) for p in keys]
+        found[attention.layer] = sum(widths) / 2            # keys and values: two matrices, or one fused
+    return found
+
+
+def _context_terms(held: list[ParamLayout], roles: ModelRoles, step: _Step):
+    """The plan's context parallelism, costed by `shardplan.context.cost`."""
+    from shardplan.context.cost import context_cost
+    widths = _kv_widths(held, roles, step)
+    stands_for = {roles.layer_of(p.path): step.count(p.path) for p in held}
+    staged = step.stage_axis is not None
+    passes, tokens = step.runs(staged)
+    ways = step.ways((step.context,)) if step.context else 1
+    gradients = sum(int(p.bytes_per_device * step.count(p.path) * step.widening(p)) for p in held
+                    if step.context not in spec_axes(p.spec))
+    return context_cost([w for layer, w in widths.items() for _ in range(stands_for.get(layer, 1))],
+                        strategy="ring" if step.ring else "all_gather", axis=step.context or "", ways=ways,
+                        rows=tokens * ways / step.seq, seq=step.seq, itemsize=step.itemsize, passes=passes,
+                        gradient_bytes=gradients, reductions=step.reductions_per_step(staged, False))
 
 
 def _scores(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> float:
