@@ -64,7 +64,7 @@ CASES = {
                        "  - {match: '.*', spec: replicated}\n", PARAMS, 8, None,
                        ["rule #1", "(blocks/", "a backreference", "RE2", "'[^/]+'"], 7),
     "mesh-too-large": ("version: 1\nmesh: {axes: {data: 1024, model: 1024}}\nparams: [{match: '.*', spec: []}]\n",
-                       PARAMS, 8, None, ["1,048,576 devices", "65,536"], 2),
+                       PARAMS, 8, None, ["1,048,576 devices", "131,072"], 2),
     "mesh-mismatch": (HEAD + "params: [{match: '.*', spec: replicated}]\n", PARAMS, 8, None,
                       ["the mesh given is {data: 2, model: 4}", "plan's mesh is {data: 4, model: 2}"], 3),
     "invalid-regex": (HEAD + "params:\n  - {match: 'blocks/(\\d+/attn', spec: replicated}\n"

@@ -202,7 +202,7 @@ def test_special_and_oversized_files_are_refused_without_reading_them(tmp_path, 
 
 
 def test_sizes_are_bounded_before_jax_is_touched(tmp_path, capsys):
-    for axes, needle in (("{data: 100000}", "from 1 to 65536"), ("{data: 100000000000}", "from 1 to 65536"),
+    for axes, needle in (("{data: 200000}", "from 1 to 131072"), ("{data: 100000000000}", "from 1 to 131072"),
                          ("{data: 1e11}", "valid integer"), ("{data: 1024, model: 1024}", "mesh-too-large"),
                          ("{data: true}", "valid integer"), ("{_: 8}", "should match pattern")):
         plan = tmp_path / "plan.yaml"
@@ -213,7 +213,7 @@ def test_sizes_are_bounded_before_jax_is_touched(tmp_path, capsys):
     plan.write_text(f"version: true\nmesh: {{axes: {{data: 8}}}}\n{GOOD_PARAMS}")
     code, text = call(shardplan_cli.main, capsys, "validate", plan)
     assert code == 1 and "version must be the integer 1" in text
-    for argv, needle in ((["validate", PLANS / "minigpt_dp.yaml", "--devices", "100000"], "from 1 to 65,536"),
+    for argv, needle in ((["validate", PLANS / "minigpt_dp.yaml", "--devices", "200000"], "from 1 to 131,072"),
                          (["auto", "--model", "minigpt_model:MiniGPT", "--devices", "100000", "-o", tmp_path / "a.yaml"],
                           "from 1 to 4,096"),
                          (["auto", "--model", "minigpt_model:MiniGPT", "--devices", "1e11", "-o", tmp_path / "a.yaml"],

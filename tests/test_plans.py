@@ -79,3 +79,25 @@ def test_inspect_text_matches_golden_at_80_and_120_columns(name, width, capsys, 
         golden.parent.mkdir(exist_ok=True)
         golden.write_text(text)
     assert text == golden.read_text()
+
+
+def test_inspect_at_scale_folds_hosts_and_devices_at_80_columns(capsys, monkeypatch, tmp_path):
+    """1,024 devices on 128 hosts, the stage axis inside the data axis: one line for the hosts, each
+    stage's devices folded into runs; nothing wider than 80 columns; as many lines at 16,384 devices
+    (2,048 hosts); frozen as a golden file."""
+    from shardplan.cli import main
+    monkeypatch.setenv("COLUMNS", "80")
+    plan = GOLDEN / "llama_1024_devices.yaml"
+    assert main(["inspect", str(plan.relative_to(REPO)), "--devices", "1024", "--trust-plan"]) == 0
+    text = capsys.readouterr().out
+    assert "hosts 0-127: 8 devices each (host h: devices 8h to 8h+7)" in text
+    assert "0-7, 32-39, ..." in text and "992-999" in text and "32 runs of 8" in text
+    assert all(len(line) <= 80 for line in text.splitlines())
+    larger = tmp_path / "llama_16384_devices.yaml"
+    larger.write_text(plan.read_text().replace("data: 32", "data: 512"))
+    assert main(["inspect", str(larger), "--devices", "16384", "--trust-plan"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == len(text.splitlines())
+    golden = INSPECT_GOLDEN / "llama_1024_devices.80.txt"
+    if os.environ.get("SHARDPLAN_UPDATE_GOLDEN"):
+        golden.write_text(text)
+    assert text == golden.read_text()

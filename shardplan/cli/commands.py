@@ -20,8 +20,8 @@ from shardplan.plan.schema import MAX_MESH_DEVICES, Plan
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_BUG, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 _UNREADABLE = {"unreadable-file", "unsupported-format", "plan-too-large"}
-# auto's search grows with the device count: 1024 devices take 17 s and 0.8 GiB, 4096 take 44 s and 3 GiB.
-MAX_AUTO_DEVICES = 4096
+# auto plans for as many devices as a plan may have (benchmarks/auto_scale.py: under a minute at 131,072).
+MAX_AUTO_DEVICES = MAX_MESH_DEVICES
 
 DESCRIPTION = """\
 Declarative sharding plans for JAX/Flax NNX models.

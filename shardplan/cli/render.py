@@ -73,10 +73,9 @@ def render_mesh(console: Console, report: Report) -> None:
         count = math.prod(hosts.values())
         per_host = len(report.device_ids) // count
         across = ", ".join(f"{axis} ({n} hosts)" for axis, n in hosts.items())
-        groups = [sorted(i for i in report.device_ids if i // per_host == h) for h in range(count)]
-        console.print(f"  {count} hosts x {per_host} devices; across hosts: {across}; within: "
-                      f"{', '.join(a for a in report.axes if a not in hosts) or '-'}")
-        console.print("  " + "; ".join(f"host {h}: devices {_id_list(g)}" for h, g in enumerate(groups)))
+        print_wrapped(console, Text(f"  {count} hosts x {per_host} devices; across hosts: {across}; within: "
+                                    f"{', '.join(a for a in report.axes if a not in hosts) or '-'}"), indent=4)
+        print_wrapped(console, Text("  " + _host_devices(sorted(report.device_ids), count, per_host)), indent=4)
 
 
 def render_params(console: Console, report: Report, *, collapse: bool = True) -> None:
@@ -155,10 +154,34 @@ def render_devices(console: Console, report: Report) -> None:
                   f"imbalance (max/min per-device total) {imbalance(report.devices):.2f}")
 
 
+def _host_devices(ids: list[int], count: int, per_host: int) -> str:
+    """Which devices each host holds: folded into one line when host h holds the h-th run of `per_host`."""
+    groups = [ids[h * per_host:(h + 1) * per_host] for h in range(count)]
+    if count > 3 and all(g == list(range(g[0], g[0] + per_host)) for g in groups) and \
+            all(b[0] - a[0] == per_host for a, b in zip(groups, groups[1:])):
+        base = groups[0][0]
+        start = f"{per_host}h" + (f" + {base}" if base else "")
+        return f"hosts 0-{count - 1}: {per_host} devices each (host h: devices {start} to {per_host}h+{base + per_host - 1})"
+    return "; ".join(f"host {h}: devices {_id_list(g)}" for h, g in enumerate(groups))
+
+
 def _id_list(ids: list[int]) -> str:
+    """Device ids as ranges; many equal ranges at an equal stride folded (`0-7, 16-23, ..., 1008-1015`)."""
     if len(ids) > 2 and ids == list(range(ids[0], ids[-1] + 1)):
         return f"{ids[0]}-{ids[-1]} ({len(ids)})"
-    return ", ".join(map(str, ids))
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    named = [f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs]
+    if len(runs) <= 4:
+        return ", ".join(named)
+    strides = {b[0] - a[0] for a, b in zip(runs, runs[1:])}
+    pattern = f"{len(runs)} runs of {len(runs[0])}, every {strides.pop()}" if len(strides) == 1 and \
+        len({len(r) for r in runs}) == 1 else f"{len(runs)} runs"
+    return f"{named[0]}, {named[1]}, ..., {named[-1]} ({len(ids)}: {pattern})"
 
 
 def render_pipeline(console: Console, report: Report) -> None:

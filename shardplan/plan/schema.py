@@ -21,7 +21,7 @@ UNSHARDED = "_"
 AXIS_NAME = r"^[A-Za-z][A-Za-z0-9_-]*$"
 AxisName = Annotated[str, Field(pattern=AXIS_NAME, max_length=64)]
 # The largest mesh shardplan lays out; bigger ones are refused before any device or JAX is touched.
-MAX_MESH_DEVICES = 1 << 16
+MAX_MESH_DEVICES = 1 << 17
 
 
 class _Strict(BaseModel):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import math
 import re
 from typing import Any
@@ -38,6 +39,10 @@ REMAT_POLICY = {"dots": "dots_with_no_batch_dims_saveable", "full": "full"}
 # allocator slack. It does not cover an FSDP head whose activations XLA moves (-33%).
 MEMORY_MARGIN = 0.2
 KEEP = 8                                # candidates checked in full and shown
+# Context parallelism is offered for sequences this long, over at most this many devices (Llama 3's
+# 128K-token stage ran 16; MaxText and torchtitan document 8 to 32).
+LONG_SEQUENCE = 16384
+MAX_CONTEXT = 64
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -57,6 +62,7 @@ class Candidate:
     accumulate: int = 1                 # gradient accumulation: microbatches run in turn (no pipeline)
     experts: bool = False               # expert parallelism, the experts folded onto 'data'
     master: bool = False                # parameters stored in the compute dtype, float32 masters in the optimizer
+    ring: bool = False                  # with a 'context' axis: ring attention (else keys and values gathered)
 
     def label(self) -> str:
         mesh = " x ".join(f"{name} {size}" for name, size in self.axes.items())
@@ -74,6 +80,8 @@ class Candidate:
             parts.append("fsdp")
         if self.zero1:
             parts.append("zero1")
+        if "context" in self.axes:
+            parts.append("cp ring" if self.ring else "cp all-gather")
         if self.schedule:
             virtual = f" v{self.virtual}" if self.virtual > 1 else ""
             parts.append(f"{self.schedule}{virtual} M={self.microbatches}")
@@ -243,6 +251,8 @@ def _idle(candidate: Candidate, report) -> str | None:
     batch = set(data_axes(report.plan, report.axes))
     if candidate.schedule:
         used.add("stage")
+    if "context" in candidate.axes:
+        used.add("context")
     unused = [a for a, n in candidate.axes.items() if n > 1 and a not in used | batch]
     if unused:
         return f"axis {unused[0]} splits nothing"
@@ -268,20 +278,21 @@ def candidates(roles: ModelRoles, devices: int, hosts: int, workload: Workload, 
 def _dense_candidates(roles: ModelRoles, devices: int, hosts: int, workload: Workload, pipelines: bool,
                       compute: str | None):
     layered = roles.layers is not None
-    for stage, data, model in _factorisations(devices):
+    for stage, data, context, model in _factorisations(devices, _context_sizes(devices, workload, roles)):
         if stage > 1 and (not pipelines or not layered or roles.layer_count < stage):   # (unequal stages are padded)
             continue
         if model > devices // hosts:
             continue                        # tensor parallelism stays inside a host
         if workload.batch % data:
             continue                        # the batch splits over 'data'
-        axes = {name: size for name, size in (("stage", stage), ("data", data), ("model", model)) if size > 1}
+        axes = {name: size for name, size in (("stage", stage), ("data", data), ("context", context),
+                                              ("model", model)) if size > 1}
         axes = axes or {"data": 1}
-        for host_split in _host_splits(axes, hosts):
+        for host_split, ring in itertools.product(_host_splits(axes, hosts), (False, True) if context > 1 else (False,)):
             for tensor, vocab in ((False, False),) if model == 1 else ((True, True), (True, False)):
                 for fsdp, zero1 in ((False, False),) if data == 1 else ((False, False), (True, False),
                                                                           (False, True)):
-                    base = Candidate(axes, host_split, tensor, vocab, fsdp, zero1, compute=compute)
+                    base = Candidate(axes, host_split, tensor, vocab, fsdp, zero1, compute=compute, ring=ring)
                     rows = workload.batch // data
                     accumulate = [a for a in range(1, min(rows, MAX_ACCUMULATE) + 1) if rows % a == 0] \
                         if stage == 1 else [1]
@@ -304,10 +315,22 @@ def _pipelines(base: Candidate, stage: int, data: int, roles: ModelRoles, worklo
             yield dataclasses.replace(base, schedule="interleaved", microbatches=microbatches, virtual=2)
 
 
-def _factorisations(n: int):
-    for stage in _divisors(n):
-        for data in _divisors(n // stage):
-            yield stage, data, n // stage // data
+def _context_sizes(devices: int, workload: Workload, roles: ModelRoles) -> list[int]:
+    """Context axis sizes offered: for sequences of LONG_SEQUENCE tokens and more (shorter ones fit
+    without, as published runs train them), the powers of two up to MAX_CONTEXT that divide the
+    devices and the sequence, for a model with attention."""
+    sizes = [1]
+    if workload.seq >= LONG_SEQUENCE and roles.attention:
+        sizes += [c for c in (2 ** k for k in range(1, MAX_CONTEXT.bit_length())) if devices % c == 0 and
+                  workload.seq % c == 0]
+    return sizes
+
+
+def _factorisations(n: int, contexts: list[int] = (1,)):
+    for context in contexts:
+        for stage in _divisors(n // context):
+            for data in _divisors(n // context // stage):
+                yield stage, data, context, n // context // stage // data
 
 
 def _divisors(n: int) -> list[int]:
@@ -315,15 +338,22 @@ def _divisors(n: int) -> list[int]:
 
 
 def _host_splits(axes: dict[str, int], hosts: int):
-    """Ways to spread `hosts` over the stage and data axes (model stays inside a host)."""
+    """Ways to spread `hosts` over the stage, data and context axes (model stays inside a host); the
+    context axis spans hosts only when the others cannot take them all."""
     if hosts <= 1:
         yield {}
         return
-    stage, data = axes.get("stage", 1), axes.get("data", 1)
-    for on_stage in _divisors(hosts):
-        on_data = hosts // on_stage
-        if stage % on_stage == 0 and data % on_data == 0:
-            yield {name: n for name, n in (("stage", on_stage), ("data", on_data)) if n > 1}
+    stage, data, context = axes.get("stage", 1), axes.get("data", 1), axes.get("context", 1)
+    yielded = False
+    for on_context in _divisors(hosts):
+        if context % on_context or (yielded and on_context > 1):
+            continue
+        for on_stage in _divisors(hosts // on_context):
+            on_data = hosts // on_context // on_stage
+            if stage % on_stage == 0 and data % on_data == 0:
+                yielded = True
+                yield {name: n for name, n in (("stage", on_stage), ("data", on_data), ("context", on_context))
+                       if n > 1}
 
 
 def specs(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo]) -> dict[str, list]:
@@ -388,7 +418,10 @@ def plan_document(candidate: Candidate, roles: ModelRoles, params: list[ParamInf
     if model:
         document["model"] = model
     document["mesh"] = {"axes": dict(candidate.axes), **({"hosts": dict(candidate.hosts)} if candidate.hosts else {})}
-    document["inputs"] = {input_name: ["data", None] if "data" in candidate.axes else []}
+    document["inputs"] = {input_name: ["data" if "data" in candidate.axes else None,
+                                       "context" if "context" in candidate.axes else None]}
+    if "context" in candidate.axes:
+        document["context"] = {"axis": "context", "strategy": "ring" if candidate.ring else "all_gather"}
     if candidate.zero1:
         document["optimizer"] = "zero1"
     if candidate.accumulate > 1:
