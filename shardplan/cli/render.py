@@ -175,7 +175,7 @@ def _id_list(ids: list[int]) -> str:
             runs[-1].append(i)
         else:
             runs.append([i])
-    named = [f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs]
+    named = [f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs]
     if len(runs) <= 4:
         return ", ".join(named)
     strides = {b[0] - a[0] for a, b in zip(runs, runs[1:])}
