@@ -199,8 +199,11 @@ class UsageError(Exception):
 
 def _devices(requested: int | None) -> None:
     from shardplan.run.devices import has_accelerator, simulate_cpu_devices
+    from shardplan.run.flags import set_performance_flags
     if requested is not None or not has_accelerator():
         simulate_cpu_devices(8 if requested is None else requested)
+    else:
+        set_performance_flags()         # on a GPU: the XLA flags the cost model's time assumes
 
 
 def _train(args, console: Console) -> int:

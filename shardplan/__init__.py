@@ -17,8 +17,8 @@ from shardplan.plan.schema import Plan
 
 __all__ = ["CODES", "Diagnostic", "Plan", "PlanError", "Report", "apply_plan", "check", "constrain", "dropped_rows",
            "init", "load_plan",
-           "make_mesh", "model_loss", "parse_plan", "shard_inputs", "shard_local_inputs", "shard_optimizer",
-           "simulate_cpu_devices", "to_plain"]
+           "make_mesh", "model_loss", "parse_plan", "performance_flags", "set_performance_flags", "shard_inputs",
+           "shard_local_inputs", "shard_optimizer", "simulate_cpu_devices", "to_plain"]
 
 
 def __getattr__(name: str):
@@ -32,6 +32,9 @@ def __getattr__(name: str):
     if name == "simulate_cpu_devices":     # must run before JAX starts: importing it starts nothing
         from shardplan.run.devices import simulate_cpu_devices
         return simulate_cpu_devices
+    if name in ("performance_flags", "set_performance_flags"):     # the same: plain Python
+        from shardplan.run import flags
+        return getattr(flags, name)
     if name == "dropped_rows":
         from shardplan.experts.block import dropped_rows
         return dropped_rows
