@@ -5,6 +5,7 @@ the new sections that validate and train like one device."""
 import json
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
@@ -279,16 +280,35 @@ def test_auto_with_bf16_compute_writes_precision_and_stays_close(tmp_path):
     np.testing.assert_allclose(_losses(plan, build), _single_device_losses(build), rtol=1e-2)
 
 
-def test_search_is_bounded_and_answers_thousands_of_devices_quickly():
-    """A 70B-class shape on 4,096 devices: candidates costed on one layer, the best checked in full."""
+def test_search_is_bounded_and_answers_the_largest_clusters_quickly():
+    """A 70B-class shape on 131,072 devices: candidates costed on one layer, the best checked in full."""
     import time
     model, roles = abstract_with_roles(lambda: Llama(vocab=32000, dim=8192, heads=64, kv_heads=8, hidden=28672,
                                                      layers=80, rngs=nnx.Rngs(0)))
     started = time.perf_counter()
-    found = auto.search(param_infos(model), roles, devices=4096, workload=Workload(2048, 4096),
-                        profile=get_profile("h200"), hosts=512, compute="bfloat16")
+    found = auto.search(param_infos(model), roles, devices=131072, workload=Workload(4 * 131072, 4096),
+                        profile=get_profile("h200"), hosts=16384, compute="bfloat16")
     assert found.best is not None and found.best.report.ok
     assert found.best.estimate.peak_bytes <= found.usable < found.memory
     assert time.perf_counter() - started < 120          # the benchmark reports the figure; this is a ceiling
     document = json.loads(json.dumps(found.best.estimate.to_json()))
     assert {"step_s", "flops", "peak_bytes"} <= set(document)
+
+
+def test_long_sequences_get_context_parallelism_and_the_written_plan_checks():
+    """At 65,536 tokens a 2B-class decoder on 64 H200s does not fit without splitting the sequence: auto
+    picks a context axis, and its plan passes the checks, the model's attention calls included."""
+    build = lambda: Llama(vocab=32000, dim=2048, heads=16, kv_heads=8, hidden=5632, layers=8,  # noqa: E731
+                          rngs=nnx.Rngs(0))
+    model, roles = abstract_with_roles(build)
+    found = auto.search(param_infos(model), roles, devices=64, workload=Workload(8, 65536),
+                        profile=get_profile("h200"), hosts=8, compute="bfloat16")
+    best = found.best
+    assert best.plan.context is not None and best.candidate.axes["context"] > 1, best.candidate.label()
+    assert best.plan.inputs["tokens"][1] == "context"
+    small = best.plan.model_copy(update={"mesh": best.plan.mesh.model_copy(update={"axes": {"data": 2, "context": 4},
+                                                                                 "hosts": {}})})
+    tiny = lambda: Llama(vocab=64, dim=32, heads=4, kv_heads=2, hidden=64, layers=2, rngs=nnx.Rngs(0))  # noqa: E731
+    report = shardplan.check(small, tiny(), input_shapes={"tokens": (2, 32)},
+                             example=lambda m: m(jnp.zeros((2, 32), jnp.int32)))
+    assert report.ok, [d.format() for d in report.errors]

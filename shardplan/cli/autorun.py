@@ -215,6 +215,9 @@ def _json(found: planner.Search, measured: dict, top: int) -> dict:
             "ranked": [{"mesh": r.candidate.axes, "hosts": r.candidate.hosts, "rules": r.candidate.rules_label(),
                         "remat": r.candidate.remat, "sequence_parallel": r.candidate.sequence,
                         "accumulate": r.candidate.accumulate,
+                        "context": None if "context" not in r.candidate.axes else {
+                            "size": r.candidate.axes["context"],
+                            "strategy": "ring" if r.candidate.ring else "all_gather"},
                         "compute": r.candidate.compute,
                         "estimate": r.estimate.to_json()} for r in found.ranked[:top]],
             "rejected": len(found.rejected)}
