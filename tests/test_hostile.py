@@ -214,8 +214,8 @@ def test_sizes_are_bounded_before_jax_is_touched(tmp_path, capsys):
     code, text = call(shardplan_cli.main, capsys, "validate", plan)
     assert code == 1 and "version must be the integer 1" in text
     for argv, needle in ((["validate", PLANS / "minigpt_dp.yaml", "--devices", "200000"], "from 1 to 131,072"),
-                         (["auto", "--model", "minigpt_model:MiniGPT", "--devices", "100000", "-o", tmp_path / "a.yaml"],
-                          "from 1 to 4,096"),
+                         (["auto", "--model", "minigpt_model:MiniGPT", "--devices", "200000", "-o", tmp_path / "a.yaml"],
+                          "from 1 to 131,072"),
                          (["auto", "--model", "minigpt_model:MiniGPT", "--devices", "1e11", "-o", tmp_path / "a.yaml"],
                           "requires an integer")):
         code, text = call(shardplan_cli.main, capsys, *argv)
