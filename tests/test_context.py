@@ -219,3 +219,18 @@ def test_ring_kernel_equals_dense_attention(causal):
     grads = [jax.grad(lambda *a, f=f: (f(*a) ** 2).sum(), argnums=(0, 1, 2))(q, k, v) for f in (dense, jax.jit(ring))]
     for a, b in zip(*grads):
         np.testing.assert_allclose(b, a, atol=TOL * float(jnp.abs(a).max()))
+
+
+def test_init_builds_the_context_parallel_model_on_its_shards():
+    """`shardplan.init` of an all-gather plan: the abstract build's projections are read in definition
+    order (its state is sorted by name), so the queries' projection is wrapped as the live model's is,
+    and the step equals one device's."""
+    plan = _plan("data: 2, context: 2, model: 2", "  tokens: {spec: [data, context], shape: [4, 16]}\n",
+                 "axis: context", TENSOR)
+    mesh = shardplan.make_mesh(plan)
+    model = shardplan.init(plan, _llama, mesh)
+    assert type(model.layers[0].attn.wq)._shardplan_context.split
+    assert not type(model.layers[0].attn.wk)._shardplan_context.split
+    loss = lambda m, t: _next_token(m(t), t)       # noqa: E731
+    batch = list(shardplan.shard_inputs(plan, {"tokens": TOKENS}, mesh).values())
+    _assert_close(_reference(_llama, loss, TOKENS), nnx.jit(lambda m, b: nnx.value_and_grad(loss)(m, *b))(model, batch))

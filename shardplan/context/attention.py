@@ -78,7 +78,7 @@ class Ring:
         if is_causal:
             positions = balanced_order(length, size) if self.load_balance else np.arange(length)
             positions = jnp.asarray(positions, jnp.int32)
-        extras = {name: _rows(jnp.asarray(a), length) for name, a in (("mask", mask), ("bias", bias)) if a is not None}
+        extras = {name: _four_dims(jnp.asarray(a)) for name, a in (("mask", mask), ("bias", bias)) if a is not None}
         split = P(None, self.axis)
 
         def spec(a):
@@ -94,7 +94,7 @@ class Ring:
         return run(query, key, value, extras, positions)
 
 
-def _rows(array, length: int):
+def _four_dims(array):
     """A mask or bias as 4-D [B|1, N|1, Tq|1, Tk]."""
     return array.reshape((1,) * (4 - array.ndim) + array.shape)
 
