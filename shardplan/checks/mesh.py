@@ -164,3 +164,17 @@ def make_mesh(plan: Plan, *, devices=None):
     ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
     grid = np.vectorize(lambda k: ordered[k], otypes=[object])(host_major_positions(sizes, plan.mesh.hosts))
     return jax.sharding.Mesh(grid, tuple(sizes), axis_types=types)
+
+
+def tracing_mesh(plan: Plan, sizes: dict[str, int]):
+    """The plan's mesh where these devices can hold it, else an abstract one of its shape (enough to
+    trace a call abstractly: `check` lays plans out for devices this machine does not have)."""
+    import jax
+
+    from shardplan.plan.diagnostics import PlanError
+    try:
+        return make_mesh(plan)
+    except PlanError:
+        kinds = {"auto": jax.sharding.AxisType.Auto, "explicit": jax.sharding.AxisType.Explicit}
+        return jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes),
+                                         axis_types=tuple(kinds[plan.mesh.types.get(a, "auto")] for a in sizes))

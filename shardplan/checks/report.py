@@ -94,12 +94,14 @@ def _param_json(p: ParamLayout) -> dict:
 
 
 def check(plan: Plan, model, mesh=None, *, input_shapes: dict[str, tuple[int, ...]] | None = None,
-          example: Callable | None = None) -> Report:
+          example: Callable | None = None, roles=None) -> Report:
     """Check `plan` against `model` (real or `nnx.eval_shape`) and `mesh` (default: all devices).
 
     Never raises for plan mistakes: they are in `report.diagnostics`. A pipeline plan is also
     checked against how the model calls its layers, by tracing one call abstractly: `example`
     (e.g. `lambda m: m(tokens, positions)`), else zeros shaped as the plan's `inputs` give them.
+    `roles` (`shardplan.checks.roles.recognise`) name the attention projections context parallelism
+    reads; by default they are read from the model's definition order (an abstract model's is sorted).
 
     >>> import shardplan, minigpt_model
     >>> from flax import nnx
@@ -115,10 +117,11 @@ def check(plan: Plan, model, mesh=None, *, input_shapes: dict[str, tuple[int, ..
     report = check_params(plan, param_infos(model), device_ids, input_shapes=input_shapes,
                           processes=jax.process_count(), given_mesh=None if mesh is None else dict(mesh.shape),
                           given_types=None if mesh is None else _axis_types(mesh))
-    return with_model_checks(report, plan, model, example, mesh)
+    return with_model_checks(report, plan, model, example, mesh, roles)
 
 
-def with_model_checks(report: Report, plan: Plan, model, example: Callable | None = None, mesh=None) -> Report:
+def with_model_checks(report: Report, plan: Plan, model, example: Callable | None = None, mesh=None,
+                      roles=None) -> Report:
     """`report` plus what needs the model itself: its module paths against the step options' rules and,
     given an example call (`example`, or the plan's input shapes), whether it can run its layers as the
     pipeline does and whether the activation specs fit the outputs they name."""
@@ -140,9 +143,9 @@ def with_model_checks(report: Report, plan: Plan, model, example: Callable | Non
     if plan.context is not None and not report.errors:
         from shardplan.checks.roles import recognise_module
         from shardplan.context.contract import check_context_calls
-        from shardplan.checks.mesh import make_mesh
-        found += check_context_calls(plan, model, recognise_module(model), call,
-                                     mesh if mesh is not None else make_mesh(plan))
+        from shardplan.checks.mesh import tracing_mesh
+        found += check_context_calls(plan, model, roles or recognise_module(model), call,
+                                     mesh if mesh is not None else tracing_mesh(plan, report.axes))
     if not found:
         return report
     stage_map = None if any(d.severity == "error" for d in found) else report.stage_map

@@ -464,6 +464,7 @@ def _inspect(args, console: Console) -> int:
         return EXIT_OK if report.ok else EXIT_INVALID
     # The summary first (mesh, per-device totals, pipeline, estimate), then the tables.
     render.render_mesh(console, report)
+    render.render_context(console, report)
     render.render_devices(console, report)
     render.render_pipeline(console, report)
     render.render_experts(console, report, cost[2] if cost is not None else None)
@@ -665,14 +666,17 @@ def _checked_model(args, order: list[str]):
     from shardplan.run.devices import has_accelerator
     from shardplan.checks.paths import param_infos
     from shardplan.checks.report import check, check_params, with_model_checks
+    from shardplan.checks.roles import recognise
     if args.devices is None and has_accelerator():
         model = _abstract_model(args, plan, order)
-        return check(plan, model), model, None
+        return check(plan, model, roles=recognise(param_infos(model), order) if plan.context else None), model, None
     deep = _deep_model(args, plan, order)
     model = deep.shallow if deep else _abstract_model(args, plan, order)
     report = check_params(plan, deep.params if deep else param_infos(model),
                           list(range(_device_count(args.devices, plan))))
-    return with_model_checks(report, plan, model), model, deep
+    # the order the build recorded: the abstract model's state is sorted by name
+    roles = recognise(param_infos(model), deep.shallow_order if deep else order) if plan.context else None
+    return with_model_checks(report, plan, model, roles=roles), model, deep
 
 
 def _batch(args, report) -> int:

@@ -78,6 +78,18 @@ def render_mesh(console: Console, report: Report) -> None:
         print_wrapped(console, Text("  " + _host_devices(sorted(report.device_ids), count, per_host)), indent=4)
 
 
+def render_context(console: Console, report: Report) -> None:
+    """What the plan's context parallelism does, in one line."""
+    context = report.plan.context
+    if context is None or context.axis not in report.axes:
+        return
+    size = report.axes[context.axis]
+    how = "keys and values gathered" if context.strategy == "all_gather" else "ring attention"
+    print_wrapped(console, Text(f"context: each sequence split over {context.axis!r} ({size} devices, a "
+                                f"{'head and a tail' if context.load_balance else 'contiguous'} "
+                                f"{'pair of chunks' if context.load_balance else 'chunk'} each), {how}"), indent=4)
+
+
 def render_params(console: Console, report: Report, *, collapse: bool = True) -> None:
     """One row per parameter; with `collapse`, repeated layers with one layout share a row (`blocks/{0..7}/...`)."""
     dtypes = sorted({p.dtype for p in report.params})
@@ -365,6 +377,7 @@ def device_detail_json(report: Report, device_id: int) -> dict:
 def render_summary(console: Console, report: Report) -> None:
     """One compact block: mesh, per-device bytes, diagnostics (what the trainer prints first)."""
     render_mesh(console, report)
+    render_context(console, report)
     if report.devices:
         d = report.devices[0]
         print_wrapped(console, f"  per device: params {human_bytes(d.param_bytes)}, optimizer state "

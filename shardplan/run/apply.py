@@ -42,7 +42,7 @@ def apply_plan(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh, *, exampl
     >>> model.output_layer.kernel.sharding.spec
     P(None, 'model')
     """
-    report = _checked(plan, model, mesh, example)
+    report = _checked(plan, model, mesh, example, roles)
     specs = {layout.path: layout.spec for layout in report.params}
     if report.experts:           # before the step options, so remat and constraints wrap the exchange
         from shardplan.experts.block import install
@@ -102,8 +102,8 @@ def _manual_batch_axes(plan: Plan, report: Report, specs: dict) -> tuple[str, ..
     return tuple(a for a in data_axes(plan, report.axes) if a != plan.pipeline.axis and a not in used)
 
 
-def _checked(plan: Plan, model, mesh, example=None) -> Report:
-    report = check(plan, model, mesh, example=example)
+def _checked(plan: Plan, model, mesh, example=None, roles=None) -> Report:
+    report = check(plan, model, mesh, example=example, roles=roles)
     if report.errors:
         raise PlanError(report.diagnostics)
     return report
@@ -178,7 +178,7 @@ class _PipelineInit:
     def __init__(self, plan: Plan, factory, mesh, example, roles):
         self.plan, self.mesh, self.example, self.roles = plan, mesh, example, roles
         abstract = eval_shape(factory)
-        report = _checked(plan, abstract, mesh, example)
+        report = _checked(plan, abstract, mesh, example, roles)
         specs = {layout.path: layout.spec for layout in report.params}
         prefix, sizes, axis = plan.pipeline.layers + "/", report.axes, plan.pipeline.axis
         self.graphdef, shardings = nnx.split(abstract)
