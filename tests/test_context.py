@@ -234,3 +234,51 @@ def test_init_builds_the_context_parallel_model_on_its_shards():
     loss = lambda m, t: _next_token(m(t), t)       # noqa: E731
     batch = list(shardplan.shard_inputs(plan, {"tokens": TOKENS}, mesh).values())
     _assert_close(_reference(_llama, loss, TOKENS), nnx.jit(lambda m, b: nnx.value_and_grad(loss)(m, *b))(model, batch))
+
+
+class _CausalAttention(nnx.Module):
+    def __init__(self, dim, heads, *, rngs):
+        self.heads = heads
+        self.qkv = nnx.Linear(dim, 3 * dim, use_bias=False, rngs=rngs)
+        self.out = nnx.Linear(dim, dim, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        b, t, d = x.shape
+        q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3 * self.heads, d // self.heads), 3, axis=2)
+        return self.out(jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, d))
+
+
+class _CausalDecoder(nnx.Module):
+    """Attention through jax.nn.dot_product_attention(is_causal=True), no mask of its own."""
+
+    def __init__(self, *, rngs):
+        self.embed = nnx.Embed(64, 32, rngs=rngs)
+        self.layers = nnx.List([_CausalAttention(32, 4, rngs=rngs) for _ in range(2)])
+        self.head = nnx.Linear(32, 64, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+def test_ring_makes_is_causal_a_mask_from_global_positions():
+    plan = _plan("data: 2, context: 4", "  tokens: {spec: [data, context], shape: [4, 16]}\n",
+                 "axis: context, strategy: ring")
+    build = lambda: _CausalDecoder(rngs=nnx.Rngs(0))      # noqa: E731
+    loss = lambda m, t: _next_token(m(t), t)              # noqa: E731
+    step, model, batch = _sharded(plan, build, loss, {"tokens": TOKENS})
+    _assert_close(_reference(build, loss, TOKENS), step(model, batch))
+
+
+def test_composed_with_fsdp():
+    """data 2 x context 2 x model 2 with every matrix also split over data (FSDP)."""
+    fsdp = ("  - {match: '.*attn/w[qkv]/kernel', spec: [data, model]}\n  - {match: '.*attn/wo/kernel', spec: [model, data]}\n"
+            "  - {match: '.*mlp/(gate|up)/kernel', spec: [data]}\n  - {match: '.*mlp/down/kernel', spec: [null, data]}\n"
+            "  - {match: '.*', spec: replicated}\n")
+    plan = _plan("data: 2, context: 2, model: 2", "  tokens: {spec: [data, context], shape: [4, 16]}\n",
+                 "axis: context", fsdp)
+    loss = lambda m, t: _next_token(m(t), t)       # noqa: E731
+    step, model, batch = _sharded(plan, _llama, loss, {"tokens": TOKENS})
+    _assert_close(_reference(_llama, loss, TOKENS), step(model, batch))
