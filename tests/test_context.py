@@ -282,3 +282,15 @@ def test_composed_with_fsdp():
     loss = lambda m, t: _next_token(m(t), t)       # noqa: E731
     step, model, batch = _sharded(plan, _llama, loss, {"tokens": TOKENS})
     _assert_close(_reference(_llama, loss, TOKENS), step(model, batch))
+
+
+def test_ring_refuses_attention_dropout_before_training():
+    """Dropout on attention weights only runs in training, so the traced check would not meet it:
+    the layers' own rate is read instead."""
+    plan = _plan("data: 2, context: 4", "  tokens: [data, context]\n  positions: [data, context]\n",
+                 "axis: context, strategy: ring")
+    model = PositionedDecoder(rngs=nnx.Rngs(0))
+    model.layers[1].attention.dropout_rate = 0.1
+    (found,) = _diagnostics(plan, lambda: model)
+    assert found.code == "context-ring-attention" and found.path == "layers/1/attention"
+    assert "dropout_rate 0.1" in found.message and "all_gather" in found.hint

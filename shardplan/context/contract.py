@@ -44,12 +44,30 @@ def check_context_calls(plan, model, roles, call, mesh) -> list[Diagnostic]:
                                 "attention's queries and gathers its keys and values, but no attention (query, key "
                                 "and value projections read from the residual stream, closed by an output "
                                 "projection) is recognised in the model's parameters", hint=HINT, **where))
-    if context.strategy == "ring" and call is not None:
+    if context.strategy == "ring":
+        found += _dropping_attention(model, where)
+    if context.strategy == "ring" and call is not None and not found:
         found += _ring_calls(plan, model, roles, call, mesh, where)
     if context.load_balance:
         line, col = plan.locate("context", "load_balance")
         found += _order_free(plan, model, dict(file=plan.file, line=line, column=col))
     return found
+
+
+def _dropping_attention(model, where) -> list[Diagnostic]:
+    """MultiHeadAttention layers that drop attention weights in training: a ring cannot (it would fail
+    at the first training step's trace, not here)."""
+    from flax import nnx
+
+    from shardplan.checks.paths import module_paths
+    dropping = [(path, m.dropout_rate) for path, m in module_paths(model)
+                if isinstance(m, nnx.MultiHeadAttention) and m.dropout_rate > 0]
+    if not dropping:
+        return []
+    path, rate = dropping[0]
+    return [Diagnostic("context-ring-attention", "error", f"ring attention cannot drop attention weights, but "
+                       f"{len(dropping)} nnx.MultiHeadAttention layer(s) do ({path}: dropout_rate {rate})",
+                       path=path, hint="set their dropout_rate to 0, or use strategy all_gather; " + HINT, **where)]
 
 
 def _ring_calls(plan, model, roles, call, mesh, where) -> list[Diagnostic]:
