@@ -20,6 +20,23 @@ TINY_MINIGPT = dict(maxlen=16, vocab_size=128, embed_dim=64, num_heads=8, feed_f
                     num_transformer_blocks=2, dropout_rate=0.0)
 
 
+# Tests that start several JAX processes of their own (each compiling the step) run one after another on
+# one worker: side by side they would starve each other's processes past the bounds they assert.
+_PROCESS_FILES = {"test_multiprocess.py", "test_preemption.py"}
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (the default, pyproject.toml): a worker per core, at most 4 (each one simulates 8 devices
+    and compiles on several threads of its own)."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in _PROCESS_FILES:
+            item.add_marker(pytest.mark.xdist_group("processes"))
+
+
 @pytest.fixture(autouse=True)
 def _repo_cwd(monkeypatch):
     monkeypatch.chdir(REPO)

@@ -264,7 +264,8 @@ def test_converted_patterns_keep_inline_flags_and_a_bad_one_names_the_input_line
     out = tmp_path / "plan.yaml"
     assert main(["convert", str(rules), "--mesh", "dp=4,mp=2", "-o", str(out)]) == 1 and not out.exists()
     err = " ".join(capsys.readouterr().err.split())
-    assert f"{rules}:5" in err and "regex-too-slow" in err and "nothing was written" in err, err
+    # (a path longer than the console's line is folded at a '/', wherever pytest puts its temporary files)
+    assert f"{rules}:5" in err.replace("/ ", "/") and "regex-too-slow" in err and "nothing was written" in err, err
     rules.write_text(rules.read_text().replace("    ('mha/(query)\\\\1', PS()),\n", ""))
     assert main(["convert", str(rules), "--mesh", "dp=4,mp=2", "-o", str(out)]) == 0
     assert "wrote" in capsys.readouterr().out
