@@ -21,7 +21,8 @@ TINY_MINIGPT = dict(maxlen=16, vocab_size=128, embed_dim=64, num_heads=8, feed_f
 
 
 # Tests that start several JAX processes of their own (each compiling the step) run one after another on
-# one worker: side by side they would starve each other's processes past the bounds they assert.
+# one worker: side by side they would starve each other's processes past the bounds they assert. They go
+# first, so that the other workers' shorter tests fill the time they take (last, they were the run's tail).
 _PROCESS_FILES = {"test_multiprocess.py", "test_preemption.py"}
 
 
@@ -35,6 +36,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in _PROCESS_FILES:
             item.add_marker(pytest.mark.xdist_group("processes"))
+    items.sort(key=lambda item: item.path.name not in _PROCESS_FILES)
 
 
 @pytest.fixture(autouse=True)
