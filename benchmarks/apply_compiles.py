@@ -73,6 +73,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4, help="MiniGPT blocks (a multiple of 4: every plan splits them)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
+    if args.layers < 4 or args.layers % 4:
+        parser.error(f"--layers must be a positive multiple of 4 (minigpt_pp4 has 4 stages), but got {args.layers}")
     compiles = Compiles()
     rows = [measure(name, args.layers, compiles) for name in PLANS]
     print(f"{'plan':<20} {'apply: programs':>15} {'s':>6} {'optimizer: programs':>19} {'s':>6}")

@@ -135,11 +135,12 @@ def _assign(plan, indices: list[int], stages: int, virtual: int, where) -> tuple
                             f"layer indices must run 0..{count - 1}, but got {indices[:8]}")]
     if count % (stages * virtual) and (virtual > 1 or count < stages):
         need = stages * virtual
+        below = count - count % need
+        counts = " or ".join(str(c) for c in (below, below + need) if c)      # (no "4 or 4" below one group)
         return None, [where("stage-unbalanced", ("pipeline", "stages"),
                             f"{count} layers cannot be split evenly over {stages} stages x {virtual} chunk(s) = {need}"
                             + ("" if virtual > 1 else " (every stage needs a layer)"),
-                            hint=f"use a layer count divisible by {need} (e.g. {count - count % need or need} or "
-                                 f"{count - count % need + need}) or another stage count")]
+                            hint=f"use a layer count divisible by {need} (e.g. {counts}) or another stage count")]
     if pipe.stages == "even":
         if count % stages and virtual == 1:
             return balanced_stages(count, stages), []

@@ -432,18 +432,18 @@ def stack(layers: list[dict], stages: int, virtual: int, counts: tuple[int, ...]
 def _stacked_on_stages(arrays, positions, leading: tuple[int, int, int], sharding):
     """The stacked array in `sharding` (stage axis on dim 0), assembled from per-stage pieces: each layer
     goes to its stage's devices only, in the layer's own layout there, and is stacked there by one
-    program per stage (one per device compiled 89 programs for a 4-layer MiniGPT on 8 devices)."""
+    program per stage and shape (stacked per device, it compiled a program per device and shape)."""
     mesh, axis = sharding.mesh, sharding.spec[0]
     axis = axis[0] if isinstance(axis, tuple) else axis
     at = mesh.axis_names.index(axis)
     layer_spec = P(*tuple(sharding.spec)[3:])
     shape = (*leading, *arrays[0].shape)
+    slots = [(v, l) for v in range(leading[1]) for l in range(leading[2])]
     pieces = {}
     for stage in range(leading[0]):
         on_stage = jax.sharding.NamedSharding(
             jax.sharding.Mesh(np.take(mesh.devices, stage, axis=at), tuple(n for n in mesh.axis_names if n != axis)),
             layer_spec)
-        slots = [(v, l) for v in range(leading[1]) for l in range(leading[2])]
         held = {position[1:]: jax.device_put(array, on_stage)
                 for array, position in zip(arrays, positions) if position[0] == stage}
         present = tuple(slot in held for slot in slots)
