@@ -32,6 +32,18 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(4, os.cpu_count() or 1))
 
 
+# Cases marked `full` repeat what a sibling case in the default run already checks on another
+# combination (a schedule, a layout, a shipped plan); SHARDPLAN_FULL_MATRIX=1 runs them too.
+FULL = os.environ.get("SHARDPLAN_FULL_MATRIX") == "1"
+_FULL_ONLY = pytest.mark.skip(reason="full matrix only (SHARDPLAN_FULL_MATRIX=1)")
+
+
+def full(*values):
+    """A parametrize case kept out of the default run (see FULL)."""
+    return pytest.param(*values, marks=() if FULL else _FULL_ONLY)
+
+
+@pytest.hookimpl(tryfirst=True)     # before xdist's own hook reads the groups off the marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in _PROCESS_FILES:

@@ -557,8 +557,9 @@ def test_every_shipped_plan_on_the_wrong_device_count_is_an_error_not_a_crash(na
     """Found by the fuzzing above: a pipeline plan inspected on too few devices crashed the stage table."""
     trust = [] if "minigpt" in (PLANS / name).read_text().split("factory:", 1)[-1].split("\n")[0] else \
         ["--trust-plan", "--path", "tests"]          # a plan for a test model
-    for devices in ("4", "16"):
-        for extra in ([], ["--json", "--device", "1"], ["--svg", tmp_path / "plan.svg", "--device", "1"]):
+    outputs = ([], ["--json", "--device", "1"], ["--svg", tmp_path / "plan.svg", "--device", "1"])
+    for devices, extras in (("4", outputs), ("16", outputs[:1])):       # too few (the crash), too many
+        for extra in extras:
             code, text = call(shardplan_cli.main, capsys, "inspect", PLANS / name, "--devices", devices, *extra,
                               *trust)
             assert code in (0, 1), (devices, extra, text)
@@ -578,7 +579,7 @@ def mutated_profile(draw):
     return text
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
 @given(profile=mutated_profile(), extra=st.sampled_from([[], ["--compute-dtype", "bfloat16"],
                                                          ["--memory-margin", "1.5"], ["--memory-margin", "0.5"]]))
 def test_mutated_profile_files_are_diagnostics_never_crashes(tmp_path_factory, capsys, profile, extra):

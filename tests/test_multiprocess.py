@@ -1,16 +1,12 @@
 """Multi-process training: 2 processes x 4 simulated devices equal 1 process x 8 via Ray (via the local
-launcher: tests/test_preemption.py); a killed process fails the run quickly and by name, and --resume
-finishes it."""
+launcher, with a killed process, preemption and a damaged step: tests/test_preemption.py)."""
 
 import json
 import os
-import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 import pytest
@@ -43,39 +39,6 @@ def one_process(tmp_path, steps: int, plan: str = "plans/minigpt_dp_tp.yaml") ->
     """The same run in this process, on 8 devices (the schedule depends on the step count)."""
     return train(tiny_config(tmp_path / "single", steps=steps, checkpoint_every=5, eval_every=1000,
                              warmup_steps=5, plan=plan)).losses
-
-
-def test_killed_process_fails_the_run_by_name_and_resume_finishes_it(tmp_path):
-    out = tmp_path / "run"
-    launcher = subprocess.Popen([*LAUNCH, "--local", "2", "--", *train_args(out, 20)], cwd=REPO, env=env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    pids = {}
-    while len(pids) < 2:
-        line = launcher.stdout.readline()
-        found = re.match(r"\[launch\] process (\d): pid (\d+)", line)
-        if found:
-            pids[int(found.group(1))] = int(found.group(2))
-    deadline = time.time() + 180
-    while not (out / "checkpoints" / "10").exists():
-        assert launcher.poll() is None and time.time() < deadline
-        time.sleep(0.05)
-    os.kill(pids[1], signal.SIGKILL)
-    killed_at = time.monotonic()
-    rest, _ = launcher.communicate(timeout=120)
-    elapsed = time.monotonic() - killed_at
-    assert launcher.returncode == 1
-    assert "process 1 was killed by signal SIGKILL" in rest
-    print(f"launcher gave up {elapsed:.1f} s after the kill")
-    assert elapsed < FAILURE_BOUND_S, f"the launcher took {elapsed:.1f} s to give up"
-    assert max(losses_of(out)) < 20
-
-    resumed = subprocess.run([*LAUNCH, "--local", "2", "--", *train_args(out, 20, "--resume")], cwd=REPO,
-                             env=env(), capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stdout[-3000:]
-    assert "resumed from step" in resumed.stdout
-    final = losses_of(out)
-    assert sorted(final) == list(range(1, 21))
-    np.testing.assert_allclose(final[20], one_process(tmp_path, 20)[20], rtol=1e-5)
 
 
 def test_ray_launcher_two_workers_match_one_process(tmp_path):

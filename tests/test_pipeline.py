@@ -1,6 +1,7 @@
 """Pipelines: schedules as data, stage diagnostics, and numerics of every schedule against one device."""
 
 import contextlib
+import functools
 import io
 import re
 
@@ -72,12 +73,19 @@ def _plan(base: str, schedule: str, virtual: int = 1):
 # ones, are compared with one device in test_wild_models.py; here the shipped plans train.
 
 
+@functools.cache
+def _one_device(config: tuple, data: bytes, shape: tuple):
+    """(model after the steps, losses) on one device, once per configuration and batches."""
+    batches = np.frombuffer(data, np.int32).reshape(shape)
+    reference = minigpt_model.MiniGPT(**dict(config), rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(reference, optax.adamw(1e-3), wrt=nnx.Param)
+    return reference, [float(train_step(reference, optimizer, b[:, :-1], b[:, 1:], training=False)) for b in batches]
+
+
 def _adamw_steps(plan, config: dict, batches):
     """AdamW steps on one device without a plan and under `plan`: (reference model, sharded model, its
     optimizer, mesh), the losses checked equal."""
-    reference = minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0))
-    ref_opt = nnx.Optimizer(reference, optax.adamw(1e-3), wrt=nnx.Param)
-    expected = [float(train_step(reference, ref_opt, b[:, :-1], b[:, 1:], training=False)) for b in batches]
+    reference, expected = _one_device(tuple(sorted(config.items())), batches.tobytes(), batches.shape)
     mesh = shardplan.make_mesh(plan)
     model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0)), mesh)
     optimizer = shardplan.shard_optimizer(plan, model, optax.adamw(1e-3), mesh)

@@ -16,7 +16,7 @@ from minigpt_model.model import MiniGPT
 from minigpt_model.sampling import _generate, generate
 from minigpt_model.trainer import TrainConfig, train
 
-from conftest import PLANS
+from conftest import PLANS, full
 
 # Heads, widths and the 320-token byte vocabulary all divide 8, so every shipped plan applies.
 TINY = dict(maxlen=32, embed_dim=64, num_heads=8, feed_forward_dim=128, num_transformer_blocks=2, dropout_rate=0.0)
@@ -37,7 +37,10 @@ def one_device_losses(tmp_path_factory):
     return np.array([result.losses[s] for s in range(1, 21)])
 
 
-@pytest.mark.parametrize("plan", ["minigpt_dp.yaml", "minigpt_tp.yaml", "minigpt_dp_tp.yaml", "minigpt_fsdp.toml"])
+# Each shipped plan's steps equal one device's in test_apply.py; here the trainer runs on them (FSDP by
+# default, the others and accumulation over data x tensor below).
+@pytest.mark.parametrize("plan", [full("minigpt_dp.yaml"), full("minigpt_tp.yaml"), full("minigpt_dp_tp.yaml"),
+                                  "minigpt_fsdp.toml"])
 def test_twenty_steps_match_one_device(tmp_path, plan, one_device_losses):
     result = train(tiny_config(tmp_path / "run", plan=str(PLANS / plan)))
     losses = np.array([result.losses[s] for s in range(1, 21)])
@@ -163,7 +166,7 @@ def test_pipelined_plan_trains_checkpoints_and_resumes(tmp_path):
     assert isinstance(model, MiniGPT)
 
 
-@pytest.mark.parametrize("plan", ["minigpt_3d.yaml", "minigpt_pp4.yaml", "minigpt_dp_tp_sp.yaml"])
+@pytest.mark.parametrize("plan", ["minigpt_3d.yaml", full("minigpt_pp4.yaml"), full("minigpt_dp_tp_sp.yaml")])
 def test_shipped_pipeline_and_step_plans_train_to_the_end_sample_included(tmp_path, capsys, plan):
     """What users run: `minigpt train --plan ...` with its default sample at the end (it once crashed there)."""
     code, out, err = run_cli(capsys, "train", "--plan", f"plans/{plan}", "--out", str(tmp_path / "run"), "--steps", "4",

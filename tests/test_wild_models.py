@@ -16,6 +16,7 @@ import shardplan
 from shardplan.checks.layer_contract import PipelineCallError
 from shardplan.run.pipeline import unstack
 from shardplan.run.pipelined import PipelinedLayers
+from conftest import full
 from wild_models import GemmaConfig, GemmaLike, QwenLike, VitLike, gemma_inputs, qwen_inputs
 
 TOL = 1e-5          # absolute, float32, on outputs, loss and gradients (measured: ~1e-6 and below)
@@ -84,11 +85,9 @@ SCHEDULES = ["gpipe", "interleaved", "1f1b", "interleaved-1f1b"]     # the last:
 # The whole matrix takes ~4 min on 2 cores. The default run takes one case per model shaped like the
 # public ones, every schedule and both meshes among them (~40 s); MiniGPT trains under every schedule
 # in test_pipeline.py. SHARDPLAN_FULL_MATRIX=1 runs all 32.
-FULL = os.environ.get("SHARDPLAN_FULL_MATRIX") == "1"
 DEFAULT = {("gemma", "interleaved", "2x2x2"), ("qwen", "1f1b", "4x2x1"), ("vit", "gpipe", "2x2x2"),
            ("gemma", "interleaved-1f1b", "2x2x2")}
-CASES = [pytest.param(name, schedule, mesh, marks=() if FULL or (name, schedule, mesh) in DEFAULT else
-                      pytest.mark.skip(reason="full matrix only (SHARDPLAN_FULL_MATRIX=1)"))
+CASES = [(name, schedule, mesh) if (name, schedule, mesh) in DEFAULT else full(name, schedule, mesh)
          for name in MODELS for schedule in SCHEDULES for mesh in MESHES]
 
 
@@ -140,6 +139,12 @@ def references():
     return _References()
 
 
+@nnx.jit
+def _adamw_update(optimizer, model, grads):
+    """One program for the update (run op by op, it compiled a program per op and shape)."""
+    optimizer.update(model, grads)
+
+
 def _reference(name):
     factory, *_, batch = MODELS[name]
     x, y = batch()
@@ -147,7 +152,7 @@ def _reference(name):
     out = nnx.jit(lambda m, x: _call(name, m, x))(model, x)
     loss, grads = nnx.jit(lambda m, x, y: nnx.value_and_grad(lambda m: _loss(name, m, x, y))(m))(model, x, y)
     optimizer = nnx.Optimizer(model, optax.adamw(**ADAM), wrt=nnx.Param)
-    optimizer.update(model, grads)
+    _adamw_update(optimizer, model, grads)
     return out, float(loss), nnx.to_pure_dict(grads), nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
@@ -173,7 +178,7 @@ def test_pipelined_model_is_the_original_model(name, schedule, mesh, references)
     errors["gradients"] = _max_error(_unstacked(nnx.to_pure_dict(grads), layers), want_grads)
 
     optimizer = shardplan.shard_optimizer(plan, model, optax.adamw(**ADAM), mesh_)
-    optimizer.update(model, grads)
+    _adamw_update(optimizer, model, grads)
     errors["adamw step"] = _max_error(nnx.to_pure_dict(nnx.state(shardplan.to_plain(model), nnx.Param)),
                                       want_params)
     ERRORS[f"{name} {schedule} {mesh}"] = errors
