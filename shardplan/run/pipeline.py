@@ -404,7 +404,7 @@ def stack(layers: list[dict], stages: int, virtual: int, counts: tuple[int, ...]
 
     Given `sharding_of(path)` (the stacked layout of the leaf at that '/'-joined path), concrete arrays
     are stacked in place: each stage's devices receive their own layers only, so no device holds more
-    than its stage's share of a leaf twice over (`shardplan.init` of a pipeline plan relies on it)."""
+    than its stage's layers twice over (`shardplan.init` of a pipeline plan relies on it)."""
     uneven = counts is not None and len(set(counts)) > 1
     per_chunk = max(counts) if uneven else len(layers) // (stages * virtual)
     if uneven:
@@ -413,63 +413,85 @@ def stack(layers: list[dict], stages: int, virtual: int, counts: tuple[int, ...]
     else:   # layer i is layer l of chunk c = i // per_chunk, on stage c % stages, repeat c // stages
         positions = [((i // per_chunk) % stages, i // (per_chunk * stages), i % per_chunk) for i in range(len(layers))]
 
-    def arrange(path, *arrays):
+    flat = [jax.tree.flatten_with_path(layer)[0] for layer in layers]
+    concrete = all(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(layers))
+    if sharding_of is not None and concrete and flat[0] and jax.process_count() == 1:
+        paths = [path for path, _ in flat[0]]
+        shardings = [sharding_of("/".join(str(getattr(k, "key", k)) for k in path)) for path in paths]
+        leaves = [[layer[i][1] for layer in flat] for i in range(len(paths))]
+        stacked = _stacked_on_stages(leaves, positions, (stages, virtual, per_chunk), shardings)
+        return jax.tree.unflatten(jax.tree.structure(layers[0]), stacked)
+
+    def arrange(*arrays):
         if isinstance(arrays[0], jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct((stages, virtual, per_chunk, *arrays[0].shape), arrays[0].dtype)
-        if sharding_of is not None and isinstance(arrays[0], jax.Array) and not isinstance(arrays[0], jax.core.Tracer) \
-                and jax.process_count() == 1:
-            sharding = sharding_of("/".join(str(getattr(k, "key", k)) for k in path))
-            return _stacked_on_stages(arrays, positions, (stages, virtual, per_chunk), sharding)
         if uneven:
             padding = [jnp.zeros_like(arrays[0])] * per_chunk
             return jnp.stack([jnp.stack([*arrays[start:start + n], *padding[n:]]) for start, n in zip(starts, counts)]
                              )[:, None]
         stacked = jnp.stack(arrays)                                                    # (L, ...)
         return jnp.swapaxes(stacked.reshape(virtual, stages, per_chunk, *stacked.shape[1:]), 0, 1)
-    return jax.tree.map_with_path(arrange, *layers)
+    return jax.tree.map(arrange, *layers)
 
 
-def _stacked_on_stages(arrays, positions, leading: tuple[int, int, int], sharding):
-    """The stacked array in `sharding` (stage axis on dim 0), assembled from per-stage pieces: each layer
-    goes to its stage's devices only, in the layer's own layout there, and is stacked there by one
-    program per stage and shape (stacked per device, it compiled a program per device and shape)."""
-    mesh, axis = sharding.mesh, sharding.spec[0]
+def _stacked_on_stages(leaves: list[list[jax.Array]], positions, leading: tuple[int, int, int],
+                       shardings: list) -> list[jax.Array]:
+    """Each leaf's stacked array in its sharding (stage axis on dim 0), assembled from per-stage pieces:
+    each layer goes to its stage's devices only, in the layer's own layout there, and every leaf of a
+    stage is stacked there by one program (per leaf, it compiled a program per stage and shape)."""
+    mesh, axis = shardings[0].mesh, shardings[0].spec[0]
     axis = axis[0] if isinstance(axis, tuple) else axis
     at = mesh.axis_names.index(axis)
-    layer_spec = P(*tuple(sharding.spec)[3:])
-    shape = (*leading, *arrays[0].shape)
     slots = [(v, l) for v in range(leading[1]) for l in range(leading[2])]
-    pieces = {}
+    pieces = [{} for _ in leaves]
     for stage in range(leading[0]):
-        on_stage = jax.sharding.NamedSharding(
-            jax.sharding.Mesh(np.take(mesh.devices, stage, axis=at), tuple(n for n in mesh.axis_names if n != axis)),
-            layer_spec)
-        held = {position[1:]: jax.device_put(array, on_stage)
-                for array, position in zip(arrays, positions) if position[0] == stage}
-        present = tuple(slot in held for slot in slots)
-        out = jax.sharding.NamedSharding(on_stage.mesh, P(None, None, None, *layer_spec))
-        with jax.set_mesh(on_stage.mesh):       # whatever mesh the caller has set (the trainer runs under one)
-            stacked = _stack_slots(present, leading[1:], out)(*[held[slot] for slot in slots if slot in held])
-        pieces.update({shard.device: shard.data for shard in stacked.addressable_shards})
-    return jax.make_array_from_single_device_arrays(
-        shape, sharding, [pieces[device] for device in sharding.addressable_devices_indices_map(shape)])
+        on_stage = jax.sharding.Mesh(np.take(mesh.devices, stage, axis=at),
+                                     tuple(n for n in mesh.axis_names if n != axis))
+        layer_specs = [P(*tuple(sharding.spec)[3:]) for sharding in shardings]
+        mine = [[(array, position[1:]) for array, position in zip(arrays, positions) if position[0] == stage]
+                for arrays in leaves]
+        moved = iter(jax.device_put([array for leaf in mine for array, _ in leaf],
+                                    [jax.sharding.NamedSharding(on_stage, spec)
+                                     for leaf, spec in zip(mine, layer_specs) for _ in leaf]))
+        held = [{slot: next(moved) for _, slot in leaf} for leaf in mine]
+        present = tuple(slot in held[0] for slot in slots)
+        outs = tuple(jax.sharding.NamedSharding(on_stage, P(None, None, None, *spec)) for spec in layer_specs)
+        with jax.set_mesh(on_stage):       # whatever mesh the caller has set (the trainer runs under one)
+            stacked = _stack_slots(present, leading[1:], outs)([[h[slot] for slot in slots if slot in h] for h in held])
+        for found, array in zip(pieces, stacked):
+            found.update({shard.device: shard.data for shard in array.addressable_shards})
+    out = []
+    for arrays, sharding, found in zip(leaves, shardings, pieces):
+        shape = (*leading, *arrays[0].shape)
+        out.append(jax.make_array_from_single_device_arrays(
+            shape, sharding, [found[device] for device in sharding.addressable_devices_indices_map(shape)]))
+    return out
 
 
 @functools.cache
-def _stack_slots(present: tuple[bool, ...], chunks: tuple[int, int], out_sharding):
-    """Jitted: one stage's layers -> (1, virtual, per_chunk, ...), zeros in the slots no layer fills."""
-    def stack_(*layers):
-        given = iter(layers)
-        slots = [next(given) if here else jnp.zeros_like(layers[0]) for here in present]
-        return jnp.stack(slots).reshape(1, *chunks, *layers[0].shape)
-    return jax.jit(stack_, out_shardings=out_sharding)
+def _stack_slots(present: tuple[bool, ...], chunks: tuple[int, int], out_shardings: tuple):
+    """Jitted: each leaf's layers on one stage -> (1, virtual, per_chunk, ...), zeros in the slots no layer fills."""
+    def stack_(leaves):
+        out = []
+        for layers in leaves:
+            given = iter(layers)
+            slots = [next(given) if here else jnp.zeros_like(layers[0]) for here in present]
+            out.append(jnp.stack(slots).reshape(1, *chunks, *layers[0].shape))
+        return tuple(out)
+    return jax.jit(stack_, out_shardings=out_shardings)
 
 
 def unstack(stacked: dict, counts: tuple[int, ...] | None = None) -> list[dict]:
     """Inverse of `stack`."""
     leaves, treedef = jax.tree.flatten(stacked)
+    return [jax.tree.unflatten(treedef, list(layer)) for layer in _unstacked(tuple(leaves), counts)]
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _unstacked(leaves: tuple, counts: tuple[int, ...] | None) -> list[tuple]:
+    """One program for every leaf and layer (slicing each op by op compiled a program per slice and shape)."""
     flat = [model_order(a, counts) for a in leaves]
-    return [jax.tree.unflatten(treedef, [a[i] for a in flat]) for i in range(flat[0].shape[0])]
+    return [tuple(a[i] for a in flat) for i in range(flat[0].shape[0])]
 
 
 def _is_stacked(subtree) -> bool:
