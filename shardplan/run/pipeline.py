@@ -443,11 +443,11 @@ def _stacked_on_stages(leaves: list[list[jax.Array]], positions, leading: tuple[
     axis = axis[0] if isinstance(axis, tuple) else axis
     at = mesh.axis_names.index(axis)
     slots = [(v, l) for v in range(leading[1]) for l in range(leading[2])]
+    layer_specs = [P(*tuple(sharding.spec)[3:]) for sharding in shardings]
     pieces = [{} for _ in leaves]
     for stage in range(leading[0]):
         on_stage = jax.sharding.Mesh(np.take(mesh.devices, stage, axis=at),
                                      tuple(n for n in mesh.axis_names if n != axis))
-        layer_specs = [P(*tuple(sharding.spec)[3:]) for sharding in shardings]
         mine = [[(array, position[1:]) for array, position in zip(arrays, positions) if position[0] == stage]
                 for arrays in leaves]
         moved = iter(jax.device_put([array for leaf in mine for array, _ in leaf],
