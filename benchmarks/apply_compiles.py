@@ -2,8 +2,7 @@
 `shardplan.apply_plan` and `shardplan.shard_optimizer`, for each shipped MiniGPT plan.
 
 The count of compiled programs is deterministic (XLA's backend compiles, from `jax.monitoring`); the
-seconds are this machine's. A pipeline plan stacks its layers over the stages, one program per stage
-and parameter shape.
+seconds are this machine's. A pipeline plan stacks its layers over the stages, one program per stage.
 
     python benchmarks/apply_compiles.py [--layers 4] [--json out.json]
 """

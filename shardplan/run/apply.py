@@ -154,7 +154,7 @@ def init_program(plan: Plan, factory, mesh: jax.sharding.Mesh, *, example=None):
     """(graph definition, program returning the model's state in the plan's layout) of `init`.
 
     The program is one jitted function; under a pipeline plan it is `create` (also jitted: its compiled
-    peak is the init's) followed by stacking the layers one parameter at a time
+    peak is the init's) followed by stacking the layers, one program per stage
     (`shardplan.run.pipeline.stack`)."""
     abstract, roles = abstract_with_roles(factory)
     abstract = apply_plan(plan, abstract, mesh, example=example, roles=roles)
@@ -173,7 +173,7 @@ class _PipelineInit:
     every stage before it writes the stack (measured: 12.6x the planned bytes per device on 4 stages).
     So `create` builds the unpipelined model with each layer's parameters split over the stage axis and
     the axes they are replicated on too (a sliver of every layer per device), and the layers are then
-    stacked into their stages one parameter at a time, each moving only its own bytes."""
+    stacked into their stages by one program per stage, each stage's devices moving only their own layers."""
 
     def __init__(self, plan: Plan, factory, mesh, example, roles):
         self.plan, self.mesh, self.example, self.roles = plan, mesh, example, roles
