@@ -2,6 +2,7 @@
 against compiled steps; `auto` ranking on one layer standing for all exactly as in full; plans with
 the new sections that validate and train like one device."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -187,6 +188,29 @@ def test_layouts_outside_the_model_say_so(compiled_model):
     for plan, words in ((sp, "sequence parallelism"), (embed_2d, "both dims")):
         cost = estimate(shardplan.check(plan, model), roles, Workload(BATCH, 64), get_profile("cpu"))
         assert any(words in caveat for caveat in cost.caveats), cost.caveats
+
+
+def test_collectives_hide_behind_compute_by_kind_only_where_the_device_overlaps(compiled_model):
+    model, roles = compiled_model
+    gpu, workload = get_profile("h200"), Workload(64, 64)
+    waits = dataclasses.replace(gpu, overlap=False)
+    for plan_file, lanes in (("minigpt_fsdp.toml", {"prefetch", "backward"}), ("minigpt_dp_tp.yaml", {"backward"}),
+                             ("minigpt_3d.yaml", set())):
+        report = shardplan.check(shardplan.load_plan(REPO / "plans" / plan_file), model)
+        cost, waiting = estimate(report, roles, workload, gpu), estimate(report, roles, workload, waits)
+        assert waiting.exposed_communication_s == pytest.approx(waiting.communication_s) and not waiting.hidden
+        assert {lane for lane, _ in cost.hidden} == lanes, (plan_file, cost.hidden)
+        assert cost.exposed_communication_s == pytest.approx(cost.communication_s - sum(s for _, s in cost.hidden))
+        assert sum(s for _, s in cost.hidden) <= cost.compute_s
+        # a tensor-parallel all-reduce feeds the next op and a pipeline tick's send the next tick: never hidden
+        critical = [t for t in cost.transfers if "model" in t.axes or "stage" in t.axes]
+        assert all(t.overlap == "critical" for t in critical) and (critical or plan_file == "minigpt_fsdp.toml")
+        assert cost.update_s > 0
+        assert cost.step_s == pytest.approx(cost.compute_s + cost.exposed_communication_s + cost.update_s)
+    # the update moves each gradient, parameter and optimizer state: ZeRO-1 updates a shard
+    dp_tp = shardplan.check(shardplan.load_plan(REPO / "plans" / "minigpt_dp_tp.yaml"), model)
+    zero1 = shardplan.check(_variant({"optimizer": "zero1"}), model)
+    assert estimate(zero1, roles, workload, gpu).update_s < estimate(dp_tp, roles, workload, gpu).update_s
 
 
 @pytest.mark.parametrize("name", ["minigpt", "wide llama", "three-layer llama"])

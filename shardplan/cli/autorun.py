@@ -156,7 +156,7 @@ def _rerank(found: planner.Search, measured: dict) -> planner.Search:
             rejected.append(dataclasses.replace(item, rejected="compiled memory over the budget"))
             continue
         scale = got.collectives.total_bytes / cost.collective_bytes if cost.collective_bytes else 1.0
-        ranked.append((item, cost.compute_s + cost.exposed_communication_s * scale))
+        ranked.append((item, cost.compute_s + cost.exposed_communication_s * scale + cost.update_s))
     measured_first = sorted(ranked, key=lambda pair: pair[1])
     return dataclasses.replace(found, ranked=[item for item, _ in measured_first], rejected=rejected)
 

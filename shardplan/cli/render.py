@@ -415,10 +415,13 @@ def render_estimate(console: Console, workload, profile, cost, *, accumulate: in
     else:
         print_wrapped(console, "  no collectives")
     bubble = f", pipeline bubble {cost.bubble:.3f}" if cost.bubble else ""
-    hidden = cost.communication_s - cost.exposed_communication_s
+    behind = {"backward": "gradient reductions behind the backward", "prefetch": "FSDP gathers behind the layer "
+              "before", "attention": "ring steps behind their scores"}
+    hidden = ", ".join(f"{behind[lane]} {seconds * 1e3:.2f} ms" for lane, seconds in cost.hidden)
     print_wrapped(console, f"  {cost.flops / 1e12:.3f} TFLOP; modelled step {cost.step_s * 1e3:.2f} ms = compute "
                   f"{cost.compute_s * 1e3:.2f} ms{bubble} + communication {cost.exposed_communication_s * 1e3:.2f} ms"
-                  + (f" ({hidden * 1e3:.2f} ms more runs during the backward)" if hidden > 0 else ""))
+                  f" + optimizer update {cost.update_s * 1e3:.2f} ms" + (f" (more runs during compute: {hidden})"
+                                                                         if hidden else ""))
     for caveat in cost.caveats:
         print_wrapped(console, Text.assemble(("  approximate: ", "bold yellow"), caveat))
 

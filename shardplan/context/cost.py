@@ -23,7 +23,7 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ContextCost:
-    transfers: tuple            # (kind, axes, bytes, count, what), as `shardplan.planner.cost.Transfer` takes
+    transfers: tuple            # (kind, axes, bytes, count, what, overlap), as `shardplan.planner.cost.Transfer` takes
     kept_per_token: float       # bytes kept for the backward per device token, beyond a plain step's
     caveats: tuple[str, ...]
 
@@ -37,15 +37,16 @@ def context_cost(kv_widths: list[float], *, strategy: str, axis: str, ways: int,
         return ContextCost((), 0.0, ())
     # each weight's gradient is summed over the axis's parts of the sequence in an all-reduce of its
     # own, before the data-parallel reduction (XLA does not combine the two)
-    transfers = [("all-reduce", (axis,), gradient_bytes, reductions, "context: gradients summed over the sequence")]
+    transfers = [("all-reduce", (axis,), gradient_bytes, reductions, "context: gradients summed over the sequence",
+                  "backward")]
     for width in kv_widths:
         whole = int(rows * seq * width * itemsize)          # one sequence-long key (or value) tensor
         if strategy == "ring":
             transfers.append(("collective-permute", (axis,), whole // ways, 4 * (ways - 1) * passes,
-                              "context ring: key and value blocks"))
+                              "context ring: key and value blocks", "attention"))
         else:
-            transfers.append(("all-gather", (axis,), whole, 2 * passes, "context: keys and values gathered"))
-            transfers.append(("all-reduce", (axis,), whole, 2 * passes, "context: key and value gradients"))
+            transfers.append(("all-gather", (axis,), whole, 2 * passes, "context: keys and values gathered", "critical"))
+            transfers.append(("all-reduce", (axis,), whole, 2 * passes, "context: key and value gradients", "critical"))
     # both keep the whole sequence's keys and values (the plain step keeps its own tokens' of them)
     kept = sum(2 * width * itemsize * (ways - 1) for width in kv_widths)
     caveats = ()
@@ -58,7 +59,7 @@ def context_cost(kv_widths: list[float], *, strategy: str, axis: str, ways: int,
 
 def _merged(transfers: list[tuple]) -> list[tuple]:
     out: dict = {}
-    for kind, axes, nbytes, count, what in transfers:
-        key = (kind, axes, nbytes, what)
+    for kind, axes, nbytes, count, what, overlap in transfers:
+        key = (kind, axes, nbytes, what, overlap)
         out[key] = out.get(key, 0) + count
-    return [(kind, axes, nbytes, count, what) for (kind, axes, nbytes, what), count in out.items()]
+    return [(kind, axes, nbytes, count, what, overlap) for (kind, axes, nbytes, what, overlap), count in out.items()]

@@ -513,7 +513,8 @@ def why_lost(loser: Ranked, winner: Ranked) -> str:
         return "chosen"
     gaps = {"communication": a.exposed_communication_s - b.exposed_communication_s,
             "pipeline bubble": a.compute_s - a.compute_s * (1 - a.bubble) - (b.compute_s - b.compute_s * (1 - b.bubble)),
-            "compute": a.compute_s * (1 - a.bubble) - b.compute_s * (1 - b.bubble)}
+            "compute": a.compute_s * (1 - a.bubble) - b.compute_s * (1 - b.bubble),
+            "optimizer update": a.update_s - b.update_s}
     reason, gap = max(gaps.items(), key=lambda kv: kv[1])
     if gap <= 0:
         return "ties; simpler or fewer bytes moved wins"

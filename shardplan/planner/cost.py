@@ -38,6 +38,7 @@ import math
 from shardplan.checks.layout import ParamLayout
 from shardplan.checks.validate import data_axes
 from shardplan.plan.schema import format_spec, spec_axes
+from shardplan.planner.overlap import exposure
 from shardplan.planner.profiles import Profile
 from shardplan.checks.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR, ModelRoles, Role
 
@@ -45,7 +46,6 @@ TOKEN_BYTES = 4                 # tokens and targets are int32
 LOGIT_COPIES = 3                # logits, their softmax and their gradient are alive together
 SCORE_COPIES = 2                # attention scores and probabilities kept per head (XLA fuses the rest)
 ELEMENTWISE_PASSES = 4          # stored activation bytes moved by elementwise work: written and read, forward and back
-BACKWARD_SHARE = 2 / 3          # of a step's compute, the backward's: what a gradient reduction can hide behind
 GRADIENT_REDUCTION = "gradients, data parallel"
 WEIGHT_FLOPS = 6                # per weight and token: 2 forward, 4 backward
 ATTENTION_FLOPS = 12            # per token, key position and query width: two matmuls, each 2 forward, 4 backward
@@ -65,6 +65,7 @@ class Transfer:
     bytes: int                  # result bytes of one op on one device
     count: int                  # ops per step
     what: str
+    overlap: str = "critical"   # what it can run behind: one of `shardplan.planner.overlap.LANES`
 
     @property
     def total(self) -> int:
@@ -94,6 +95,8 @@ class Estimate:
     exposed_communication_s: float = 0.0
     updated_bytes: int = 0      # new optimizer state alive at once at the update
     caveats: tuple[str, ...] = ()   # what this layout has that the model does not know: figures approximate
+    update_s: float = 0.0       # the optimizer's update, bound by memory bandwidth (in step_s)
+    hidden: tuple[tuple[str, float], ...] = ()  # (overlap lane, seconds of communication hidden behind compute)
 
     @property
     def grad_bytes(self) -> int:
@@ -145,7 +148,8 @@ class Estimate:
                 "gathered_bytes": self.gathered_bytes, "regathered_bytes": self.regathered_bytes,
                 "updated_bytes": self.updated_bytes,
                 "flops": self.flops, "compute_s": self.compute_s, "communication_s": self.communication_s,
-                "exposed_communication_s": self.exposed_communication_s,
+                "exposed_communication_s": self.exposed_communication_s, "update_s": self.update_s,
+                "hidden_communication_s": dict(self.hidden),
                 "bubble": self.bubble, "step_s": self.step_s, "caveats": list(self.caveats)}
 
 
@@ -324,26 +328,20 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
     peak = profile.flops_for(options.compute_dtype)
     compute_s = (matmul_flops / (peak * profile.matmul_efficiency) + attention_flops /
                  (peak * profile.attention_efficiency) + elementwise_s) / (1.0 - bubble)
-    timed = [(t, _seconds(t, step, profile, plan.mesh.hosts)) for t in transfers]
+    timed = [(t.overlap, _seconds(t, step, profile, plan.mesh.hosts)) for t in transfers]
     communication_s = sum(seconds for _, seconds in timed)
-    # Outside a pipeline the data-parallel gradient reduction runs while the backward computes
-    # (asynchronous collectives); pipelines reduce after their loop, and tensor-parallel and
-    # pipeline transfers sit on the critical path.
-    hidden = sum(seconds for t, seconds in timed if t.what.startswith(GRADIENT_REDUCTION)) \
-        if step.stage_axis is None else 0.0
-    exposed = communication_s - hidden + max(0.0, hidden - BACKWARD_SHARE * compute_s)
-    if step.ring and profile.low_precision_native:
-        # each ring step's permutes run while the step's block is scored (asynchronous collectives)
-        ring_s = sum(seconds for t, seconds in timed if t.what.startswith("context ring"))
-        exposed -= min(ring_s, attention_flops / (peak * profile.attention_efficiency))
+    overlapped = exposure(timed, compute_s=compute_s, attention_s=attention_flops / (peak * profile.attention_efficiency),
+                          asynchronous=profile.overlap, pipelined=step.stage_axis is not None)
+    exposed = overlapped.exposed_s
+    update_s = _update_bytes(every, step) / profile.memory_bandwidth
     return Estimate(param_bytes, optimizer_bytes, 2 * step.tokens * TOKEN_BYTES, stored, remat,
                     microbatch, microbatch_remat, tuple(transfers), flops, compute_s, communication_s, bubble,
-                    compute_s + exposed, compute_copy, early_grads, gathered, regathered, exposed,
+                    compute_s + exposed + update_s, compute_copy, early_grads, gathered, regathered, exposed,
                     # after a pipeline XLA updates in place, parameter by parameter (measured on 1F1B
                     # steps of two sizes); outside one it did not always
                     max((p.opt_bytes_per_device for p in held), default=0) if step.stage_axis else optimizer_bytes,
                     options.caveats + _layout_caveats(held, roles, step) + (experts.caveats if experts else ()) +
-                    sequence.caveats)
+                    sequence.caveats, update_s, overlapped.hidden)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -525,7 +523,7 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
     for (axes, ops), nbytes in reductions.items():
         what = GRADIENT_REDUCTION + ("" if ops == 1 else ", per microbatch" if step.stage_axis is None else
                                      ", inside the pipeline loop")
-        transfers.append(Transfer("all-reduce", axes, nbytes, ops, what))
+        transfers.append(Transfer("all-reduce", axes, nbytes, ops, what, "backward"))
     transfers += _pipeline_transfers(step)
     return _merge(transfers)
 
@@ -577,8 +575,9 @@ def _matrix_transfers(p: ParamLayout, role: Role, step: _Step, staged: bool,
     # and reduces once per microbatch. A rematerialised layer gathers again as its forward reruns
     # (the gathered weight is neither kept nor a saved matmul output).
     gathers = (3 if step.schedule == "1f1b" else 2) if staged else 1 + (in_layer and step.remat != "none")
-    gather_weight = [Transfer("all-gather", fsdp, whole, gathers * passes, f"{p.path}: FSDP weight gathered"),
-                     Transfer("all-reduce", fsdp, whole, passes, f"{p.path}: FSDP gradient")]
+    gather_weight = [Transfer("all-gather", fsdp, whole, gathers * passes, f"{p.path}: FSDP weight gathered",
+                              "prefetch"),
+                     Transfer("all-reduce", fsdp, whole, passes, f"{p.path}: FSDP gradient", "backward")]
     split_rows = role.kind == EMBEDDING and set(fsdp) <= set(_split_axes(p, role.in_dims))
     split_outputs = role.kind in (COLUMN, MATMUL) and set(fsdp) <= set(_split_axes(p, role.out_dims))
     if split_rows:
@@ -869,6 +868,17 @@ def _first_columns(held, roles) -> dict:
                 columns.setdefault(roles.layer_of(p.path), p)
         _LAST_COLUMNS[:] = [held, roles, columns]
     return _LAST_COLUMNS[2]
+
+
+def _update_bytes(every: list[ParamLayout], step: _Step) -> float:
+    """Bytes AdamW moves per device: it reads each gradient, parameter and optimizer state and writes
+    the parameter and the state back, for the part of each parameter its optimizer state holds
+    (ZeRO-1: a shard), as one elementwise pass bound by memory bandwidth."""
+    total = 0.0
+    for p in every:
+        shard = step.ways(tuple(a for a in spec_axes(p.opt_spec) if a not in spec_axes(p.spec)))
+        total += (2 * p.opt_bytes_per_device + 3 * p.bytes_per_device / shard) * step.count(p.path)
+    return total
 
 
 def _bubble(step: _Step) -> float:

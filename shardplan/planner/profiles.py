@@ -41,6 +41,7 @@ class Profile:
     attention_efficiency: float = DEFAULT_MATMUL_EFFICIENCY  # share of peak the attention's own matmuls reach
     attention: str = "materialised"  # "materialised": scores written to memory (XLA's attention); "fused": on chip
     low_precision_native: bool = True   # bf16 compute keeps activations and their collectives in 2 bytes
+    overlap: bool = True    # collectives run asynchronously beside compute (see `shardplan.planner.overlap`)
     source: str = "built in"
 
     def flops_for(self, dtype: str) -> float:
@@ -68,7 +69,8 @@ PROFILES = {
         peak_flops=220e9 / 8, memory_bytes=24 * GiB // 8, memory_bandwidth=4.8e9, intra_host_bandwidth=4.8e9,
         inter_host_bandwidth=1e9, collective_latency=50e-6, devices_per_host=8,
         matmul_efficiency=1.0, link_efficiency=1.0, attention_efficiency=1.0,  # measured figures, not peaks
-        low_precision_native=False),    # XLA on CPU computes and reduces bf16 in float32 (measured)
+        low_precision_native=False,     # XLA on CPU computes and reduces bf16 in float32 (measured)
+        overlap=False),                 # its collectives are copies on the cores that compute
 }
 
 
@@ -132,6 +134,10 @@ class ProfileFile(BaseModel):
     low_precision_native: bool = Field(
         True, description="bf16/fp16 compute keeps activations and their collectives in 2 bytes (false: the "
                           "device computes and reduces them in float32, as XLA on CPU does)")
+    overlap: bool = Field(
+        True, description="collectives run asynchronously beside compute (XLA on GPU with shardplan's performance "
+                          "flags, TPUs): gradient reductions hide behind the backward, FSDP gathers behind the "
+                          "layer before (false: every collective waits, as on CPU)")
     attention: Literal["fused", "materialised"] = Field(
         "materialised", description="materialised: attention scores are written to memory and read back (XLA's "
                                     "attention); fused: they stay on chip (a flash-attention kernel)")
