@@ -299,9 +299,17 @@ def _dense_candidates(roles: ModelRoles, devices: int, hosts: int, workload: Wor
                     for shaped in [base] if stage == 1 else _pipelines(base, stage, data, roles, workload):
                         for remat in REMAT_CHOICES if layered else ("none",):
                             for sequence in (False, True) if tensor and layered else (False,):
-                                for count in accumulate:
+                                for count, master in itertools.product(accumulate, _masters(base)):
                                     yield dataclasses.replace(shaped, remat=remat, sequence=sequence,
-                                                              accumulate=count)
+                                                              accumulate=count, master=master)
+
+
+def _masters(base: Candidate) -> tuple[bool, ...]:
+    """Whether to also offer parameters stored in a 16-bit compute dtype with float32 masters in the
+    optimizer state: under ZeRO-1, where the masters split with the moments (Megatron's distributed
+    optimizer, 6 + 12/DP bytes per parameter); without it they save nothing against float32
+    parameters and a compute copy."""
+    return (False, True) if base.zero1 and base.compute in ("bfloat16", "float16") else (False,)
 
 
 def _pipelines(base: Candidate, stage: int, data: int, roles: ModelRoles, workload: Workload):
@@ -313,6 +321,8 @@ def _pipelines(base: Candidate, stage: int, data: int, roles: ModelRoles, worklo
         yield dataclasses.replace(base, schedule="1f1b", microbatches=microbatches)
         if roles.layer_count % (2 * stage) == 0:
             yield dataclasses.replace(base, schedule="interleaved", microbatches=microbatches, virtual=2)
+            if microbatches % stage == 0:       # Megatron's interleaved 1F1B: microbatches in groups of S
+                yield dataclasses.replace(base, schedule="1f1b", microbatches=microbatches, virtual=2)
 
 
 def _context_sizes(devices: int, workload: Workload, roles: ModelRoles) -> list[int]:

@@ -6,8 +6,9 @@ step sections count too: `remat` (what the layers keep, what the backward recomp
 (the compute dtype's peak, its copy of the parameters, 2-byte activations where the device computes
 it natively) and `activations` (sequence parallelism, modelled as Megatron's and flagged). Time is
 matmul FLOPs at the profile's achievable rate, elementwise bytes at memory bandwidth, collectives at
-the achievable link rate (hierarchical across hosts), with the data-parallel gradient reduction
-hidden behind the backward outside pipelines. See the README for what is not modelled.
+the achievable link rate (hierarchical across hosts), hidden behind compute by kind where the
+device runs collectives asynchronously (`shardplan.planner.overlap`), plus the optimizer's update at
+memory bandwidth. See docs/planning.md for what is not modelled.
 
 Communication follows what XLA's SPMD partitioner emits for each layout, as measured on the
 compiled HLO (`benchmarks/cost_model.py` keeps it honest):
@@ -298,6 +299,9 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
                           (min(p.itemsize, options.compute_itemsize) + max(4, options.compute_itemsize))
                           for p in held if p.stage is not None)
     gathered = regathered = 0
+    # the device's own layers in order (a stage's, or an interleaved stage's chunks): the first two
+    # stand for the two held at a time
+    own_layers = sorted({roles.layer_of(p.path) for p in held} - {None})
     for p in held:
         fsdp = step.ways(tuple(a for a in spec_axes(p.spec) if a in batch_axes))
         layer = roles.layer_of(p.path)
@@ -310,7 +314,7 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
             if step.remat == "none" and step.stage_axis is None:
                 held_whole = count
             else:
-                held_whole = min(2, count) if count > 1 else int(layer < 2)     # one layer for all, or each
+                held_whole = min(2, count) if count > 1 else int(own_layers.index(layer) < 2)  # one for all, or each
             gathered += math.prod(p.shard_shape) * fsdp * min(p.itemsize, itemsize) * held_whole
         elif fsdp > 1 and _gathered_outside_layers(p, roles, step):
             # an FSDP embedding or head whose weight XLA gathers (not its activations): whole at the

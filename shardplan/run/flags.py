@@ -16,9 +16,9 @@ import os
 # (flag, what it is for)
 GPU_FLAGS = (
     ("--xla_gpu_enable_latency_hiding_scheduler=true",
-     "schedules collectives asynchronously so compute runs while they move: the data-parallel gradient "
-     "reduction behind the backward and the ring's key/value blocks behind their scores, as the time "
-     "model assumes"),
+     "schedules collectives asynchronously so compute runs while they move: gradient reductions behind "
+     "the backward, FSDP weight gathers behind the layer before and the ring's key/value blocks behind "
+     "their scores, as the time model assumes (shardplan.planner.overlap)"),
     ("--xla_gpu_enable_pipelined_all_gather=true",
      "starts the next layer's FSDP weight gather inside a loop of layers one iteration early"),
     ("--xla_gpu_enable_pipelined_reduce_scatter=true",
