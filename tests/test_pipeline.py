@@ -17,7 +17,7 @@ import minigpt_model
 import shardplan
 from minigpt_model.steps import loss_fn, train_step
 from shardplan.run.pipeline import stack, unstack
-from shardplan.checks.schedules import article_bubble, bubble_fraction, max_in_flight, timeline
+from shardplan.checks.schedules import OneFOneB, article_bubble, bubble_fraction, max_in_flight, timeline
 
 from conftest import PLANS
 
@@ -42,6 +42,17 @@ def test_bubbles_and_in_flight(microbatches):
     assert bubble_fraction(inter) < bubble_fraction(gpipe) < article_bubble(stages)
     assert max_in_flight(gpipe) == microbatches                 # GPipe keeps every microbatch
     assert max_in_flight(one_f) <= 2 * stages - 1               # 1F1B: bounded by stages, not microbatches
+    # the tables the training step runs (under `model_loss`) are these timelines, with a stash slot per
+    # microbatch in flight; GPipe's last stage keeps each loss gradient until its backward
+    tables = OneFOneB.of(stages, microbatches, 1, "gpipe")
+    for grid, table in ((gpipe, tables), (one_f, OneFOneB.of(stages, microbatches))):
+        assert len(grid) == table.ticks and max_in_flight(grid) <= table.slots <= max_in_flight(grid) + 1
+        for t, tick in enumerate(grid):
+            for s, works in enumerate(tick):
+                assert {(w.kind, w.microbatch) for w in works} == {(kind, row[s][t][0]) for kind, row in
+                                                                   (("F", table.forward), ("B", table.backward))
+                                                                   if row[s][t] is not None}
+    assert tables.head_waits and not OneFOneB.of(stages, microbatches).head_waits
 
 
 def test_every_microbatch_visits_every_stage_once_per_chunk():

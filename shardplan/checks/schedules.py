@@ -66,6 +66,11 @@ class OneFOneB:
     stage s at tick m + s, backward at m + 2(S-1) - s). Ticks: V*M + V*S + S - 2; a tick runs 1/V of a
     stage's layers, so the bubble is (S-1)/V of a microbatch's forward and backward, as Megatron's.
     Needs M to be a multiple of S when V > 1.
+
+    `gpipe` tables (`of(S, M, schedule="gpipe")`) run GPipe's order on the same machinery: every
+    forward (microbatch m at stage s at tick m + s), then every backward mirrored (at tick
+    2(M + S - 1) - 1 - m - s). Each stage keeps all M inputs, and the last stage keeps each
+    microbatch's loss gradient from its forward tick to its backward's (`head_waits`).
     """
 
     stages: int
@@ -77,22 +82,30 @@ class OneFOneB:
     forward_slot: tuple     # [stage][tick] -> stash slot of that forward's input (0 when idle)
     backward_slot: tuple
     slots: int              # stash slots a stage needs: most forwards in flight at once
+    head_waits: bool = False    # the last stage's backward of a microbatch comes after its forward's tick
 
     @staticmethod
     @functools.lru_cache(maxsize=64)
-    def of(stages: int, microbatches: int, virtual: int = 1) -> "OneFOneB":
+    def of(stages: int, microbatches: int, virtual: int = 1, schedule: str = "1f1b") -> "OneFOneB":
         S, M, V = stages, microbatches, virtual
-        if V > 1 and M % S:
-            raise ValueError(f"interleaved 1F1B needs microbatches a multiple of the stages ({S}), got {M}")
-        order = [((i // (S * V)) * S + i % S, (i // S) % V) for i in range(M * V)]
-        backward_order = [(m, V - 1 - v) for m, v in order]
-        ticks = V * M + V * S + S - 2
+        if schedule == "gpipe":
+            if V > 1:
+                raise ValueError("gpipe tables have one chunk per stage")
+            order, backward_order = [(m, 0) for m in range(M)], [(M - 1 - j, 0) for j in range(M)]
+            offset = M + 2 * S - 2
+        else:
+            if V > 1 and M % S:
+                raise ValueError(f"interleaved 1F1B needs microbatches a multiple of the stages ({S}), got {M}")
+            order = [((i // (S * V)) * S + i % S, (i // S) % V) for i in range(M * V)]
+            backward_order = [(m, V - 1 - v) for m, v in order]
+            offset = V * S + S - 2
+        ticks = V * M + offset
         forward, backward, f_slot, b_slot, most = [], [], [], [], 0
         for s in range(S):
             f_row, b_row, fs_row, bs_row = [None] * ticks, [None] * ticks, [0] * ticks, [0] * ticks
             ends = {}
             for j, work in enumerate(backward_order):
-                ends[work] = j + V * S + S - 2 - s
+                ends[work] = j + offset - s
                 b_row[ends[work]] = work
             free, busy = [], []          # slots by the tick they are freed
             for i, work in enumerate(order):
@@ -113,7 +126,9 @@ class OneFOneB:
             backward.append(tuple(b_row))
             f_slot.append(tuple(fs_row))
             b_slot.append(tuple(bs_row))
-        return OneFOneB(S, M, V, ticks, tuple(forward), tuple(backward), tuple(f_slot), tuple(b_slot), most)
+        last = forward[S - 1]
+        waits = any(work is not None and work[1] == V - 1 and backward[S - 1][t] != work for t, work in enumerate(last))
+        return OneFOneB(S, M, V, ticks, tuple(forward), tuple(backward), tuple(f_slot), tuple(b_slot), most, waits)
 
 
 def bubble_fraction(grid: list[list[list[Work]]], backward_cost: float = 2.0) -> float:

@@ -238,7 +238,9 @@ class _Bounds:
         return cls(layer, other, profile.flops_for(dtype) * efficiency, devices)
 
     def step(self, c: Candidate) -> float:
-        again = 8 / 6 if c.remat == "full" or c.schedule == "1f1b" else 1.0
+        # 1F1B and gpipe (but gpipe with a split sequence) run each stage's forward again in its backward
+        tabled = c.schedule == "1f1b" or (c.schedule == "gpipe" and "context" not in c.axes)
+        again = 8 / 6 if c.remat == "full" or tabled else 1.0
         bubble = _schedule_bubble(c.schedule, c.axes.get("stage", 1), c.microbatches, c.virtual) \
             if c.schedule else 0.0
         return (self.layer_flops * again + self.other_flops) / self.devices / self.rate / (1.0 - bubble)

@@ -20,10 +20,11 @@ compiled HLO (`benchmarks/cost_model.py` keeps it honest):
   its gradient all-reduced whole, unless moving activations is cheaper (a vocabulary-split head
   or embedding), where the partitioner gathers the activations instead;
 - gradients are all-reduced over the batch axes a parameter is not split on, in one combined op;
-  under ZeRO-1 the updated parameter is then all-gathered, and (outside a 1F1B loop) an output
+  under ZeRO-1 the updated parameter is then all-gathered, and (outside a tabled loop) an output
   head's gradient shard is computed whole from gathered activations instead of all-reduced;
-- pipelines send one microbatch activation per tick each way; 1F1B recomputes each stage's
-  forward in its backward and moves the after-layer modules between the stages; a head split over
+- pipelines send one microbatch activation per tick each way; on the schedule tables (1F1B, and
+  gpipe unless the sequence is split: `_Step.tabled`) each stage's forward is recomputed in its
+  backward and the after-layer modules move between the stages; a head split over
   a tensor axis is gathered whole once per step (it runs whole inside the pipeline), and its
   gradient is reduced and moved whole. Gradients are
   reduced once after the loop, but when a layer is FSDP-split over a batch axis that axis stays
@@ -186,9 +187,16 @@ class _Step:
     def count(self, path: str) -> int:
         return self.counts.get(path, 1) if self.counts else 1
 
+    @property
+    def tabled(self) -> bool:
+        """Whether the pipeline runs on the schedule tables (`shardplan.run.pipeline`): the code around
+        the layers per microbatch inside the loop, each stage's forward run again in its backward.
+        1F1B, and gpipe unless a context axis splits the sequence (then its whole-batch loop runs)."""
+        return self.schedule == "1f1b" or (self.schedule == "gpipe" and self.context is None)
+
     def recomputes(self, staged: bool, in_layer: bool) -> bool:
-        """Whether the backward runs this forward again (1F1B stages; layers rematerialised in full)."""
-        return (staged and self.schedule == "1f1b") or (in_layer and self.remat == "full")
+        """Whether the backward runs this forward again (tabled stages; layers rematerialised in full)."""
+        return (staged and self.tabled) or (in_layer and self.remat == "full")
 
     def passes(self, staged: bool) -> tuple[int, float]:
         """(passes per step, tokens per pass) for a parameter inside / outside the pipelined layers."""
@@ -199,10 +207,10 @@ class _Step:
         return 1, float(self.tokens)
 
     def runs(self, staged: bool) -> tuple[int, float]:
-        """`passes`, counting the idle ticks of gpipe, whose stages run their layers (and their
-        collectives) on every tick and drop what idle ticks compute."""
+        """`passes`, counting the idle ticks of gpipe's whole-batch loop, whose stages run their layers
+        (and their collectives) on every tick and drop what idle ticks compute."""
         passes, tokens = self.passes(staged)
-        if staged and self.schedule == "gpipe":
+        if staged and self.schedule == "gpipe" and not self.tabled:
             return self.microbatches + self.stages - 1, tokens
         return passes, tokens
 
@@ -215,7 +223,7 @@ class _Step:
             return self.accumulate
         if self.manual_batch:
             return 1
-        if self.schedule == "1f1b" and (staged or head):
+        if self.tabled and (staged or head):
             return self.microbatches
         if staged:
             return self.virtual * self.microbatches + self.stages - 1
@@ -271,7 +279,7 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
     stored, remat, microbatch, microbatch_remat = _activations(kept, step)
     if experts is not None:
         stored, microbatch = stored + experts.kept_bytes, microbatch + experts.kept_bytes // step.accumulate
-    if step.schedule == "1f1b":
+    if step.tabled:
         # the head runs inside the loop: its weights (gathered, when they enter whole), the running
         # sum of their gradients and each microbatch's before it is added (measured in XLA's buffers)
         whole_head = sum((3 * _head_ways(p, roles, step) - 1) * p.bytes_per_device * step.count(p.path)
@@ -292,7 +300,7 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
     early_grads = sum(p.bytes_per_device for p in held if p.path in roles.after_layers | roles.tied)
     if step.accumulate > 1:     # the running sum of the gradients, and each microbatch's before it is added
         early_grads = 2 * param_bytes
-    elif step.schedule == "1f1b":
+    elif step.tabled:
         # the same for the stage's layers, inside the loop (the head's: above): each microbatch's in
         # the compute dtype, their running sum in float32 at least (`shardplan.run.pipeline`)
         early_grads = sum(math.prod(p.shard_shape) * step.count(p.path) *
@@ -429,7 +437,7 @@ def _layout_caveats(held, roles: ModelRoles, step: _Step) -> tuple[str, ...]:
             found.append(f"{p.path} is split on both dims {format_spec(p.spec)}; XLA adds gathers and an all-to-all "
                          "the cost model does not count (measured: about 3.5x the modelled bytes)")
             break
-    if step.schedule == "gpipe":
+    if step.schedule == "gpipe" and not step.tabled:
         found.append("gpipe's peak memory: XLA keeps more of the loop's activations than the model counts (the "
                      "compiled peak measured from 0.86x to 1.4x the modelled one on the CPU backend, the most with "
                      "FSDP)")
@@ -475,7 +483,7 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
         in_layer = roles.layer_of(p.path) is not None
         staged = p.stage is not None
         moved_activations = False
-        head = step.schedule == "1f1b" and (p.path in after or p.path in roles.tied)   # a tied embedding is a head too
+        head = step.tabled and (p.path in after or p.path in roles.tied)   # a tied embedding is a head too
         gathered = p.bytes_per_device * (_head_ways(p, roles, step) - 1) if head else 0
         if gathered:
             # 1F1B runs such a head inside the pipeline whole: its split weight is gathered once per step
@@ -498,7 +506,7 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
             extra = tuple(a for a in spec_axes(p.opt_spec) if a not in axes)
             mine.append(Transfer("all-gather", extra, int(p.bytes_per_device * step.widening(p)), 1,
                                  f"{p.path}: ZeRO-1 update gathered"))
-            in_loop = step.schedule == "1f1b" and p.path in after
+            in_loop = step.tabled and p.path in after
             if role.kind == COLUMN and not role.closes and extra and not in_loop:
                 # XLA gathers the head's input activations and computes each shard's gradient whole
                 passes, tokens = step.passes(staged)
@@ -510,7 +518,7 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
         size = p.bytes_per_device + gathered
         if reduce_over:
             group = reduce_over + ((step.stage_axis,) if step.stage_axis and not staged and
-                                   step.schedule != "1f1b" else ())
+                                   not step.tabled else ())
             key = (group, step.reductions_per_step(staged, head))
             # a tied embedding's two uses (lookup, logits) are reduced separately
             reductions[key] = reductions.get(key, 0) + int(size * step.widening(p)) * count * \
@@ -578,7 +586,7 @@ def _matrix_transfers(p: ParamLayout, role: Role, step: _Step, staged: bool,
     # recomputed forward) and its gradient reduced per microbatch; gradient accumulation gathers
     # and reduces once per microbatch. A rematerialised layer gathers again as its forward reruns
     # (the gathered weight is neither kept nor a saved matmul output).
-    gathers = (3 if step.schedule == "1f1b" else 2) if staged else 1 + (in_layer and step.remat != "none")
+    gathers = (3 if step.tabled else 2) if staged else 1 + (in_layer and step.remat != "none")
     gather_weight = [Transfer("all-gather", fsdp, whole, gathers * passes, f"{p.path}: FSDP weight gathered",
                               "prefetch"),
                      Transfer("all-reduce", fsdp, whole, passes, f"{p.path}: FSDP gradient", "backward")]
@@ -607,9 +615,9 @@ def _pipeline_transfers(step: _Step) -> list[Transfer]:
     b, axis = step.itemsize, (step.stage_axis,)
     microbatch = int(step.tokens / step.microbatches * step.width * b)
     whole = int(step.tokens * step.width * b)
-    if step.schedule == "1f1b":
+    if step.tabled:
         from shardplan.checks.schedules import OneFOneB
-        ticks = OneFOneB.of(step.stages, step.microbatches, step.virtual).ticks
+        ticks = OneFOneB.of(step.stages, step.microbatches, step.virtual, step.schedule).ticks
         # (the code around the layers runs in the loop: nothing enters or leaves it whole)
         return [Transfer("collective-permute", axis, microbatch, 2 * ticks, "activations and their gradients")]
     ticks = step.virtual * step.microbatches + step.stages - 1
@@ -633,7 +641,7 @@ def _gathered_outside_layers(p: ParamLayout, roles: ModelRoles, step: _Step) -> 
     role = roles.roles.get(p.path)
     if role is None or role.kind not in (EMBEDDING, COLUMN, ROW, MATMUL):
         return False
-    if step.schedule == "1f1b" and (p.path in roles.after_layers or p.path in roles.tied):
+    if step.tabled and (p.path in roles.after_layers or p.path in roles.tied):
         return False
     return not _moves_activations(p, role, step)
 
@@ -647,7 +655,7 @@ def _moves_activations(p: ParamLayout, role: Role, step: _Step) -> bool:
 def _before_layers_in_loop(p: ParamLayout, roles: ModelRoles, step: _Step) -> bool:
     """A weight the code before the layers reads, which 1F1B runs per microbatch on the first stage
     (a tied embedding counts as a head)."""
-    return step.schedule == "1f1b" and p.stage is None and roles.layer_of(p.path) is None and \
+    return step.tabled and p.stage is None and roles.layer_of(p.path) is None and \
         p.path not in roles.after_layers and p.path not in roles.tied
 
 
@@ -688,7 +696,7 @@ def _per_token(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple
         elif role.kind == EMBEDDING:
             size = out = math.prod(p.shape[d] for d in role.out_dims) * b
         else:
-            whole = layer == "after" and step.schedule == "1f1b" and _head_ways(p, roles, step) > 1
+            whole = layer == "after" and step.tabled and _head_ways(p, roles, step) > 1
             n_in = math.prod(p.shape[d] for d in role.in_dims) / (1 if whole else _tensor_ways(p, role.in_dims, step))
             n_out = math.prod(p.shape[d] for d in role.out_dims) / (1 if whole else
                                                                     _tensor_ways(p, role.out_dims, step))
@@ -706,7 +714,7 @@ def _per_token(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple
         full[layer] = full.get(layer, 0.0) + size
         dots[layer] = dots.get(layer, 0.0) + out
         if p.path in roles.tied:        # its second use: the logits (a 1F1B one runs whole)
-            vocab = p.shape[role.in_dims[0]] / (1 if step.schedule == "1f1b" else
+            vocab = p.shape[role.in_dims[0]] / (1 if step.tabled else
                                                 _tensor_ways(p, role.in_dims, step))
             logits = (step.width + vocab) * b * LOGIT_COPIES + vocab * b * code.logits
             full["after"] = full.get("after", 0.0) + logits
@@ -784,16 +792,17 @@ def _activations(kept: tuple[dict, dict, dict], step: _Step) -> tuple[int, int, 
     microbatch = int(tokens * layers), int(tokens * rematerialised)
     if step.stage_axis is None:             # (with gradient accumulation: one microbatch's)
         return int(tokens * (layers + outside + head)), int(tokens * (rematerialised + outside + head)), *microbatch
-    if step.schedule == "1f1b":             # the code around the layers runs in the loop, a microbatch at a time
+    if step.tabled:             # the code around the layers runs in the loop, a microbatch at a time
         from shardplan.checks.schedules import OneFOneB
         outside = (outside + head) * tokens / step.tokens
         head = 0.0
-        # the stash of chunk inputs in flight, and one chunk's forward recomputed in its backward
-        in_flight = OneFOneB.of(step.stages, step.microbatches, step.virtual).slots
-        stored = tokens * (in_flight * step.width * b + layers / step.virtual)
+        # the stash of chunk inputs in flight (gpipe: on the last stage also each loss gradient until its
+        # backward), and one chunk's forward recomputed in its backward
+        tables = OneFOneB.of(step.stages, step.microbatches, step.virtual, step.schedule)
+        stored = tokens * (tables.slots * (1 + tables.head_waits) * step.width * b + layers / step.virtual)
     else:
-        # every tick runs one of the stage's `virtual` chunks and keeps its activations (gpipe's idle
-        # ticks too: they compute on and drop what they compute)
+        # every tick runs one of the stage's `virtual` chunks and keeps its activations (the whole-batch
+        # gpipe's idle ticks too: they compute on and drop what they compute)
         ticks = step.virtual * step.microbatches + step.stages - 1
         stored = tokens * ticks * layers / step.virtual
     remat = tokens * (2 * step.stages - 1) * step.width * b + tokens * biggest
@@ -810,7 +819,7 @@ def _traffic(kept: tuple[dict, dict, dict], scores: float, step: _Step) -> float
     full, _, stands_for = kept
     layers = sum(size * stands_for[layer] for layer, size in full.items() if isinstance(layer, int)) - 2 * scores
     rest = sum(size for layer, size in full.items() if not isinstance(layer, int))
-    again = step.remat == "full" or step.schedule == "1f1b"
+    again = step.remat == "full" or step.tabled
     moved = ELEMENTWISE_PASSES * (layers * (1.5 if again else 1.0) + rest) + scores * (20 if again else 15)
     return step.tokens * moved
 

@@ -75,8 +75,9 @@ def prepare(plan, model: nnx.Module, batch: int, seq: int, *, input_name: str | 
 
 
 def branch_share(plan) -> float:
-    """Share of loop trips on which a stage works: M of the M + 2S - 2 ticks of 1F1B (each of its
-    forward and backward branches), vM of the vM + S - 1 ticks of the circular schedules.
+    """Share of loop trips on which a stage works: M of the M + 2S - 2 ticks of 1F1B and of the
+    2(M + S - 1) of gpipe's tables (each of their forward and backward branches), vM of the vM + S - 1
+    ticks of the circular schedules.
 
     The compiled loop takes one branch per tick on each device; HLO cannot say which.
     """
@@ -85,10 +86,13 @@ def branch_share(plan) -> float:
         return 1.0
     from shardplan.checks.mesh import resolve_axes
     import jax
-    stages = resolve_axes(plan, jax.device_count())[0][pipe.axis]
-    if pipe.schedule == "1f1b":
+    sizes = resolve_axes(plan, jax.device_count())[0]
+    stages = sizes[pipe.axis]
+    split_sequence = plan.context is not None and sizes[plan.context.axis] > 1
+    if pipe.schedule == "1f1b" or (pipe.schedule == "gpipe" and not split_sequence):
         from shardplan.checks.schedules import OneFOneB
-        return pipe.virtual_stages * pipe.microbatches / OneFOneB.of(stages, pipe.microbatches, pipe.virtual_stages).ticks
+        tables = OneFOneB.of(stages, pipe.microbatches, pipe.virtual_stages, pipe.schedule)
+        return pipe.virtual_stages * pipe.microbatches / tables.ticks
     work = pipe.virtual_stages * pipe.microbatches if pipe.schedule == "interleaved" else pipe.microbatches
     return work / (work + stages - 1)
 

@@ -249,7 +249,7 @@ def _circular_runner(layers: Layers, mesh, axis: str, batch_axes: tuple[str, ...
 
 def one_f_one_b_loss(layers: Layers, stacked, head: Callable, head_params, embed: Callable, embed_params, head_rest,
                      layer_inputs, head_inputs, targets, keys, *, mesh, axis: str, batch_axes: tuple[str, ...] = (),
-                     embed_branch: bool = True, branches: bool = True):
+                     embed_branch: bool = True, branches: bool = True, schedule: str = "1f1b"):
     """Mean loss over microbatches, with gradients computed by the 1F1B schedule itself (averaged over
     the manual `batch_axes` once, after the loop). `embed(params, rest, split, whole, keys)` is one
     microbatch's input to the layers (the model's code before them) and runs on the first stage as
@@ -261,32 +261,33 @@ def one_f_one_b_loss(layers: Layers, stacked, head: Callable, head_params, embed
     is left to XLA, whose collectives inside a branch only one stage takes would never complete).
     `branches` false: no part runs in a branch at all; every stage computes its forward, backward and
     the loss at every tick and keeps what its tick calls for (a sequence split over an automatic
-    context axis: XLA's collective permutes there wait for every device)."""
+    context axis: XLA's collective permutes there wait for every device). `schedule`: "1f1b", or
+    "gpipe" for GPipe's order on the same tables (every forward, then every backward)."""
     embed_branch = embed_branch and branches
 
-    def schedule(stacked, head_params, embed_params, *rest):
-        return _schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axes, stacked, head_params,
-                         embed_params, *rest)
+    def run(stacked, head_params, embed_params, *rest):
+        return _schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axes, schedule, stacked,
+                         head_params, embed_params, *rest)
 
     @jax.custom_vjp
     def loss(stacked, head_params, embed_params, *rest):
-        return schedule(stacked, head_params, embed_params, *rest)[0]
+        return run(stacked, head_params, embed_params, *rest)[0]
 
     def backward(grads, cotangent):
         # no gradient flows into the other arguments (model inputs, masks, keys): the step differentiates
         # parameters
         return (*jax.tree.map(lambda g: g * cotangent.astype(g.dtype), grads), None, None, None, None, None)
 
-    loss.defvjp(schedule, backward)
+    loss.defvjp(run, backward)
     return loss(stacked, head_params, embed_params, head_rest, layer_inputs, head_inputs, targets, keys)
 
 
-def _schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axes, stacked, head_params, embed_params, head_rest,
-              layer_inputs, head_inputs, targets, keys):
+def _schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axes, schedule, stacked, head_params,
+              embed_params, head_rest, layer_inputs, head_inputs, targets, keys):
     from shardplan.checks.schedules import OneFOneB
     stages, virtual, per_chunk = jax.tree.leaves(stacked)[0].shape[:3]
     micro = targets.shape[0]
-    plan = OneFOneB.of(stages, micro, virtual)
+    plan = OneFOneB.of(stages, micro, virtual, schedule)
     # the schedule's tables, [stage, tick]: microbatch (-1: idle), chunk, stash slot
     tables = [jnp.asarray([[(w[k] if w else -1) for w in row] for row in rows], jnp.int32)
               for rows in (plan.forward, plan.backward) for k in (0, 1)]
@@ -320,7 +321,7 @@ def _schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axe
         like = jax.eval_shape(entering, embed_params, 0)
 
         def tick(carry, t):
-            incoming, cot_in, stash, g_layers, g_head, g_embed, loss_sum = carry
+            incoming, cot_in, stash, waiting, g_layers, g_head, g_embed, loss_sum = carry
             f_on, mf_, vf, f_at = f_m[t] >= 0, jnp.maximum(f_m[t], 0), f_v[t], f_slot[t]
             b_on, mb_, vb, b_at = b_m[t] >= 0, jnp.maximum(b_m[t], 0), b_v[t], b_slot[t]
             enters, leaves = f_on & (s == 0) & (vf == 0), f_on & (s == last) & (vf == virtual - 1)
@@ -338,7 +339,11 @@ def _schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axe
             loss_m, gh, gy = when(leaves, at_last, lambda: (jnp.zeros((), jnp.float32), zero_head, jnp.zeros_like(h)))
             loss_sum, g_head = loss_sum + loss_m, _accumulate(g_head, gh)
 
-            # the last chunk's backward runs on its forward's tick, from the loss just computed
+            # the last chunk's backward runs from the loss computed at its forward: on that tick (1F1B), or
+            # later from where it waited (gpipe)
+            if plan.head_waits:
+                waiting = jnp.where(leaves, waiting.at[f_at].set(gy.astype(waiting.dtype)), waiting)
+                gy = waiting[b_at]
             cot = jnp.where((s == last) & (vb == virtual - 1), gy, cot_in)
 
             def backward():
@@ -355,13 +360,14 @@ def _schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axe
             ge = jax.lax.cond(done, embed_backward, lambda: zero_embed) if embed_branch else \
                 jax.tree.map(lambda g, z: jnp.where(done, g, z), embed_backward(), zero_embed)
             g_embed = _accumulate(g_embed, ge)
-            return (_to_last(h, axis, stages), _to_previous(gx, axis, stages), stash, g_layers, g_head, g_embed,
-                    loss_sum), None
+            return (_to_last(h, axis, stages), _to_previous(gx, axis, stages), stash, waiting, g_layers, g_head,
+                    g_embed, loss_sum), None
 
         zeros = jnp.zeros(like.shape, like.dtype)
-        carry = (zeros, zeros, jnp.zeros((plan.slots, *like.shape), like.dtype), _running_sum(state),
+        waiting = jnp.zeros((plan.slots if plan.head_waits else 0, *like.shape), like.dtype)
+        carry = (zeros, zeros, jnp.zeros((plan.slots, *like.shape), like.dtype), waiting, _running_sum(state),
                  _running_sum(head_params), _running_sum(embed_params), jnp.zeros((), jnp.float32))
-        (_, _, _, g_layers, g_head, g_embed, loss_sum), _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
+        (_, _, _, _, g_layers, g_head, g_embed, loss_sum), _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
         scale = 1.0 / micro
         if batch_axes:      # each shard's loss is a mean over its rows: average them, once
             g_layers, g_head, g_embed, loss_sum = jax.lax.pmean((g_layers, g_head, g_embed, loss_sum), batch_axes)
