@@ -53,6 +53,8 @@ def test_bubbles_and_in_flight(microbatches):
                                                                    (("F", table.forward), ("B", table.backward))
                                                                    if row[s][t] is not None}
     assert tables.head_waits and not OneFOneB.of(stages, microbatches).head_waits
+    # the cost model's closed form of them
+    assert (tables.ticks, tables.slots) == (2 * (microbatches + stages - 1), microbatches)
 
 
 def test_every_microbatch_visits_every_stage_once_per_chunk():

@@ -616,8 +616,7 @@ def _pipeline_transfers(step: _Step) -> list[Transfer]:
     microbatch = int(step.tokens / step.microbatches * step.width * b)
     whole = int(step.tokens * step.width * b)
     if step.tabled:
-        from shardplan.checks.schedules import OneFOneB
-        ticks = OneFOneB.of(step.stages, step.microbatches, step.virtual, step.schedule).ticks
+        ticks = _tables(step)[0]
         # (the code around the layers runs in the loop: nothing enters or leaves it whole)
         return [Transfer("collective-permute", axis, microbatch, 2 * ticks, "activations and their gradients")]
     ticks = step.virtual * step.microbatches + step.stages - 1
@@ -793,13 +792,12 @@ def _activations(kept: tuple[dict, dict, dict], step: _Step) -> tuple[int, int, 
     if step.stage_axis is None:             # (with gradient accumulation: one microbatch's)
         return int(tokens * (layers + outside + head)), int(tokens * (rematerialised + outside + head)), *microbatch
     if step.tabled:             # the code around the layers runs in the loop, a microbatch at a time
-        from shardplan.checks.schedules import OneFOneB
         outside = (outside + head) * tokens / step.tokens
         head = 0.0
         # the stash of chunk inputs in flight (gpipe: on the last stage also each loss gradient until its
         # backward), and one chunk's forward recomputed in its backward
-        tables = OneFOneB.of(step.stages, step.microbatches, step.virtual, step.schedule)
-        stored = tokens * (tables.slots * (1 + tables.head_waits) * step.width * b + layers / step.virtual)
+        _, slots, waits = _tables(step)
+        stored = tokens * (slots * (1 + waits) * step.width * b + layers / step.virtual)
     else:
         # every tick runs one of the stage's `virtual` chunks and keeps its activations (the whole-batch
         # gpipe's idle ticks too: they compute on and drop what they compute)
@@ -881,6 +879,17 @@ def _first_columns(held, roles) -> dict:
                 columns.setdefault(roles.layer_of(p.path), p)
         _LAST_COLUMNS[:] = [held, roles, columns]
     return _LAST_COLUMNS[2]
+
+
+def _tables(step: _Step) -> tuple[int, int, bool]:
+    """(ticks, stash slots, whether the last stage keeps loss gradients) of the step's schedule tables
+    (`shardplan.checks.schedules.OneFOneB`); gpipe's in closed form, as `auto` costs thousands of
+    (stages, microbatches) pairs and building each table takes time in stages x ticks."""
+    if step.schedule == "gpipe":
+        return 2 * (step.microbatches + step.stages - 1), step.microbatches, True
+    from shardplan.checks.schedules import OneFOneB
+    tables = OneFOneB.of(step.stages, step.microbatches, step.virtual)
+    return tables.ticks, tables.slots, tables.head_waits
 
 
 def _update_bytes(every: list[ParamLayout], step: _Step) -> float:
