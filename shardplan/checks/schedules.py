@@ -20,6 +20,13 @@ class Work:
     chunk: int = 0     # which of the device's chunks (interleaved); 0 otherwise
 
 
+def on_tables(schedule: str | None, sequence_split: bool = False) -> bool:
+    """Whether a training step under `schedule` runs on the schedule tables (`OneFOneB`; the model's
+    code around its layers per microbatch, each stage's forward recomputed in its backward): 1F1B, and
+    gpipe unless a context axis splits the sequence (the tables would run every part on every tick)."""
+    return schedule == "1f1b" or (schedule == "gpipe" and not sequence_split)
+
+
 def forward_tick(stage: int, microbatch: int, repeat: int, microbatches: int) -> int:
     """Tick of the forward of `microbatch` at `stage` during pass `repeat` over the stages."""
     return repeat * microbatches + microbatch + stage

@@ -42,6 +42,7 @@ from shardplan.checks.validate import data_axes
 from shardplan.plan.schema import format_spec, spec_axes
 from shardplan.planner.overlap import exposure
 from shardplan.planner.profiles import Profile
+from shardplan.checks.schedules import on_tables
 from shardplan.checks.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR, ModelRoles, Role
 
 TOKEN_BYTES = 4                 # tokens and targets are int32
@@ -189,10 +190,8 @@ class _Step:
 
     @property
     def tabled(self) -> bool:
-        """Whether the pipeline runs on the schedule tables (`shardplan.run.pipeline`): the code around
-        the layers per microbatch inside the loop, each stage's forward run again in its backward.
-        1F1B, and gpipe unless a context axis splits the sequence (then its whole-batch loop runs)."""
-        return self.schedule == "1f1b" or (self.schedule == "gpipe" and self.context is None)
+        """Whether the pipeline runs on the schedule tables (`shardplan.checks.schedules.on_tables`)."""
+        return on_tables(self.schedule, self.context is not None)
 
     def recomputes(self, staged: bool, in_layer: bool) -> bool:
         """Whether the backward runs this forward again (tabled stages; layers rematerialised in full)."""

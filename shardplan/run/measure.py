@@ -89,8 +89,8 @@ def branch_share(plan) -> float:
     sizes = resolve_axes(plan, jax.device_count())[0]
     stages = sizes[pipe.axis]
     split_sequence = plan.context is not None and sizes[plan.context.axis] > 1
-    if pipe.schedule == "1f1b" or (pipe.schedule == "gpipe" and not split_sequence):
-        from shardplan.checks.schedules import OneFOneB
+    from shardplan.checks.schedules import OneFOneB, on_tables
+    if on_tables(pipe.schedule, split_sequence):
         tables = OneFOneB.of(stages, pipe.microbatches, pipe.virtual_stages, pipe.schedule)
         return pipe.virtual_stages * pipe.microbatches / tables.ticks
     work = pipe.virtual_stages * pipe.microbatches if pipe.schedule == "interleaved" else pipe.microbatches

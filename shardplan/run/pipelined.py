@@ -18,6 +18,7 @@ import jax
 from flax import nnx
 
 from shardplan.checks.layer_contract import PipelineCallError, calling_without_updates
+from shardplan.checks.schedules import on_tables
 from shardplan.checks.paths import join_path
 from shardplan.run.accumulate import accumulated_loss
 from shardplan.run.layer_call import CallArgs, describe_layer_call, draw_keys
@@ -115,7 +116,7 @@ class PipelinedLayers(nnx.Module):
         request = _LOSS_REQUEST.get()
         stages, virtual = jax.tree.leaves(state)[0].shape[:2]
         if request is not None and ((virtual > 1 and self._fit(args[0].shape[0])[0] % stages) or
-                                    (self.schedule == "gpipe" and self._pipeline_context is not None)):
+                                    not on_tables(self.schedule, self._pipeline_context is not None)):
             # interleaved 1F1B needs whole groups of `stages` microbatches; a smaller batch (an evaluation)
             # runs the circular forward and the model's own loss instead: the same result. So does gpipe
             # with a split sequence, where the tables would run every part at every tick (no branches).
