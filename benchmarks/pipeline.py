@@ -4,9 +4,9 @@
    computed from the schedule itself, next to the article's stage-after-stage (S-1)/S.
 2. Per-device temporary memory of one compiled training step (`memory_analysis()`): gpipe, 1f1b,
    the circular schedule (`interleaved`, v = 2) and interleaved 1F1B (`1f1b`, v = 2), with the
-   microbatch size fixed so that the batch grows with M: the circular schedule keeps every
-   microbatch's activations, GPipe (on the schedule tables, under `model_loss`) its M stage inputs,
-   1F1B at most 2S-1 stage inputs, interleaved 1F1B about (v+1)S chunk inputs.
+   microbatch size fixed so that the batch grows with M: every schedule runs on the schedule tables
+   (under `model_loss`): the circular schedule keeps its vM chunk inputs (and buffers of M), GPipe
+   its M stage inputs, 1F1B at most 2S-1 stage inputs, interleaved 1F1B about (v+1)S chunk inputs.
 3. Compile time of one training step for 8 vs 32 layers (layers run under scan).
 
     python benchmarks/pipeline.py [--json out.json]

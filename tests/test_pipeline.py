@@ -44,17 +44,36 @@ def test_bubbles_and_in_flight(microbatches):
     assert max_in_flight(one_f) <= 2 * stages - 1               # 1F1B: bounded by stages, not microbatches
     # the tables the training step runs (under `model_loss`) are these timelines, with a stash slot per
     # microbatch in flight; GPipe's last stage keeps each loss gradient until its backward
-    tables = OneFOneB.of(stages, microbatches, 1, "gpipe")
-    for grid, table in ((gpipe, tables), (one_f, OneFOneB.of(stages, microbatches))):
+    tables, circular = OneFOneB.of(stages, microbatches, 1, "gpipe"), OneFOneB.of(stages, microbatches, 2, "interleaved")
+    for grid, table in ((gpipe, tables), (one_f, OneFOneB.of(stages, microbatches)), (inter, circular)):
         assert len(grid) == table.ticks and max_in_flight(grid) <= table.slots <= max_in_flight(grid) + 1
         for t, tick in enumerate(grid):
             for s, works in enumerate(tick):
-                assert {(w.kind, w.microbatch) for w in works} == {(kind, row[s][t][0]) for kind, row in
-                                                                   (("F", table.forward), ("B", table.backward))
-                                                                   if row[s][t] is not None}
+                assert {(w.kind, w.microbatch, w.chunk) for w in works} == {
+                    (kind, *row[s][t]) for kind, row in (("F", table.forward), ("B", table.backward))
+                    if row[s][t] is not None}
     assert tables.head_waits and not OneFOneB.of(stages, microbatches).head_waits
     # the cost model's closed form of them
     assert (tables.ticks, tables.slots) == (2 * (microbatches + stages - 1), microbatches)
+    assert (circular.ticks, circular.slots) == (2 * (2 * microbatches + stages - 1), 2 * microbatches)
+    # the circular schedule's chunk-to-chunk arrivals: every microbatch once each way per chunk boundary,
+    # none before its sender ran it, none after its receiver needs it
+    arrive_f, arrive_b = circular.looped()
+    for arrivals, sender, receiver, chunk_of in ((arrive_f, circular.forward[-1], circular.forward[0], 1),
+                                                 (arrive_b, circular.backward[0], circular.backward[-1], -1)):
+        assert sorted(m for m in arrivals if m >= 0) == list(range(microbatches))
+        for t, m in enumerate(arrivals):
+            if m >= 0:
+                sent, = (work for work in sender[:t] if work is not None and work[0] == m and
+                         0 <= work[1] + chunk_of < 2)
+                due = receiver.index((m, sent[1] + chunk_of))
+                assert sender.index(sent) == t - 1 and due >= t
+    assert circular.loops and not tables.loops
+
+
+def test_the_circular_schedule_needs_a_microbatch_per_stage():
+    with pytest.raises(ValueError, match="at least as many microbatches as stages"):
+        OneFOneB.of(4, 3, 2, "interleaved")
 
 
 def test_every_microbatch_visits_every_stage_once_per_chunk():

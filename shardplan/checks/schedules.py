@@ -23,8 +23,9 @@ class Work:
 def on_tables(schedule: str | None, sequence_split: bool = False) -> bool:
     """Whether a training step under `schedule` runs on the schedule tables (`OneFOneB`; the model's
     code around its layers per microbatch, each stage's forward recomputed in its backward): 1F1B, and
-    gpipe unless a context axis splits the sequence (the tables would run every part on every tick)."""
-    return schedule == "1f1b" or (schedule == "gpipe" and not sequence_split)
+    gpipe and the circular schedule unless a context axis splits the sequence (the tables would run
+    every part on every tick)."""
+    return schedule == "1f1b" or (schedule in ("gpipe", "interleaved") and not sequence_split)
 
 
 def forward_tick(stage: int, microbatch: int, repeat: int, microbatches: int) -> int:
@@ -78,6 +79,12 @@ class OneFOneB:
     forward (microbatch m at stage s at tick m + s), then every backward mirrored (at tick
     2(M + S - 1) - 1 - m - s). Each stage keeps all M inputs, and the last stage keeps each
     microbatch's loss gradient from its forward tick to its backward's (`head_waits`).
+
+    `interleaved` tables (the circular schedule, `of(S, M, V, "interleaved")`) are GPipe's order over
+    V chunks: the forward of microbatch m in chunk v at tick v*M + m + s, every backward mirrored. A
+    microbatch leaving the last stage for its next chunk reaches the first stage M - S ticks before it
+    is due there, and its gradient leaving the first stage reaches the last as early (`loops`): each
+    waits in a buffer of M microbatches. Needs M >= S.
     """
 
     stages: int
@@ -90,16 +97,20 @@ class OneFOneB:
     backward_slot: tuple
     slots: int              # stash slots a stage needs: most forwards in flight at once
     head_waits: bool = False    # the last stage's backward of a microbatch comes after its forward's tick
+    loops: bool = False         # chunk to chunk, activations and gradients wait in a buffer (circular)
 
     @staticmethod
     @functools.lru_cache(maxsize=64)
     def of(stages: int, microbatches: int, virtual: int = 1, schedule: str = "1f1b") -> "OneFOneB":
         S, M, V = stages, microbatches, virtual
-        if schedule == "gpipe":
-            if V > 1:
-                raise ValueError("gpipe tables have one chunk per stage")
-            order, backward_order = [(m, 0) for m in range(M)], [(M - 1 - j, 0) for j in range(M)]
-            offset = M + 2 * S - 2
+        if schedule == "gpipe" and V > 1:
+            raise ValueError("gpipe tables have one chunk per stage")
+        if schedule in ("gpipe", "interleaved"):
+            if V > 1 and M < S:
+                raise ValueError(f"the circular schedule needs at least as many microbatches as stages ({S}), got {M}")
+            order = [(m, v) for v in range(V) for m in range(M)]
+            backward_order = order[::-1]
+            offset = V * M + 2 * S - 2
         else:
             if V > 1 and M % S:
                 raise ValueError(f"interleaved 1F1B needs microbatches a multiple of the stages ({S}), got {M}")
@@ -135,7 +146,17 @@ class OneFOneB:
             b_slot.append(tuple(bs_row))
         last = forward[S - 1]
         waits = any(work is not None and work[1] == V - 1 and backward[S - 1][t] != work for t, work in enumerate(last))
-        return OneFOneB(S, M, V, ticks, tuple(forward), tuple(backward), tuple(f_slot), tuple(b_slot), most, waits)
+        return OneFOneB(S, M, V, ticks, tuple(forward), tuple(backward), tuple(f_slot), tuple(b_slot), most, waits,
+                        schedule == "interleaved" and V > 1)
+
+    def looped(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per tick, the microbatch whose activation arrives at the first stage from the last for its next
+        chunk, and the one whose gradient arrives at the last stage from the first for its previous
+        chunk (-1: none): what the buffers of the circular schedule take in."""
+        V, last = self.virtual, self.stages - 1
+        forward = [-1] + [w[0] if w is not None and w[1] < V - 1 else -1 for w in self.forward[last][:-1]]
+        backward = [-1] + [w[0] if w is not None and w[1] > 0 else -1 for w in self.backward[0][:-1]]
+        return tuple(forward), tuple(backward)
 
 
 def bubble_fraction(grid: list[list[list[Work]]], backward_cost: float = 2.0) -> float:

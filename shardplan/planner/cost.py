@@ -23,7 +23,7 @@ compiled HLO (`benchmarks/cost_model.py` keeps it honest):
   under ZeRO-1 the updated parameter is then all-gathered, and (outside a tabled loop) an output
   head's gradient shard is computed whole from gathered activations instead of all-reduced;
 - pipelines send one microbatch activation per tick each way; on the schedule tables (1F1B, and
-  gpipe unless the sequence is split: `_Step.tabled`) each stage's forward is recomputed in its
+  gpipe and the circular schedule unless the sequence is split: `_Step.tabled`) each stage's forward is recomputed in its
   backward and the after-layer modules move between the stages; a head split over
   a tensor axis is gathered whole once per step (it runs whole inside the pipeline), and its
   gradient is reduced and moved whole. Gradients are
@@ -793,10 +793,10 @@ def _activations(kept: tuple[dict, dict, dict], step: _Step) -> tuple[int, int, 
     if step.tabled:             # the code around the layers runs in the loop, a microbatch at a time
         outside = (outside + head) * tokens / step.tokens
         head = 0.0
-        # the stash of chunk inputs in flight (gpipe: on the last stage also each loss gradient until its
+        # the stash of chunk inputs in flight and what waits beside it (gpipe: each loss gradient until its
         # backward), and one chunk's forward recomputed in its backward
-        _, slots, waits = _tables(step)
-        stored = tokens * (slots * (1 + waits) * step.width * b + layers / step.virtual)
+        _, slots, beside = _tables(step)
+        stored = tokens * ((slots + beside) * step.width * b + layers / step.virtual)
     else:
         # every tick runs one of the stage's `virtual` chunks and keeps its activations (the whole-batch
         # gpipe's idle ticks too: they compute on and drop what they compute)
@@ -880,15 +880,18 @@ def _first_columns(held, roles) -> dict:
     return _LAST_COLUMNS[2]
 
 
-def _tables(step: _Step) -> tuple[int, int, bool]:
-    """(ticks, stash slots, whether the last stage keeps loss gradients) of the step's schedule tables
-    (`shardplan.checks.schedules.OneFOneB`); gpipe's in closed form, as `auto` costs thousands of
-    (stages, microbatches) pairs and building each table takes time in stages x ticks."""
-    if step.schedule == "gpipe":
-        return 2 * (step.microbatches + step.stages - 1), step.microbatches, True
+def _tables(step: _Step) -> tuple[int, int, int]:
+    """(ticks, stash slots, microbatch activations kept beside them: the last stage's loss gradients
+    until their backward, and the circular schedule's two buffers of M) of the step's schedule tables
+    (`shardplan.checks.schedules.OneFOneB`); gpipe's and the circular schedule's in closed form, as
+    `auto` costs thousands of (stages, microbatches) pairs and building each table takes time in
+    stages x ticks."""
+    if step.schedule in ("gpipe", "interleaved"):       # every forward (of every chunk) before any backward
+        forwards = step.virtual * step.microbatches
+        return 2 * (forwards + step.stages - 1), forwards, step.microbatches * (3 if step.virtual > 1 else 1)
     from shardplan.checks.schedules import OneFOneB
     tables = OneFOneB.of(step.stages, step.microbatches, step.virtual)
-    return tables.ticks, tables.slots, tables.head_waits
+    return tables.ticks, tables.slots, tables.microbatches * tables.head_waits
 
 
 def _update_bytes(every: list[ParamLayout], step: _Step) -> float:

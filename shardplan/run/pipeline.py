@@ -7,15 +7,17 @@ automatic), so gradients are averaged over the data axes once, after the loop. L
 chunk run under `lax.scan` (compile time does not grow with depth), and activations move between
 stages with `ppermute`.
 
-- gpipe / interleaved: a circular forward over `virtual * microbatches + stages - 1` ticks;
-  chunk c of the layers lives on stage c % stages, so with `virtual` > 1 each microbatch loops
-  over the stages `virtual` times. The backward is the autodiff transpose of that loop.
-- 1f1b: forward and backward interleaved in one loop (`_schedule`, driven by the static tables of
-  `shardplan.checks.schedules.OneFOneB`; with `virtual` > 1 Megatron's interleaved 1F1B). The model's
-  code before the layers runs on the first stage as each microbatch enters, the code after them
-  (and the loss) on the last as it leaves; a stage keeps only the inputs of its in-flight chunks
-  (2*stages - 1 without chunks) and recomputes the rest in its backward. Exposed to autodiff
-  through a `custom_vjp` whose forward already produced the gradients.
+- A training step (`shardplan.model_loss`) runs the schedule's tables (`_schedule`, driven by the
+  static tables of `shardplan.checks.schedules.OneFOneB`): 1f1b (with `virtual` > 1 Megatron's
+  interleaved 1F1B), gpipe and the circular schedule (`interleaved`), forward and backward in one
+  loop. The model's code before the layers runs on the first stage as each microbatch enters, the
+  code after them (and the loss) on the last as it leaves; a stage keeps only the inputs of its
+  in-flight chunks and recomputes the rest in its backward. Exposed to autodiff through a
+  `custom_vjp` whose forward already produced the gradients.
+- Any other call of the layers (a forward, or gpipe and the circular schedule with a sequence split
+  over a context axis): a circular forward over `virtual * microbatches + stages - 1` ticks; chunk c
+  of the layers lives on stage c % stages, so with `virtual` > 1 each microbatch loops over the
+  stages `virtual` times. The backward is the autodiff transpose of that loop.
 """
 
 from __future__ import annotations
@@ -292,6 +294,7 @@ def _schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axe
     tables = [jnp.asarray([[(w[k] if w else -1) for w in row] for row in rows], jnp.int32)
               for rows in (plan.forward, plan.backward) for k in (0, 1)]
     tables += [jnp.asarray(plan.forward_slot, jnp.int32), jnp.asarray(plan.backward_slot, jnp.int32)]
+    loop_f, loop_b = (jnp.asarray(row, jnp.int32) for row in plan.looped())
 
     def when(on, run, otherwise):
         if branches:
@@ -321,10 +324,14 @@ def _schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axe
         like = jax.eval_shape(entering, embed_params, 0)
 
         def tick(carry, t):
-            incoming, cot_in, stash, waiting, g_layers, g_head, g_embed, loss_sum = carry
+            incoming, cot_in, stash, waiting, loops, g_layers, g_head, g_embed, loss_sum = carry
             f_on, mf_, vf, f_at = f_m[t] >= 0, jnp.maximum(f_m[t], 0), f_v[t], f_slot[t]
             b_on, mb_, vb, b_at = b_m[t] >= 0, jnp.maximum(b_m[t], 0), b_v[t], b_slot[t]
             enters, leaves = f_on & (s == 0) & (vf == 0), f_on & (s == last) & (vf == virtual - 1)
+            if plan.loops:      # the circular schedule: what arrives for another chunk waits until it is due
+                loops = (_keep(loops[0], loop_f[t], incoming), _keep(loops[1], loop_b[t], cot_in))
+                incoming = jnp.where((s == 0) & (vf > 0), loops[0][mf_], incoming)
+                cot_in = jnp.where((s == last) & (vb < virtual - 1), loops[1][mb_], cot_in)
             if embed_branch:
                 h_in = jax.lax.cond(enters, lambda: entering(embed_params, mf_).astype(like.dtype), lambda: incoming)
             else:       # XLA's collectives for an automatic batch axis must run on every stage alike
@@ -342,8 +349,8 @@ def _schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axe
             # the last chunk's backward runs from the loss computed at its forward: on that tick (1F1B), or
             # later from where it waited (gpipe)
             if plan.head_waits:
-                waiting = jnp.where(leaves, waiting.at[f_at].set(gy.astype(waiting.dtype)), waiting)
-                gy = waiting[b_at]
+                waiting = _keep(waiting, jnp.where(leaves, mf_, -1), gy.astype(waiting.dtype))
+                gy = waiting[mb_]
             cot = jnp.where((s == last) & (vb == virtual - 1), gy, cot_in)
 
             def backward():
@@ -360,14 +367,15 @@ def _schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axe
             ge = jax.lax.cond(done, embed_backward, lambda: zero_embed) if embed_branch else \
                 jax.tree.map(lambda g, z: jnp.where(done, g, z), embed_backward(), zero_embed)
             g_embed = _accumulate(g_embed, ge)
-            return (_to_last(h, axis, stages), _to_previous(gx, axis, stages), stash, waiting, g_layers, g_head,
-                    g_embed, loss_sum), None
+            return (_to_last(h, axis, stages), _to_previous(gx, axis, stages), stash, waiting, loops, g_layers,
+                    g_head, g_embed, loss_sum), None
 
         zeros = jnp.zeros(like.shape, like.dtype)
-        waiting = jnp.zeros((plan.slots if plan.head_waits else 0, *like.shape), like.dtype)
-        carry = (zeros, zeros, jnp.zeros((plan.slots, *like.shape), like.dtype), waiting, _running_sum(state),
+        waiting = jnp.zeros((micro if plan.head_waits else 0, *like.shape), like.dtype)
+        loops = (jnp.zeros((micro if plan.loops else 0, *like.shape), like.dtype),) * 2
+        carry = (zeros, zeros, jnp.zeros((plan.slots, *like.shape), like.dtype), waiting, loops, _running_sum(state),
                  _running_sum(head_params), _running_sum(embed_params), jnp.zeros((), jnp.float32))
-        (_, _, _, _, g_layers, g_head, g_embed, loss_sum), _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
+        (*_, g_layers, g_head, g_embed, loss_sum), _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
         scale = 1.0 / micro
         if batch_axes:      # each shard's loss is a mean over its rows: average them, once
             g_layers, g_head, g_embed, loss_sum = jax.lax.pmean((g_layers, g_head, g_embed, loss_sum), batch_axes)
@@ -386,6 +394,12 @@ def _schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axe
     g_head, loss = jax.tree.map(lambda g: g[stages - 1], g_head), loss[stages - 1]
     g_embed = jax.tree.map(lambda g: g[0], g_embed)
     return loss, (g_layers, g_head, g_embed)
+
+
+def _keep(buffer, microbatch, arrived):
+    """`buffer` with `arrived` kept at `microbatch` (-1: nothing arrived for it; the buffer unchanged)."""
+    at = jnp.maximum(microbatch, 0)
+    return buffer.at[at].set(jnp.where(microbatch >= 0, arrived, buffer[at]))
 
 
 def _running_sum(like):

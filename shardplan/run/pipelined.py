@@ -27,7 +27,7 @@ from shardplan.run.pipeline import (Layers, circular_forward, cross_entropy, fit
                                     model_order, one_f_one_b_loss, sequential_forward, split_microbatches, stack,
                                     unstack)
 
-# Set by `model_loss` under a 1F1B or gpipe plan: the layers then run the whole schedule, loss included.
+# Set by `model_loss` under a pipeline plan: the layers then run the whole schedule, loss included.
 _LOSS_REQUEST: contextvars.ContextVar = contextvars.ContextVar("shardplan_loss_request", default=None)
 # Set while 1F1B runs the model's code around its layers for one microbatch: what the layers return,
 # given their input.
@@ -115,11 +115,13 @@ class PipelinedLayers(nnx.Module):
         keys = draw_keys(rngs)
         request = _LOSS_REQUEST.get()
         stages, virtual = jax.tree.leaves(state)[0].shape[:2]
-        if request is not None and ((virtual > 1 and self._fit(args[0].shape[0])[0] % stages) or
-                                    not on_tables(self.schedule, self._pipeline_context is not None)):
-            # interleaved 1F1B needs whole groups of `stages` microbatches; a smaller batch (an evaluation)
-            # runs the circular forward and the model's own loss instead: the same result. So does gpipe
-            # with a split sequence, where the tables would run every part at every tick (no branches).
+        micro = self._fit(args[0].shape[0])[0]
+        too_few = virtual > 1 and (micro < stages if self.schedule == "interleaved" else micro % stages)
+        if request is not None and (too_few or not on_tables(self.schedule, self._pipeline_context is not None)):
+            # interleaved 1F1B needs whole groups of `stages` microbatches, the circular schedule a
+            # microbatch per stage; a smaller batch (an evaluation) runs the layers' own forward and the
+            # model's own loss instead: the same result. So does gpipe with a split sequence, where the
+            # tables would run every part at every tick (no branches).
             request.plain = True
             request = None
         if request is not None:      # (the model may run on a copy of itself: compute precision)
@@ -258,10 +260,10 @@ def to_plain(model: nnx.Module) -> nnx.Module:
 def model_loss(model: nnx.Module, loss_of: Callable, targets, *args, **kwargs):
     """Mean `loss_of(model(*args, **kwargs), targets)` over the batch, for any model.
 
-    Under a 1F1B or gpipe plan the loss is computed inside the pipeline, at the last stage as each
+    Under a pipeline plan the loss is computed inside the pipeline, at the last stage as each
     microbatch arrives; the model's own code after its layers runs there per microbatch, and the code
-    before them on the first stage as it enters. Under `accumulate: N`
-    the batch runs as N microbatches in turn, their gradients summed as they come. In both cases
+    before them on the first stage as it enters. Under `accumulate: N` the batch runs as N
+    microbatches in turn, their gradients summed as they come. In both cases
     `loss_of` must be a mean over the rows, as cross-entropy is. Otherwise this is exactly the
     expression above.
 
@@ -277,7 +279,7 @@ def model_loss(model: nnx.Module, loss_of: Callable, targets, *args, **kwargs):
     found = pipelined_layers(model)
     if found is None and accumulation(model) > 1:
         return accumulated_loss(model, loss_of, targets, args, kwargs, accumulation(model))
-    if found is None or found[1].schedule not in ("1f1b", "gpipe"):
+    if found is None or found[1].schedule not in ("1f1b", "gpipe", "interleaved"):
         return loss_of(model(*args, **kwargs), targets)
     request = _LossRequest(model, loss_of, targets, args, kwargs)
     token = _LOSS_REQUEST.set(request)
