@@ -30,9 +30,10 @@ LAYOUTS = {
 }
 MODELS = {"sorted": SortedMoE, "sigmoid_shared": SigmoidSharedMoE, "loop": LoopMoE, "dense": DenseMoE,
           "dense_gate_first": GateFirstDenseMoE}
-# Every way of writing the block under plain EP; each layout that adds to it on one of them by default,
-# on two in the full matrix.
-CASES = [("ep4", m) for m in sorted(MODELS) if m != "dense_gate_first"] + [
+# Every way of writing the block under EP, each layout that adds to it on one of them by default (the
+# loop and the sigmoid-gated block with a shared expert under the layouts that add tensor parallelism),
+# every way under plain EP and each layout on two in the full matrix.
+CASES = [("ep4", m) if m in ("dense", "sorted") else full("ep4", m) for m in sorted(MODELS) if m != "dense_gate_first"] + [
     full("folded", "sorted"), full("folded", "loop"), ("folded", "dense_gate_first"),
     ("ep_fsdp_tp", "sigmoid_shared"), full("ep_fsdp_tp", "dense"),
     full("ep_tp_experts", "sorted"), ("ep_tp_experts", "loop")]

@@ -19,7 +19,7 @@ from minigpt_model.steps import loss_fn, train_step
 from shardplan.run.pipeline import stack, unstack
 from shardplan.checks.schedules import OneFOneB, article_bubble, bubble_fraction, max_in_flight, timeline
 
-from conftest import PLANS
+from conftest import PLANS, full
 
 CONFIG = dict(maxlen=16, vocab_size=128, embed_dim=64, num_heads=8, feed_forward_dim=128, num_transformer_blocks=8,
               dropout_rate=0.0)
@@ -130,8 +130,9 @@ def _adamw_steps(plan, config: dict, batches):
     return reference, model, optimizer, mesh
 
 
+# (the circular schedule trains like one device on the Gemma-style model in test_wild_models.py by default)
 @pytest.mark.parametrize("base, schedule, virtual", [("minigpt_3d.yaml", "1f1b", 1), ("minigpt_pp4.yaml", "gpipe", 1),
-                                                     ("minigpt_pp4.yaml", "interleaved", 2),
+                                                     full("minigpt_pp4.yaml", "interleaved", 2),
                                                      ("minigpt_pp4.yaml", "1f1b", 2)])     # interleaved 1F1B
 def test_five_adamw_steps_match_one_device(base, schedule, virtual):
     batches = np.random.default_rng(1).integers(0, 128, size=(5, 16, 17), dtype=np.int32)
@@ -254,7 +255,7 @@ def test_layers_that_differ_in_a_non_array_attribute_run_each_with_its_own_setti
     assert [layer.window for layer in shardplan.to_plain(model).layers] == [4, None, 4, None]
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", [full("gpipe"), "1f1b"])     # (padding is the same under every schedule)
 def test_uneven_stages_train_like_one_device_checkpoint_and_go_back_to_plain(schedule, tmp_path):
     """6 layers on 4 stages: 2, 2, 1, 1, each stage padded to 2 slots; the padding passes activations
     through, holds zeros and never leaves the model (to_plain, checkpoints)."""

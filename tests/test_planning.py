@@ -329,17 +329,18 @@ def test_auto_with_bf16_compute_writes_precision_and_stays_close(tmp_path):
     np.testing.assert_allclose(_losses(plan, build), _single_device_losses(build), rtol=1e-2)
 
 
-def test_search_is_bounded_and_answers_the_largest_clusters_quickly():
-    """A 70B-class shape on 131,072 devices: candidates costed on one layer, the best checked in full."""
+def test_search_is_bounded_and_answers_large_clusters_quickly():
+    """A 70B-class shape on 16,384 devices: candidates costed on one layer, the best checked in full
+    (`benchmarks/auto_scale.py` times every size up to 131,072 devices)."""
     import time
     model, roles = abstract_with_roles(lambda: Llama(vocab=32000, dim=8192, heads=64, kv_heads=8, hidden=28672,
                                                      layers=80, rngs=nnx.Rngs(0)))
     started = time.perf_counter()
-    found = auto.search(param_infos(model), roles, devices=131072, workload=Workload(4 * 131072, 4096),
-                        profile=get_profile("h200"), hosts=16384, compute="bfloat16")
+    found = auto.search(param_infos(model), roles, devices=16384, workload=Workload(4 * 16384, 4096),
+                        profile=get_profile("h200"), hosts=2048, compute="bfloat16")
     assert found.best is not None and found.best.report.ok
     assert found.best.estimate.peak_bytes <= found.usable < found.memory
-    assert time.perf_counter() - started < 120          # the benchmark reports the figure; this is a ceiling
+    assert time.perf_counter() - started < 90           # the benchmark reports the figure; this is a ceiling
     document = json.loads(json.dumps(found.best.estimate.to_json()))
     assert {"step_s", "flops", "peak_bytes"} <= set(document)
 

@@ -151,13 +151,15 @@ def test_sampling_compiles_once_and_continues_the_prompt(capsys, tmp_path):
 
 
 def test_pipelined_plan_trains_checkpoints_and_resumes(tmp_path):
-    """minigpt_3d (2 stages x 2 data x 2 model, 1f1b): stop at step 4, resume to 8, same losses as one device."""
+    """minigpt_3d (2 stages x 2 data x 2 model, 1f1b): stop at step 4, resume to 8 and write the sample
+    at the end (it once crashed there), same losses as one device."""
     run = tmp_path / "run"
     config = tiny_config(run, plan=str(PLANS / "minigpt_3d.yaml"), steps=8, checkpoint_every=4, eval_every=4)
     first = train(config, stop_after=4)
     assert sorted(first.losses) == [1, 2, 3, 4]
-    rest = train(dataclasses.replace(config, resume=True))
+    rest = train(dataclasses.replace(config, resume=True, sample_tokens=8))
     assert sorted(rest.losses) == [5, 6, 7, 8]
+    assert rest.sample.startswith("Once upon a time") and len(rest.sample) > len("Once upon a time")
     single = train(tiny_config(tmp_path / "single", plan=str(PLANS / "minigpt_dp.yaml"), steps=8, checkpoint_every=8,
                                eval_every=4), devices=jax.devices()[:1])
     got = {**first.losses, **rest.losses}
@@ -166,7 +168,8 @@ def test_pipelined_plan_trains_checkpoints_and_resumes(tmp_path):
     assert isinstance(model, MiniGPT)
 
 
-@pytest.mark.parametrize("plan", ["minigpt_3d.yaml", full("minigpt_pp4.yaml"), full("minigpt_dp_tp_sp.yaml")])
+# (minigpt_3d trains to its sample by default in the test above; the CLI trains and samples in test_hostile.py)
+@pytest.mark.parametrize("plan", [full("minigpt_3d.yaml"), full("minigpt_pp4.yaml"), full("minigpt_dp_tp_sp.yaml")])
 def test_shipped_pipeline_and_step_plans_train_to_the_end_sample_included(tmp_path, capsys, plan):
     """What users run: `minigpt train --plan ...` with its default sample at the end (it once crashed there)."""
     code, out, err = run_cli(capsys, "train", "--plan", f"plans/{plan}", "--out", str(tmp_path / "run"), "--steps", "4",
