@@ -23,8 +23,9 @@ compiled HLO (`benchmarks/cost_model.py` keeps it honest):
   under ZeRO-1 the updated parameter is then all-gathered, and (outside a tabled loop) an output
   head's gradient shard is computed whole from gathered activations instead of all-reduced;
 - pipelines send one microbatch activation per tick each way; on the schedule tables (1F1B, and
-  gpipe and the circular schedule unless the sequence is split: `_Step.tabled`) each stage's forward is recomputed in its
-  backward and the after-layer modules move between the stages; a head split over
+  gpipe and the circular schedule unless the sequence is split: `_Step.tabled`) each stage's
+  forward is recomputed in its backward and the after-layer modules move between the stages; a
+  head split over
   a tensor axis is gathered whole once per step (it runs whole inside the pipeline), and its
   gradient is reduced and moved whole. Gradients are
   reduced once after the loop, but when a layer is FSDP-split over a batch axis that axis stays
