@@ -72,8 +72,14 @@ def test_bubbles_and_in_flight(microbatches):
 
 
 def test_the_circular_schedule_needs_a_microbatch_per_stage():
+    """Refused by the tables, and by `check` with no batch given (as `shardplan validate` runs it)."""
     with pytest.raises(ValueError, match="at least as many microbatches as stages"):
         OneFOneB.of(4, 3, 2, "interleaved")
+    plan = shardplan.parse_plan(_plan("minigpt_pp4.yaml", "interleaved", 2).model_dump_json().replace(
+        '"microbatches":8', '"microbatches":2'))
+    report = shardplan.check(plan, nnx.eval_shape(lambda: minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0))))
+    found = [d for d in report.errors if d.code == "pipeline-microbatches"]
+    assert found and "at least as many microbatches as stages (4)" in found[0].message and "got 2" in found[0].message
 
 
 def test_every_microbatch_visits_every_stage_once_per_chunk():

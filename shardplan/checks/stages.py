@@ -78,6 +78,10 @@ def plan_stages(plan: Plan, params: list[ParamInfo], sizes: dict[str, int],
                            f"interleaved 1F1B (1f1b with virtual_stages {virtual}) runs microbatches in groups of "
                            f"the stages ({stages}), but got {pipe.microbatches} microbatches",
                            hint=f"set microbatches to a multiple of {stages}"))
+    if pipe.schedule == "interleaved" and virtual > 1 and pipe.microbatches < stages:     # (whatever the batch)
+        found.append(where("pipeline-microbatches", ("pipeline", "microbatches"),
+                           f"interleaved needs at least as many microbatches as stages ({stages}), but got "
+                           f"{pipe.microbatches}", hint=f"set microbatches: {stages} or more"))
     stage_of, assign_found = _assign(plan, sorted(layers), stages, virtual, where)
     found += assign_found
     if stage_of is None:
@@ -240,8 +244,4 @@ def check_microbatches(plan: Plan, batch: int, sizes: dict[str, int], data: tupl
                            f"{count} {what} must divide each data shard's batch, but a batch of "
                            f"{batch} over {shards} data shard(s) gives {batch / shards:g} rows per shard",
                            hint=f"use a batch that is a multiple of {shards * count}"))
-    if pipe and pipe.schedule == "interleaved" and pipe.virtual_stages > 1 and pipe.microbatches < sizes.get(pipe.axis, 1):
-        found.append(where("pipeline-microbatches", ("pipeline", "microbatches"),
-                           f"interleaved needs at least as many microbatches as stages ({sizes[pipe.axis]}), but got "
-                           f"{pipe.microbatches}", hint=f"set microbatches: {sizes[pipe.axis]} or more"))
     return found
