@@ -128,6 +128,10 @@ CASES = {
                               PIPE_PARAMS, 8, None, ["layers/0/w", "'stage'"], 7),
     "pipeline-microbatches": (pipe("  microbatches: 3\n"), PIPE_PARAMS, 8, {"tokens": (8, 16)},
                               ["3 microbatches", "2 data shard(s)", "gives 4"], 7),
+    "pipeline-schedule-context": (
+        "version: 1\nmesh: {axes: {stage: 2, data: 2, context: 2}}\ninputs: {tokens: [data, context]}\n"
+        "context: {axis: context}\npipeline:\n  axis: stage\n  layers: layers\n  schedule: zb-h1\n" + REPLICATE,
+        PIPE_PARAMS, 8, None, ["zb-h1", "context axis 'context' (2 devices)"], 8),
     "accumulate-microbatches": (HEAD + "params: [{match: '.*', spec: []}]\naccumulate: 3\n", PARAMS, 8,
                                 {"tokens": (8, 16)}, ["3 accumulated microbatches", "4 data shard(s)", "gives 2"], 7),
     "accumulate-with-pipeline": (pipe("  microbatches: 2\n") + "accumulate: 4\n", PIPE_PARAMS, 8, None,

@@ -81,12 +81,12 @@ MODELS = {
         lambda x: ((x,), {"rngs": nnx.Rngs(0), "deterministic": True}), _ce, _images),
 }
 MESHES = {"2x2x2": "{stage: 2, data: 2, model: 2}", "4x2x1": "{stage: 4, data: 2, model: 1}"}
-SCHEDULES = ["gpipe", "interleaved", "1f1b", "interleaved-1f1b"]     # the last: 1f1b with virtual_stages 2
+SCHEDULES = ["gpipe", "interleaved", "1f1b", "interleaved-1f1b", "zb-h1"]  # interleaved-1f1b: 1f1b, virtual_stages 2
 # The whole matrix takes ~4 min on 2 cores. The default run takes one case per model shaped like the
 # public ones, every schedule and both meshes among them (~40 s); MiniGPT trains under every schedule
-# in test_pipeline.py. SHARDPLAN_FULL_MATRIX=1 runs all 32.
+# in test_pipeline.py. SHARDPLAN_FULL_MATRIX=1 runs all 40.
 DEFAULT = {("gemma", "interleaved", "2x2x2"), ("qwen", "1f1b", "4x2x1"), ("vit", "gpipe", "2x2x2"),
-           ("gemma", "interleaved-1f1b", "2x2x2")}
+           ("gemma", "interleaved-1f1b", "2x2x2"), ("qwen", "zb-h1", "2x2x2")}
 CASES = [(name, schedule, mesh) if (name, schedule, mesh) in DEFAULT else full(name, schedule, mesh)
          for name in MODELS for schedule in SCHEDULES for mesh in MESHES]
 

@@ -2,7 +2,8 @@
 
 A tick is one lockstep step of every stage. `F`/`B` mark a forward/backward of a microbatch
 (with its chunk for the interleaved schedule). The bubble is the idle share of stage time,
-weighting a backward as `backward_cost` forwards (2, the usual estimate).
+weighting a backward as `backward_cost` forwards (2, the usual estimate). Under the zero-bubble
+schedule `B` is the input gradient alone and `W` the weight gradients, half a backward each.
 """
 
 from __future__ import annotations
@@ -10,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Work:
-    kind: str          # "F" or "B"
+    kind: str          # "F", "B" or "W" (zero-bubble: B the input gradient, W the weight gradients)
     microbatch: int
     chunk: int = 0     # which of the device's chunks (interleaved); 0 otherwise
 
@@ -24,8 +25,15 @@ def on_tables(schedule: str | None, sequence_split: bool = False) -> bool:
     """Whether a training step under `schedule` runs on the schedule tables (`OneFOneB`; the model's
     code around its layers per microbatch, each stage's forward recomputed in its backward): 1F1B, and
     gpipe and the circular schedule unless a context axis splits the sequence (the tables would run
-    every part on every tick)."""
-    return schedule == "1f1b" or (schedule in ("gpipe", "interleaved") and not sequence_split)
+    every part on every tick). The zero-bubble schedule exists on its tables only (a plan splitting the
+    sequence is refused)."""
+    return schedule in ("1f1b", "zb-h1") or (schedule in ("gpipe", "interleaved") and not sequence_split)
+
+
+def recomputes_stages(schedule: str | None, sequence_split: bool = False) -> bool:
+    """Whether a stage runs its forward again in its backward: on the tables each stage keeps only its
+    input, except under the zero-bubble schedule, which keeps the forward's residuals."""
+    return on_tables(schedule, sequence_split) and schedule != "zb-h1"
 
 
 def forward_tick(stage: int, microbatch: int, repeat: int, microbatches: int) -> int:
@@ -37,6 +45,8 @@ def timeline(schedule: str, stages: int, microbatches: int, virtual: int = 1) ->
     """grid[tick][stage] -> the work done there (empty: idle)."""
     if schedule == "1f1b":
         return _one_f_one_b(stages, microbatches, virtual)
+    if schedule == "zb-h1":
+        return ZeroBubble.of(stages, microbatches).grid()
     virtual = virtual if schedule == "interleaved" else 1
     forward_ticks = virtual * microbatches + stages - 1
     grid = [[[] for _ in range(stages)] for _ in range(2 * forward_ticks)]
@@ -159,23 +169,169 @@ class OneFOneB:
         return tuple(forward), tuple(backward)
 
 
+@dataclasses.dataclass(frozen=True)
+class ZeroBubble:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2023) as tables, per stage and tick, ticks
+    one unit each (a forward, an input gradient B or a weight gradient W, taken as equal): `op` 0 idle,
+    1 F, 2 B, 3 W, of microbatch `micro`.
+
+    Stage s runs min(S - s, M) forwards, then for each microbatch in order its B followed by the next
+    forward, its W's delayed by s microbatches (stage s's W of m after its B of m + s); each op starts
+    as soon as its input has arrived (one tick after a neighbour sent it). The weight gradients
+    nobody waits for fill what 1F1B leaves idle: with M >= S the step lasts 3M + S - 1 ticks, the
+    formula's bubble (S - 1)(F + B - W) of one unit per stage, against 1F1B's 3(S - 1) (B and W
+    together). A stage keeps at most S microbatches between forward and weight gradient: 1F1B's S - s
+    between forward and B, and s more waiting for W, with only what W reads (each weight matmul's
+    input and output gradient) kept after B.
+
+    Buffers, as slots: `keep` (F to W: what W reads of the forward, then of B), `until_b` (F to B: what
+    B alone reads), `inbox` (each stage's input from the previous stage, from arrival to its forward)
+    and `cot` (the gradient from the next stage, or at the last stage the loss gradient its forward
+    computed, until its B). `take_in`/`take_cot`: the slot the tick's arrival goes to (-1: none).
+    """
+
+    stages: int
+    microbatches: int
+    ticks: int
+    op: tuple           # [stage][tick] -> 0 idle, 1 F, 2 B, 3 W
+    micro: tuple        # [stage][tick] -> microbatch (0 when idle)
+    keep: tuple         # [stage][tick] -> slot of `keep` (F writes, B writes what W reads, W reads)
+    until_b: tuple      # [stage][tick] -> slot of `until_b` (F writes, B reads)
+    inbox: tuple        # [stage][tick] -> slot F reads its input from
+    cot: tuple          # [stage][tick] -> slot B reads its output gradient from (last stage: F writes it)
+    take_in: tuple      # [stage][tick] -> slot of `inbox` the activation arriving now goes to, -1
+    take_cot: tuple     # [stage][tick] -> slot of `cot` the gradient arriving now goes to, -1
+    slots: tuple        # (keep, until_b, inbox, cot) slot counts, most over stages
+
+    @staticmethod
+    @functools.lru_cache(maxsize=64)
+    def of(stages: int, microbatches: int) -> "ZeroBubble":
+        S, M = stages, microbatches
+        orders = []
+        for s in range(S):
+            warm = min(S - s, M)
+            seq, next_w = [("F", m) for m in range(warm)], 0
+            for m in range(M):
+                seq.append(("B", m))
+                while next_w <= m - s:
+                    seq.append(("W", next_w))
+                    next_w += 1
+                if warm < M:
+                    seq.append(("F", warm))
+                    warm += 1
+            seq += [("W", m) for m in range(next_w, M)]
+            orders.append(seq)
+        done: dict = {}
+        at, rows = [0] * S, [[] for _ in range(S)]
+        t = 0
+        while any(at[s] < len(orders[s]) for s in range(S)):
+            now = []
+            for s in range(S):
+                work = orders[s][at[s]] if at[s] < len(orders[s]) else None
+                if work is not None and not _ready(work, s, S, t, done):
+                    work = None
+                now.append(work)
+                rows[s].append(work)
+            for s, work in enumerate(now):
+                if work is not None:
+                    done[(work[0], s, work[1])] = t
+                    at[s] += 1
+            t += 1
+        return ZeroBubble._with_slots(S, M, t, rows, done)
+
+    @staticmethod
+    def _with_slots(S, M, ticks, rows, done) -> "ZeroBubble":
+        names = ("keep", "until_b", "inbox", "cot", "take_in", "take_cot")
+        tables = {name: [[-1 if name.startswith("take") else 0] * ticks for _ in range(S)] for name in names}
+        counts = [0, 0, 0, 0]
+        for s in range(S):
+            spans = {   # buffer -> [(start, end, microbatch)]: written at start, last read at end
+                "keep": [(done[("F", s, m)], done[("W", s, m)], m) for m in range(M)],
+                "until_b": [(done[("F", s, m)], done[("B", s, m)], m) for m in range(M)],
+                "inbox": [(done[("F", s - 1, m)] + 1, done[("F", s, m)], m) for m in range(M)] if s else [],
+                "cot": [(done[("B", s + 1, m)] + 1 if s < S - 1 else done[("F", s, m)], done[("B", s, m)], m)
+                        for m in range(M)],
+            }
+            for k, (name, found) in enumerate(spans.items()):
+                slot_of = _allocate(found)
+                counts[k] = max(counts[k], max(slot_of.values(), default=-1) + 1)
+                for start, end, m in found:
+                    if name in ("keep", "until_b"):
+                        tables[name][s][start] = tables[name][s][end] = slot_of[m]
+                        if name == "keep":
+                            tables[name][s][done[("B", s, m)]] = slot_of[m]
+                    elif name == "inbox":
+                        tables["take_in"][s][start], tables["inbox"][s][end] = slot_of[m], slot_of[m]
+                    elif s < S - 1:
+                        tables["take_cot"][s][start], tables["cot"][s][end] = slot_of[m], slot_of[m]
+                    else:           # the last stage's forward writes the loss gradient itself
+                        tables["cot"][s][start], tables["cot"][s][end] = slot_of[m], slot_of[m]
+        op = tuple(tuple(0 if w is None else " FBW".index(w[0]) for w in row) for row in rows)
+        micro = tuple(tuple(0 if w is None else w[1] for w in row) for row in rows)
+        frozen = {name: tuple(tuple(row) for row in table) for name, table in tables.items()}
+        return ZeroBubble(S, M, ticks, op, micro, slots=tuple(counts), **frozen)
+
+    def grid(self) -> list[list[list[Work]]]:
+        return [[[Work(" FBW"[self.op[s][t]], self.micro[s][t])] if self.op[s][t] else [] for s in range(self.stages)]
+                for t in range(self.ticks)]
+
+
+def _ready(work, s: int, S: int, t: int, done: dict) -> bool:
+    """Whether `work` of stage s may run at tick t: what it reads was made on an earlier tick (a
+    neighbour's output arrives one tick after it was sent)."""
+    kind, m = work
+    before = lambda key: key in done and done[key] < t          # noqa: E731
+    if kind == "F":
+        return s == 0 or before(("F", s - 1, m))
+    if kind == "B":
+        return before(("F", s, m)) and (s == S - 1 or before(("B", s + 1, m)))
+    return before(("B", s, m))
+
+
+def _allocate(spans: list[tuple[int, int, int]]) -> dict[int, int]:
+    """Microbatch -> slot for buffers held over [start, end] (inclusive): a slot is reused once its
+    last read is on an earlier tick than the next write."""
+    slot_of, busy = {}, []      # (end, slot)
+    free: list[int] = []
+    for start, end, m in sorted(spans):
+        for held in sorted(busy):
+            if held[0] < start:
+                busy.remove(held)
+                free.append(held[1])
+        slot = min(free) if free else len(busy)
+        if free:
+            free.remove(slot)
+        busy.append((end, slot))
+        slot_of[m] = slot
+    return slot_of
+
+
 def bubble_fraction(grid: list[list[list[Work]]], backward_cost: float = 2.0) -> float:
-    """Idle share of stage time: each tick lasts as long as its busiest stage."""
+    """Idle share of stage time: each tick lasts as long as its busiest stage. With `W` work in the grid
+    (zero-bubble), `B` and `W` each last half a backward."""
+    split = any(w.kind == "W" for tick in grid for cell in tick for w in cell)
+    costs = {"F": 1.0, "B": backward_cost / 2 if split else backward_cost, "W": backward_cost / 2}
+
     def cost(works):
-        return sum(backward_cost if w.kind == "B" else 1.0 for w in works)
+        return sum(costs[w.kind] for w in works)
     total = sum(max(cost(cell) for cell in tick) for tick in grid) * len(grid[0])
     busy = sum(cost(cell) for tick in grid for cell in tick)
     return 1.0 - busy / total if total else 0.0
 
 
 def max_in_flight(grid: list[list[list[Work]]]) -> int:
-    """Most microbatches any stage has started but not finished backward (what it must keep)."""
+    """Most microbatches any stage has started but not finished backward (what it must keep): until
+    their weight gradients, under the zero-bubble schedule."""
+    ends = "W" if any(w.kind == "W" for tick in grid for cell in tick for w in cell) else "B"
     worst = 0
     for s in range(len(grid[0])):
         open_ = set()
         for tick in grid:
             for w in tick[s]:
-                (open_.add if w.kind == "F" else open_.discard)((w.microbatch, w.chunk))
+                if w.kind == "F":
+                    open_.add((w.microbatch, w.chunk))
+                elif w.kind == ends:
+                    open_.discard((w.microbatch, w.chunk))
             worst = max(worst, len(open_))
     return worst
 
@@ -186,12 +342,13 @@ def article_bubble(stages: int) -> float:
 
 
 def render_timeline(grid: list[list[list[Work]]], *, width: int = 120) -> str:
-    """Ticks across, stages down: `F3` forward of microbatch 3, `b3` its backward, `.` idle."""
+    """Ticks across, stages down: `F3` forward of microbatch 3, `b3` its backward (zero-bubble: its
+    input gradient, `w3` its weight gradients), `.` idle."""
     cells = []
     for s in range(len(grid[0])):
         row = []
         for tick in grid:
-            row.append("+".join(f"{w.kind if w.kind == 'F' else 'b'}{w.microbatch}" + (f"'{w.chunk}" if w.chunk else "")
+            row.append("+".join(f"{w.kind if w.kind == 'F' else w.kind.lower()}{w.microbatch}" + (f"'{w.chunk}" if w.chunk else "")
                                 for w in tick[s]) or ".")
         cells.append(row)
     size = max(len(c) for row in cells for c in row)

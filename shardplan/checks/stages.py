@@ -82,6 +82,13 @@ def plan_stages(plan: Plan, params: list[ParamInfo], sizes: dict[str, int],
         found.append(where("pipeline-microbatches", ("pipeline", "microbatches"),
                            f"interleaved needs at least as many microbatches as stages ({stages}), but got "
                            f"{pipe.microbatches}", hint=f"set microbatches: {stages} or more"))
+    if pipe.schedule == "zb-h1" and plan.context is not None and sizes.get(plan.context.axis, 1) > 1:
+        found.append(where("pipeline-schedule-context", ("pipeline", "schedule"),
+                           f"zb-h1 runs its stages' parts in branches, one per device and tick, but the sequence is "
+                           f"split over the context axis {plan.context.axis!r} ({sizes[plan.context.axis]} devices), "
+                           "whose collectives every device must join on every tick",
+                           hint="use schedule 1f1b (its stages then run every part on every tick), or drop the "
+                                "context split"))
     stage_of, assign_found = _assign(plan, sorted(layers), stages, virtual, where)
     found += assign_found
     if stage_of is None:

@@ -198,11 +198,13 @@ def _pipeline(report: Report, y: float) -> tuple[list[str], float]:
     pipe, stage_map = report.plan.pipeline, report.stage_map
     grid = timeline(pipe.schedule, stage_map.stages, pipe.microbatches, stage_map.virtual)
     idle = sum(not cell for tick in grid for cell in tick)
+    split = pipe.schedule == "zb-h1"
+    lasting = "B and W each as long as a forward" if split else \
+        "a backward lasting two forwards (a cell holding one is that much longer)"
     parts = [_text(20, y + 16, f"Pipeline over '{pipe.axis}': {pipe.schedule}, {pipe.microbatches} microbatches, "
                                f"{len(grid)} ticks", size=14, weight="bold"),
              _text(20, y + 32, f"{idle} of {len(grid) * stage_map.stages} cells idle; bubble "
-                               f"{bubble_fraction(grid):.1%} of stage time, a backward lasting two forwards (a cell "
-                               "holding one is that much longer)", size=10, fill="#555")]
+                               f"{bubble_fraction(grid):.1%} of stage time, {lasting}", size=10, fill="#555")]
     y += 42
     label_w = 70.0
     cell_w = min(36.0, (WIDTH - 40 - label_w) / max(1, len(grid)))
@@ -218,9 +220,9 @@ def _pipeline(report: Report, y: float) -> tuple[list[str], float]:
             w = items[-1]
             forward = w.kind == "F"
             fill = PALETTE[w.microbatch % len(PALETTE)]
-            opacity = "1.0" if forward else "0.55"
-            label = "+".join(f"{'F' if i.kind == 'F' else 'b'}{i.microbatch}" + (f"'{i.chunk}" if i.chunk else "")
-                             for i in items)
+            opacity = "1.0" if forward else "0.55" if w.kind == "B" else "0.3"
+            label = "+".join(f"{'F' if i.kind == 'F' else i.kind.lower()}{i.microbatch}" +
+                             (f"'{i.chunk}" if i.chunk else "") for i in items)
             parts.append(f"<g opacity='{opacity}'>" + _rect(x0, y0, cell_w, cell_h, fill, stroke="#ffffff",
                                                             title=f"tick {tick}: {label}") + "</g>")
             size = min(10.0, cell_w / max(1, len(label)) * 1.6)
@@ -228,6 +230,8 @@ def _pipeline(report: Report, y: float) -> tuple[list[str], float]:
                 parts.append(_text(x0 + cell_w / 2, y0 + 16, label, size=int(size), anchor="middle", fill="#111",
                                    mono=True))
     y += stage_map.stages * cell_h + 8
-    parts.append(_text(20 + label_w, y + 12, "F<m>: forward of microbatch m (solid); b<m>: backward (light); "
-                                             "grey: idle", size=10, fill="#555"))
+    legend = ("F<m>: forward of microbatch m (solid); b<m>: its input gradient (light); w<m>: its weight "
+              "gradients (lighter); grey: idle") if split else \
+        "F<m>: forward of microbatch m (solid); b<m>: backward (light); grey: idle"
+    parts.append(_text(20 + label_w, y + 12, legend, size=10, fill="#555"))
     return parts, y + 20

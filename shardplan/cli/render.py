@@ -218,8 +218,10 @@ def render_pipeline(console: Console, report: Report) -> None:
     console.print(table)
     grid = timeline(pipe.schedule, stage_map.stages, pipe.microbatches, stage_map.virtual)
     console.print(render_timeline(grid, width=console.width))
-    console.print(f"F<m> forward, b<m> backward of microbatch m ('c: chunk c); {len(grid)} ticks; bubble "
-                  f"{bubble_fraction(grid):.1%} (a backward counted as 2 forwards) vs {article_bubble(stage_map.stages):.1%} "
+    kinds = "b<m> input gradient, w<m> weight gradients" if pipe.schedule == "zb-h1" else "b<m> backward"
+    counted = "b and w each counted as a forward" if pipe.schedule == "zb-h1" else "a backward counted as 2 forwards"
+    console.print(f"F<m> forward, {kinds} of microbatch m ('c: chunk c); {len(grid)} ticks; bubble "
+                  f"{bubble_fraction(grid):.1%} ({counted}) vs {article_bubble(stage_map.stages):.1%} "
                   f"for the article's stage-after-stage pipeline; at most {max_in_flight(grid)} microbatches in "
                   "flight per stage")
 

@@ -50,6 +50,7 @@ CODES: dict[str, str] = {
     "pipeline-no-layers": "`pipeline.layers` names no top-level list of layers",
     "pipeline-axis-in-spec": "a parameter spec uses the stage axis",
     "pipeline-microbatches": "the microbatch count does not divide each data shard's batch",
+    "pipeline-schedule-context": "zb-h1 with the sequence split over a context axis",
     "stage-invalid-regex": "a stage rule's `match` is not a valid regular expression",
     "stage-unassigned": "a layer no stage rule matches",
     "stage-out-of-range": "a stage index outside the stage axis",

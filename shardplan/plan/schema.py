@@ -128,15 +128,17 @@ class PipelineConfig(_Strict):
     stages: Union[Literal["even"], list[StageRule]] = Field(
         default="even", description="Ordered stage rules (first full match wins) or 'even'.")
     microbatches: int = Field(default=1, ge=1, le=4096, description="Microbatches per step.")
-    schedule: Literal["gpipe", "1f1b", "interleaved"] = Field(default="gpipe", description="Pipeline schedule.")
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1"] = Field(
+        default="gpipe", description="Pipeline schedule (zb-h1: 1F1B with each backward split into its input "
+                                     "and weight gradients, the latter filling 1F1B's idle ticks).")
     virtual_stages: int = Field(default=1, ge=1, le=64, description="Chunks of layers per device: with 1f1b, "
                                 "Megatron's interleaved 1F1B (microbatches a multiple of the stages); with "
                                 "interleaved, the circular schedule. gpipe has one chunk per device.")
 
     @model_validator(mode="after")
     def _chunks_need_a_schedule_for_them(self) -> "PipelineConfig":
-        if self.schedule == "gpipe" and self.virtual_stages > 1:
-            raise ValueError(f"gpipe runs one chunk of layers per device, so virtual_stages {self.virtual_stages} "
+        if self.schedule in ("gpipe", "zb-h1") and self.virtual_stages > 1:
+            raise ValueError(f"{self.schedule} runs one chunk of layers per device, so virtual_stages {self.virtual_stages} "
                              "would do nothing: use schedule 1f1b (Megatron's interleaved 1F1B) or interleaved "
                              "(the circular schedule), or leave virtual_stages out")
         return self

@@ -43,7 +43,7 @@ from shardplan.checks.validate import data_axes
 from shardplan.plan.schema import format_spec, spec_axes
 from shardplan.planner.overlap import exposure
 from shardplan.planner.profiles import Profile
-from shardplan.checks.schedules import on_tables
+from shardplan.checks.schedules import on_tables, recomputes_stages
 from shardplan.checks.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR, ModelRoles, Role
 
 TOKEN_BYTES = 4                 # tokens and targets are int32
@@ -195,8 +195,10 @@ class _Step:
         return on_tables(self.schedule, self.context is not None)
 
     def recomputes(self, staged: bool, in_layer: bool) -> bool:
-        """Whether the backward runs this forward again (tabled stages; layers rematerialised in full)."""
-        return (staged and self.tabled) or (in_layer and self.remat == "full")
+        """Whether the backward runs this forward again (tabled stages but zero-bubble's; layers
+        rematerialised in full)."""
+        return (staged and recomputes_stages(self.schedule, self.context is not None)) or \
+            (in_layer and self.remat == "full")
 
     def passes(self, staged: bool) -> tuple[int, float]:
         """(passes per step, tokens per pass) for a parameter inside / outside the pipelined layers."""
@@ -795,9 +797,11 @@ def _activations(kept: tuple[dict, dict, dict], step: _Step) -> tuple[int, int, 
         outside = (outside + head) * tokens / step.tokens
         head = 0.0
         # the stash of chunk inputs in flight and what waits beside it (gpipe: each loss gradient until its
-        # backward), and one chunk's forward recomputed in its backward
+        # backward), and one chunk's forward recomputed in its backward; zero-bubble: the residuals of
+        # the microbatches in flight (the first stage's S) and its two one-slot inboxes
         _, slots, beside = _tables(step)
-        stored = tokens * ((slots + beside) * step.width * b + layers / step.virtual)
+        stored = tokens * (slots * layers + beside * step.width * b) if step.schedule == "zb-h1" else \
+            tokens * ((slots + beside) * step.width * b + layers / step.virtual)
     else:
         # every tick runs one of the stage's `virtual` chunks and keeps its activations (the whole-batch
         # gpipe's idle ticks too: they compute on and drop what they compute)
@@ -817,7 +821,7 @@ def _traffic(kept: tuple[dict, dict, dict], scores: float, step: _Step) -> float
     full, _, stands_for = kept
     layers = sum(size * stands_for[layer] for layer, size in full.items() if isinstance(layer, int)) - 2 * scores
     rest = sum(size for layer, size in full.items() if not isinstance(layer, int))
-    again = step.remat == "full" or step.tabled
+    again = step.remat == "full" or recomputes_stages(step.schedule, step.context is not None)
     moved = ELEMENTWISE_PASSES * (layers * (1.5 if again else 1.0) + rest) + scores * (20 if again else 15)
     return step.tokens * moved
 
@@ -883,13 +887,20 @@ def _first_columns(held, roles) -> dict:
 
 def _tables(step: _Step) -> tuple[int, int, int]:
     """(ticks, stash slots, microbatch activations kept beside them: the last stage's loss gradients
-    until their backward, and the circular schedule's two buffers of M) of the step's schedule tables
+    until their backward, and the circular schedule's two buffers of M; zero-bubble: residual sets
+    and inboxes) of the step's schedule tables
     (`shardplan.checks.schedules.OneFOneB`); gpipe's and the circular schedule's in closed form, as
     `auto` costs thousands of (stages, microbatches) pairs and building each table takes time in
     stages x ticks."""
     if step.schedule in ("gpipe", "interleaved"):       # every forward (of every chunk) before any backward
         forwards = step.virtual * step.microbatches
         return 2 * (forwards + step.stages - 1), forwards, step.microbatches * (3 if step.virtual > 1 else 1)
+    if step.schedule == "zb-h1":        # (residual sets in flight, inboxes; ticks of one F, B or W each)
+        from shardplan.checks.schedules import ZeroBubble
+        if step.microbatches >= step.stages:
+            return 3 * step.microbatches + step.stages - 1, step.stages, 2
+        tables = ZeroBubble.of(step.stages, step.microbatches)
+        return tables.ticks, tables.slots[0], 2
     from shardplan.checks.schedules import OneFOneB
     tables = OneFOneB.of(step.stages, step.microbatches, step.virtual)
     return tables.ticks, tables.slots, tables.microbatches * tables.head_waits

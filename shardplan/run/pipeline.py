@@ -251,7 +251,8 @@ def _circular_runner(layers: Layers, mesh, axis: str, batch_axes: tuple[str, ...
 
 def one_f_one_b_loss(layers: Layers, stacked, head: Callable, head_params, embed: Callable, embed_params, head_rest,
                      layer_inputs, head_inputs, targets, keys, *, mesh, axis: str, batch_axes: tuple[str, ...] = (),
-                     embed_branch: bool = True, branches: bool = True, schedule: str = "1f1b"):
+                     embed_branch: bool = True, branches: bool = True, schedule: str = "1f1b",
+                     runner: Callable | None = None):
     """Mean loss over microbatches, with gradients computed by the 1F1B schedule itself (averaged over
     the manual `batch_axes` once, after the loop). `embed(params, rest, split, whole, keys)` is one
     microbatch's input to the layers (the model's code before them) and runs on the first stage as
@@ -264,11 +265,12 @@ def one_f_one_b_loss(layers: Layers, stacked, head: Callable, head_params, embed
     `branches` false: no part runs in a branch at all; every stage computes its forward, backward and
     the loss at every tick and keeps what its tick calls for (a sequence split over an automatic
     context axis: XLA's collective permutes there wait for every device). `schedule`: "1f1b", or
-    "gpipe" for GPipe's order on the same tables (every forward, then every backward)."""
+    "gpipe" for GPipe's order on the same tables (every forward, then every backward). `runner`: the
+    schedule's own loop in place of the tables' (`zero_bubble.zero_bubble_schedule`)."""
     embed_branch = embed_branch and branches
 
     def run(stacked, head_params, embed_params, *rest):
-        return _schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axes, schedule, stacked,
+        return (runner or _schedule)(layers, head, embed, embed_branch, branches, mesh, axis, batch_axes, schedule, stacked,
                          head_params, embed_params, *rest)
 
     @jax.custom_vjp
@@ -376,14 +378,30 @@ def _schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axe
         carry = (zeros, zeros, jnp.zeros((plan.slots, *like.shape), like.dtype), waiting, loops, _running_sum(state),
                  _running_sum(head_params), _running_sum(embed_params), jnp.zeros((), jnp.float32))
         (*_, g_layers, g_head, g_embed, loss_sum), _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
-        scale = 1.0 / micro
-        if batch_axes:      # each shard's loss is a mean over its rows: average them, once
-            g_layers, g_head, g_embed, loss_sum = jax.lax.pmean((g_layers, g_head, g_embed, loss_sum), batch_axes)
-        g_layers = jax.tree.map(lambda g, a: (g * scale).astype(a.dtype)[None], g_layers, state)
-        g_head = jax.tree.map(lambda g, a: (g * scale).astype(a.dtype)[None], g_head, head_params)
-        g_embed = jax.tree.map(lambda g, a: (g * scale).astype(a.dtype)[None], g_embed, embed_params)
-        return g_layers, (g_head, g_embed, (loss_sum * scale)[None])
+        return finish_gradients(g_layers, g_head, g_embed, loss_sum, micro, batch_axes, state, head_params,
+                                embed_params)
 
+    return run_on_stages(per_device, mesh, axis, batch_axes, stacked, head_params, embed_params, head_rest,
+                         layer_inputs, head_inputs, targets, keys)
+
+
+def finish_gradients(g_layers, g_head, g_embed, loss_sum, micro: int, batch_axes, state, head_params, embed_params):
+    """One device's sums over its microbatches -> means, averaged over the manual batch axes once, in
+    the parameters' dtypes, with a leading stage dim (see `run_on_stages`)."""
+    scale = 1.0 / micro
+    if batch_axes:      # each shard's loss is a mean over its rows: average them, once
+        g_layers, g_head, g_embed, loss_sum = jax.lax.pmean((g_layers, g_head, g_embed, loss_sum), batch_axes)
+    g_layers = jax.tree.map(lambda g, a: (g * scale).astype(a.dtype)[None], g_layers, state)
+    g_head = jax.tree.map(lambda g, a: (g * scale).astype(a.dtype)[None], g_head, head_params)
+    g_embed = jax.tree.map(lambda g, a: (g * scale).astype(a.dtype)[None], g_embed, embed_params)
+    return g_layers, (g_head, g_embed, (loss_sum * scale)[None])
+
+
+def run_on_stages(per_device, mesh, axis, batch_axes, stacked, head_params, embed_params, head_rest, layer_inputs,
+                  head_inputs, targets, keys):
+    """`per_device` under shard_map, manual over the stage axis and `batch_axes` -> (loss, (layer, head,
+    embedding gradients)): the head's and the loss from the last stage, the embedding's from the first."""
+    stages = mesh.shape[axis]
     rows = _batch_spec(batch_axes, None)
     inputs = (rows, P())
     run = jax.shard_map(per_device, mesh=mesh, in_specs=(P(axis), P(), P(), P(), inputs, inputs, rows, P()),

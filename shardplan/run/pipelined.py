@@ -18,11 +18,12 @@ import jax
 from flax import nnx
 
 from shardplan.checks.layer_contract import PipelineCallError, calling_without_updates
-from shardplan.checks.schedules import on_tables
+from shardplan.checks.schedules import SCHEDULES, on_tables
 from shardplan.checks.paths import join_path
 from shardplan.run.accumulate import accumulated_loss
 from shardplan.run.layer_call import CallArgs, describe_layer_call, draw_keys
 from shardplan.run.step_options import accumulation
+from shardplan.run.zero_bubble import zero_bubble_schedule
 from shardplan.run.pipeline import (Layers, circular_forward, cross_entropy, fit_microbatches, merge_microbatches,
                                     model_order, one_f_one_b_loss, sequential_forward, split_microbatches, stack,
                                     unstack)
@@ -223,7 +224,8 @@ class PipelinedLayers(nnx.Module):
             functools.partial(layers_entry, used=read_at), embed_in, rest_leaves,
             ([micro(a) for a in split], whole), ([micro(a) for a in model_split], model_whole),
             micro(request.targets), (keys, head_keys), mesh=mesh, axis=self._pipeline_axis, batch_axes=batch_axes,
-            embed_branch=every_batch_axis_manual, branches=self._pipeline_context is None, schedule=self.schedule)
+            embed_branch=every_batch_axis_manual, branches=self._pipeline_context is None, schedule=self.schedule,
+            runner=zero_bubble_schedule if self.schedule == "zb-h1" else None)
 
 
 def _used_inputs(function: Callable, leaves: list) -> list[bool]:
@@ -279,7 +281,7 @@ def model_loss(model: nnx.Module, loss_of: Callable, targets, *args, **kwargs):
     found = pipelined_layers(model)
     if found is None and accumulation(model) > 1:
         return accumulated_loss(model, loss_of, targets, args, kwargs, accumulation(model))
-    if found is None or found[1].schedule not in ("1f1b", "gpipe", "interleaved"):
+    if found is None or found[1].schedule not in SCHEDULES:
         return loss_of(model(*args, **kwargs), targets)
     request = _LossRequest(model, loss_of, targets, args, kwargs)
     token = _LOSS_REQUEST.set(request)

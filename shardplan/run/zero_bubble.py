@@ -1,0 +1,213 @@
+"""The zero-bubble schedule (ZB-H1) inside one compiled step: each stage's backward split into the
+input gradient B, which the previous stage waits for, and the weight gradients W, which it runs later
+in ticks 1F1B leaves idle (`shardplan.checks.schedules.ZeroBubble`).
+
+Unlike the other schedules, a stage keeps its forward's residuals rather than recomputing the forward
+in the backward: B then costs about what F does, and so does W, which the tables take as equal. What
+W reads (each weight matmul's input from the forward, its output gradient from B) stays until W; what
+B alone reads is dropped at B. Weights the residuals would repeat are read from the stage's own.
+The code around the layers runs per microbatch on its stage, as under 1F1B (`pipeline._schedule`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax._src import core
+
+from shardplan.checks.schedules import ZeroBubble
+from shardplan.run.layer_call import fold_keys
+from shardplan.run.pipeline import (_accumulate, _at, _chunk, _keep, _run_chunk, _running_sum, _shard_keys,
+                                    _to_last, _to_previous, finish_gradients, run_on_stages)
+from shardplan.run.split_backward import split_backward
+
+_TABLES = ("op", "micro", "keep", "until_b", "inbox", "cot", "take_in", "take_cot")
+
+
+def zero_bubble_schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axes, schedule, stacked,
+                         head_params, embed_params, head_rest, layer_inputs, head_inputs, targets, keys):
+    """(loss, gradients) of the layers, head and embedding under ZB-H1; the arguments as
+    `pipeline._schedule`'s (`schedule` is "zb-h1")."""
+    stages, virtual, per_chunk = jax.tree.leaves(stacked)[0].shape[:3]
+    if virtual != 1:
+        raise ValueError("zb-h1 runs one chunk of layers per stage")
+    micro = targets.shape[0]
+    plan = ZeroBubble.of(stages, micro)
+    tables = {name: jnp.asarray(getattr(plan, name), jnp.int32) for name in _TABLES}
+    keep_slots, until_b_slots, inbox_slots, cot_slots = plan.slots
+
+    def when(on, run, otherwise):
+        if branches:
+            return jax.lax.cond(on, run, otherwise)
+        return jax.tree.map(lambda a, b: jnp.where(on, a, b), run(), otherwise())
+
+    def per_device(state, head_params, embed_params, head_rest, layer_inputs, head_inputs, targets, keys):
+        layer_keys, head_keys = _shard_keys(keys[0], mesh, batch_axes), _shard_keys(keys[1], mesh, batch_axes)
+        (layer_split, layer_whole), (head_split, head_whole) = layer_inputs, head_inputs
+        state = _chunk(state, 0)                                          # (virtual, per_chunk, ...)
+        chunk = _chunk(state, 0)                                          # (per_chunk, ...): one chunk
+        chunk_leaves, chunk_def = jax.tree.flatten(chunk)
+        s = jax.lax.axis_index(axis)
+        last = stages - 1
+        row = {name: table[s] for name, table in tables.items()}
+        first, size = layers.chunk(s, per_chunk)
+
+        def entering(embed_params, m):
+            return embed(embed_params, head_rest, _at(head_split, m), head_whole, fold_keys(head_keys, m))
+
+        def head_loss(head_params, h, m):
+            return head(head_params, head_rest, h, _at(head_split, m), head_whole, fold_keys(head_keys, m),
+                        targets[m])
+
+        like = jax.eval_shape(entering, embed_params, 0)
+        parts = _Parts.of(layers, chunk_leaves, chunk_def, like, layer_whole, first, size,
+                          _at(layer_split, 0), fold_keys(layer_keys, 0))
+
+        def tick(carry, t):
+            (incoming, cot_in, inbox, cotbox, kept, crossed, until_b, g_layers, g_head, g_embed,
+             loss_sum) = carry
+            op, m = row["op"][t], row["micro"][t]
+            f_on, b_on, w_on = op == 1, op == 2, op == 3
+            inbox = _keep(inbox, row["take_in"][t], incoming)
+            cotbox = _keep(cotbox, row["take_cot"][t], cot_in)
+
+            enters, leaves = f_on & (s == 0), f_on & (s == last)
+            arrived = inbox[row["inbox"][t]]
+            if embed_branch:
+                h_in = jax.lax.cond(enters, lambda: entering(embed_params, m).astype(like.dtype), lambda: arrived)
+            else:       # XLA's collectives for an automatic batch axis must run on every stage alike
+                h_in = jnp.where(enters, entering(embed_params, m).astype(like.dtype), arrived)
+            y, saved = when(f_on, lambda: parts.forward(chunk_leaves, h_in, _at(layer_split, m),
+                                                        fold_keys(layer_keys, m)),
+                            lambda: (jnp.zeros_like(h_in), parts.nothing_saved()))
+            keep_at = jnp.where(f_on | b_on, row["keep"][t], -1)
+            kept = [_keep(buffer, jnp.where(f_on, keep_at, -1), value) for buffer, value in zip(kept, saved[0])]
+            until_b = [_keep(buffer, jnp.where(f_on, row["until_b"][t], -1), value)
+                       for buffer, value in zip(until_b, saved[1])]
+
+            def at_last():
+                loss, (gh, gy) = jax.value_and_grad(head_loss, argnums=(0, 1))(head_params, y, m)
+                return loss.astype(jnp.float32), gh, gy
+            zero_head = jax.tree.map(jnp.zeros_like, head_params)
+            loss_m, gh, gy = when(leaves, at_last, lambda: (jnp.zeros((), jnp.float32), zero_head, jnp.zeros_like(y)))
+            loss_sum, g_head = loss_sum + loss_m, _accumulate(g_head, gh)
+            cotbox = _keep(cotbox, jnp.where(leaves, row["cot"][t], -1), gy.astype(cotbox.dtype))
+
+            def input_gradient():
+                slot, b_slot = row["keep"][t], row["until_b"][t]
+                return parts.input_gradient(chunk_leaves, [k[slot] for k in kept], [u[b_slot] for u in until_b],
+                                            cotbox[row["cot"][t]])
+            gx, handed = when(b_on, input_gradient, lambda: (jnp.zeros_like(h_in), parts.nothing_handed()))
+            crossed = [_keep(buffer, jnp.where(b_on, keep_at, -1), value) for buffer, value in zip(crossed, handed)]
+
+            def weight_gradient():
+                slot = row["keep"][t]
+                return parts.weight_gradient(chunk_leaves, [k[slot] for k in kept], [c[slot] for c in crossed])
+            gl = when(w_on, weight_gradient, lambda: [jnp.zeros_like(a) for a in chunk_leaves])
+            g_layers = _accumulate(g_layers, gl)
+
+            def embed_backward():    # the first stage takes the microbatch's gradient into the code before
+                _, vjp = jax.vjp(lambda p: entering(p, m), embed_params)
+                return vjp(gx.astype(like.dtype))[0]
+            zero_embed = jax.tree.map(jnp.zeros_like, embed_params)
+            done = b_on & (s == 0)
+            ge = jax.lax.cond(done, embed_backward, lambda: zero_embed) if embed_branch else \
+                jax.tree.map(lambda g, z: jnp.where(done, g, z), embed_backward(), zero_embed)
+            g_embed = _accumulate(g_embed, ge)
+            return (_to_last(y, axis, stages), _to_previous(gx, axis, stages), inbox, cotbox, kept, crossed, until_b,
+                    g_layers, g_head, g_embed, loss_sum), None
+
+        zeros = jnp.zeros(like.shape, like.dtype)
+        carry = (zeros, zeros, jnp.zeros((max(inbox_slots, 1), *like.shape), like.dtype),
+                 jnp.zeros((max(cot_slots, 1), *like.shape), like.dtype),
+                 parts.buffers(parts.kept, keep_slots), parts.buffers(parts.handed, keep_slots),
+                 parts.buffers(parts.until_b, until_b_slots), _running_sum(chunk_leaves),
+                 _running_sum(head_params), _running_sum(embed_params), jnp.zeros((), jnp.float32))
+        (*_, g_layers, g_head, g_embed, loss_sum), _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
+        g_layers = jax.tree.map(lambda g: g[None], jax.tree.unflatten(chunk_def, g_layers))     # (virtual=1, ...)
+        return finish_gradients(g_layers, g_head, g_embed, loss_sum, micro, batch_axes, state, head_params,
+                                embed_params)
+
+    return run_on_stages(per_device, mesh, axis, batch_axes, stacked, head_params, embed_params, head_rest,
+                         layer_inputs, head_inputs, targets, keys)
+
+
+class _Parts:
+    """A stage's forward that keeps its residuals, and its backward split into B and W
+    (`split_backward`), traced once for the stage's shapes. Residuals that are the stage's own weights
+    are not kept (read from the weights again); the others are kept until W if W reads them, else until
+    B; the output gradient, if W reads it, is handed over by B."""
+
+    def __init__(self, run, n_weights, forwarded, split, residuals, handed):
+        self._run, self._n, self._forwarded, self._split = run, n_weights, forwarded, split
+        self._residuals, self.handed = residuals, handed
+        uses_w, uses_b = split.w_uses, split.b_uses
+        stored = [i for i, f in enumerate(forwarded) if f < 0]
+        self._kept_at = [i for i in stored if uses_w[i]]
+        self._until_b_at = [i for i in stored if uses_b[i] and not uses_w[i]]
+        self.kept = [residuals[i] for i in self._kept_at]
+        self.until_b = [residuals[i] for i in self._until_b_at]
+
+    @staticmethod
+    def of(layers, chunk_leaves, chunk_def, like, whole, first, size, sample_split, sample_keys) -> "_Parts":
+        found = {}
+
+        def run(leaves, h, split, keys):
+            def stage(leaves, h):
+                return _run_chunk(layers, jax.tree.unflatten(chunk_def, leaves), h, split, whole, keys, first, size)
+            y, vjp = jax.vjp(stage, leaves, h)
+            residuals, found["tree"] = jax.tree.flatten(vjp)
+            return y, residuals
+
+        traced = jax.make_jaxpr(run)(chunk_leaves, jax.ShapeDtypeStruct(like.shape, like.dtype), sample_split,
+                                     sample_keys)
+        weights = traced.jaxpr.invars[:len(chunk_leaves)]
+        outs = traced.jaxpr.outvars[1:]
+        forwarded = [weights.index(v) if isinstance(v, core.Var) and v in weights else -1 for v in outs]
+        residuals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in outs]
+        tree = found["tree"]
+        backward = jax.make_jaxpr(lambda res, ct: tree.unflatten(res)(ct))(
+            residuals, jax.ShapeDtypeStruct(like.shape, like.dtype))
+        n = len(chunk_leaves)
+        split = split_backward(backward, [True] * n + [False], w_may_read=[True] * len(residuals) + [False])
+        handed = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in split.w.jaxpr.invars[-split.crossing:]] \
+            if split.crossing else []
+        return _Parts(run, n, forwarded, split, residuals, handed)
+
+    def forward(self, chunk_leaves, h, split, keys):
+        """(output, (what W reads, what B alone reads)) of one microbatch's forward."""
+        y, residuals = self._run(chunk_leaves, h, split, keys)
+        return y, ([residuals[i] for i in self._kept_at], [residuals[i] for i in self._until_b_at])
+
+    def nothing_saved(self):
+        return ([jnp.zeros(r.shape, r.dtype) for r in self.kept], [jnp.zeros(r.shape, r.dtype) for r in self.until_b])
+
+    def nothing_handed(self):
+        return [jnp.zeros(r.shape, r.dtype) for r in self.handed]
+
+    def _residuals_from(self, chunk_leaves, kept, until_b):
+        out = [None] * len(self._residuals)
+        for i, at in enumerate(self._forwarded):
+            if at >= 0:
+                out[i] = chunk_leaves[at]
+        for i, value in zip(self._kept_at, kept):
+            out[i] = value
+        for i, value in zip(self._until_b_at, until_b):
+            out[i] = value
+        return [jnp.zeros(r.shape, r.dtype) if v is None else v for v, r in zip(out, self._residuals)]
+
+    def input_gradient(self, chunk_leaves, kept, until_b, cot):
+        """(the stage input's gradient, what B hands to W)."""
+        b = self._split.b
+        out = core.eval_jaxpr(b.jaxpr, b.consts, *self._residuals_from(chunk_leaves, kept, until_b), cot)
+        return out[0], list(out[1:])
+
+    def weight_gradient(self, chunk_leaves, kept, handed):
+        residuals = self._residuals_from(chunk_leaves, kept, [None] * len(self._until_b_at))
+        w = self._split.w
+        reads = [r for r, used in zip(residuals, self._split.w_uses) if used]
+        return core.eval_jaxpr(w.jaxpr, w.consts, *reads, *handed)
+
+    @staticmethod
+    def buffers(like, slots: int):
+        return [jnp.zeros((max(slots, 1), *r.shape), r.dtype) for r in like]
