@@ -124,7 +124,7 @@ def held_out(count: int, batch: int, seq: int) -> list[dict]:
             picked.append(ranked)
         if len(picked) == count:
             break
-    for schedule in ("gpipe", "1f1b", "interleaved"):       # and the best pipeline of each schedule,
+    for schedule in ("gpipe", "1f1b", "interleaved", "zb-h1"):  # and the best pipeline of each schedule,
         for fsdp in (False, True):                          # with and without FSDP-split layers
             best = next((r for r in found.ranked if r.candidate.schedule == schedule and r.candidate.fsdp == fsdp),
                         None)
@@ -271,6 +271,15 @@ def main() -> None:
             steps.append(row)
             print_row(row, width=26)
         print_worst("largest step-option error", steps)
+        print("\nthe zero-bubble schedule: minigpt_3d (2 stages) and minigpt_pp4 (4 stages) under zb-h1")
+        for name in ("minigpt_3d.yaml", "minigpt_pp4.yaml"):
+            plan = shardplan.load_plan(REPO / "plans" / name)
+            pipeline = plan.pipeline.model_copy(update={"schedule": "zb-h1", "virtual_stages": 1})
+            plan = plan.model_copy(update={"model": plan.model.model_copy(update={"config": config}),
+                                           "pipeline": pipeline, "name": f"{plan.name} zb-h1"})
+            row = compare(plan, config, args.batch, args.seq)
+            steps.append(row)
+            print_row(row, width=26)
         print("\nunequal stages: minigpt_pp4 (gpipe, 4 stages) on 6 blocks (2, 2, 1, 1) and minigpt_3d (1f1b, 2 stages) "
               "on 7 blocks (4, 3)")
         for name, blocks in (("minigpt_pp4.yaml", 6), ("minigpt_3d.yaml", 7)):

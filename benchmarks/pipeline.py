@@ -6,7 +6,9 @@
    the circular schedule (`interleaved`, v = 2) and interleaved 1F1B (`1f1b`, v = 2), with the
    microbatch size fixed so that the batch grows with M: every schedule runs on the schedule tables
    (under `model_loss`): the circular schedule keeps its vM chunk inputs (and buffers of M), GPipe
-   its M stage inputs, 1F1B at most 2S-1 stage inputs, interleaved 1F1B about (v+1)S chunk inputs.
+   its M stage inputs, 1F1B at most 2S-1 stage inputs, interleaved 1F1B about (v+1)S chunk inputs;
+   the zero-bubble schedule (`zb-h1`) the forward's residuals of at most S microbatches (it does not
+   recompute the forward in the backward, the others do).
 3. Compile time of one training step for 8 vs 32 layers (layers run under scan).
 
     python benchmarks/pipeline.py [--json out.json]
@@ -66,22 +68,24 @@ def main() -> None:
     args = parser.parse_args()
     results: dict = {"bubble": [], "memory": [], "compile": []}
 
-    print(f"1. bubble fraction, S = {STAGES} (a backward counted as 2 forwards)")
+    print(f"1. bubble fraction, S = {STAGES} (a backward counted as 2 forwards; zb-h1: B and W one each)")
     print(f"{'M':>4} {'gpipe':>8} {'1f1b':>8} {'circular v=2':>13} {'1f1b v=2':>9} {'(S-1)/(vM+S-1)':>15} "
-          f"{'article (S-1)/S':>16}")
+          f"{'zb-h1':>7} {'(S-1)/(3M+S-1)':>15} {'article (S-1)/S':>16}")
     for m in (4, 8, 16, 32):
         row = {"microbatches": m, "gpipe": bubble_fraction(timeline("gpipe", STAGES, m)),
                "1f1b": bubble_fraction(timeline("1f1b", STAGES, m)),
                "interleaved_v2": bubble_fraction(timeline("interleaved", STAGES, m, 2)),
                "1f1b_v2": bubble_fraction(timeline("1f1b", STAGES, m, 2)),
-               "formula_v2": (STAGES - 1) / (2 * m + STAGES - 1), "article": article_bubble(STAGES)}
+               "formula_v2": (STAGES - 1) / (2 * m + STAGES - 1), "zb-h1": bubble_fraction(timeline("zb-h1", STAGES, m)),
+               "formula_zb": (STAGES - 1) / (3 * m + STAGES - 1), "article": article_bubble(STAGES)}
         results["bubble"].append(row)
         print(f"{m:>4} {row['gpipe']:>8.3f} {row['1f1b']:>8.3f} {row['interleaved_v2']:>13.3f} {row['1f1b_v2']:>9.3f} "
-              f"{row['formula_v2']:>15.3f} {row['article']:>16.3f}")
+              f"{row['formula_v2']:>15.3f} {row['zb-h1']:>7.3f} {row['formula_zb']:>15.3f} {row['article']:>16.3f}")
 
     print(f"\n2. temporary memory per device of one compiled step, minigpt_pp4 (4 stages x 2 data), 8 layers, "
           f"{ROWS_PER_MICROBATCH} rows x {MODEL['maxlen']} tokens per microbatch")
-    variants = {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "circular v=2": ("interleaved", 2), "1f1b v=2": ("1f1b", 2)}
+    variants = {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "circular v=2": ("interleaved", 2), "1f1b v=2": ("1f1b", 2),
+                "zb-h1": ("zb-h1", 1)}
     print("".join([f"{'M':>4}"] + [f"{name + ' MiB':>17}" for name in variants]) + "  in flight (chunk inputs)")
     for m in (4, 8, 16, 32):
         row = {"microbatches": m}

@@ -71,6 +71,52 @@ def test_bubbles_and_in_flight(microbatches):
     assert circular.loops and not tables.loops
 
 
+@pytest.mark.parametrize("stages, microbatches", [(4, 8), (4, 32), (2, 4), (8, 16), (4, 2), (1, 3)])
+def test_zero_bubble_tables(stages, microbatches):
+    """ZB-H1: every F, B and W once per stage and microbatch, each after what it reads arrived (a tick
+    after its neighbour sent it), the formula's bubble, at most S microbatches in flight, and buffer
+    slots never overwritten before they are read."""
+    from shardplan.checks.schedules import ZeroBubble
+    S, M = stages, microbatches
+    table = ZeroBubble.of(S, M)
+    grid = timeline("zb-h1", S, M)
+    at = {}
+    for t, tick in enumerate(grid):
+        for s, works in enumerate(tick):
+            assert len(works) <= 1
+            for w in works:
+                assert (w.kind, s, w.microbatch) not in at
+                at[(w.kind, s, w.microbatch)] = t
+    assert len(at) == 3 * S * M
+    for (kind, s, m), t in at.items():
+        reads = {"F": [("F", s - 1, m)] if s else [], "W": [("B", s, m)],
+                 "B": [("F", s, m)] + ([("B", s + 1, m)] if s < S - 1 else [])}[kind]
+        assert all(at[r] < t for r in reads), (kind, s, m)
+    if M >= S:
+        assert table.ticks == 3 * M + S - 1
+        assert bubble_fraction(grid) == pytest.approx((S - 1) / (3 * M + S - 1))    # (S-1)(F+B-W), F=B=W
+        assert bubble_fraction(grid) < bubble_fraction(timeline("1f1b", S, M)) or S == 1
+    assert max_in_flight(grid) <= S
+    # buffers: each slot written, then read by the same microbatch before it is written again
+    for s in range(S):
+        for name, writes, reads in (("keep", "F", "W"), ("until_b", "F", "B")):
+            held: dict = {}
+            for t in range(table.ticks):
+                op, m, slot = " FBW"[table.op[s][t]], table.micro[s][t], getattr(table, name)[s][t]
+                if op == writes:
+                    assert slot not in held and slot < table.slots[("keep", "until_b").index(name)]
+                    held[slot] = m
+                elif op == reads:
+                    assert held.pop(slot) == m
+        held = {}
+        for t in range(table.ticks):
+            if table.take_in[s][t] >= 0:
+                assert table.take_in[s][t] not in held
+                held[table.take_in[s][t]] = at[("F", s - 1, table.micro[s - 1][t - 1])] == t - 1
+            if table.op[s][t] == 1 and s:
+                assert held.pop(table.inbox[s][t])
+
+
 def test_the_circular_schedule_needs_a_microbatch_per_stage():
     """Refused by the tables, and by `check` with no batch given (as `shardplan validate` runs it)."""
     with pytest.raises(ValueError, match="at least as many microbatches as stages"):
@@ -169,7 +215,9 @@ def test_pipeline_for_a_llama_style_model(write_plan):
     np.testing.assert_allclose(model(tokens), expected, atol=1e-4)
 
 
-def test_one_f_one_b_head_split_over_a_batch_axis_enters_whole(write_plan):
+# (zb-h1: the same head and embedding code; its layers FSDP-split, their batch axis left to XLA)
+@pytest.mark.parametrize("schedule", ["1f1b", full("zb-h1")])
+def test_one_f_one_b_head_split_over_a_batch_axis_enters_whole(schedule, write_plan):
     """1F1B runs the head inside the loop. Split over tensor axes only it keeps its split (the shipped
     3-D plan's vocabulary-parallel head, trained against one device above and in test_wild_models.py);
     split over a batch axis too (FSDP) it enters whole, since XLA's partitioner (jax 0.10.2) aborted
@@ -180,7 +228,7 @@ def test_one_f_one_b_head_split_over_a_batch_axis_enters_whole(write_plan):
     LARGER = dict(vocab=1024, dim=128, hidden=256, layers=4)       # (smaller, XLA did not abort)
     plan = shardplan.load_plan(write_plan(
         "version: 1\nmesh: {axes: {stage: 2, data: 2, model: 2}}\ninputs: {tokens: [data, null]}\n"
-        "pipeline: {axis: stage, layers: layers, microbatches: 4, schedule: 1f1b}\nparams:\n"
+        f"pipeline: {{axis: stage, layers: layers, microbatches: 4, schedule: {schedule}}}\nparams:\n"
         "  - {match: 'embed/embedding', spec: [model]}\n"
         "  - {match: 'layers/\\d+/(attn/w(q|k|v)|mlp/(gate|up))/kernel', spec: [data, model]}\n"
         "  - {match: 'layers/\\d+/(attn/wo|mlp/down)/kernel', spec: [model, data]}\n"
@@ -198,6 +246,9 @@ def test_one_f_one_b_head_split_over_a_batch_axis_enters_whole(write_plan):
     assert float(got) == pytest.approx(float(expected), rel=1e-5)
     np.testing.assert_allclose(grads["lm_head"]["kernel"], expected_grads["lm_head"]["kernel"], atol=GRAD_TOL)
     np.testing.assert_allclose(grads["embed"]["embedding"], expected_grads["embed"]["embedding"], atol=GRAD_TOL)
+    layer = grads["layers"]["mlp"]["up"]["kernel"]
+    np.testing.assert_allclose(layer.reshape(-1, *layer.shape[3:]), np.stack(
+        [expected_grads["layers"][i]["mlp"]["up"]["kernel"] for i in range(4)]), atol=GRAD_TOL)
     # the whole training step compiles too (the abort came from it: AdamW and the sharded update)
     from shardplan.run.measure import measure
     assert measure(plan, Llama(**LARGER, rngs=nnx.Rngs(0)), 16, 32).peak_bytes > 0
@@ -366,7 +417,9 @@ def test_interleaved_one_f_one_b_on_a_batch_of_too_few_microbatches_gives_the_pl
     assert got == pytest.approx(float(cross_entropy(plain(batch[:, :-1]), batch[:, 1:])), rel=1e-5)
 
 
-def test_gpipe_with_chunks_is_refused_rather_than_ignored():
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
+def test_one_chunk_schedules_with_chunks_are_refused_rather_than_ignored(schedule):
     with pytest.raises(shardplan.PlanError) as exc:
-        _plan("minigpt_pp4.yaml", "gpipe", 2)
-    assert exc.value.errors[0].code == "invalid-value" and "would do nothing" in exc.value.errors[0].message
+        _plan("minigpt_pp4.yaml", schedule, 2)
+    error = exc.value.errors[0]
+    assert error.code == "invalid-value" and "would do nothing" in error.message and schedule in error.message

@@ -321,6 +321,8 @@ def _pipelines(base: Candidate, stage: int, data: int, roles: ModelRoles, worklo
             continue
         yield dataclasses.replace(base, schedule="gpipe", microbatches=microbatches)
         yield dataclasses.replace(base, schedule="1f1b", microbatches=microbatches)
+        if "context" not in base.axes:      # (zero-bubble's branches cannot take a split sequence's collectives)
+            yield dataclasses.replace(base, schedule="zb-h1", microbatches=microbatches)
         if roles.layer_count % (2 * stage) == 0:
             yield dataclasses.replace(base, schedule="interleaved", microbatches=microbatches, virtual=2)
             if microbatches % stage == 0:       # Megatron's interleaved 1F1B: microbatches in groups of S
