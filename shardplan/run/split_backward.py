@@ -118,7 +118,6 @@ def _split_scan(eqn: core.JaxprEqn, for_b: list[bool], for_w: list[bool]):
     body_closed = params["jaxpr"]
     body, body_consts = _inline(body_closed.jaxpr, body_closed.consts)
     n_consts, n_carry = params["num_consts"], params["num_carry"]
-    n_xs = len(body.invars) - n_consts - n_carry
     carry_in = body.invars[n_consts:n_consts + n_carry]
 
     b_carry = list(for_b[:n_carry])
@@ -173,7 +172,6 @@ def _split_scan(eqn: core.JaxprEqn, for_b: list[bool], for_w: list[bool]):
                 *_pick(outer_xs, xs_in, w_xs), *stacked]
     w_outvars = [*_outs_of(eqn.outvars[:n_carry], w_carry), *_outs_of(eqn.outvars[n_carry:], w_ys)]
     w_scan = _scan_eqn(eqn, w_body, body_consts, w_invars, w_outvars, len(w_consts), len(w_carry_in))
-    assert n_xs >= 0
     return b_scan, w_scan
 
 

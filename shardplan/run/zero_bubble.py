@@ -138,8 +138,8 @@ class _Parts:
     are not kept (read from the weights again); the others are kept until W if W reads them, else until
     B; the output gradient, if W reads it, is handed over by B."""
 
-    def __init__(self, run, n_weights, forwarded, split, residuals, handed):
-        self._run, self._n, self._forwarded, self._split = run, n_weights, forwarded, split
+    def __init__(self, run, forwarded, split, residuals, handed):
+        self._run, self._forwarded, self._split = run, forwarded, split
         self._residuals, self.handed = residuals, handed
         uses_w, uses_b = split.w_uses, split.b_uses
         stored = [i for i, f in enumerate(forwarded) if f < 0]
@@ -172,7 +172,7 @@ class _Parts:
         split = split_backward(backward, [True] * n + [False], w_may_read=[True] * len(residuals) + [False])
         handed = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in split.w.jaxpr.invars[-split.crossing:]] \
             if split.crossing else []
-        return _Parts(run, n, forwarded, split, residuals, handed)
+        return _Parts(run, forwarded, split, residuals, handed)
 
     def forward(self, chunk_leaves, h, split, keys):
         """(output, (what W reads, what B alone reads)) of one microbatch's forward."""
