@@ -270,8 +270,8 @@ def one_f_one_b_loss(layers: Layers, stacked, head: Callable, head_params, embed
     embed_branch = embed_branch and branches
 
     def run(stacked, head_params, embed_params, *rest):
-        return (runner or _schedule)(layers, head, embed, embed_branch, branches, mesh, axis, batch_axes, schedule, stacked,
-                         head_params, embed_params, *rest)
+        return (runner or _schedule)(layers, head, embed, embed_branch, branches, mesh, axis, batch_axes, schedule,
+                                     stacked, head_params, embed_params, *rest)
 
     @jax.custom_vjp
     def loss(stacked, head_params, embed_params, *rest):
@@ -316,14 +316,9 @@ def _schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axe
             return _run_chunk(layers, _chunk(state, v), h, _at(layer_split, m), layer_whole,
                               fold_keys(layer_keys, m), first, size)
 
-        def head_loss(head_params, h, m):
-            return head(head_params, head_rest, h, _at(head_split, m), head_whole, fold_keys(head_keys, m),
-                        targets[m])
-
-        def entering(embed_params, m):
-            return embed(embed_params, head_rest, _at(head_split, m), head_whole, fold_keys(head_keys, m))
-
-        like = jax.eval_shape(entering, embed_params, 0)
+        ends = Ends(head, embed, head_params, embed_params, head_rest, head_split, head_whole, head_keys, targets,
+                    embed_branch, when)
+        like = ends.like
 
         def tick(carry, t):
             incoming, cot_in, stash, waiting, loops, g_layers, g_head, g_embed, loss_sum = carry
@@ -334,18 +329,11 @@ def _schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axe
                 loops = (_keep(loops[0], loop_f[t], incoming), _keep(loops[1], loop_b[t], cot_in))
                 incoming = jnp.where((s == 0) & (vf > 0), loops[0][mf_], incoming)
                 cot_in = jnp.where((s == last) & (vb < virtual - 1), loops[1][mb_], cot_in)
-            if embed_branch:
-                h_in = jax.lax.cond(enters, lambda: entering(embed_params, mf_).astype(like.dtype), lambda: incoming)
-            else:       # XLA's collectives for an automatic batch axis must run on every stage alike
-                h_in = jnp.where(enters, entering(embed_params, mf_).astype(like.dtype), incoming)
+            h_in = ends.layers_input(enters, mf_, incoming)
             h = when(f_on, lambda: stage_fn(state, h_in, mf_, vf), lambda: jnp.zeros_like(h_in))
             stash = jnp.where(f_on, stash.at[f_at].set(h_in), stash)
 
-            def at_last():
-                loss, (gh, gy) = jax.value_and_grad(head_loss, argnums=(0, 1))(head_params, h, mf_)
-                return loss.astype(jnp.float32), gh, gy
-            zero_head = jax.tree.map(jnp.zeros_like, head_params)
-            loss_m, gh, gy = when(leaves, at_last, lambda: (jnp.zeros((), jnp.float32), zero_head, jnp.zeros_like(h)))
+            loss_m, gh, gy = ends.loss_and_gradients(leaves, h, mf_)
             loss_sum, g_head = loss_sum + loss_m, _accumulate(g_head, gh)
 
             # the last chunk's backward runs from the loss computed at its forward: on that tick (1F1B), or
@@ -361,14 +349,7 @@ def _schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axe
             gl, gx = when(b_on, backward, lambda: (jax.tree.map(jnp.zeros_like, state), jnp.zeros_like(h)))
             g_layers = _accumulate(g_layers, gl)
 
-            def embed_backward():    # the first stage takes the microbatch's gradient into the code before
-                _, vjp = jax.vjp(lambda p: entering(p, mb_), embed_params)
-                return vjp(gx.astype(like.dtype))[0]
-            zero_embed = jax.tree.map(jnp.zeros_like, embed_params)
-            done = b_on & (s == 0) & (vb == 0)
-            ge = jax.lax.cond(done, embed_backward, lambda: zero_embed) if embed_branch else \
-                jax.tree.map(lambda g, z: jnp.where(done, g, z), embed_backward(), zero_embed)
-            g_embed = _accumulate(g_embed, ge)
+            g_embed = _accumulate(g_embed, ends.embed_gradients(b_on & (s == 0) & (vb == 0), mb_, gx))
             return (_to_last(h, axis, stages), _to_previous(gx, axis, stages), stash, waiting, loops, g_layers,
                     g_head, g_embed, loss_sum), None
 
@@ -383,6 +364,55 @@ def _schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axe
 
     return run_on_stages(per_device, mesh, axis, batch_axes, stacked, head_params, embed_params, head_rest,
                          layer_inputs, head_inputs, targets, keys)
+
+
+class Ends:
+    """The model's code around its layers on one device, one microbatch at a time: before them as a
+    microbatch enters the first stage, after them (and the loss) as it leaves the last, with their
+    gradients. `embed_branch` false: every stage runs the code before the layers and the others drop
+    it (XLA's collectives for an automatic batch axis must run on every stage alike). `when(on, run,
+    otherwise)`: the schedule's branch (a `cond`, or both sides and a select)."""
+
+    def __init__(self, head, embed, head_params, embed_params, rest, split, whole, keys, targets, embed_branch, when):
+        self._head, self._embed, self._head_params, self._embed_params = head, embed, head_params, embed_params
+        self._rest, self._split, self._whole, self._keys, self._targets = rest, split, whole, keys, targets
+        self._embed_branch, self._when = embed_branch, when
+        self.like = jax.eval_shape(self.entering, embed_params, 0)
+
+    def entering(self, embed_params, m):
+        """Microbatch m's input to the layers."""
+        return self._embed(embed_params, self._rest, _at(self._split, m), self._whole, fold_keys(self._keys, m))
+
+    def _loss(self, head_params, h, m):
+        return self._head(head_params, self._rest, h, _at(self._split, m), self._whole, fold_keys(self._keys, m),
+                          self._targets[m])
+
+    def layers_input(self, enters, m, arrived):
+        """The layers' input on this tick: microbatch m's entering (first stage), else what arrived."""
+        if self._embed_branch:
+            return jax.lax.cond(enters, lambda: self.entering(self._embed_params, m).astype(self.like.dtype),
+                                lambda: arrived)
+        return jnp.where(enters, self.entering(self._embed_params, m).astype(self.like.dtype), arrived)
+
+    def loss_and_gradients(self, leaves, h, m):
+        """(loss, head gradients, gradient of the layers' output h) of microbatch m where it leaves the
+        last stage; zeros elsewhere."""
+        def at_last():
+            loss, (gh, gy) = jax.value_and_grad(self._loss, argnums=(0, 1))(self._head_params, h, m)
+            return loss.astype(jnp.float32), gh, gy
+        zero_head = jax.tree.map(jnp.zeros_like, self._head_params)
+        return self._when(leaves, at_last, lambda: (jnp.zeros((), jnp.float32), zero_head, jnp.zeros_like(h)))
+
+    def embed_gradients(self, done, m, gx):
+        """Gradients of the code before the layers from the layers' input gradient gx of microbatch m,
+        on the first stage when `done`; zeros elsewhere."""
+        def backward():
+            _, vjp = jax.vjp(lambda p: self.entering(p, m), self._embed_params)
+            return vjp(gx.astype(self.like.dtype))[0]
+        zero = jax.tree.map(jnp.zeros_like, self._embed_params)
+        if self._embed_branch:
+            return jax.lax.cond(done, backward, lambda: zero)
+        return jax.tree.map(lambda g, z: jnp.where(done, g, z), backward(), zero)
 
 
 def finish_gradients(g_layers, g_head, g_embed, loss_sum, micro: int, batch_axes, state, head_params, embed_params):

@@ -17,7 +17,7 @@ from jax._src import core
 
 from shardplan.checks.schedules import ZeroBubble
 from shardplan.run.layer_call import fold_keys
-from shardplan.run.pipeline import (_accumulate, _at, _chunk, _keep, _run_chunk, _running_sum, _shard_keys,
+from shardplan.run.pipeline import (Ends, _accumulate, _at, _chunk, _keep, _run_chunk, _running_sum, _shard_keys,
                                     _to_last, _to_previous, finish_gradients, run_on_stages)
 from shardplan.run.split_backward import split_backward
 
@@ -52,14 +52,9 @@ def zero_bubble_schedule(layers, head, embed, embed_branch, branches, mesh, axis
         row = {name: table[s] for name, table in tables.items()}
         first, size = layers.chunk(s, per_chunk)
 
-        def entering(embed_params, m):
-            return embed(embed_params, head_rest, _at(head_split, m), head_whole, fold_keys(head_keys, m))
-
-        def head_loss(head_params, h, m):
-            return head(head_params, head_rest, h, _at(head_split, m), head_whole, fold_keys(head_keys, m),
-                        targets[m])
-
-        like = jax.eval_shape(entering, embed_params, 0)
+        ends = Ends(head, embed, head_params, embed_params, head_rest, head_split, head_whole, head_keys, targets,
+                    embed_branch, when)
+        like = ends.like
         parts = _Parts.of(layers, chunk_leaves, chunk_def, like, layer_whole, first, size,
                           _at(layer_split, 0), fold_keys(layer_keys, 0))
 
@@ -72,11 +67,7 @@ def zero_bubble_schedule(layers, head, embed, embed_branch, branches, mesh, axis
             cotbox = _keep(cotbox, row["take_cot"][t], cot_in)
 
             enters, leaves = f_on & (s == 0), f_on & (s == last)
-            arrived = inbox[row["inbox"][t]]
-            if embed_branch:
-                h_in = jax.lax.cond(enters, lambda: entering(embed_params, m).astype(like.dtype), lambda: arrived)
-            else:       # XLA's collectives for an automatic batch axis must run on every stage alike
-                h_in = jnp.where(enters, entering(embed_params, m).astype(like.dtype), arrived)
+            h_in = ends.layers_input(enters, m, inbox[row["inbox"][t]])
             y, saved = when(f_on, lambda: parts.forward(chunk_leaves, h_in, _at(layer_split, m),
                                                         fold_keys(layer_keys, m)),
                             lambda: (jnp.zeros_like(h_in), parts.nothing_saved()))
@@ -85,11 +76,7 @@ def zero_bubble_schedule(layers, head, embed, embed_branch, branches, mesh, axis
             until_b = [_keep(buffer, jnp.where(f_on, row["until_b"][t], -1), value)
                        for buffer, value in zip(until_b, saved[1])]
 
-            def at_last():
-                loss, (gh, gy) = jax.value_and_grad(head_loss, argnums=(0, 1))(head_params, y, m)
-                return loss.astype(jnp.float32), gh, gy
-            zero_head = jax.tree.map(jnp.zeros_like, head_params)
-            loss_m, gh, gy = when(leaves, at_last, lambda: (jnp.zeros((), jnp.float32), zero_head, jnp.zeros_like(y)))
+            loss_m, gh, gy = ends.loss_and_gradients(leaves, y, m)
             loss_sum, g_head = loss_sum + loss_m, _accumulate(g_head, gh)
             cotbox = _keep(cotbox, jnp.where(leaves, row["cot"][t], -1), gy.astype(cotbox.dtype))
 
@@ -106,14 +93,7 @@ def zero_bubble_schedule(layers, head, embed, embed_branch, branches, mesh, axis
             gl = when(w_on, weight_gradient, lambda: [jnp.zeros_like(a) for a in chunk_leaves])
             g_layers = _accumulate(g_layers, gl)
 
-            def embed_backward():    # the first stage takes the microbatch's gradient into the code before
-                _, vjp = jax.vjp(lambda p: entering(p, m), embed_params)
-                return vjp(gx.astype(like.dtype))[0]
-            zero_embed = jax.tree.map(jnp.zeros_like, embed_params)
-            done = b_on & (s == 0)
-            ge = jax.lax.cond(done, embed_backward, lambda: zero_embed) if embed_branch else \
-                jax.tree.map(lambda g, z: jnp.where(done, g, z), embed_backward(), zero_embed)
-            g_embed = _accumulate(g_embed, ge)
+            g_embed = _accumulate(g_embed, ends.embed_gradients(b_on & (s == 0), m, gx))
             return (_to_last(y, axis, stages), _to_previous(gx, axis, stages), inbox, cotbox, kept, crossed, until_b,
                     g_layers, g_head, g_embed, loss_sum), None
 
