@@ -17,19 +17,9 @@ from minigpt_model.checkpoint import CHECKSUMS, Checkpoints
 from shardplan.run.preemption import EXIT_PREEMPTED
 
 from conftest import REPO
-from test_multiprocess import FAILURE_BOUND_S, LAUNCH, env, losses_of, one_process, train_args
+from test_multiprocess import FAILURE_BOUND_S, LAUNCH, env, losses_of, train_args, uninterrupted
 
 TRAIN = [sys.executable, "-m", "minigpt_model.cli"]
-
-
-_UNINTERRUPTED: dict[int, dict[int, float]] = {}
-
-
-def uninterrupted(tmp_path, steps: int) -> dict[int, float]:
-    """One process's losses over the same run, trained once per length for the whole module."""
-    if steps not in _UNINTERRUPTED:
-        _UNINTERRUPTED[steps] = one_process(tmp_path, steps)
-    return _UNINTERRUPTED[steps]
 
 
 def wait_for(condition, process, what: str, timeout: float = 240.0) -> None:
