@@ -76,7 +76,8 @@ def main() -> None:
                "1f1b": bubble_fraction(timeline("1f1b", STAGES, m)),
                "interleaved_v2": bubble_fraction(timeline("interleaved", STAGES, m, 2)),
                "1f1b_v2": bubble_fraction(timeline("1f1b", STAGES, m, 2)),
-               "formula_v2": (STAGES - 1) / (2 * m + STAGES - 1), "zb-h1": bubble_fraction(timeline("zb-h1", STAGES, m)),
+               "formula_v2": (STAGES - 1) / (2 * m + STAGES - 1),
+               "zb-h1": bubble_fraction(timeline("zb-h1", STAGES, m)),
                "formula_zb": (STAGES - 1) / (3 * m + STAGES - 1), "article": article_bubble(STAGES)}
         results["bubble"].append(row)
         print(f"{m:>4} {row['gpipe']:>8.3f} {row['1f1b']:>8.3f} {row['interleaved_v2']:>13.3f} {row['1f1b_v2']:>9.3f} "

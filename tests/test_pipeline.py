@@ -117,6 +117,18 @@ def test_zero_bubble_tables(stages, microbatches):
                 assert held.pop(table.inbox[s][t])
 
 
+def test_the_cost_models_closed_form_bubbles_are_the_timelines():
+    from shardplan.planner.cost import _schedule_bubble
+    for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("1f1b", 2), ("interleaved", 2), ("interleaved", 3),
+                              ("zb-h1", 1)):
+        for stages, microbatches in ((2, 4), (4, 4), (4, 8), (4, 12), (8, 16), (3, 9)):
+            if schedule == "1f1b" and virtual > 1 and microbatches % stages:
+                continue
+            grid = timeline(schedule, stages, microbatches, virtual)
+            assert _schedule_bubble.__wrapped__(schedule, stages, microbatches, virtual) == pytest.approx(
+                bubble_fraction(grid)), (schedule, virtual, stages, microbatches)
+
+
 def test_the_circular_schedule_needs_a_microbatch_per_stage():
     """Refused by the tables, and by `check` with no batch given (as `shardplan validate` runs it)."""
     with pytest.raises(ValueError, match="at least as many microbatches as stages"):

@@ -348,7 +348,8 @@ def render_timeline(grid: list[list[list[Work]]], *, width: int = 120) -> str:
     for s in range(len(grid[0])):
         row = []
         for tick in grid:
-            row.append("+".join(f"{w.kind if w.kind == 'F' else w.kind.lower()}{w.microbatch}" + (f"'{w.chunk}" if w.chunk else "")
+            row.append("+".join(f"{w.kind if w.kind == 'F' else w.kind.lower()}{w.microbatch}" +
+                                (f"'{w.chunk}" if w.chunk else "")
                                 for w in tick[s]) or ".")
         cells.append(row)
     size = max(len(c) for row in cells for c in row)

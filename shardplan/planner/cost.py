@@ -924,9 +924,16 @@ def _bubble(step: _Step) -> float:
 
 @functools.lru_cache(maxsize=256)
 def _schedule_bubble(schedule: str, stages: int, microbatches: int, virtual: int) -> float:
+    """The schedule's bubble: its timeline's, in closed form where the tests hold the two equal (`auto`
+    asks for stages and microbatches in the thousands, whose timelines take seconds to build)."""
     from shardplan.checks.schedules import bubble_fraction, timeline
-    if schedule == "zb-h1" and microbatches >= stages:     # its tables' (tested), without building them
-        return (stages - 1) / (3 * microbatches + stages - 1)
+    S, M = stages, microbatches
+    V = virtual if schedule in ("1f1b", "interleaved") else 1
+    if schedule == "zb-h1" and M >= S:
+        return (S - 1) / (3 * M + S - 1)
+    whole_groups = M >= S if schedule == "interleaved" else M % S == 0
+    if schedule in ("gpipe", "1f1b", "interleaved") and (V == 1 or whole_groups):
+        return (S - 1) / (V * M + S - 1)
     return bubble_fraction(timeline(schedule, stages, microbatches, virtual))
 
 

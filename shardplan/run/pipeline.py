@@ -298,10 +298,7 @@ def _schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axe
     tables += [jnp.asarray(plan.forward_slot, jnp.int32), jnp.asarray(plan.backward_slot, jnp.int32)]
     loop_f, loop_b = (jnp.asarray(row, jnp.int32) for row in plan.looped())
 
-    def when(on, run, otherwise):
-        if branches:
-            return jax.lax.cond(on, run, otherwise)
-        return jax.tree.map(lambda a, b: jnp.where(on, a, b), run(), otherwise())
+    when = branching(branches)
 
     def per_device(state, head_params, embed_params, head_rest, layer_inputs, head_inputs, targets, keys):
         layer_keys, head_keys = _shard_keys(keys[0], mesh, batch_axes), _shard_keys(keys[1], mesh, batch_axes)
@@ -364,6 +361,16 @@ def _schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axe
 
     return run_on_stages(per_device, mesh, axis, batch_axes, stacked, head_params, embed_params, head_rest,
                          layer_inputs, head_inputs, targets, keys)
+
+
+def branching(branches: bool) -> Callable:
+    """`when(on, run, otherwise)`: `run()` where `on`, else `otherwise()`, as a `cond` (each device takes
+    its side), or with `branches` false both sides computed and one selected."""
+    def when(on, run, otherwise):
+        if branches:
+            return jax.lax.cond(on, run, otherwise)
+        return jax.tree.map(lambda a, b: jnp.where(on, a, b), run(), otherwise())
+    return when
 
 
 class Ends:

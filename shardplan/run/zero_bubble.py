@@ -18,7 +18,7 @@ from jax._src import core
 from shardplan.checks.schedules import ZeroBubble
 from shardplan.run.layer_call import fold_keys
 from shardplan.run.pipeline import (Ends, _accumulate, _at, _chunk, _keep, _run_chunk, _running_sum, _shard_keys,
-                                    _to_last, _to_previous, finish_gradients, run_on_stages)
+                                    _to_last, _to_previous, branching, finish_gradients, run_on_stages)
 from shardplan.run.split_backward import split_backward
 
 _TABLES = ("op", "micro", "keep", "until_b", "inbox", "cot", "take_in", "take_cot")
@@ -36,10 +36,7 @@ def zero_bubble_schedule(layers, head, embed, embed_branch, branches, mesh, axis
     tables = {name: jnp.asarray(getattr(plan, name), jnp.int32) for name in _TABLES}
     keep_slots, until_b_slots, inbox_slots, cot_slots = plan.slots
 
-    def when(on, run, otherwise):
-        if branches:
-            return jax.lax.cond(on, run, otherwise)
-        return jax.tree.map(lambda a, b: jnp.where(on, a, b), run(), otherwise())
+    when = branching(branches)
 
     def per_device(state, head_params, embed_params, head_rest, layer_inputs, head_inputs, targets, keys):
         layer_keys, head_keys = _shard_keys(keys[0], mesh, batch_axes), _shard_keys(keys[1], mesh, batch_axes)
