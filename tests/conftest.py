@@ -45,11 +45,6 @@ TINY_MINIGPT = dict(maxlen=16, vocab_size=128, embed_dim=64, num_heads=8, feed_f
 # one worker: side by side they would starve each other's processes past the bounds they assert. They go
 # first, so that the other workers' shorter tests fill the time they take (last, they were the run's tail).
 _PROCESS_FILES = {"test_multiprocess.py", "test_preemption.py"}
-# Then the files whose tests compile the most (measured: seconds of their 80 slowest tests), so that the
-# run ends on short tests on both workers rather than one long test on one of them.
-_HEAVY_FILES = ["test_experts.py", "test_planning.py", "test_wild_models.py", "test_pipeline.py", "test_hostile.py",
-                "test_training.py", "test_context.py", "test_auto.py", "test_step_options.py",
-                "test_optimizer_state.py", "test_docs.py", "test_inert_text.py"]
 
 
 def pytest_xdist_auto_num_workers(config):
@@ -74,10 +69,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in _PROCESS_FILES:
             item.add_marker(pytest.mark.xdist_group("processes"))
-    def order(item):
-        name = item.path.name
-        return name not in _PROCESS_FILES, _HEAVY_FILES.index(name) if name in _HEAVY_FILES else len(_HEAVY_FILES)
-    items.sort(key=order)
+    items.sort(key=lambda item: item.path.name not in _PROCESS_FILES)
 
 
 @pytest.fixture(autouse=True)
