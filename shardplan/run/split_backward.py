@@ -96,18 +96,11 @@ def _partition(jaxpr: core.Jaxpr, b_out: list[bool], w_out: list[bool], w_availa
     b_eqns.reverse()
     w_eqns.reverse()
     constvars = set(jaxpr.constvars)
-    crossing = sorted((v for v in _free(w_eqns, _outs(jaxpr, w_out)) if v not in constvars and v not in w_available),
-                      key=_order(jaxpr, b_eqns))
+    free = _free(w_eqns, _outs(jaxpr, w_out))
+    # in the order they are defined (invars first): a set's order would differ from run to run
+    defined = [*jaxpr.invars, *(v for eqn in b_eqns for v in eqn.outvars)]
+    crossing = [v for v in dict.fromkeys(defined) if v in free and v not in constvars and v not in w_available]
     return b_eqns, w_eqns, crossing
-
-
-def _order(jaxpr: core.Jaxpr, eqns):
-    """Sort key: where a variable is defined (invars first), for a deterministic crossing order."""
-    at = {v: i for i, v in enumerate(jaxpr.invars)}
-    for k, eqn in enumerate(eqns):
-        for j, v in enumerate(eqn.outvars):
-            at.setdefault(v, len(jaxpr.invars) + k + j / 1000)
-    return lambda v: at.get(v, -1)
 
 
 def _split_scan(eqn: core.JaxprEqn, for_b: list[bool], for_w: list[bool]):

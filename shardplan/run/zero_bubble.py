@@ -68,8 +68,7 @@ def zero_bubble_schedule(layers, head, embed, embed_branch, branches, mesh, axis
             y, saved = when(f_on, lambda: parts.forward(chunk_leaves, h_in, _at(layer_split, m),
                                                         fold_keys(layer_keys, m)),
                             lambda: (jnp.zeros_like(h_in), parts.nothing_saved()))
-            keep_at = jnp.where(f_on | b_on, row["keep"][t], -1)
-            kept = [_keep(buffer, jnp.where(f_on, keep_at, -1), value) for buffer, value in zip(kept, saved[0])]
+            kept = [_keep(buffer, jnp.where(f_on, row["keep"][t], -1), value) for buffer, value in zip(kept, saved[0])]
             until_b = [_keep(buffer, jnp.where(f_on, row["until_b"][t], -1), value)
                        for buffer, value in zip(until_b, saved[1])]
 
@@ -82,7 +81,8 @@ def zero_bubble_schedule(layers, head, embed, embed_branch, branches, mesh, axis
                 return parts.input_gradient(chunk_leaves, [k[slot] for k in kept], [u[b_slot] for u in until_b],
                                             cotbox[row["cot"][t]])
             gx, handed = when(b_on, input_gradient, lambda: (jnp.zeros_like(h_in), parts.nothing_handed()))
-            crossed = [_keep(buffer, jnp.where(b_on, keep_at, -1), value) for buffer, value in zip(crossed, handed)]
+            crossed = [_keep(buffer, jnp.where(b_on, row["keep"][t], -1), value)
+                       for buffer, value in zip(crossed, handed)]
 
             def weight_gradient():
                 slot = row["keep"][t]
