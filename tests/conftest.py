@@ -33,7 +33,7 @@ import gc  # noqa: E402
 
 # Tracing, checks and the planner make many small objects that live long (JAX's caches keep them): with
 # Python's default thresholds the collector walks them again and again. Measured, four runs each of
-# test_plans.py and test_inert_text.py in one process: 60-80 s of CPU against 79-83 s.
+# test_plans.py and test_inert_text.py in one process: 60-80 s of CPU against 79-84 s.
 gc.set_threshold(50_000, 50, 100)
 
 import pytest  # noqa: E402

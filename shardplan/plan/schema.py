@@ -138,9 +138,9 @@ class PipelineConfig(_Strict):
     @model_validator(mode="after")
     def _chunks_need_a_schedule_for_them(self) -> "PipelineConfig":
         if self.schedule in ("gpipe", "zb-h1") and self.virtual_stages > 1:
-            raise ValueError(f"{self.schedule} runs one chunk of layers per device, so virtual_stages "
-                             f"{self.virtual_stages} "
-                             "would do nothing: use schedule 1f1b (Megatron's interleaved 1F1B) or interleaved "
+            raise ValueError(f"{self.schedule} runs one chunk of layers per device, so "
+                             f"virtual_stages {self.virtual_stages} would do nothing: "
+                             "use schedule 1f1b (Megatron's interleaved 1F1B) or interleaved "
                              "(the circular schedule), or leave virtual_stages out")
         return self
 
