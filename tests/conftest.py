@@ -17,13 +17,18 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # eager initialisers and reshapes under 0.5 s each (8 of its 19.5 s compiling), which the next process
 # building the same model compiles again.
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-# The suite's time is mostly XLA compiling tiny programs, which then run a few steps: LLVM's expensive
-# passes cost more than they save here (8% of a trainer run's CPU time), and so does the backend's
-# optimisation level 2 (level 1: 12% less CPU on a pipelined MiniGPT test). The HLO, its collectives and
-# buffers stay the same. (Level 0 saved 20%, but its code computed NaN in the ring attention kernel's
-# gradient where the optimised code computes the dense attention's numbers.)
+# The suite's time is mostly XLA compiling small programs, which then run a few steps, so the tests compile
+# for compile time: LLVM's expensive passes off, the backend's optimisation level 0, and XLA:CPU's
+# classic elemental emitters instead of its MLIR fusion emitters (those make fresh MLIR contexts, every
+# dialect loaded, for each program; at level 0 they also computed NaN in the ring attention kernel's
+# gradient, which the classic emitters do not). Measured on a pipelined 3D MiniGPT's training step:
+# 4.1-4.9 s to compile at level 1 with the fusion emitters, 2.5 s so; its one-device step 2.5 s, 0.8 s;
+# the whole suite 43 min of CPU, 21. The HLO, its collectives and buffers stay the same; only the last
+# bit of a float may differ between a fused program and the same ops run one by one (see the sharded
+# init test).
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_llvm_disable_expensive_passes=true",
-                                    "--xla_backend_optimization_level=1"]).strip()
+                                    "--xla_backend_optimization_level=0",
+                                    "--xla_cpu_use_fusion_emitters=false"]).strip()
 
 import jax  # noqa: E402
 

@@ -275,5 +275,8 @@ def test_init_builds_every_parameter_on_its_shards(name):
     for (path, got), (_, want) in zip(nnx.to_flat_state(nnx.state(model, nnx.Param)),
                                       nnx.to_flat_state(nnx.state(reference, nnx.Param))):
         assert got.get_value().sharding.spec == want.get_value().sharding.spec, path
-        np.testing.assert_array_equal(got.get_value(), want.get_value())
+        # bit for bit at optimisation level 1 (measured); at the suite's level 0 (conftest.py) a fused
+        # initialiser rounds otherwise than the same ops run one by one (minigpt_3d's attention output
+        # kernel: 3.1e-7 relative at most)
+        np.testing.assert_allclose(got.get_value(), want.get_value(), rtol=1e-6, atol=0)
     assert type(model) is type(reference)

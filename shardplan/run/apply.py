@@ -124,7 +124,8 @@ def _place(variable: nnx.Variable, sharding: NamedSharding) -> None:
 def init(plan: Plan, factory, mesh: jax.sharding.Mesh, *, example=None, key=None) -> nnx.Module:
     """Build the model `factory()` directly in the plan's layout: one compiled program creates every
     parameter on its own shards, so no device ever holds a whole parameter the plan splits (a model
-    larger than one device can be initialised). Equals `apply_plan(plan, factory(), mesh)`.
+    larger than one device can be initialised). Equals `apply_plan(plan, factory(), mesh)` (bit for
+    bit at XLA's usual optimisation; compiled without it, the last bit of a fused initialiser may differ).
 
     `key`, if given, is a hashable value naming what `factory` builds (say its config and seed): calls
     with the same key, plan and mesh reuse one compiled program.
