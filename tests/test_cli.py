@@ -157,10 +157,19 @@ def test_a_deep_model_read_from_shallow_builds_lays_out_as_the_whole_build(capsy
     code_whole, whole, _ = run(capsys, *argv)
     assert code == code_whole == 0 and found[1] is None
     assert json.loads(shallow) == json.loads(whole)
+    monkeypatch.undo()
     from shardplan.run.depth import read_deep
     from shardplan.run.models import build_model
-    assert read_deep(lambda config, order: build_model("minigpt_model:MiniGPT", config), {"embed_dim": 64,
-                     "feed_forward_dim": 128, "num_transformer_blocks": 2}) is None      # widths are no depth
+    builds = []
+
+    def build(config, order):
+        builds.append(config)
+        return build_model("minigpt_model:MiniGPT", config)
+    assert read_deep(build, {"embed_dim": 64, "feed_forward_dim": 128}) is None      # widths are no depth
+    assert len(builds) == 3     # embed_dim 2 fails (8 heads); feed_forward_dim 2 and 3 grow no layer list
+    # a key named like a depth says the model is shallow: its widths are not probed
+    assert read_deep(build, {"embed_dim": 64, "feed_forward_dim": 128, "num_transformer_blocks": 2}) is None
+    assert len(builds) == 3
 
 
 NARROW_COMMANDS = [

@@ -36,10 +36,12 @@ class Deep:
 
 def read_deep(build, config: dict[str, Any]) -> Deep | None:
     """`build(config, order) -> abstract model` probed at depths 2 and 3 on each int config key above
-    `SHALLOW_ENOUGH`; the first key that is a pure depth gives the deep model, else None (build it whole)."""
-    # Keys named like a depth first: probing another key (a vocabulary size) builds the model whole, twice.
-    keys = sorted(config, key=lambda key: not _DEPTH_NAME.search(key))
-    for key in keys:
+    `SHALLOW_ENOUGH`; the first key that is a pure depth gives the deep model, else None (build it whole).
+    When int keys are named like a depth, only those are probed: probing another key (a width, a vocabulary
+    size) builds the model whole, twice (on the shipped MiniGPT plan, whose 8 blocks need no probe, the
+    probes of its widths were 1.6 s of `inspect`'s 4 s)."""
+    named = [key for key in config if type(config[key]) is int and _DEPTH_NAME.search(key)]
+    for key in named or list(config):
         depth = config[key]
         if type(depth) is not int or depth <= SHALLOW_ENOUGH:
             continue
