@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -149,15 +150,23 @@ def param_layout(path: str, shape: tuple[int, ...], dtype: np.dtype, spec: Norma
     """A parameter's layout under the plan: stored in `precision.params` (if floating), its optimizer
     state (AdamW's two moments, and float32 master weights under `precision.master`) split over the
     `data` axes too under ZeRO-1, padded where no dim divides."""
-    dtype = np.dtype(dtype)
-    floating = "float" in dtype.name            # bfloat16 (from ml_dtypes) is no np.floating
+    name, itemsize = _dtype_facts(dtype)
+    floating = "float" in name                  # bfloat16 (from ml_dtypes) is no np.floating
     if precision.params and floating:
-        dtype = np.dtype(precision.params)
+        name, itemsize = _dtype_facts(precision.params)
     opt_shape, opt_spec = zero1_layout(shape, spec, sizes, data)
-    state = (ADAM_MOMENTS + 1) * np.dtype(precision.master).itemsize if precision.master and floating else \
-        ADAM_MOMENTS * dtype.itemsize
-    return ParamLayout(path, shape, dtype.name, dtype.itemsize, spec, opt_spec, rule, rule_line,
+    state = (ADAM_MOMENTS + 1) * _dtype_facts(precision.master)[1] if precision.master and floating else \
+        ADAM_MOMENTS * itemsize
+    return ParamLayout(path, shape, name, itemsize, spec, opt_spec, rule, rule_line,
                        shard_shape(shape, spec, sizes), shard_shape(opt_shape, opt_spec, sizes), stage, state)
+
+
+@functools.lru_cache(maxsize=64)
+def _dtype_facts(dtype) -> tuple[str, int]:
+    """(name, itemsize) of a dtype: numpy builds the name anew on each read, and `auto` lays out one
+    layer for each of thousands of candidates."""
+    dtype = np.dtype(dtype)
+    return dtype.name, dtype.itemsize
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
