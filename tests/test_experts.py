@@ -198,8 +198,9 @@ def test_moe_minigpt_trains_under_the_shipped_plan_as_on_one_device_sample_inclu
     from test_training import TINY, tiny_config
     result = train(tiny_config(tmp_path / "ep", plan="plans/minigpt_moe_ep.yaml", steps=8, checkpoint_every=8,
                                eval_every=8, sample_tokens=24))
-    single = train(tiny_config(tmp_path / "one", plan="plans/minigpt_dp.yaml", steps=8, checkpoint_every=8, eval_every=100,
-                               model={**TINY, "num_experts": 8, "experts_per_token": 2}), devices=jax.devices()[:1])
+    single = train(tiny_config(tmp_path / "one", plan="plans/minigpt_dp.yaml", steps=8, checkpoint_every=8,
+                               eval_every=100, model={**TINY, "num_experts": 8, "experts_per_token": 2}),
+                   devices=jax.devices()[:1])
     losses = [result.losses[s] for s in range(1, 9)]
     np.testing.assert_allclose(losses, [single.losses[s] for s in range(1, 9)], rtol=2e-4)
     assert losses[-1] < losses[0] and result.sample
