@@ -12,6 +12,7 @@ from shardplan.checks.stages import StageMap, check_microbatches, plan_stages
 from shardplan.checks.step import check_step_axes
 from shardplan.checks.validate import (Placement, data_axes, idle_axes, rule_level, validate_inputs,
                                        validate_optimizer, validate_params)
+from shardplan.checks.combinations import degenerate_sections, pipeline_fsdp
 from shardplan.checks.context import check_context
 from shardplan.checks.experts import check_experts, expert_blocks
 from shardplan.plan.diagnostics import Diagnostic
@@ -190,7 +191,13 @@ def check_params(plan: Plan, params: list[ParamInfo], device_ids: list[int], *,
     specs = {p.param.path: p.spec for p in placements}
     stage_map, staging = plan_stages(plan, params, sizes, specs)
     diagnostics += staging
+    if not mesh_diagnostics:
+        diagnostics += degenerate_sections(plan, sizes) + pipeline_fsdp(plan, specs, sizes, data_axes(plan, sizes))
+        # one stage, or one expert group: the section runs as if it were absent (`section-does-nothing`)
+        stage_map = None if plan.pipeline is not None and sizes.get(plan.pipeline.axis) == 1 else stage_map
     expert_roles, found = expert_blocks(plan, params)
+    if not mesh_diagnostics and plan.experts is not None and sizes.get(plan.experts.axis) == 1:
+        expert_roles = []
     if not mesh_diagnostics:
         found += check_experts(plan, expert_roles, {p.param.path: p for p in placements}, sizes)
     diagnostics += found

@@ -51,6 +51,8 @@ CODES: dict[str, str] = {
     "pipeline-axis-in-spec": "a parameter spec uses the stage axis",
     "pipeline-microbatches": "the microbatch count does not divide each data shard's batch",
     "pipeline-schedule-context": "zb-h1 with the sequence split over a context axis",
+    "pipeline-fsdp-gathered": "layer weights split over a batch axis inside a pipeline enter its loop gathered",
+    "section-does-nothing": "a pipeline, experts or context section on a mesh axis of size 1",
     "stage-invalid-regex": "a stage rule's `match` is not a valid regular expression",
     "stage-unassigned": "a layer no stage rule matches",
     "stage-out-of-range": "a stage index outside the stage axis",

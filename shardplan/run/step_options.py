@@ -121,16 +121,30 @@ def _explicit_axes(mesh) -> bool:
 
 
 def _constrain(value, sharding: NamedSharding):
+    """The rule's sharding on `value`. Inside a pipeline stage (a shard_map manual over the stage and batch
+    axes) the manual axes are already split by hand: the constraint names the others only, on the
+    stage's own (abstract) mesh, as `with_sharding_constraint` requires there."""
     if not isinstance(value, jax.Array):
         return value
-    return jax.lax.with_sharding_constraint(value, _fitted(sharding, value.shape))
+    context = jax.sharding.get_abstract_mesh()
+    manual = set() if context.empty else {name for name, kind in zip(context.axis_names, context.axis_types)
+                                          if kind == jax.sharding.AxisType.Manual}
+    if not manual:
+        return jax.lax.with_sharding_constraint(value, _fitted(sharding, value.shape))
+    spec = jax.sharding.PartitionSpec(*[_without(entry, manual) for entry in sharding.spec])
+    return jax.lax.with_sharding_constraint(value, _fitted(NamedSharding(context, spec), value.shape))
+
+
+def _without(entry, axes: set[str]):
+    kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a not in axes)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
 def _fitted(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
     """The rule's sharding on an output of `shape`: entries beyond its rank, or splitting a dim they do
     not divide (one row when sampling), are left out; `activation-shape` reports them for the plan's
     example batch."""
-    sizes = dict(sharding.mesh.shape)
+    sizes = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_sizes))
     entries = []
     for dim, entry in enumerate(tuple(sharding.spec)[:len(shape)]):
         axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)

@@ -1,0 +1,116 @@
+"""`python -m tests.combinations [--cases N] [--seed S] [--jobs J] [--out DIR] [--replay FILE]`."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .generate import draw
+from .minimise import minimise
+from .pool import Pool
+from .run import plan_text
+
+FAILURES = ("wrong", "failed", "abort", "hang", "not-refused", "refused-otherwise")
+
+
+def cases(seed: int, count: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [draw(rng, k) for k in range(count)]
+
+
+def run_all(todo: list[dict], *, jobs: int, timeout: float, progress=None) -> list[dict]:
+    """Each case's result (its `status`, `codes`, `detail`), in order."""
+    pool, results, lock, queue = Pool(jobs, timeout), [None] * len(todo), threading.Lock(), list(enumerate(todo))
+
+    def work(slot: int):
+        while True:
+            with lock:
+                if not queue:
+                    return
+                k, case = queue.pop(0)
+            results[k] = pool.run(case, slot)
+            if progress:
+                with lock:
+                    progress(k, case, results[k])
+    threads = [threading.Thread(target=work, args=(slot,)) for slot in range(jobs)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        pool.close()
+    return results
+
+
+def read_case(path: Path) -> dict:
+    """A saved case: the plan file with its header line (model, devices, rows, expected code)."""
+    import yaml
+    text = path.read_text()
+    plan = yaml.safe_load(text)
+    header = json.loads(text.split("# case: ", 1)[1].split("\n", 1)[0])
+    return dict(header, plan=plan)
+
+
+def save(case: dict, result: dict, folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"case-{case['id']:05d}-{result['status']}.yaml"
+    header = {k: case[k] for k in ("id", "devices", "kind", "config", "rows", "expect")}
+    text = plan_text(case).replace("THIS_FILE", str(path))
+    detail = " | ".join(line for line in result["detail"].splitlines() if line.strip())
+    path.write_text(f"# {result['status']}: {detail}\n# case: {json.dumps(header)}\n" + text)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.combinations", description=__doc__)
+    parser.add_argument("--cases", type=int, default=100, help="how many random cases (default 100)")
+    parser.add_argument("--seed", type=int, default=0, help="the generator's seed (default 0)")
+    parser.add_argument("--jobs", type=int, default=2, help="worker processes at once (default 2)")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds a case may take before it is a hang")
+    parser.add_argument("--out", type=Path, default=Path("runs/combinations"), help="where failures are saved")
+    parser.add_argument("--minimise", action="store_true", help="shrink each failure to a smallest plan")
+    parser.add_argument("--replay", type=Path, help="run one saved case again and print its result")
+    args = parser.parse_args(argv)
+    if args.replay:
+        case = read_case(args.replay)
+        result = run_all([case], jobs=1, timeout=args.timeout)[0]
+        print(json.dumps(result, indent=1))
+        if args.minimise and result["status"] in FAILURES:
+            pool = Pool(1, args.timeout)
+            case, spent = minimise(case, pool.run)
+            pool.close()
+            print(f"minimised in {spent} runs: saved {save(case, result, args.out)}")
+        return 0 if result["status"] not in FAILURES else 1
+    todo, started = cases(args.seed, args.cases), time.monotonic()
+
+    def progress(k, case, result):
+        mark = "FAIL " if result["status"] in FAILURES else ""
+        print(f"[{time.monotonic() - started:6.0f} s] case {k}: {case['kind']} {case['plan']['mesh']['axes']} "
+              f"{mark}{result['status']} {' '.join(result['codes'])} {result['detail'][:200]}", flush=True)
+    results = run_all(todo, jobs=args.jobs, timeout=args.timeout, progress=progress)
+    counts = collections.Counter(r["status"] for r in results)
+    failed = [(c, r) for c, r in zip(todo, results) if r["status"] in FAILURES]
+    (args.out).mkdir(parents=True, exist_ok=True)
+    with open(args.out / f"results-seed{args.seed}.jsonl", "w") as out:
+        for case, result in zip(todo, results):
+            out.write(json.dumps({"case": case, "result": result}) + "\n")
+    for case, result in failed:
+        if args.minimise:
+            pool = Pool(1, args.timeout)
+            case, _ = minimise(case, pool.run)
+            pool.close()
+        print(f"saved {save(case, result, args.out)}")
+    print(", ".join(f"{n} {status}" for status, n in sorted(counts.items())))
+    print(f"{len(todo)} cases, {len(todo) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Worker processes that run cases (`run.run_case`), one JAX process per device count, so that a case
+aborting the process (a failed check inside XLA) or hanging (a collective that never completes) is
+recorded as `abort` or `hang` and the next case gets a fresh worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+# The suite's compile-for-compile-time flags (tests/conftest.py): the cases compile far more than they run.
+FLAGS = "--xla_llvm_disable_expensive_passes=true --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+MARK = "@@case-result@@ "
+
+WORKER = f"""
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", int(sys.argv[1]))
+from tests.combinations.run import run_case
+for line in sys.stdin:
+    result = run_case(json.loads(line))
+    print({MARK!r} + json.dumps(result), flush=True)
+"""
+
+
+class Worker:
+    """One worker process for cases on `devices` CPU devices."""
+
+    def __init__(self, devices: int):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
+                   XLA_FLAGS=" ".join([os.environ.get("XLA_FLAGS", ""), FLAGS]).strip())
+        self.devices = devices
+        self.process = subprocess.Popen([sys.executable, "-c", WORKER, str(devices)], cwd=REPO, env=env, text=True,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self._stderr = []
+
+    def run(self, case: dict, timeout: float) -> dict:
+        self.process.stdin.write(json.dumps(case) + "\n")
+        self.process.stdin.flush()
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.close()
+                return {"status": "hang", "codes": [], "warnings": [], "detail": f"no result in {timeout:.0f} s"}
+            ready, _, _ = select.select([self.process.stdout, self.process.stderr], [], [], left)
+            if self.process.stderr in ready:
+                line = self.process.stderr.readline()
+                if line:
+                    self._stderr = (self._stderr + [line])[-40:]
+            if self.process.stdout in ready:
+                line = self.process.stdout.readline()
+                if not line:            # the process died with the case
+                    code = self.process.wait()
+                    self._stderr += self.process.stderr.readlines()[-40:]
+                    tail = [l for l in self._stderr if l.strip() and not l.startswith("    @")][-6:]
+                    return {"status": "abort", "codes": [], "warnings": [],
+                            "detail": f"exit {code}: " + " | ".join(l.strip()[:300] for l in tail)}
+                if line.startswith(MARK):
+                    self._stderr = []
+                    return json.loads(line[len(MARK):])
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def close(self) -> None:
+        if self.alive:
+            self.process.kill()
+        self.process.wait()
+
+
+class Pool:
+    """Runs cases in `jobs` workers, a worker per device count, replacing any that died."""
+
+    def __init__(self, jobs: int = 1, timeout: float = 600.0):
+        self.jobs, self.timeout, self._workers = jobs, timeout, {}
+
+    def run(self, case: dict, slot: int = 0) -> dict:
+        key = (slot, case["devices"])
+        worker = self._workers.get(key)
+        if worker is None or not worker.alive:
+            worker = self._workers[key] = Worker(case["devices"])
+        result = worker.run(case, self.timeout)
+        if result["status"] in ("abort", "hang"):
+            worker.close()
+        return result
+
+    def close(self) -> None:
+        for worker in self._workers.values():
+            worker.close()
+        self._workers.clear()
