@@ -192,6 +192,12 @@ CASES = {
                                .replace("[data, expert]", "[expert]"), params=EP_RULES.replace("[expert,", "[stage,")
                                + "pipeline: {axis: stage, layers: layers}\n"),
                            MOE_PARAMS, 8, None, ["experts.axis 'stage' is the pipeline's stage axis"], 4),
+    "section-does-nothing": (context_plan(axes="data: 8, context: 1", tokens="[data, context]",
+                                          context="axis: context"), PARAMS, 8, None,
+                             ["`context.axis` 'context' has size 1", "context section does nothing"], 4),
+    "pipeline-fsdp-gathered": (pipe("", params="params:\n  - {match: 'layers/\\d+/w', spec: [null, data]}\n"
+                                               "  - {match: '.*', spec: replicated}\n"), PIPE_PARAMS, 8, None,
+                               ["split over the batch axis 'data' (FSDP)", "layers/0/w", "gathered"], 5),
     "stage-layers-differ": (pipe(""), PIPE_PARAMS[:-3] + [ParamInfo("layers/3/b", (32,), F32)] + PIPE_PARAMS[-2:],
                             8, None, ["layers/3/b", "(32,)", "identically shaped"], 6),
 }

@@ -51,6 +51,8 @@ def _spec(shape, dims, tensor, fsdp, sizes, rng) -> list | None:
     """A spec for one family: replicated, tensor-split, FSDP-split or both, where the axes divide."""
     spec = [None] * len(shape)
     t_dim, f_dim = dims
+    if f_dim is not None and rng.random() < 0.2:      # the tensor axis on the other dim (a row-parallel input)
+        t_dim, f_dim = f_dim, t_dim
     if tensor and rng.random() < 0.7 and shape[t_dim] % sizes[tensor] == 0:
         spec[t_dim] = tensor
     if fsdp and f_dim is not None and rng.random() < 0.35 and shape[f_dim] % sizes[fsdp] == 0 and spec[f_dim] is None:

@@ -22,8 +22,13 @@ import json, sys
 import jax
 jax.config.update("jax_num_cpu_devices", int(sys.argv[1]))
 from tests.combinations.run import run_case
+import traceback
 for line in sys.stdin:
-    result = run_case(json.loads(line))
+    try:
+        result = run_case(json.loads(line))
+    except Exception as error:      # check itself raised: the case's finding, not the worker's end
+        result = {{"status": "failed", "codes": [], "warnings": [],
+                  "detail": "".join(traceback.format_exception_only(error)).strip()[:1500]}}
     print({MARK!r} + json.dumps(result), flush=True)
 """
 
@@ -40,8 +45,11 @@ class Worker:
         self._stderr = []
 
     def run(self, case: dict, timeout: float) -> dict:
-        self.process.stdin.write(json.dumps(case) + "\n")
-        self.process.stdin.flush()
+        try:
+            self.process.stdin.write(json.dumps(case) + "\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            pass                        # it died before the case: read why below
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()

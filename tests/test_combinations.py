@@ -1,0 +1,81 @@
+"""The combination tester (tests/combinations): a fixed-seed sample of random plans, and each failure class
+it found, kept as a minimal plan, run in worker processes (an abort there is a result, not the end of
+the suite) and compared with one device."""
+
+from pathlib import Path
+
+import pytest
+
+from combinations.__main__ import FAILURES, cases, read_case, run_all
+from combinations.generate import draw
+from combinations.minimise import minimise
+from combinations.pool import Pool
+
+REGRESSIONS = sorted((Path(__file__).parent / "combinations" / "regressions").glob("*.yaml"))
+# A sample of the generator's seed 0: pipelines (gpipe, 1f1b, interleaved, zb-h1), experts, context,
+# bf16, remat and deliberately broken plans are all among its first cases.
+SAMPLE = 12
+
+
+def test_a_fixed_sample_of_random_plans_trains_like_one_device_or_is_refused():
+    todo = cases(0, SAMPLE)
+    results = run_all(todo, jobs=1, timeout=900)
+    failed = [(case["id"], r["status"], r["detail"][:300]) for case, r in zip(todo, results) if r["status"] in FAILURES]
+    assert not failed
+    assert sum(r["status"] == "passed" and not case["expect"] for case, r in zip(todo, results)) >= SAMPLE // 3
+
+
+@pytest.mark.parametrize("path", REGRESSIONS, ids=[p.stem for p in REGRESSIONS])
+def test_each_failure_class_found_now_trains_like_one_device(path):
+    case = read_case(path)
+    result = run_all([case], jobs=1, timeout=900)[0]
+    assert result["status"] == "passed", result
+    if path.stem == "size-one-sections":
+        assert "section-does-nothing" in result["warnings"]
+
+
+def test_generator_draws_every_option_and_known_mistakes():
+    import random
+    rng = random.Random(0)
+    drawn = [draw(rng, k) for k in range(300)]
+    plans = [c["plan"] for c in drawn]
+    assert {p["pipeline"]["schedule"] for p in plans if "pipeline" in p} == {"gpipe", "1f1b", "interleaved", "zb-h1"}
+    assert any(p.get("pipeline", {}).get("virtual_stages") == 2 for p in plans)
+    assert any(isinstance(p.get("pipeline", {}).get("stages"), list) for p in plans)
+    for key in ("experts", "context", "activations", "remat", "precision", "accumulate", "optimizer"):
+        assert any(key in p for p in plans), key
+    assert {c["devices"] for c in drawn} == {6, 8}
+    assert {c["kind"] for c in drawn} == {"llama", "gpt2", "moe"}
+    assert len({c["expect"] for c in drawn if c["expect"]}) >= 8
+
+
+def test_minimiser_keeps_the_failure_and_drops_the_rest():
+    """With a stand-in judge that fails any plan holding `remat`, the minimiser strips everything else."""
+    import random
+    case = next(c for c in (draw(random.Random(1), k) for k in range(200))
+                if "remat" in c["plan"] and "precision" in c["plan"] and not c["expect"])
+
+    def judge(trial):
+        return {"status": "wrong" if "remat" in trial["plan"] else "passed"}
+    small, spent = minimise(case, judge, budget=200)
+    assert "remat" in small["plan"] and "precision" not in small["plan"]
+    assert [r["match"] for r in small["plan"]["params"]] == [".*"]
+    assert spent < 200
+
+
+def test_a_worker_killed_mid_case_is_recorded_as_an_abort_and_replaced():
+    import threading
+
+    from combinations.pool import Worker
+    pool = Pool(1, timeout=600)
+    case = next(c for c in cases(0, 40) if not c["expect"] and c["devices"] == 8)
+    try:
+        worker = pool._workers[(0, 8)] = Worker(8)
+        threading.Timer(3.0, worker.process.kill).start()
+        result = pool.run(case)
+        assert result["status"] == "abort" and "exit -9" in result["detail"], result
+        assert not worker.alive
+        assert pool.run(dict(case, plan=dict(case["plan"], mesh={"axes": {"x": 16}})))["status"] == "refused"
+        assert pool._workers[(0, 8)] is not worker
+    finally:
+        pool.close()
