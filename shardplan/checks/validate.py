@@ -339,12 +339,15 @@ def _input_shape(plan: Plan, name: str, spec: NormalSpec, shape: tuple[int, ...]
 
 
 def data_axes(plan: Plan, sizes: dict[str, int]) -> tuple[str, ...]:
-    """The axes that shard the batch dim of the inputs (the data-parallel axes)."""
+    """The axes that shard the batch dim of the inputs (the data-parallel axes); a plan that declares no
+    inputs is taken to split its batch over an axis named `data`, if it has one. (A declared input
+    whose batch dim is whole means no data axis, whatever the axes are called: one named `data`
+    may hold the sequence or the stages.)"""
     for raw in plan.inputs.values():
         spec = normalize_spec(raw)
         if spec and spec[0]:
             return tuple(a for a in spec[0] if a in sizes)
-    return ("data",) if "data" in sizes else ()
+    return ("data",) if "data" in sizes and not plan.inputs else ()
 
 
 def validate_optimizer(plan: Plan, sizes: dict[str, int]) -> list[Diagnostic]:

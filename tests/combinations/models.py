@@ -120,42 +120,39 @@ class GPT2(nnx.Module):
 
 
 class Experts(nnx.Module):
-    """Top-2 of E experts, SwiGLU each; `form`: sorted (rows sorted by expert through ragged_dot), loop
-    (each expert on every token, weighted) or dense (einsums over the expert dim)."""
+    """Top-2 of E experts; `form`: sorted (rows sorted by expert through ragged_dot, SwiGLU experts), loop
+    (each expert on every token, weighted) or dense (einsums over the expert dim), GELU experts."""
 
     def __init__(self, experts: int, form: str, *, rngs: nnx.Rngs):
         self.router = nnx.Linear(DIM, experts, use_bias=False, rngs=rngs)
-        self.w_gate, self.w_up = _param(rngs, experts, DIM, HIDDEN // 2), _param(rngs, experts, DIM, HIDDEN // 2)
+        if form == "sorted":       # (SwiGLU experts; the loop and dense forms' GELU experts have no gate)
+            self.w_gate = _param(rngs, experts, DIM, HIDDEN // 2)
+        self.w_up = _param(rngs, experts, DIM, HIDDEN // 2)
         self.w_down = _param(rngs, experts, HIDDEN // 2, DIM, scale=(HIDDEN // 2) ** -0.5)
         self.experts, self.form = experts, form
 
-    def __call__(self, x):
-        shape, x = x.shape, x.reshape(-1, x.shape[-1])                          # (N, D)
-        scores = jax.nn.softmax(self.router(x), -1)                             # (N, E)
-        top, chosen = jax.lax.top_k(scores, 2)
+    def __call__(self, x):                                                      # (B, T, D)
+        top, chosen = jax.lax.top_k(jax.nn.softmax(self.router(x), -1), 2)     # (B, T, 2)
         top = top / jnp.sum(top, -1, keepdims=True)
         if self.form == "sorted":
-            flat = chosen.reshape(-1)
+            flat, rows = chosen.reshape(-1), x.reshape(-1, x.shape[-1])
             order = jnp.argsort(flat)
-            rows = jnp.repeat(x, 2, axis=0)[order]                              # (2N, D) by expert
+            rows = jnp.repeat(rows, 2, axis=0)[order]                           # (2N, D) by expert
             sizes = jnp.bincount(flat, length=self.experts).astype(jnp.int32)
             gate = jax.lax.ragged_dot(rows, self.w_gate[...], sizes)
             hidden = nnx.silu(gate) * jax.lax.ragged_dot(rows, self.w_up[...], sizes)
             out = jax.lax.ragged_dot(hidden, self.w_down[...], sizes)
-            out = jnp.zeros_like(out).at[order].set(out).reshape(-1, 2, shape[-1])
-            y = jnp.sum(out * top[..., None], 1)
-        else:
-            weights = jnp.sum(jax.nn.one_hot(chosen, self.experts) * top[..., None], 1)   # (N, E), zero off top-2
-            if self.form == "loop":
-                y = 0
-                for e in range(self.experts):
-                    out = (nnx.silu(x @ self.w_gate[e]) * (x @ self.w_up[e])) @ self.w_down[e]
-                    y = y + weights[:, e:e + 1] * out
-            else:
-                gate = jnp.einsum("nd,edf->enf", x, self.w_gate[...])
-                hidden = nnx.silu(gate) * jnp.einsum("nd,edf->enf", x, self.w_up[...])
-                y = jnp.einsum("ne,end->nd", weights, jnp.einsum("enf,efd->end", hidden, self.w_down[...]))
-        return y.reshape(shape)
+            out = jnp.zeros_like(out).at[order].set(out).reshape(*x.shape[:2], 2, x.shape[-1])
+            return jnp.sum(out * top[..., None], 2)
+        weights = jnp.sum(jax.nn.one_hot(chosen, self.experts) * top[..., None], 2)   # (B, T, E), zero off top-2
+        if self.form == "loop":
+            y = jnp.zeros_like(x)
+            for e in range(self.experts):
+                out = nnx.gelu(x @ self.w_up[e]) @ self.w_down[e]
+                y = y + weights[..., e, None] * out
+            return y
+        hidden = nnx.gelu(jnp.einsum("btd,edf->btef", x, self.w_up[...]))
+        return jnp.einsum("btef,efd,bte->btd", hidden, self.w_down[...], weights)
 
 
 class MoEDecoder(nnx.Module):
