@@ -74,7 +74,8 @@ def _pipelined(plan: Plan, model: nnx.Module, mesh, report: Report, specs: dict)
                              plain_graphdef=plain_graphdef, counts=stage_map.counts,
                              split_heads=_tensor_split_outside(plan, report, specs),
                              sharding_of=lambda path: NamedSharding(mesh, partition_spec(stacked_spec(path))),
-                             data_axes=tuple(a for a in data_axes(plan, report.axes) if a != pipe.axis),
+                             data_axes=tuple(a for a in data_axes(plan, report.axes) if a != pipe.axis)
+                             + _idle_axes(plan, report, specs),
                              context_axis=plan.context.axis if plan.context and report.axes[plan.context.axis] > 1
                              else None)
     setattr(model, pipe.layers, layers)
@@ -95,12 +96,22 @@ def _tensor_split_outside(plan: Plan, report: Report, specs: dict) -> tuple[str,
 
 
 def _manual_batch_axes(plan: Plan, report: Report, specs: dict) -> tuple[str, ...]:
-    """Data axes the pipeline runs manually: all but the experts' axis (their blocks' own exchange splits
-    tokens over it). A layer weight split over a manual axis (FSDP inside a stage) enters the loop
-    gathered over it: left automatic, XLA's partitioner aborted the process on such steps (jax 0.10.2:
-    `plans/minigpt_3d.yaml` with one FSDP rule), and gathered once the step stays exact."""
+    """Axes the pipeline runs manually besides the stage axis: the data axes but the experts' (their blocks'
+    own exchange splits tokens over it), then the axes nothing else uses, as more data parallelism. A
+    layer weight split over a manual axis (FSDP inside a stage) enters the loop gathered over it. Left
+    automatic, either kind aborted XLA's partitioner (jax 0.10.2) once a stage's weight was split over
+    a tensor axis too: `plans/minigpt_3d.yaml` with one FSDP rule; a row-parallel weight with an idle axis."""
     experts = plan.experts.axis if report.experts else None
-    return tuple(a for a in data_axes(plan, report.axes) if a not in (plan.pipeline.axis, experts))
+    data = tuple(a for a in data_axes(plan, report.axes) if a not in (plan.pipeline.axis, experts))
+    return data + _idle_axes(plan, report, specs)
+
+
+def _idle_axes(plan: Plan, report: Report, specs: dict) -> tuple[str, ...]:
+    """Axes of size > 1 that no parameter, input or section uses (an `idle-axis` warning)."""
+    used = {a for spec in specs.values() for a in spec_axes(spec)}
+    used |= {a for raw in plan.inputs.values() for a in spec_axes(normalize_spec(raw))}
+    used |= {section.axis for section in (plan.pipeline, plan.experts, plan.context) if section is not None}
+    return tuple(a for a, size in report.axes.items() if size > 1 and a not in used)
 
 
 def _checked(plan: Plan, model, mesh, example=None, roles=None) -> Report:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable
 
 import jax
@@ -48,8 +49,8 @@ def merge_microbatches(x: jax.Array) -> jax.Array:
 
 def fit_microbatches(rows: int, microbatches: int, batch_axes: tuple[str, ...],
                      sizes: dict[str, int]) -> tuple[int, tuple[str, ...]]:
-    """The most microbatches (up to the plan's) that divide `rows`, keeping the manual batch axes if
-    each microbatch still splits over them.
+    """The most microbatches (up to the plan's) that divide `rows`, keeping as many of the manual batch
+    axes (a prefix: the plan's data axes come first) as each microbatch still splits over.
 
     >>> fit_microbatches(32, 8, ("data",), {"data": 2})
     (8, ('data',))
@@ -57,14 +58,15 @@ def fit_microbatches(rows: int, microbatches: int, batch_axes: tuple[str, ...],
     (1, ())
     >>> fit_microbatches(6, 8, ("data",), {"data": 2})
     (3, ('data',))
+    >>> fit_microbatches(4, 2, ("data", "idle"), {"data": 2, "idle": 4})
+    (2, ('data',))
     """
-    shards = 1
-    for name in batch_axes:
-        shards *= sizes[name]
     candidates = [m for m in range(min(microbatches, rows), 0, -1) if rows % m == 0]
-    for m in candidates:
-        if (rows // m) % shards == 0:
-            return m, batch_axes
+    for kept in range(len(batch_axes), 0, -1):
+        shards = math.prod(sizes[name] for name in batch_axes[:kept])
+        for m in candidates:
+            if (rows // m) % shards == 0:
+                return m, batch_axes[:kept]
     return candidates[0], ()
 
 

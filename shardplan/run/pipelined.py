@@ -205,8 +205,9 @@ class PipelinedLayers(nnx.Module):
         used = _used_inputs(lambda params: head_loss(params, rest_leaves, first(x), *sample[:2], head_keys,
                                                      first(request.targets)), head_params)
         before = _used_inputs(lambda params: jax.numpy.sum(layers_entry(params, rest_leaves, *sample)), head_params)
+        # (with the sequence split over a context axis too, a split head aborted XLA's partitioner: it enters whole)
         may_split = [batch_axes == self._pipeline_batch_axes and paths[i] in self._pipeline_split_heads
-                     for i in outside]
+                     and self._pipeline_context is None for i in outside]
         split_ok = [may and not read_before for may, read_before in zip(may_split, before)]
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
