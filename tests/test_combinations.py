@@ -8,6 +8,7 @@ import pytest
 
 from combinations.__main__ import FAILURES, cases, read_case, run_all
 from combinations.generate import draw
+from combinations.matrix import features, parse
 from combinations.minimise import minimise
 from combinations.pool import Pool
 
@@ -23,6 +24,12 @@ def test_a_fixed_sample_of_random_plans_trains_like_one_device_or_is_refused():
     failed = [(case["id"], r["status"], r["detail"][:300]) for case, r in zip(todo, results) if r["status"] in FAILURES]
     assert not failed
     assert sum(r["status"] == "passed" and not case["expect"] for case, r in zip(todo, results)) >= SAMPLE // 3
+    # docs/support-matrix.md (the long run's) claims every pair of options these cases trained
+    table = parse((Path(__file__).parents[1] / "docs" / "support-matrix.md").read_text())
+    for case, result in zip(todo, results):
+        if result["status"] == "passed" and not case["expect"]:
+            names = features(case)
+            assert all(table[(a, b)].startswith("✓") for a in names for b in names), (case["id"], names)
 
 
 @pytest.mark.parametrize("path", REGRESSIONS, ids=[p.stem for p in REGRESSIONS])

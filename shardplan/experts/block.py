@@ -146,10 +146,6 @@ def capacity_rule(options: ExpertOptions, local_rows: int, block: type):
     return capacity
 
 
-def _narrow_float(leaf) -> bool:
-    return jnp.issubdtype(leaf.dtype, jnp.floating) and jnp.dtype(leaf.dtype).itemsize < 4
-
-
 def expert_parallel_call(original, options: ExpertOptions, module, args: tuple, kwargs: dict):
     try:
         return _expert_parallel_call(original, options, module, args, kwargs)
@@ -173,8 +169,10 @@ def _expert_parallel_call(original, options: ExpertOptions, module, args: tuple,
                 "parallelism needs each token's output to depend only on that token and the experts' weights to "
                 "be read only by matmuls", interpret.where(made) if made is not None else None)
 
+    from shardplan.run.widen import narrowed, widened       # (one helper with the pipeline's loops; see docs/layout.md)
+
     def per_device(*local):
-        local = [x.astype(narrow[i]) if i in narrow else x for i, x in enumerate(local)]
+        local = narrowed(list(local), narrow)
         # Traced again here, so the program's shardings name the manual axes it now runs under.
         avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in traced.closed.in_avals]
         closed = jax.make_jaxpr(pure)(*avals)
@@ -193,11 +191,9 @@ def _expert_parallel_call(original, options: ExpertOptions, module, args: tuple,
     sharded = jax.shard_map(per_device, mesh=mesh, in_specs=tuple(in_specs),
                             out_specs=[rows] * (len(dependent) + counting), axis_names=set(batch_axes),
                             check_vma=False)
-    # Weights narrower than float32 enter widened (and are narrowed again inside, exactly): their gradients
-    # are then summed over the batch axes in float32. (XLA's CPU compiler aborted promoting a bfloat16
-    # all-reduce of them, "Invalid binary instruction opcode copy"; Megatron reduces in float32 too.)
-    narrow = {i: leaf.dtype for i, leaf in enumerate(leaves) if i not in traced.tokens and _narrow_float(leaf)}
-    parallel = jax.jit(sharded)(*[leaf.astype(jnp.float32) if i in narrow else leaf for i, leaf in enumerate(leaves)])
+    # (the weights' gradients are then summed over the batch axes in float32: see `shardplan.run.widen`)
+    wide, narrow = widened(list(leaves))
+    parallel = jax.jit(sharded)(*wide)
     if counting:
         DROPS.get().append((module, jnp.sum(parallel[-1])))
         parallel = parallel[:-1]

@@ -35,6 +35,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from shardplan.run.layer_call import LayerCall, fold_keys
+from shardplan.run.widen import narrowed, widened
 
 
 def split_microbatches(x: jax.Array, microbatches: int) -> jax.Array:
@@ -198,15 +199,18 @@ def circular_forward(layers: Layers, stacked, xs, split, whole, keys, *, mesh, a
     transpose all-reduces the layers' gradients once at the end instead of once per tick.
     """
     stages = jax.tree.leaves(stacked)[0].shape[0]
-    run = _cached(_circular_runner, layers, mesh, axis, batch_axes)
+    (stacked, whole), narrow = widened((stacked, whole))
+    run = _cached(_circular_runner, layers, mesh, axis, batch_axes, narrow)
     return run(stacked, xs, split, whole, keys)[stages - 1]
 
 
 @functools.cache
-def _circular_runner(layers: Layers, mesh, axis: str, batch_axes: tuple[str, ...]):
-    """The jitted shard_map of the circular forward (a partly manual shard_map cannot run eagerly)."""
+def _circular_runner(layers: Layers, mesh, axis: str, batch_axes: tuple[str, ...], narrow: tuple):
+    """The jitted shard_map of the circular forward (a partly manual shard_map cannot run eagerly); the
+    weights and whole arguments enter `widened`, to the dtypes `narrow` names."""
 
     def per_device(state, xs, split, whole, keys):
+        state, whole = narrowed((state, whole), narrow)
         keys = _shard_keys(keys, mesh, batch_axes)
         stages = mesh.shape[axis]
         virtual, per_chunk = jax.tree.leaves(state)[0].shape[1:3]        # this device's (1, virtual, per_chunk)

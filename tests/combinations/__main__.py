@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from .generate import draw
+from .matrix import matrix, render
 from .minimise import minimise
 from .pool import Pool
 from .run import plan_text
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/combinations"), help="where failures are saved")
     parser.add_argument("--minimise", action="store_true", help="shrink each failure to a smallest plan")
     parser.add_argument("--replay", type=Path, help="run one saved case again and print its result")
+    parser.add_argument("--matrix", type=Path, help="write the support matrix of this run (markdown) to this file")
     args = parser.parse_args(argv)
     if args.replay:
         case = read_case(args.replay)
@@ -107,8 +109,13 @@ def main(argv: list[str] | None = None) -> int:
             case, _ = minimise(case, pool.run)
             pool.close()
         print(f"saved {save(case, result, args.out)}")
+    line = f"{len(todo)} cases, {len(todo) - len(failed)} passed, {len(failed)} failed"
     print(", ".join(f"{n} {status}" for status, n in sorted(counts.items())))
-    print(f"{len(todo)} cases, {len(todo) - len(failed)} passed, {len(failed)} failed")
+    print(line)
+    if args.matrix:
+        records = [{"case": case, "result": result} for case, result in zip(todo, results)]
+        args.matrix.write_text(render(matrix(records), cases=len(todo), seed=args.seed, line=line))
+        print(f"wrote {args.matrix}")
     return 1 if failed else 0
 
 
