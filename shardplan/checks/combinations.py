@@ -26,7 +26,8 @@ def degenerate_sections(plan: Plan, sizes: dict[str, int]) -> list[Diagnostic]:
     return found
 
 
-def pipeline_fsdp(plan: Plan, specs: dict[str, tuple], sizes: dict[str, int], batch_axes: tuple[str, ...]) -> list[Diagnostic]:
+def pipeline_fsdp(plan: Plan, specs: dict[str, tuple], sizes: dict[str, int],
+                  batch_axes: tuple[str, ...]) -> list[Diagnostic]:
     """Layer weights inside a pipeline's stages split over a batch axis (FSDP) enter the pipeline's loop
     gathered over it (`shardplan.run.apply`): exact, but the stage's layers are whole for the step."""
     pipe = plan.pipeline
@@ -36,7 +37,8 @@ def pipeline_fsdp(plan: Plan, specs: dict[str, tuple], sizes: dict[str, int], ba
     prefix = pipe.layers + "/"
     gathered = {}
     for path, spec in specs.items():
-        axes = [a for a in spec_axes(spec) if a in batch_axes and a not in (pipe.axis, experts) and sizes.get(a, 1) > 1]
+        axes = [a for a in spec_axes(spec)
+                if a in batch_axes and a not in (pipe.axis, experts) and sizes.get(a, 1) > 1]
         if path.startswith(prefix) and axes:
             gathered.setdefault(tuple(dict.fromkeys(axes)), []).append(path)
     found = []

@@ -20,7 +20,7 @@ def features(case: dict) -> list[str]:
     spec_axes = [(r["match"], _axes(r["spec"])) for r in plan["params"] if r["spec"] != "replicated"]
     experts = plan.get("experts")
     expert_axis = experts["axis"] if experts else None
-    found = {"data": bool(batch_axes - {expert_axis} or (experts and expert_axis in batch_axes and len(batch_axes) > 1)),
+    found = {"data": bool(batch_axes),
              "tensor": any(set(axes) - batch_axes for _, axes in spec_axes),
              "FSDP": any(set(axes) & batch_axes for match, axes in spec_axes if "w_(gate" not in match),
              "zero1": plan.get("optimizer") == "zero1", "accumulate": plan.get("accumulate", 1) > 1,
@@ -67,33 +67,38 @@ def matrix(records: list[dict]) -> dict[tuple[str, str], dict]:
 
 
 def render(cells: dict, *, cases: int, seed: int, line: str) -> str:
-    """The matrix as a markdown table, with how it was made."""
+    """The matrix as a markdown table, with how it was made; a refused cell names its codes by a letter."""
     head = ["", *FEATURES]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    legend: dict[str, str] = {}
     for a in FEATURES:
         row = [a]
         for b in FEATURES:
-            cell = cells.get((a, b)) or cells.get((b, a))
-            row.append(_cell(cell))
+            row.append(_cell(cells.get((a, b)) or cells.get((b, a)), legend))
         rows.append("| " + " | ".join(row) + " |")
-    return (f"<!-- made by `python -m tests.combinations --cases {cases} --seed {seed} --matrix docs/support-matrix.md`;"
-            f" do not edit by hand -->\n# Support matrix\n\nEach cell: how many random plans using both options "
-            f"trained two AdamW steps to one device's loss, gradients and parameters (float32: loss to 1e-5 relative, "
-            f"gradients to 1e-4 of the largest; bfloat16: 2e-2 and 15%), out of {cases} cases of seed {seed} "
-            f"({line}); **refused** with the codes `check` gave where no plan with the pair ran; FAILED where one "
-            "gave other numbers or did not run (none may). Cases are random plans over a LLaMA-style, a GPT-2-style "
-            "(tied head) and a MoE decoder on meshes of 1-3 axes over 8 and 6 devices; see tests/combinations.\n\n"
-            + "\n".join(rows) + "\n")
+    command = f"python -m tests.combinations --cases {cases} --seed {seed} --matrix docs/support-matrix.md"
+    notes = "\n".join(f"- refused {letter}: {codes}" for codes, letter in legend.items())
+    return (f"<!-- made by `{command}`; do not edit by hand -->\n# Support matrix\n\n"
+            "Each cell: how many random plans using both options trained two AdamW steps to one device's loss, "
+            "gradients and parameters (float32: loss to 1e-5 relative, gradients to 1e-4 of the largest; "
+            "bfloat16: loss to 2e-2, gradients to 15%, and a bfloat16 MoE's loss only, since its router's top-k "
+            f"flips on rounding), out of {cases} cases of seed {seed} ({line}); **refused** with the codes `check` "
+            "gave where no plan with the pair ran (the letters below); FAILED where one gave other numbers or did "
+            "not run (none may); – where no case drew the pair. The cases are random plans over a LLaMA-style, a "
+            "GPT-2-style (tied head) and a MoE decoder on meshes of 1-3 axes over 8 and 6 devices "
+            "(tests/combinations); the diagonal counts the option alone.\n\n" + "\n".join(rows) + "\n\n"
+            + notes + "\n")
 
 
-def _cell(cell) -> str:
+def _cell(cell, legend: dict[str, str]) -> str:
     if not cell:
         return "–"
     if cell["failed"]:
         return f"FAILED {cell['failed']}"
     if cell["passed"]:
         return f"✓ {cell['passed']}"
-    return "refused: " + ", ".join(f"`{code}`" for code, _ in cell["refused"].most_common(2))
+    codes = ", ".join(f"`{code}`" for code in sorted(code for code, _ in cell["refused"].most_common(3)))
+    return "refused " + legend.setdefault(codes, "abcdefghijklmnopqrstuvwxyz"[len(legend) % 26])
 
 
 def parse(text: str) -> dict[tuple[str, str], str]:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 # The suite's compile-for-compile-time flags (tests/conftest.py): the cases compile far more than they run.
-FLAGS = "--xla_llvm_disable_expensive_passes=true --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+FLAGS = ("--xla_llvm_disable_expensive_passes=true --xla_backend_optimization_level=0 "
+         "--xla_cpu_use_fusion_emitters=false")
 MARK = "@@case-result@@ "
 
 WORKER = f"""
