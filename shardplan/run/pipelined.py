@@ -205,8 +205,10 @@ class PipelinedLayers(nnx.Module):
         used = _used_inputs(lambda params: head_loss(params, rest_leaves, first(x), *sample[:2], head_keys,
                                                      first(request.targets)), head_params)
         before = _used_inputs(lambda params: jax.numpy.sum(layers_entry(params, rest_leaves, *sample)), head_params)
-        # (with the sequence split over a context axis too, a split head aborted XLA's partitioner: it enters whole)
-        may_split = [batch_axes == self._pipeline_batch_axes and paths[i] in self._pipeline_split_heads
+        every_batch_axis_manual = batch_axes == self._pipeline_data_axes
+        # (with the sequence split over a context axis, or the experts' batch axis left to XLA, a split head
+        # aborted XLA's partitioner too: it enters whole)
+        may_split = [every_batch_axis_manual and paths[i] in self._pipeline_split_heads
                      and self._pipeline_context is None for i in outside]
         split_ok = [may and not read_before for may, read_before in zip(may_split, before)]
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -214,10 +216,8 @@ class PipelinedLayers(nnx.Module):
         def entering(reads, keeps_split):      # the weights one part reads, each split or whole
             return [p if keep else jax.lax.with_sharding_constraint(p, replicated)
                     for p, read, keep in zip(head_params, reads, keeps_split) if read]
-        every_batch_axis_manual = batch_axes == self._pipeline_data_axes
         head_in = entering(used, split_ok)
-        embed_in = entering(before, [may and not by_head and every_batch_axis_manual
-                                     for may, by_head in zip(may_split, used)])
+        embed_in = entering(before, [may and not by_head for may, by_head in zip(may_split, used)])
         used_at = [i for i, keep in zip(outside, used) if keep]
         read_at = [i for i, read in zip(outside, before) if read]
         return one_f_one_b_loss(
