@@ -94,7 +94,7 @@ def _cell(cell, legend: dict[str, str]) -> str:
     if not cell:
         return "–"
     if cell["failed"]:
-        return f"FAILED {cell['failed']}"
+        return (f"✓ {cell['passed']}, " if cell["passed"] else "") + f"FAILED {cell['failed']}"
     if cell["passed"]:
         return f"✓ {cell['passed']}"
     codes = ", ".join(f"`{code}`" for code in sorted(code for code, _ in cell["refused"].most_common(3)))
