@@ -108,7 +108,7 @@ class Pool:
                 worker.close()
             worker, self._runs[key] = Worker(case["devices"]), 0
             self._workers[key] = worker
-        self._runs[key] += 1
+        self._runs[key] = self._runs.get(key, 0) + 1
         result = worker.run(case, self.timeout)
         if result["status"] in ("abort", "hang"):
             worker.close()
