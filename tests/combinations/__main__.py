@@ -11,6 +11,8 @@ import threading
 import time
 from pathlib import Path
 
+import yaml
+
 from .generate import draw
 from .matrix import matrix, render
 from .minimise import minimise
@@ -52,7 +54,6 @@ def run_all(todo: list[dict], *, jobs: int, timeout: float, progress=None) -> li
 
 def read_case(path: Path) -> dict:
     """A saved case: the plan file with its header line (model, devices, rows, expected code)."""
-    import yaml
     text = path.read_text()
     plan = yaml.safe_load(text)
     header = json.loads(text.split("# case: ", 1)[1].split("\n", 1)[0])
@@ -69,11 +70,18 @@ def save(case: dict, result: dict, folder: Path) -> Path:
     return path
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.combinations", description=__doc__)
-    parser.add_argument("--cases", type=int, default=100, help="how many random cases (default 100)")
+    parser.add_argument("--cases", type=_positive, default=100, help="how many random cases (default 100)")
     parser.add_argument("--seed", type=int, default=0, help="the generator's seed (default 0)")
-    parser.add_argument("--jobs", type=int, default=2, help="worker processes at once (default 2)")
+    parser.add_argument("--jobs", type=_positive, default=2, help="worker processes at once (default 2)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds a case may take before it is a hang")
     parser.add_argument("--out", type=Path, default=Path("runs/combinations"), help="where failures are saved")
     parser.add_argument("--minimise", action="store_true", help="shrink each failure to a smallest plan")
@@ -81,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--matrix", type=Path, help="write the support matrix of this run (markdown) to this file")
     args = parser.parse_args(argv)
     if args.replay:
-        case = read_case(args.replay)
+        try:
+            case = read_case(args.replay)
+        except (OSError, ValueError, IndexError, yaml.YAMLError) as error:
+            parser.error(f"--replay {args.replay}: not a saved case ({error})")
         result = run_all([case], jobs=1, timeout=args.timeout)[0]
         print(json.dumps(result, indent=1))
         if args.minimise and result["status"] in FAILURES:
