@@ -1,8 +1,10 @@
-"""Which parameters of a MoE block are its router and its stacked experts, from shapes alone.
+"""Which parameters of a MoE block are its router and its stacked experts, from shapes and names.
 
-The router is the block's 2-D weight [D, E] (or [E, D]) whose E is the leading dim of its 3-D weights;
-those weights are the experts. Biases and per-expert vectors ([E] or [E, F]) stay with the router:
-every device keeps them whole.
+The router is the block's 2-D weight [D, E] (or [E, D]), not a bias, whose E leads the block's weights of
+rank 3 or more that also have a dim D (`[E, D, F]`, `[E, F, D]`, a fused `[E, 2, F, D]`): those are the
+experts, with the per-expert biases `[E, F]` beside them (a 2-D weight whose name says bias). Per-expert
+vectors `[E]` (score biases, scales) stay with the router: every device keeps them whole, since the
+block reads them by its rows' expert ids.
 """
 
 from __future__ import annotations
@@ -20,6 +22,14 @@ class BlockRoles:
     count: int | None               # E
 
 
+def _leaf(path: str) -> str:
+    return path.rsplit("/", 1)[-1]
+
+
+def _is_bias(path: str) -> bool:
+    return "bias" in _leaf(path).lower()
+
+
 def module_prefixes(params: list[ParamInfo]) -> list[str]:
     """Every module path that holds parameters (the root as '')."""
     found = {""}
@@ -30,31 +40,31 @@ def module_prefixes(params: list[ParamInfo]) -> list[str]:
 
 
 def block_roles(block: str, params: list[ParamInfo]) -> BlockRoles:
-    """The router [D, E] (or [E, D]) is a 2-D weight, not a bias, whose E leads stacks that read D and
-    stacks that write D back ([E, D, F] and [E, F, D], either way round)."""
+    """The router [D, E] (or [E, D]) is a 2-D weight, not a bias or a norm's scale, whose E leads stacks of
+    rank 3 or more that have a dim D; they and the 2-D biases [E, ...] beside them are the experts. A
+    [D, E] router is preferred to an [E, D] one, a kernel to a raw weight."""
     prefix = block + "/" if block else ""
     inside = [p for p in params if p.path.startswith(prefix)]
-    stacks = [p for p in inside if len(p.shape) == 3]
-    routers = [p for p in inside if len(p.shape) == 2 and p.path.rsplit("/", 1)[-1] not in ("bias", "scale", "embedding")]
-    for router in routers:
-        for width, model_dim in ((router.shape[1], router.shape[0]), (router.shape[0], router.shape[1])):
-            experts = tuple(p.path for p in stacks if p.shape[0] == width and model_dim in p.shape[1:])
-            reads = any(model_dim == p.shape[1] for p in stacks if p.path in experts)
-            writes = any(model_dim == p.shape[2] for p in stacks if p.path in experts)
-            if experts and width > 1 and (reads and writes or model_dim in (p.shape[2] for p in stacks
-                                                                          if p.path in experts) and
-                                          model_dim in (p.shape[1] for p in stacks if p.path in experts)):
-                return BlockRoles(block, router.path, experts, width)
+    stacks = [p for p in inside if len(p.shape) >= 3]
+    routers = [p for p in inside if len(p.shape) == 2 and not _is_bias(p.path) and _leaf(p.path) not in ("scale", "embedding")]
+    for width_dim in (1, 0):
+        for router in sorted(routers, key=lambda p: _leaf(p.path) != "kernel"):
+            width, model_dim = router.shape[width_dim], router.shape[1 - width_dim]
+            experts = [p.path for p in stacks if p.shape[0] == width and model_dim in p.shape[1:]]
+            if experts and width > 1:
+                biases = [p.path for p in inside if len(p.shape) == 2 and p.shape[0] == width and _is_bias(p.path)]
+                return BlockRoles(block, router.path, tuple(sorted(experts + biases)), width)
     return BlockRoles(block, None, (), None)
 
 
 def find_blocks(params: list[ParamInfo]) -> list[BlockRoles]:
-    """The MoE blocks of a model, found from shapes alone: the module of a router weight (a raw
-    parameter) or the one holding the router submodule, when it holds experts the router scores."""
+    """The MoE blocks of a model, found from shapes alone: the nearest module above a router weight (a
+    raw parameter, or the kernel of a router submodule up to two levels down) that holds experts the
+    router scores."""
     found: dict[str, BlockRoles] = {}
     for router in (p for p in params if len(p.shape) == 2):
-        module = router.path.rsplit("/", 1)[0] if "/" in router.path else ""
-        for block in (module, module.rsplit("/", 1)[0] if "/" in module else ""):
+        parts = router.path.split("/")[:-1]
+        for block in ("/".join(parts[:end]) for end in range(len(parts), max(len(parts) - 3, -1), -1)):
             roles = block_roles(block, params)
             if roles.router == router.path:
                 found.setdefault(block, roles)

@@ -107,7 +107,7 @@ def trace_block(original, options: ExpertOptions, module, args: tuple, kwargs: d
     batch = next((x.shape[0] for k, x in zip(arrays, leaves) if k >= state_leaves and x.ndim), None)
     tokens = [i for i, (k, x) in enumerate(zip(arrays, leaves)) if k >= state_leaves and x.ndim and x.shape[0] == batch]
     if batch is None:
-        raise interpret.ContractError("the block is called without a batch of token arrays", None)
+        raise interpret.ContractError("the block is called without a batch of token arrays", None, refused=True)
     padding = -batch % devices
     if padding:
         # Outputs are per token (the contract), so zero rows added to fill every device change nothing
@@ -146,12 +146,63 @@ def capacity_rule(options: ExpertOptions, local_rows: int, block: type):
     return capacity
 
 
+# While `contract.check_expert_calls` traces: a list each block that falls back adds (its class, the
+# construct, its source line) to.
+FALLBACKS: contextvars.ContextVar = contextvars.ContextVar("shardplan_expert_fallbacks", default=None)
+
+
+class ExpertFallbackWarning(UserWarning):
+    """A MoE block runs expert-parallel the dense way: its code has a construct the sparse path cannot follow."""
+
+
 def expert_parallel_call(original, options: ExpertOptions, module, args: tuple, kwargs: dict):
     try:
         return _expert_parallel_call(original, options, module, args, kwargs)
     except interpret.ContractError as exc:
         exc.block = type(module) if exc.block is None else exc.block
-        raise
+        if exc.refused:
+            raise
+        return _fallback_call(original, options, module, args, kwargs, exc)
+
+
+def _fallback_call(original, options: ExpertOptions, module, args: tuple, kwargs: dict, reason):
+    """The block's own program under sharding constraints, partitioned by the compiler: expert weights
+    split on their E dim (they never move), the tokens gathered over the expert axis (still split over the
+    other batch axes), each device computing its own experts on them, and the outputs per token split
+    over the expert axis again (a reduce-scatter of the partial sums over E). Exact whatever the code."""
+    seen = FALLBACKS.get()
+    if seen is not None:
+        seen.append((type(module), str(reason), reason.where))
+    elif type(module) not in _WARNED:
+        _WARNED.add(type(module))
+        import warnings
+        warnings.warn(f"{type(module).__name__}: {reason}" + (f" (at {reason.where})" if reason.where else "")
+                      + "; the block runs expert-parallel the dense way: its tokens are gathered over the expert "
+                      f"axis {options.axis!r} and every device runs its own experts on all of them (see "
+                      "docs/experts.md, 'When the sparse path cannot follow')", ExpertFallbackWarning, stacklevel=4)
+    pure, leaves, traced = trace_block(original, options, module, args, kwargs)
+    batch_axes, mesh = split_axes(options)
+    others = tuple(a for a in batch_axes if a != options.axis)
+
+    def constrain(x, spec):
+        return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
+    leaves = [x[:traced.batch] if i in traced.tokens else x for i, x in enumerate(leaves)]
+    placed = [constrain(x, P(others or None)) if i in traced.tokens else
+              constrain(x, P(options.axis)) if i in traced.experts else x for i, x in enumerate(leaves)]
+    out, rest = pure(*placed)
+    rows = traced.batch
+    out = jax.tree.map(lambda y: constrain(y, P(batch_axes)) if getattr(y, "ndim", 0) and y.shape[0] == rows
+                       and y.shape[0] % _size(mesh, batch_axes) == 0 else y, out)
+    if jax.tree.leaves(rest):
+        nnx.update(module, rest)
+    return out
+
+
+_WARNED: set = set()
+
+
+def _size(mesh, axes) -> int:
+    return math.prod(dict(zip(mesh.axis_names, mesh.axis_sizes))[a] for a in axes)
 
 
 def _expert_parallel_call(original, options: ExpertOptions, module, args: tuple, kwargs: dict):
@@ -167,7 +218,7 @@ def _expert_parallel_call(original, options: ExpertOptions, module, args: tuple,
                 f"output {k + 1} of the block (shape {tuple(out_avals[k].shape)}) depends on the expert weights "
                 "but is not one row per token (a statistic of the weights, or a sum over tokens); expert "
                 "parallelism needs each token's output to depend only on that token and the experts' weights to "
-                "be read only by matmuls", interpret.where(made) if made is not None else None)
+                "be read only by matmuls", interpret.where(made) if made is not None else None, refused=True)
 
     from shardplan.run.widen import narrowed, widened       # (one helper with the pipeline's loops; see docs/layout.md)
 

@@ -12,14 +12,15 @@ def check_expert_calls(plan, model, report, call, mesh) -> list[Diagnostic]:
     from flax import nnx
 
     from shardplan.checks.paths import module_paths
-    from shardplan.experts.block import TRACED, install
+    from shardplan.experts.block import FALLBACKS, TRACED, install
     from shardplan.experts.interpret import ContractError
     paths = {id(m): p for p, m in module_paths(model)}
     changed = install(plan, model, mesh, report.experts)
     # the traced call runs on a copy of the model: its blocks are known by their class
     names = {type(m): ", ".join(paths[id(o)] for o, _ in changed if type(o) is type(m)) for m, _ in changed}
     seen: list = []
-    token = TRACED.set(seen)
+    fallbacks: list = []
+    token, fallback_token = TRACED.set(seen), FALLBACKS.set(fallbacks)
     line, col = plan.locate("experts", "blocks")
     try:
         graphdef, state = nnx.split(model)
@@ -33,9 +34,18 @@ def check_expert_calls(plan, model, report, call, mesh) -> list[Diagnostic]:
         return []
     finally:
         TRACED.reset(token)
+        FALLBACKS.reset(fallback_token)
         for module, cls in changed:
             module.__class__ = cls
     found = []
+    for cls, reason, at in sorted({(names.get(c, "?"), r, w or "") for c, r, w in fallbacks}):
+        found.append(Diagnostic("experts-fallback", "warning", f"block {cls}: {reason}" + (f" (at {at})" if at else "")
+                                + "; it runs expert-parallel the dense way instead: its tokens gathered over the "
+                                f"expert axis {plan.experts.axis!r}, every device running its own experts on all "
+                                "of them, the outputs reduce-scattered back (exact; more bytes and FLOPs than the "
+                                "sparse path's all-to-all)", file=plan.file, line=line, column=col,
+                                path=cls.split(", ")[0], hint="docs/experts.md says which forms take the sparse "
+                                "path; `python benchmarks/moe.py` measures both"))
     if plan.experts.dispatch == "capacity":
         for block, rows, tokens, experts, capacity in sorted({(names.get(b, "?"), *rest) for b, *rest in seen}):
             block = block.split(", ")[0]

@@ -37,9 +37,10 @@ _FORMS = {name: " (an expert picked by a traced index)" for name in ("dynamic_sl
 class ContractError(Exception):
     """The block uses an expert weight in a way expert parallelism cannot run; `where` is its source line."""
 
-    def __init__(self, message: str, where: str | None):
+    def __init__(self, message: str, where: str | None, refused: bool = False):
         super().__init__(message)
         self.where = where
+        self.refused = refused    # no expert-parallel program exists; else the block falls back (`block`)
         self.block = None         # the block's class, set by its call
 
 

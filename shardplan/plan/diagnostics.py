@@ -71,6 +71,7 @@ CODES: dict[str, str] = {
     "experts-axis-inconsistent": "an expert weight's spec does not put exactly the expert axis on its expert dim",
     "experts-stage-axis": "`experts.axis` is the pipeline's stage axis",
     "experts-contract": "a MoE block's code uses its experts in a way expert parallelism cannot run",
+    "experts-fallback": "a MoE block runs expert-parallel the dense way: its code has a construct the sparse path cannot follow",
     "experts-capacity-drops": "a capacity dispatch that drops tokens (expected share for a uniform router)",
     # context parallelism
     "context-no-axis": "`context.axis` is not a mesh axis",

@@ -1,0 +1,136 @@
+"""Expert parallelism on the MoE layers people publish (tests/public_moe/, unmodified), with only an
+`experts:` section in the plan: one training step equals one device's, every expert weight is split E/ep,
+no expert weight moves, each device computes about 1/ep of the expert FLOPs, and the layers that route
+sparsely exchange their tokens by all-to-all."""
+
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import shardplan
+from conftest import full
+from public_moe_models import PublicMoEDecoder
+
+# per model: (parameter regex, spec with E for the expert axis)
+RULES = {"qwen3": [(r"layers/\d+/moe/(gate|up|down)_proj", "[E, null, null]")],
+         "gemma4": [(r"layers/\d+/moe/gating_einsum", "[E, null, null, null]"), (r"layers/\d+/moe/linear", "[E, null, null]")],
+         "gpt_oss": [(r".*experts/(gate_up|down)_proj", "[E, null, null]"), (r".*experts/.*_bias", "[E, null]")]}
+LAYOUTS = {"ep4": ("{data: 2, expert: 4}", "[[data, expert], null]", "expert"),
+           "folded": ("{data: 8}", "[data, null]", "data")}
+# How each layer runs: the sparse path (tokens by all-to-all) or the dense fallback, said plainly.
+SPARSE = {"qwen3": False, "gemma4": False, "gpt_oss": False}
+TOKENS = np.asarray(jax.random.randint(jax.random.key(0), (16, 16), 0, 64))
+
+
+def plan_text(kind: str, layout: str, shape: bool = True) -> str:
+    mesh, tokens, axis = LAYOUTS[layout]
+    tokens = f"{{spec: {tokens}, shape: [16, 16]}}" if shape else tokens
+    rules = "".join(f"  - match: '{m}'\n    spec: {s.replace('E', axis)}\n" for m, s in RULES[kind])
+    return (f"version: 1\nmesh: {{axes: {mesh}}}\ninputs: {{tokens: {tokens}}}\n"
+            f"experts: {{blocks: 'layers/\\d+/moe', axis: {axis}}}\nparams:\n{rules}  - match: '.*'\n    spec: replicated\n")
+
+
+def loss_of(model, tokens):
+    logits = model(tokens)
+    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean(), logits
+
+
+@nnx.jit
+def train_step(model, optimizer, tokens):
+    (loss, logits), grads = nnx.value_and_grad(loss_of, has_aux=True)(model, tokens)
+    optimizer.update(model, grads)
+    return loss, logits, grads
+
+
+_REFERENCE = {}
+
+
+def one_device(kind):
+    if kind not in _REFERENCE:
+        model = PublicMoEDecoder(kind, rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.adamw(1e-3, eps=1e-6), wrt=nnx.Param)
+        compiled = train_step.lower(model, optimizer, TOKENS).compile()
+        loss, logits, grads = train_step(model, optimizer, TOKENS)
+        _REFERENCE[kind] = (loss, logits, nnx.to_pure_dict(nnx.state(grads)), nnx.to_pure_dict(nnx.state(model)),
+                            expert_flops(compiled.as_text()))
+    return _REFERENCE[kind]
+
+
+def expert_flops(hlo: str) -> float:
+    """FLOPs of the compiled step's dots per device (the experts' matmuls, forward and backward, are nearly
+    all of them: the router's and the head's are small)."""
+    total = 0.0
+    for line in hlo.splitlines():
+        m = re.search(r"= f32\[([\d,]*)\][^ ]* dot\(f32\[([\d,]*)\][^ ]* %[\w.\-]+, f32\[([\d,]*)\]", line)
+        if not m:
+            continue
+        out, lhs, rhs = ([int(d) for d in g.split(",") if d] for g in m.groups())
+        contract = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
+        size = np.prod([lhs[int(d)] for d in contract.group(1).split(",") if d]) if contract else 1
+        total += 2.0 * float(np.prod(out)) * float(size)
+    return total
+
+
+def collectives(text: str) -> dict[str, list[str]]:
+    found = {}
+    for line in text.splitlines():
+        m = re.search(r"\s(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(-start)?\(", line)
+        if m:
+            found.setdefault(m.group(1), []).append(line)
+    return found
+
+
+def assert_equal_runs(got, want, tol=1e-5):
+    np.testing.assert_allclose(got[0], want[0], rtol=tol, atol=tol)
+    np.testing.assert_allclose(got[1], want[1], rtol=tol, atol=tol)
+    for name, a, b in (("grads", got[2], want[2]), ("params after AdamW", got[3], want[3])):
+        diffs = jax.tree.map(lambda x, y: float(np.max(np.abs(np.asarray(x) - np.asarray(y)))), a, b)
+        worst = max(jax.tree.leaves(diffs))
+        assert worst < tol, f"{name} differ by {worst}: {diffs}"
+
+
+CASES = [("qwen3", "ep4"), ("gemma4", "ep4"), ("gpt_oss", "ep4"), full("qwen3", "folded"), ("gemma4", "folded"),
+         full("gpt_oss", "folded")]
+
+
+@pytest.mark.parametrize("kind, layout", CASES)
+def test_a_public_moe_layer_is_expert_parallel_and_trains_like_one_device(kind, layout):
+    plan = shardplan.parse_plan(plan_text(kind, layout))
+    report = shardplan.check(plan, PublicMoEDecoder(kind, rngs=nnx.Rngs(0)))
+    assert not report.errors, [d.format() for d in report.errors]
+    fallbacks = [d for d in report.diagnostics if d.code == "experts-fallback"]
+    assert bool(fallbacks) == (not SPARSE[kind]), [d.format() for d in fallbacks]
+
+    mesh = shardplan.make_mesh(plan)
+    model = shardplan.apply_plan(plan, PublicMoEDecoder(kind, rngs=nnx.Rngs(0)), mesh)
+    optimizer = shardplan.shard_optimizer(plan, model, optax.adamw(1e-3, eps=1e-6), mesh)
+    tokens = shardplan.shard_inputs(plan, {"tokens": TOKENS}, mesh)["tokens"]
+    compiled = train_step.lower(model, optimizer, tokens).compile()
+    loss, logits, grads = train_step(model, optimizer, tokens)
+    want = one_device(kind)
+    assert_equal_runs((loss, logits, nnx.to_pure_dict(nnx.state(grads)), nnx.to_pure_dict(nnx.state(model))), want)
+
+    size = mesh.shape[plan.experts.axis]
+    stacks = [v.get_value() for path, v in nnx.to_flat_state(nnx.state(model.layers[0].moe, nnx.Param))
+              if path[-1] in {p.rsplit("/", 1)[-1] for p in report.experts[0].experts}]
+    assert len(stacks) == len(report.experts[0].experts)
+    shards = set()
+    for w in stacks:
+        shard = w.sharding.shard_shape(w.shape)
+        assert shard[0] == w.shape[0] // size, (w.shape, shard)
+        shards.add(shard)
+    text = compiled.as_text()
+    ops = collectives(text)
+    # No expert weight moves, whole, sliced or transposed: no all-gather or collective-permute has an
+    # operand or result with the dims of an expert stack, its shard or one expert's matrix (in any order).
+    moved = {tuple(sorted(s)) for w in stacks for s in (w.shape, w.shape[1:], w.sharding.shard_shape(w.shape))}
+    for line in ops.get("all-gather", []) + ops.get("collective-permute", []):
+        for shape in re.findall(r"f32\[([\d,]*)\]", line):
+            assert tuple(sorted(int(d) for d in shape.split(",") if d)) not in moved, line
+    assert expert_flops(text) <= want[4] / (0.85 * size), (expert_flops(text), want[4])
+    if SPARSE[kind]:
+        assert len(ops.get("all-to-all", [])) >= 4, ops.keys()
