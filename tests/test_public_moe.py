@@ -22,7 +22,7 @@ RULES = {"qwen3": [(r"layers/\d+/moe/(gate|up|down)_proj", "[E, null, null]")],
 LAYOUTS = {"ep4": ("{data: 2, expert: 4}", "[[data, expert], null]", "expert"),
            "folded": ("{data: 8}", "[data, null]", "data")}
 # How each layer runs: the sparse path (tokens by all-to-all) or the dense fallback, said plainly.
-SPARSE = {"qwen3": False, "gemma4": False, "gpt_oss": False}
+SPARSE = {"qwen3": True, "gemma4": True, "gpt_oss": False}
 TOKENS = np.asarray(jax.random.randint(jax.random.key(0), (16, 16), 0, 64))
 
 

@@ -72,12 +72,13 @@ class Lazy:
 
     node: Node
     labels: tuple             # e.g. ('T0', 'T1', 'E', 'F')
-    tokens: jax.Array         # (N, D) the block's token rows
+    tokens: jax.Array         # (N, D) the block's token rows; (E, N, D) when each expert reads its own copy
     token_shape: tuple
     experts: int
     expert: int | None        # a fixed expert (a loop's term), else every expert (an 'E' label)
     width: int                # the feature dim
     gate: jax.Array | None = None     # (N, E), or (N,) for a fixed expert
+    per_expert: bool = False          # tokens are (E, N, D): expert e reads tokens[e]
 
     def signature(self):
         return self.node.signature(), self.width, self.labels
@@ -134,7 +135,7 @@ def dot(eqn, lhs, rhs, ex):
         a_aval, b_aval = (avals[1], avals[0]) if flip else avals
         out = None
         if isinstance(b, weights) and not is_lazy(a) and not isinstance(a, weights):
-            out = _start(a, b, ac, bc, ab, bb, a_aval, params, flip)
+            out = _start(a, b, ac, bc, ab, bb, a_aval, params, flip, ex)
         elif isinstance(a, Lazy) and isinstance(b, weights):
             out = _matmul(a, b, ac, bc, ab, bb, params, flip, ex)
         elif isinstance(a, Lazy) and not is_lazy(b) and not isinstance(b, weights):
@@ -148,10 +149,12 @@ def _order(labels_a, labels_b, ac, bc, ab, bb, flip):
     return _dot_labels(labels_b, labels_a, bc, ac, bb, ab) if flip else _dot_labels(labels_a, labels_b, ac, bc, ab, bb)
 
 
-def _start(x, w, xc, wc, xb, wb, x_aval, params, flip):
+def _start(x, w, xc, wc, xb, wb, x_aval, params, flip, ex):
     if xb or wb or xc != (x_aval.ndim - 1,):
         raise DenseFormError("tokens times an expert weight other than over the tokens' last dim")
-    tokens = x.reshape(-1, x.shape[-1])
+    # One row array per token array, so that expressions on the same tokens are known to be (`row`).
+    kept = ex.token_rows.setdefault(id(x), (x, x.reshape(-1, x.shape[-1])))
+    tokens = kept[1]
     token_labels = tuple(f"T{k}" for k in range(x_aval.ndim - 1))
     source = Node("tokens")
     if isinstance(w, ExpertSlice):
@@ -232,7 +235,7 @@ def gate_by_mul(x: Lazy, g_source) -> Lazy:
     if sorted(label for label, _ in kept) != sorted(wanted):
         raise DenseFormError("expert outputs multiplied by a value that is not the router's weights [tokens..., E]")
     order = [next(i for i, (label, _) in enumerate(kept) if label == w) for w in wanted]
-    gate = jnp.transpose(value, order).reshape(x.tokens.shape[0], -1)
+    gate = jnp.transpose(value, order).reshape(x.tokens.shape[-2], -1)
     gate = gate[:, 0] if x.expert is not None else gate
     return dataclasses.replace(x, gate=gate, node=Node("gate", (x.node,)))
 
@@ -280,11 +283,17 @@ def reduce_experts(x: Lazy, axes, ex):
 def plain(x, ex):
     """A lazy value computed (a sum of gated terms), or an error if it cannot be yet."""
     if isinstance(x, LazySum):
+        # Terms with one expression run as one exchange; terms of one expert reading different tokens
+        # (each its own masked copy, say) go to separate exchanges.
         groups: dict = {}
         for term in x.terms:
-            groups.setdefault(term.signature(), []).append(term)
+            runs = groups.setdefault(term.signature(), [])
+            run = next((r for r in runs if all(t.tokens is term.tokens or t.expert != term.expert for t in r)), None)
+            if run is None:
+                runs.append(run := [])
+            run.append(term)
         total = x.home
-        for terms in groups.values():
+        for terms in (run for runs in groups.values() for run in runs):
             stacked = _stacked(terms)
             part = _arranged(materialise(stacked, ex), stacked, stacked.labels)
             total = part if total is None else total + part
@@ -300,12 +309,25 @@ def plain(x, ex):
 
 
 def _stacked(terms: list[Lazy]) -> Lazy:
-    """The terms of a loop over experts as one value over all experts (gates side by side)."""
+    """The terms of a loop over experts as one value over all experts (gates side by side, and the tokens
+    too where the experts read different ones)."""
     first = terms[0]
-    gate = jnp.zeros((first.tokens.shape[0], first.experts), first.gate.dtype)
+    gate = jnp.zeros((first.tokens.shape[-2], first.experts), first.gate.dtype)
     for term in terms:
         gate = gate.at[:, term.expert].add(term.gate)
-    return dataclasses.replace(first, expert=None, gate=gate)
+    if all(t.tokens is first.tokens for t in terms):
+        return dataclasses.replace(first, expert=None, gate=gate)
+    return dataclasses.replace(first, expert=None, gate=gate, per_expert=True,
+                               tokens=_tokens_per_expert([(t.expert, t.tokens) for t in terms], first.experts))
+
+
+def _tokens_per_expert(pairs, experts: int):
+    """(E, N, D): expert e's token rows where `pairs` has them, zeros elsewhere (never routed)."""
+    rows = pairs[0][1]
+    tokens = jnp.zeros((experts, *rows.shape), rows.dtype)
+    for e, t in pairs:
+        tokens = tokens.at[e].set(t)
+    return tokens
 
 
 def _arranged(out, x: Lazy, labels: tuple):
@@ -320,14 +342,15 @@ def materialise(x: Lazy, ex):
     if not ex.dropless:
         raise DenseFormError("a block that runs every expert on every token takes dispatch: dropless only "
                              "(its routing has no fixed number of experts per token to size a capacity from)")
-    n, experts = x.tokens.shape[0], x.experts
+    n, experts = x.tokens.shape[-2], x.experts
     routed = x.gate != 0
     key = jnp.where(routed, jnp.arange(experts), experts).reshape(-1)          # (N * E,), unrouted last
     order = jnp.argsort(key, stable=True)
     sizes = jnp.sum(routed, axis=0).astype(jnp.int32)
     token_of = (order // experts).astype(jnp.int32)
     route = exchange.route(sizes, n * experts, n, ex.axis, ex.size)             # n: each token once per expert
-    held = {"tokens": exchange.dispatch(x.tokens[token_of], route),
+    rows = x.tokens[(order % experts).astype(jnp.int32), token_of] if x.per_expert else x.tokens[token_of]
+    held = {"tokens": exchange.dispatch(rows, route),
             "gate": exchange.dispatch(x.gate.reshape(-1)[order][:, None], route)}
     out = _evaluate(x.node, held, route, {})
     back = exchange.combine(out, route)
@@ -353,3 +376,46 @@ def _evaluate(node: Node, held: dict, route, memo: dict):
         out = node.prim.bind(*operands, **dict(node.params))
     memo[id(node)] = out
     return out
+
+
+def reshaped(eqn, x: Lazy) -> Lazy:
+    """A reshape or broadcast of expert outputs that only adds or drops dims of size one (`jnp.stack`'s
+    expand_dims, a squeeze): the labels follow, a new dim labelled '1'."""
+    name = eqn.primitive.name
+    before, after = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+    if name == "squeeze":
+        dims = set(eqn.params["dimensions"])
+        if all(x.labels[d] == "1" for d in dims):
+            return x.with_node(x.node, tuple(l for d, l in enumerate(x.labels) if d not in dims))
+    elif name == "broadcast_in_dim" and before == tuple(after[d] for d in eqn.params["broadcast_dimensions"]) and \
+            all(after[d] == 1 for d in range(len(after)) if d not in eqn.params["broadcast_dimensions"]):
+        labels = ["1"] * len(after)
+        for k, d in enumerate(eqn.params["broadcast_dimensions"]):
+            labels[d] = x.labels[k]
+        return x.with_node(x.node, tuple(labels))
+    elif name == "reshape" and eqn.params.get("dimensions") is None and \
+            [d for d in before if d != 1] == [d for d in after if d != 1]:
+        known = iter(l for l, d in zip(x.labels, before) if d != 1)
+        return x.with_node(x.node, tuple(next(known) if d != 1 else "1" for d in after))
+    raise DenseFormError(f"expert outputs go into `{name}` other than to add or drop a dim of size one")
+
+
+def concatenated(eqn, values) -> Lazy:
+    """`jnp.stack` of one expression per expert, in expert order, along a new dim (the `stack` primitive, or
+    a concatenate of dims of size one): a value over all experts (an 'E' dim), each expert's tokens its
+    own where they differ."""
+    first = values[0]
+    if eqn.primitive.name == "stack":
+        dim = eqn.params["axis"]
+        labels = first.labels[:dim] + ("E",) + first.labels[dim:]
+    else:
+        dim = eqn.params["dimension"]
+        labels = first.labels[:dim] + ("E",) + first.labels[dim + 1:] if first.labels[dim] == "1" else None
+    if (labels is None or len(values) != first.experts
+            or not all(isinstance(v, Lazy) and v.gate is None and v.expert == k and v.labels == first.labels
+                       and v.signature() == first.signature() for k, v in enumerate(values))):
+        raise DenseFormError("expert outputs stacked other than one per expert, in expert order, along a new dim")
+    if all(v.tokens is first.tokens for v in values):
+        return dataclasses.replace(first, labels=labels, expert=None)
+    return dataclasses.replace(first, labels=labels, expert=None, per_expert=True,
+                               tokens=_tokens_per_expert([(v.expert, v.tokens) for v in values], first.experts))

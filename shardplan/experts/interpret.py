@@ -77,6 +77,7 @@ class Exchange:
     routes: dict = dataclasses.field(default_factory=dict)
     sent: dict = dataclasses.field(default_factory=dict)
     dropped: list = dataclasses.field(default_factory=list)     # per route: this device's dropped rows
+    token_rows: dict = dataclasses.field(default_factory=dict)  # id(token array) -> (it, its rows (N, D))
 
 
 def where(eqn) -> str | None:
@@ -152,6 +153,8 @@ def _step(eqn, read, plain, experts: set, sources: dict, ex: Exchange) -> list:
         return [_dense_step(eqn, name, values, from_experts, experts, sources, ex)]
     if any(held) and name in ROW_WISE and _fits_rows(values, eqn):
         return [_row_wise(eqn, values)]
+    if len(values) == 1 and held[0] and _keeps_rows(eqn):
+        return [_per_row(eqn, values[0])]
     if name == "broadcast_in_dim" and 0 not in eqn.params["broadcast_dimensions"] and eqn.outvars[0].aval.ndim:
         value = eqn.primitive.bind(values[0], **eqn.params)
         return [RowConstant(value, values[0], eqn.params)]
@@ -165,9 +168,14 @@ def _step(eqn, read, plain, experts: set, sources: dict, ex: Exchange) -> list:
 
 def _dense_step(eqn, name, values, from_experts, experts, sources, ex):
     """An operation on an expert weight, an indexed expert or a lazy value (see `dense`)."""
-    if from_experts[0] and name in ("convert_element_type", "copy", "copy_p") and len(values) == 1:
+    if from_experts[0] and len(values) == 1 and _keeps_experts(eqn):
+        # an expert stack re-laid out with its experts still leading (a fused [E, 2, F, D] made [E, D, 2F]):
+        # each device does the same to its own experts
         experts.add(eqn.outvars[0])
-        return eqn.primitive.bind(values[0], **eqn.params)
+        params = dict(eqn.params)
+        if name == "reshape":
+            params["new_sizes"] = (values[0].shape[0], *params["new_sizes"][1:])
+        return eqn.primitive.bind(values[0], **params)
     if from_experts[0] and name == "slice":
         return dense.expert_slice(eqn.params, values[0], eqn.invars[0], eqn.invars[0].aval)
     if name == "squeeze" and isinstance(values[0], dense.ExpertSlice):
@@ -187,12 +195,30 @@ def _dense_step(eqn, name, values, from_experts, experts, sources, ex):
         other, var = values[1 - k], eqn.invars[1 - k]
         if getattr(other, "ndim", 0) and not dense.is_lazy(other):
             return dense.gate_by_mul(values[k], sources.get(var))
+    if name in ("broadcast_in_dim", "reshape", "squeeze") and isinstance(values[0], dense.Lazy):
+        return dense.reshaped(eqn, values[0])
+    if name in ("concatenate", "stack") and all(isinstance(x, dense.Lazy) for x in values):
+        return dense.concatenated(eqn, values)
+    if name in ("convert_element_type", "copy", "copy_p") and isinstance(values[0], dense.ExpertSlice):
+        return dataclasses.replace(values[0], stack=eqn.primitive.bind(values[0].stack, **eqn.params))
     if name == "reduce_sum" and isinstance(values[0], dense.Lazy):
         return dense.reduce_experts(values[0], eqn.params["axes"], ex)
     if name in ROW_WISE:
         return dense.row(eqn, values)
     raise dense.DenseFormError(f"expert outputs go into `{name}`, which expert parallelism cannot run on the "
                                "routed tokens alone")
+
+
+def _keeps_experts(eqn) -> bool:
+    """The operation maps each expert's weight to a new weight of that expert alone."""
+    name, params = eqn.primitive.name, eqn.params
+    if name in ("convert_element_type", "copy", "copy_p", "reduce_precision"):
+        return True
+    if name == "transpose":
+        return params["permutation"][0] == 0
+    if name == "reshape":
+        return params.get("dimensions") is None and params["new_sizes"][0] == eqn.invars[0].aval.shape[0]
+    return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +232,34 @@ def _fits_rows(values, eqn) -> bool:
     if len(routes) != 1:
         return False
     return all(isinstance(x, (Held, RowConstant)) or getattr(x, "ndim", 0) == 0 for x in values)
+
+
+def _keeps_rows(eqn) -> bool:
+    """The operation maps each row (dim 0) to a new row of its own: a reshape, slice or transpose of the
+    other dims (gate and up fused in one matmul's output, split again), a reduction over them."""
+    name, params, rows = eqn.primitive.name, eqn.params, eqn.invars[0].aval.shape[0]
+    if name == "reshape":
+        return params.get("dimensions") is None and params["new_sizes"][0] == rows
+    if name == "slice":
+        strides = params.get("strides") or (1,) * len(params["start_indices"])
+        return params["start_indices"][0] == 0 and params["limit_indices"][0] == rows and strides[0] == 1
+    if name == "squeeze":
+        return 0 not in params["dimensions"]
+    if name == "transpose":
+        return params["permutation"][0] == 0
+    if name in ("reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin"):
+        return 0 not in params["axes"]
+    return False
+
+
+def _per_row(eqn, x: Held) -> Held:
+    params = dict(eqn.params)
+    rows = x.rows.shape[0]
+    if eqn.primitive.name == "reshape":
+        params["new_sizes"] = (rows, *params["new_sizes"][1:])
+    elif eqn.primitive.name == "slice":
+        params["limit_indices"] = (rows, *params["limit_indices"][1:])
+    return Held(eqn.primitive.bind(x.rows, **params), x.route, x.groups)
 
 
 def _row_wise(eqn, values) -> Held:
