@@ -114,12 +114,12 @@ class Layer(nnx.Module):
         return x + out
 
 
-class PublicMoEDecoder(nnx.Module):
-    """Embedding, `LAYERS` layers each holding one public MoE block, a head; returns the logits."""
+class MoEBlockDecoder(nnx.Module):
+    """Embedding, `LAYERS` layers each holding a MoE block `make_block(rngs)` makes, a head; returns the logits."""
 
-    def __init__(self, kind: str, *, rngs):
+    def __init__(self, make_block, *, rngs):
         self.embed = nnx.Embed(VOCAB, DIM, rngs=rngs)
-        self.layers = nnx.List([Layer(BLOCKS[kind](rngs), rngs=rngs) for _ in range(LAYERS)])
+        self.layers = nnx.List([Layer(make_block(rngs), rngs=rngs) for _ in range(LAYERS)])
         self.head = nnx.Linear(DIM, VOCAB, use_bias=False, rngs=rngs)
 
     def __call__(self, tokens):
@@ -127,3 +127,7 @@ class PublicMoEDecoder(nnx.Module):
         for layer in self.layers:
             x = layer(x)
         return self.head(x)
+
+
+def PublicMoEDecoder(kind: str, *, rngs) -> MoEBlockDecoder:
+    return MoEBlockDecoder(BLOCKS[kind], rngs=rngs)

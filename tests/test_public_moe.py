@@ -13,16 +13,32 @@ from flax import nnx
 
 import shardplan
 from conftest import full
-from public_moe_models import PublicMoEDecoder
+from moe_forms import CapacityMoE, ExpertMajorMoE, GatherMoE, MaskedLoopMoE
+from public_moe_models import BLOCKS, DIM, EXPERTS, HIDDEN, TOP_K, MoEBlockDecoder
+
+OWN_FORMS = {"masked_loop": MaskedLoopMoE, "expert_major": ExpertMajorMoE, "capacity_vmap": CapacityMoE,
+             "gather_top_k": GatherMoE}
+
+
+def decoder(kind):
+    if kind in BLOCKS:
+        return MoEBlockDecoder(BLOCKS[kind], rngs=nnx.Rngs(0))
+    return MoEBlockDecoder(lambda rngs: OWN_FORMS[kind](DIM, HIDDEN, EXPERTS, TOP_K, rngs=rngs), rngs=nnx.Rngs(0))
 
 # per model: (parameter regex, spec with E for the expert axis)
 RULES = {"qwen3": [(r"layers/\d+/moe/(gate|up|down)_proj", "[E, null, null]")],
          "gemma4": [(r"layers/\d+/moe/gating_einsum", "[E, null, null, null]"), (r"layers/\d+/moe/linear", "[E, null, null]")],
-         "gpt_oss": [(r".*experts/(gate_up|down)_proj", "[E, null, null]"), (r".*experts/.*_bias", "[E, null]")]}
+         "gpt_oss": [(r".*experts/(gate_up|down)_proj", "[E, null, null]"), (r".*experts/.*_bias", "[E, null]")],
+         "masked_loop": [(r"layers/\d+/moe/w\d", "[E, null, null]")],
+         "expert_major": [(r"layers/\d+/moe/w_\w+", "[E, null, null]")],
+         "capacity_vmap": [(r"layers/\d+/moe/experts/\w+/kernel", "[E, null, null]"),
+                           (r"layers/\d+/moe/experts/\w+/bias", "[E, null]")],
+         "gather_top_k": [(r"layers/\d+/moe/w_\w+", "[E, null, null]")]}
 LAYOUTS = {"ep4": ("{data: 2, expert: 4}", "[[data, expert], null]", "expert"),
            "folded": ("{data: 8}", "[data, null]", "data")}
 # How each layer runs: the sparse path (tokens by all-to-all) or the dense fallback, said plainly.
-SPARSE = {"qwen3": True, "gemma4": True, "gpt_oss": False}
+SPARSE = {"qwen3": True, "gemma4": True, "gpt_oss": False, "masked_loop": True, "expert_major": True,
+          "capacity_vmap": False, "gather_top_k": False}
 TOKENS = np.asarray(jax.random.randint(jax.random.key(0), (16, 16), 0, 64))
 
 
@@ -51,7 +67,7 @@ _REFERENCE = {}
 
 def one_device(kind):
     if kind not in _REFERENCE:
-        model = PublicMoEDecoder(kind, rngs=nnx.Rngs(0))
+        model = decoder(kind)
         optimizer = nnx.Optimizer(model, optax.adamw(1e-3, eps=1e-6), wrt=nnx.Param)
         compiled = train_step.lower(model, optimizer, TOKENS).compile()
         loss, logits, grads = train_step(model, optimizer, TOKENS)
@@ -94,19 +110,20 @@ def assert_equal_runs(got, want, tol=1e-5):
 
 
 CASES = [("qwen3", "ep4"), ("gemma4", "ep4"), ("gpt_oss", "ep4"), full("qwen3", "folded"), ("gemma4", "folded"),
-         full("gpt_oss", "folded")]
+         full("gpt_oss", "folded"), ("masked_loop", "ep4"), ("expert_major", "folded"), ("capacity_vmap", "ep4"),
+         ("gather_top_k", "ep4")]
 
 
 @pytest.mark.parametrize("kind, layout", CASES)
 def test_a_public_moe_layer_is_expert_parallel_and_trains_like_one_device(kind, layout):
     plan = shardplan.parse_plan(plan_text(kind, layout))
-    report = shardplan.check(plan, PublicMoEDecoder(kind, rngs=nnx.Rngs(0)))
+    report = shardplan.check(plan, decoder(kind))
     assert not report.errors, [d.format() for d in report.errors]
     fallbacks = [d for d in report.diagnostics if d.code == "experts-fallback"]
     assert bool(fallbacks) == (not SPARSE[kind]), [d.format() for d in fallbacks]
 
     mesh = shardplan.make_mesh(plan)
-    model = shardplan.apply_plan(plan, PublicMoEDecoder(kind, rngs=nnx.Rngs(0)), mesh)
+    model = shardplan.apply_plan(plan, decoder(kind), mesh)
     optimizer = shardplan.shard_optimizer(plan, model, optax.adamw(1e-3, eps=1e-6), mesh)
     tokens = shardplan.shard_inputs(plan, {"tokens": TOKENS}, mesh)["tokens"]
     compiled = train_step.lower(model, optimizer, tokens).compile()
@@ -116,7 +133,7 @@ def test_a_public_moe_layer_is_expert_parallel_and_trains_like_one_device(kind, 
 
     size = mesh.shape[plan.experts.axis]
     stacks = [v.get_value() for path, v in nnx.to_flat_state(nnx.state(model.layers[0].moe, nnx.Param))
-              if path[-1] in {p.rsplit("/", 1)[-1] for p in report.experts[0].experts}]
+              if "layers/0/moe/" + "/".join(map(str, path)) in report.experts[0].experts]
     assert len(stacks) == len(report.experts[0].experts)
     shards = set()
     for w in stacks:

@@ -163,6 +163,10 @@ def expert_parallel_call(original, options: ExpertOptions, module, args: tuple, 
         if exc.refused:
             raise
         return _fallback_call(original, options, module, args, kwargs, exc)
+    except Exception as exc:         # (the sparse path's own failure on a form it does not know: never the user's)
+        reason = interpret.ContractError(f"the sparse path failed on this block ({type(exc).__name__}: "
+                                         f"{str(exc).splitlines()[0][:200] if str(exc) else ''})", None)
+        return _fallback_call(original, options, module, args, kwargs, reason)
 
 
 def _fallback_call(original, options: ExpertOptions, module, args: tuple, kwargs: dict, reason):

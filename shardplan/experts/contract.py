@@ -30,13 +30,27 @@ def check_expert_calls(plan, model, report, call, mesh) -> list[Diagnostic]:
         return [Diagnostic("experts-contract", "error", f"block {block}: {exc}"
                            + (f" (at {exc.where})" if exc.where else ""), file=plan.file, line=line, column=col,
                            path=block.split(", ")[0], hint="see docs/experts.md for what a MoE block may look like")]
-    except Exception:      # the example call's own failure is reported by the other model checks
-        return []
+    except Exception as exc:
+        failed = exc
+    else:
+        failed = None
     finally:
         TRACED.reset(token)
         FALLBACKS.reset(fallback_token)
         for module, cls in changed:
             module.__class__ = cls
+    if failed is not None:
+        try:        # the example call's own failure is reported by the other model checks
+            graphdef, state = nnx.split(model)
+            jax.eval_shape(lambda s: call(nnx.merge(graphdef, s)), state)
+        except Exception:
+            return []
+        blocks = ", ".join(sorted({paths[id(m)] for m, _ in changed}))
+        return [Diagnostic("experts-contract", "error", f"the model's example call fails once its MoE blocks "
+                           f"({blocks}) are made expert-parallel, and runs without: {type(failed).__name__}: "
+                           f"{str(failed).splitlines()[0][:300] if str(failed) else ''}", file=plan.file, line=line,
+                           column=col, path=blocks.split(", ")[0], hint="a bug in shardplan; please report it "
+                           "with the block's code")]
     found = []
     for cls, reason, at in sorted({(names.get(c, "?"), r, w or "") for c, r, w in fallbacks}):
         found.append(Diagnostic("experts-fallback", "warning", f"block {cls}: {reason}" + (f" (at {at})" if at else "")

@@ -379,10 +379,12 @@ def _evaluate(node: Node, held: dict, route, memo: dict):
 
 
 def reshaped(eqn, x: Lazy) -> Lazy:
-    """A reshape or broadcast of expert outputs that only adds or drops dims of size one (`jnp.stack`'s
-    expand_dims, a squeeze): the labels follow, a new dim labelled '1'."""
+    """A transpose of expert outputs, or a reshape or broadcast that only adds or drops dims of size one
+    (`jnp.stack`'s expand_dims, a squeeze): the labels follow, a new dim labelled '1'."""
     name = eqn.primitive.name
     before, after = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+    if name == "transpose":
+        return x.with_node(x.node, tuple(x.labels[d] for d in eqn.params["permutation"]))
     if name == "squeeze":
         dims = set(eqn.params["dimensions"])
         if all(x.labels[d] == "1" for d in dims):

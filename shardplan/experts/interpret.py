@@ -156,8 +156,8 @@ def _step(eqn, read, plain, experts: set, sources: dict, ex: Exchange) -> list:
     if len(values) == 1 and held[0] and _keeps_rows(eqn):
         return [_per_row(eqn, values[0])]
     if name == "broadcast_in_dim" and 0 not in eqn.params["broadcast_dimensions"] and eqn.outvars[0].aval.ndim:
-        value = eqn.primitive.bind(values[0], **eqn.params)
-        return [RowConstant(value, values[0], eqn.params)]
+        operand = plain(values[0])
+        return [RowConstant(eqn.primitive.bind(operand, **eqn.params), operand, eqn.params)]
     # (not under eqn.ctx: it holds the mesh context of the trace, whose axes are not manual)
     plain_values = [plain(x) for x in values]
     outs = eqn.primitive.bind(*plain_values, **eqn.primitive.get_bind_params(eqn.params))
@@ -195,7 +195,7 @@ def _dense_step(eqn, name, values, from_experts, experts, sources, ex):
         other, var = values[1 - k], eqn.invars[1 - k]
         if getattr(other, "ndim", 0) and not dense.is_lazy(other):
             return dense.gate_by_mul(values[k], sources.get(var))
-    if name in ("broadcast_in_dim", "reshape", "squeeze") and isinstance(values[0], dense.Lazy):
+    if name in ("broadcast_in_dim", "reshape", "squeeze", "transpose") and isinstance(values[0], dense.Lazy):
         return dense.reshaped(eqn, values[0])
     if name in ("concatenate", "stack") and all(isinstance(x, dense.Lazy) for x in values):
         return dense.concatenated(eqn, values)
