@@ -38,7 +38,7 @@ LAYOUTS = {"ep4": ("{data: 2, expert: 4}", "[[data, expert], null]", "expert"),
            "folded": ("{data: 8}", "[data, null]", "data")}
 # How each layer runs: the sparse path (tokens by all-to-all) or the dense fallback, said plainly.
 SPARSE = {"qwen3": True, "gemma4": True, "gpt_oss": False, "masked_loop": True, "expert_major": True,
-          "capacity_vmap": False, "gather_top_k": False}
+          "capacity_vmap": False, "gather_top_k": True}
 TOKENS = np.asarray(jax.random.randint(jax.random.key(0), (16, 16), 0, 64))
 
 

@@ -79,6 +79,10 @@ class Lazy:
     width: int                # the feature dim
     gate: jax.Array | None = None     # (N, E), or (N,) for a fixed expert
     per_expert: bool = False          # tokens are (E, N, D): expert e reads tokens[e]
+    # The 'E' dim counts each token's chosen experts (k of them), not all E: the pair (n, j) is expert
+    # choices[n, j] (its matrices gathered per token by the block's code, `Picked`).
+    choices: jax.Array | None = None
+    origin: object = None             # the index array the choices were gathered by
 
     def signature(self):
         return self.node.signature(), self.width, self.labels
@@ -95,8 +99,33 @@ class LazySum:
     terms: tuple
 
 
+@dataclasses.dataclass(frozen=True)
+class Picked:
+    """`jnp.take(w, idx, axis=0)`: each token's chosen experts' whole matrices, [N..., k, ...], gathered by
+    the block's own code; not computed (the matrices stay with their experts)."""
+
+    stack: jax.Array          # this device's experts
+    key: object
+    choices: jax.Array        # (N..., k) expert ids
+    experts: int
+    origin: object            # the index array, as the block's code passed it
+
+
 def is_lazy(x) -> bool:
-    return isinstance(x, (Lazy, LazySum, ExpertSlice))
+    return isinstance(x, (Lazy, LazySum, ExpertSlice, Picked))
+
+
+def picked(eqn, stack, key, indices, origin) -> Picked:
+    """A gather of whole expert matrices by an index array (what `jnp.take(w, idx, axis=0)` lowers to)."""
+    numbers, aval = eqn.params["dimension_numbers"], eqn.invars[0].aval
+    rank = indices.ndim - 1
+    if (tuple(numbers.collapsed_slice_dims) != (0,) or tuple(numbers.start_index_map) != (0,)
+            or numbers.operand_batching_dims or indices.shape[-1] != 1 or rank != 2
+            or tuple(numbers.offset_dims) != tuple(range(rank, rank + aval.ndim - 1))
+            or tuple(eqn.params["slice_sizes"]) != (1, *aval.shape[1:]) or aval.ndim != 3):
+        raise DenseFormError("an expert weight gathered other than whole matrices by a [tokens, k] index array "
+                             "(jnp.take(w, top_k, axis=0))")
+    return Picked(stack, key, indices[..., 0], aval.shape[0], origin)
 
 
 def expert_slice(params: dict, stack, key, aval) -> ExpertSlice:
@@ -134,7 +163,11 @@ def dot(eqn, lhs, rhs, ex):
         (ac, bc, ab, bb) = (dims[1], dims[0], dims[3], dims[2]) if flip else dims
         a_aval, b_aval = (avals[1], avals[0]) if flip else avals
         out = None
-        if isinstance(b, weights) and not is_lazy(a) and not isinstance(a, weights):
+        if isinstance(b, Picked) and not is_lazy(a) and not isinstance(a, weights):
+            out = _start_picked(a, b, ac, bc, ab, bb, a_aval, params, flip, ex)
+        elif isinstance(b, Picked) and isinstance(a, Lazy):
+            out = _matmul_picked(a, b, ac, bc, ab, bb, params, flip)
+        elif isinstance(b, weights) and not is_lazy(a) and not isinstance(a, weights):
             out = _start(a, b, ac, bc, ab, bb, a_aval, params, flip, ex)
         elif isinstance(a, Lazy) and isinstance(b, weights):
             out = _matmul(a, b, ac, bc, ab, bb, params, flip, ex)
@@ -170,7 +203,50 @@ def _start(x, w, xc, wc, xb, wb, x_aval, params, flip, ex):
     return Lazy(node, labels, tokens, tuple(x_aval.shape[:-1]), w.experts, None, w.value.shape[3 - wc[0]])
 
 
+def _picked_labels(p: Picked, contract: int) -> tuple:
+    """Labels of a `Picked` value [T0, 'E' (the choices), matrix dims] with its contracted dim 'K'."""
+    return ("T0", "E") + (("K", "F") if contract == 1 else ("F", "K"))
+
+
+def _start_picked(x, p: Picked, xc, pc, xb, pb, x_aval, params, flip, ex):
+    """Tokens [N, D] times their chosen experts' matrices [N, k, F, D] (the token dim a batch dim)."""
+    if tuple(xb) != (0,) or tuple(pb) != (0,) or xc != (1,) or x_aval.ndim != 2 or pc[0] not in (2, 3):
+        raise DenseFormError("tokens times their gathered expert matrices other than [N, D] x [N, k, ...] over D")
+    contract = pc[0] - 1
+    kept = ex.token_rows.setdefault(id(x), (x, x))
+    node = Node("matmul", (Node("tokens"),), p.stack, p.key, contract=contract, params=params)
+    labels = _order(("T0", "K"), _picked_labels(p, contract), xc, pc, xb, pb, flip)
+    return Lazy(node, labels, kept[1], (x_aval.shape[0],), p.experts, None, p.stack.shape[3 - contract],
+                choices=p.choices, origin=p.origin)
+
+
+def _matmul_picked(x: Lazy, p: Picked, xc, pc, xb, pb, params, flip):
+    """Expert outputs per (token, choice) times the same choices' gathered matrices."""
+    if x.choices is None or p.origin is not x.origin or x.gate is not None:
+        raise DenseFormError("expert outputs times expert matrices gathered by other indices")
+    f, e, t = x.labels.index("F"), x.labels.index("E"), x.labels.index("T0")
+    pairs, batch = dict(zip(xc, pc)), dict(zip(xb, pb))
+    if batch != {t: 0, e: 1} or set(pairs) != {f} or pairs[f] not in (2, 3):
+        raise DenseFormError("expert outputs times their gathered matrices other than per (token, choice) over "
+                             "the features")
+    contract = pairs[f] - 1
+    node = Node("matmul", (x.node,), p.stack, p.key, contract=contract, params=params)
+    x_labels = x.labels[:f] + ("K",) + x.labels[f + 1:]
+    return x.with_node(node, _order(x_labels, _picked_labels(p, contract), xc, pc, xb, pb, flip),
+                       p.stack.shape[3 - contract])
+
+
+def _pair_gate(x: Lazy, gate):
+    """The router's weights per (token, 'E' index) as (N, E): for gathered choices, scattered to their experts."""
+    if x.choices is None:
+        return gate
+    rows = jnp.arange(gate.shape[0])[:, None]
+    return jnp.zeros((gate.shape[0], x.experts), gate.dtype).at[rows, x.choices.reshape(gate.shape[0], -1)].add(gate)
+
+
 def _matmul(x: Lazy, w, xc, wc, xb, wb, params, flip, ex):
+    if x.choices is not None:
+        raise DenseFormError("expert outputs of gathered matrices times a whole expert stack")
     f = x.labels.index("F")
     if isinstance(w, ExpertSlice):
         if x.expert != w.index or w.keepdim or xb or xc != (f,) or wc not in ((0,), (1,)):
@@ -210,7 +286,7 @@ def _gate_by_dot(x: Lazy, g, xc, gc, xb, gb, g_aval, flip, ex):
     if sorted(names.values()) != sorted(wanted) or len(names) != g_aval.ndim:
         raise DenseFormError("expert outputs times a value that is not the router's weights [tokens..., E]")
     order = [next(d for d, n in names.items() if n == label) for label in wanted]
-    gate = jnp.transpose(g, order).reshape(-1, x.experts)
+    gate = _pair_gate(x, jnp.transpose(g, order).reshape(x.tokens.shape[-2], -1))
     gated = dataclasses.replace(x, gate=gate, node=Node("gate", (x.node,)))
     e = x.labels.index("E")
     out_labels = _order(x.labels, tuple(names[d] for d in range(g_aval.ndim)), xc, gc, xb, gb, flip)
@@ -236,7 +312,7 @@ def gate_by_mul(x: Lazy, g_source) -> Lazy:
         raise DenseFormError("expert outputs multiplied by a value that is not the router's weights [tokens..., E]")
     order = [next(i for i, (label, _) in enumerate(kept) if label == w) for w in wanted]
     gate = jnp.transpose(value, order).reshape(x.tokens.shape[-2], -1)
-    gate = gate[:, 0] if x.expert is not None else gate
+    gate = gate[:, 0] if x.expert is not None else _pair_gate(x, gate)
     return dataclasses.replace(x, gate=gate, node=Node("gate", (x.node,)))
 
 
@@ -305,6 +381,8 @@ def plain(x, ex):
                              "summed over the experts")
     if isinstance(x, ExpertSlice):
         raise DenseFormError("an indexed expert weight used other than in a matmul")
+    if isinstance(x, Picked):
+        raise DenseFormError("gathered expert matrices used other than in a matmul with tokens")
     return x
 
 

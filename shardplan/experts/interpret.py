@@ -147,6 +147,10 @@ def _step(eqn, read, plain, experts: set, sources: dict, ex: Exchange) -> list:
         inner_experts = {v for v, e in zip(body.invars, from_experts) if e}
         outs = _eval(body, getattr(inner, "consts", ()), values, inner_experts, ex, home=False)
         experts |= {v for v, o in zip(eqn.outvars, outs) if isinstance(o, _ExpertValue)}
+        # `jnp.take(w, idx)` normalises idx inside its own function: the choices keep the caller's array
+        indices = [x for x, e in zip(values, from_experts) if not e and not dense.is_lazy(x) and getattr(x, "ndim", 0)]
+        if len(indices) == 1:
+            outs = [dataclasses.replace(o, origin=indices[0]) if isinstance(o, dense.Picked) else o for o in outs]
         return [o.value if isinstance(o, _ExpertValue) else o for o in outs]
     if any(from_experts) or any(lazy):
         values = [x if e or dense.is_lazy(x) else plain(x) for x, e in zip(values, from_experts)]
@@ -176,6 +180,8 @@ def _dense_step(eqn, name, values, from_experts, experts, sources, ex):
         if name == "reshape":
             params["new_sizes"] = (values[0].shape[0], *params["new_sizes"][1:])
         return eqn.primitive.bind(values[0], **params)
+    if from_experts[0] and name == "gather" and not dense.is_lazy(values[1]):
+        return dense.picked(eqn, values[0], eqn.invars[0], values[1], values[1])
     if from_experts[0] and name == "slice":
         return dense.expert_slice(eqn.params, values[0], eqn.invars[0], eqn.invars[0].aval)
     if name == "squeeze" and isinstance(values[0], dense.ExpertSlice):
