@@ -151,3 +151,25 @@ def test_a_public_moe_layer_is_expert_parallel_and_trains_like_one_device(kind, 
     assert expert_flops(text) <= want[4] / (0.85 * size), (expert_flops(text), want[4])
     if SPARSE[kind]:
         assert len(ops.get("all-to-all", [])) >= 4, ops.keys()
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gpt_oss", "capacity_vmap"])
+def test_check_says_the_same_without_input_shapes(kind):
+    """The docs' own plans give inputs no shapes: the blocks' code is checked all the same, on a call of
+    the blocks alone."""
+    def findings(shape):
+        report = shardplan.check(shardplan.parse_plan(plan_text(kind, "ep4", shape=shape)), decoder(kind))
+        return sorted((d.code, d.severity, d.message) for d in report.diagnostics)
+    assert findings(False) == findings(True)
+    assert any(code == "experts-fallback" for code, *_ in findings(False)) == (not SPARSE[kind])
+
+
+def test_a_block_refused_before_anything_runs_also_without_input_shapes():
+    from moe_models import MoEDecoder
+    from test_experts import PenalisedMoE, plan_text as experts_plan
+    plan = shardplan.parse_plan(experts_plan("ep4"))             # inputs without shapes
+    model = MoEDecoder(PenalisedMoE, rngs=nnx.Rngs(0))
+    found = [d for d in shardplan.check(plan, model).diagnostics if d.code == "experts-contract"]
+    assert found and found[0].severity == "error" and "not one row per token" in found[0].message
+    with pytest.raises(shardplan.PlanError, match="experts-contract"):
+        shardplan.apply_plan(plan, model, shardplan.make_mesh(plan))

@@ -137,10 +137,12 @@ def with_model_checks(report: Report, plan: Plan, model, example: Callable | Non
         found += check_layer_calls(plan, model, call)
     if call is not None and not report.errors:
         found += check_step_shapes(plan, model, report.axes, call)
-    if call is not None and report.experts and not report.errors:
+    if report.experts and not report.errors:
         from shardplan.checks.mesh import make_mesh
-        from shardplan.experts.contract import check_expert_calls
-        found += check_expert_calls(plan, model, report, call, mesh if mesh is not None else make_mesh(plan))
+        from shardplan.experts.contract import blocks_call, check_expert_calls
+        block_call = call if call is not None else blocks_call(model, report)
+        if block_call is not None:
+            found += check_expert_calls(plan, model, report, block_call, mesh if mesh is not None else make_mesh(plan))
     if plan.context is not None and not report.errors:
         from shardplan.checks.roles import recognise_module
         from shardplan.context.contract import check_context_calls

@@ -73,3 +73,37 @@ def check_expert_calls(plan, model, report, call, mesh) -> list[Diagnostic]:
                                         f"{share:.1%} of routed rows", file=plan.file, line=line, column=col,
                                         path=block, hint="raise capacity_factor, or use dispatch: dropless"))
     return found
+
+
+def blocks_call(model, report):
+    """For a plan whose inputs carry no shapes: a call of the MoE blocks alone, each on zeros [rows, 8, D]
+    (or [rows * 8, D] where the block takes rows), D the router's other dim and rows the device count
+    twice over, so that every block's code is checked all the same. None if the blocks take neither."""
+    import math
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from shardplan.checks.paths import module_paths
+    shapes = {p.path: (p.shape, p.dtype) for p in report.params}
+    blocks = []
+    for r in report.experts:
+        shape, dtype = shapes[r.router]
+        blocks.append((r.block, shape[0] if shape[1] == r.count else shape[1], dtype))
+    rows = 2 * math.prod(report.axes.values())
+
+    def call_with(shape_of):
+        def call(m):
+            found = dict(module_paths(m))
+            return [found[block](jnp.zeros(shape_of(width), dtype)) for block, width, dtype in blocks]
+        return call
+    graphdef, state = nnx.split(model)
+    for shape_of in (lambda d: (rows, 8, d), lambda d: (rows * 8, d)):
+        call = call_with(shape_of)
+        try:
+            jax.eval_shape(lambda s: call(nnx.merge(graphdef, s)), state)
+        except Exception:
+            continue
+        return call
+    return None

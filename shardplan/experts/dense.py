@@ -305,6 +305,8 @@ def gate_by_mul(x: Lazy, g_source) -> Lazy:
                              "along the features")
     operand, dims = g_source
     labels = [x.labels[d] for d in dims]
+    if any(label == "F" and operand.shape[k] != 1 for k, label in enumerate(labels)):
+        raise DenseFormError("expert outputs multiplied by a value that varies along their features")
     kept = [(label, k) for k, label in enumerate(labels) if label != "F"]
     value = jnp.squeeze(operand, [k for k, label in enumerate(labels) if label == "F"])
     wanted = tuple(f"T{k}" for k in range(len(x.token_shape))) + (("E",) if x.expert is None else ())

@@ -172,6 +172,11 @@ def _step(eqn, read, plain, experts: set, sources: dict, ex: Exchange) -> list:
 
 def _dense_step(eqn, name, values, from_experts, experts, sources, ex):
     """An operation on an expert weight, an indexed expert or a lazy value (see `dense`)."""
+    if name != "add" and any(isinstance(x, dense.LazySum) for x in values):
+        # a loop's sum read by anything but another term: computed first (the exchange), then used as is
+        values = [dense.plain(x, ex) if isinstance(x, dense.LazySum) else x for x in values]
+        if not any(from_experts) and not any(dense.is_lazy(x) for x in values):
+            return eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
     if from_experts[0] and len(values) == 1 and _keeps_experts(eqn):
         # an expert stack re-laid out with its experts still leading (a fused [E, 2, F, D] made [E, D, 2F]):
         # each device does the same to its own experts
@@ -200,7 +205,10 @@ def _dense_step(eqn, name, values, from_experts, experts, sources, ex):
         k = 0 if isinstance(values[0], dense.Lazy) else 1
         other, var = values[1 - k], eqn.invars[1 - k]
         if getattr(other, "ndim", 0) and not dense.is_lazy(other):
-            return dense.gate_by_mul(values[k], sources.get(var))
+            source = sources.get(var)
+            if source is None and other.ndim == eqn.outvars[0].aval.ndim:      # (mul broadcasts dims of size one)
+                source = (other, tuple(range(other.ndim)))
+            return dense.gate_by_mul(values[k], source)
     if name in ("broadcast_in_dim", "reshape", "squeeze", "transpose") and isinstance(values[0], dense.Lazy):
         return dense.reshaped(eqn, values[0])
     if name in ("concatenate", "stack") and all(isinstance(x, dense.Lazy) for x in values):
