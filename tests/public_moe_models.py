@@ -82,7 +82,7 @@ class _Gemma4Config:
 
 def _gemma4(rngs):
     m = public_module("tunix_gemma4_moe")
-    block = m.MoERagged(_Gemma4Config(), rngs=rngs)
+    block = m.MoERagged(_Gemma4Config(embed_dim=DIM, expert_dim=HIDDEN), rngs=rngs)
     # its per-expert scale starts at one; make it matter
     block.per_expert_scale.set_value(1.0 + 0.5 * jax.random.uniform(rngs.params(), (EXPERTS,)))
     return block

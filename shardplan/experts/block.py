@@ -9,6 +9,7 @@ device's; XLA drops the experts from that call since nothing reads them there.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -151,11 +152,27 @@ def capacity_rule(options: ExpertOptions, local_rows: int, block: type):
 FALLBACKS: contextvars.ContextVar = contextvars.ContextVar("shardplan_expert_fallbacks", default=None)
 
 
+# Set (by `dense_only`) to run every block the dense way: what a benchmark compares the sparse path with.
+DENSE_ONLY: contextvars.ContextVar = contextvars.ContextVar("shardplan_experts_dense_only", default=False)
+
+
+@contextlib.contextmanager
+def dense_only():
+    """Blocks traced inside run expert-parallel the dense way (the fallback), whatever their form."""
+    token = DENSE_ONLY.set(True)
+    try:
+        yield
+    finally:
+        DENSE_ONLY.reset(token)
+
+
 class ExpertFallbackWarning(UserWarning):
     """A MoE block runs expert-parallel the dense way: its code has a construct the sparse path cannot follow."""
 
 
 def expert_parallel_call(original, options: ExpertOptions, module, args: tuple, kwargs: dict):
+    if DENSE_ONLY.get():
+        return _fallback_call(original, options, module, args, kwargs, None)
     try:
         return _expert_parallel_call(original, options, module, args, kwargs)
     except interpret.ContractError as exc:
@@ -175,7 +192,9 @@ def _fallback_call(original, options: ExpertOptions, module, args: tuple, kwargs
     other batch axes), each device computing its own experts on them, and the outputs per token split
     over the expert axis again (a reduce-scatter of the partial sums over E). Exact whatever the code."""
     seen = FALLBACKS.get()
-    if seen is not None:
+    if reason is None:          # asked for (`dense_only`)
+        pass
+    elif seen is not None:
         seen.append((type(module), str(reason), reason.where))
     elif type(module) not in _WARNED:
         _WARNED.add(type(module))
