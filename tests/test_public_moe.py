@@ -15,6 +15,7 @@ import shardplan
 from conftest import full
 from moe_forms import CapacityMoE, ExpertMajorMoE, GatherMoE, MaskedLoopMoE
 from public_moe_models import BLOCKS, DIM, EXPERTS, HIDDEN, TOP_K, MoEBlockDecoder
+from test_experts import assert_equal_runs, collectives
 
 OWN_FORMS = {"masked_loop": MaskedLoopMoE, "expert_major": ExpertMajorMoE, "capacity_vmap": CapacityMoE,
              "gather_top_k": GatherMoE}
@@ -89,24 +90,6 @@ def expert_flops(hlo: str) -> float:
         size = np.prod([lhs[int(d)] for d in contract.group(1).split(",") if d]) if contract else 1
         total += 2.0 * float(np.prod(out)) * float(size)
     return total
-
-
-def collectives(text: str) -> dict[str, list[str]]:
-    found = {}
-    for line in text.splitlines():
-        m = re.search(r"\s(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(-start)?\(", line)
-        if m:
-            found.setdefault(m.group(1), []).append(line)
-    return found
-
-
-def assert_equal_runs(got, want, tol=1e-5):
-    np.testing.assert_allclose(got[0], want[0], rtol=tol, atol=tol)
-    np.testing.assert_allclose(got[1], want[1], rtol=tol, atol=tol)
-    for name, a, b in (("grads", got[2], want[2]), ("params after AdamW", got[3], want[3])):
-        diffs = jax.tree.map(lambda x, y: float(np.max(np.abs(np.asarray(x) - np.asarray(y)))), a, b)
-        worst = max(jax.tree.leaves(diffs))
-        assert worst < tol, f"{name} differ by {worst}: {diffs}"
 
 
 CASES = [("qwen3", "ep4"), ("gemma4", "ep4"), ("gpt_oss", "ep4"), full("qwen3", "folded"), ("gemma4", "folded"),
