@@ -156,3 +156,21 @@ def test_a_block_refused_before_anything_runs_also_without_input_shapes():
     assert found and found[0].severity == "error" and "not one row per token" in found[0].message
     with pytest.raises(shardplan.PlanError, match="experts-contract"):
         shardplan.apply_plan(plan, model, shardplan.make_mesh(plan))
+
+
+def test_the_plan_can_name_the_router_and_the_expert_weights():
+    """Where shapes leave it ambiguous, `experts.router` and `experts.weights` say it (paths within the block)."""
+    text = plan_text("gpt_oss", "ep4")
+    default = shardplan.check(shardplan.parse_plan(text), decoder("gpt_oss")).experts
+    named = text.replace("axis: expert}", "axis: expert, router: 'router/linear/kernel', weights: 'experts/.*'}")
+    report = shardplan.check(shardplan.parse_plan(named), decoder("gpt_oss"))
+    assert not report.errors and report.experts == default
+    assert set(report.experts[0].experts) == {f"layers/0/moe/experts/{n}" for n in
+                                              ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}
+    wrong = shardplan.check(shardplan.parse_plan(text.replace("axis: expert}", "axis: expert, weights: 'nothing'}")),
+                            decoder("gpt_oss"))
+    assert [d.code for d in wrong.errors] == ["experts-no-router", "experts-no-router"]
+    assert "matching experts.router / experts.weights" in wrong.errors[0].message
+    bad = shardplan.check(shardplan.parse_plan(text.replace("axis: expert}", "axis: expert, router: '('}")),
+                          decoder("gpt_oss"))
+    assert [d.code for d in bad.errors] == ["experts-invalid-regex"] and "experts.router" in bad.errors[0].message

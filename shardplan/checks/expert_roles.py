@@ -39,14 +39,27 @@ def module_prefixes(params: list[ParamInfo]) -> list[str]:
     return sorted(found)
 
 
-def block_roles(block: str, params: list[ParamInfo]) -> BlockRoles:
+def block_roles(block: str, params: list[ParamInfo], router=None, weights=None) -> BlockRoles:
     """The router [D, E] (or [E, D]) is a 2-D weight, not a bias or a norm's scale, whose E leads stacks of
     rank 3 or more that have a dim D; they and the 2-D biases [E, ...] beside them are the experts. A
-    [D, E] router is preferred to an [E, D] one, a kernel to a raw weight."""
+    [D, E] router is preferred to an [E, D] one, a kernel to a raw weight. `router` and `weights`
+    (compiled patterns, full match on the path within the block) say it where shapes leave it ambiguous."""
     prefix = block + "/" if block else ""
     inside = [p for p in params if p.path.startswith(prefix)]
+    local = {p.path: p.path[len(prefix):] for p in inside}
+    if weights is not None:
+        chosen = [p for p in inside if weights.fullmatch(local[p.path]) and p.shape]
+        counts = {p.shape[0] for p in chosen}
+        routers = [p for p in inside if len(p.shape) == 2 and (router.fullmatch(local[p.path]) if router else
+                                                               counts & set(p.shape) and not _is_bias(p.path))]
+        if len(counts) == 1 and routers:
+            width = counts.pop()
+            return BlockRoles(block, routers[0].path, tuple(sorted(p.path for p in chosen)), width)
+        return BlockRoles(block, None, (), None)
     stacks = [p for p in inside if len(p.shape) >= 3]
     routers = [p for p in inside if len(p.shape) == 2 and not _is_bias(p.path) and _leaf(p.path) not in ("scale", "embedding")]
+    if router is not None:
+        routers = [p for p in routers if router.fullmatch(local[p.path])]
     for width_dim in (1, 0):
         for router in sorted(routers, key=lambda p: _leaf(p.path) != "kernel"):
             width, model_dim = router.shape[width_dim], router.shape[1 - width_dim]

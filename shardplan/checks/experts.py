@@ -33,12 +33,24 @@ def expert_blocks(plan: Plan, params: list[ParamInfo]) -> tuple[list[BlockRoles]
                 "[E, ...]): was it built with its experts?")
         return [], [Diagnostic("experts-no-block", "error", f"experts.blocks '{experts.blocks}' matches no module "
                                "that holds parameters", hint=hint, **where)]
+    patterns = {}
+    for field in ("router", "weights"):
+        source = getattr(experts, field)
+        if source is not None:
+            line, col = plan.locate("experts", field)
+            patterns[field], problem = checked_pattern(source, f"experts.{field}", invalid_code="experts-invalid-regex",
+                                                       file=plan.file, line=line, column=col)
+            if problem:
+                return [], [problem]
     roles, found = [], []
     for block in blocks:
-        r = block_roles(block, params)
+        r = block_roles(block, params, **patterns)
         if r.router is None:
+            said = " matching experts.router / experts.weights" if patterns else ""
             found.append(Diagnostic("experts-no-router", "error", f"block {block!r} has no router and stacked expert "
-                                    "weights shardplan can recognise", path=block, hint=ROLE_HINT, **where))
+                                    f"weights{said} shardplan can recognise", path=block, hint=ROLE_HINT
+                                    + ("; experts.router and experts.weights match paths within the block, in full"
+                                       if patterns else ""), **where))
         else:
             roles.append(r)
     return roles, found

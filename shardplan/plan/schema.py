@@ -207,6 +207,14 @@ class ExpertsConfig(_Strict):
     capacity_factor: float | None = Field(
         default=None, gt=0, le=64, description="With dispatch: capacity, slots per (device, expert) as a multiple "
         "of the rows a uniform router sends there (1.25 is common).")
+    router: str | None = Field(
+        default=None, description="Regular expression that must fully match the router weight's path within "
+        "each block (e.g. `gate/kernel`), where the shapes leave it ambiguous; by default the block's 2-D weight, "
+        "not a bias, whose width leads its expert stacks.")
+    weights: str | None = Field(
+        default=None, description="Regular expression that must fully match, within each block, the paths of its "
+        "expert weights (dim 0 is E); by default the stacks of rank 3 or more that lead with the router's "
+        "width and the 2-D per-expert biases beside them.")
 
     @model_validator(mode="after")
     def _capacity_given(self) -> "ExpertsConfig":
