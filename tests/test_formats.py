@@ -326,3 +326,42 @@ def test_annotated_spec_takes_the_models_own(write_plan):
 def jax_spec(*entries):
     from jax.sharding import PartitionSpec
     return PartitionSpec(*entries)
+
+
+class _ArticleAnnotated(nnx.Module):
+    """Annotated as the seed article's tutorial does: a `NamedSharding` on its own mesh in each kernel's
+    metadata (`nnx.with_partitioning(init, NamedSharding(mesh, P(...)))`)."""
+
+    def __init__(self, mesh, *, rngs):
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        init = nnx.initializers.lecun_normal()
+        self.up = nnx.Linear(16, 32, kernel_init=nnx.with_partitioning(init, NamedSharding(mesh, P(None, "model"))),
+                             rngs=rngs)
+        self.down = nnx.Linear(32, 16, kernel_init=nnx.with_partitioning(init, NamedSharding(mesh, P("model", None))),
+                               rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(self.up(x))
+
+
+@pytest.mark.parametrize("abstract", [False, True])
+def test_a_model_annotated_the_articles_way_is_read(write_plan, abstract):
+    import jax
+    from jax.sharding import Mesh
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    make = lambda: _ArticleAnnotated(mesh, rngs=nnx.Rngs(0))  # noqa: E731
+    model = nnx.eval_shape(make) if abstract else make()
+    own = shardplan.load_plan(write_plan("version: 1\nmesh: {axes: {data: 4, model: 2}}\ninputs: {x: [data]}\n"
+                                         "params:\n  - {match: '.*', spec: replicated}\n"))
+    report = shardplan.check(own, model)
+    assert report.ok
+    (found,) = [d for d in report.diagnostics if d.code == "annotation-overridden"]
+    assert "P('model', None)" in found.message or "P('model')" in found.message, found.message
+    annotated = shardplan.load_plan(write_plan("version: 1\nmesh: {axes: {data: 4, model: 2}}\ninputs: {x: [data]}\n"
+                                               "params:\n  - {match: '.*kernel', spec: annotated}\n"
+                                               "  - {match: '.*', spec: replicated}\n"))
+    assert shardplan.check(annotated, model).ok
+    assert _specs(annotated, model)["up/kernel"] == (None, ("model",))
+    if not abstract:
+        placed = shardplan.apply_plan(annotated, model, shardplan.make_mesh(annotated))
+        assert placed.down.kernel.get_value().sharding.spec == jax_spec("model")

@@ -37,9 +37,19 @@ def param_infos(model) -> list[ParamInfo]:
     for keys, variable in nnx.to_flat_state(state):
         value = variable.get_value() if isinstance(variable, nnx.Variable) else variable
         annotated = variable.get_metadata().get("out_sharding") if isinstance(variable, nnx.Variable) else None
-        infos.append(ParamInfo(join_path(keys), tuple(value.shape), np.dtype(value.dtype),
-                               None if annotated is None else tuple(annotated)))
+        infos.append(ParamInfo(join_path(keys), tuple(value.shape), np.dtype(value.dtype), annotation_entries(annotated)))
     return sorted(infos, key=lambda info: info.path)
+
+
+def annotation_entries(annotated) -> tuple | None:
+    """A parameter's sharding annotation as spec entries, however the model wrote it: a tuple of names or
+    logical names, a `PartitionSpec`, or a `NamedSharding` (the seed article's `nnx.with_partitioning(init,
+    NamedSharding(mesh, P(...)))`, whose spec is taken); None for anything else."""
+    from jax.sharding import PartitionSpec
+    annotated = getattr(annotated, "spec", annotated)          # a NamedSharding's PartitionSpec
+    if isinstance(annotated, (tuple, list, PartitionSpec)):
+        return tuple(annotated)
+    return None
 
 
 def module_paths(model) -> list[tuple[str, object]]:
