@@ -109,3 +109,22 @@ def test_apply_plan_on_abstract_model_carries_shardings():
     kernel = model.output_layer.kernel.get_value()
     assert isinstance(kernel, jax.ShapeDtypeStruct)
     assert kernel.sharding.spec == partition_spec((None, ("model",)))
+
+
+def test_shard_inputs_takes_the_tutorials_tuple_a_single_array_and_says_what_it_expects():
+    import numpy as np
+    plan = shardplan.load_plan("plans/minigpt_dp_tp.yaml")             # one input: tokens [data, null]
+    mesh = shardplan.make_mesh(plan)
+    inputs, targets = np.zeros((8, 16), np.int32), np.ones((8, 16), np.int32)
+    placed = shardplan.shard_inputs(plan, (inputs, targets), mesh)
+    assert isinstance(placed, tuple) and len(placed) == 2
+    assert all(x.sharding.spec == jax.sharding.PartitionSpec("data", None) for x in placed)
+    assert np.array_equal(placed[1], targets)
+    single = shardplan.shard_inputs(plan, inputs, mesh)
+    assert single.sharding.spec == jax.sharding.PartitionSpec("data", None)
+    listed = shardplan.shard_inputs(plan, [inputs], mesh)
+    assert isinstance(listed, list) and listed[0].sharding.spec == jax.sharding.PartitionSpec("data", None)
+    with pytest.raises(TypeError, match="takes a dict of input names to arrays, a tuple or list of arrays, or one array"):
+        shardplan.shard_inputs(plan, "tokens", mesh)
+    with pytest.raises(shardplan.PlanError):                           # targets checked like their inputs
+        shardplan.shard_inputs(plan, (inputs, np.ones((7, 16), np.int32)), mesh)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -329,18 +331,52 @@ def constrain(*nodes) -> None:
                     variable.set_value(jax.device_put(value, sharding))
 
 
-def shard_inputs(plan: Plan, batch: dict, mesh: jax.sharding.Mesh) -> dict:
-    """Place each batch input per the plan's `inputs`; raise `PlanError` on an undeclared input or a bad shape.
+def shard_inputs(plan: Plan, batch, mesh: jax.sharding.Mesh):
+    """Place a batch per the plan's `inputs`; raise `PlanError` on an undeclared input or a bad shape.
+
+    `batch` is a mapping of input names to arrays (returns a dict); a tuple or list, matched to the plan's
+    inputs in order — or, where the plan declares one input, each element split like it, so the tutorial's
+    `(inputs, targets)` pair works as it is (returns the same kind); or one array, for a plan with one
+    input (returns the array).
 
     >>> import numpy as np, shardplan
     >>> plan = shardplan.load_plan("plans/minigpt_dp_tp.yaml")
     >>> batch = shardplan.shard_inputs(plan, {"tokens": np.zeros((8, 16), np.int32)}, shardplan.make_mesh(plan))
     >>> batch["tokens"].sharding.spec
     P('data', None)
+    >>> inputs, targets = shardplan.shard_inputs(plan, (np.zeros((8, 16)), np.ones((8, 16))), shardplan.make_mesh(plan))
+    >>> targets.sharding.spec
+    P('data', None)
     """
-    _check_inputs(plan, {name: tuple(x.shape) for name, x in batch.items()}, mesh)
-    batch = _balanced(plan, batch, mesh)
-    return {name: jax.device_put(x, _input_sharding(plan, name, mesh)) for name, x in batch.items()}
+    named, rebuild = _named_batch(plan, batch)
+    _check_named(plan, {key: (name, tuple(x.shape)) for key, (name, x) in named.items()}, mesh)
+    placed = _balanced(plan, {key: x for key, (_, x) in named.items()}, mesh, {key: n for key, (n, _) in named.items()})
+    return rebuild({key: jax.device_put(x, _input_sharding(plan, named[key][0], mesh)) for key, x in placed.items()})
+
+
+def _named_batch(plan: Plan, batch):
+    """({key: (the plan input it is placed as, the array)}, a function giving the caller's kind of batch back)."""
+    names = list(plan.inputs)
+    if isinstance(batch, Mapping):
+        return {name: (name, x) for name, x in batch.items()}, dict
+    if isinstance(batch, (tuple, list)):
+        if len(batch) == len(names):
+            pairs = list(zip(names, batch))
+        elif len(names) == 1:
+            pairs = [(names[0], x) for x in batch]
+        else:
+            raise TypeError(f"shard_inputs got a {type(batch).__name__} of {len(batch)} arrays, but the plan declares "
+                            f"{len(names)} inputs ({', '.join(names)}): pass one array per input, in that order, or a "
+                            "dict of input names to arrays")
+        kind = type(batch)
+        return {k: pair for k, pair in enumerate(pairs)}, lambda placed: kind(placed[k] for k in range(len(pairs)))
+    if hasattr(batch, "shape"):
+        if len(names) != 1:
+            raise TypeError(f"shard_inputs got one array, but the plan declares {len(names)} inputs "
+                            f"({', '.join(names)}): pass a dict of input names to arrays, or a tuple in that order")
+        return {0: (names[0], batch)}, lambda placed: placed[0]
+    raise TypeError(f"shard_inputs takes a dict of input names to arrays, a tuple or list of arrays, or one array; "
+                    f"got {type(batch).__name__}")
 
 
 def shard_local_inputs(plan: Plan, batch: dict, mesh: jax.sharding.Mesh) -> dict:
@@ -349,23 +385,26 @@ def shard_local_inputs(plan: Plan, batch: dict, mesh: jax.sharding.Mesh) -> dict
     processes = jax.process_count()
     if processes == 1:
         return shard_inputs(plan, batch, mesh)
-    shapes = {name: (x.shape[0] * processes, *x.shape[1:]) for name, x in batch.items()}
-    _check_inputs(plan, shapes, mesh)
-    batch = _balanced(plan, batch, mesh)
-    return {name: jax.make_array_from_process_local_data(_input_sharding(plan, name, mesh), np.asarray(x),
-                                                         shapes[name])
-            for name, x in batch.items()}
+    named, rebuild = _named_batch(plan, batch)
+    shapes = {key: (x.shape[0] * processes, *x.shape[1:]) for key, (_, x) in named.items()}
+    _check_named(plan, {key: (name, shapes[key]) for key, (name, _) in named.items()}, mesh)
+    placed = _balanced(plan, {key: x for key, (_, x) in named.items()}, mesh, {key: n for key, (n, _) in named.items()})
+    return rebuild({key: jax.make_array_from_process_local_data(_input_sharding(plan, named[key][0], mesh),
+                                                                np.asarray(x), shapes[key])
+                    for key, x in placed.items()})
 
 
-def _balanced(plan: Plan, batch: dict, mesh) -> dict:
+def _balanced(plan: Plan, batch: dict, mesh, names: dict | None = None) -> dict:
     """The batch with its sequences laid out for a load-balanced context axis (each device a head and a
-    tail chunk): every dim after the first of an input's sequence length, so a mask follows its tokens."""
+    tail chunk): every dim after the first of an input's sequence length, so a mask follows its tokens.
+    `names`: the plan input each key is placed as (default: the key)."""
     context = plan.context
     if context is None or not context.load_balance or dict(mesh.shape)[context.axis] == 1:
         return batch
     from shardplan.context.layout import laid_out
     split = context_inputs(plan)
-    lengths = {batch[name].shape[dim] for name, dim in split.items() if name in batch}
+    names = names or {key: key for key in batch}
+    lengths = {x.shape[split[names[key]]] for key, x in batch.items() if names[key] in split}
     if not lengths:
         return batch
     length = lengths.pop()
@@ -374,6 +413,15 @@ def _balanced(plan: Plan, batch: dict, mesh) -> dict:
 
 def _input_sharding(plan: Plan, name: str, mesh) -> NamedSharding:
     return NamedSharding(mesh, partition_spec(normalize_spec(plan.inputs[name])))
+
+
+def _check_named(plan: Plan, shapes: dict, mesh) -> None:
+    """`_check_inputs` for {key: (input name, shape)}: together, or each alone where several keys are
+    placed as one input (a tuple's targets split like its inputs)."""
+    names = [name for name, _ in shapes.values()]
+    groups = [dict(shapes.values())] if len(set(names)) == len(names) else [{n: s} for n, s in shapes.values()]
+    for group in groups:
+        _check_inputs(plan, group, mesh)
 
 
 def _check_inputs(plan: Plan, shapes: dict[str, tuple], mesh) -> None:
