@@ -365,3 +365,17 @@ def test_a_model_annotated_the_articles_way_is_read(write_plan, abstract):
     if not abstract:
         placed = shardplan.apply_plan(annotated, model, shardplan.make_mesh(annotated))
         assert placed.down.kernel.get_value().sharding.spec == jax_spec("model")
+
+
+def test_logical_rules_keep_entries_that_list_mesh_axes_as_they_are(write_plan):
+    """A spec entry listing several mesh axes passes once, in inputs and parameters alike (it was doubled:
+    `[fsdp, fsdp_transpose]` became four axes and a false `input-axis-repeated`)."""
+    plan = shardplan.load_plan(write_plan(
+        "version: 1\nmesh: {axes: {fsdp: 4, fsdp_transpose: 2}}\n"
+        "inputs: {x: {spec: [[fsdp, fsdp_transpose], null], shape: [8, 16]}}\n"
+        "logical_rules:\n  - [embed, fsdp]\n  - [mlp, fsdp_transpose]\n"
+        "params:\n  - {match: 'kernel', spec: [[fsdp, fsdp_transpose], null]}\n"
+        "  - {match: '.*', spec: replicated}\n"))
+    report = shardplan.check(plan, nnx.eval_shape(lambda: nnx.Linear(16, 32, rngs=nnx.Rngs(0))))
+    assert not report.errors, [d.format() for d in report.errors]
+    assert {p.path: p.spec for p in report.params}["kernel"] == (("fsdp", "fsdp_transpose"),)

@@ -29,10 +29,12 @@ def resolve(names: list, rules: list[tuple[str, Any]], mesh_axes) -> tuple[list,
     (['data', 'fsdp'], [2, 0])
     >>> resolve(["embed", "vocab"], rules, {"fsdp", "data"})      # no rule for vocab: not split
     (['fsdp', None], [1, None])
+    >>> resolve([["fsdp", "data"], None], rules, {"fsdp", "data"})    # mesh axes pass as they are, once
+    ([['fsdp', 'data'], None], [None, None])
     """
     logical = {name for name, _ in rules}
     dims = []        # (position in the spec, logical name) of every name to resolve
-    result: list = [_OPEN if isinstance(entry, str) else entry for entry in names]
+    result: list = [None if entry is None else _OPEN for entry in names]       # (a list's axes are joined below)
     for position, entry in enumerate(names):
         parts = [entry] if isinstance(entry, str) else list(entry or [])
         for part in parts:
