@@ -10,6 +10,7 @@ import math
 import os
 import socket
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -142,8 +143,10 @@ def train(config: TrainConfig, *, console: Console | None = None, devices=None,
 def _run(config, plan, mesh, model_config, tokenizer, dataset, out, lead, stop_after, console) -> RunResult:
     """The run proper, in a directory this process has claimed."""
     # built on its shards: no device holds a parameter the plan splits (a model larger than one device fits)
-    model = shardplan.init(plan, lambda: MiniGPT(**model_config, rngs=nnx.Rngs(config.seed)), mesh,
-                           key=("MiniGPT", tuple(sorted(model_config.items())), config.seed))
+    with warnings.catch_warnings():      # the summary above showed the plan's warnings
+        warnings.simplefilter("ignore", shardplan.PlanWarning)
+        model = shardplan.init(plan, lambda: MiniGPT(**model_config, rngs=nnx.Rngs(config.seed)), mesh,
+                               key=("MiniGPT", tuple(sorted(model_config.items())), config.seed))
     tx = make_optimizer(lr=config.lr, steps=config.steps, warmup_steps=config.warmup_steps,
                         weight_decay=config.weight_decay, clip_norm=config.clip_norm)
     optimizer = shardplan.shard_optimizer(plan, model, tx, mesh)

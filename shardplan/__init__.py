@@ -11,11 +11,11 @@
 
 from shardplan.checks.mesh import make_mesh
 from shardplan.checks.report import Report, check
-from shardplan.plan.diagnostics import CODES, Diagnostic, PlanError
+from shardplan.plan.diagnostics import CODES, Diagnostic, PlanError, PlanWarning
 from shardplan.plan.loader import load_plan, parse_plan
 from shardplan.plan.schema import Plan
 
-__all__ = ["CODES", "Diagnostic", "Plan", "PlanError", "Report", "apply_plan", "check", "constrain", "dropped_rows",
+__all__ = ["CODES", "Diagnostic", "Plan", "PlanError", "PlanWarning", "Report", "apply_plan", "check", "constrain", "dropped_rows",
            "init", "load_plan",
            "make_mesh", "model_loss", "parse_plan", "performance_flags", "set_performance_flags", "shard_inputs",
            "shard_local_inputs", "shard_optimizer", "simulate_cpu_devices", "to_plain"]

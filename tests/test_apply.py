@@ -128,3 +128,16 @@ def test_shard_inputs_takes_the_tutorials_tuple_a_single_array_and_says_what_it_
         shardplan.shard_inputs(plan, "tokens", mesh)
     with pytest.raises(shardplan.PlanError):                           # targets checked like their inputs
         shardplan.shard_inputs(plan, (inputs, np.ones((7, 16), np.int32)), mesh)
+
+
+def test_a_python_user_sees_the_plans_warnings_once():
+    """`apply_plan` and `init` show a plan's warnings through the `warnings` module (a rule matching nothing)."""
+    import warnings
+    plan = shardplan.parse_plan("version: 1\nmesh: {axes: {data: 8}}\ninputs: {x: [data]}\nparams:\n"
+                                "  - {match: 'nothing/here', spec: [data]}\n  - {match: '.*', spec: replicated}\n")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        shardplan.apply_plan(plan, nnx.Linear(4, 4, rngs=nnx.Rngs(0)), shardplan.make_mesh(plan))
+    found = [w for w in caught if issubclass(w.category, shardplan.PlanWarning)]
+    assert len(found) == 1 and "unused-rule" in str(found[0].message) and "nothing/here" in str(found[0].message)
+    assert found[0].filename == __file__            # pointed at the caller's line

@@ -129,6 +129,19 @@ class Diagnostic:
         return dataclasses.asdict(self)
 
 
+class PlanWarning(UserWarning):
+    """A warning diagnostic of a plan `apply_plan` or `init` used (the `warnings` module shows each once)."""
+
+
+def warn(diagnostics: list[Diagnostic], stacklevel: int = 3) -> None:
+    """Each warning among `diagnostics` through the `warnings` module, so a Python user sees it; a program
+    that renders the diagnostics itself filters `PlanWarning` out."""
+    import warnings
+    for d in diagnostics:
+        if d.severity == "warning":
+            warnings.warn(d.format(), PlanWarning, stacklevel=stacklevel)
+
+
 class PlanError(Exception):
     """A plan cannot be used. `.diagnostics` lists every error (and the warnings found with them)."""
 

@@ -21,7 +21,7 @@ from shardplan.run.abstract import abstract_with_roles, eval_shape
 from shardplan.run.optimizer import master_weights, padded_state
 from shardplan.run.specs import partition_spec
 from shardplan.run.step_options import apply_step_options
-from shardplan.plan.diagnostics import PlanError
+from shardplan.plan.diagnostics import PlanError, warn
 from shardplan.plan.schema import Plan, normalize_spec, spec_axes
 
 
@@ -120,6 +120,7 @@ def _checked(plan: Plan, model, mesh, example=None, roles=None) -> Report:
     report = check(plan, model, mesh, example=example, roles=roles)
     if report.errors:
         raise PlanError(report.diagnostics)
+    warn(report.diagnostics, stacklevel=4)
     return report
 
 
