@@ -27,6 +27,19 @@ class InertConsole(Console):
     def render_str(self, text: str, **options):
         return super().render_str(inert(text), **options)
 
+    @property
+    def file(self):
+        # Past every proxy to the real stream: while a live display (a progress bar) runs, rich puts its own
+        # proxy on sys.stdout around `_InertStream`, and rich unwraps only one level.
+        file = Console.file.fget(self)
+        while hasattr(file, "rich_proxied_file"):
+            file = file.rich_proxied_file
+        return file
+
+    @file.setter
+    def file(self, new_file) -> None:
+        Console.file.fset(self, new_file)
+
     def render(self, renderable, options=None):
         for segment in super().render(renderable, options):
             yield segment if segment.control else Segment(inert(segment.text), segment.style)
