@@ -59,6 +59,9 @@ def launch_ray(workers: int, train_args: list[str], *, devices_per_process: int 
     if not train_args or train_args[0] != "train":
         print("launch: the command after -- must be `train ...`", file=sys.stderr)
         return 2
+    # Ray colours the workers' relayed prefixes whatever the output is; the launcher's output is escaped
+    # text (see shardplan.cli.terminal), so colour codes would show as literal `\x1b[36m`.
+    os.environ["RAY_COLOR_PREFIX"] = "0"
     ray.init(address=address, include_dashboard=False, log_to_driver=True,
              runtime_env={"env_vars": {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "")}})
     try:

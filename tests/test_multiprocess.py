@@ -71,6 +71,7 @@ def test_ray_launcher_two_workers_match_one_process(tmp_path):
                               text=True, timeout=1200)      # (a bound on the work, not its time: a busy machine)
         assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
         assert "all 2 Ray workers finished" in done.stdout and "[Gloo]" not in done.stdout
+        assert "(TrainWorker pid=" in done.stdout and "\\x1b" not in done.stdout      # prefixes relayed, no colour codes
         # (the shipped plan's layout is the same: the hosts spec says where 'data' goes, and checks it)
         got, expected = losses_of(out), uninterrupted(tmp_path, 20)
         np.testing.assert_allclose([got[s] for s in range(1, 21)], [expected[s] for s in range(1, 21)], rtol=1e-5)
