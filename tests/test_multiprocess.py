@@ -18,8 +18,9 @@ from conftest import REPO
 from test_training import TINY_ARGS, tiny_config
 
 LAUNCH = [sys.executable, "-m", "minigpt_model.cli", "launch"]
-# The launcher stops the survivors SIBLING_GRACE_S after the first failure; allow for process exit.
-FAILURE_BOUND_S = SIBLING_GRACE_S + 10
+# The launcher stops the survivors SIBLING_GRACE_S after the first failure; allow for process exit on a
+# busy machine (what is checked is that it gives up instead of waiting for a peer that will not come).
+FAILURE_BOUND_S = SIBLING_GRACE_S + 60
 
 
 def train_args(out, steps, *extra):

@@ -332,15 +332,15 @@ def test_auto_with_bf16_compute_writes_precision_and_stays_close(tmp_path):
 def test_search_is_bounded_and_answers_large_clusters_quickly():
     """A 70B-class shape on 16,384 devices: candidates costed on one layer, the best checked in full
     (`benchmarks/auto_scale.py` times every size up to 131,072 devices)."""
-    import time
     model, roles = abstract_with_roles(lambda: Llama(vocab=32000, dim=8192, heads=64, kv_heads=8, hidden=28672,
                                                      layers=80, rngs=nnx.Rngs(0)))
-    started = time.perf_counter()
     found = auto.search(param_infos(model), roles, devices=16384, workload=Workload(4 * 16384, 4096),
                         profile=get_profile("h200"), hosts=2048, compute="bfloat16")
     assert found.best is not None and found.best.report.ok
     assert found.best.estimate.peak_bytes <= found.usable < found.memory
-    assert time.perf_counter() - started < 90           # the benchmark reports the figure; this is a ceiling
+    # the bound on the work (the benchmark reports the time): only the best few checked in full, and
+    # candidates whose time bound exceeds them never costed
+    assert len(found.ranked) <= auto.KEEP and found.pruned > 0
     document = json.loads(json.dumps(found.best.estimate.to_json()))
     assert {"step_s", "flops", "peak_bytes"} <= set(document)
 
