@@ -205,3 +205,20 @@ def test_no_line_of_minigpts_help_is_wider_than_80_columns(command, capsys, monk
     with pytest.raises(SystemExit):
         minigpt_cli.main([command, "--help"])
     assert all(len(line) <= 80 for line in capsys.readouterr().out.splitlines())
+
+
+def test_validate_says_what_it_assumed_and_strict_makes_warnings_fail(capsys, tmp_path):
+    code, out, _ = run(capsys, "validate", str(PLANS / "minigpt_3d.yaml"), "--plan-only")
+    flat = " ".join(out.split())
+    assert code == 0 and "checked for 8 devices, as the plan's mesh needs (--devices N checks another count)" in flat
+    assert "not checked: the batch must split into 8 microbatches on every data shard" in flat
+    code, out, _ = run(capsys, "validate", str(PLANS / "minigpt_3d.yaml"), "--plan-only", "--devices", "8")
+    assert code == 0 and "checked for" not in out
+    idle = tmp_path / "idle.yaml"         # an axis nothing uses: a warning
+    idle.write_text("version: 1\nmesh: {axes: {data: 4, model: 2}}\ninputs: {tokens: {spec: [data, null], "
+                    "shape: [8, 16]}}\nparams:\n  - {match: '.*', spec: replicated}\n")
+    model = ("--model", "minigpt_model:MiniGPT", "--config", "num_transformer_blocks=2")
+    code, out, _ = run(capsys, "validate", str(idle), *model)
+    assert code == 0 and "idle-axis" in out and "not checked" not in out
+    code, out, _ = run(capsys, "validate", str(idle), *model, "--strict")
+    assert code == 1 and "idle-axis" in out

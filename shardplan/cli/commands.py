@@ -35,7 +35,7 @@ A plan is data: its model.factory is code, imported and called only with your co
 (--model on the command line, --trust-plan, SHARDPLAN_TRUST_PLAN=1) or when it is shardplan's
 own minigpt_model:MiniGPT. Without consent, validate checks what needs no model.
 
-exit status: 0 valid (warnings allowed), 1 invalid plan, 2 unreadable file, usage error or
+exit status: 0 valid (warnings allowed; validate --strict: not), 1 invalid plan, 2 unreadable file, usage error or
 model not built (no consent, factory failed), 3 a bug in shardplan, 130 interrupted
 """
 
@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(validate)
     validate.add_argument("--plan-only", action="store_true",
                           help="check only what needs no model (rules, mesh, inputs, stages); builds nothing")
+    validate.add_argument("--strict", action="store_true",
+                          help="warnings make the plan invalid too (exit 1): for CI jobs that check contributed plans")
     validate.set_defaults(handler=_validate)
 
     inspect = commands.add_parser("inspect", help="show the mesh, per-parameter layout and per-device bytes")
@@ -431,17 +433,38 @@ def _validate(args, console: Console) -> int:
         return code if code == EXIT_INVALID else EXIT_USAGE
     render_diagnostics(console, report.diagnostics)
     render_verdict(console, report)
-    return EXIT_OK if report.ok else EXIT_INVALID
+    _render_assumed(console, args, report.plan, len(report.device_ids))
+    return _validate_exit(args, report.diagnostics)
 
 
 def _validate_plan_only(args, console: Console) -> int:
     from shardplan.cli.render import render_diagnostics, render_verdict
     from shardplan.checks.report import check_plan_only
     plan = load_plan(args.plan)
-    diagnostics = check_plan_only(plan, _device_count(args.devices, plan))
+    devices = _device_count(args.devices, plan)
+    diagnostics = check_plan_only(plan, devices)
     render_diagnostics(console, diagnostics)
     render_verdict(console, diagnostics, scope="plan only, without the model")
-    return EXIT_INVALID if any(d.severity == "error" for d in diagnostics) else EXIT_OK
+    _render_assumed(console, args, plan, devices)
+    return _validate_exit(args, diagnostics)
+
+
+def _validate_exit(args, diagnostics) -> int:
+    worst = {"error"} | ({"warning"} if getattr(args, "strict", False) else set())
+    return EXIT_INVALID if any(d.severity in worst for d in diagnostics) else EXIT_OK
+
+
+def _render_assumed(console: Console, args, plan: Plan, devices: int) -> None:
+    """What the verdict took for granted: the device count, and a batch split no shape lets it check."""
+    if args.devices is None:
+        print_wrapped(console, f"checked for {devices} devices, as the plan's mesh needs (--devices N checks "
+                               "another count)")
+    count = plan.pipeline.microbatches if plan.pipeline is not None else plan.accumulate
+    if count > 1 and not any(isinstance(spec, dict) or getattr(spec, "shape", None) for spec in plan.inputs.values()):
+        what = "microbatches" if plan.pipeline is not None else "accumulated microbatches (accumulate)"
+        print_wrapped(console, f"not checked: the batch must split into {count} {what} on every data shard; the "
+                               "inputs give no shape, so it is checked when a batch is sharded (shard_inputs); "
+                               "give one, e.g. tokens: {spec: [data, null], shape: [32, 128]}")
 
 
 def _inspect(args, console: Console) -> int:
