@@ -379,3 +379,14 @@ def test_logical_rules_keep_entries_that_list_mesh_axes_as_they_are(write_plan):
     report = shardplan.check(plan, nnx.eval_shape(lambda: nnx.Linear(16, 32, rngs=nnx.Rngs(0))))
     assert not report.errors, [d.format() for d in report.errors]
     assert {p.path: p.spec for p in report.params}["kernel"] == (("fsdp", "fsdp_transpose"),)
+
+
+def test_a_misspelt_logical_name_is_reported_as_one_with_a_suggestion(write_plan):
+    plan = shardplan.load_plan(write_plan("version: 1\nmesh: {axes: {data: 4, model: 2}}\ninputs: {x: [data]}\n"
+                                          "logical_axes: {haeds: model, embed: null}\n"
+                                          "params:\n  - {match: 'kernel', spec: [embed, heads]}\n"
+                                          "  - {match: '.*', spec: replicated}\n"))
+    report = shardplan.check(plan, nnx.eval_shape(lambda: nnx.Linear(16, 32, rngs=nnx.Rngs(0))))
+    (found,) = report.errors
+    assert found.code == "unknown-axis" and "neither a mesh axis (data, model) nor a logical name (haeds, embed)" \\
+        in found.message and found.hint == "did you mean 'haeds' (a logical name)?", found.format()

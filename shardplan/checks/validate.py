@@ -95,7 +95,8 @@ def rule_level(plan: Plan, rules: list[Rule], sizes: dict[str, int]) -> list[Dia
         for axis in dict.fromkeys(spec_axes(rule.spec)):
             if axis not in sizes:
                 found.append(_unknown_axis("unknown-axis", f"{rule.label} spec {format_spec(rule.spec)}",
-                                           axis, sizes, plan.file, line, col, rule=rule.index))
+                                           axis, sizes, plan.file, line, col, logical=_logical_names(plan),
+                                           rule=rule.index))
         for axis in _repeated(spec_axes(rule.spec)):
             found.append(Diagnostic(
                 "axis-repeated", "error",
@@ -106,11 +107,22 @@ def rule_level(plan: Plan, rules: list[Rule], sizes: dict[str, int]) -> list[Dia
     return found
 
 
-def _unknown_axis(code: str, subject: str, axis: str, sizes: dict[str, int], file, line, col, **where) -> Diagnostic:
-    close = difflib.get_close_matches(axis, list(sizes), n=1, cutoff=0.5)
-    hint = f"did you mean {close[0]!r}?" if close else f"mesh axes are {', '.join(sizes)}"
-    return Diagnostic(code, "error", f"{subject} names mesh axis {axis!r}, but the mesh has only {list(sizes)}",
-                      file=file, line=line, column=col, hint=hint, **where)
+def _unknown_axis(code: str, subject: str, axis: str, sizes: dict[str, int], file, line, col,
+                  logical: list[str] = (), **where) -> Diagnostic:
+    close = difflib.get_close_matches(axis, list(sizes) + list(logical), n=1, cutoff=0.5)
+    if not logical:
+        hint = f"did you mean {close[0]!r}?" if close else f"mesh axes are {', '.join(sizes)}"
+        return Diagnostic(code, "error", f"{subject} names mesh axis {axis!r}, but the mesh has only {list(sizes)}",
+                          file=file, line=line, column=col, hint=hint, **where)
+    kind = lambda name: "a logical name" if name in logical else "a mesh axis"  # noqa: E731
+    hint = (f"did you mean {close[0]!r} ({kind(close[0])})?" if close else
+            f"mesh axes are {', '.join(sizes)}; logical names are {', '.join(logical)}")
+    return Diagnostic(code, "error", f"{subject} names {axis!r}, which is neither a mesh axis ({', '.join(sizes)}) "
+                      f"nor a logical name ({', '.join(logical)})", file=file, line=line, column=col, hint=hint, **where)
+
+
+def _logical_names(plan: Plan) -> list[str]:
+    return list(dict.fromkeys([*plan.logical_axes, *(name for name, _ in plan.logical_rules)]))
 
 
 def _repeated(axes: list[str]) -> list[str]:
@@ -296,7 +308,8 @@ def validate_inputs(plan: Plan, sizes: dict[str, int],
         subject = f"input {name!r} spec {format_spec(spec)}"
         for axis in dict.fromkeys(spec_axes(spec)):
             if axis not in sizes:
-                found.append(_unknown_axis("input-unknown-axis", subject, axis, sizes, plan.file, line, col, path=name))
+                found.append(_unknown_axis("input-unknown-axis", subject, axis, sizes, plan.file, line, col,
+                                           logical=_logical_names(plan), path=name))
         for axis in _repeated(spec_axes(spec)):
             found.append(Diagnostic("input-axis-repeated", "error", f"{subject} uses mesh axis {axis!r} twice",
                                     file=plan.file, line=line, column=col, path=name,
