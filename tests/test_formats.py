@@ -388,5 +388,5 @@ def test_a_misspelt_logical_name_is_reported_as_one_with_a_suggestion(write_plan
                                           "  - {match: '.*', spec: replicated}\n"))
     report = shardplan.check(plan, nnx.eval_shape(lambda: nnx.Linear(16, 32, rngs=nnx.Rngs(0))))
     (found,) = report.errors
-    assert found.code == "unknown-axis" and "neither a mesh axis (data, model) nor a logical name (haeds, embed)" \\
+    assert found.code == "unknown-axis" and "neither a mesh axis (data, model) nor a logical name (haeds, embed)" \
         in found.message and found.hint == "did you mean 'haeds' (a logical name)?", found.format()
