@@ -32,4 +32,7 @@ def simulate_cpu_devices(count: int) -> None:
     except RuntimeError as exc:  # backend already started (in-process callers): keep what exists
         if len(jax.devices()) != count:
             raise DeviceSetupError(f"cannot simulate {count} devices: JAX already started with "
-                                   f"{len(jax.devices())}") from exc
+                                   f"{len(jax.devices())}. Call shardplan.simulate_cpu_devices({count}) before "
+                                   "anything starts JAX (its first array, jit or jax.devices()) — in a notebook, "
+                                   "restart the kernel and run it first — or start Python with "
+                                   f"JAX_NUM_CPU_DEVICES={count} in the environment") from exc
