@@ -185,7 +185,13 @@ def test_cli_auto_writes_a_plan_that_validate_accepts(tmp_path, capsys):
     # a forward that needs positions and a mask from its caller cannot be traced on the tokens alone
     assert main(["auto", "--model", "wild_models:GemmaLike", "--path", str(REPO / "tests"), "--devices", "8",
                  "--profile", "cpu", "--batch", "16", "--seq", "32", "-o", str(tmp_path / "gemma.yaml")]) == 0
-    assert "activations counted as a plain transformer's" in capsys.readouterr().out.replace("\n", " ")
+    out = capsys.readouterr().out.replace("\n", " ")
+    assert "activations counted as a plain transformer's" in out
+    # its closing hint is a command that works for the model it searched
+    import re
+    import shlex
+    hint = re.search(r"check it with `shardplan ([^`]*)`", " ".join(out.split())).group(1)
+    assert main(shlex.split(hint)) == 0, capsys.readouterr()
 
 
 def test_inspect_json_carries_the_estimate(capsys):

@@ -71,9 +71,11 @@ def run_auto(console: Console, *, factory: str, config: dict, devices: int, host
     _check_written(text, found, devices=devices, hosts=hosts, input_name=input_name)
     _write_atomically(Path(output), text)
     if not as_json:
+        import shlex
+        check = " ".join(["shardplan validate", shlex.quote(str(output)), "--model", shlex.quote(factory),
+                          "--devices", str(devices), *(f"--path {shlex.quote(p)}" for p in paths)])
         console.print(Text.assemble("wrote ", (output, "bold"), f": {found.best.candidate.label()}, "
-                                    f"{found.best.candidate.rules_label()}; check it with `shardplan validate "
-                                    f"{output}`"))
+                                    f"{found.best.candidate.rules_label()}; check it with `{check}`"))
     return EXIT_OK
 
 
