@@ -144,9 +144,13 @@ def _sharding_type_error() -> type:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import warnings
+
     from shardplan.cli.terminal import inert_streams
-    with inert_streams():       # input text never drives the terminal, whatever prints it
-        return _main(argv)
+    from shardplan.plan.diagnostics import PlanWarning
+    with inert_streams(), warnings.catch_warnings():       # input text never drives the terminal, whatever prints it
+        warnings.simplefilter("ignore", PlanWarning)        # (its summary shows the plan's warnings; its steps use
+        return _main(argv)                                  # model_loss, its evaluation the plain forward)
 
 
 def _main(argv: list[str] | None) -> int:

@@ -460,3 +460,22 @@ def test_the_3d_plan_with_an_fsdp_rule_trains_like_one_device():
     plain = minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0))
     want = losses(plain, nnx.Optimizer(plain, optax.adamw(1e-2), wrt=nnx.Param), lambda x: x)
     np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_a_one_f_one_b_plan_called_outside_model_loss_says_what_runs_instead():
+    """A user's own step that calls the model directly gets the circular forward (same numbers, more memory):
+    a warning says so, once."""
+    import warnings
+
+    from shardplan.run.pipelined import _warn_without_model_loss
+    _warn_without_model_loss.cache_clear()
+    plan = _plan("minigpt_3d.yaml", "1f1b")
+    model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0)), shardplan.make_mesh(plan))
+    tokens = np.zeros((16, 16), np.int32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            jax.eval_shape(lambda m, x: m(x), model, tokens)
+        jax.eval_shape(lambda m, x: shardplan.model_loss(m, lambda logits, t: logits.mean(), x, x), model, tokens)
+    found = [str(w.message) for w in caught if issubclass(w.category, shardplan.PlanWarning)]
+    assert len(found) == 1 and "'1f1b' runs only inside shardplan.model_loss" in found[0], found

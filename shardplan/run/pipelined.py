@@ -129,6 +129,8 @@ class PipelinedLayers(nnx.Module):
             request.loss = self._one_f_one_b(request, layers, state, args[0], split, whole, keys)
             return call.output(args[0])      # the model's code after the layers runs on it unused (and is pruned)
         x = args[0]
+        if self.schedule != "gpipe" and request is None and on_tables(self.schedule, self._pipeline_context is not None):
+            _warn_without_model_loss(self.schedule)
         microbatches, batch_axes = self._fit(x.shape[0])
         if virtual > 1 and microbatches < stages:
             # The circular schedule needs a microbatch per stage to loop back in time; so few rows
@@ -258,6 +260,19 @@ def to_plain(model: nnx.Module) -> nnx.Module:
     state = nnx.to_pure_dict(nnx.state(model))
     state[name] = dict(enumerate(unstack(state[name], layers.stage_counts)))
     return nnx.merge(layers._pipeline_plain, state)
+
+
+@functools.cache
+def _warn_without_model_loss(schedule: str) -> None:
+    """Once per schedule: its tables run only where the step asks for the loss through `model_loss`."""
+    import warnings
+
+    from shardplan.plan.diagnostics import PlanWarning
+    warnings.warn(f"the plan's pipeline schedule {schedule!r} runs only inside shardplan.model_loss; this call of the "
+                  "model runs the circular (gpipe) forward instead: the same numbers, but every microbatch's "
+                  "activations kept until the backward (more memory). In a training step, compute the loss with "
+                  "shardplan.model_loss(model, loss_of, targets, *inputs); evaluation and sampling need nothing",
+                  PlanWarning, stacklevel=4)
 
 
 def model_loss(model: nnx.Module, loss_of: Callable, targets, *args, **kwargs):
