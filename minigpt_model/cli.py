@@ -51,6 +51,13 @@ def _number(kind, minimum, maximum=None):
 
 
 POSITIVE, NON_NEGATIVE = _number(int, 1), _number(int, 0)
+SEED = _number(int, 0, 2**32 - 1)           # what jax.random.key and NumPy's generators take
+
+
+def _separator(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("requires a non-empty text (documents are split on it)")
+    return text
 
 
 class _Defaults(HelpFormatter):
@@ -86,11 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="evaluate on held-out batches every N steps")
     train.add_argument("--checkpoint-every", type=POSITIVE, default=defaults.checkpoint_every,
                        help="save a checkpoint every N steps (and at the end)")
-    train.add_argument("--seed", type=NON_NEGATIVE, default=defaults.seed,
+    train.add_argument("--seed", type=SEED, default=defaults.seed,
                        help="seed of the initial weights, the data order and dropout")
     train.add_argument("--data", nargs="+", default=[], metavar="FILE",
                        help="text files, split into documents on --separator (default: built-in stories)")
-    train.add_argument("--separator", default=defaults.separator, help="text that separates documents in --data files")
+    train.add_argument("--separator", type=_separator, default=defaults.separator,
+                       help="text that separates documents in --data files")
     train.add_argument("--tokenizer", choices=["bytes", "gpt2"], default=defaults.tokenizer,
                        help="bytes (built in) or gpt2 (tiktoken, files must be local)")
     train.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
@@ -132,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--temperature", type=_number(float, 0.0), default=0.8, help="0 picks the most likely token")
     sample.add_argument("--top-k", type=NON_NEGATIVE, default=20,
                         help="sample among the k most likely tokens (0: all; at most the vocabulary size)")
-    sample.add_argument("--seed", type=NON_NEGATIVE, default=0, help="seed of the sampling")
+    sample.add_argument("--seed", type=SEED, default=0, help="seed of the sampling")
     sample.add_argument("--debug", action="store_true", help="show Python tracebacks")
     sample.set_defaults(handler=_sample)
     return parser

@@ -599,3 +599,27 @@ def test_mutated_profile_files_are_diagnostics_never_crashes(tmp_path_factory, c
                       "--devices", "8", "--profile", path, "-o", folder / "auto.yaml", *extra)
     assert code in (0, 1, 2), text
     no_bug(code, text)
+
+
+def test_output_paths_that_cannot_be_written_are_usage_errors_before_any_work(tmp_path, capsys):
+    (tmp_path / "dir.yaml").mkdir()
+    bad = [(tmp_path / "missing" / "plan.yaml", "there is no folder"), (tmp_path / "dir.yaml", "it is a directory"),
+           ("/dev/full", "No space left on device")]
+    for output, needle in bad:
+        code, text = call(shardplan_cli.main, capsys, "convert", REPO / "docs" / "examples" / "partition_rules.py",
+                          "--mesh", "dp=4,mp=2", "-o", output)
+        assert code == 2 and needle in text, text
+        no_bug(code, text)
+    # auto refuses before its search; nothing is left behind
+    code, text = call(shardplan_cli.main, capsys, "auto", "--model", "minigpt_model:MiniGPT", "--devices", "8",
+                      "-o", tmp_path / "dir.yaml")
+    assert code == 2 and "it is a directory" in text and "candidates" not in text, text
+    assert not list(tmp_path.glob(".*.tmp")) and not list((tmp_path / "dir.yaml").iterdir())
+
+
+def test_minigpt_train_refuses_an_empty_separator_and_a_seed_out_of_range(tmp_path, capsys):
+    for argv, needle in ((["--separator", ""], "--separator: requires a non-empty text"),
+                         (["--seed", "9223372036854775807"], "--seed: requires a value from 0 to 4294967295")):
+        code, text = call(minigpt_cli.main, capsys, "train", "--out", tmp_path / "run", *argv)
+        assert code == 2 and needle in text, text
+        no_bug(code, text)

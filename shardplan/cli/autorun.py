@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -69,7 +70,10 @@ def run_auto(console: Console, *, factory: str, config: dict, devices: int, host
         return EXIT_NOTHING_FITS
     text = planner.plan_text(found.best, found, command=command)
     _check_written(text, found, devices=devices, hosts=hosts, input_name=input_name)
-    _write_atomically(Path(output), text)
+    try:
+        _write_atomically(Path(output), text)
+    except OSError as exc:
+        raise usage_error(f"cannot write {output}: {exc.strerror or exc}") from None
     if not as_json:
         import shlex
         check = " ".join(["shardplan validate", shlex.quote(str(output)), "--model", shlex.quote(factory),
@@ -108,11 +112,17 @@ def _pipeline_refusal(model, layers: str | None, input_name: str, workload: Work
 
 
 def _write_atomically(path: Path, text: str) -> None:
+    """Write `text` to `path` whole or not at all (a temporary file beside it, renamed; removed on failure)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as handle:
-        handle.write(inert(text))
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(inert(text))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _key(item: planner.Ranked) -> tuple[str, str]:

@@ -325,6 +325,30 @@ class ModelNotBuilt(UsageError):
     """No model to check against: the plan names none, or names a factory the user has not agreed to run."""
 
 
+def _writable(output: str, *, make_folder: bool = False) -> None:
+    """Refuse an output path that cannot be written, before any work is done for it."""
+    import os
+    from pathlib import Path
+    path = Path(output)
+    if path.is_dir():
+        raise UsageError(f"cannot write {output}: it is a directory")
+    folder = path.parent
+    while make_folder and not folder.exists() and folder != folder.parent:
+        folder = folder.parent          # (the folders are made when it is written)
+    if not folder.is_dir():
+        raise UsageError(f"cannot write {output}: there is no folder {path.parent}")
+    if not (os.access(path, os.W_OK) if path.exists() else os.access(folder, os.W_OK | os.X_OK)):
+        raise UsageError(f"cannot write {output}: permission denied (or a read-only file system)")
+
+
+def _write_output(output: str, text: str) -> None:
+    from pathlib import Path
+    try:
+        Path(output).write_text(text)
+    except OSError as exc:
+        raise UsageError(f"cannot write {output}: {exc.strerror or exc}") from None
+
+
 def _convert(args, console: Console) -> int:
     from pathlib import Path
 
@@ -336,6 +360,7 @@ def _convert(args, console: Console) -> int:
         return read_bounded(Path(name), MAX_PLAN_BYTES).decode("utf-8", errors="replace")
     if not args.rules and not args.logical_rules:
         raise UsageError("give a rule list, --logical-rules, or both")
+    _writable(args.output)
     if (args.list or args.flag) and not args.rules:
         raise UsageError("--list and --flag choose among the lists of a rule file; give one (they do not apply to "
                          "--logical-rules)")
@@ -360,7 +385,7 @@ def _convert(args, console: Console) -> int:
         problems = error.errors
     if problems:
         raise PlanError([_in_source(d, source, chosen) for d in problems])
-    Path(args.output).write_text(text)
+    _write_output(args.output, text)
     what = f" from {chosen.where}" + (f" ({how})" if how else "") if chosen and chosen.where not in ("<module>", "<list>") else ""
     count = len(plan.params)
     console.print(f"wrote {args.output}: {count} rule{'' if count == 1 else 's'}{what} over mesh {mesh}; check it with "
@@ -652,6 +677,7 @@ def _auto(args, console: Console) -> int:
         raise UsageError(f"--devices ({args.devices}) must be a positive multiple of --hosts ({args.hosts})")
     if not args.output.lower().endswith((".yaml", ".yml")):
         raise UsageError(f"auto writes a YAML plan; name the output .yaml or .yml, not {args.output!r}")
+    _writable(args.output, make_folder=True)          # before the search, not after it
     if args.memory_margin is not None and not 0 <= args.memory_margin < 1:
         raise UsageError(f"--memory-margin is a share of the budget in [0, 1), but got {args.memory_margin}")
     if args.measure and args.devices > 64:
