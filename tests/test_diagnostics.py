@@ -123,7 +123,7 @@ CASES = {
     "pipeline-no-axis": (HEAD + "pipeline: {axis: stage, layers: layers}\nparams: [{match: '.*', spec: []}]\n",
                          PIPE_PARAMS, 8, None, ["'stage'", "mesh axis"], 6),
     "pipeline-no-layers": (pipe("").replace("layers: layers", "layers: blocks"), PIPE_PARAMS, 8, None,
-                           ["'blocks'", "no parameter path"], 6),
+                           ["'blocks'", "no parameter path", "this model has layers"], 6),
     "pipeline-axis-in-spec": (pipe("", "params: [{match: '.*w', spec: [stage]}, {match: '.*', spec: []}]\n"),
                               PIPE_PARAMS, 8, None, ["layers/0/w", "'stage'"], 7),
     "pipeline-microbatches": (pipe("  microbatches: 3\n"), PIPE_PARAMS, 8, {"tokens": (8, 16)},

@@ -54,6 +54,15 @@ def layer_params(layers: str, params: list[ParamInfo]) -> dict[int, dict[str, Pa
     return dict(sorted(found.items()))
 
 
+def _layer_lists_hint(params: list[ParamInfo]) -> str:
+    """The model's own top-level lists of numbered layers, to name in `pipeline.layers`."""
+    import re
+    lists = sorted({m.group(1) for p in params if (m := re.match(r"([^/]+)/\d+/", p.path))})
+    if lists:
+        return f"name the model attribute that holds the repeated layers: this model has {', '.join(lists)}"
+    return "name the model attribute that holds the repeated layers (a list of modules: paths NAME/0/..., NAME/1/...)"
+
+
 def plan_stages(plan: Plan, params: list[ParamInfo], sizes: dict[str, int],
                 specs: dict[str, tuple]) -> tuple[StageMap | None, list[Diagnostic]]:
     """Assign every layer to a stage and check the pipeline section (`specs`: the planned parameter specs)."""
@@ -70,7 +79,7 @@ def plan_stages(plan: Plan, params: list[ParamInfo], sizes: dict[str, int],
         return None, [where("pipeline-no-layers", ("pipeline", "layers"),
                             f"pipeline.layers {pipe.layers!r} requires a top-level list of layers with parameters "
                             f"(paths {pipe.layers}/0/...), but no parameter path has that form",
-                            hint="name the model attribute that holds the repeated layers, e.g. transformer_blocks")]
+                            hint=_layer_lists_hint(params))]
     stages, virtual = sizes[pipe.axis], pipe.virtual_stages if pipe.schedule in ("interleaved", "1f1b") else 1
     found = _axis_in_specs(plan, pipe.axis, specs, where) + _layers_differ(pipe.layers, layers, specs, where)
     if pipe.schedule == "1f1b" and virtual > 1 and pipe.microbatches % stages:
