@@ -168,7 +168,10 @@ def _run(config, plan, mesh, model_config, tokenizer, dataset, out, lead, stop_a
         checkpoints.close()
     if lead:
         try:
-            if _plot(out, metrics.records()):
+            title = (f"{plan.name or Path(plan.file or 'plan').name}: mesh "
+                     + " x ".join(f"{a}={n}" for a, n in dict(mesh.shape).items())
+                     + f", {config.steps} steps, batch {config.batch_size}, lr {config.lr:g}")
+            if _plot(out, metrics.records(), title):
                 console.print(f"drew {out / 'loss.png'}")
             else:
                 console.print("loss.png not drawn: matplotlib is not installed (pip install -e '.[plot]')")
@@ -460,21 +463,28 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _plot(out: Path, records: list[dict]) -> bool:
-    """Draw OUT/loss.png; False when matplotlib (the `plot` extra) is not installed."""
+def _plot(out: Path, records: list[dict], title: str = "") -> bool:
+    """Draw OUT/loss.png (loss on a log scale, so the late steps are not a flat line at the bottom);
+    False when matplotlib (the `plot` extra) is not installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="train")
     evals = [r for r in records if "eval_loss" in r]
     ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval")
+    if all(r["loss"] > 0 for r in records) and all(r["eval_loss"] > 0 for r in evals):
+        ax.set_yscale("log")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
+    ax.set_ylabel("loss (nats/token, log scale)" if ax.get_yscale() == "log" else "loss (nats/token)")
+    ax.grid(True, which="both", alpha=0.3)
+    if title:
+        ax.set_title(title, fontsize=9)
     ax.legend()
+    fig.tight_layout()
     fig.savefig(out / "loss.png", dpi=100)
     plt.close(fig)
     return True
