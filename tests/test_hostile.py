@@ -623,3 +623,19 @@ def test_minigpt_train_refuses_an_empty_separator_and_a_seed_out_of_range(tmp_pa
         code, text = call(minigpt_cli.main, capsys, "train", "--out", tmp_path / "run", *argv)
         assert code == 2 and needle in text, text
         no_bug(code, text)
+
+
+def test_a_plan_of_thousands_of_rules_is_checked_in_bounded_work(tmp_path, capsys, monkeypatch):
+    """5,000 rules matching nothing: the fuzzy "paths look like" search runs for the first few only, and the
+    output shows 20 warnings of a kind and counts the rest."""
+    import difflib
+    calls = []
+    real = difflib.get_close_matches
+    monkeypatch.setattr(difflib, "get_close_matches", lambda *a, **k: calls.append(1) or real(*a, **k))
+    rules = "".join(f"  - {{match: 'transformer_blocks/{i}/x{i}', spec: replicated}}\n" for i in range(5000))
+    plan = tmp_path / "many.yaml"
+    plan.write_text(f"version: 1\nmesh: {{axes: {{data: 8}}}}\ninputs: {{tokens: [data, null]}}\nparams:\n{rules}"
+                    "  - {match: '.*', spec: replicated}\n")
+    code, text = call(shardplan_cli.main, capsys, "validate", plan, "--model", "minigpt_model:MiniGPT", *MINIGPT_TINY)
+    assert code == 0 and "valid: 5000 warning(s)" in text and "… and 4980 more warning[unused-rule]" in text, text[-500:]
+    assert len(calls) <= 20 and text.count("warning[unused-rule] rule #") == 20

@@ -107,6 +107,9 @@ def rule_level(plan: Plan, rules: list[Rule], sizes: dict[str, int]) -> list[Dia
     return found
 
 
+MAX_SUGGESTIONS = 20      # unused rules given a "paths look like" hint
+
+
 def _unknown_axis(code: str, subject: str, axis: str, sizes: dict[str, int], file, line, col,
                   logical: list[str] = (), **where) -> Diagnostic:
     close = difflib.get_close_matches(axis, list(sizes) + list(logical), n=1, cutoff=0.5)
@@ -215,13 +218,18 @@ def _unused_and_shadowed(plan: Plan, rules: list[Rule], params: list[ParamInfo],
     # Only rules that win no parameter need a scan of their own, which keeps large models fast.
     won = {rule.index for rule in winners.values() if rule is not None}
     found = []
+    suggested = 0
     for rule in rules:
         if rule.pattern is None or rule.index in won:
             continue
         matched = [p.path for p in params if rule.matches(p.path)]
         line, col = plan.locate("params", rule.index, "match")
         if not matched:
-            close = difflib.get_close_matches(rule.source, [p.path for p in params], n=1, cutoff=0.6)
+            # A suggestion costs a fuzzy match against every path: the first rules get one (a plan of
+            # thousands of unused rules is validated in linear time, not minutes).
+            suggested += 1
+            close = difflib.get_close_matches(rule.source, [p.path for p in params], n=1, cutoff=0.6) \
+                if suggested <= MAX_SUGGESTIONS else []
             found.append(Diagnostic(
                 "unused-rule", "warning", f"{rule.label} matches no parameter of the model",
                 file=plan.file, line=line, column=col, rule=rule.index,

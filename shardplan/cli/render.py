@@ -22,10 +22,18 @@ from shardplan.plan.schema import format_spec
 _STYLE = {"error": "bold red", "warning": "yellow"}
 
 
+SHOWN_PER_CODE = 20      # diagnostics of one code shown in full; the rest are counted
+
+
 def render_diagnostics(console: Console, diagnostics: list[Diagnostic]) -> None:
-    """Each diagnostic as `file:line:col: severity[code] message`, the offending line with a caret, the hint."""
+    """Each diagnostic as `file:line:col: severity[code] message`, the offending line with a caret, the hint;
+    past `SHOWN_PER_CODE` of one code, a count of the rest (a plan of thousands of rules stays readable)."""
     lines_of: dict[str, list[str]] = {}
+    seen: dict[str, int] = {}
     for d in diagnostics:
+        seen[d.code] = seen.get(d.code, 0) + 1
+        if seen[d.code] > SHOWN_PER_CODE:
+            continue
         head = Text(f"{inert(d.location)}: ", style="bold")
         head.append(f"{d.severity}[{d.code}]", style=_STYLE[d.severity])
         head.append(f" {inert(d.message)}")
@@ -39,6 +47,11 @@ def render_diagnostics(console: Console, diagnostics: list[Diagnostic]) -> None:
                 console.print(Text("       | " + " " * (d.column - 1) + "^", style=_STYLE[d.severity]))
         if d.hint:
             print_wrapped(console, Text(f"  hint: {inert(d.hint)}", style="cyan"), indent=8)
+    for code, count in seen.items():
+        if count > SHOWN_PER_CODE:
+            severity = next(d.severity for d in diagnostics if d.code == code)
+            print_wrapped(console, Text.assemble(f"… and {count - SHOWN_PER_CODE} more ", (f"{severity}[{code}]",
+                                                 _STYLE[severity]), " (shardplan inspect PLAN --json lists them all)"))
 
 
 def _source_line(d: Diagnostic, cache: dict[str, list[str]]) -> str | None:
