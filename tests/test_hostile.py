@@ -256,8 +256,13 @@ def test_the_mesh_given_is_the_mesh_checked():
 # ------------------------------------------------------------------------------ usage mistakes: never 3
 
 @pytest.mark.parametrize("argv, expected, needle", [
-    (["inspect", "plans/minigpt_dp.yaml", "--seq", "-5"], 2, "--seq: requires an integer >= 1"),
-    (["inspect", "plans/minigpt_dp.yaml", "--batch", "0"], 2, "--batch: requires an integer >= 1"),
+    (["inspect", "plans/minigpt_dp.yaml", "--seq", "-5"], 2, "--seq: requires an integer from 1 to 1,048,576"),
+    (["inspect", "plans/minigpt_dp.yaml", "--batch", "0"], 2, "--batch: requires an integer from 1 to 16,777,216"),
+    (["inspect", "plans/minigpt_dp.yaml", "--seq", "10000000000"], 2, "--seq: requires an integer from 1 to"),
+    (["inspect", "plans/minigpt_dp.yaml", "--batch", "100000000000000000000000"], 2, "--batch: requires an integer"),
+    (["auto", "--model", "minigpt_model:MiniGPT", "--devices", "8", "--memory-per-device", "99999999999999999999PiB",
+      "-o", "x.yaml"],
+     2, "size"),
     (["validate", "plans/minigpt_dp.yaml", "--config", "num_heads=0"], 2, "num_heads"),
     (["validate", "plans/minigpt_dp.yaml", "--config", "num_heads=3"], 2, "failed"),
     (["validate", "plans/minigpt_dp.yaml", "--config", "embed_dim=[1,"], 2, "not a YAML value"),

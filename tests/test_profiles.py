@@ -74,3 +74,17 @@ def test_cli_lists_profiles_and_rejects_a_bad_file(tmp_path, capsys):
     assert "peak_flops" in capsys.readouterr().err
     assert main(["auto", "--model", "minigpt_model:MiniGPT", "--devices", "8", "--profile", "nope.txt",
                  "-o", str(tmp_path / "a.yaml")]) == 2
+
+
+@pytest.mark.parametrize("field, value", [("peak_flops", "1e-300"), ("memory_bandwidth", "1e-320"),
+                                          ("collective_latency", "1e308"), ("memory_bytes", "1e400")])
+def test_a_profile_figure_no_device_has_is_refused(tmp_path, field, value):
+    from shardplan.planner.profiles import load_profile
+    figures = {"name": "x", "peak_flops": "1e14", "memory_bytes": "80GiB", "memory_bandwidth": "1e12",
+               "intra_host_bandwidth": "1e11", "inter_host_bandwidth": "1e10", "devices_per_host": "8"}
+    figures[field] = value
+    path = tmp_path / "profile.yaml"
+    path.write_text("".join(f"{k}: {v}\n" for k, v in figures.items()))
+    with pytest.raises(Exception) as caught:
+        load_profile(str(path))
+    assert field in str(caught.value)

@@ -52,6 +52,11 @@ examples:
 """
 
 
+# Bounds on the workload a cost estimate is asked for: beyond them a shape-only estimate still traced
+# arrays of that length (--seq 1e9: 4.2 GB) or overflowed XLA's shapes.
+MAX_SEQ, MAX_BATCH = 1 << 20, 1 << 24
+
+
 def _count(minimum: int, maximum: int | None = None):
     """argparse type: an integer in [minimum, maximum], refused with a usage message otherwise."""
     def parse(text: str) -> int:
@@ -116,9 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--svg", metavar="FILE", help="also draw the plan as an SVG picture: the mesh with each "
                                                         "device's bytes, who holds which block of the largest "
                                                         "arrays, and the pipeline timeline (no network needed)")
-    inspect.add_argument("--batch", type=_count(1), metavar="B",
+    inspect.add_argument("--batch", type=_count(1, MAX_BATCH), metavar="B",
                          help="global batch (sequences) for the cost estimate (default: 4 per device)")
-    inspect.add_argument("--seq", type=_count(1), default=128, metavar="T",
+    inspect.add_argument("--seq", type=_count(1, MAX_SEQ), default=128, metavar="T",
                          help="tokens per sequence for the cost estimate (default 128)")
     inspect.add_argument("--profile", default="h200",
                          help="device profile for the modelled step time: a built-in name (h200, tpu-v5e, cpu) or "
@@ -221,9 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="hosts the devices are spread over (default 1)")
     auto.add_argument("--memory-per-device", metavar="SIZE",
                       help="memory budget per device, e.g. 16GiB or 80GB (default: the profile's memory)")
-    auto.add_argument("--batch", type=_count(1), default=None, metavar="B",
+    auto.add_argument("--batch", type=_count(1, MAX_BATCH), default=None, metavar="B",
                       help="global batch in sequences (default: 4 per device)")
-    auto.add_argument("--seq", type=_count(1), default=128, metavar="T", help="tokens per sequence (default 128)")
+    auto.add_argument("--seq", type=_count(1, MAX_SEQ), default=128, metavar="T",
+                      help="tokens per sequence (default 128)")
     auto.add_argument("--profile", default="h200", help="device profile: a built-in name (h200, tpu-v5e, cpu) or a "
                       "profile file (.yaml/.toml; see `shardplan profiles`) (default h200)")
     auto.add_argument("--compute-dtype", choices=["float32", "bfloat16", "float16"], default=None,

@@ -85,6 +85,9 @@ def _number(value):
     return value
 
 
+MAX_BYTES = 2**50         # 1 PiB: no device holds more
+
+
 def parse_bytes(text: str) -> int:
     """'16GiB' -> 17179869184; also GB, MiB, MB, KiB, KB, or plain bytes.
 
@@ -97,7 +100,13 @@ def parse_bytes(text: str) -> int:
     unit = (found.group(2) or "B").upper()
     scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
-    return int(float(found.group(1)) * scale)
+    try:
+        size = float(found.group(1)) * scale
+    except ValueError:
+        raise ValueError(f"cannot read {text!r} as a size; write e.g. 16GiB, 80GB or 512MiB") from None
+    if not 1 <= size <= MAX_BYTES:
+        raise ValueError(f"a size from 1 byte to 1 PiB, but got {text!r}")
+    return int(size)
 
 
 def _size(value):
@@ -108,6 +117,10 @@ def _size(value):
 
 Positive = Annotated[float, BeforeValidator(_number), Field(gt=0, allow_inf_nan=False)]
 Share = Annotated[float, BeforeValidator(_number), Field(gt=0, le=1, allow_inf_nan=False)]
+# What a device can be: a figure outside these ranges is a typo (1e-300 FLOP/s made every step `inf ms`).
+Flops = Annotated[float, BeforeValidator(_number), Field(ge=1e6, le=1e18, allow_inf_nan=False)]
+Bandwidth = Annotated[float, BeforeValidator(_number), Field(ge=1e3, le=1e16, allow_inf_nan=False)]
+Latency = Annotated[float, BeforeValidator(_number), Field(ge=1e-9, le=10, allow_inf_nan=False)]
 
 
 class ProfileFile(BaseModel):
@@ -116,16 +129,18 @@ class ProfileFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str
     description: str = ""
-    peak_flops: Positive = Field(description="dense matmul FLOP/s in the dtype of most training, e.g. 312e12")
-    memory_bytes: Annotated[float, BeforeValidator(_size), Field(gt=0, allow_inf_nan=False)] = Field(
-        description="memory per device in bytes, or a size such as 80GiB")
-    memory_bandwidth: Positive = Field(description="device memory bandwidth, bytes/s")
-    intra_host_bandwidth: Positive = Field(description="bytes/s one device sends over the links inside a host")
-    inter_host_bandwidth: Positive = Field(description="bytes/s one device sends to other hosts")
-    devices_per_host: int = Field(gt=0)
-    peak_flops_by_dtype: dict[Literal["float32", "bfloat16", "float16", "float8"], Positive] = Field(
+    peak_flops: Flops = Field(description="dense matmul FLOP/s in the dtype of most training, e.g. 312e12 "
+                                          "(1e6 to 1e18)")
+    memory_bytes: Annotated[float, BeforeValidator(_size), Field(ge=2**20, le=MAX_BYTES, allow_inf_nan=False)] = Field(
+        description="memory per device in bytes, or a size such as 80GiB (1 MiB to 1 PiB)")
+    memory_bandwidth: Bandwidth = Field(description="device memory bandwidth, bytes/s (1e3 to 1e16)")
+    intra_host_bandwidth: Bandwidth = Field(description="bytes/s one device sends over the links inside a host")
+    inter_host_bandwidth: Bandwidth = Field(description="bytes/s one device sends to other hosts")
+    devices_per_host: int = Field(gt=0, le=131072)
+    peak_flops_by_dtype: dict[Literal["float32", "bfloat16", "float16", "float8"], Flops] = Field(
         default_factory=dict, description="dense matmul FLOP/s per compute dtype; others use peak_flops")
-    collective_latency: Positive = Field(DEFAULT_LATENCY, description="seconds of fixed cost per collective op")
+    collective_latency: Latency = Field(DEFAULT_LATENCY, description="seconds of fixed cost per collective op "
+                                                                     "(1e-9 to 10)")
     matmul_efficiency: Share = Field(DEFAULT_MATMUL_EFFICIENCY, description="share of peak a large matmul reaches")
     link_efficiency: Share = Field(DEFAULT_LINK_EFFICIENCY,
                                    description="share of link bandwidth a large collective reaches")
