@@ -509,9 +509,9 @@ def _inspect(args, console: Console) -> int:
         from shardplan.checks.validate import data_axes
         found = check_microbatches(report.plan, _batch(args, report), report.axes, data_axes(report.plan, report.axes))
         report = replace(report, diagnostics=report.diagnostics + found)
-    cost = _estimate(args, report, order, model, deep) if report.ok else None
-    if args.device is not None and args.device not in report.device_ids:
+    if args.device is not None and args.device not in report.device_ids:       # (before the estimate's work)
         raise UsageError(f"--device requires one of the mesh's device ids {report.device_ids}, but got {args.device}")
+    cost = _estimate(args, report, order, model, deep) if report.ok else None
     if args.json:
         data = report.to_json()
         if args.device is not None and report.devices:
