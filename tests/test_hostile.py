@@ -644,3 +644,14 @@ def test_a_plan_of_thousands_of_rules_is_checked_in_bounded_work(tmp_path, capsy
     code, text = call(shardplan_cli.main, capsys, "validate", plan, "--model", "minigpt_model:MiniGPT", *MINIGPT_TINY)
     assert code == 0 and "valid: 5000 warning(s)" in text and "… and 4980 more warning[unused-rule]" in text, text[-500:]
     assert len(calls) <= 20 and text.count("warning[unused-rule] rule #") == 20
+
+
+def test_a_depth_past_what_can_be_laid_out_is_refused_not_expanded(tmp_path, capsys):
+    """The built-in factory is trusted, so a contributed plan may name it with any depth: 10**8 blocks are
+    refused from the shallow probes' count, before a parameter list of 1.6 billion entries is made."""
+    plan = tmp_path / "deep.yaml"
+    plan.write_text("version: 1\nmodel: {factory: 'minigpt_model:MiniGPT', config: {num_transformer_blocks: 100000000}}\n"
+                    f"mesh: {{axes: {{data: 8}}}}\n{GOOD_PARAMS}")
+    for command in ("validate", "inspect"):
+        code, text = call(shardplan_cli.main, capsys, command, plan)
+        assert code == 2 and "1,600,000,000 parameter arrays" in text and "at most 1,000,000" in text, text

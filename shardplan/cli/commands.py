@@ -771,7 +771,11 @@ def _deep_model(args, plan: Plan, order: list[str]):
 
     def build(probe_config: dict, probe_order: list[str]):
         return _build(args, factory, probe_config, probe_order)
-    deep = read_deep(build, config)
+    from shardplan.run.models import ModelLoadError
+    try:
+        deep = read_deep(build, config)
+    except ModelLoadError as exc:
+        raise UsageError(str(exc)) from None
     if deep is not None:
         order.extend(deep.order)
     return deep

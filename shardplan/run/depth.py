@@ -18,6 +18,8 @@ from shardplan.checks.paths import ParamInfo, param_infos
 
 # Below this many layers the model is built as it is: the probe's two builds would cost as much.
 SHALLOW_ENOUGH = 16
+# Past this many parameter arrays a depth is a mistake (10**8 blocks: minutes and gigabytes to list them).
+MAX_PARAM_ARRAYS = 1_000_000
 _LAYER = re.compile(r"(.+?)/(\d+)/(.+)")
 _DEPTH_NAME = re.compile(r"layer|block|depth", re.IGNORECASE)
 
@@ -57,6 +59,10 @@ def read_deep(build, config: dict[str, Any]) -> Deep | None:
             layers = _repeated(builds[0][2], 2), _repeated(builds[1][2], 3)
             if layers[0] is not None and layers[0] == layers[1]:
                 (model, order, _), (outside, prefix, layer) = builds[0], layers[0]
+                if len(outside) + depth * len(layer) > MAX_PARAM_ARRAYS:
+                    from shardplan.run.models import ModelLoadError
+                    raise ModelLoadError(f"{key}={depth:,} gives the model {depth * len(layer):,} parameter arrays in "
+                                         f"{prefix}; shardplan lays out at most {MAX_PARAM_ARRAYS:,}")
                 return Deep(model, order, _deepened(outside, prefix, layer, depth),
                             _deepened_order(order, prefix, depth), key, depth)
     return None
