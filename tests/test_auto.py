@@ -165,8 +165,9 @@ def test_sizes_parse_and_refuse():
         parse_bytes("sixteen")
 
 
-def test_cli_auto_writes_a_plan_that_validate_accepts(tmp_path, capsys):
+def test_cli_auto_writes_a_plan_that_validate_accepts(tmp_path, capsys, monkeypatch):
     from shardplan.cli import main
+    monkeypatch.setenv("COLUMNS", "1000")        # (the closing hint is read back as a command: unwrapped)
     out = tmp_path / "auto.yaml"
     config = [arg for key, value in MINIGPT.items() for arg in ("--config", f"{key}={value}")]
     assert main(["auto", "--model", "minigpt_model:MiniGPT", *config, "--devices", "8", "--profile", "cpu",

@@ -8,6 +8,7 @@ import shlex
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import REPO
@@ -41,6 +42,21 @@ def test_the_readme_python_example_runs_as_written_in_a_fresh_process(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     ok, loss = done.stdout.splitlines()[:2]
     assert ok.startswith("True") and float(loss) > 0, done.stdout
+
+
+def test_the_your_model_example_trains_every_plan_like_one_device_in_a_fresh_process():
+    """docs/your-model.md's file, run as the page says: its own assertions compare each plan with one device."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    done = subprocess.run([sys.executable, "docs/examples/your_model.py"], cwd=REPO,
+                          env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == "every plan trains like one device", done.stdout
+    page = (REPO / "docs" / "your-model.md").read_text()
+    for line in done.stdout.splitlines():           # the page shows what the file prints (its losses to 1e-5)
+        name, *losses = line.rsplit(maxsplit=3) if line[:1] != "e" else (line,)
+        shown = next(l for l in page.splitlines() if l.startswith(name))
+        np.testing.assert_allclose([float(x) for x in losses], [float(x) for x in shown.split()[-len(losses):]]
+                                   if losses else [], rtol=1e-5)
 
 
 def _commands() -> list[tuple[str, str]]:

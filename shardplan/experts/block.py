@@ -191,18 +191,8 @@ def _fallback_call(original, options: ExpertOptions, module, args: tuple, kwargs
     split on their E dim (they never move), the tokens gathered over the expert axis (still split over the
     other batch axes), each device computing its own experts on them, and the outputs per token split
     over the expert axis again (a reduce-scatter of the partial sums over E). Exact whatever the code."""
-    seen = FALLBACKS.get()
-    if reason is None:          # asked for (`dense_only`)
-        pass
-    elif seen is not None:
-        seen.append((type(module), str(reason), reason.where))
-    elif type(module) not in _WARNED:
-        _WARNED.add(type(module))
-        import warnings
-        warnings.warn(f"{type(module).__name__}: {reason}" + (f" (at {reason.where})" if reason.where else "")
-                      + "; the block runs expert-parallel the dense way: its tokens are gathered over the expert "
-                      f"axis {options.axis!r} and every device runs its own experts on all of them (see "
-                      "docs/experts.md, 'When the sparse path cannot follow')", ExpertFallbackWarning, stacklevel=4)
+    if reason is not None:      # (None: asked for, `dense_only`)
+        _report_fallback(type(module), options, reason)
     pure, leaves, traced = trace_block(original, options, module, args, kwargs)
     batch_axes, mesh = split_axes(options)
     others = tuple(a for a in batch_axes if a != options.axis)
@@ -222,6 +212,20 @@ def _fallback_call(original, options: ExpertOptions, module, args: tuple, kwargs
 
 
 _WARNED: set = set()
+
+
+def _report_fallback(block: type, options: ExpertOptions, reason) -> None:
+    """To `check` while it traces (`FALLBACKS`); else a warning, once per kind of block."""
+    seen = FALLBACKS.get()
+    if seen is not None:
+        seen.append((block, str(reason), reason.where))
+    elif block not in _WARNED:
+        _WARNED.add(block)
+        import warnings
+        warnings.warn(f"{block.__name__}: {reason}" + (f" (at {reason.where})" if reason.where else "")
+                      + "; the block runs expert-parallel the dense way: its tokens are gathered over the expert "
+                      f"axis {options.axis!r} and every device runs its own experts on all of them (see "
+                      "docs/experts.md, 'When the sparse path cannot follow')", ExpertFallbackWarning, stacklevel=5)
 
 
 def _size(mesh, axes) -> int:

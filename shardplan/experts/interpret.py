@@ -293,7 +293,7 @@ def _expert_matmul(eqn, values, ex: Exchange) -> Held:
             or tuple(numbers.lhs_ragged_dimensions) != (0,) or tuple(numbers.rhs_group_dimensions) != (0,)
             or tuple(rhs_contract) not in ((1,), (2,)) or eqn.params.get("group_offset") is not None):
         raise ContractError("a ragged_dot over expert weights that is not rows [M, K] times experts [E, K, N] "
-                            "(or [E, N, K]) grouped on the rows", where(eqn))
+                            "(or [E, N, K]) grouped on the rows", where(eqn), refused=True)
     groups = eqn.invars[2]
     if isinstance(lhs, Held) and lhs.groups is groups:
         route = lhs.route
