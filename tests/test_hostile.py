@@ -655,3 +655,12 @@ def test_a_depth_past_what_can_be_laid_out_is_refused_not_expanded(tmp_path, cap
     for command in ("validate", "inspect"):
         code, text = call(shardplan_cli.main, capsys, command, plan)
         assert code == 2 and "1,600,000,000 parameter arrays" in text and "at most 1,000,000" in text, text
+
+
+def test_an_input_shape_whose_product_overflows_is_refused_not_aborted(tmp_path, capsys):
+    plan = tmp_path / "big.yaml"
+    plan.write_text("version: 1\nmesh: {axes: {data: 8}}\ninputs: {tokens: {spec: [data, null], shape: "
+                    f"[2147483648, 2147483648, 2147483648]}}}}\n{GOOD_PARAMS}")
+    for argv in (["validate", plan, "--plan-only"], ["inspect", plan, "--model", "minigpt_model:MiniGPT", *MINIGPT_TINY]):
+        code, text = call(shardplan_cli.main, capsys, *argv)
+        assert code == 1 and "at most 1,099,511,627,776 (2**40) per input" in text, text

@@ -7,6 +7,8 @@ repeated modules a pipeline cuts into stages.
 
 from __future__ import annotations
 
+import math
+
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
@@ -103,6 +105,18 @@ class InputSpec(_Strict):
     @classmethod
     def _spec_shape(cls, spec: Any) -> Any:
         return check_spec_shape(spec, allow_replicated=False)
+
+    @field_validator("shape")
+    @classmethod
+    def _elements(cls, shape: list[int] | None) -> list[int] | None:
+        # each dim within its bound can still multiply past what XLA's shapes hold (it aborted the process)
+        if shape is not None and math.prod(shape) > MAX_INPUT_ELEMENTS:
+            raise ValueError(f"an input shape of {math.prod(shape):,} elements; at most {MAX_INPUT_ELEMENTS:,} "
+                             "(2**40) per input")
+        return shape
+
+
+MAX_INPUT_ELEMENTS = 1 << 40
 
 
 def input_spec(raw: "list | InputSpec") -> list:
