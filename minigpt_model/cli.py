@@ -107,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     train.add_argument("--devices", type=_number(int, 1, 4096), metavar="N",
                        help="simulate N CPU devices in this process (default without an accelerator: 8)")
-    train.add_argument("--preemption-grace", type=_number(float, 0.0), default=defaults.preemption_grace, metavar="S",
+    train.add_argument("--preemption-grace", type=_number(float, 0.0, 86400.0), default=defaults.preemption_grace,
+                       metavar="S",
                        help="on SIGTERM, finish the step, save and exit 75; give up after S seconds, keeping the "
                             "last checkpoint")
     train.add_argument("--coordinator", metavar="HOST:PORT",

@@ -624,6 +624,7 @@ def test_output_paths_that_cannot_be_written_are_usage_errors_before_any_work(tm
 
 def test_minigpt_train_refuses_an_empty_separator_and_a_seed_out_of_range(tmp_path, capsys):
     for argv, needle in ((["--separator", ""], "--separator: requires a non-empty text"),
+                         (["--preemption-grace", "1e300"], "--preemption-grace: requires a value from 0.0 to 86400.0"),
                          (["--seed", "9223372036854775807"], "--seed: requires a value from 0 to 4294967295")):
         code, text = call(minigpt_cli.main, capsys, "train", "--out", tmp_path / "run", *argv)
         assert code == 2 and needle in text, text
