@@ -56,12 +56,19 @@ def verify(step_dir: Path) -> str | None:
     manifest = step_dir / CHECKSUMS
     if not step_dir.is_dir():
         return "its directory is missing"
+    special = [p for p in step_dir.rglob("*") if not (p.is_file() or p.is_dir()) or p.is_symlink()]
+    if special:     # a FIFO would block the restore forever, a device or a link would read elsewhere
+        return f"it holds {special[0].relative_to(step_dir)}, which is not a regular file"
     if not manifest.exists():
         return None
+    if not manifest.is_file():          # (a FIFO or a directory in its place: never opened, never waited on)
+        return f"its {CHECKSUMS} is not a regular file"
     try:
         expected = json.loads(manifest.read_text())
     except (OSError, ValueError) as exc:
         return f"its {CHECKSUMS} is unreadable ({exc})"
+    if not isinstance(expected, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in expected.items()):
+        return f"its {CHECKSUMS} is not a map of file names to digests"
     found = _file_digests(step_dir)
     changed = sorted(name for name in expected if found.get(name) != expected[name])
     if changed:

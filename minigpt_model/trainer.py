@@ -335,9 +335,13 @@ def _claim_directory(out: Path, config: TrainConfig, model_config: dict, digest:
               "settings": {"plan": config.plan, "steps": config.steps, "data": list(config.data)}}
     if run_file.exists():
         try:
-            held = json.loads(run_file.read_text())
-        except ValueError:
-            raise RunError(f"{run_file} is damaged (not JSON); restore it or choose another --out") from None
+            held = json.loads(run_file.read_text()) if run_file.is_file() else None
+        except (OSError, ValueError):
+            held = None
+        if not (isinstance(held, dict) and isinstance(held.get("config"), dict) and isinstance(held.get("model"), dict)
+                and isinstance(held.get("settings", {}), dict)):
+            raise RunError(f"{run_file} is damaged (not a run record: JSON with config, model and settings); "
+                           "restore it or choose another --out")
         settings = held.get("settings", {})
         if not config.resume:
             raise RunError(f"{out} already holds a run (plan {settings.get('plan', '?')}, "

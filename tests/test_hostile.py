@@ -411,8 +411,20 @@ def _flip_bits(step_dir: Path) -> None:
     target.write_bytes(bytes(data))
 
 
+def _fifo_in_place(step_dir: Path) -> None:
+    """A FIFO where a saved file was, its checksums removed: reading it would block forever."""
+    (step_dir / "checksums.json").unlink()
+    target = next(p for p in (step_dir / "model").rglob("*") if p.is_file())
+    target.unlink()
+    os.mkfifo(target)
+
+
+def _checksums_not_a_map(step_dir: Path) -> None:
+    (step_dir / "checksums.json").write_text("[5]")
+
+
 # (a damaged metadata file is caught by the same checksums as flipped bits; an emptied step has none)
-@pytest.mark.parametrize("damage", [full(_damage_meta), _empty, _flip_bits])
+@pytest.mark.parametrize("damage", [full(_damage_meta), _empty, _flip_bits, _fifo_in_place, full(_checksums_not_a_map)])
 def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_redone_exactly(finished_run, tmp_path, capsys, damage):
     out = copy_run(finished_run, tmp_path)
     damage(out / "checkpoints" / "6")
@@ -665,3 +677,13 @@ def test_an_input_shape_whose_product_overflows_is_refused_not_aborted(tmp_path,
     for argv in (["validate", plan, "--plan-only"], ["inspect", plan, "--model", "minigpt_model:MiniGPT", *MINIGPT_TINY]):
         code, text = call(shardplan_cli.main, capsys, *argv)
         assert code == 1 and "at most 1,099,511,627,776 (2**40) per input" in text, text
+
+
+@pytest.mark.parametrize("content", ["{}", "[]", '"x"', '{"config": {}, "settings": 5}'])
+def test_a_run_record_that_is_not_one_is_a_clear_error(finished_run, tmp_path, capsys, content):
+    out = copy_run(finished_run, tmp_path)
+    (out / "run.json").write_text(content)
+    code, text = call(minigpt_cli.main, capsys, "train", "--out", out, "--resume", "--steps", "6", "--batch-size",
+                      "16", "--warmup-steps", "2", "--checkpoint-every", "2", "--eval-every", "100", *TINY_ARGS)
+    assert code == 1 and "run.json is damaged" in text, text
+    no_bug(code, text)
