@@ -13,7 +13,7 @@ from collections import defaultdict
 from shardplan.checks.layout import human_bytes, trim_spec
 from shardplan.checks.paths import ParamInfo
 from shardplan.plan.diagnostics import Diagnostic
-from shardplan.plan.matching import NormalSpec, Rule, assign
+from shardplan.plan.matching import NormalSpec, Rule, matches_of
 from shardplan.plan.schema import Plan, format_spec, normalize_spec, spec_axes
 
 # A fully replicated parameter at least this large draws a warning when the plan shards others.
@@ -37,7 +37,8 @@ class Placement:
 
 def validate_params(plan: Plan, params: list[ParamInfo], rules: list[Rule],
                     sizes: dict[str, int]) -> tuple[list[Placement], list[Diagnostic]]:
-    winners = assign(rules, [p.path for p in params])
+    matches = matches_of(rules, [p.path for p in params])
+    winners = {path: found[0] if found else None for path, found in matches.items()}
     placements, problems = [], RuleProblems(plan)
     for param in params:
         rule = winners[param.path]
@@ -46,7 +47,7 @@ def validate_params(plan: Plan, params: list[ParamInfo], rules: list[Rule],
         placements.append(Placement(param, rule, spec, valid))
     diagnostics = rule_level(plan, rules, sizes) + problems.diagnostics() + _overridden(plan, placements)
     diagnostics += _unmatched(plan, [p for p in params if winners[p.path] is None])
-    diagnostics += _unused_and_shadowed(plan, rules, params, winners)
+    diagnostics += _unused_and_shadowed(plan, rules, matches, winners)
     diagnostics += _replicated_large(plan, placements, sizes)
     return placements, sorted(diagnostics, key=lambda d: (d.line or 0, d.column or 0))
 
@@ -213,22 +214,26 @@ def _unmatched(plan: Plan, params: list[ParamInfo]) -> list[Diagnostic]:
                             "or set `unmatched: replicate` to replicate them silently")]
 
 
-def _unused_and_shadowed(plan: Plan, rules: list[Rule], params: list[ParamInfo],
+def _unused_and_shadowed(plan: Plan, rules: list[Rule], matches: dict[str, list[Rule]],
                          winners: dict[str, Rule | None]) -> list[Diagnostic]:
-    # Only rules that win no parameter need a scan of their own, which keeps large models fast.
     won = {rule.index for rule in winners.values() if rule is not None}
+    matched_by: dict[int, list[str]] = {}
+    for path, found_rules in matches.items():
+        for rule in found_rules:
+            matched_by.setdefault(rule.index, []).append(path)
+    paths = list(matches)
     found = []
     suggested = 0
     for rule in rules:
         if rule.pattern is None or rule.index in won:
             continue
-        matched = [p.path for p in params if rule.matches(p.path)]
+        matched = matched_by.get(rule.index, [])
         line, col = plan.locate("params", rule.index, "match")
         if not matched:
             # A suggestion costs a fuzzy match against every path: the first rules get one (a plan of
             # thousands of unused rules is validated in linear time, not minutes).
             suggested += 1
-            close = difflib.get_close_matches(rule.source, [p.path for p in params], n=1, cutoff=0.6) \
+            close = difflib.get_close_matches(rule.source, paths, n=1, cutoff=0.6) \
                 if suggested <= MAX_SUGGESTIONS else []
             found.append(Diagnostic(
                 "unused-rule", "warning", f"{rule.label} matches no parameter of the model",
