@@ -88,3 +88,16 @@ def test_a_profile_figure_no_device_has_is_refused(tmp_path, field, value):
     with pytest.raises(Exception) as caught:
         load_profile(str(path))
     assert field in str(caught.value)
+
+
+def test_a_profile_file_says_which_settings_it_left_to_the_defaults(tmp_path):
+    from shardplan.planner.profiles import load_profile
+    path = tmp_path / "a100.yaml"
+    path.write_text("name: a100\npeak_flops: 312e12\nmemory_bytes: 80GB\nmemory_bandwidth: 2.0e12\n"
+                    "intra_host_bandwidth: 300e9\ninter_host_bandwidth: 25e9\ndevices_per_host: 8\n")
+    line = load_profile(path).defaults_line()
+    for setting in ("attention=materialised", "overlap=True", "matmul_efficiency=0.8", "collective_latency=1e-05"):
+        assert setting in line, line
+    path.write_text(path.read_text() + "attention: fused\noverlap: false\n")
+    line = load_profile(path).defaults_line()
+    assert "attention=" not in line and "overlap=" not in line and "link_efficiency=0.8" in line

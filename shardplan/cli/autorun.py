@@ -178,6 +178,8 @@ def _print_table(console: Console, found: planner.Search, measured: dict, top: i
     title = (f"best {len(found.ranked)} of {found.fitting} plans that fit {human_bytes(found.usable)} per device "
              f"(budget less the safety margin; {found.profile.name}, batch {found.workload.batch} x "
              f"{found.workload.seq})")
+    if found.profile.defaults_line():
+        print_wrapped(console, Text(found.profile.defaults_line(), style="yellow"))
     columns = ["#", "mesh", "rules", "bytes/device", "communication", "step (modelled)"]
     columns += ["compiled: moved / peak"] if measured else []
     columns += ["why it lost"]

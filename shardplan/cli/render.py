@@ -407,6 +407,8 @@ def render_estimate(console: Console, workload, profile, cost, *, accumulate: in
     console.print()
     print_wrapped(console, Text.assemble(("Cost estimate", "bold"), f" per device, batch {workload.batch} x "
                                          f"{workload.seq} tokens, {profile.name} profile (from shapes; nothing compiled):"))
+    if profile.defaults_line():
+        print_wrapped(console, Text(f"  {profile.defaults_line()}", style="yellow"))
     print_wrapped(console, f"  memory: parameters {human_bytes(cost.param_bytes)}, gradients {human_bytes(cost.grad_bytes)}, "
                   f"optimizer {human_bytes(cost.optimizer_bytes)}, activations {human_bytes(cost.activation_bytes)} "
                   f"({human_bytes(cost.activation_bytes_remat)} with rematerialised layers); "

@@ -43,6 +43,13 @@ class Profile:
     low_precision_native: bool = True   # bf16 compute keeps activations and their collectives in 2 bytes
     overlap: bool = True    # collectives run asynchronously beside compute (see `shardplan.planner.overlap`)
     source: str = "built in"
+    defaults: tuple[str, ...] = ()      # a profile file's settings it left to their defaults, as `name=value`
+
+    def defaults_line(self) -> str | None:
+        """What a profile file left to the defaults (they change the modelled time), or None."""
+        if not self.defaults:
+            return None
+        return f"profile {self.name!r} ({self.source}) takes the defaults {', '.join(self.defaults)}"
 
     def flops_for(self, dtype: str) -> float:
         """Dense matmul FLOP/s for `dtype` ('float32', 'bfloat16', ...): its own figure, else `peak_flops`."""
@@ -179,7 +186,10 @@ def load_profile(path: str | Path) -> Profile:
     values["memory_bytes"] = int(values["memory_bytes"])
     if values["attention_efficiency"] is None:
         values["attention_efficiency"] = values["matmul_efficiency"]
-    return Profile(**values, source=str(path))
+    left = [name for name, field in ProfileFile.model_fields.items()
+            if not field.is_required() and name not in data and name not in ("description", "peak_flops_by_dtype")]
+    defaults = tuple(f"{name}={values[name]}" for name in left)
+    return Profile(**values, source=str(path), defaults=defaults)
 
 
 def get_profile(name: str) -> Profile:
