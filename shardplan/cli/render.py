@@ -476,3 +476,5 @@ def render_profiles(console: Console, profiles) -> None:
     print_fitted(console, "device profiles", columns, rows)
     for p in profiles:
         print_wrapped(console, Text.assemble((f"{p.name}", "bold"), f" ({p.source}): {p.description}"))
+        if p.defaults_line():
+            print_wrapped(console, Text(f"  {p.defaults_line()}", style="yellow"))
