@@ -89,7 +89,7 @@ PLAN = ("version: 1\nmesh: {axes: {data: 2, expert: 4}}\ninputs: {tokens: {spec:
 TOKENS = np.asarray(jax.random.randint(jax.random.key(1), (8, 8), 0, 64))
 # The wrong-numbers form of a past release (every expert on its own masked tokens, summed in the loop)
 # is always among the cases; the rest are drawn.
-SEEDS = [None] + list(range(7))
+SEEDS = [None] + list(range(4))
 
 
 @pytest.mark.parametrize("seed", SEEDS)
