@@ -77,6 +77,19 @@ def verify(step_dir: Path) -> str | None:
     return None
 
 
+def _meta_problem(meta) -> str | None:
+    """What is wrong with a step's metadata (rewritten by hand, its checksums recomputed), or None."""
+    if not isinstance(meta, dict):
+        return f"{type(meta).__name__}, not a mapping"
+    for key in ("step", "data_step"):
+        value = meta.get(key)
+        if type(value) is not int or not 0 <= value < 2**62:
+            return f"{key} is {value!r}, not a step count"
+    if not isinstance(meta.get("model"), dict):
+        return f"model is {meta.get('model')!r}, not the model's settings"
+    return None
+
+
 def is_disk_full(exc: BaseException) -> bool:
     """ENOSPC/EDQUOT, directly or as orbax/tensorstore report it (RESOURCE_EXHAUSTED)."""
     text = str(exc)
@@ -139,10 +152,15 @@ class Checkpoints:
     def meta(self, step: int | None = None) -> dict:
         step = self._step(step)
         try:
-            return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as exc:      # garbage, a missing item or an empty step directory
             raise CheckpointError(f"checkpoint step {step} in {self.directory} cannot be read: "
                                   f"{type(exc).__name__}: {exc}") from None
+        problem = _meta_problem(meta)
+        if problem:
+            raise CheckpointError(f"checkpoint step {step} in {self.directory} has metadata that is not a run's: "
+                                  f"{problem}")
+        return meta
 
     def intact_steps(self, warn=None):
         """(step, meta) of the saved steps that pass their checksums and have readable metadata, newest

@@ -423,8 +423,19 @@ def _checksums_not_a_map(step_dir: Path) -> None:
     (step_dir / "checksums.json").write_text("[5]")
 
 
+def _data_step_not_a_count(step_dir: Path) -> None:
+    """Metadata rewritten by hand, its checksums recomputed to match."""
+    from minigpt_model.checkpoint import CHECKSUMS, _file_digests
+    meta_file = step_dir / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    meta["data_step"] = "abc"
+    meta_file.write_text(json.dumps(meta))
+    (step_dir / CHECKSUMS).write_text(json.dumps(_file_digests(step_dir)))
+
+
 # (a damaged metadata file is caught by the same checksums as flipped bits; an emptied step has none)
-@pytest.mark.parametrize("damage", [full(_damage_meta), _empty, _flip_bits, _fifo_in_place, full(_checksums_not_a_map)])
+@pytest.mark.parametrize("damage", [full(_damage_meta), _empty, _flip_bits, _fifo_in_place, full(_checksums_not_a_map),
+                                    full(_data_step_not_a_count)])
 def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_redone_exactly(finished_run, tmp_path, capsys, damage):
     out = copy_run(finished_run, tmp_path)
     damage(out / "checkpoints" / "6")
