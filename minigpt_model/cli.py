@@ -7,7 +7,7 @@ import sys
 
 from rich.console import Console
 
-from shardplan.cli.terminal import HelpFormatter
+from shardplan.cli.terminal import ArgumentParser, HelpFormatter
 
 DESCRIPTION = """\
 Train the article's MiniGPT, sharded by a shardplan plan, and sample from it.
@@ -74,7 +74,7 @@ class _Defaults(HelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     from minigpt_model.trainer import TrainConfig
     defaults = TrainConfig()
-    parser = argparse.ArgumentParser(prog="minigpt", description=DESCRIPTION, epilog=EPILOG,
+    parser = ArgumentParser(prog="minigpt", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=HelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

@@ -83,3 +83,9 @@ def test_minigpt_train_in_a_terminal_shows_its_progress_without_escape_text(tmp_
                            "num_heads=4", "--config", "feed_forward_dim=64", "--config", "num_transformer_blocks=2"])
     assert (tmp_path / "run" / "metrics.jsonl").exists(), raw[-2000:]
     assert_clean(raw)
+
+
+def test_a_usage_error_in_a_terminal_is_wrapped_at_its_width():
+    raw = run_in_terminal([sys.executable, "-m", "shardplan", "inspect", "plans/minigpt_3d.yaml", "--seq", "-3"])
+    assert "--seq: requires an integer from 1 to" in raw
+    assert_clean(raw)

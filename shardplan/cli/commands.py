@@ -13,7 +13,7 @@ import traceback
 from rich.console import Console
 from rich.text import Text
 
-from shardplan.cli.terminal import HelpFormatter, consoles, inert_streams, print_wrapped
+from shardplan.cli.terminal import ArgumentParser, HelpFormatter, consoles, inert_streams, print_wrapped
 from shardplan.plan.inert import inert
 from shardplan.plan.diagnostics import PlanError
 from shardplan.plan.loader import load_plan
@@ -85,7 +85,7 @@ def _path_and_debug(sub: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shardplan", description=DESCRIPTION, epilog=EPILOG,
+    parser = ArgumentParser(prog="shardplan", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=HelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

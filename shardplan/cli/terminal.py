@@ -110,6 +110,19 @@ def _lines(plain: str, width: int, indent: int) -> list[tuple[int, int]]:
     return spans
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are wrapped at the terminal's width, like everything else the
+    CLIs print (argparse prints them on one line, however long)."""
+
+    def error(self, message: str):
+        import shutil
+        import textwrap
+        self.print_usage(sys.stderr)
+        width = max(shutil.get_terminal_size().columns, 40)
+        text = textwrap.fill(f"{self.prog}: error: {message}", width, subsequent_indent="    ")
+        self.exit(2, text + "\n")
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """`--help` at the terminal's width: prose paragraphs refilled, indented lines (examples, lists)
     kept as written but broken at spaces, their continuation marked `\\`, when wider than the terminal."""
