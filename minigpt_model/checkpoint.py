@@ -23,6 +23,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from shardplan.run.interrupts import interrupts_deferred
 from shardplan.run.pipeline import to_plain_tree, to_stacked_tree
 from shardplan.run.optimizer import load_plain_state, plain_abstract, plain_state
 from shardplan.run.pipelined import pipelined_layers
@@ -132,7 +133,7 @@ class Checkpoints:
     def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer, meta: dict) -> None:
         layers = _layers_of(model)
         try:
-            with _writer_noise_held_back():
+            with interrupts_deferred(), _writer_noise_held_back():      # a Ctrl-C during it waits for the save
                 self._manager.save(step, args=ocp.args.Composite(
                     model=ocp.args.StandardSave(_plain(_pure(model), layers)),
                     optimizer=ocp.args.StandardSave(_plain(plain_state(optimizer), layers)),

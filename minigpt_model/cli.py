@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from shardplan.cli.terminal import inert_streams
     from shardplan.plan.diagnostics import PlanWarning
-    with inert_streams(), warnings.catch_warnings():       # input text never drives the terminal, whatever prints it
+    from shardplan.run.interrupts import interrupt_once
+    with interrupt_once(), inert_streams(), warnings.catch_warnings():       # input text never drives the terminal, whatever prints it
         warnings.simplefilter("ignore", PlanWarning)        # (its summary shows the plan's warnings; its steps use
         return _main(argv)                                  # model_loss, its evaluation the plain forward)
 
@@ -202,8 +203,33 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         err.print("interrupted; the last checkpoint is intact (continue with --resume)")
         return 130
-    except Exception as exc:  # a bug of ours
-        return report_bug(err, exc, debug=args.debug, program="minigpt")
+    except Exception as exc:
+        if getattr(args, "num_processes", None) and _lost_a_peer(exc):
+            print_error(err, f"another process of this run stopped ({_first_line(exc)}); this process stops too. "
+                             "The launcher names the one that failed; continue the run with --resume")
+            return 1
+        if isinstance(exc, OSError) and exc.filename:      # the environment: a file, a disk, a permission
+            print_error(err, f"cannot use {exc.filename}: {(exc.strerror or str(exc)).lower()}")
+            return 1
+        if _out_of_memory(exc):
+            print_error(err, f"out of memory: {_first_line(exc)}; use a smaller --config or --batch-size, or a plan "
+                             "that splits more (shardplan inspect PLAN shows the memory a device needs)")
+            return 1
+        return report_bug(err, exc, debug=args.debug, program="minigpt")   # a bug of ours
+
+
+def _lost_a_peer(exc: Exception) -> bool:
+    from shardplan.run.distributed import lost_a_peer
+    return lost_a_peer(exc)
+
+
+def _out_of_memory(exc: Exception) -> bool:
+    return "RESOURCE_EXHAUSTED" in str(exc) or isinstance(exc, MemoryError)
+
+
+def _first_line(exc: Exception) -> str:
+    lines = str(exc).strip().splitlines()
+    return (lines[0] if lines else type(exc).__name__)[:300]
 
 
 class UsageError(Exception):
@@ -222,6 +248,9 @@ def _devices(requested: int | None) -> None:
 def _train(args, console: Console) -> int:
     _devices(args.devices)
     from shardplan.run.distributed import initialize
+    if args.process_id is not None:
+        from minigpt_model.launch import follow_launcher
+        follow_launcher()
     initialize(coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
     from shardplan.run.models import parse_overrides
     from minigpt_model.trainer import TrainConfig, train

@@ -8,6 +8,7 @@ period (they would otherwise wait for JAX's heartbeat timeout), and the launcher
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import signal
@@ -43,13 +44,51 @@ def describe_exit(code: int) -> str:
 
 
 # gloo prints from several threads at once, so its messages can interleave mid-line: a line may hold
-# one after another's start, or be the tail of one (`  peer ranks. Expected number of connected ...`).
-_GLOO_CHATTER = re.compile(r"\[Gloo\]|connected peer ranks is\s*:")
+# one after another's start, be the tail of one (`  peer ranks. Expected number of connected ...`), or
+# a lone fragment of one (`3`: a rank number cut from its sentence).
+_GLOO_CHATTER = re.compile(r"\[Gloo\]|connected peer ranks is\s*:|^\s*\d+\s*$")
+# What a process that lost its peer prints natively on its way out (absl's fatal log and stack dump):
+# the launcher names the process that failed first, so the others' dumps say nothing new.
+_NATIVE_DUMP = re.compile(r"^([FEW]\d{4} \d\d:\d\d:\d\d|\s*@\s+0x|\*\*\* |PC: @|\s*$)")
 
 
 def is_noise(line: str) -> bool:
     """Third-party chatter a run prints per connection (gloo: `[Gloo] Rank 3 is connected to 1 peer ranks`)."""
     return _GLOO_CHATTER.search(line) is not None
+
+
+def is_native_dump(line: str) -> bool:
+    """A line of absl's fatal-error log or native stack trace."""
+    return _NATIVE_DUMP.match(line) is not None
+
+
+# The signal a worker gets when its launcher dies, however it dies (the kernel sends it: PR_SET_PDEATHSIG).
+LAUNCHER_GONE = signal.SIGUSR1
+
+
+def _die_with_launcher(launcher: int) -> None:
+    """In a worker, between fork and exec: ask the kernel for LAUNCHER_GONE when the launcher dies."""
+    import ctypes
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, LAUNCHER_GONE)
+    except (OSError, AttributeError):       # not Linux: workers end with their heartbeat instead
+        return
+    if os.getppid() != launcher:            # it died before the request took effect
+        os._exit(1)
+
+
+def follow_launcher() -> None:
+    """In a launched worker: when the launcher dies, its output pipe is gone with it, so print nowhere
+    from then on, and stop as on a preemption notice (SIGTERM: the step in flight is saved, exit 75),
+    which frees the run for `--resume` within seconds instead of holding it until a heartbeat times out."""
+    def launcher_gone(signum, frame):
+        nowhere = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(nowhere, 1)
+        os.dup2(nowhere, 2)
+        os.kill(os.getpid(), signal.SIGTERM)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(LAUNCHER_GONE, launcher_gone)
 
 
 def launch_local(count: int, train_args: list[str], *, devices_per_process: int | None,
@@ -63,17 +102,20 @@ def launch_local(count: int, train_args: list[str], *, devices_per_process: int 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     procs = [subprocess.Popen(train_command(train_args, coordinator=coordinator, processes=count, index=i,
                                             devices=devices_per_process),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                              preexec_fn=functools.partial(_die_with_launcher, os.getpid())
+                              if sys.platform == "linux" else None)
              for i in range(count)]
     for i, proc in enumerate(procs):
         out.write(f"[launch] process {i}: pid {proc.pid}, coordinator {coordinator}\n")
     out.flush()
-    pumps = [threading.Thread(target=_pump, args=(proc.stdout, f"[p{i}] ", out, verbose), daemon=True)
+    stopping = threading.Event()       # set once a process failed: the others' native dumps are held back
+    pumps = [threading.Thread(target=_pump, args=(proc.stdout, f"[p{i}] ", out, verbose, stopping), daemon=True)
              for i, proc in enumerate(procs)]
     for pump in pumps:
         pump.start()
     with forwarding_sigterm(lambda: [proc.send_signal(signal.SIGTERM) for proc in procs if proc.poll() is None]):
-        failed = watch([proc.poll for proc in procs], [proc.kill for proc in procs])
+        failed = watch([proc.poll for proc in procs], [proc.kill for proc in procs], on_failure=stopping.set)
     for pump in pumps:
         pump.join(timeout=5)
     return outcome(failed, [proc.returncode for proc in procs], out, "processes", "process")
@@ -83,6 +125,9 @@ def outcome(failed: tuple[int, int] | None, codes: list[int], out: TextIO, plura
     if failed is not None:
         index, code = failed
         out.write(f"[launch] {singular} {index} {describe_exit(code)}; the run failed (continue it with --resume)\n")
+        for other, code in enumerate(codes):
+            if other != index and code not in (0, None):
+                out.write(f"[launch] {singular} {other} stopped with it ({describe_exit(code).replace('was ', '')})\n")
         return 1
     if EXIT_PREEMPTED in codes:
         out.write(f"[launch] preempted: all {len(codes)} {plural} saved the same step; continue with the same "
@@ -105,9 +150,11 @@ def forwarding_sigterm(forward: Callable[[], object]):
         signal.signal(signal.SIGTERM, previous)
 
 
-def watch(polls: list[Callable[[], int | None]], kills: list[Callable[[], None]]) -> tuple[int, int] | None:
-    """Wait for all workers; after the first failure, kill the rest once the grace period is over.
-    Returns (index, exit code) of the first failure, or None; exiting 75 (preempted, saved) is no failure."""
+def watch(polls: list[Callable[[], int | None]], kills: list[Callable[[], None]],
+          on_failure: Callable[[], object] = lambda: None) -> tuple[int, int] | None:
+    """Wait for all workers; after the first failure (`on_failure` is called), kill the rest once the grace
+    period is over. Returns (index, exit code) of the first failure, or None; exiting 75 (preempted,
+    saved) is no failure."""
     first: tuple[int, int] | None = None
     failed_at = 0.0
     while True:
@@ -115,6 +162,7 @@ def watch(polls: list[Callable[[], int | None]], kills: list[Callable[[], None]]
         for i, code in enumerate(codes):
             if code not in (None, 0, EXIT_PREEMPTED) and first is None:
                 first, failed_at = (i, code), time.monotonic()
+                on_failure()
         if all(code is not None for code in codes):
             return first
         if first is not None and time.monotonic() - failed_at > SIBLING_GRACE_S:
@@ -124,8 +172,8 @@ def watch(polls: list[Callable[[], int | None]], kills: list[Callable[[], None]]
         time.sleep(0.1)
 
 
-def _pump(stream, prefix: str, out: TextIO, verbose: bool) -> None:
+def _pump(stream, prefix: str, out: TextIO, verbose: bool, stopping: threading.Event) -> None:
     for line in stream:
-        if verbose or not is_noise(line):
+        if verbose or not (is_noise(line) or stopping.is_set() and is_native_dump(line)):
             out.write(prefix + inert(line))
             out.flush()

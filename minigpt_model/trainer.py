@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import fcntl
 import hashlib
 import json
@@ -158,11 +160,12 @@ def _run(config, plan, mesh, model_config, tokenizer, dataset, out, lead, stop_a
         losses, evals = _loop(config, plan, mesh, dataset, model, optimizer, checkpoints, metrics, model_config,
                               tokenizer, start, stop_after, console, watch)
     except OSError as exc:
-        if not is_disk_full(exc):
-            raise
         last = checkpoints.latest_step()
-        raise DiskFull(f"the disk is full writing to {out} ({exc.strerror or exc}); checkpoints up to step "
-                       f"{last} are intact: free space, then continue with --resume") from None
+        if is_disk_full(exc):
+            raise DiskFull(f"the disk is full writing to {out} ({exc.strerror or exc}); checkpoints up to step "
+                           f"{last} are intact: free space, then continue with --resume") from None
+        raise RunError(f"cannot write {exc.filename or out}: {_why(exc)}; checkpoints up to step {last} are "
+                       "intact: fix it, then continue with --resume") from None
     finally:
         watch.close()
         checkpoints.close()
@@ -307,7 +310,7 @@ class RunLock:
         except FileExistsError:
             raise RunError(f"--out {out} is a file, not a directory; choose another --out") from None
         except OSError as exc:
-            raise RunError(f"cannot use --out {out}: {exc.strerror or exc}; choose another --out") from None
+            raise RunError(f"cannot use --out {out}: {_why(exc)}; choose another --out") from None
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -316,10 +319,15 @@ class RunLock:
             handle.close()
             raise RunError(f"{out} is in use by another trainer ({holder}); wait for it to finish or stop it, "
                            "or choose another --out") from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()} on host {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-        handle.flush()
+        try:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"pid {os.getpid()} on host {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            handle.flush()
+        except OSError as exc:       # a full disk (closing flushes the unwritten note again: that fails too)
+            with contextlib.suppress(OSError):
+                handle.close()
+            raise RunError(f"cannot use --out {out}: {_why(exc)}; free space or choose another --out") from None
         return cls(handle)
 
     def release(self) -> None:
@@ -355,11 +363,16 @@ def _claim_directory(out: Path, config: TrainConfig, model_config: dict, digest:
             raise RunError(f"--resume: this is not the run in {out}: {'; '.join(changed)}. Resuming continues the "
                            f"same run exactly, so {', '.join(IDENTITY)} and the data must match (the plan, --steps "
                            "and the evaluation and checkpoint intervals may change); start a new run with another --out")
-        _write_atomic(run_file, json.dumps({**held, "settings": wanted["settings"]}, indent=2))
-        return
-    if any(p for p in out.iterdir() if p.name not in ("run.json", LOCK)):
+        record = {**held, "settings": wanted["settings"]}
+    elif any(p for p in out.iterdir() if p.name not in ("run.json", LOCK)):
         raise RunError(f"{out} is not empty and holds no run; choose another --out")
-    _write_atomic(run_file, json.dumps(wanted, indent=2))
+    else:
+        record = wanted
+    try:
+        _write_atomic(run_file, json.dumps(record, indent=2))
+    except OSError as exc:
+        raise RunError(f"cannot write {run_file}: {_why(exc)}; nothing else was changed (free space, or make "
+                       f"{out} writable, then run again)") from None
 
 
 def _warn(console, message: str) -> None:
@@ -435,6 +448,8 @@ class _Metrics:
 
     def __init__(self, path: Path, *, keep_until: int, write: bool = True, warn=None):
         self.path, self.write, self.warn = path, write, warn
+        if path.exists() and not path.is_file():     # read as it is, a FIFO would block and a folder fail
+            raise RunError(f"{path} is not a file ({_kind(path)}); move it away, then run again")
         if write:
             kept = [r for r in self.records() if r["step"] <= keep_until]
             _write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
@@ -459,6 +474,14 @@ class _Metrics:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+def _why(exc: OSError) -> str:
+    return "the disk is full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else (exc.strerror or str(exc)).lower()
+
+
+def _kind(path: Path) -> str:
+    return "a directory" if path.is_dir() else "a FIFO" if path.is_fifo() else "a special file"
 
 
 def _write_atomic(path: Path, text: str) -> None:

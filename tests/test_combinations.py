@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from combinations.__main__ import FAILURES, cases, read_case, run_all
+from combinations.__main__ import FAILURES, cases, read_case
 from combinations.generate import draw
 from combinations.matrix import features, parse
 from combinations.minimise import minimise
-from combinations.pool import Pool
+from combinations.pool import Pool, run_all
 
 REGRESSIONS = sorted((Path(__file__).parent / "combinations" / "regressions").glob("*.yaml"))
 # A sample of the generator's seed 0: pipelines (gpipe, 1f1b, interleaved, zb-h1), experts, context,

@@ -281,6 +281,16 @@ def test_convert_refuses_what_it_cannot_read(tmp_path, capsys):
     assert "PartitionSpec entry must be None, an axis name or a tuple" in capsys.readouterr().err
     assert main(["convert", "--mesh", "dp=8", "-o", str(tmp_path / "p.yaml")]) == 2
     assert main(["convert", str(tmp_path / "bad.py"), "--mesh", "dp", "-o", str(tmp_path / "p.yaml")]) == 2
+    capsys.readouterr()
+    # entries of the wrong type, as the mutation fuzzer wrote them (each was an internal error)
+    (tmp_path / "rules.yaml").write_text("- [embedding, [model, {a: 1}]]\n")
+    assert main(["convert", str(tmp_path / "rules.yaml"), "--mesh", "model=8", "-o", str(tmp_path / "p.yaml")]) == 2
+    assert "item 1 is" in capsys.readouterr().err
+    for axes in ("1.0e+308", "true", "[data, 3]", "{a: 1}"):
+        (tmp_path / "logical.yaml").write_text(f"logical_axis_rules:\n- [embed, fsdp]\n- [heads, {axes}]\n")
+        assert main(["convert", "--logical-rules", str(tmp_path / "logical.yaml"), "--mesh", "fsdp=8",
+                     "-o", str(tmp_path / "p.yaml")]) == 2
+        assert "expected a list of [logical name, mesh axes] pairs" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------ the model's own annotations

@@ -698,3 +698,84 @@ def test_a_run_record_that_is_not_one_is_a_clear_error(finished_run, tmp_path, c
                       "16", "--warmup-steps", "2", "--checkpoint-every", "2", "--eval-every", "100", *TINY_ARGS)
     assert code == 1 and "run.json is damaged" in text, text
     no_bug(code, text)
+
+
+# ------------------------------------------------------------------------------ the environment, mid-run
+
+RESUME_ARGS = ["--resume", "--batch-size", "16", "--warmup-steps", "2", "--checkpoint-every", "2", "--eval-every",
+               "100", *TINY_ARGS]
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_a_metrics_file_that_is_not_a_file_is_named_not_read(finished_run, tmp_path, capsys, kind):
+    out = copy_run(finished_run, tmp_path)
+    (out / "metrics.jsonl").unlink()
+    (out / "metrics.jsonl").mkdir() if kind == "directory" else os.mkfifo(out / "metrics.jsonl")
+    code, text = call(minigpt_cli.main, capsys, "train", "--out", out, "--steps", "8", *RESUME_ARGS)
+    assert code == 1 and "metrics.jsonl is not a file" in text and "move it away" in text, text
+    no_bug(code, text)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MiB tmpfs (a real ENOSPC and EROFS from the kernel), when this runs as root."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a small tmpfs (a full and a read-only file system)")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def _fill(disk: Path) -> None:
+    with open(disk / "filler", "wb") as filler:
+        try:
+            while True:
+                filler.write(b"\0" * 65536)
+                filler.flush()
+        except OSError:
+            pass
+
+
+def test_a_full_disk_at_the_start_or_resume_is_one_message(finished_run, small_disk, capsys):
+    fresh, resumed = small_disk / "fresh", small_disk / "resumed"
+    shutil.copytree(finished_run[0], resumed)
+    _fill(small_disk)
+    code, text = call(minigpt_cli.main, capsys, "train", "--out", fresh, "--steps", "2", *TINY_ARGS)
+    assert code == 1 and "the disk is full" in text and "--out" in text, text
+    no_bug(code, text)
+    code, text = call(minigpt_cli.main, capsys, "train", "--out", resumed, "--steps", "8", *RESUME_ARGS)
+    assert code == 1 and "the disk is full" in text, text
+    no_bug(code, text)
+    assert json.loads((resumed / "run.json").read_text())["settings"]["steps"] == 6      # the record is whole
+
+
+def test_read_only_checkpoints_at_the_first_save_after_a_resume_is_one_message(finished_run, small_disk, capsys):
+    out = small_disk / "run"
+    shutil.copytree(finished_run[0], out)
+    checkpoints = out / "checkpoints"
+    subprocess.run(["mount", "--bind", str(checkpoints), str(checkpoints)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(checkpoints)], check=True)
+        code, text = call(minigpt_cli.main, capsys, "train", "--out", out, "--steps", "8", *RESUME_ARGS)
+    finally:
+        subprocess.run(["umount", "-l", str(checkpoints)], check=True)
+    assert code == 1 and "read-only file system" in text and "up to step 6 are intact" in text, text
+    no_bug(code, text)
+    assert verify(checkpoints / "6") is None
+
+
+def test_running_out_of_memory_says_so_not_a_bug(tmp_path):
+    """A model far larger than the process may hold (its address space capped): RESOURCE_EXHAUSTED from XLA
+    is reported as running out of memory, with what to change."""
+    limit = 6 * 2**30
+    result = subprocess.run(
+        [sys.executable, "-c", "import resource, sys; resource.setrlimit(resource.RLIMIT_AS, "
+                               f"({limit}, {limit})); from minigpt_model.cli import main; sys.exit(main(sys.argv[1:]))",
+         "train", "--out", str(tmp_path / "run"), "--steps", "2", "--devices", "8", *TINY_ARGS,
+         "--config=embed_dim=65536", "--config=feed_forward_dim=65536"],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "out of memory" in result.stderr and "--config" in result.stderr, result.stderr[-2000:]
+    assert "internal error" not in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]

@@ -88,4 +88,15 @@ def test_gloo_chatter_is_hidden_even_when_its_threads_interleave():
     assert is_noise("[Gloo] Rank 3 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1")
     assert is_noise("Rank 2 is connected to 3[Gloo] Rank 3 is connected to 3 peer ranks.")
     assert is_noise(" peer ranks. Expected number of connected peer ranks is : 3")
+    assert is_noise("3\n")                   # a rank number cut from its sentence
     assert not is_noise("train 1/10: loss 6.095, 117 tok/s, 4 s")
+
+
+def test_a_survivors_native_dump_is_told_from_its_own_lines():
+    from minigpt_model.launch import is_native_dump
+    for line in ("F1203 11:36:32.294188    5242 rendezvous.cc:161] [id=2] Termination timeout",
+                 "*** Check failure stack trace: ***", "    @     0x7f3c2a1b2c3d  absl::log_internal::LogMessage",
+                 "PC: @     0x0 (unknown)"):
+        assert is_native_dump(line), line
+    assert not is_native_dump("error: another process of this run stopped (Gloo all-reduce failed)")
+    assert not is_native_dump("train 3/10: loss 5.1")

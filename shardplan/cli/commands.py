@@ -281,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     # thresholds the collector walks them again and again (`auto` of a 70B-class model for 16,384
     # devices: 45 s, 35 s with these).
     gc.set_threshold(50_000, 50, 100)
-    with inert_streams():       # input text never drives the terminal, whatever prints it
+    from shardplan.run.interrupts import interrupt_once
+    with interrupt_once(), inert_streams():       # input text never drives the terminal, whatever prints it
         return _main(argv)
 
 

@@ -182,9 +182,10 @@ def _yaml_rules(text: str, source: str) -> list[RuleList]:
     for key, items in named.items():
         rules = []
         for k, item in enumerate(items):
-            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], list)):
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], list)
+                    and all(_is_axes(entry) for entry in item[1])):
                 raise ConvertError(f"{source}: {'' if key == '<list>' else key + ' '}item {k + 1} is {item!r}, "
-                                   "not a [regex, spec] pair")
+                                   "not a [regex, spec] pair (a spec entry is null, an axis name or a list of them)")
             rules.append((item[0], item[1]))
         found.append(RuleList(key, (), 0, rules))
     return found
@@ -199,9 +200,16 @@ def read_logical_rules(text: str, source: str = "logical rules") -> list[tuple[s
         raise ConvertError(f"{source}: not valid YAML: {error}") from None
     if isinstance(data, dict):
         data = data.get("logical_axis_rules", next((v for v in data.values() if isinstance(v, list)), None))
-    if not isinstance(data, list) or not all(isinstance(i, list) and len(i) == 2 and isinstance(i[0], str) for i in data):
-        raise ConvertError(f"{source}: expected a list of [logical name, mesh axes] pairs")
+    if not isinstance(data, list) or not all(isinstance(i, list) and len(i) == 2 and isinstance(i[0], str)
+                                             and _is_axes(i[1]) for i in data):
+        raise ConvertError(f"{source}: expected a list of [logical name, mesh axes] pairs (the axes: null, an "
+                           "axis name or a list of them)")
     return [(name, axes) for name, axes in data]
+
+
+def _is_axes(value) -> bool:
+    """None, an axis name, or a list of axis names: what a spec entry or a logical rule maps to."""
+    return value is None or isinstance(value, str) or isinstance(value, list) and all(isinstance(a, str) for a in value)
 
 
 def searched(pattern: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 # A process that loses a peer stops within this many seconds of missed heartbeats instead of hanging.
 HEARTBEAT_TIMEOUT_S = 10
@@ -28,3 +29,19 @@ def initialize(*, coordinator: str | None, num_processes: int | None, process_id
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
                                heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S, initialization_timeout=120)
     return True
+
+
+# How losing a peer surfaces in this process: gloo's collectives fail on the closed connection, or the
+# coordination service misses the peer's heartbeats.
+_PEER_LOST = re.compile(r"gloo|connection (reset|closed|refused)|heartbeat|coordination service|unavailable|"
+                        r"deadline_exceeded|socket closed|broken pipe", re.IGNORECASE)
+
+
+def lost_a_peer(error: BaseException) -> bool:
+    """Whether `error`, in a multi-process run, is this process finding another one gone."""
+    import jax
+    try:
+        several = jax.process_count() > 1
+    except Exception:       # the backend itself went down with the peer
+        several = True
+    return several and _PEER_LOST.search(f"{type(error).__name__}: {error}") is not None

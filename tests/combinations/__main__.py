@@ -7,7 +7,6 @@ import collections
 import json
 import random
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import yaml
 from .generate import draw
 from .matrix import matrix, render
 from .minimise import minimise
-from .pool import Pool
+from .pool import Pool, run_all
 from .run import plan_text
 
 FAILURES = ("wrong", "failed", "abort", "hang", "not-refused", "refused-otherwise")
@@ -25,31 +24,6 @@ FAILURES = ("wrong", "failed", "abort", "hang", "not-refused", "refused-otherwis
 def cases(seed: int, count: int) -> list[dict]:
     rng = random.Random(seed)
     return [draw(rng, k) for k in range(count)]
-
-
-def run_all(todo: list[dict], *, jobs: int, timeout: float, progress=None) -> list[dict]:
-    """Each case's result (its `status`, `codes`, `detail`), in order."""
-    pool, results, lock, queue = Pool(jobs, timeout), [None] * len(todo), threading.Lock(), list(enumerate(todo))
-
-    def work(slot: int):
-        while True:
-            with lock:
-                if not queue:
-                    return
-                k, case = queue.pop(0)
-            results[k] = pool.run(case, slot)
-            if progress:
-                with lock:
-                    progress(k, case, results[k])
-    threads = [threading.Thread(target=work, args=(slot,)) for slot in range(jobs)]
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        pool.close()
-    return results
 
 
 def read_case(path: Path) -> dict:

@@ -9,6 +9,7 @@ import os
 import select
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -37,11 +38,11 @@ for line in sys.stdin:
 class Worker:
     """One worker process for cases on `devices` CPU devices."""
 
-    def __init__(self, devices: int):
+    def __init__(self, devices: int, script: str = WORKER):
         env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
                    XLA_FLAGS=" ".join([os.environ.get("XLA_FLAGS", ""), FLAGS]).strip())
         self.devices = devices
-        self.process = subprocess.Popen([sys.executable, "-c", WORKER, str(devices)], cwd=REPO, env=env, text=True,
+        self.process = subprocess.Popen([sys.executable, "-c", script, str(devices)], cwd=REPO, env=env, text=True,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self._stderr = []
 
@@ -97,8 +98,8 @@ CASES_PER_WORKER = 25
 class Pool:
     """Runs cases in `jobs` workers, a worker per device count, replacing any that died or grew old."""
 
-    def __init__(self, jobs: int = 1, timeout: float = 600.0):
-        self.jobs, self.timeout, self._workers, self._runs = jobs, timeout, {}, {}
+    def __init__(self, jobs: int = 1, timeout: float = 600.0, *, script: str = WORKER):
+        self.jobs, self.timeout, self._workers, self._runs, self._script = jobs, timeout, {}, {}, script
 
     def run(self, case: dict, slot: int = 0) -> dict:
         key = (slot, case["devices"])
@@ -106,7 +107,7 @@ class Pool:
         if worker is None or not worker.alive or self._runs.get(key, 0) >= CASES_PER_WORKER:
             if worker is not None:
                 worker.close()
-            worker, self._runs[key] = Worker(case["devices"]), 0
+            worker, self._runs[key] = Worker(case["devices"], self._script), 0
             self._workers[key] = worker
         self._runs[key] = self._runs.get(key, 0) + 1
         result = worker.run(case, self.timeout)
@@ -118,3 +119,29 @@ class Pool:
         for worker in self._workers.values():
             worker.close()
         self._workers.clear()
+
+
+def run_all(todo: list[dict], *, jobs: int, timeout: float, progress=None, script: str = WORKER) -> list[dict]:
+    """Each case's result (its `status` and `detail`), in order, from `jobs` workers running `script`."""
+    pool = Pool(jobs, timeout, script=script)
+    results, lock, queue = [None] * len(todo), threading.Lock(), list(enumerate(todo))
+
+    def work(slot: int):
+        while True:
+            with lock:
+                if not queue:
+                    return
+                k, case = queue.pop(0)
+            results[k] = pool.run(case, slot)
+            if progress:
+                with lock:
+                    progress(k, case, results[k])
+    threads = [threading.Thread(target=work, args=(slot,)) for slot in range(jobs)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        pool.close()
+    return results
