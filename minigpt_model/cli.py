@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     from shardplan.cli.terminal import inert_streams
     from shardplan.plan.diagnostics import PlanWarning
     from shardplan.run.interrupts import interrupt_once
-    with interrupt_once(), inert_streams(), warnings.catch_warnings():       # input text never drives the terminal, whatever prints it
+    # input text never drives the terminal, whatever prints it; a second Ctrl-C never interrupts the first
+    with interrupt_once(), inert_streams(), warnings.catch_warnings():
         warnings.simplefilter("ignore", PlanWarning)        # (its summary shows the plan's warnings; its steps use
         return _main(argv)                                  # model_loss, its evaluation the plain forward)
 
@@ -175,6 +176,7 @@ def _main(argv: list[str] | None) -> int:
     from shardplan import PlanError
     from shardplan.cli.commands import print_error, report_bug
     from shardplan.run.devices import DeviceSetupError
+    from shardplan.run.distributed import lost_a_peer
     from shardplan.run.models import ModelLoadError
     from shardplan.run.preemption import EXIT_PREEMPTED, Preempted
     try:
@@ -204,7 +206,7 @@ def _main(argv: list[str] | None) -> int:
         err.print("interrupted; the last checkpoint is intact (continue with --resume)")
         return 130
     except Exception as exc:
-        if getattr(args, "num_processes", None) and _lost_a_peer(exc):
+        if getattr(args, "num_processes", None) and lost_a_peer(exc):
             print_error(err, f"another process of this run stopped ({_first_line(exc)}); this process stops too. "
                              "The launcher names the one that failed; continue the run with --resume")
             return 1
@@ -216,11 +218,6 @@ def _main(argv: list[str] | None) -> int:
                              "that splits more (shardplan inspect PLAN shows the memory a device needs)")
             return 1
         return report_bug(err, exc, debug=args.debug, program="minigpt")   # a bug of ours
-
-
-def _lost_a_peer(exc: Exception) -> bool:
-    from shardplan.run.distributed import lost_a_peer
-    return lost_a_peer(exc)
 
 
 def _out_of_memory(exc: Exception) -> bool:

@@ -94,3 +94,20 @@ def test_every_yaml_example_in_the_docs_reads_and_every_whole_plan_validates():
             plan = shardplan.parse_plan(block, file=page)
             errors = [d for d in check_plan_only(plan, 8) if d.severity == "error"]
             assert not errors, (page, [d.format() for d in errors])
+
+
+def test_the_shipped_plans_and_the_docs_whole_plans_validate_with_their_model_in_a_fresh_process(tmp_path):
+    """As a user runs `shardplan validate FILE` on a new machine: one JAX device, nothing simulated (a check
+    that needed the plan's devices refused plans/minigpt_moe_ep.yaml there, while the suite's 8 devices hid it)."""
+    files = sorted(str(p) for p in (REPO / "plans").iterdir() if p.suffix in (".yaml", ".toml"))
+    for page in ("experts.md", "context.md"):
+        block = re.search(r"```yaml\n(.*?)```", (REPO / "docs" / page).read_text(), re.S).group(1)
+        (tmp_path / f"{page}.yaml").write_text(block)
+        files.append(str(tmp_path / f"{page}.yaml"))
+    script = ("import sys; from shardplan.cli import main\n"
+              "sys.exit(max(main(['validate', '--strict', f]) for f in sys.argv[1:]))")
+    result = subprocess.run([sys.executable, "-c", script, *files], cwd=REPO, capture_output=True, text=True,
+                            timeout=600, env={**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu",
+                                              "XLA_FLAGS": ""})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("valid: 0 warning(s)") == len(files), result.stdout[-3000:]

@@ -19,20 +19,27 @@ FLAGS = ("--xla_llvm_disable_expensive_passes=true --xla_backend_optimization_le
          "--xla_cpu_use_fusion_emitters=false")
 MARK = "@@case-result@@ "
 
-WORKER = f"""
+
+def worker_script(module: str, function: str) -> str:
+    """A worker process's program: each line of its input a case, run by `module.function`, each result
+    printed after MARK; an exception the function raises is the case's finding, not the worker's end."""
+    return f"""
 import json, sys
 import jax
 jax.config.update("jax_num_cpu_devices", int(sys.argv[1]))
-from tests.combinations.run import run_case
+from {module} import {function}
 import traceback
 for line in sys.stdin:
     try:
-        result = run_case(json.loads(line))
-    except Exception as error:      # check itself raised: the case's finding, not the worker's end
+        result = {function}(json.loads(line))
+    except Exception as error:
         result = {{"status": "failed", "codes": [], "warnings": [],
-                  "detail": "".join(traceback.format_exception_only(error)).strip()[:1500]}}
+                  "detail": "".join(traceback.format_exception(error))[-1500:]}}
     print({MARK!r} + json.dumps(result), flush=True)
 """
+
+
+WORKER = worker_script("tests.combinations.run", "run_case")
 
 
 class Worker:

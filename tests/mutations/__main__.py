@@ -10,23 +10,11 @@ import sys
 import time
 from pathlib import Path
 
-from tests.combinations.pool import MARK, run_all
+from tests.combinations.pool import run_all, worker_script
 
 from .generate import calls
 
-WORKER = f"""
-import json, sys
-import jax
-jax.config.update("jax_num_cpu_devices", int(sys.argv[1]))
-from tests.mutations.run import run_call
-import traceback
-for line in sys.stdin:
-    try:
-        result = run_call(json.loads(line))
-    except BaseException as error:     # escaped main itself: the call's finding
-        result = {{"status": "failed", "detail": "".join(traceback.format_exception(error))[-1500:]}}
-    print({MARK!r} + json.dumps(result), flush=True)
-"""
+WORKER = worker_script("tests.mutations.run", "run_call")
 FAILURES = ("failed", "abort", "hang")
 
 
