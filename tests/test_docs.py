@@ -100,7 +100,7 @@ def test_the_shipped_plans_and_the_docs_whole_plans_validate_with_their_model_in
     """As a user runs `shardplan validate FILE` on a new machine: one JAX device, nothing simulated (a check
     that needed the plan's devices refused plans/minigpt_moe_ep.yaml there, while the suite's 8 devices hid it)."""
     files = sorted(str(p) for p in (REPO / "plans").iterdir() if p.suffix in (".yaml", ".toml"))
-    for page in ("experts.md", "context.md"):
+    for page in ("experts.md", "context.md", "pipelines.md"):
         block = re.search(r"```yaml\n(.*?)```", (REPO / "docs" / page).read_text(), re.S).group(1)
         (tmp_path / f"{page}.yaml").write_text(block)
         files.append(str(tmp_path / f"{page}.yaml"))

@@ -89,3 +89,15 @@ def test_a_usage_error_in_a_terminal_is_wrapped_at_its_width():
     raw = run_in_terminal([sys.executable, "-m", "shardplan", "inspect", "plans/minigpt_3d.yaml", "--seq", "-3"])
     assert "--seq: requires an integer from 1 to" in raw
     assert_clean(raw)
+
+
+def test_a_number_is_never_wrapped_away_from_its_unit():
+    from shardplan.cli.terminal import _lines
+    for width in range(40, 90):
+        text = "memory: parameters 52.50 MiB, activations 163.82 MiB (153.32 MiB rematerialised); peak 327.40 MiB, " \
+               "step 7.74 ms, 12 % hidden"
+        lines = [text[a:b] for a, b in _lines(text, width, 4)]
+        assert not any(re.match(r"\s*(MiB|ms|%)", line) for line in lines), (width, lines)
+    golden = Path(__file__).parent / "golden" / "inspect"
+    for path in golden.glob("*.80.txt"):             # what inspect prints at 80 columns
+        assert not re.search(r"\d\n\s+(B|KiB|MiB|GiB|TiB|ms|s)\b", path.read_text()), path.name

@@ -210,13 +210,13 @@ def _print_table(console: Console, found: planner.Search, measured: dict, top: i
     for item in found.rejected:
         reasons[item.rejected] = reasons.get(item.rejected, 0) + 1
     if reasons:
-        console.print("not shown: " + ", ".join(f"{n} {why}" for why, n in sorted(reasons.items())))
+        print_wrapped(console, "not shown: " + ", ".join(f"{n} {why}" for why, n in sorted(reasons.items())))
     if found.pruned:
-        console.print(f"{found.pruned} candidates were not costed: a lower bound on their step time exceeds the "
-                      "shown plans'")
+        print_wrapped(console, f"{found.pruned} candidates were not costed: a lower bound on their step time "
+                               "exceeds the shown plans'")
     if best is not None:
         for caveat in best.estimate.caveats:
-            console.print(Text.assemble(("approximate: ", "bold yellow"), caveat))
+            print_wrapped(console, Text.assemble(("approximate: ", "bold yellow"), caveat))
     if measured:
         console.print(f"{len(measured)} candidates compiled on simulated devices and re-ranked with the compiler's "
                       "collective bytes and memory")

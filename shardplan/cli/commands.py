@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "beat the best found is not costed), check the best in full, print them and write\n"
                     "the winner as a commented plan. Nothing is allocated unless --measure.",
         epilog="example:\n  shardplan auto --model minigpt_model:MiniGPT --config vocab_size=50304 --devices 8 "
-               "--memory-per-device 1GiB -o auto.yaml\n  shardplan auto --model tests.models:Llama --config vocab=32000 "
+               "--memory-per-device 1GiB -o auto.yaml\n  shardplan auto --model minigpt_model.llama:Llama --config vocab=32000 "
                "--config dim=4096 ... --devices 64 --hosts 8 --profile h200 --memory-per-device 80GiB -o llama.yaml",
         formatter_class=HelpFormatter)
     _typed_model(auto)
