@@ -101,3 +101,13 @@ def test_a_number_is_never_wrapped_away_from_its_unit():
     golden = Path(__file__).parent / "golden" / "inspect"
     for path in golden.glob("*.80.txt"):             # what inspect prints at 80 columns
         assert not re.search(r"\d\n\s+(B|KiB|MiB|GiB|TiB|ms|s)\b", path.read_text()), path.name
+
+
+def test_tables_leave_no_trailing_spaces_where_a_path_folds(capsys, monkeypatch):
+    """`shardplan params` on a user's model at 80 columns: a folded path used to leave a line of padding."""
+    from shardplan.cli import main
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["params", "--model", "your_model:Decoder", "--path", str(Path(__file__).parents[1] / "docs" /
+                                                                          "examples")]) == 0
+    out = capsys.readouterr().out
+    assert "blocks/{0..3}/attn/" in out and not [line for line in out.splitlines() if line != line.rstrip()], out

@@ -174,7 +174,7 @@ def _rerank(found: planner.Search, measured: dict) -> planner.Search:
 
 
 def _print_table(console: Console, found: planner.Search, measured: dict, top: int) -> None:
-    from shardplan.cli.terminal import print_wrapped
+    from shardplan.cli.terminal import print_table, print_wrapped
     title = (f"best {len(found.ranked)} of {found.fitting} plans that fit {human_bytes(found.usable)} per device "
              f"(budget less the safety margin; {found.profile.name}, batch {found.workload.batch} x "
              f"{found.workload.seq})")
@@ -200,7 +200,7 @@ def _print_table(console: Console, found: planner.Search, measured: dict, top: i
             table.add_column(column, justify="right" if column in ("#", "bytes/device", "communication") else "left")
         for row in rows:
             table.add_row(*row)
-        console.print(table)
+        print_table(console, table)
     else:       # too wide for the console: each candidate as its cells, named, wrapped
         print_wrapped(console, Text(title, style="bold"))
         for row in rows:

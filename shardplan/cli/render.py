@@ -14,7 +14,7 @@ from rich.text import Text
 
 from shardplan.checks.layout import device_coords, human_bytes, imbalance, index_ranges
 from shardplan.checks.report import Report
-from shardplan.cli.terminal import print_wrapped
+from shardplan.cli.terminal import print_table, print_wrapped
 from shardplan.plan.diagnostics import Diagnostic
 from shardplan.plan.inert import inert
 from shardplan.plan.schema import format_spec
@@ -173,7 +173,7 @@ def render_devices(console: Console, report: Report) -> None:
     for (param_bytes, opt_bytes), ids in groups.items():
         table.add_row(_id_list(ids), human_bytes(param_bytes), human_bytes(opt_bytes),
                       human_bytes(param_bytes + opt_bytes))
-    console.print(table)
+    print_table(console, table)
     full = sum(p.nbytes for p in report.params)
     console.print(f"model {human_bytes(full)} in {len(report.params)} parameters; "
                   f"imbalance (max/min per-device total) {imbalance(report.devices):.2f}")
@@ -228,7 +228,7 @@ def render_pipeline(console: Console, report: Report) -> None:
                       _id_list([d.device_id for d in devices]) or "-",
                       human_bytes(max(d.param_bytes for d in devices)) if devices else "-",
                       human_bytes(max(d.opt_bytes for d in devices)) if devices else "-")
-    console.print(table)
+    print_table(console, table)
     grid = timeline(pipe.schedule, stage_map.stages, pipe.microbatches, stage_map.virtual)
     console.print(render_timeline(grid, width=console.width))
     kinds = "b<m> input gradient, w<m> weight gradients" if pipe.schedule == "zb-h1" else "b<m> backward"
@@ -284,7 +284,7 @@ def print_fitted(console: Console, title: str, columns: list[str], rows: list[li
             table.add_column(column, no_wrap=True, min_width=width, justify="right" if column in right else "left")
         for row in rows:
             table.add_row(_fold_path(row[0], path_width), *row[1:])
-        console.print(table)
+        print_table(console, table)
         return
 
     gap = "  " if 2 + sum(widths[1:]) + 2 * (len(columns) - 2) <= console.width else " "
@@ -428,7 +428,7 @@ def render_estimate(console: Console, workload, profile, cost, *, accumulate: in
     for (kind, axes), (ops, nbytes) in sorted(cost.by_kind(axes=True).items()):
         table.add_row(kind, ", ".join(axes), str(ops), human_bytes(nbytes))
     if cost.transfers:
-        console.print(table)
+        print_table(console, table)
     else:
         print_wrapped(console, "  no collectives")
     bubble = f", pipeline bubble {cost.bubble:.3f}" if cost.bubble else ""

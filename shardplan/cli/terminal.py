@@ -80,6 +80,18 @@ def consoles() -> tuple[InertConsole, InertConsole]:
     return InertConsole(highlight=False, markup=False), InertConsole(stderr=True, highlight=False, markup=False)
 
 
+def print_table(console: Console, table) -> None:
+    """`table` as rich lays it out, each line without the trailing spaces rich pads it with (a
+    copied table then pastes clean, and a folded cell leaves no blank run behind it)."""
+    from rich.segment import Segment, Segments
+    for line in console.render_lines(table, console.options, pad=False):
+        while line and not line[-1].control and not line[-1].text.rstrip():
+            line.pop()
+        if line and not line[-1].control:
+            line[-1] = Segment(line[-1].text.rstrip(), line[-1].style)
+        console.print(Segments([*line, Segment.line()]), soft_wrap=True)
+
+
 def print_wrapped(console: Console, text: Text | str, *, indent: int = 4) -> None:
     """`text` broken at spaces into lines no wider than the console, lines after the first indented by
     `indent` (a word longer than a line is split); styles are kept."""
