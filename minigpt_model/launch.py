@@ -8,6 +8,7 @@ period (they would otherwise wait for JAX's heartbeat timeout), and the launcher
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import os
 import re
@@ -67,8 +68,8 @@ LAUNCHER_GONE = signal.SIGUSR1
 
 
 def _die_with_launcher(launcher: int) -> None:
-    """In a worker, between fork and exec: ask the kernel for LAUNCHER_GONE when the launcher dies."""
-    import ctypes
+    """In a worker, between fork and exec (so nothing is imported here): ask the kernel for LAUNCHER_GONE
+    when the launcher dies."""
     PR_SET_PDEATHSIG = 1
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, LAUNCHER_GONE)
