@@ -729,11 +729,10 @@ def small_disk(tmp_path):
 
 
 def _fill(disk: Path) -> None:
-    with open(disk / "filler", "wb") as filler:
+    with open(disk / "filler", "wb", buffering=0) as filler:     # unbuffered: closing flushes nothing
         try:
             while True:
-                filler.write(b"\0" * 65536)
-                filler.flush()
+                filler.write(b"\0" * 4096)
         except OSError:
             pass
 
