@@ -28,13 +28,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # init test).
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_llvm_disable_expensive_passes=true",
                                     "--xla_backend_optimization_level=0",
-                                    "--xla_cpu_use_fusion_emitters=false",
-                                    # XLA:CPU aborts a process whose devices do not all reach a collective
-                                    # within 40 s; on a loaded machine a device's thread can wait that long
-                                    # for a core (an in-process pipeline test aborted so, once, late in a
-                                    # full run). `python -m tests.combinations`, run on its own, keeps the
-                                    # default and finds real deadlocks in 40 s.
-                                    "--xla_cpu_collective_call_terminate_timeout_seconds=600"]).strip()
+                                    "--xla_cpu_use_fusion_emitters=false"]).strip()
 
 import jax  # noqa: E402
 

@@ -16,7 +16,6 @@ import optax
 from flax import nnx
 
 from shardplan.run.hlo import CollectiveStats, collective_stats
-from shardplan.run.pipelined import compiling_only
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -49,20 +48,15 @@ def _next_token_loss(outputs, targets) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-def _train_step(model: nnx.Module, optimizer: nnx.Optimizer, tokens: jax.Array, targets: jax.Array,
-                arguments: Callable | None = None) -> jax.Array:
+@nnx.jit(donate_argnums=(0, 1), static_argnames=("arguments",))
+def lm_train_step(model: nnx.Module, optimizer: nnx.Optimizer, tokens: jax.Array, targets: jax.Array,
+                  arguments: Callable | None = None) -> jax.Array:
     """One AdamW step on the next-token loss, outputs pinned to the plan."""
     from shardplan.run.apply import constrain
     loss, grads = nnx.value_and_grad(lm_loss)(model, tokens, targets, arguments)
     optimizer.update(model, grads)
     constrain(model, optimizer)
     return loss
-
-
-lm_train_step = nnx.jit(_train_step, donate_argnums=(0, 1), static_argnames=("arguments",))
-# The step `measure` compiles and never runs, traced apart so that a run never reuses its program (see
-# `compiling_only`).
-_read_step = nnx.jit(_train_step, donate_argnums=(0, 1), static_argnames=("arguments",))
 
 
 def prepare(plan, model: nnx.Module, batch: int, seq: int, *, input_name: str | None = None, vocab: int = 2):
@@ -111,8 +105,7 @@ def measure(plan, model: nnx.Module, batch: int, seq: int, *, input_name: str | 
     (`arguments`: see `lm_loss`)."""
     model, optimizer, tokens, targets = prepare(plan, model, batch, seq, input_name=input_name)
     start = time.perf_counter()
-    with compiling_only():      # read, never run: the program accelerators run
-        compiled = _read_step.lower(model, optimizer, tokens, targets, arguments).compile()
+    compiled = lm_train_step.lower(model, optimizer, tokens, targets, arguments).compile()
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
     return Measured(collective_stats(compiled.as_text(), executed=True, branch_share=branch_share(plan)),

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-import contextlib
 import functools
 from typing import Any, Callable
 
@@ -29,10 +28,6 @@ from shardplan.run.pipeline import (Layers, circular_forward, cross_entropy, fit
                                     model_order, one_f_one_b_loss, sequential_forward, split_microbatches, stack,
                                     unstack)
 
-# Set while a step is compiled and never run (`measure`): its program is the accelerators' (branches kept).
-_COMPILE_ONLY: contextvars.ContextVar = contextvars.ContextVar("shardplan_compile_only", default=False)
-# (pipeline name, manual batch axes) already told that their stages run without branches on CPU
-_SAID_LOCKSTEP: set = set()
 # Set by `model_loss` under a pipeline plan: the layers then run the whole schedule, loss included.
 _LOSS_REQUEST: contextvars.ContextVar = contextvars.ContextVar("shardplan_loss_request", default=None)
 # Set while 1F1B runs the model's code around its layers for one microbatch: what the layers return,
@@ -227,57 +222,13 @@ class PipelinedLayers(nnx.Module):
         embed_in = entering(before, [may and not by_head for may, by_head in zip(may_split, used)])
         used_at = [i for i, keep in zip(outside, used) if keep]
         read_at = [i for i, read in zip(outside, before) if read]
-        branches = self._pipeline_context is None and not self._deadlocks_in_branches(state, batch_axes)
         return one_f_one_b_loss(
             layers, state, functools.partial(head_loss, used=used_at), head_in,
             functools.partial(layers_entry, used=read_at), embed_in, rest_leaves,
             ([micro(a) for a in split], whole), ([micro(a) for a in model_split], model_whole),
             micro(request.targets), (keys, head_keys), mesh=mesh, axis=self._pipeline_axis, batch_axes=batch_axes,
-            embed_branch=every_batch_axis_manual, branches=branches, schedule=self.schedule,
+            embed_branch=every_batch_axis_manual, branches=self._pipeline_context is None, schedule=self.schedule,
             runner=zero_bubble_schedule if self.schedule == "zb-h1" else None)
-
-    def _deadlocks_in_branches(self, state, batch_axes: tuple[str, ...]) -> bool:
-        """Whether the stages' work must run outside branches: on XLA:CPU, when a layer weight is split over
-        an axis left to XLA (tensor parallelism inside a stage).
-
-        The table schedules run each tick's forward and backward in a `lax.cond` that a stage idle on that
-        tick skips, and XLA's partitioner puts the collectives of an automatic axis inside it. XLA:CPU
-        (jax 0.10.2) meets every device of the program at a collective-permute, whichever branch a device
-        took, so one there waits for stages that never come and the process aborts ("Termination timeout
-        for collective permute"). The partitioner emits permutes for some layouts only — a LLaMA decoder's
-        `wq` and `wo` split over a 4-device axis (a 2 x 2 re-tiling in the backward's transpose of the
-        layer slice), its `wq` and `wk` split over the head dimension on 2 devices (RoPE's rotate-half
-        exchanges halves) — which cannot be told from the plan, so on CPU every such plan runs without
-        branches: every stage computes on every tick and keeps its own work (the same numbers, more
-        computation). Accelerators keep the branches, and so does a step only compiled (`measure`)."""
-        if jax.default_backend() != "cpu" or _COMPILE_ONLY.get():
-            return False
-        manual, mesh = {self._pipeline_axis, *batch_axes}, self._pipeline_mesh
-        specs = jax.tree.leaves(nnx.get_partition_spec(state), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-        split = any(name is not None and name not in manual and mesh.shape[name] > 1
-                    for spec in specs if isinstance(spec, jax.sharding.PartitionSpec)
-                    for entry in spec for name in (entry if isinstance(entry, tuple) else (entry,)))
-        if split and (self._pipeline_name, batch_axes) not in _SAID_LOCKSTEP:
-            import warnings
-
-            from shardplan.plan.diagnostics import PlanWarning
-            _SAID_LOCKSTEP.add((self._pipeline_name, batch_axes))
-            warnings.warn(f"pipeline {self._pipeline_name!r} on CPU devices: its layers' weights are split over an axis "
-                          "left to XLA, whose collectives XLA:CPU may not run inside the schedule's branches, so every "
-                          "stage computes on every tick and keeps its own work: the same numbers, more computation "
-                          "(accelerators keep the branches)", PlanWarning, stacklevel=4)
-        return split
-
-
-@contextlib.contextmanager
-def compiling_only():
-    """While in it, pipelines trace the program an accelerator runs, for a step that is compiled and read,
-    never run (on CPU a run needs some of them without branches: `_deadlocks_in_branches`)."""
-    token = _COMPILE_ONLY.set(True)
-    try:
-        yield
-    finally:
-        _COMPILE_ONLY.reset(token)
 
 
 def _used_inputs(function: Callable, leaves: list) -> list[bool]:
