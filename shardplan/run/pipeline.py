@@ -314,10 +314,20 @@ def _schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axe
         last = stages - 1
         f_m, f_v, b_m, b_v, f_slot, b_slot = (table[s] for table in tables)
 
-        def stage_fn(state, h, m, v):
+        def stage_fn(chunk_state, h, m, v):
             first, size = layers.chunk(v * stages + s, per_chunk)
-            return _run_chunk(layers, _chunk(state, v), h, _at(layer_split, m), layer_whole,
-                              fold_keys(layer_keys, m), first, size)
+            return _run_chunk(layers, chunk_state, h, _at(layer_split, m), layer_whole, fold_keys(layer_keys, m),
+                              first, size)
+
+        # A chunk's weights are taken, and its gradients added back, outside the tick's branches: inside,
+        # the transpose of that slice can re-tile a weight split over an axis left to XLA with a
+        # collective-permute, which XLA:CPU runs only when every device of the program arrives — and the
+        # stages idle on that tick never do.
+        def chunk_of(v):
+            return _chunk(state, v if virtual > 1 else 0)
+
+        def add_to_chunk(total, v, grads):
+            return jax.tree.map(lambda t, g: t.at[v if virtual > 1 else 0].add(g.astype(t.dtype)), total, grads)
 
         ends = Ends(head, embed, head_params, embed_params, head_rest, head_split, head_whole, head_keys, targets,
                     embed_branch, when)
@@ -333,7 +343,8 @@ def _schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axe
                 incoming = jnp.where((s == 0) & (vf > 0), loops[0][mf_], incoming)
                 cot_in = jnp.where((s == last) & (vb < virtual - 1), loops[1][mb_], cot_in)
             h_in = ends.layers_input(enters, mf_, incoming)
-            h = when(f_on, lambda: stage_fn(state, h_in, mf_, vf), lambda: jnp.zeros_like(h_in))
+            f_chunk = chunk_of(vf)
+            h = when(f_on, lambda: stage_fn(f_chunk, h_in, mf_, vf), lambda: jnp.zeros_like(h_in))
             stash = jnp.where(f_on, stash.at[f_at].set(h_in), stash)
 
             loss_m, gh, gy = ends.loss_and_gradients(leaves, h, mf_)
@@ -346,11 +357,13 @@ def _schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axe
                 gy = waiting[mb_]
             cot = jnp.where((s == last) & (vb == virtual - 1), gy, cot_in)
 
+            b_chunk = chunk_of(vb)
+
             def backward():
-                _, vjp = jax.vjp(lambda st, x: stage_fn(st, x, mb_, vb), state, stash[b_at])
+                _, vjp = jax.vjp(lambda st, x: stage_fn(st, x, mb_, vb), b_chunk, stash[b_at])
                 return vjp(cot)
-            gl, gx = when(b_on, backward, lambda: (jax.tree.map(jnp.zeros_like, state), jnp.zeros_like(h)))
-            g_layers = _accumulate(g_layers, gl)
+            gl, gx = when(b_on, backward, lambda: (jax.tree.map(jnp.zeros_like, b_chunk), jnp.zeros_like(h)))
+            g_layers = add_to_chunk(g_layers, vb, gl)
 
             g_embed = _accumulate(g_embed, ends.embed_gradients(b_on & (s == 0) & (vb == 0), mb_, gx))
             return (_to_last(h, axis, stages), _to_previous(gx, axis, stages), stash, waiting, loops, g_layers,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import functools
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -20,7 +21,9 @@ from flax import nnx
 from shardplan.checks.layer_contract import PipelineCallError, calling_without_updates
 from shardplan.checks.schedules import SCHEDULES, on_tables
 from shardplan.checks.paths import join_path
+from shardplan.plan.diagnostics import PlanWarning
 from shardplan.run.accumulate import accumulated_loss
+from shardplan.run.branch_probe import layers_permute_in_branches
 from shardplan.run.layer_call import CallArgs, describe_layer_call, draw_keys
 from shardplan.run.step_options import accumulation
 from shardplan.run.zero_bubble import zero_bubble_schedule
@@ -33,6 +36,8 @@ _LOSS_REQUEST: contextvars.ContextVar = contextvars.ContextVar("shardplan_loss_r
 # Set while 1F1B runs the model's code around its layers for one microbatch: what the layers return,
 # given their input.
 _REPLAY: contextvars.ContextVar = contextvars.ContextVar("shardplan_replay", default=None)
+# (pipeline name, manual batch axes) already told that their stages run without branches
+_SAID_LOCKSTEP: set = set()
 
 
 @dataclasses.dataclass
@@ -222,13 +227,36 @@ class PipelinedLayers(nnx.Module):
         embed_in = entering(before, [may and not by_head for may, by_head in zip(may_split, used)])
         used_at = [i for i, keep in zip(outside, used) if keep]
         read_at = [i for i, read in zip(outside, before) if read]
+        branches = self._pipeline_context is None and not self._permutes_in_branches(
+            layers, state, x, split, whole, keys, microbatches, batch_axes)
         return one_f_one_b_loss(
             layers, state, functools.partial(head_loss, used=used_at), head_in,
             functools.partial(layers_entry, used=read_at), embed_in, rest_leaves,
             ([micro(a) for a in split], whole), ([micro(a) for a in model_split], model_whole),
             micro(request.targets), (keys, head_keys), mesh=mesh, axis=self._pipeline_axis, batch_axes=batch_axes,
-            embed_branch=every_batch_axis_manual, branches=self._pipeline_context is None, schedule=self.schedule,
+            embed_branch=every_batch_axis_manual, branches=branches, schedule=self.schedule,
             runner=zero_bubble_schedule if self.schedule == "zb-h1" else None)
+
+    def _permutes_in_branches(self, layers, state, x, split, whole, keys, microbatches: int,
+                              batch_axes: tuple[str, ...]) -> bool:
+        """Whether the schedule must run without branches on this backend (see `branch_probe`), said once
+        per pipeline and layout."""
+        rows = x.shape[0] // microbatches
+
+        def one_microbatch(a):
+            return jax.ShapeDtypeStruct((rows, *a.shape[1:]), a.dtype)
+        specs = jax.tree.leaves(nnx.get_partition_spec(state), is_leaf=lambda v: isinstance(v, jax.sharding.PartitionSpec))
+        inputs = (one_microbatch(x), [one_microbatch(a) for a in split], whole, keys)
+        if not layers_permute_in_branches(layers, state, specs, inputs, self._pipeline_mesh, self._pipeline_axis,
+                                          batch_axes):
+            return False
+        if (self._pipeline_name, batch_axes) not in _SAID_LOCKSTEP:
+            _SAID_LOCKSTEP.add((self._pipeline_name, batch_axes))
+            warnings.warn(f"pipeline {self._pipeline_name!r} on CPU devices: XLA splits its layers with a "
+                          "collective-permute over an axis left to it, which XLA:CPU cannot run inside the "
+                          "schedule's branches, so every stage computes at every tick and keeps its own work: the "
+                          "same numbers, more computation (accelerators keep the branches)", PlanWarning, stacklevel=4)
+        return True
 
 
 def _used_inputs(function: Callable, leaves: list) -> list[bool]:
