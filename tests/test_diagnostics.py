@@ -71,6 +71,10 @@ CASES = {
                       "  - {match: '.*', spec: replicated}\n", PARAMS, 8, None, ["rule #1", "blocks/(", "regular"], 7),
     "unknown-axis": (HEAD + "params:\n  - {match: '.*kernel', spec: [null, modle]}\n  - {match: '.*', spec: []}\n",
                      PARAMS, 8, None, ["rule #1", "'modle'", "did you mean 'model'"], 7),
+    "logical-name-unmapped": (HEAD + "logical_rules:\n  - [haeds, model]\nparams:\n"
+                              "  - {match: '.*attn/kernel', spec: [null, heads]}\n  - {match: '.*', spec: []}\n",
+                              PARAMS, 8, None, ["params rule #1 names 'heads'", "no logical rule names",
+                                                "not split", "did you mean 'haeds'"], 9),
     "axis-repeated": (HEAD + "params:\n  - {match: '.*attn/kernel', spec: [model, model]}\n"
                       "  - {match: '.*', spec: []}\n", PARAMS, 8, None, ["rule #1", "'model' twice"], 7),
     "spec-too-long": (HEAD + "params:\n  - {match: 'blocks/\\d+/norm/scale', spec: [null, model]}\n"

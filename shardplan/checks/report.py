@@ -10,8 +10,8 @@ from shardplan.checks.mesh import check_given_mesh, check_hosts, resolve_axes
 from shardplan.checks.paths import ParamInfo
 from shardplan.checks.stages import StageMap, check_microbatches, plan_stages
 from shardplan.checks.step import check_step_axes
-from shardplan.checks.validate import (Placement, data_axes, idle_axes, rule_level, validate_inputs,
-                                       validate_optimizer, validate_params)
+from shardplan.checks.validate import (Placement, data_axes, idle_axes, rule_level, unmapped_logical_names,
+                                       validate_inputs, validate_optimizer, validate_params)
 from shardplan.checks.combinations import degenerate_sections, pipeline_fsdp
 from shardplan.checks.context import check_context
 from shardplan.checks.experts import check_experts, expert_blocks
@@ -190,6 +190,7 @@ def check_params(plan: Plan, params: list[ParamInfo], device_ids: list[int], *,
     diagnostics += mesh_diagnostics
     placements, found = validate_params(plan, params, rules, sizes)
     diagnostics += found + validate_inputs(plan, sizes, input_shapes) + validate_optimizer(plan, sizes)
+    diagnostics += unmapped_logical_names(plan, sizes)
     diagnostics += idle_axes(plan, placements, sizes) + check_step_axes(plan, sizes) if not mesh_diagnostics else []
     specs = {p.param.path: p.spec for p in placements}
     stage_map, staging = plan_stages(plan, params, sizes, specs)
@@ -222,7 +223,7 @@ def check_plan_only(plan: Plan, device_count: int) -> list[Diagnostic]:
     sizes, mesh_diagnostics = resolve_axes(plan, device_count)
     mesh_diagnostics += check_hosts(plan, sizes, 1) if not mesh_diagnostics else []
     diagnostics += mesh_diagnostics + rule_level(plan, rules, sizes)
-    diagnostics += validate_inputs(plan, sizes) + validate_optimizer(plan, sizes)
+    diagnostics += validate_inputs(plan, sizes) + validate_optimizer(plan, sizes) + unmapped_logical_names(plan, sizes)
     diagnostics += check_step_axes(plan, sizes) if not mesh_diagnostics else []
     if plan.pipeline is not None:
         # Without parameters plan_stages stops after the axis check, so the stage regexes are compiled here.

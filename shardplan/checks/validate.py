@@ -14,7 +14,7 @@ from shardplan.checks.layout import human_bytes, trim_spec
 from shardplan.checks.paths import ParamInfo
 from shardplan.plan.diagnostics import Diagnostic
 from shardplan.plan.matching import NormalSpec, Rule, matches_of
-from shardplan.plan.schema import Plan, format_spec, normalize_spec, spec_axes
+from shardplan.plan.schema import UNSHARDED, Plan, format_spec, normalize_spec, spec_axes
 
 # A fully replicated parameter at least this large draws a warning when the plan shards others.
 REPLICATED_WARNING_BYTES = 1 << 20
@@ -123,6 +123,32 @@ def _unknown_axis(code: str, subject: str, axis: str, sizes: dict[str, int], fil
             f"mesh axes are {', '.join(sizes)}; logical names are {', '.join(logical)}")
     return Diagnostic(code, "error", f"{subject} names {axis!r}, which is neither a mesh axis ({', '.join(sizes)}) "
                       f"nor a logical name ({', '.join(logical)})", file=file, line=line, column=col, hint=hint, **where)
+
+
+def unmapped_logical_names(plan: Plan, sizes: dict[str, int]) -> list[Diagnostic]:
+    """Names in the plan's own specs that no `logical_rules` rule names and no mesh axis has: flax leaves
+    such a dim unsplit, so a misspelt name would silently split nothing (one warning per name)."""
+    if not plan.logical_rules:
+        return []
+    named = {name for name, _ in plan.logical_rules}
+    found: dict[str, tuple] = {}
+    for (section, key), spec in plan.written_specs():
+        for entry in spec:
+            for name in ([entry] if isinstance(entry, str) else list(entry or [])):
+                if name not in named and name not in sizes and name != UNSHARDED:
+                    found.setdefault(name, (section, key))
+    diagnostics = []
+    for name, (section, key) in found.items():
+        line, col = plan.locate(section, key, "spec") if section != "inputs" else plan.locate("inputs", key)
+        where = f"{section} rule #{key + 1}" if section != "inputs" else f"input {key!r}"
+        close = difflib.get_close_matches(name, sorted(named) + list(sizes), n=1, cutoff=0.6)
+        diagnostics.append(Diagnostic(
+            "logical-name-unmapped", "warning",
+            f"{where} names {name!r}, which no logical rule names and no mesh axis has: that dim is not split "
+            "(as flax resolves it)", file=plan.file, line=line, column=col,
+            hint=f"did you mean {close[0]!r}?" if close else
+            f"add a rule `[{name}, <mesh axis>]` to logical_rules, or write null for that dim"))
+    return diagnostics
 
 
 def _logical_names(plan: Plan) -> list[str]:

@@ -22,6 +22,7 @@ CODES: dict[str, str] = {
     "invalid-regex": "a rule's `match` is not a valid regular expression",
     "regex-too-slow": "a `match` pattern that needs a backtracking engine (backreference, lookaround) or that RE2 refuses",
     "unknown-axis": "a spec names an axis the mesh does not have",
+    "logical-name-unmapped": "a spec names a logical name no `logical_rules` rule names (the dim is not split)",
     "axis-repeated": "a spec uses the same mesh axis twice",
     "spec-too-long": "a spec has more entries than the parameter has dims",
     "not-divisible": "a dim is not divisible by the product of the axes sharding it",

@@ -354,6 +354,10 @@ class Plan(_Strict):
         """The spec as written in logical names, where `logical_axes` rewrote it (for `explain`)."""
         return self._written.get((section, key))
 
+    def written_specs(self) -> list[tuple[tuple[str, Any], list]]:
+        """((section, rule index or input name), spec as written) of every spec logical names rewrote."""
+        return list(self._written.items())
+
     _written: dict = PrivateAttr(default_factory=dict)
 
     @field_validator("inputs", mode="before")
