@@ -1,6 +1,8 @@
 """Everyday commands: listing a model's parameters, diffing two plans, config-object factories, --path."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -128,6 +130,27 @@ def test_inspect_svg_draws_the_mesh_the_blocks_and_the_pipeline(tmp_path, capsys
     assert any(t and t.startswith("2 of 20 cells idle; bubble 11.1% of stage time") for t in texts), texts
     assert "F0" in texts and "b7" in texts
     assert "http" not in text.replace("http://www.w3.org/2000/svg", "")   # nothing fetched
+    width = float(root.get("width"))
+    boxes = [_text_box(t) for t in root.iter(f"{ns}text") if t.text]
+    assert all(0 <= box[0] and box[2] <= width for box in boxes), [b for b in boxes if b[2] > width or b[0] < 0]
+    overlapping = [(a[4], b[4]) for k, a in enumerate(boxes) for b in boxes[k + 1:]
+                   if a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]]
+    assert not overlapping
+    # the README's picture is this one (regenerate with SHARDPLAN_UPDATE_GOLDEN=1)
+    shown = Path(__file__).parents[1] / "docs" / "minigpt_3d.svg"
+    if os.environ.get("SHARDPLAN_UPDATE_GOLDEN"):
+        shown.write_text(text)
+    assert shown.read_text() == text
+
+
+def _text_box(element) -> tuple[float, float, float, float, str]:
+    """(left, top, right, bottom, text) of an SVG text, its width from the font's average advance (DejaVu Sans
+    Mono: 0.602 em; DejaVu Sans, whose advances vary: 0.58 em over these labels)."""
+    size, text = float(element.get("font-size")), element.text
+    width = len(text) * size * (0.61 if "Mono" in element.get("font-family") else 0.58)
+    x, y = float(element.get("x")), float(element.get("y"))
+    left = {"middle": x - width / 2, "end": x - width}.get(element.get("text-anchor"), x)
+    return left, y - 0.8 * size, left + width, y + 0.2 * size, text
 
 
 def test_explain_takes_both_a_parameter_path_and_import_folders(tmp_path, capsys):
