@@ -16,7 +16,7 @@ from conftest import REPO
 MODULES = ["shardplan.plan.schema", "shardplan.checks.layout", "shardplan.checks.mesh", "shardplan.run.hlo", "shardplan.checks.paths",
            "shardplan.plan.loader", "shardplan.checks.report", "shardplan.run.apply", "shardplan.run.specs", "shardplan.checks.roles", "shardplan.planner.auto",
            "shardplan.plan.matching", "shardplan.planner.profiles", "shardplan.plan.inert", "shardplan.run.models", "shardplan.run.pipeline", "shardplan.checks.diff",
-           "shardplan.planner.overlap"]
+           "shardplan.planner.overlap", "shardplan.run.pipelined", "shardplan.run.flags"]
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -26,6 +26,66 @@ def test_docstring_examples(name):
 
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def api_reference() -> str:
+    """docs/api.md: every public name of `shardplan`, its signature and its docstring, whose examples
+    `test_docstring_examples` runs (a `>>>` example becomes a `pycon` block)."""
+    import inspect
+
+    import shardplan
+    lines = ["# API reference", "",
+             "Every name `import shardplan` exports, with its signature and docstring. Generated from the code "
+             "(`SHARDPLAN_UPDATE_GOLDEN=1 python -m pytest tests/test_docs.py -k api`; a test keeps it equal), and "
+             "every `>>>` example below runs in the test suite on 8 simulated CPU devices. The plan file itself is "
+             "described in [plan-format.md](plan-format.md), the step options in [step.md](step.md), a worked "
+             "example with your own model and loop in [your-model.md](your-model.md).", ""]
+    for name in shardplan.__all__:
+        obj = getattr(shardplan, name)
+        if isinstance(obj, dict):
+            lines += [f"## `shardplan.{name}`", "", f"A dict of the {len(obj)} diagnostic codes, each to its one-line "
+                      "meaning (the table in [diagnostics.md](diagnostics.md) says more).", ""]
+            continue
+        kind = "class " if inspect.isclass(obj) else ""
+        signature = "" if inspect.isclass(obj) else str(inspect.signature(obj)).replace("'", "")
+        lines += [f"## {kind}`shardplan.{name}{signature}`", ""]
+        prose, example = [], []
+        for line in (inspect.getdoc(obj) or "").splitlines() + [""]:
+            if line.startswith((">>>", "...")) or (example and line):
+                example.append(line)
+                continue
+            if example:
+                prose += ["```pycon", *example, "```"]
+                example = []
+            prose.append(line)
+        lines += [*prose[:-1], ""]
+        if inspect.isclass(obj):
+            lines += _members(obj)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _members(cls) -> list[str]:
+    """A class's fields (dataclass or plan sections) and its public methods and properties, one line each."""
+    import dataclasses
+    import inspect
+    fields = (list(cls.model_fields) if hasattr(cls, "model_fields") else
+              [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else [])
+    rows = [f"- `{name}`" for name in fields if not name.startswith("_")]
+    for name, member in vars(cls).items():
+        if name.startswith(("_", "model_")) or name in fields or not (inspect.isfunction(member) or isinstance(member, property)):
+            continue
+        doc = (inspect.getdoc(member) or "").split("\n\n")[0].replace("\n", " ")
+        call = "" if isinstance(member, property) else str(inspect.signature(member)).replace("(self, ", "(").replace(
+            "(self)", "()").replace("'", "")
+        rows.append(f"- `{name}{call}`" + (f": {doc}" if doc else ""))
+    return ([("Fields and members:" if fields else "Members:"), "", *rows, ""]) if rows else []
+
+
+def test_the_api_reference_is_the_docstrings():
+    page = REPO / "docs" / "api.md"
+    if os.environ.get("SHARDPLAN_UPDATE_GOLDEN"):
+        page.write_text(api_reference())
+    assert page.read_text() == api_reference()
 
 
 def _blocks(path, language: str) -> list[str]:

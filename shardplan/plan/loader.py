@@ -85,7 +85,20 @@ def format_of(path: Path) -> str:
 
 
 def parse_plan(text: str, *, file: str | None = None, fmt: str = "yaml") -> Plan:
-    """Parse plan text of format `fmt` ('yaml' or 'toml')."""
+    r"""Parse plan text of format `fmt` ('yaml' or 'toml'), as `load_plan` reads a file; raise `PlanError`
+    on any mistake (`file` names the text in its diagnostics).
+
+    >>> plan = parse_plan("version = 1\n[mesh.axes]\ndata = 8\n[[params]]\nmatch = '.*'\nspec = 'replicated'\n",
+    ...                   fmt="toml")
+    >>> plan.mesh.axes, plan.params[0].match
+    ({'data': 8}, '.*')
+    >>> parse_plan("version: 1\nmesh: {axes: {data: 8}}\nparams: [{match: '.*', spec: []}]\noptimizer: zero3\n",
+    ...            file="inline.yaml")
+    Traceback (most recent call last):
+    ...
+    shardplan.plan.diagnostics.PlanError: 1 error(s) in plan:
+    inline.yaml:4:1: error[invalid-value] optimizer: Input should be 'same' or 'zero1', but got 'zero3'...
+    """
     if len(text) > MAX_PLAN_BYTES:
         raise PlanError([Diagnostic("plan-too-large", "error",
                                     f"plan text holds {len(text):,} characters; the limit is {MAX_PLAN_BYTES:,}",

@@ -382,7 +382,16 @@ def _named_batch(plan: Plan, batch):
 
 def shard_local_inputs(plan: Plan, batch: dict, mesh: jax.sharding.Mesh) -> dict:
     """`shard_inputs` for multi-process runs: each process passes only its rows of the global batch
-    (process i: rows i*B/P .. (i+1)*B/P); with one process it is `shard_inputs`."""
+    (process i: rows i*B/P .. (i+1)*B/P); with one process it is `shard_inputs`. Raises `PlanError` as
+    `shard_inputs` does, on the global shapes.
+
+    >>> import numpy as np, shardplan
+    >>> plan = shardplan.load_plan("plans/minigpt_dp_tp.yaml")
+    >>> mesh = shardplan.make_mesh(plan)
+    >>> local = {"tokens": np.zeros((8, 16), np.int32)}         # this process's rows (here: all of them)
+    >>> shardplan.shard_local_inputs(plan, local, mesh)["tokens"].sharding.spec
+    P('data', None)
+    """
     processes = jax.process_count()
     if processes == 1:
         return shard_inputs(plan, batch, mesh)

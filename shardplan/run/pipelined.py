@@ -280,7 +280,19 @@ def pipelined_layers(model) -> tuple[str, PipelinedLayers] | None:
 
 
 def to_plain(model: nnx.Module) -> nnx.Module:
-    """The model with its layers unpipelined, same weights (for sampling and export); any other model as is."""
+    """The model with its layers unpipelined, same weights (for sampling and export); any other model as is.
+
+    >>> import shardplan, minigpt_model
+    >>> from flax import nnx
+    >>> plan = shardplan.load_plan("plans/minigpt_pp4.yaml")
+    >>> model = minigpt_model.MiniGPT(vocab_size=512, num_transformer_blocks=8, rngs=nnx.Rngs(0))
+    >>> model = shardplan.apply_plan(plan, model, shardplan.make_mesh(plan))
+    >>> type(model.transformer_blocks).__name__, model.transformer_blocks.linear1.kernel.shape
+    ('PipelinedLayers', (4, 1, 2, 256, 256))
+    >>> plain = shardplan.to_plain(model)
+    >>> len(plain.transformer_blocks), plain.transformer_blocks[0].linear1.kernel.shape
+    (8, (256, 256))
+    """
     found = pipelined_layers(model)
     if found is None:
         return model
