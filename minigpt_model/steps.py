@@ -23,8 +23,7 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, tokens: jnp.ndarray,
     """One AdamW step; dropout draws from `dropout_key` (derive it from the step for exact resumes)."""
     rngs = nnx.Rngs(dropout=dropout_key) if dropout_key is not None else None
     loss, grads = nnx.value_and_grad(loss_fn)(model, tokens, targets, rngs, training)
-    optimizer.update(model, grads)
-    shardplan.constrain(model, optimizer)
+    optimizer.update(model, grads)      # shardplan's optimizer keeps both on the plan's layout
     return loss
 
 

@@ -130,6 +130,46 @@ def test_shard_inputs_takes_the_tutorials_tuple_a_single_array_and_says_what_it_
         shardplan.shard_inputs(plan, (inputs, np.ones((7, 16), np.int32)), mesh)
 
 
+def test_a_plain_nnx_jit_step_keeps_the_plan_without_constrain():
+    """The user's own step, the tutorial's way: `nnx.jit`, an `(inputs, targets)` tuple, `optimizer.update` and
+    nothing else. Under FSDP XLA splits the replicated output bias (and its moments) when left to choose, as a
+    plain `nnx.Optimizer` shows; the optimizer `shard_optimizer` returns keeps every array on the plan."""
+    config = dict(vocab_size=1024, num_transformer_blocks=1, embed_dim=64, maxlen=32)
+    rows = np.asarray(jax.random.randint(jax.random.key(1), (16, 33), 0, config["vocab_size"]))
+
+    @nnx.jit
+    def step(model, optimizer, inputs, targets):
+        def loss_fn(model):
+            return optax.softmax_cross_entropy_with_integer_labels(model(inputs), targets).mean()
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    def train(plain_optimizer: bool):
+        plan = shardplan.load_plan(PLANS / "minigpt_fsdp.toml")
+        mesh = shardplan.make_mesh(plan)
+        model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0)), mesh)
+        optimizer = shardplan.shard_optimizer(plan, model, optax.adamw(1e-3), mesh)
+        if plain_optimizer:
+            optimizer.__class__ = nnx.Optimizer
+        planned = {path: (a.sharding, a.ndim) for path, a in jax.tree_util.tree_flatten_with_path(
+            nnx.state((model, optimizer)))[0]}
+        inputs, targets = shardplan.shard_inputs(plan, (rows[:, :-1], rows[:, 1:]), mesh)
+        losses = [float(step(model, optimizer, inputs, targets)) for _ in range(3)]
+        off = [jax.tree_util.keystr(path) for path, a in jax.tree_util.tree_flatten_with_path(
+            nnx.state((model, optimizer)))[0] if not planned[path][0].is_equivalent_to(a.sharding, planned[path][1])]
+        return losses, off
+
+    losses, off = train(plain_optimizer=False)
+    assert off == []
+    _, drifted = train(plain_optimizer=True)
+    assert any("output_layer']['bias']" in path for path in drifted), drifted
+    model = minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0))        # one device, nothing placed
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    single = [float(step(model, optimizer, rows[:, :-1], rows[:, 1:])) for _ in range(3)]
+    np.testing.assert_allclose(losses, single, rtol=2e-5)
+
+
 def test_a_python_user_sees_the_plans_warnings_once():
     """`apply_plan` and `init` show a plan's warnings through the `warnings` module (a rule matching nothing)."""
     import warnings

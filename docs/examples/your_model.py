@@ -92,8 +92,7 @@ def loss_fn(model, tokens, targets):
 @nnx.jit
 def train_step(model, optimizer, tokens, targets):
     loss, grads = nnx.value_and_grad(loss_fn)(model, tokens, targets)
-    optimizer.update(model, grads)
-    shardplan.constrain(model, optimizer)      # keep every array on the plan's layout after the update
+    optimizer.update(model, grads)      # shard_optimizer's update keeps every array on the plan's layout
     return loss
 
 

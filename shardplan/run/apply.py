@@ -219,7 +219,8 @@ class _PipelineInit:
 
 def shard_optimizer(plan: Plan, model: nnx.Module, tx: optax.GradientTransformation,
                     mesh: jax.sharding.Mesh) -> nnx.Optimizer:
-    """An `nnx.Optimizer` over the model's parameters, its state placed per the plan's `optimizer`.
+    """An `nnx.Optimizer` over the model's parameters, its state placed per the plan's `optimizer`; its
+    `update` keeps the model and the state on the plan's layout (a plain `nnx.jit` step needs no `constrain`).
 
     `same`: each state leaf shaped like a parameter gets that parameter's spec; `zero1`: also
     split over the data axis. Scalars (step counts) are replicated.
@@ -260,6 +261,17 @@ def shard_optimizer(plan: Plan, model: nnx.Module, tx: optax.GradientTransformat
     return optimizer
 
 
+class PlannedOptimizer(nnx.Optimizer):
+    """`nnx.Optimizer` whose `update` leaves the model and its own state on the plan's layout, so a plain
+    `nnx.jit` step keeps the plan without calling `constrain` (XLA would otherwise choose the layout of
+    the step's outputs: under FSDP it splits a replicated bias)."""
+
+    def update(self, model, grads, /, **kwargs):
+        updates = super().update(model, grads, **kwargs)
+        constrain(model, self)
+        return updates
+
+
 def _unplaced_optimizer(model: nnx.Module, tx) -> nnx.Optimizer:
     """`nnx.Optimizer` built without the parameters' placement metadata, which it would copy onto its state
     and apply itself (Flax refuses meshes that mix Auto and Explicit axes); the caller places the state."""
@@ -268,7 +280,7 @@ def _unplaced_optimizer(model: nnx.Module, tx) -> nnx.Optimizer:
     for variable in params:
         variable.set_metadata(out_sharding=None, mesh=None)
     try:
-        return nnx.Optimizer(model, tx, wrt=nnx.Param)
+        return PlannedOptimizer(model, tx, wrt=nnx.Param)
     finally:
         for variable, metadata in zip(params, saved):
             variable.set_metadata(**metadata)
@@ -307,9 +319,9 @@ def _param_of_state(keys: tuple, shape: tuple, planned: dict) -> tuple | None:
 def constrain(*nodes) -> None:
     """Pin every planned variable of `nodes` (models, optimizers) to its planned sharding.
 
-    Call it at the end of a jitted step, after `optimizer.update`: XLA is free to choose the
-    layout of a step's outputs and may, e.g., shard a replicated LayerNorm scale under FSDP.
-    Outside `jit` it moves arrays back to their planned layout.
+    Inside a jitted step, after variables are updated: XLA is free to choose the layout of a step's
+    outputs and may, e.g., shard a replicated bias under FSDP. (`shard_optimizer`'s `update` calls it on
+    the model and the optimizer.) Outside `jit` it moves arrays back to their planned layout.
 
     >>> import optax, shardplan, minigpt_model
     >>> from flax import nnx

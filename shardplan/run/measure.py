@@ -51,11 +51,9 @@ def _next_token_loss(outputs, targets) -> jax.Array:
 @nnx.jit(donate_argnums=(0, 1), static_argnames=("arguments",))
 def lm_train_step(model: nnx.Module, optimizer: nnx.Optimizer, tokens: jax.Array, targets: jax.Array,
                   arguments: Callable | None = None) -> jax.Array:
-    """One AdamW step on the next-token loss, outputs pinned to the plan."""
-    from shardplan.run.apply import constrain
+    """One AdamW step on the next-token loss (`shard_optimizer`'s update keeps the outputs on the plan)."""
     loss, grads = nnx.value_and_grad(lm_loss)(model, tokens, targets, arguments)
     optimizer.update(model, grads)
-    constrain(model, optimizer)
     return loss
 
 

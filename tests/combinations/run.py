@@ -136,7 +136,6 @@ def _step_fn():
             return shardplan.model_loss(model, cross_entropy, targets, tokens, positions)
         loss, grads = nnx.value_and_grad(loss_of)(model)
         optimizer.update(model, grads)
-        shardplan.constrain(model, optimizer)
         return loss, nnx.to_pure_dict(grads)
     return step
 
