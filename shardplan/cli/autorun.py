@@ -207,8 +207,9 @@ def _print_table(console: Console, found: planner.Search, measured: dict, top: i
             print_wrapped(console, Text.assemble((f"{row[0]}. {row[1]}, {row[2]}", "bold"), f": {row[-1]}"), indent=4)
             print_wrapped(console, "    " + "; ".join(f"{c} {v}" for c, v in zip(columns[3:-1], row[3:-1])), indent=6)
     reasons: dict[str, int] = {}
-    for item in found.rejected:
-        reasons[item.rejected] = reasons.get(item.rejected, 0) + 1
+    for item in found.rejected:     # "accumulation not needed: fits with 2" and "...: fits with none" are one reason
+        why = item.rejected.split(":")[0]
+        reasons[why] = reasons.get(why, 0) + 1
     if reasons:
         print_wrapped(console, "not shown: " + ", ".join(f"{n} {why}" for why, n in sorted(reasons.items())))
     if found.pruned:
