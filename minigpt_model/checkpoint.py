@@ -24,9 +24,9 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from shardplan.run.interrupts import interrupts_deferred
-from shardplan.run.pipeline import to_plain_tree, to_stacked_tree
+from shardplan.pipeline.loop import to_plain_tree, to_stacked_tree
 from shardplan.run.optimizer import load_plain_state, plain_abstract, plain_state
-from shardplan.run.pipelined import pipelined_layers
+from shardplan.pipeline.pipelined import pipelined_layers
 
 
 class CheckpointError(Exception):

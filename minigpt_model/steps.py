@@ -8,7 +8,7 @@ import optax
 from flax import nnx
 
 import shardplan
-from shardplan.run.pipeline import cross_entropy
+from shardplan.pipeline.loop import cross_entropy
 
 
 def loss_fn(model: nnx.Module, tokens: jnp.ndarray, targets: jnp.ndarray,

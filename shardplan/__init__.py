@@ -39,6 +39,6 @@ def __getattr__(name: str):
         from shardplan.experts.block import dropped_rows
         return dropped_rows
     if name in ("model_loss", "to_plain"):
-        from shardplan.run import pipelined
+        from shardplan.pipeline import pipelined
         return getattr(pipelined, name)
     raise AttributeError(f"module 'shardplan' has no attribute {name!r}")

@@ -15,8 +15,8 @@ from conftest import REPO
 
 MODULES = ["shardplan.plan.schema", "shardplan.checks.layout", "shardplan.checks.mesh", "shardplan.run.hlo", "shardplan.checks.paths",
            "shardplan.plan.loader", "shardplan.checks.report", "shardplan.run.apply", "shardplan.run.specs", "shardplan.checks.roles", "shardplan.planner.auto",
-           "shardplan.plan.matching", "shardplan.planner.profiles", "shardplan.plan.inert", "shardplan.run.models", "shardplan.run.pipeline", "shardplan.checks.diff",
-           "shardplan.planner.overlap", "shardplan.run.pipelined", "shardplan.run.flags"]
+           "shardplan.plan.matching", "shardplan.planner.profiles", "shardplan.plan.inert", "shardplan.run.models", "shardplan.pipeline.loop", "shardplan.checks.diff",
+           "shardplan.planner.overlap", "shardplan.pipeline.pipelined", "shardplan.run.flags"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -16,7 +16,7 @@ from flax import nnx
 import minigpt_model
 import shardplan
 from minigpt_model.steps import loss_fn, train_step
-from shardplan.run.pipeline import stack, unstack
+from shardplan.pipeline.loop import stack, unstack
 from shardplan.checks.schedules import OneFOneB, article_bubble, bubble_fraction, max_in_flight, timeline
 
 from conftest import PLANS, full
@@ -118,14 +118,14 @@ def test_zero_bubble_tables(stages, microbatches):
 
 
 def test_the_cost_models_closed_form_bubbles_are_the_timelines():
-    from shardplan.planner.cost import _schedule_bubble
+    from shardplan.planner.cost import schedule_bubble
     for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("1f1b", 2), ("interleaved", 2), ("interleaved", 3),
                               ("zb-h1", 1)):
         for stages, microbatches in ((2, 4), (4, 4), (4, 8), (4, 12), (8, 16), (3, 9)):
             if schedule == "1f1b" and virtual > 1 and microbatches % stages:
                 continue
             grid = timeline(schedule, stages, microbatches, virtual)
-            assert _schedule_bubble.__wrapped__(schedule, stages, microbatches, virtual) == pytest.approx(
+            assert schedule_bubble.__wrapped__(schedule, stages, microbatches, virtual) == pytest.approx(
                 bubble_fraction(grid)), (schedule, virtual, stages, microbatches)
 
 
@@ -236,7 +236,7 @@ def test_one_f_one_b_head_split_over_a_batch_axis_enters_whole(schedule, write_p
     the whole process on this very layout with the head split inside the loop. It gives one device's
     loss and gradients, and the training step compiles."""
     from minigpt_model.llama import Llama
-    from shardplan.run.pipeline import cross_entropy
+    from shardplan.pipeline.loop import cross_entropy
     LARGER = dict(vocab=1024, dim=128, hidden=256, layers=4)       # (smaller, XLA did not abort)
     plan = shardplan.load_plan(write_plan(
         "version: 1\nmesh: {axes: {stage: 2, data: 2, model: 2}}\ninputs: {tokens: [data, null]}\n"
@@ -376,8 +376,8 @@ def test_the_loop_keeps_no_weights_per_tick(case, write_plan):
     traced index (interleaved), or the operands of the switch between layer kinds. Saved, they were
     kept once per tick: the compiled peak of interleaved MiniGPT (4 blocks, width 256, vocab 8192)
     fell from 82 to 71 MiB, of the Gemma-style gpipe step from 199 to 172 MiB."""
-    from shardplan.run.pipeline import cross_entropy
-    from shardplan.run.pipelined import pipelined_layers
+    from shardplan.pipeline.loop import cross_entropy
+    from shardplan.pipeline.pipelined import pipelined_layers
     if case == "interleaved":
         plan, model, rows = _plan("minigpt_3d.yaml", "interleaved", 2), minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0)), 16
         inputs = np.zeros((rows, 16), np.int32)
@@ -419,7 +419,7 @@ def test_interleaved_one_f_one_b_on_a_batch_of_too_few_microbatches_gives_the_pl
     """A batch of 6 rows placed by hand (`shard_inputs` asks for the plan's microbatches) fits 3
     microbatches, not whole groups of 4 stages: `model_loss` runs the circular forward and the model's
     own loss, equal to the unpipelined model's."""
-    from shardplan.run.pipeline import cross_entropy
+    from shardplan.pipeline.loop import cross_entropy
     plan = _plan("minigpt_pp4.yaml", "1f1b", 2)
     mesh = shardplan.make_mesh(plan)
     model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0)), mesh)
@@ -467,7 +467,7 @@ def test_a_one_f_one_b_plan_called_outside_model_loss_says_what_runs_instead():
     a warning says so, once."""
     import warnings
 
-    from shardplan.run.pipelined import _warn_without_model_loss
+    from shardplan.pipeline.pipelined import _warn_without_model_loss
     _warn_without_model_loss.cache_clear()
     plan = _plan("minigpt_3d.yaml", "1f1b")
     model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0)), shardplan.make_mesh(plan))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax._src import core
 
-from shardplan.run.split_backward import split_backward
+from shardplan.pipeline.split_backward import split_backward
 
 
 def _dots(jaxpr) -> int:

@@ -11,7 +11,7 @@ from flax import nnx
 import minigpt_model
 import shardplan
 from minigpt_model.steps import loss_fn
-from shardplan.run.pipeline import unstack
+from shardplan.pipeline.loop import unstack
 
 from conftest import PLANS
 

@@ -14,8 +14,8 @@ from flax import nnx
 
 import shardplan
 from shardplan.checks.layer_contract import PipelineCallError
-from shardplan.run.pipeline import unstack
-from shardplan.run.pipelined import PipelinedLayers
+from shardplan.pipeline.loop import unstack
+from shardplan.pipeline.pipelined import PipelinedLayers
 from conftest import full
 from wild_models import GemmaConfig, GemmaLike, QwenLike, VitLike, gemma_inputs, qwen_inputs
 

@@ -1,7 +1,7 @@
 """Whether the model can run its layers as a pipeline, found by tracing one call of the plain model
 abstractly (no FLOP spent) while its layers record how they are called.
 
-A pipeline runs the layers in one call (see `shardplan.run.pipelined`), so it needs the model's
+A pipeline runs the layers in one call (see `shardplan.pipeline.pipelined`), so it needs the model's
 forward to call every layer once, in order, passing each layer's output activation straight to the
 next, with the same other arguments for every layer. What breaks that is reported with the layer,
 the argument and a fix.

@@ -24,7 +24,7 @@ from shardplan.checks.validate import REPLICATED_WARNING_BYTES, data_axes
 from shardplan.checks.expert_roles import find_blocks
 from shardplan.checks.schedules import recomputes_stages
 from shardplan.plan.schema import Plan, spec_axes
-from shardplan.planner.cost import Estimate, Workload, _schedule_bubble, estimate, model_flops
+from shardplan.planner.cost import Estimate, Workload, schedule_bubble, estimate, model_flops
 from shardplan.planner.profiles import Profile
 from shardplan.planner.representative import Representative, lay_out
 from shardplan.checks.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR, ModelRoles
@@ -241,7 +241,7 @@ class _Bounds:
     def step(self, c: Candidate) -> float:
         # 1F1B and gpipe (but gpipe with a split sequence) run each stage's forward again in its backward
         again = 8 / 6 if c.remat == "full" or recomputes_stages(c.schedule, "context" in c.axes) else 1.0
-        bubble = _schedule_bubble(c.schedule, c.axes.get("stage", 1), c.microbatches, c.virtual) \
+        bubble = schedule_bubble(c.schedule, c.axes.get("stage", 1), c.microbatches, c.virtual) \
             if c.schedule else 0.0
         return (self.layer_flops * again + self.other_flops) / self.devices / self.rate / (1.0 - bubble)
 

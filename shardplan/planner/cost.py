@@ -304,7 +304,7 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
         early_grads = 2 * param_bytes
     elif step.tabled:
         # the same for the stage's layers, inside the loop (the head's: above): each microbatch's in
-        # the compute dtype, their running sum in float32 at least (`shardplan.run.pipeline`)
+        # the compute dtype, their running sum in float32 at least (`shardplan.pipeline.loop`)
         early_grads = sum(math.prod(p.shard_shape) * step.count(p.path) *
                           (min(p.itemsize, options.compute_itemsize) + max(4, options.compute_itemsize))
                           for p in held if p.stage is not None)
@@ -663,7 +663,7 @@ def _head_ways(p: ParamLayout, roles: ModelRoles, step: _Step) -> int:
     """How many shards of a 1F1B head weight a device gathers. The head runs inside the loop, where a
     weight split over tensor axes only keeps its split (1); one split over a batch axis (or while
     FSDP-split layers keep those automatic), or a tied embedding, enters whole (see
-    `shardplan.run.pipelined`)."""
+    `shardplan.pipeline.pipelined`)."""
     whole = (p.path in roles.tied or not step.manual_batch or
              any(a in step.batch_axes for a in spec_axes(p.spec)))
     return step.ways(spec_axes(p.spec)) if whole else 1
@@ -917,12 +917,12 @@ def _update_bytes(every: list[ParamLayout], step: _Step) -> float:
 
 
 def _bubble(step: _Step) -> float:
-    return 0.0 if step.stage_axis is None else _schedule_bubble(step.schedule, step.stages, step.microbatches,
+    return 0.0 if step.stage_axis is None else schedule_bubble(step.schedule, step.stages, step.microbatches,
                                                                 step.virtual)
 
 
 @functools.lru_cache(maxsize=256)
-def _schedule_bubble(schedule: str, stages: int, microbatches: int, virtual: int) -> float:
+def schedule_bubble(schedule: str, stages: int, microbatches: int, virtual: int) -> float:
     """The schedule's bubble: its timeline's, in closed form where the tests hold the two equal (`auto`
     asks for stages and microbatches in the thousands, whose timelines take seconds to build)."""
     from shardplan.checks.schedules import bubble_fraction, timeline

@@ -19,8 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardplan.run.layer_call import CallArgs, draw_keys, fold_keys
-from shardplan.run.pipeline import split_microbatches
+from shardplan.run.layer_call import CallArgs, draw_keys, fold_keys, split_microbatches
 
 
 def accumulated_loss(model: nnx.Module, loss_of: Callable, targets, args: tuple, kwargs: dict, microbatches: int):

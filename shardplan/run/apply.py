@@ -64,7 +64,7 @@ def apply_plan(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh, *, exampl
 def _pipelined(plan: Plan, model: nnx.Module, mesh, report: Report, specs: dict):
     """Replace the layer list by the stacked, pipelined layers (stage-major); the rest of the model,
     its code included, stays as it is and is placed as usual."""
-    from shardplan.run.pipelined import PipelinedLayers
+    from shardplan.pipeline.pipelined import PipelinedLayers
     pipe, stage_map = plan.pipeline, report.stage_map
     plain_graphdef = nnx.graphdef(model)
 
@@ -171,7 +171,7 @@ def init_program(plan: Plan, factory, mesh: jax.sharding.Mesh, *, example=None):
 
     The program is one jitted function; under a pipeline plan it is `create` (also jitted: its compiled
     peak is the init's) followed by stacking the layers, one program per stage
-    (`shardplan.run.pipeline.stack`)."""
+    (`shardplan.pipeline.loop.stack`)."""
     abstract, roles = abstract_with_roles(factory)
     abstract = apply_plan(plan, abstract, mesh, example=example, roles=roles)
     graphdef, planned = nnx.split(abstract)

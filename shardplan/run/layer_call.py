@@ -17,6 +17,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from shardplan.checks.layer_contract import (PipelineCallError, calling_without_updates, check_output, describe_value,
@@ -120,3 +121,13 @@ def describe_layer_call(layer: nnx.Module, args: tuple, kwargs: dict, where: str
         raise PipelineCallError(f"{where} fails when called with the model's arguments: "
                                 f"{type(error).__name__}: {error}") from error
     return LayerCall(rest, check_output(out, x, where)), split, whole, rngs
+
+
+def split_microbatches(x: jax.Array, microbatches: int) -> jax.Array:
+    """(B, ...) -> (M, B/M, ...), microbatch m taking rows m, m+M, ...: every data shard
+    (contiguous rows) then holds an equal part of every microbatch."""
+    return jnp.swapaxes(x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]), 0, 1)
+
+
+def merge_microbatches(x: jax.Array) -> jax.Array:
+    return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])

@@ -38,7 +38,7 @@ def lm_loss(model: nnx.Module, tokens: jax.Array, targets: jax.Array, arguments:
     pipelined model runs its plan's schedule. `arguments(tokens)` gives the forward's (args, kwargs);
     by default the tokens go to its `tokens` or first parameter, None to its other required ones."""
     from shardplan.checks.calls import call_arguments
-    from shardplan.run.pipelined import model_loss
+    from shardplan.pipeline.pipelined import model_loss
     args, kwargs = arguments(tokens) if arguments else call_arguments(model, {"tokens": tokens})
     return model_loss(model, _next_token_loss, targets, *args, **kwargs)
 

@@ -114,8 +114,8 @@ def _plain(model, tree) -> dict:
     """A pure dict of the model's layout (stacked pipeline layers unstacked) as flat numpy leaves."""
     import jax
 
-    from shardplan.run.pipeline import to_plain_tree
-    from shardplan.run.pipelined import pipelined_layers
+    from shardplan.pipeline.loop import to_plain_tree
+    from shardplan.pipeline.pipelined import pipelined_layers
     found = pipelined_layers(model)
     if found is not None:
         tree = to_plain_tree(tree, found[0], found[1].stage_counts)
@@ -128,7 +128,7 @@ def _step_fn():
     from flax import nnx
 
     import shardplan
-    from shardplan.run.pipeline import cross_entropy
+    from shardplan.pipeline.loop import cross_entropy
 
     @nnx.jit
     def step(model, optimizer, tokens, positions, targets):

@@ -7,7 +7,7 @@ automatic), so gradients are averaged over the data axes once, after the loop. L
 chunk run under `lax.scan` (compile time does not grow with depth), and activations move between
 stages with `ppermute`.
 
-- A training step (`shardplan.model_loss`) runs the schedule's tables (`_schedule`, driven by the
+- A training step (`shardplan.model_loss`) runs the schedule's tables (`table_schedule`, driven by the
   static tables of `shardplan.checks.schedules.OneFOneB`): 1f1b (with `virtual` > 1 Megatron's
   interleaved 1F1B), gpipe and the circular schedule (`interleaved`), forward and backward in one
   loop. The model's code before the layers runs on the first stage as each microbatch enters, the
@@ -36,16 +36,6 @@ from jax.sharding import PartitionSpec as P
 
 from shardplan.run.layer_call import LayerCall, fold_keys
 from shardplan.run.widen import narrowed, widened
-
-
-def split_microbatches(x: jax.Array, microbatches: int) -> jax.Array:
-    """(B, ...) -> (M, B/M, ...), microbatch m taking rows m, m+M, ...: every data shard
-    (contiguous rows) then holds an equal part of every microbatch."""
-    return jnp.swapaxes(x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]), 0, 1)
-
-
-def merge_microbatches(x: jax.Array) -> jax.Array:
-    return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
 def fit_microbatches(rows: int, microbatches: int, batch_axes: tuple[str, ...],
@@ -110,11 +100,11 @@ class Layers:
         return jax.checkpoint(switch, policy=_not_slices, prevent_cse=False)(layer_state, h, split, whole, keys)
 
 
-def _chunk(state, index):
+def chunk_of_state(state, index):
     return jax.tree.map(lambda a: a[index], state)
 
 
-def _run_chunk(layers: Layers, chunk_state, h, split, whole, keys, first_layer, size=None):
+def run_chunk(layers: Layers, chunk_state, h, split, whole, keys, first_layer, size=None):
     """The chunk's layers one after another, under scan; with `size`, the slots from `size` on are
     padding and pass the activation through. (They run, on zero weights, and their output is dropped:
     under a `lax.cond` autodiff would keep the stage's weights once per loop trip. A stage with padding
@@ -139,11 +129,11 @@ def _not_slices(prim, *_, **__) -> bool:
     return prim.name not in _SLICES
 
 
-def _to_last(x, axis, stages):
+def to_next_stage(x, axis, stages):
     return jax.lax.ppermute(x, axis, [(i, (i + 1) % stages) for i in range(stages)])
 
 
-def _to_previous(x, axis, stages):
+def to_previous_stage(x, axis, stages):
     return jax.lax.ppermute(x, axis, [(i, (i - 1) % stages) for i in range(stages)])
 
 
@@ -152,7 +142,7 @@ def _batch_spec(batch_axes: tuple[str, ...], *leading) -> P:
     return P(*leading, batch_axes if batch_axes else None)
 
 
-def _shard_keys(keys, mesh, batch_axes: tuple[str, ...]):
+def shard_keys(keys, mesh, batch_axes: tuple[str, ...]):
     """Keys of their own per batch shard (each draws masks only for its own rows)."""
     if not keys or not batch_axes:
         return keys
@@ -171,13 +161,13 @@ def _cached(factory, *statics):
         return factory.__wrapped__(*statics)
 
 
-def _at(arrays, m):
+def rows_of(arrays, m):
     return [a[m] for a in arrays]
 
 
 def sequential_forward(layers: Layers, stacked, h, split, whole, keys):
     """The stacked layers in model order, one after another (no pipeline)."""
-    return _run_chunk(layers, jax.tree.map(lambda a: model_order(a, layers.counts), stacked), h, split, whole, keys, 0)
+    return run_chunk(layers, jax.tree.map(lambda a: model_order(a, layers.counts), stacked), h, split, whole, keys, 0)
 
 
 def model_order(a, counts: tuple[int, ...] | None = None):
@@ -211,11 +201,11 @@ def _circular_runner(layers: Layers, mesh, axis: str, batch_axes: tuple[str, ...
 
     def per_device(state, xs, split, whole, keys):
         state, whole = narrowed((state, whole), narrow)
-        keys = _shard_keys(keys, mesh, batch_axes)
+        keys = shard_keys(keys, mesh, batch_axes)
         stages = mesh.shape[axis]
         virtual, per_chunk = jax.tree.leaves(state)[0].shape[1:3]        # this device's (1, virtual, per_chunk)
         micro = xs.shape[0]
-        state = _chunk(state, 0)                                         # (virtual, per_chunk, ...)
+        state = chunk_of_state(state, 0)                                         # (virtual, per_chunk, ...)
         s = jax.lax.axis_index(axis)
 
         def tick(carry, t):
@@ -230,12 +220,12 @@ def _circular_runner(layers: Layers, mesh, axis: str, batch_axes: tuple[str, ...
             # time. Under a `lax.cond` autodiff kept the stage's weights once per tick (measured: the
             # compiled peak 2.7x the modelled one on a small model). With one chunk per stage its
             # weights are loop-invariant; several are picked by a traced index (see the scan below).
-            chunk_state = _chunk(state, repeat if virtual > 1 else 0)
-            h = _run_chunk(layers, chunk_state, h_in, _at(split, m), whole, fold_keys(keys, m), first, size)
+            chunk_state = chunk_of_state(state, repeat if virtual > 1 else 0)
+            h = run_chunk(layers, chunk_state, h_in, rows_of(split, m), whole, fold_keys(keys, m), first, size)
             h = jnp.where(active, h, jnp.zeros_like(h_in))
             done = active & (s == stages - 1) & (repeat == virtual - 1)
             outs = jnp.where(done, outs.at[m].set(h), outs)
-            sent = _to_last(h, axis, stages)
+            sent = to_next_stage(h, axis, stages)
             # stage 0 keeps what the last stage finished, for that microbatch's next pass
             rel_last = t - (stages - 1)
             keep = (s == 0) & (rel_last >= 0) & (rel_last < (virtual - 1) * micro)
@@ -276,7 +266,7 @@ def one_f_one_b_loss(layers: Layers, stacked, head: Callable, head_params, embed
     embed_branch = embed_branch and branches
 
     def run(stacked, head_params, embed_params, *rest):
-        return (runner or _schedule)(layers, head, embed, embed_branch, branches, mesh, axis, batch_axes, schedule,
+        return (runner or table_schedule)(layers, head, embed, embed_branch, branches, mesh, axis, batch_axes, schedule,
                                      stacked, head_params, embed_params, *rest)
 
     @jax.custom_vjp
@@ -292,7 +282,7 @@ def one_f_one_b_loss(layers: Layers, stacked, head: Callable, head_params, embed
     return loss(stacked, head_params, embed_params, head_rest, layer_inputs, head_inputs, targets, keys)
 
 
-def _schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axes, schedule, stacked, head_params,
+def table_schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axes, schedule, stacked, head_params,
               embed_params, head_rest, layer_inputs, head_inputs, targets, keys):
     from shardplan.checks.schedules import OneFOneB
     stages, virtual, per_chunk = jax.tree.leaves(stacked)[0].shape[:3]
@@ -307,16 +297,16 @@ def _schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axe
     when = branching(branches)
 
     def per_device(state, head_params, embed_params, head_rest, layer_inputs, head_inputs, targets, keys):
-        layer_keys, head_keys = _shard_keys(keys[0], mesh, batch_axes), _shard_keys(keys[1], mesh, batch_axes)
+        layer_keys, head_keys = shard_keys(keys[0], mesh, batch_axes), shard_keys(keys[1], mesh, batch_axes)
         (layer_split, layer_whole), (head_split, head_whole) = layer_inputs, head_inputs
-        state = _chunk(state, 0)                                          # (virtual, per_chunk, ...)
+        state = chunk_of_state(state, 0)                                          # (virtual, per_chunk, ...)
         s = jax.lax.axis_index(axis)
         last = stages - 1
         f_m, f_v, b_m, b_v, f_slot, b_slot = (table[s] for table in tables)
 
         def stage_fn(chunk_state, h, m, v):
             first, size = layers.chunk(v * stages + s, per_chunk)
-            return _run_chunk(layers, chunk_state, h, _at(layer_split, m), layer_whole, fold_keys(layer_keys, m),
+            return run_chunk(layers, chunk_state, h, rows_of(layer_split, m), layer_whole, fold_keys(layer_keys, m),
                               first, size)
 
         # A chunk's weights are taken, and its gradients added back, outside the tick's branches: inside,
@@ -324,7 +314,7 @@ def _schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axe
         # collective-permute, which XLA:CPU runs only when every device of the program arrives — and the
         # stages idle on that tick never do.
         def chunk_of(v):
-            return _chunk(state, v if virtual > 1 else 0)
+            return chunk_of_state(state, v if virtual > 1 else 0)
 
         def add_to_chunk(total, v, grads):
             return jax.tree.map(lambda t, g: t.at[v if virtual > 1 else 0].add(g.astype(t.dtype)), total, grads)
@@ -339,7 +329,7 @@ def _schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axe
             b_on, mb_, vb, b_at = b_m[t] >= 0, jnp.maximum(b_m[t], 0), b_v[t], b_slot[t]
             enters, leaves = f_on & (s == 0) & (vf == 0), f_on & (s == last) & (vf == virtual - 1)
             if plan.loops:      # the circular schedule: what arrives for another chunk waits until it is due
-                loops = (_keep(loops[0], loop_f[t], incoming), _keep(loops[1], loop_b[t], cot_in))
+                loops = (kept_at(loops[0], loop_f[t], incoming), kept_at(loops[1], loop_b[t], cot_in))
                 incoming = jnp.where((s == 0) & (vf > 0), loops[0][mf_], incoming)
                 cot_in = jnp.where((s == last) & (vb < virtual - 1), loops[1][mb_], cot_in)
             h_in = ends.layers_input(enters, mf_, incoming)
@@ -348,12 +338,12 @@ def _schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axe
             stash = jnp.where(f_on, stash.at[f_at].set(h_in), stash)
 
             loss_m, gh, gy = ends.loss_and_gradients(leaves, h, mf_)
-            loss_sum, g_head = loss_sum + loss_m, _accumulate(g_head, gh)
+            loss_sum, g_head = loss_sum + loss_m, add_into(g_head, gh)
 
             # the last chunk's backward runs from the loss computed at its forward: on that tick (1F1B), or
             # later from where it waited (gpipe)
             if plan.head_waits:
-                waiting = _keep(waiting, jnp.where(leaves, mf_, -1), gy.astype(waiting.dtype))
+                waiting = kept_at(waiting, jnp.where(leaves, mf_, -1), gy.astype(waiting.dtype))
                 gy = waiting[mb_]
             cot = jnp.where((s == last) & (vb == virtual - 1), gy, cot_in)
 
@@ -365,15 +355,15 @@ def _schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axe
             gl, gx = when(b_on, backward, lambda: (jax.tree.map(jnp.zeros_like, b_chunk), jnp.zeros_like(h)))
             g_layers = add_to_chunk(g_layers, vb, gl)
 
-            g_embed = _accumulate(g_embed, ends.embed_gradients(b_on & (s == 0) & (vb == 0), mb_, gx))
-            return (_to_last(h, axis, stages), _to_previous(gx, axis, stages), stash, waiting, loops, g_layers,
+            g_embed = add_into(g_embed, ends.embed_gradients(b_on & (s == 0) & (vb == 0), mb_, gx))
+            return (to_next_stage(h, axis, stages), to_previous_stage(gx, axis, stages), stash, waiting, loops, g_layers,
                     g_head, g_embed, loss_sum), None
 
         zeros = jnp.zeros(like.shape, like.dtype)
         waiting = jnp.zeros((micro if plan.head_waits else 0, *like.shape), like.dtype)
         loops = (jnp.zeros((micro if plan.loops else 0, *like.shape), like.dtype),) * 2
-        carry = (zeros, zeros, jnp.zeros((plan.slots, *like.shape), like.dtype), waiting, loops, _running_sum(state),
-                 _running_sum(head_params), _running_sum(embed_params), jnp.zeros((), jnp.float32))
+        carry = (zeros, zeros, jnp.zeros((plan.slots, *like.shape), like.dtype), waiting, loops, running_sum(state),
+                 running_sum(head_params), running_sum(embed_params), jnp.zeros((), jnp.float32))
         (*_, g_layers, g_head, g_embed, loss_sum), _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
         return finish_gradients(g_layers, g_head, g_embed, loss_sum, micro, batch_axes, state, head_params,
                                 embed_params)
@@ -407,10 +397,10 @@ class Ends:
 
     def entering(self, embed_params, m):
         """Microbatch m's input to the layers."""
-        return self._embed(embed_params, self._rest, _at(self._split, m), self._whole, fold_keys(self._keys, m))
+        return self._embed(embed_params, self._rest, rows_of(self._split, m), self._whole, fold_keys(self._keys, m))
 
     def _loss(self, head_params, h, m):
-        return self._head(head_params, self._rest, h, _at(self._split, m), self._whole, fold_keys(self._keys, m),
+        return self._head(head_params, self._rest, h, rows_of(self._split, m), self._whole, fold_keys(self._keys, m),
                           self._targets[m])
 
     def layers_input(self, enters, m, arrived):
@@ -470,19 +460,19 @@ def run_on_stages(per_device, mesh, axis, batch_axes, stacked, head_params, embe
     return loss, (g_layers, g_head, g_embed)
 
 
-def _keep(buffer, microbatch, arrived):
+def kept_at(buffer, microbatch, arrived):
     """`buffer` with `arrived` kept at `microbatch` (-1: nothing arrived for it; the buffer unchanged)."""
     at = jnp.maximum(microbatch, 0)
     return buffer.at[at].set(jnp.where(microbatch >= 0, arrived, buffer[at]))
 
 
-def _running_sum(like):
+def running_sum(like):
     """Zeros to sum gradients of `like` into: float32 at least, whatever the compute dtype (a bf16 sum
     over many microbatches loses the small ones; Megatron keeps float32 too)."""
     return jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32)), like)
 
 
-def _accumulate(total, new):
+def add_into(total, new):
     return jax.tree.map(lambda t, g: t + g.astype(t.dtype), total, new)
 
 

@@ -6,7 +6,7 @@ Unlike the other schedules, a stage keeps its forward's residuals rather than re
 in the backward: B then costs about what F does, and so does W, which the tables take as equal. What
 W reads (each weight matmul's input from the forward, its output gradient from B) stays until W; what
 B alone reads is dropped at B. Weights the residuals would repeat are read from the stage's own.
-The code around the layers runs per microbatch on its stage, as under 1F1B (`pipeline._schedule`).
+The code around the layers runs per microbatch on its stage, as under 1F1B (`loop.table_schedule`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from jax._src import core
 
 from shardplan.checks.schedules import ZeroBubble
 from shardplan.run.layer_call import fold_keys
-from shardplan.run.pipeline import (Ends, _accumulate, _at, _chunk, _keep, _run_chunk, _running_sum, _shard_keys,
-                                    _to_last, _to_previous, branching, finish_gradients, run_on_stages)
-from shardplan.run.split_backward import split_backward
+from shardplan.pipeline.loop import (Ends, add_into, rows_of, chunk_of_state, kept_at, run_chunk, running_sum, shard_keys,
+                                    to_next_stage, to_previous_stage, branching, finish_gradients, run_on_stages)
+from shardplan.pipeline.split_backward import split_backward
 
 _TABLES = ("op", "micro", "keep", "until_b", "inbox", "cot", "take_in", "take_cot")
 
@@ -27,7 +27,7 @@ _TABLES = ("op", "micro", "keep", "until_b", "inbox", "cot", "take_in", "take_co
 def zero_bubble_schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axes, schedule, stacked,
                          head_params, embed_params, head_rest, layer_inputs, head_inputs, targets, keys):
     """(loss, gradients) of the layers, head and embedding under ZB-H1; the arguments as
-    `pipeline._schedule`'s (`schedule` is "zb-h1")."""
+    `loop.table_schedule`'s (`schedule` is "zb-h1")."""
     stages, virtual, per_chunk = jax.tree.leaves(stacked)[0].shape[:3]
     if virtual != 1:
         raise ValueError("zb-h1 runs one chunk of layers per stage")
@@ -39,10 +39,10 @@ def zero_bubble_schedule(layers, head, embed, embed_branch, branches, mesh, axis
     when = branching(branches)
 
     def per_device(state, head_params, embed_params, head_rest, layer_inputs, head_inputs, targets, keys):
-        layer_keys, head_keys = _shard_keys(keys[0], mesh, batch_axes), _shard_keys(keys[1], mesh, batch_axes)
+        layer_keys, head_keys = shard_keys(keys[0], mesh, batch_axes), shard_keys(keys[1], mesh, batch_axes)
         (layer_split, layer_whole), (head_split, head_whole) = layer_inputs, head_inputs
-        state = _chunk(state, 0)                                          # (virtual, per_chunk, ...)
-        chunk = _chunk(state, 0)                                          # (per_chunk, ...): one chunk
+        state = chunk_of_state(state, 0)                                          # (virtual, per_chunk, ...)
+        chunk = chunk_of_state(state, 0)                                          # (per_chunk, ...): one chunk
         chunk_leaves, chunk_def = jax.tree.flatten(chunk)
         s = jax.lax.axis_index(axis)
         last = stages - 1
@@ -53,53 +53,53 @@ def zero_bubble_schedule(layers, head, embed, embed_branch, branches, mesh, axis
                     embed_branch, when)
         like = ends.like
         parts = _Parts.of(layers, chunk_leaves, chunk_def, like, layer_whole, first, size,
-                          _at(layer_split, 0), fold_keys(layer_keys, 0))
+                          rows_of(layer_split, 0), fold_keys(layer_keys, 0))
 
         def tick(carry, t):
             (incoming, cot_in, inbox, cotbox, kept, crossed, until_b, g_layers, g_head, g_embed,
              loss_sum) = carry
             op, m = row["op"][t], row["micro"][t]
             f_on, b_on, w_on = op == 1, op == 2, op == 3
-            inbox = _keep(inbox, row["take_in"][t], incoming)
-            cotbox = _keep(cotbox, row["take_cot"][t], cot_in)
+            inbox = kept_at(inbox, row["take_in"][t], incoming)
+            cotbox = kept_at(cotbox, row["take_cot"][t], cot_in)
 
             enters, leaves = f_on & (s == 0), f_on & (s == last)
             h_in = ends.layers_input(enters, m, inbox[row["inbox"][t]])
-            y, saved = when(f_on, lambda: parts.forward(chunk_leaves, h_in, _at(layer_split, m),
+            y, saved = when(f_on, lambda: parts.forward(chunk_leaves, h_in, rows_of(layer_split, m),
                                                         fold_keys(layer_keys, m)),
                             lambda: (jnp.zeros_like(h_in), parts.nothing_saved()))
-            kept = [_keep(buffer, jnp.where(f_on, row["keep"][t], -1), value) for buffer, value in zip(kept, saved[0])]
-            until_b = [_keep(buffer, jnp.where(f_on, row["until_b"][t], -1), value)
+            kept = [kept_at(buffer, jnp.where(f_on, row["keep"][t], -1), value) for buffer, value in zip(kept, saved[0])]
+            until_b = [kept_at(buffer, jnp.where(f_on, row["until_b"][t], -1), value)
                        for buffer, value in zip(until_b, saved[1])]
 
             loss_m, gh, gy = ends.loss_and_gradients(leaves, y, m)
-            loss_sum, g_head = loss_sum + loss_m, _accumulate(g_head, gh)
-            cotbox = _keep(cotbox, jnp.where(leaves, row["cot"][t], -1), gy.astype(cotbox.dtype))
+            loss_sum, g_head = loss_sum + loss_m, add_into(g_head, gh)
+            cotbox = kept_at(cotbox, jnp.where(leaves, row["cot"][t], -1), gy.astype(cotbox.dtype))
 
             def input_gradient():
                 slot, b_slot = row["keep"][t], row["until_b"][t]
                 return parts.input_gradient(chunk_leaves, [k[slot] for k in kept], [u[b_slot] for u in until_b],
                                             cotbox[row["cot"][t]])
             gx, handed = when(b_on, input_gradient, lambda: (jnp.zeros_like(h_in), parts.nothing_handed()))
-            crossed = [_keep(buffer, jnp.where(b_on, row["keep"][t], -1), value)
+            crossed = [kept_at(buffer, jnp.where(b_on, row["keep"][t], -1), value)
                        for buffer, value in zip(crossed, handed)]
 
             def weight_gradient():
                 slot = row["keep"][t]
                 return parts.weight_gradient(chunk_leaves, [k[slot] for k in kept], [c[slot] for c in crossed])
             gl = when(w_on, weight_gradient, lambda: [jnp.zeros_like(a) for a in chunk_leaves])
-            g_layers = _accumulate(g_layers, gl)
+            g_layers = add_into(g_layers, gl)
 
-            g_embed = _accumulate(g_embed, ends.embed_gradients(b_on & (s == 0), m, gx))
-            return (_to_last(y, axis, stages), _to_previous(gx, axis, stages), inbox, cotbox, kept, crossed, until_b,
+            g_embed = add_into(g_embed, ends.embed_gradients(b_on & (s == 0), m, gx))
+            return (to_next_stage(y, axis, stages), to_previous_stage(gx, axis, stages), inbox, cotbox, kept, crossed, until_b,
                     g_layers, g_head, g_embed, loss_sum), None
 
         zeros = jnp.zeros(like.shape, like.dtype)
         carry = (zeros, zeros, jnp.zeros((max(inbox_slots, 1), *like.shape), like.dtype),
                  jnp.zeros((max(cot_slots, 1), *like.shape), like.dtype),
                  parts.buffers(parts.kept, keep_slots), parts.buffers(parts.handed, keep_slots),
-                 parts.buffers(parts.until_b, until_b_slots), _running_sum(chunk_leaves),
-                 _running_sum(head_params), _running_sum(embed_params), jnp.zeros((), jnp.float32))
+                 parts.buffers(parts.until_b, until_b_slots), running_sum(chunk_leaves),
+                 running_sum(head_params), running_sum(embed_params), jnp.zeros((), jnp.float32))
         (*_, g_layers, g_head, g_embed, loss_sum), _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
         g_layers = jax.tree.map(lambda g: g[None], jax.tree.unflatten(chunk_def, g_layers))     # (virtual=1, ...)
         return finish_gradients(g_layers, g_head, g_embed, loss_sum, micro, batch_axes, state, head_params,
@@ -131,7 +131,7 @@ class _Parts:
 
         def run(leaves, h, split, keys):
             def stage(leaves, h):
-                return _run_chunk(layers, jax.tree.unflatten(chunk_def, leaves), h, split, whole, keys, first, size)
+                return run_chunk(layers, jax.tree.unflatten(chunk_def, leaves), h, split, whole, keys, first, size)
             y, vjp = jax.vjp(stage, leaves, h)
             residuals, found["tree"] = jax.tree.flatten(vjp)
             return y, residuals

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardplan.run.pipeline import _run_chunk
+from shardplan.pipeline.loop import run_chunk
 
 _SEEN: dict = {}
 
@@ -53,7 +53,7 @@ def layers_permute_in_branches(layers, state, specs: list[PartitionSpec], inputs
 
     def forward_and_backward(chunk, h, split, whole, keys):
         def forward(chunk, h):
-            return _run_chunk(layers, jax.tree.unflatten(treedef, chunk), h, split, whole, keys, 0)
+            return run_chunk(layers, jax.tree.unflatten(treedef, chunk), h, split, whole, keys, 0)
         out, vjp = jax.vjp(forward, [leaf[0] for leaf in chunk], h)
         return vjp(out)
 

@@ -23,12 +23,12 @@ from shardplan.checks.schedules import SCHEDULES, on_tables
 from shardplan.checks.paths import join_path
 from shardplan.plan.diagnostics import PlanWarning
 from shardplan.run.accumulate import accumulated_loss
-from shardplan.run.branch_probe import layers_permute_in_branches
-from shardplan.run.layer_call import CallArgs, describe_layer_call, draw_keys
+from shardplan.pipeline.branch_probe import layers_permute_in_branches
+from shardplan.run.layer_call import CallArgs, describe_layer_call, draw_keys, merge_microbatches, split_microbatches
 from shardplan.run.step_options import accumulation
-from shardplan.run.zero_bubble import zero_bubble_schedule
-from shardplan.run.pipeline import (Layers, circular_forward, cross_entropy, fit_microbatches, merge_microbatches,
-                                    model_order, one_f_one_b_loss, sequential_forward, split_microbatches, stack,
+from shardplan.pipeline.zero_bubble import zero_bubble_schedule
+from shardplan.pipeline.loop import (Layers, circular_forward, cross_entropy, fit_microbatches, model_order,
+                                    one_f_one_b_loss, sequential_forward, stack,
                                     unstack)
 
 # Set by `model_loss` under a pipeline plan: the layers then run the whole schedule, loss included.
@@ -327,7 +327,7 @@ def model_loss(model: nnx.Module, loss_of: Callable, targets, *args, **kwargs):
 
     >>> import numpy as np, shardplan, minigpt_model
     >>> from flax import nnx
-    >>> from shardplan.run.pipeline import cross_entropy
+    >>> from shardplan.pipeline.loop import cross_entropy
     >>> model = minigpt_model.MiniGPT(maxlen=8, vocab_size=64, embed_dim=16, num_heads=2, feed_forward_dim=16,
     ...                               num_transformer_blocks=2, rngs=nnx.Rngs(0))
     >>> tokens = np.zeros((2, 8), np.int32)
