@@ -19,17 +19,16 @@ import jax
 from flax import nnx
 
 from shardplan.checks.layer_contract import PipelineCallError, calling_without_updates
-from shardplan.checks.schedules import SCHEDULES, on_tables
 from shardplan.checks.paths import join_path
+from shardplan.checks.schedules import SCHEDULES, on_tables
+from shardplan.pipeline.branch_probe import layers_permute_in_branches
+from shardplan.pipeline.loop import (Layers, circular_forward, cross_entropy, fit_microbatches, model_order,
+                                     one_f_one_b_loss, sequential_forward, stack, unstack)
+from shardplan.pipeline.zero_bubble import zero_bubble_schedule
 from shardplan.plan.diagnostics import PlanWarning
 from shardplan.run.accumulate import accumulated_loss
-from shardplan.pipeline.branch_probe import layers_permute_in_branches
 from shardplan.run.layer_call import CallArgs, describe_layer_call, draw_keys, merge_microbatches, split_microbatches
 from shardplan.run.step_options import accumulation
-from shardplan.pipeline.zero_bubble import zero_bubble_schedule
-from shardplan.pipeline.loop import (Layers, circular_forward, cross_entropy, fit_microbatches, model_order,
-                                    one_f_one_b_loss, sequential_forward, stack,
-                                    unstack)
 
 # Set by `model_loss` under a pipeline plan: the layers then run the whole schedule, loss included.
 _LOSS_REQUEST: contextvars.ContextVar = contextvars.ContextVar("shardplan_loss_request", default=None)

@@ -16,10 +16,10 @@ import jax.numpy as jnp
 from jax._src import core
 
 from shardplan.checks.schedules import ZeroBubble
-from shardplan.run.layer_call import fold_keys
-from shardplan.pipeline.loop import (Ends, add_into, rows_of, chunk_of_state, kept_at, run_chunk, running_sum, shard_keys,
-                                    to_next_stage, to_previous_stage, branching, finish_gradients, run_on_stages)
+from shardplan.pipeline.loop import (Ends, add_into, branching, chunk_of_state, finish_gradients, kept_at, rows_of,
+                                     run_chunk, run_on_stages, running_sum, shard_keys, to_next_stage, to_previous_stage)
 from shardplan.pipeline.split_backward import split_backward
+from shardplan.run.layer_call import fold_keys
 
 _TABLES = ("op", "micro", "keep", "until_b", "inbox", "cot", "take_in", "take_cot")
 
