@@ -195,6 +195,22 @@ def test_cli_auto_writes_a_plan_that_validate_accepts(tmp_path, capsys, monkeypa
     assert main(shlex.split(hint)) == 0, capsys.readouterr()
 
 
+def test_a_full_ranking_checks_the_first_in_full_and_costs_the_rest_the_same():
+    """`auto --top N` past the few checked in full: the rest are costed on one layer standing for all,
+    and that cost equals the full check's (so a full ranking takes seconds, not minutes)."""
+    build = lambda: minigpt_model.MiniGPT(**MINIGPT, rngs=nnx.Rngs(0))  # noqa: E731
+    found, params, roles = _search(build, keep=10_000, check=3)
+    assert len(found.ranked) == found.fitting > 20
+    assert [item.plan is not None for item in found.ranked[:4]] == [True, True, True, False]
+    for item in found.ranked[3::7]:         # a sample of the unchecked: checked now, the same figures
+        checked = auto._checked(item.candidate, roles, params, 8, 1, found.workload, found.profile, "tokens", None)
+        assert checked.rejected is None
+        assert checked.estimate.step_s == pytest.approx(item.estimate.step_s, rel=1e-9)
+        assert checked.estimate.peak_bytes == item.estimate.peak_bytes
+    steps = [round(item.estimate.step_s, 12) for item in found.ranked]
+    assert steps == sorted(steps)
+
+
 def test_inspect_json_carries_the_estimate(capsys):
     from shardplan.cli import main
     import json

@@ -52,7 +52,7 @@ def run_auto(console: Console, *, factory: str, config: dict, devices: int, host
         found = planner.search(params, roles, devices=devices, workload=workload, profile=profile, memory=memory,
                                hosts=hosts, input_name=input_name, model={"factory": factory, "config": config},
                                pipelines=refusal is None, compute=compute, progress=progress,
-                               keep=max(planner.KEEP, top, measure),
+                               keep=max(planner.KEEP, top, measure), check=max(planner.KEEP, measure),
                                margin=planner.MEMORY_MARGIN if margin is None else margin)
     measured = {}
     if measure and found.ranked:
@@ -212,6 +212,10 @@ def _print_table(console: Console, found: planner.Search, measured: dict, top: i
         reasons[why] = reasons.get(why, 0) + 1
     if reasons:
         print_wrapped(console, "not shown: " + ", ".join(f"{n} {why}" for why, n in sorted(reasons.items())))
+    unchecked = sum(1 for item in found.ranked[:top] if item.plan is None)
+    if unchecked:
+        print_wrapped(console, f"the last {unchecked} shown were costed on one layer standing for all (the same "
+                               "modelled figures) and not checked in full; write one out with its options to check it")
     if found.pruned:
         print_wrapped(console, f"{found.pruned} candidates were not costed: a lower bound on their step time "
                                "exceeds the shown plans'")
@@ -233,6 +237,6 @@ def _json(found: planner.Search, measured: dict, top: int) -> dict:
                         "context": None if "context" not in r.candidate.axes else {
                             "size": r.candidate.axes["context"],
                             "strategy": "ring" if r.candidate.ring else "all_gather"},
-                        "compute": r.candidate.compute,
+                        "compute": r.candidate.compute, "checked": r.plan is not None,
                         "estimate": r.estimate.to_json()} for r in found.ranked[:top]],
             "rejected": len(found.rejected)}

@@ -127,8 +127,11 @@ class Search:
 def search(params: list[ParamInfo], roles: ModelRoles, *, devices: int, workload: Workload, profile: Profile,
            memory: int | None = None, hosts: int = 1, input_name: str = "tokens",
            model: dict[str, Any] | None = None, pipelines: bool = True, compute: str | None = None,
-           margin: float = MEMORY_MARGIN, keep: int = KEEP, progress=None, only=None) -> Search:
-    """Every candidate plan, costed and ranked by modelled step time; the best `keep` checked in full.
+           margin: float = MEMORY_MARGIN, keep: int = KEEP, check: int = KEEP, progress=None,
+           only=None) -> Search:
+    """Every candidate plan, costed and ranked by modelled step time: the best `keep`, of which the
+    first `check` are checked in full (as a hand-written plan is, on every parameter) and the rest
+    listed as costed on one layer (`Ranked.plan` None: the same modelled cost, tested).
 
     Candidates are costed on one layer standing for all (`shardplan.planner.representative`) in
     order of a lower bound on their step time (the model's FLOPs spread perfectly, over the
@@ -176,9 +179,12 @@ def search(params: list[ParamInfo], roles: ModelRoles, *, devices: int, workload
     fitting.sort(key=lambda t: (round(t[0], 12), t[3].collective_bytes, len(t[2].axes), t[2].zero1, t[2].fsdp,
                                 t[2].remat != "none", t[2].sequence, t[2].accumulate, t[1]))
     ranked = []
-    for _, _, candidate, _ in fitting:
+    for _, _, candidate, cost in fitting:
         if len(ranked) == keep:
             break
+        if len(ranked) >= check:        # a full ranking: checking thousands in full takes minutes
+            ranked.append(Ranked(candidate, None, None, cost))
+            continue
         checked = _checked(candidate, roles, params, devices, hosts, workload, profile, input_name, model)
         if checked.rejected:
             rejected.append(checked)
@@ -371,7 +377,29 @@ def _host_splits(axes: dict[str, int], hosts: int):
 
 
 def specs(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo]) -> dict[str, list]:
-    """Parameter path -> spec entries under the candidate's rule set."""
+    """Parameter path -> spec entries under the candidate's rule set (shared by the thousands of
+    candidates that differ only in schedule, remat, precision and the like: do not modify)."""
+    key = (candidate.tensor, candidate.vocab, candidate.fsdp, candidate.experts, candidate.axes.get("model"),
+           candidate.axes.get("data"))
+    return _shared(("specs", key), roles, params, lambda: _specs(candidate, roles, params))
+
+
+_SHARED: dict = {}      # key -> (roles, params, value): work shared across one search's candidates
+
+
+def _shared(key, roles: ModelRoles, params: list[ParamInfo], make):
+    """`make()`, computed once per key for these very `roles` and `params` objects."""
+    found = _SHARED.get(key)
+    if found is not None and found[0] is roles and found[1] is params:
+        return found[2]
+    if len(_SHARED) > 4096:
+        _SHARED.clear()
+    value = make()
+    _SHARED[key] = (roles, params, value)
+    return value
+
+
+def _specs(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo]) -> dict[str, list]:
     sizes = candidate.axes
     out: dict[str, list] = {}
     stacked = {path for b in find_blocks(params) for path in b.experts} if candidate.experts else set()
@@ -451,8 +479,8 @@ def plan_document(candidate: Candidate, roles: ModelRoles, params: list[ParamInf
     document["params"] = [{"match": pattern, "spec": spec} for pattern, spec, _ in rules(candidate, roles, params)]
     if candidate.sequence:
         batch = "data" if "data" in candidate.axes else None
-        document["activations"] = [{"match": module, "spec": [batch, "model", None]}
-                                   for module in sequence_modules(roles, params)]
+        document["activations"] = [{"match": module, "spec": [batch, "model", None]} for module in
+                                   _shared("sequence", roles, params, lambda: sequence_modules(roles, params))]
     if candidate.remat != "none":
         document["remat"] = [{"match": f"{re.escape(roles.layers)}/\\d+", "policy": REMAT_POLICY[candidate.remat]}]
     if candidate.compute:
@@ -477,6 +505,12 @@ def sequence_modules(roles: ModelRoles, params: list[ParamInfo]) -> list[str]:
 
 def rules(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo]) -> list[tuple[str, Any, str]]:
     """(regex, spec, comment) per distinct sharded parameter in definition order, then '.*' replicated."""
+    key = (candidate.tensor, candidate.vocab, candidate.fsdp, candidate.experts, candidate.axes.get("model"),
+           candidate.axes.get("data"))
+    return _shared(("rules", key), roles, params, lambda: _rules(candidate, roles, params))
+
+
+def _rules(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo]) -> list[tuple[str, Any, str]]:
     by_path = {p.path: p for p in params}
     found: dict[str, tuple[Any, str]] = {}
     planned = specs(candidate, roles, params)

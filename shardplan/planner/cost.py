@@ -410,13 +410,13 @@ def step_options(plan, roles: ModelRoles, sizes: dict[str, int], batch_axes: tup
         if layer and module_rule_matches(rule.match, layer):
             remat = _REMAT_KIND[rule.policy]
             break
-        if any(module_rule_matches(rule.match, m) for m in modules):
+        if _names_a_module(rule.match, modules):
             caveats.append(f"remat rule {rule.match!r} names parts of layers or other modules; the cost model "
                            "counts rematerialisation of whole repeated layers only")
             break
     sequence = set()
     for rule in plan.activations:
-        if not any(module_rule_matches(rule.match, m) for m in modules):
+        if not _names_a_module(rule.match, modules):
             continue
         for entry in rule.spec[1:2]:
             axes = [entry] if isinstance(entry, str) else list(entry or [])
@@ -455,6 +455,13 @@ def _layout_caveats(held, roles: ModelRoles, step: _Step) -> tuple[str, ...]:
         found.append("FSDP with gradient accumulation: the model gathers each weight once per microbatch; XLA "
                      "keeps some gathered across microbatches and gathers others again in the backward")
     return tuple(found)
+
+
+@functools.lru_cache(maxsize=256)
+def _names_a_module(pattern: str, modules: tuple[str, ...]) -> bool:
+    """Whether a module rule's pattern matches any of `modules` (`auto` asks for thousands of candidates)."""
+    from shardplan.plan.matching import module_rule_matches
+    return any(module_rule_matches(pattern, m) for m in modules)
 
 
 @functools.lru_cache(maxsize=8)
