@@ -233,17 +233,28 @@ class UsageError(Exception):
     """An option that cannot work with what it is applied to (exit 2)."""
 
 
-def _devices(requested: int | None) -> None:
+def _devices(requested: int | None, plan_path: str | None = None) -> None:
     from shardplan.run.devices import has_accelerator, simulate_cpu_devices
     from shardplan.run.flags import set_performance_flags
     if requested is not None or not has_accelerator():
         simulate_cpu_devices(8 if requested is None else requested)
     else:
-        set_performance_flags()         # on a GPU: the XLA flags the cost model's time assumes
+        # on a GPU: the XLA flags the cost model's time assumes, the plan's collective matmul too
+        set_performance_flags(_plan_or_none(plan_path))
+
+
+def _plan_or_none(path: str | None):
+    """The plan at `path` read before JAX starts (its mistakes are reported when it is used)."""
+    from shardplan.plan.diagnostics import PlanError
+    from shardplan.plan.loader import load_plan
+    try:
+        return load_plan(path) if path else None
+    except PlanError:
+        return None
 
 
 def _train(args, console: Console) -> int:
-    _devices(args.devices)
+    _devices(args.devices, args.plan)
     from shardplan.run.distributed import initialize
     if args.process_id is not None:
         from minigpt_model.launch import follow_launcher

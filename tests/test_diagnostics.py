@@ -199,6 +199,9 @@ CASES = {
     "section-does-nothing": (context_plan(axes="data: 8, context: 1", tokens="[data, context]",
                                           context="axis: context"), PARAMS, 8, None,
                              ["`context.axis` 'context' has size 1", "context section does nothing"], 4),
+    "tensor-overlap-no-effect": (HEAD + "params:\n  - {match: '.*attn/kernel', spec: [null, model]}\n"
+                                 "  - {match: '.*', spec: replicated}\ntensor_overlap: true\n", PARAMS, 8, None,
+                                 ["tensor_overlap is set", "tensor axis 'model'", "all-reduces"], 9),
     "pipeline-fsdp-gathered": (pipe("", params="params:\n  - {match: 'layers/\\d+/w', spec: [null, data]}\n"
                                                "  - {match: '.*', spec: replicated}\n"), PIPE_PARAMS, 8, None,
                                ["split over the batch axis 'data' (FSDP)", "layers/0/w", "gathered"], 5),

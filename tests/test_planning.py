@@ -213,6 +213,31 @@ def test_collectives_hide_behind_compute_by_kind_only_where_the_device_overlaps(
     assert estimate(zero1, roles, workload, gpu).update_s < estimate(dp_tp, roles, workload, gpu).update_s
 
 
+def test_tensor_overlap_hides_the_layers_sequence_parallel_collectives_behind_their_matmuls(compiled_model):
+    """`tensor_overlap` with sequence parallelism: the layers' tensor collectives run beside the matmuls
+    they feed (at most (n-1)/n of the matmuls' time); without sequence parallelism, or on a device that
+    does not overlap, nothing changes; the head's and the pipeline's collectives stay on the critical path."""
+    model, roles = compiled_model
+    gpu, workload = get_profile("h200"), Workload(64, 64)
+    sequence = {"activations": [{"match": r"transformer_blocks/\d+/layer_norm[12]", "spec": ["data", "model", None]}]}
+    costs = {}
+    for name, changes in (("sp", sequence), ("sp+overlap", {**sequence, "tensor_overlap": True}),
+                          ("plain", {}), ("overlap", {"tensor_overlap": True})):
+        report = shardplan.check(_variant(changes), model)
+        costs[name] = estimate(report, roles, workload, gpu), estimate(report, roles, workload,
+                                                                        dataclasses.replace(gpu, overlap=False))
+    overlapped, sp = costs["sp+overlap"][0], costs["sp"][0]
+    hidden = dict(overlapped.hidden)
+    tensor = [t for t in overlapped.transfers if t.overlap == "tensor"]
+    assert tensor and all(t.axes == ("model",) and t.what.startswith("transformer_blocks/") for t in tensor)
+    assert not any(t.overlap == "tensor" for t in overlapped.transfers if t.what.startswith("output_layer"))
+    assert 0 < hidden["tensor"] <= overlapped.flops / (gpu.peak_flops * gpu.matmul_efficiency)
+    assert overlapped.step_s == pytest.approx(sp.step_s - hidden["tensor"])
+    assert overlapped.communication_s == pytest.approx(sp.communication_s)
+    assert costs["overlap"][0].step_s == pytest.approx(costs["plain"][0].step_s)       # no sequence split
+    assert costs["sp+overlap"][1].step_s == pytest.approx(costs["sp"][1].step_s)       # the device waits anyway
+
+
 @pytest.mark.parametrize("name", ["minigpt", "wide llama", "three-layer llama"])
 def test_ranking_on_one_layer_equals_the_full_check(name):
     """Every field of the estimate, for a sample of every kind of candidate."""

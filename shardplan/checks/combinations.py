@@ -1,10 +1,11 @@
-"""What the plan's sections mean together (pure): a section whose axis has size 1 does nothing, and
-FSDP inside a pipeline's stages costs a gathered copy of the stage's layers."""
+"""What the plan's sections mean together (pure): a section whose axis has size 1 does nothing,
+FSDP inside a pipeline's stages costs a gathered copy of the stage's layers, and `tensor_overlap`
+needs tensor parallelism with sequence parallelism to have anything to overlap."""
 
 from __future__ import annotations
 
 from shardplan.plan.diagnostics import Diagnostic
-from shardplan.plan.schema import Plan, spec_axes
+from shardplan.plan.schema import Plan, normalize_spec, spec_axes
 
 # a section naming an axis -> what it does over that axis
 _SECTIONS = {"pipeline": "cut the layers into stages", "experts": "split the experts",
@@ -52,3 +53,32 @@ def pipeline_fsdp(plan: Plan, specs: dict[str, tuple], sizes: dict[str, int],
             hint="split layer weights over tensor axes inside a pipeline, or leave them split and accept the "
                  "gathered copy (XLA's partitioner aborts the step when such a weight stays split in the loop)"))
     return found
+
+
+def tensor_overlap_without_effect(plan: Plan, specs: dict[str, tuple], sizes: dict[str, int],
+                                  batch_axes: tuple[str, ...]) -> list[Diagnostic]:
+    """`tensor_overlap` overlaps the all-gathers and reduce-scatters beside a tensor-split matmul; a
+    plan without tensor axes, or whose tensor axes split no sequence (their collectives are then
+    all-reduces, which collective matmul leaves as they are), gets nothing from it."""
+    if not plan.tensor_overlap:
+        return []
+    others = {section.axis for section in (plan.pipeline, plan.experts, plan.context) if section is not None}
+    tensor = list(dict.fromkeys(a for spec in specs.values() for a in spec_axes(spec)
+                                if a not in batch_axes and a not in others and sizes.get(a, 1) > 1))
+    sequence = {a for rule in plan.activations for a in spec_axes(normalize_spec(rule.spec)[1:2])}
+    line, column = plan.locate("tensor_overlap")
+    if not tensor:
+        return [Diagnostic("tensor-overlap-no-effect", "warning", "tensor_overlap is set, but no mesh axis splits "
+                           "the weights apart from the batch: there is no tensor-parallel collective to overlap",
+                           file=plan.file, line=line, column=column,
+                           hint="leave tensor_overlap out, or split the layers' matrices over a tensor axis")]
+    if not sequence & set(tensor):
+        return [Diagnostic(
+            "tensor-overlap-no-effect", "warning", f"tensor_overlap is set, but no activations rule splits the "
+            f"sequence over the tensor axis {tensor[0]!r}: its collectives stay all-reduces, which XLA's collective "
+            "matmul leaves as they are (it splits all-gathers and reduce-scatters beside a matmul)",
+            file=plan.file, line=line, column=column,
+            hint=f"add sequence parallelism, activations rules such as {{match: 'blocks/\\d+/norm1', spec: [data, "
+                 f"{tensor[0]}, null]}} at the layers' norms (Megatron's --tp-comm-overlap needs --sequence-parallel "
+                 "too), or leave tensor_overlap out")]
+    return []

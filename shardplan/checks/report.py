@@ -12,7 +12,7 @@ from shardplan.checks.stages import StageMap, check_microbatches, plan_stages
 from shardplan.checks.step import check_step_axes
 from shardplan.checks.validate import (Placement, data_axes, idle_axes, rule_level, unmapped_logical_names,
                                        validate_inputs, validate_optimizer, validate_params)
-from shardplan.checks.combinations import degenerate_sections, pipeline_fsdp
+from shardplan.checks.combinations import degenerate_sections, pipeline_fsdp, tensor_overlap_without_effect
 from shardplan.checks.context import check_context
 from shardplan.checks.experts import check_experts, expert_blocks
 from shardplan.plan.diagnostics import Diagnostic
@@ -197,6 +197,7 @@ def check_params(plan: Plan, params: list[ParamInfo], device_ids: list[int], *,
     diagnostics += staging
     if not mesh_diagnostics:
         diagnostics += degenerate_sections(plan, sizes) + pipeline_fsdp(plan, specs, sizes, data_axes(plan, sizes))
+        diagnostics += tensor_overlap_without_effect(plan, specs, sizes, data_axes(plan, sizes))
         # one stage, or one expert group: the section runs as if it were absent (`section-does-nothing`)
         stage_map = None if plan.pipeline is not None and sizes.get(plan.pipeline.axis) == 1 else stage_map
     expert_roles, found = expert_blocks(plan, params)

@@ -54,6 +54,7 @@ CODES: dict[str, str] = {
     "pipeline-schedule-context": "zb-h1 with the sequence split over a context axis",
     "pipeline-fsdp-gathered": "layer weights split over a batch axis inside a pipeline enter its loop gathered",
     "section-does-nothing": "a pipeline, experts or context section on a mesh axis of size 1",
+    "tensor-overlap-no-effect": "`tensor_overlap` without tensor parallelism, without sequence parallelism, or off a GPU",
     "stage-invalid-regex": "a stage rule's `match` is not a valid regular expression",
     "stage-unassigned": "a layer no stage rule matches",
     "stage-out-of-range": "a stage index outside the stage axis",

@@ -290,6 +290,12 @@ class Plan(_Strict):
         "when there is no pipeline. `shardplan.model_loss` runs forward and backward on one microbatch after another "
         "and sums their gradients, so activations are one microbatch's; the loss must be a mean over rows. A "
         "pipeline splits the batch itself (`pipeline.microbatches`).")
+    tensor_overlap: bool = Field(
+        default=False, description="Collective matmul on GPUs: XLA splits the tensor axes' all-gathers and "
+        "reduce-scatters beside a matmul (the layouts of sequence parallelism, as Megatron's `--tp-comm-overlap` "
+        "needs `--sequence-parallel`) into a ring of pieces that run while the matmul's parts compute (windowed "
+        "einsum). Set by `shardplan.set_performance_flags(plan)` before JAX starts; on CPU and TPU it does nothing "
+        "and says so.")
     logical_axes: dict[AxisName, Union[None, AxisName, list[AxisName]]] = Field(
         default_factory=dict, description="Logical dim name -> the mesh axis (or list of axes, or null: not split) it "
         "stands for. Specs in params, inputs and activations may use the logical names; moving a plan from tensor "

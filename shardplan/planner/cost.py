@@ -181,6 +181,8 @@ class _Step:
     widened: bool = False       # narrow gradients are reduced in float32 (XLA on CPU)
     context: str | None = None  # the context axis (it splits the sequence, so it counts as a batch axis)
     ring: bool = False          # context strategy ring: no scores kept
+    tensor_overlap: bool = False    # collective matmul: the layers' sequence-parallel tensor collectives
+    #                                 run beside the matmuls they feed (`Plan.tensor_overlap` on an overlapping device)
 
     def widening(self, p: ParamLayout) -> float:
         """How much larger than the stored parameter its gradient moves (float32 on a widening backend)."""
@@ -267,7 +269,8 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
         manual_batch=not (pipe and plan.experts and plan.experts.axis in batch_axes),
         remat=options.remat, sequence_ways=options.sequence_ways, attention_stored=options.attention_stored,
         counts=counts, accumulate=plan.accumulate if pipe is None else 1, widened=not profile.low_precision_native,
-        context=context, ring=bool(context) and plan.context.strategy == "ring")
+        context=context, ring=bool(context) and plan.context.strategy == "ring",
+        tensor_overlap=plan.tensor_overlap and profile.overlap)
     every = [p for p in report.params if p.stage in (None, 0)]
     experts = _expert_terms(report, every, step)
     # the expert weights' own costs are the exchange's (`shardplan.experts.cost`), not a matrix's
@@ -345,7 +348,8 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
     timed = [(t.overlap, _seconds(t, step, profile, plan.mesh.hosts)) for t in transfers]
     communication_s = sum(seconds for _, seconds in timed)
     overlapped = exposure(timed, compute_s=compute_s, attention_s=attention_flops / (peak * profile.attention_efficiency),
-                          asynchronous=profile.overlap, pipelined=step.stage_axis is not None)
+                          asynchronous=profile.overlap, pipelined=step.stage_axis is not None,
+                          matmul_s=matmul_flops / (peak * profile.matmul_efficiency) * (1 - 1 / step.sequence_ways))
     exposed = overlapped.exposed_s
     update_s = _update_bytes(every, step) / profile.memory_bandwidth
     return Estimate(param_bytes, optimizer_bytes, 2 * step.tokens * TOKEN_BYTES, stored, remat,
@@ -564,6 +568,9 @@ def _matrix_transfers(p: ParamLayout, role: Role, step: _Step, staged: bool,
     n_in = math.prod(shape[d] for d in role.in_dims)
     n_out = math.prod(shape[d] for d in role.out_dims)
     forward = 2 if step.recomputes(staged, in_layer) else 1     # the forward runs again in the backward
+    # under sequence parallelism a layer matrix's tensor collectives are an all-gather before it or a
+    # reduce-scatter after it, which collective matmul runs beside the matmul's pieces
+    lane = "tensor" if step.tensor_overlap and step.sequence_ways > 1 and in_layer else "critical"
     found: list[Transfer] = []
     if role.kind == EMBEDDING:
         if tensor_in:
@@ -575,7 +582,7 @@ def _matrix_transfers(p: ParamLayout, role: Role, step: _Step, staged: bool,
     else:
         if tensor_out:
             found.append(Transfer("all-reduce", tensor_out, int(tokens * n_in * b / step.ways(tensor_in)), passes,
-                                  f"{p.path}: input gradient (outputs split)"))
+                                  f"{p.path}: input gradient (outputs split)", lane))
             if role.kind == COLUMN and not role.closes:
                 found.append(Transfer("all-reduce", tensor_out, int(tokens * TOKEN_BYTES), 3 * passes,
                                       f"{p.path}: loss over split outputs"))
@@ -584,7 +591,7 @@ def _matrix_transfers(p: ParamLayout, role: Role, step: _Step, staged: bool,
                                       f"{p.path}: split outputs gathered"))
         if tensor_in:
             found.append(Transfer("all-reduce", tensor_in, int(tokens * n_out * b / step.ways(tensor_out)),
-                                  forward * passes, f"{p.path}: partial outputs summed"))
+                                  forward * passes, f"{p.path}: partial outputs summed", lane))
     if not fsdp:
         return found, False
     ways = step.ways(fsdp)

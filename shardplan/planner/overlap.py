@@ -14,9 +14,13 @@ result is not needed at once runs beside compute. Each transfer says what it can
   layer's compute; hidden behind the compute the gradient reductions left. The first layer's gather
   has no layer before it; that one gather is not counted apart.
 - `attention`: a ring step's key and value permutes run while that step's block is scored.
+- `tensor`: with a plan's `tensor_overlap` (collective matmul, GPU flags in `shardplan.run.flags`)
+  and sequence parallelism, a layer matrix's tensor collective is an all-gather before its matmul or
+  a reduce-scatter after it, which XLA splits into a ring of n pieces run beside the matmul's n
+  parts: hidden behind up to (n-1)/n of the matmuls' time (the first piece waits), on the tensor
+  axis's own links (inside a host, where `auto` keeps it), so apart from the other lanes' budget.
 - `critical`: everything else waits for its collective. A tensor-parallel all-reduce's result is the
-  next op's input (XLA's collective matmul overlaps only the gathers and reduce-scatters of
-  sequence-parallel layouts, and is not counted); a pipeline tick's send is the next tick's input;
+  next op's input (collective matmul leaves all-reduces as they are); a pipeline tick's send is the next tick's input;
   an expert exchange sits between routing and the experts, and between them and the combine;
   ZeRO-1's gather of the updated parameters comes after the last compute; an FSDP layout that moves
   activations moves what the next op reads.
@@ -31,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 
 BACKWARD_SHARE = 2 / 3          # of a step's compute, the backward's: what a gradient reduction can hide behind
-LANES = ("backward", "prefetch", "attention", "critical")
+LANES = ("backward", "prefetch", "attention", "tensor", "critical")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -41,9 +45,10 @@ class Exposure:
 
 
 def exposure(timed: list[tuple[str, float]], *, compute_s: float, attention_s: float, asynchronous: bool,
-             pipelined: bool) -> Exposure:
+             pipelined: bool, matmul_s: float = 0.0) -> Exposure:
     """`timed`: (lane, seconds) per transfer; `compute_s`: the step's compute (bubble included);
-    `attention_s`: the part of it spent scoring attention; `pipelined`: the step runs a pipeline loop.
+    `attention_s`: the part of it spent scoring attention; `pipelined`: the step runs a pipeline loop;
+    `matmul_s`: the weight matmuls' time collective matmul can run its pieces beside ((n-1)/n of it).
 
     >>> exposure([("backward", 2.0), ("prefetch", 1.0), ("critical", 0.5)], compute_s=3.0,
     ...          attention_s=0.0, asynchronous=True, pipelined=False).exposed_s
@@ -67,4 +72,5 @@ def exposure(timed: list[tuple[str, float]], *, compute_s: float, attention_s: f
     # the ring's permutes run beside the attention's own scores, not beside the matmuls the
     # gathers and reductions use
     hidden["attention"] = min(per_lane["attention"], attention_s)
+    hidden["tensor"] = min(per_lane["tensor"], matmul_s)
     return Exposure(total - sum(hidden.values()), tuple((lane, s) for lane, s in hidden.items() if s > 0))

@@ -21,7 +21,7 @@ from shardplan.run.abstract import abstract_with_roles, eval_shape
 from shardplan.run.optimizer import master_weights, padded_state
 from shardplan.run.specs import partition_spec
 from shardplan.run.step_options import apply_step_options
-from shardplan.plan.diagnostics import PlanError, warn
+from shardplan.plan.diagnostics import Diagnostic, PlanError, warn
 from shardplan.plan.schema import Plan, normalize_spec, spec_axes
 
 
@@ -45,6 +45,10 @@ def apply_plan(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh, *, exampl
     P(None, 'model')
     """
     report = _checked(plan, model, mesh, example, roles)
+    if plan.tensor_overlap:
+        from shardplan.run.flags import tensor_overlap_in_effect
+        why = tensor_overlap_in_effect(mesh.devices.flat[0].platform)
+        warn([Diagnostic("tensor-overlap-no-effect", "warning", why, file=plan.file)] if why else [], stacklevel=3)
     specs = {layout.path: layout.spec for layout in report.params}
     if report.experts:           # before the step options, so remat and constraints wrap the exchange
         from shardplan.experts.block import install

@@ -1,8 +1,8 @@
 """The XLA flags the cost model's time assumes on GPUs, set before JAX starts its backend.
 
-XLA reads `XLA_FLAGS` once, when the backend starts, and aborts the process on a flag its build does
-not know; the GPU flags are known only to the CUDA plugin's build. So they are set only where a GPU
-plugin is installed and no platform other than a GPU is asked for, and never on CPU or TPU.
+XLA reads `XLA_FLAGS` once, when the backend starts, and aborts the process on a flag it does not
+know (jax 0.10's XLA knows these on every backend: `tests/test_flags.py`). They act on GPUs only, so
+they are set only where a GPU plugin is installed and no platform other than a GPU is asked for.
 
 What each is for (names and meanings from XLA's `debug_options_flags.cc`, as NVIDIA's JAX-Toolbox
 "GPU performance" guide and MaxText's GPU configs set them) is in `GPU_FLAGS` and the README.
@@ -27,28 +27,37 @@ GPU_FLAGS = (
      "the same for all-reduces in loops (pipeline ticks, gradient accumulation)"),
     ("--xla_gpu_all_reduce_combine_threshold_bytes=134217728",
      "combines small gradient all-reduces into ops of up to 128 MiB (fewer launches, full links)"),
+)
+# (flag, what it is for): collective matmul, set only for a plan with `tensor_overlap: true`
+TENSOR_OVERLAP_FLAGS = (
     ("--xla_gpu_threshold_for_windowed_einsum_mib=0",
-     "collective matmul: tensor-parallel all-gathers and reduce-scatters next to a matmul are split into a "
-     "ring of pieces overlapped with the matmul's parts (the time model does not count this overlap)"),
+     "collective matmul: tensor-parallel all-gathers and reduce-scatters next to a matmul (sequence-parallel "
+     "layouts) are split into a ring of pieces overlapped with the matmul's parts (windowed einsum)"),
     ("--xla_gpu_multi_streamed_windowed_einsum=true",
      "runs those pieces on several streams"),
 )
 _GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
 
 
-def performance_flags(platform: str = "gpu") -> list[str]:
-    """The XLA flags shardplan's time model assumes on `platform` ("gpu"; none on "cpu" or "tpu").
+def performance_flags(platform: str = "gpu", *, tensor_overlap: bool = False) -> list[str]:
+    """The XLA flags shardplan's time model assumes on `platform` ("gpu"; none on "cpu" or "tpu");
+    `tensor_overlap`: with collective matmul (a plan's `tensor_overlap`).
 
     >>> performance_flags("cpu")
     []
     >>> performance_flags("gpu")[0]
     '--xla_gpu_enable_latency_hiding_scheduler=true'
+    >>> performance_flags("gpu", tensor_overlap=True)[-1]
+    '--xla_gpu_multi_streamed_windowed_einsum=true'
     """
-    return [flag for flag, _ in GPU_FLAGS] if platform == "gpu" else []
+    if platform != "gpu":
+        return []
+    return [flag for flag, _ in GPU_FLAGS + (TENSOR_OVERLAP_FLAGS if tensor_overlap else ())]
 
 
-def set_performance_flags() -> list[str]:
+def set_performance_flags(plan=None) -> list[str]:
     """Add `performance_flags("gpu")` to `XLA_FLAGS` when JAX will run on a GPU; return those added.
+    With a `plan` (a `Plan`) that sets `tensor_overlap`, the collective-matmul flags too.
 
     Must run before anything starts JAX's backend. A flag the environment already sets (to any value)
     is left as the user set it; nothing is set on a machine without a GPU plugin or when
@@ -59,7 +68,20 @@ def set_performance_flags() -> list[str]:
     if first not in ("", "cuda", "gpu") or not any(importlib.util.find_spec(p) for p in _GPU_PLUGINS):
         return []
     present = os.environ.get("XLA_FLAGS", "")
-    added = [flag for flag in performance_flags("gpu") if flag.split("=")[0] + "=" not in present]
+    wanted = performance_flags("gpu", tensor_overlap=bool(plan is not None and plan.tensor_overlap))
+    added = [flag for flag in wanted if flag.split("=")[0] + "=" not in present]
     if added:
         os.environ["XLA_FLAGS"] = " ".join([present, *added]).strip()
     return added
+
+
+def tensor_overlap_in_effect(platform: str) -> str | None:
+    """Why a plan's `tensor_overlap` does nothing in this process (None: XLA will overlap): not a GPU,
+    or `XLA_FLAGS` without the collective-matmul threshold (set after JAX started, or never)."""
+    if platform != "gpu":
+        return (f"tensor_overlap takes effect on GPUs only (XLA's windowed einsum); on {platform} the "
+                "tensor-parallel collectives run as they are")
+    if TENSOR_OVERLAP_FLAGS[0][0].split("=")[0] + "=" not in os.environ.get("XLA_FLAGS", ""):
+        return ("tensor_overlap is set but XLA_FLAGS lacks --xla_gpu_threshold_for_windowed_einsum_mib: call "
+                "shardplan.set_performance_flags(plan) before JAX starts (XLA reads its flags once)")
+    return None
