@@ -381,8 +381,8 @@ def test_long_sequences_get_context_parallelism_and_the_written_plan_checks():
     best = found.best
     assert best.plan.context is not None and best.candidate.axes["context"] > 1, best.candidate.label()
     assert best.plan.inputs["tokens"][1] == "context"
-    small = best.plan.model_copy(update={"mesh": best.plan.mesh.model_copy(update={"axes": {"data": 2, "context": 4},
-                                                                                 "hosts": {}})})
+    axes = {"data": 2, "context": 2, "model": 2} if "model" in best.candidate.axes else {"data": 2, "context": 4}
+    small = best.plan.model_copy(update={"mesh": best.plan.mesh.model_copy(update={"axes": axes, "hosts": {}})})
     tiny = lambda: Llama(vocab=64, dim=32, heads=4, kv_heads=2, hidden=64, layers=2, rngs=nnx.Rngs(0))  # noqa: E731
     report = shardplan.check(small, tiny(), input_shapes={"tokens": (2, 32)},
                              example=lambda m: m(jnp.zeros((2, 32), jnp.int32)))

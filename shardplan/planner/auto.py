@@ -64,6 +64,7 @@ class Candidate:
     experts: bool = False               # expert parallelism, the experts folded onto 'data'
     master: bool = False                # parameters stored in the compute dtype, float32 masters in the optimizer
     ring: bool = False                  # with a 'context' axis: ring attention (else keys and values gathered)
+    overlap: bool = False               # `tensor_overlap` (collective matmul) with sequence parallelism, on GPUs
 
     def label(self) -> str:
         mesh = " x ".join(f"{name} {size}" for name, size in self.axes.items())
@@ -87,7 +88,7 @@ class Candidate:
             virtual = f" v{self.virtual}" if self.virtual > 1 else ""
             parts.append(f"{self.schedule}{virtual} M={self.microbatches}")
         if self.sequence:
-            parts.append("sp")
+            parts.append("sp + overlap" if self.overlap else "sp")
         if self.accumulate > 1:
             parts.append(f"accumulate {self.accumulate}")
         if self.remat != "none":
@@ -147,7 +148,8 @@ def search(params: list[ParamInfo], roles: ModelRoles, *, devices: int, workload
     bounds = _Bounds.of(params, roles, workload, profile, compute, devices)
     blocks = find_blocks(params)
     listed = sorted(((bounds.step(c), n, c) for n, c in enumerate(
-        candidates(roles, devices, hosts, workload, pipelines, compute, blocks[0].count if blocks else None))
+        _overlapping(candidates(roles, devices, hosts, workload, pipelines, compute,
+                                blocks[0].count if blocks else None), profile))
         if only is None or only(c)), key=lambda t: t[:2])
     fitting: list[tuple[float, int, Candidate, Estimate]] = []
     slowest: list[float] = []           # max-heap (negated) of the `keep` best step times
@@ -172,8 +174,8 @@ def search(params: list[ParamInfo], roles: ModelRoles, *, devices: int, workload
     # Sequence parallelism and gradient accumulation only where memory needs them: sequence
     # parallelism is modelled as Megatron's while XLA's partitioner was measured to move more (a
     # caveat on every such estimate); accumulation only adds reductions.
-    fits = {repr(c) for _, _, c, _ in fitting}
-    unneeded = [_unneeded(c, fits) for _, _, c, _ in fitting]
+    fits = {repr(c): step for step, _, c, _ in fitting}
+    unneeded = [_unneeded(c, step, fits) for step, _, c, _ in fitting]
     rejected += [Ranked(t[2], None, None, t[3], why) for t, why in zip(fitting, unneeded) if why]
     fitting = [t for t, why in zip(fitting, unneeded) if not why]
     fitting.sort(key=lambda t: (round(t[0], 12), t[3].collective_bytes, len(t[2].axes), t[2].zero1, t[2].fsdp,
@@ -195,9 +197,11 @@ def search(params: list[ParamInfo], roles: ModelRoles, *, devices: int, workload
     return Search(ranked, rejected, params, roles, workload, profile, budget, usable, len(fitting), pruned)
 
 
-def _unneeded(c: Candidate, fits: set[str]) -> str | None:
-    """Why a candidate's sequence parallelism or accumulation is not needed: a simpler twin fits."""
-    if c.sequence and repr(dataclasses.replace(c, sequence=False)) in fits:
+def _unneeded(c: Candidate, step_s: float, fits: dict[str, float]) -> str | None:
+    """Why a candidate's sequence parallelism or accumulation is not needed: a simpler twin fits (and,
+    for sequence parallelism with collective matmul, which can make it faster, is no slower)."""
+    twin = fits.get(repr(dataclasses.replace(c, sequence=False, overlap=False)))
+    if c.sequence and twin is not None and (not c.overlap or twin <= step_s):
         return "sequence parallelism not needed: fits without it"
     fewer = [a for a in range(1, c.accumulate) if repr(dataclasses.replace(c, accumulate=a)) in fits]
     if fewer:
@@ -269,6 +273,13 @@ def _idle(candidate: Candidate, report) -> str | None:
     if candidate.zero1 and all(p.opt_spec == p.spec for p in report.params):
         return "ZeRO-1 splits nothing"
     return None
+
+
+def _overlapping(found, profile: Profile):
+    """On a device that overlaps collectives (GPU flags, TPUs), sequence parallelism comes with
+    collective matmul (`tensor_overlap`): it only hides communication."""
+    for c in found:
+        yield dataclasses.replace(c, overlap=True) if profile.overlap and c.sequence and c.tensor else c
 
 
 def candidates(roles: ModelRoles, devices: int, hosts: int, workload: Workload, pipelines: bool = True,
@@ -481,6 +492,8 @@ def plan_document(candidate: Candidate, roles: ModelRoles, params: list[ParamInf
         batch = "data" if "data" in candidate.axes else None
         document["activations"] = [{"match": module, "spec": [batch, "model", None]} for module in
                                    _shared("sequence", roles, params, lambda: sequence_modules(roles, params))]
+    if candidate.overlap:
+        document["tensor_overlap"] = True
     if candidate.remat != "none":
         document["remat"] = [{"match": f"{re.escape(roles.layers)}/\\d+", "policy": REMAT_POLICY[candidate.remat]}]
     if candidate.compute:
@@ -631,6 +644,9 @@ def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 
                      "'model'")
         for rule in plan.activations:
             lines += [f"  - match: '{rule.match}'", f"    spec: {_flow(rule.spec)}"]
+    if plan.tensor_overlap:
+        lines.append("tensor_overlap: true         # collective matmul on GPUs: the sequence-parallel gathers and "
+                     "reduce-scatters run beside the matmuls")
     if plan.remat:
         what = {"full": "keep each layer's input, recompute the rest in the backward",
                 "dots": "keep the matmul outputs, recompute the elementwise work"}[c.remat]
