@@ -24,7 +24,7 @@ Each row is modelled twice with the hardware written as profile files (profiles/
 configuration itself, and what `auto` picks (bf16 compute, 80 GB per device, 8 devices per host).
 The models are MiniGPT (GPT: layer norms, biases, GELU MLP 4x, untied head) at the published shapes.
 
-    python benchmarks/published_runs.py [--only megatron|mt-nlg|mpt|opt] [--json out.json]
+    python benchmarks/published_runs.py [--only megatron|mt-nlg|mpt|opt] [--profile FILE] [--json out.json]
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 
 from shardplan.checks.paths import param_infos  # noqa: E402
 from shardplan.planner import auto  # noqa: E402
-from shardplan.planner.cost import Workload  # noqa: E402
+from shardplan.planner.cost import Workload, model_flops  # noqa: E402
 from shardplan.planner.profiles import load_profile  # noqa: E402
 from shardplan.planner.representative import Representative  # noqa: E402
 from shardplan.checks.roles import definition_order, recognise  # noqa: E402
@@ -60,8 +60,16 @@ MPT = [("7b", 4096, 32, 32, 8, 6, 1, False, 10643), ("13b", 5120, 40, 40, 64, 2,
        ("30b", 7168, 64, 48, 32, 14, 3, True, 2308), ("70b", 8192, 64, 80, 64, 8, 4, True, 1039)]
 
 
+OVERRIDE: list = []     # --profile: the one profile every row is costed with
+
+
+def _profile(name: str):
+    """The cluster's profile file from profiles/, unless --profile gave one for every row."""
+    return OVERRIDE[0] if OVERRIDE else load_profile(REPO / "profiles" / name)
+
+
 def megatron_rows():
-    profile = load_profile(REPO / "profiles" / "a100-80gb-selene.yaml")
+    profile = _profile("a100-80gb-selene.yaml")
     for billions, heads, hidden, layers, tensor, pipeline, gpus, batch, tflops in MEGATRON:
         seq, vocab = 2048, 51200
         per_token = 96 * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
@@ -83,7 +91,7 @@ MT_NLG = [(280, 126), (350, 121), (420, 113)]
 
 
 def mt_nlg_rows():
-    profile = load_profile(REPO / "profiles" / "a100-80gb-selene.yaml")
+    profile = _profile("a100-80gb-selene.yaml")
     layers, hidden, heads, vocab, seq, batch, tensor, pipeline = 105, 20480, 128, 50272, 2048, 1920, 8, 35
     per_token = 96 * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
     for nodes, tflops in MT_NLG:
@@ -106,7 +114,7 @@ OPT = [(992, 147)]
 
 
 def opt_rows():
-    profile = load_profile(REPO / "profiles" / "a100-80gb-selene.yaml")
+    profile = _profile("a100-80gb-selene.yaml")
     layers, hidden, heads, vocab, seq, tensor = 96, 12288, 96, 50272, 2048, 8
     per_token = 96 * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
     for gpus, tflops in OPT:
@@ -137,7 +145,7 @@ def fsdp_only(c: auto.Candidate) -> bool:
 
 
 def mpt_rows():
-    profile = load_profile(REPO / "profiles" / "h100-80gb-sxm.yaml")
+    profile = _profile("h100-80gb-sxm.yaml")
     for name, hidden, heads, layers, gpus, microbatch, accumulate, checkpointing, tokens in MPT:
         published = auto.Candidate({"data": gpus}, _hosts(1, gpus, gpus), False, False, True, False,
                                    remat="full" if checkpointing else "none", compute="bfloat16",
@@ -166,13 +174,18 @@ def run_row(label, config, gpus, workload, profile, published, measured, toolbox
     rep = Representative.of(params, roles)
     unwritable, theirs = auto.sketch(published, roles, rep, workload, profile)
     tokens = workload.batch * workload.seq
+    # the model's matmul FLOPs (nothing recomputed) at the modelled speed against what the profile's
+    # matmuls can reach at all: a row above that ceiling would be modelled faster than the hardware
+    ceiling = profile.flops_for("bfloat16") * profile.matmul_efficiency
+    achieved = sum(model_flops(params, roles, workload)) / theirs.step_s / gpus if theirs else 0.0
     row = {"model": label, "devices": gpus, "batch": workload.batch, "seq": workload.seq,
            "published": {"tensor": published.axes.get("model", 1), "pipeline": published.axes.get("stage", 1),
                          "rules": published.rules_label(), "tokens_per_s_per_device": measured,
                          # None where shardplan cannot write the published configuration as a plan
                          "unwritable": unwritable,
                          "modelled_tokens_per_s_per_device": tokens / theirs.step_s / gpus if theirs else None,
-                         "modelled_peak_bytes": theirs.peak_bytes if theirs else None}}
+                         "modelled_peak_bytes": theirs.peak_bytes if theirs else None,
+                         "modelled_flops_per_s_per_device": achieved, "matmul_ceiling": ceiling}}
     for key, only in (("auto", toolbox), ("auto_any", None)):
         found = auto.search(params, roles, devices=gpus, workload=workload, profile=profile, memory=DEVICE_MEMORY,
                             hosts=max(1, gpus // 8), compute="bfloat16", only=only)
@@ -203,6 +216,8 @@ def verdict(row) -> str:
         misses.append("throughput")
     if theirs["modelled_peak_bytes"] and theirs["modelled_peak_bytes"] > DEVICE_MEMORY:
         misses.append("published does not fit")
+    if theirs["modelled_flops_per_s_per_device"] > theirs["matmul_ceiling"]:
+        misses.append("above the matmul ceiling")
     return "ok" if not misses else "misses " + ", ".join(misses)
 
 
@@ -214,7 +229,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=["megatron", "mt-nlg", "mpt", "opt"])
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    parser.add_argument("--profile", metavar="FILE", help="cost every row with this profile file instead of its "
+                                                          "cluster's (e.g. one written from a datasheet alone)")
     args = parser.parse_args()
+    if args.profile:
+        OVERRIDE.append(load_profile(args.profile))
+        print(OVERRIDE[0].defaults_line() or f"profile {OVERRIDE[0].name!r} sets every field", "\n")
     sources = [("megatron", megatron_rows), ("mt-nlg", mt_nlg_rows), ("mpt", mpt_rows), ("opt", opt_rows)]
     rows = []
     print("tokens/s per GPU: measured, modelled for the published configuration, modelled for auto's picks "

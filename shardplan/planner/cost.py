@@ -335,7 +335,7 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
             gathered += math.prod(p.shard_shape) * fsdp * min(p.itemsize, itemsize)
         if p.opt_spec != p.spec:
             regathered += p.bytes_per_device * step.count(p.path)
-    matmul_flops, attention_flops = _flops(held, roles, step)
+    matmul_flops, attention_flops, kernels = _flops(held, roles, step)
     matmul_flops += experts.flops if experts else 0.0
     flops = matmul_flops + attention_flops
     bubble = _bubble(step)
@@ -343,8 +343,10 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
     # each stored activation is written and read once forward and once as a gradient backward.
     elementwise_s = _traffic(kept, _scores(held, roles, step), step) / profile.memory_bandwidth
     peak = profile.flops_for(options.compute_dtype)
-    compute_s = (matmul_flops / (peak * profile.matmul_efficiency) + attention_flops /
-                 (peak * profile.attention_efficiency) + elementwise_s) / (1.0 - bubble)
+    # each matmul kernel also costs a fixed time (launch, prologue, the last partial wave of tiles):
+    # what makes small matmuls slower than large ones (`Profile.matmul_overhead`)
+    compute_s = (matmul_flops / (peak * profile.matmul_efficiency) + kernels * profile.matmul_overhead +
+                 attention_flops / (peak * profile.attention_efficiency) + elementwise_s) / (1.0 - bubble)
     timed = [(t.overlap, _seconds(t, step, profile, plan.mesh.hosts)) for t in transfers]
     communication_s = sum(seconds for _, seconds in timed)
     overlapped = exposure(timed, compute_s=compute_s, attention_s=attention_flops / (peak * profile.attention_efficiency),
@@ -839,10 +841,11 @@ def _traffic(kept: tuple[dict, dict, dict], scores: float, step: _Step) -> float
     return step.tokens * moved
 
 
-def _flops(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple[float, float]:
+def _flops(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple[float, float, float]:
     """(weight matmul, attention) FLOPs per device per step: 2 per weight and token forward, 4
-    backward; a forward run again in the backward adds its 2."""
-    total = attention_total = 0.0
+    backward; a forward run again in the backward adds its 2. Third: the weight matmul kernels run
+    (per pass, one forward, two backward, one more when the forward runs again)."""
+    total = attention_total = kernels = 0.0
     stands_for: dict = {}
     for p in held:
         role = roles.roles.get(p.path)
@@ -854,13 +857,14 @@ def _flops(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple[flo
         recompute = 8 / 6 if step.recomputes(p.stage is not None, layer is not None) else 1.0
         tensor = step.ways(_split_axes(p, tuple(range(len(p.shape))), step.batch_axes))
         total += WEIGHT_FLOPS * passes * tokens * math.prod(p.shape) / tensor * recompute * step.count(p.path)
+        kernels += passes * (4 if recompute > 1 else 3) * step.count(p.path)
     for attention in roles.attention:
         if attention.layer in stands_for:
             passes, tokens = step.passes(step.stage_axis is not None)
             recompute = 8 / 6 if step.recomputes(step.stage_axis is not None, attention.layer is not None) else 1.0
             attention_total += ATTENTION_FLOPS * passes * tokens * step.seq * attention.width * recompute * \
                 stands_for[attention.layer] / _attention_ways(attention, held, roles, step)
-    return total, attention_total
+    return total, attention_total, kernels
 
 
 def model_flops(params, roles: ModelRoles, workload: Workload) -> tuple[float, float]:

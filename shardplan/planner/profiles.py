@@ -22,6 +22,12 @@ MAX_PROFILE_BYTES = 1 << 16
 DEFAULT_LATENCY = 10e-6          # seconds per collective: NCCL's small-message all-reduce on one host
 DEFAULT_MATMUL_EFFICIENCY = 0.8  # large bf16 GEMMs reach about 80% of the datasheet peak on A100/H100 (cuBLAS)
 DEFAULT_LINK_EFFICIENCY = 0.8    # NCCL bus bandwidth reaches about 80% of the link rate on NVLink and InfiniBand
+# Seconds each matmul kernel costs beyond its FLOPs at `matmul_efficiency` (launch, prologue and
+# epilogue, the last partial wave of tiles). Public cuBLAS bf16 sweeps on a B200 (pyptx.dev, CUDA
+# 12.8): 2048^3 at 1,006 TFLOP/s, 4096^3 at 1,532, 8192^3 at 1,610; at 8192^3's rate the two smaller
+# ones take 6.4 and 4.4 us longer. So small matmuls (small models, thin tensor-parallel shards,
+# microbatches of one sequence) run below the large-GEMM rate; large ones do not notice.
+DEFAULT_MATMUL_OVERHEAD = 5e-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +45,7 @@ class Profile:
     matmul_efficiency: float = DEFAULT_MATMUL_EFFICIENCY    # share of peak a large matmul reaches
     link_efficiency: float = DEFAULT_LINK_EFFICIENCY        # share of link bandwidth a large collective reaches
     attention_efficiency: float = DEFAULT_MATMUL_EFFICIENCY  # share of peak the attention's own matmuls reach
+    matmul_overhead: float = DEFAULT_MATMUL_OVERHEAD         # seconds per matmul kernel beyond its FLOPs
     attention: str = "materialised"  # "materialised": scores written to memory (XLA's attention); "fused": on chip
     low_precision_native: bool = True   # bf16 compute keeps activations and their collectives in 2 bytes
     overlap: bool = True    # collectives run asynchronously beside compute (see `shardplan.planner.overlap`)
@@ -76,6 +83,7 @@ PROFILES = {
         peak_flops=220e9 / 8, memory_bytes=24 * GiB // 8, memory_bandwidth=4.8e9, intra_host_bandwidth=4.8e9,
         inter_host_bandwidth=1e9, collective_latency=50e-6, devices_per_host=8,
         matmul_efficiency=1.0, link_efficiency=1.0, attention_efficiency=1.0,  # measured figures, not peaks
+        matmul_overhead=0.0,            # (measured on one large matmul; the small ones' cost is not)
         low_precision_native=False,     # XLA on CPU computes and reduces bf16 in float32 (measured)
         overlap=False),                 # its collectives are copies on the cores that compute
 }
@@ -151,6 +159,9 @@ class ProfileFile(BaseModel):
     matmul_efficiency: Share = Field(DEFAULT_MATMUL_EFFICIENCY, description="share of peak a large matmul reaches")
     link_efficiency: Share = Field(DEFAULT_LINK_EFFICIENCY,
                                    description="share of link bandwidth a large collective reaches")
+    matmul_overhead: Annotated[float, BeforeValidator(_number), Field(ge=0, le=1, allow_inf_nan=False)] = Field(
+        DEFAULT_MATMUL_OVERHEAD, description="seconds each matmul kernel costs beyond its FLOPs (launch, prologue, "
+                                             "the last partial wave): what slows small matmuls (0 to 1)")
     attention_efficiency: Share | None = Field(
         None, description="share of peak the attention's score and value matmuls reach (default: matmul_efficiency)")
     low_precision_native: bool = Field(
