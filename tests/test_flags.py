@@ -108,3 +108,4 @@ def test_the_overlap_flags_are_this_jaxs_own_and_do_nothing_on_cpu(tmp_path):
     assert any("GPUs only" in w for w in with_flags["warnings"])
     unknown = compiled("--xla_gpu_threshold_for_windowed_einsum_mib_typo=0")
     assert unknown.returncode != 0 and "Unknown flag" in unknown.stderr
+
