@@ -387,3 +387,19 @@ def test_long_sequences_get_context_parallelism_and_the_written_plan_checks():
     report = shardplan.check(small, tiny(), input_shapes={"tokens": (2, 32)},
                              example=lambda m: m(jnp.zeros((2, 32), jnp.int32)))
     assert report.ok, [d.format() for d in report.errors]
+
+
+def test_rematerialised_layers_keep_their_inputs_split_by_sequence_parallelism():
+    """Full recomputation keeps each layer's input; under sequence parallelism those inputs are split
+    over the tensor axis (Megatron's layout), so a 70B-class FSDP x TP 8 run is not modelled as keeping
+    them whole. Sixteen layers, so the inputs outweigh the one layer recomputed at a time. (The CPU
+    compiler cannot check this: jax.checkpoint does not lower XLA:CPU's peak, docs/planning.md.)"""
+    config = dict(MINIGPT, num_transformer_blocks=16)
+    model = minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0))
+    roles = with_code(recognise_module(model), model, SEQ)
+    full = [{"match": r"transformer_blocks/\d+", "policy": "full"}]
+    sequence = [{"match": r"transformer_blocks/\d+/layer_norm[12]", "spec": ["data", "model", None]}]
+    kept = {name: estimate(shardplan.check(_variant(changes), model), roles, Workload(BATCH, SEQ), get_profile("h200"))
+            for name, changes in (("remat", {"remat": full}), ("remat+sp", {"remat": full, "activations": sequence}))}
+    inputs = BATCH * SEQ // 4 * config["embed_dim"] * 4 * 16       # minigpt_dp_tp: data 4 x model 2, float32
+    assert kept["remat"].activation_bytes - kept["remat+sp"].activation_bytes >= inputs / 2

@@ -799,7 +799,9 @@ def _activations(kept: tuple[dict, dict, dict], step: _Step) -> tuple[int, int, 
     head = full.pop("after", 0.0)
     count = sum(stands_for[layer] for layer in full)
     biggest = max(full.values(), default=0.0)
-    boundary = step.width * b * count
+    # the layers' inputs: the residual stream, split over the sequence by sequence parallelism (Megatron's
+    # layout; XLA keeps it split between the constrained norms)
+    boundary = step.width * b * count / step.sequence_ways
     rematerialised = boundary + biggest
     layers = {"none": sum(size * stands_for[layer] for layer, size in full.items()),
               "full": rematerialised,
