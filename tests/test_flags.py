@@ -3,6 +3,8 @@
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 import shardplan
 from shardplan.run import flags
 
@@ -15,11 +17,16 @@ def test_nothing_is_set_without_a_gpu(monkeypatch):
     assert "XLA_FLAGS" not in __import__("os").environ
 
 
-def test_gpu_flags_added_once_keeping_the_users_own(monkeypatch):
+@pytest.fixture
+def gpu_plugin(monkeypatch):
+    """As if a CUDA plugin were installed (only its presence is looked up) and no platform asked for."""
     real = importlib.util.find_spec
     monkeypatch.setattr(flags.importlib.util, "find_spec",
                         lambda name, *a: object() if name == "jax_cuda12_plugin" else real(name, *a))
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+
+
+def test_gpu_flags_added_once_keeping_the_users_own(monkeypatch, gpu_plugin):
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_latency_hiding_scheduler=false")
     added = shardplan.set_performance_flags()
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" not in added       # the user's choice stands
@@ -32,11 +39,7 @@ def test_gpu_flags_added_once_keeping_the_users_own(monkeypatch):
     assert shardplan.set_performance_flags() == []                             # CPU asked for: nothing
 
 
-def test_a_plans_tensor_overlap_adds_the_collective_matmul_flags(monkeypatch):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(flags.importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "jax_cuda12_plugin" else real(name, *a))
-    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+def test_a_plans_tensor_overlap_adds_the_collective_matmul_flags(monkeypatch, gpu_plugin):
     monkeypatch.setenv("XLA_FLAGS", "")
     plan = shardplan.parse_plan(OVERLAP_PLAN)
     assert "--xla_gpu_threshold_for_windowed_einsum_mib=0" not in shardplan.set_performance_flags()
