@@ -30,6 +30,7 @@ The models are MiniGPT (GPT: layer norms, biases, GELU MLP 4x, untied head) at t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -81,7 +82,8 @@ def megatron_rows():
             master=True)
         yield (f"GPT {billions:g}B", dict(vocab_size=vocab, maxlen=seq, embed_dim=hidden, num_heads=heads,
                                           feed_forward_dim=4 * hidden, num_transformer_blocks=layers),
-               gpus, Workload(batch, seq), profile, published, tflops * 1e12 / per_token, megatron_2021)
+               gpus, Workload(batch, seq), profile, published, tflops * 1e12 / per_token, megatron_2021,
+               pipeline == 1)
 
 
 # Smith et al. 2022, "Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B", section 2.4:
@@ -165,7 +167,10 @@ def _hosts(stage: int, data: int, gpus: int) -> dict:
     return {name: n for name, n in (("stage", on_stage), ("data", on_data)) if n > 1}
 
 
-def run_row(label, config, gpus, workload, profile, published, measured, toolbox=None):
+def run_row(label, config, gpus, workload, profile, published, measured, toolbox=None, accumulates=False):
+    """`accumulates`: the paper gives no microbatch size, and Megatron accumulates gradients over
+    microbatches when a data rank's batch does not fit: the published layout is modelled at the
+    fewest microbatches (dividing the rank's batch) at which it fits, as Megatron would run it."""
     order: list[str] = []
     started = time.perf_counter()
     model = build_model("minigpt_model:MiniGPT", config, on_built=lambda m: order.extend(definition_order(m)))
@@ -173,6 +178,12 @@ def run_row(label, config, gpus, workload, profile, published, measured, toolbox
     roles = recognise(params, order)
     rep = Representative.of(params, roles)
     unwritable, theirs = auto.sketch(published, roles, rep, workload, profile)
+    local = workload.batch // published.axes.get("data", 1)
+    for microbatches in (m for m in range(2, local + 1) if local % m == 0):
+        if not accumulates or unwritable or theirs.peak_bytes <= DEVICE_MEMORY:
+            break
+        published = dataclasses.replace(published, accumulate=microbatches)
+        unwritable, theirs = auto.sketch(published, roles, rep, workload, profile)
     tokens = workload.batch * workload.seq
     # the model's matmul FLOPs (nothing recomputed) at the modelled speed against what the profile's
     # matmuls can reach at all: a row above that ceiling would be modelled faster than the hardware
