@@ -42,6 +42,7 @@ sys.path.insert(0, str(REPO))
 from shardplan.checks.paths import param_infos  # noqa: E402
 from shardplan.planner import auto  # noqa: E402
 from shardplan.planner.cost import Workload, model_flops  # noqa: E402
+from shardplan.plan.diagnostics import PlanError  # noqa: E402
 from shardplan.planner.profiles import load_profile  # noqa: E402
 from shardplan.planner.representative import Representative  # noqa: E402
 from shardplan.checks.roles import definition_order, recognise  # noqa: E402
@@ -244,7 +245,10 @@ def main() -> None:
                                                           "cluster's (e.g. one written from a datasheet alone)")
     args = parser.parse_args()
     if args.profile:
-        OVERRIDE.append(load_profile(args.profile))
+        try:
+            OVERRIDE.append(load_profile(args.profile))
+        except PlanError as error:
+            parser.error("\n".join(d.format() for d in error.diagnostics))
         print(OVERRIDE[0].defaults_line() or f"profile {OVERRIDE[0].name!r} sets every field", "\n")
     sources = [("megatron", megatron_rows), ("mt-nlg", mt_nlg_rows), ("mpt", mpt_rows), ("opt", opt_rows)]
     rows = []

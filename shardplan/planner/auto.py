@@ -390,12 +390,16 @@ def _host_splits(axes: dict[str, int], hosts: int):
 def specs(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo]) -> dict[str, list]:
     """Parameter path -> spec entries under the candidate's rule set (shared by the thousands of
     candidates that differ only in schedule, remat, precision and the like: do not modify)."""
-    key = (candidate.tensor, candidate.vocab, candidate.fsdp, candidate.experts, candidate.axes.get("model"),
-           candidate.axes.get("data"))
-    return _shared(("specs", key), roles, params, lambda: _specs(candidate, roles, params))
+    return _shared(("specs", _rule_set(candidate)), roles, params, lambda: _specs(candidate, roles, params))
 
 
 _SHARED: dict = {}      # key -> (roles, params, value): work shared across one search's candidates
+
+
+def _rule_set(candidate: Candidate) -> tuple:
+    """What a candidate's parameter specs depend on (`_specs` reads nothing else)."""
+    return (candidate.tensor, candidate.vocab, candidate.fsdp, candidate.experts, candidate.axes.get("model"),
+            candidate.axes.get("data"))
 
 
 def _shared(key, roles: ModelRoles, params: list[ParamInfo], make):
@@ -518,9 +522,7 @@ def sequence_modules(roles: ModelRoles, params: list[ParamInfo]) -> list[str]:
 
 def rules(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo]) -> list[tuple[str, Any, str]]:
     """(regex, spec, comment) per distinct sharded parameter in definition order, then '.*' replicated."""
-    key = (candidate.tensor, candidate.vocab, candidate.fsdp, candidate.experts, candidate.axes.get("model"),
-           candidate.axes.get("data"))
-    return _shared(("rules", key), roles, params, lambda: _rules(candidate, roles, params))
+    return _shared(("rules", _rule_set(candidate)), roles, params, lambda: _rules(candidate, roles, params))
 
 
 def _rules(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo]) -> list[tuple[str, Any, str]]:
