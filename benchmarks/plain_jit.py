@@ -19,7 +19,9 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
+from shardplan.run.devices import simulate_cpu_devices  # noqa: E402
+
+simulate_cpu_devices(8)
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402

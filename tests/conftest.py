@@ -30,9 +30,9 @@ os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_llvm
                                     "--xla_backend_optimization_level=0",
                                     "--xla_cpu_use_fusion_emitters=false"]).strip()
 
-import jax  # noqa: E402
+from shardplan.run.devices import simulate_cpu_devices  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
+simulate_cpu_devices(8)       # as a user's program does: 8 devices, and threads for their collectives
 
 import gc  # noqa: E402
 

@@ -1,6 +1,7 @@
 """The command line: exit codes, file:line diagnostics without tracebacks, inspect views."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -116,6 +117,21 @@ def test_console_entry_simulates_devices_in_a_fresh_process():
     assert result.returncode == 1
     assert "mesh-size-mismatch" in result.stdout and "4 are available" in result.stdout
 
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="threads are counted in /proc")
+def test_simulated_devices_get_threads_for_collectives_in_flight():
+    """XLA:CPU's pool holds one thread per waiting collective; as many threads as devices deadlocked a
+    pipeline beside a context all-gather (`run/devices.py`). A user's own PJRT_NPROC stands."""
+    script = ("import os, shardplan\nshardplan.simulate_cpu_devices(6)\nimport jax\njax.devices()\n"
+              "print(sum(open(f'/proc/self/task/{t}/comm').read().strip().endswith('XLAEigen')\n"
+              "          for t in os.listdir('/proc/self/task')))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
+    for own, fewest, most in ((None, 24, None), ("7", 7, 7)):
+        result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
+                                timeout=120, env=env if own is None else {**env, "PJRT_NPROC": own})
+        assert result.returncode == 0, result.stderr[-2000:]
+        threads = int(result.stdout.split()[-1])
+        assert fewest <= threads and (most is None or threads == most)
 
 def test_plan_only_commands_never_import_jax():
     """--help, schema, explain and plan-only validate answer without starting JAX, Flax or optax."""

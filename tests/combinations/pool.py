@@ -25,8 +25,8 @@ def worker_script(module: str, function: str) -> str:
     printed after MARK; an exception the function raises is the case's finding, not the worker's end."""
     return f"""
 import json, sys
-import jax
-jax.config.update("jax_num_cpu_devices", int(sys.argv[1]))
+from shardplan.run.devices import simulate_cpu_devices
+simulate_cpu_devices(int(sys.argv[1]))
 from {module} import {function}
 import traceback
 for line in sys.stdin:
