@@ -130,6 +130,8 @@ CASES = {
                            ["'blocks'", "no parameter path", "this model has layers"], 6),
     "pipeline-axis-in-spec": (pipe("", "params: [{match: '.*w', spec: [stage]}, {match: '.*', spec: []}]\n"),
                               PIPE_PARAMS, 8, None, ["layers/0/w", "'stage'"], 7),
+    "pipeline-axis-order": (pipe("", "params: [{match: 'emb/embedding', spec: [[stage, data]]}, {match: '.*', spec: []}]\n"),
+                            PIPE_PARAMS, 8, None, ["emb/embedding", "['stage', 'data']", "write ['data', 'stage']"], 7),
     "pipeline-microbatches": (pipe("  microbatches: 3\n"), PIPE_PARAMS, 8, {"tokens": (8, 16)},
                               ["3 microbatches", "2 data shard(s)", "gives 4"], 7),
     "pipeline-schedule-context": (

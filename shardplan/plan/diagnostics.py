@@ -49,7 +49,8 @@ CODES: dict[str, str] = {
     # pipelines
     "pipeline-no-axis": "the pipeline's stage axis is not a mesh axis",
     "pipeline-no-layers": "`pipeline.layers` names no top-level list of layers",
-    "pipeline-axis-in-spec": "a parameter spec uses the stage axis",
+    "pipeline-axis-in-spec": "a layer parameter's spec uses the stage axis",
+    "pipeline-axis-order": "a parameter around the layers split over the stage axis before another axis in one dim",
     "pipeline-microbatches": "the microbatch count does not divide each data shard's batch",
     "pipeline-schedule-context": "zb-h1 with the sequence split over a context axis",
     "pipeline-fsdp-gathered": "layer weights split over a batch axis inside a pipeline enter its loop gathered",

@@ -183,6 +183,7 @@ class _Step:
     ring: bool = False          # context strategy ring: no scores kept
     tensor_overlap: bool = False    # collective matmul: the layers' sequence-parallel tensor collectives
     #                                 run beside the matmuls they feed (`Plan.tensor_overlap` on an overlapping device)
+    on_stages: frozenset = frozenset()  # parameters around the layers split over the stage axis at rest
 
     def widening(self, p: ParamLayout) -> float:
         """How much larger than the stored parameter its gradient moves (float32 on a widening backend)."""
@@ -271,15 +272,19 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
         counts=counts, accumulate=plan.accumulate if pipe is None else 1, widened=not profile.low_precision_native,
         context=context, ring=bool(context) and plan.context.strategy == "ring",
         tensor_overlap=plan.tensor_overlap and profile.overlap)
-    every = [p for p in report.params if p.stage in (None, 0)]
+    resting = [p for p in report.params if p.stage in (None, 0)]
+    # Parameters around the layers split over the stage axis: each stage keeps 1/S of them and of their
+    # optimizer state; the step gathers them and runs as if they were not split (measured on minigpt_3d).
+    step = dataclasses.replace(step, on_stages=frozenset(p.path for p in resting if _on_stages(p, step)))
+    every = [_gathered_over_stages(p, step) if p.path in step.on_stages else p for p in resting]
     experts = _expert_terms(report, every, step)
     # the expert weights' own costs are the exchange's (`shardplan.experts.cost`), not a matrix's
     held = [p for p in every if experts is None or p.path not in experts.paths]
     transfers = _communication(held, roles, step) + (list(experts.transfers) if experts else [])
     sequence = _context_terms(held, roles, step)
     transfers += [Transfer(*t) for t in sequence.transfers]
-    param_bytes = sum(p.bytes_per_device * step.count(p.path) for p in every)
-    optimizer_bytes = sum(p.opt_bytes_per_device * step.count(p.path) for p in every)
+    param_bytes = sum(p.bytes_per_device * step.count(p.path) for p in resting)
+    optimizer_bytes = sum(p.opt_bytes_per_device * step.count(p.path) for p in resting)
     kept = _per_token(held, roles, step)
     stored, remat, microbatch, microbatch_remat = _activations(kept, step)
     if experts is not None:
@@ -311,7 +316,9 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
         early_grads = sum(math.prod(p.shard_shape) * step.count(p.path) *
                           (min(p.itemsize, options.compute_itemsize) + max(4, options.compute_itemsize))
                           for p in held if p.stage is not None)
-    gathered = regathered = 0
+    # the gathered copies of the parameters split over the stages, for the whole step
+    gathered = sum(p.bytes_per_device * step.count(p.path) for p in every if p.path in step.on_stages)
+    regathered = 0
     # the device's own layers in order (a stage's, or an interleaved stage's chunks): the first two
     # stand for the two held at a time
     own_layers = sorted({roles.layer_of(p.path) for p in held} - {None})
@@ -353,13 +360,13 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
                           asynchronous=profile.overlap, pipelined=step.stage_axis is not None,
                           matmul_s=matmul_flops / (peak * profile.matmul_efficiency) * (1 - 1 / step.sequence_ways))
     exposed = overlapped.exposed_s
-    update_s = _update_bytes(every, step) / profile.memory_bandwidth
+    update_s = _update_bytes(resting, step) / profile.memory_bandwidth
     return Estimate(param_bytes, optimizer_bytes, 2 * step.tokens * TOKEN_BYTES, stored, remat,
                     microbatch, microbatch_remat, tuple(transfers), flops, compute_s, communication_s, bubble,
                     compute_s + exposed + update_s, compute_copy, early_grads, gathered, regathered, exposed,
                     # after a pipeline XLA updates in place, parameter by parameter (measured on 1F1B
                     # steps of two sizes); outside one it did not always
-                    max((p.opt_bytes_per_device for p in held), default=0) if step.stage_axis else optimizer_bytes,
+                    max((p.opt_bytes_per_device for p in resting), default=0) if step.stage_axis else optimizer_bytes,
                     options.caveats + _layout_caveats(held, roles, step) + (experts.caveats if experts else ()) +
                     sequence.caveats, update_s, overlapped.hidden)
 
@@ -537,11 +544,18 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
             # a tied embedding's two uses (lookup, logits) are reduced separately
             reductions[key] = reductions.get(key, 0) + int(size * step.widening(p)) * count * \
                 (2 if p.path in roles.tied else 1)
-        if _before_layers_in_loop(p, roles, step):
+        if p.path in step.on_stages:
+            # gathered over the stages for the step; its gradient, reduced as if whole, is returned to
+            # the stages' split by an all-to-all (XLA's reshard; measured), in place of the moves below
+            mine += [Transfer("all-gather", (step.stage_axis,), p.bytes_per_device, 1,
+                              f"{p.path}: gathered over the stages for the step"),
+                     Transfer("all-to-all", (step.stage_axis,), p.bytes_per_device, 1,
+                              f"{p.path}: gradient returned to its split over the stages")]
+        elif _before_layers_in_loop(p, roles, step):
             # the first stage computes its gradient in the loop; the other stages take it from there
             mine.append(Transfer("all-reduce", (step.stage_axis,), size, 1,
                                  f"{p.path}: 1F1B gradient from the first stage"))
-        if head:
+        if head and p.path not in step.on_stages:
             mine.append(Transfer("all-reduce", (step.stage_axis,), size, 1, f"{p.path}: 1F1B head reduced over stages"))
             mine.append(Transfer("collective-permute", (step.stage_axis,), size, 1,
                                  f"{p.path}: 1F1B head moved to the first stage"))
@@ -666,6 +680,23 @@ def _moves_activations(p: ParamLayout, role: Role, step: _Step) -> bool:
     """Whether XLA runs this FSDP-split matrix by moving activations rather than gathering it."""
     return any(a in step.batch_axes for a in spec_axes(p.spec)) and \
         _matrix_transfers(p, role, step, p.stage is not None)[1]
+
+
+def _on_stages(p: ParamLayout, step: _Step) -> bool:
+    """A parameter around the layers (embedding, head) that the plan splits over the stage axis."""
+    return step.stage_axis is not None and p.stage is None and step.stage_axis in spec_axes(p.spec)
+
+
+def _gathered_over_stages(p: ParamLayout, step: _Step) -> ParamLayout:
+    """`p` as the step uses it, gathered over the stages (its optimizer state stays split)."""
+    axis = step.stage_axis
+
+    def without(spec):
+        return tuple(tuple(a for a in entry if a != axis) or None if entry else entry for entry in spec)
+
+    shard = tuple(n * step.sizes[axis] if d < len(p.spec) and p.spec[d] and axis in p.spec[d] else n
+                  for d, n in enumerate(p.shard_shape))
+    return dataclasses.replace(p, spec=without(p.spec), opt_spec=without(p.opt_spec), shard_shape=shard)
 
 
 def _before_layers_in_loop(p: ParamLayout, roles: ModelRoles, step: _Step) -> bool:

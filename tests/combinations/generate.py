@@ -62,6 +62,22 @@ def _spec(shape, dims, tensor, fsdp, sizes, rng) -> list | None:
     return spec
 
 
+def _on_stages(spec: list, shape, stage: str, sizes: dict, rng: random.Random) -> list:
+    """A spec of a parameter around the layers (embedding, head) split over the stage axis as well: on a
+    free dim the stages divide, else beside the axis already splitting a dim (in either order)."""
+    spec = spec + [None] * (len(shape) - len(spec))
+    for dim, entry in enumerate(spec):
+        if entry is None and shape[dim] % sizes[stage] == 0:
+            spec[dim] = stage
+            return spec
+    for dim, entry in enumerate(spec):
+        axes = [entry] if isinstance(entry, str) else list(entry)
+        if shape[dim] % (math.prod(sizes[a] for a in axes) * sizes[stage]) == 0:
+            spec[dim] = [stage, *axes] if rng.random() < 0.5 else [*axes, stage]
+            return spec
+    return spec
+
+
 def draw(rng: random.Random, index: int) -> dict:
     """One case: {id, devices, kind, config, rows, plan, expect (a code that must refuse it, or None)}."""
     devices = rng.choice((8, 8, 6))
@@ -109,6 +125,8 @@ def _plan(kind: str, config: dict, sizes: dict, roles: dict, rng: random.Random)
     fsdp = data if rng.random() < 0.5 else None
     for pattern, shape, dims in _families(kind):
         spec = _spec(shape, dims, tensor, fsdp, sizes, rng)
+        if stage and not pattern.startswith("blocks") and rng.random() < 0.35:
+            spec = _on_stages(spec, shape, stage, sizes, rng)
         if spec:
             plan["params"].append({"match": pattern, "spec": spec})
     if kind == "moe" and (expert or data) and rng.random() < 0.8:

@@ -9,8 +9,8 @@ import itertools
 # In the table's order.
 FEATURES = ("data", "tensor", "FSDP", "zero1", "accumulate", "remat", "bf16 compute", "bf16 + masters",
             "activations", "gpipe", "1f1b", "interleaved", "zb-h1", "virtual stages", "unequal stages",
-            "context all_gather", "context ring", "load balance", "experts dropless", "experts capacity",
-            "experts on data")
+            "ends on stages", "context all_gather", "context ring", "load balance", "experts dropless",
+            "experts capacity", "experts on data")
 
 
 def features(case: dict) -> list[str]:
@@ -20,16 +20,19 @@ def features(case: dict) -> list[str]:
     spec_axes = [(r["match"], _axes(r["spec"])) for r in plan["params"] if r["spec"] != "replicated"]
     experts = plan.get("experts")
     expert_axis = experts["axis"] if experts else None
+    pipe = plan.get("pipeline")
+    stage_axis = {pipe["axis"]} if pipe else set()
     found = {"data": bool(batch_axes),
-             "tensor": any(set(axes) - batch_axes for _, axes in spec_axes),
+             "tensor": any(set(axes) - batch_axes - stage_axis for _, axes in spec_axes),
              "FSDP": any(set(axes) & batch_axes for match, axes in spec_axes if "w_(gate" not in match),
              "zero1": plan.get("optimizer") == "zero1", "accumulate": plan.get("accumulate", 1) > 1,
              "remat": bool(plan.get("remat")), "activations": bool(plan.get("activations")),
              "bf16 compute": plan.get("precision", {}).get("compute") == "bfloat16",
              "bf16 + masters": plan.get("precision", {}).get("master") == "float32"}
-    pipe = plan.get("pipeline")
     if pipe:
         found[pipe["schedule"]] = True
+        found["ends on stages"] = any(set(axes) & stage_axis for match, axes in spec_axes
+                                      if not match.startswith("blocks"))
         found["virtual stages"] = pipe.get("virtual_stages", 1) > 1
         found["unequal stages"] = isinstance(pipe.get("stages"), list)
     context = plan.get("context")
