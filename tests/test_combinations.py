@@ -42,6 +42,32 @@ def test_each_failure_class_found_now_trains_like_one_device(path):
         assert "section-does-nothing" in result["warnings"]
 
 
+def _stage_case(kind: str, axes: dict, params: list, pipeline: dict) -> dict:
+    factory = {"gpt2": "tests.combinations.models:GPT2", "llama": "tests.combinations.models:Llama"}[kind]
+    inputs = {name: {"spec": ["dp", None], "shape": [16, 16]} for name in ("tokens", "positions")}
+    plan = {"version": 1, "name": f"ends-on-stages-{kind}", "model": {"factory": factory, "config": {}},
+            "mesh": {"axes": axes}, "inputs": inputs, "params": params + [{"match": ".*", "spec": "replicated"}],
+            "pipeline": {"axis": "st", "layers": "blocks", "microbatches": 4, **pipeline}}
+    return {"id": 0, "devices": 8, "kind": kind, "config": {}, "rows": 16, "plan": plan, "expect": None}
+
+
+def test_the_code_around_the_layers_split_over_the_stages_trains_like_one_device():
+    """The embedding and head split over the stage axis too (each stage keeps 1/S of them at rest, the step
+    gathers them): a tied GPT-2 under zb-h1 (the table both ends use, its gradients summed between them)
+    and a LLaMA with a tensor axis under interleaved 1F1B. The generator draws the other schedules."""
+    cases = [_stage_case("gpt2", {"st": 2, "dp": 4}, [{"match": "wte/embedding", "spec": ["st"]},
+                                                      {"match": "wpe/embedding", "spec": [None, "st"]}],
+                         {"schedule": "zb-h1"}),
+             _stage_case("llama", {"st": 2, "dp": 2, "tp": 2},
+                         [{"match": "embed/embedding", "spec": [["tp", "st"]]},
+                          {"match": "head/kernel", "spec": [None, ["tp", "st"]]},
+                          {"match": r"blocks/\d+/mlp/(gate|up)/kernel", "spec": [None, "tp"]},
+                          {"match": r"blocks/\d+/mlp/down/kernel", "spec": ["tp"]}],
+                         {"schedule": "1f1b", "virtual_stages": 2})]
+    for case, result in zip(cases, run_all(cases, jobs=2, timeout=900)):
+        assert result["status"] == "passed" and not result["warnings"], (case["plan"]["name"], result)
+
+
 def test_generator_draws_every_option_and_known_mistakes():
     import random
     rng = random.Random(0)
