@@ -15,6 +15,7 @@ from flax import nnx
 import minigpt_model
 import shardplan
 from shardplan.checks.paths import param_infos
+from shardplan.plan.schema import spec_axes
 from shardplan.planner import auto
 from shardplan.planner.cost import Workload, estimate
 from shardplan.planner.profiles import get_profile
@@ -358,6 +359,33 @@ def test_auto_pipelines_layers_the_stages_do_not_divide_and_trains_like_one_devi
     plan = _written_and_trained(found, build, tmp_path)
     assert "1 or 2 (the first stages one longer" in (tmp_path / "auto.yaml").read_text()
     assert shardplan.check(plan, build()).stage_map.counts == (2, 1)
+
+
+def test_auto_offers_the_embedding_and_head_on_the_stages_where_they_fit_nowhere_else(tmp_path):
+    """A vocabulary that outweighs a layer: pipelines are also offered with the code around the layers
+    split over the stages, kept only where the twin holding it whole does not fit; the plan written
+    checks clean and trains like one device."""
+    config = dict(MINIGPT, vocab_size=1024)
+    build = lambda: minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0))     # noqa: E731
+    model, roles = abstract_with_roles(build)
+    params = param_infos(model)
+    assert auto._heavy_ends(params, roles)
+    found = auto.search(params, roles, devices=8, workload=Workload(BATCH, SEQ), profile=get_profile("cpu"),
+                        only=lambda c: c.axes == {"stage": 2, "data": 4} and c.schedule == "1f1b" and
+                        c.microbatches == 4 and c.virtual == 1 and c.remat == "none" and not c.sequence and
+                        not (c.fsdp or c.zero1 or c.tensor))
+    (ends,) = [r for r in found.rejected if r.candidate.ends]
+    assert "not needed: they fit whole" in ends.rejected
+    (twin,) = [r for r in found.ranked if r.candidate == dataclasses.replace(ends.candidate, ends=False)]
+    assert ends.estimate.argument_bytes < twin.estimate.argument_bytes
+    assert ends.estimate.peak_bytes < twin.estimate.peak_bytes
+    budget = int(ends.estimate.peak_bytes / (1 - auto.MEMORY_MARGIN)) + 1
+    whole = auto.search(params, roles, devices=8, workload=Workload(BATCH, SEQ), profile=get_profile("cpu"),
+                        memory=budget, only=lambda c: c in (ends.candidate, twin.candidate))
+    assert [r.candidate.ends for r in whole.ranked] == [True]        # its twin holding them whole does not fit
+    assert all("stage" in spec_axes(p.spec) for p in whole.best.report.params
+               if p.path.startswith(("embedding_layer/token_emb", "output_layer/kernel")))
+    _written_and_trained(whole, build, tmp_path)
 
 
 def test_auto_with_bf16_compute_writes_precision_and_stays_close(tmp_path):

@@ -65,6 +65,7 @@ class Candidate:
     master: bool = False                # parameters stored in the compute dtype, float32 masters in the optimizer
     ring: bool = False                  # with a 'context' axis: ring attention (else keys and values gathered)
     overlap: bool = False               # `tensor_overlap` (collective matmul) with sequence parallelism, on GPUs
+    ends: bool = False                  # with a pipeline: the embedding and head split over 'stage' too
 
     def label(self) -> str:
         mesh = " x ".join(f"{name} {size}" for name, size in self.axes.items())
@@ -86,7 +87,7 @@ class Candidate:
             parts.append("cp ring" if self.ring else "cp all-gather")
         if self.schedule:
             virtual = f" v{self.virtual}" if self.virtual > 1 else ""
-            parts.append(f"{self.schedule}{virtual} M={self.microbatches}")
+            parts.append(f"{self.schedule}{virtual} M={self.microbatches}" + (", ends on stages" if self.ends else ""))
         if self.sequence:
             parts.append("sp + overlap" if self.overlap else "sp")
         if self.accumulate > 1:
@@ -149,7 +150,7 @@ def search(params: list[ParamInfo], roles: ModelRoles, *, devices: int, workload
     blocks = find_blocks(params)
     listed = sorted(((bounds.step(c), n, c) for n, c in enumerate(
         _overlapping(candidates(roles, devices, hosts, workload, pipelines, compute,
-                                blocks[0].count if blocks else None), profile))
+                                blocks[0].count if blocks else None, _heavy_ends(params, roles)), profile))
         if only is None or only(c)), key=lambda t: t[:2])
     fitting: list[tuple[float, int, Candidate, Estimate]] = []
     slowest: list[float] = []           # max-heap (negated) of the `keep` best step times
@@ -198,11 +199,14 @@ def search(params: list[ParamInfo], roles: ModelRoles, *, devices: int, workload
 
 
 def _unneeded(c: Candidate, step_s: float, fits: dict[str, float]) -> str | None:
-    """Why a candidate's sequence parallelism or accumulation is not needed: a simpler twin fits (and,
-    for sequence parallelism with collective matmul, which can make it faster, is no slower)."""
+    """Why a candidate's sequence parallelism, accumulation or split ends are not needed: a simpler
+    twin fits (and, for sequence parallelism with collective matmul, which can make it faster, is no
+    slower)."""
     twin = fits.get(repr(dataclasses.replace(c, sequence=False, overlap=False)))
     if c.sequence and twin is not None and (not c.overlap or twin <= step_s):
         return "sequence parallelism not needed: fits without it"
+    if c.ends and repr(dataclasses.replace(c, ends=False)) in fits:
+        return "the embedding and head on the stages not needed: they fit whole on every stage"
     fewer = [a for a in range(1, c.accumulate) if repr(dataclasses.replace(c, accumulate=a)) in fits]
     if fewer:
         return f"accumulation not needed: fits with {'none' if fewer[0] == 1 else fewer[0]}"
@@ -272,6 +276,8 @@ def _idle(candidate: Candidate, report) -> str | None:
         return "FSDP splits nothing"
     if candidate.zero1 and all(p.opt_spec == p.spec for p in report.params):
         return "ZeRO-1 splits nothing"
+    if candidate.ends and not any("stage" in spec_axes(p.spec) for p in report.params if p.stage is None):
+        return "nothing around the layers splits over the stages"
     return None
 
 
@@ -283,11 +289,12 @@ def _overlapping(found, profile: Profile):
 
 
 def candidates(roles: ModelRoles, devices: int, hosts: int, workload: Workload, pipelines: bool = True,
-               compute: str | None = None, experts: int | None = None):
+               compute: str | None = None, experts: int | None = None, ends: bool = False):
     """Meshes x rule sets x pipeline settings x step options; the checker weeds out what does not divide.
     `experts`: the expert count of the model's MoE blocks (expert parallelism folded onto 'data' is
-    offered where 'data' divides it, with every rule set and pipeline)."""
-    for c in _dense_candidates(roles, devices, hosts, workload, pipelines, compute):
+    offered where 'data' divides it, with every rule set and pipeline). `ends`: pipelines are also
+    offered with the code around the layers split over 'stage' (`_heavy_ends`)."""
+    for c in _dense_candidates(roles, devices, hosts, workload, pipelines, compute, ends):
         yield c
         data = c.axes.get("data", 1)
         if experts and data > 1 and experts % data == 0:
@@ -295,7 +302,7 @@ def candidates(roles: ModelRoles, devices: int, hosts: int, workload: Workload, 
 
 
 def _dense_candidates(roles: ModelRoles, devices: int, hosts: int, workload: Workload, pipelines: bool,
-                      compute: str | None):
+                      compute: str | None, ends: bool = False):
     layered = roles.layers is not None
     for stage, data, context, model in _factorisations(devices, _context_sizes(devices, workload, roles)):
         if stage > 1 and (not pipelines or not layered or roles.layer_count < stage):   # (unequal stages are padded)
@@ -315,7 +322,7 @@ def _dense_candidates(roles: ModelRoles, devices: int, hosts: int, workload: Wor
                     rows = workload.batch // data
                     accumulate = [a for a in range(1, min(rows, MAX_ACCUMULATE) + 1) if rows % a == 0] \
                         if stage == 1 else [1]
-                    for shaped in [base] if stage == 1 else _pipelines(base, stage, data, roles, workload):
+                    for shaped in [base] if stage == 1 else _pipelines(base, stage, data, roles, workload, ends):
                         for remat in REMAT_CHOICES if layered else ("none",):
                             for sequence in (False, True) if tensor and layered else (False,):
                                 for count, master in itertools.product(accumulate, _masters(base)):
@@ -331,7 +338,29 @@ def _masters(base: Candidate) -> tuple[bool, ...]:
     return (False, True) if base.zero1 and base.compute in ("bfloat16", "float16") else (False,)
 
 
-def _pipelines(base: Candidate, stage: int, data: int, roles: ModelRoles, workload: Workload):
+def _pipelines(base: Candidate, stage: int, data: int, roles: ModelRoles, workload: Workload, ends: bool = False):
+    for shaped in _schedules(base, stage, data, roles, workload):
+        yield shaped
+        if ends:
+            yield dataclasses.replace(shaped, ends=True)
+
+
+def _heavy_ends(params: list[ParamInfo], roles: ModelRoles) -> bool:
+    """Whether the parameters around the layers weigh at least one layer: then pipelines are offered
+    with them split over the stages too (a 128k vocabulary's embedding and head are gigabytes on
+    every stage otherwise); lighter ones are not worth their gather."""
+    layers: dict[int, int] = {}
+    around = 0
+    for p in params:
+        layer = roles.layer_of(p.path)
+        if layer is None:
+            around += p.nbytes
+        else:
+            layers[layer] = layers.get(layer, 0) + p.nbytes
+    return bool(layers) and around >= max(layers.values())
+
+
+def _schedules(base: Candidate, stage: int, data: int, roles: ModelRoles, workload: Workload):
     rows = workload.batch // data           # `candidates` keeps only meshes whose data axis divides the batch
     for microbatches in sorted({factor * stage for factor in MICROBATCH_FACTORS} | {rows}):
         if rows % microbatches or microbatches < stage:
@@ -399,7 +428,7 @@ _SHARED: dict = {}      # key -> (roles, params, value): work shared across one 
 def _rule_set(candidate: Candidate) -> tuple:
     """What a candidate's parameter specs depend on (`_specs` reads nothing else)."""
     return (candidate.tensor, candidate.vocab, candidate.fsdp, candidate.experts, candidate.axes.get("model"),
-            candidate.axes.get("data"))
+            candidate.axes.get("data"), candidate.ends and candidate.axes.get("stage"))
 
 
 def _shared(key, roles: ModelRoles, params: list[ParamInfo], make):
@@ -433,10 +462,26 @@ def _specs(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo]) -> 
                 if entries[dim] is None and p.shape[dim] % sizes["data"] == 0:
                     entries[dim] = "data"
                     break
+        if candidate.ends and roles.layer_of(p.path) is None and p.nbytes >= FSDP_MIN_BYTES:
+            entries = _on_stages(entries, p.shape, sizes)
         while entries and entries[-1] is None:
             entries.pop()
         out[p.path] = entries
     return out
+
+
+def _on_stages(entries: list, shape: tuple[int, ...], sizes: dict[str, int]) -> list:
+    """A spec of a parameter around the layers with 'stage' added: last on a dim already split, so one
+    all-gather per stage group gathers it (`pipeline-axis-order`), else on a free dim it divides."""
+    stages = sizes["stage"]
+    for dim, entry in enumerate(entries):
+        axes = [] if entry is None else [entry] if isinstance(entry, str) else list(entry)
+        if axes and shape[dim] % (stages * math.prod(sizes[a] for a in axes)) == 0:
+            return entries[:dim] + [axes + ["stage"]] + entries[dim + 1:]
+    for dim, entry in enumerate(entries):
+        if entry is None and shape[dim] % stages == 0:
+            return entries[:dim] + ["stage"] + entries[dim + 1:]
+    return entries
 
 
 def _tensor_dim(p: ParamInfo, role, roles: ModelRoles, candidate: Candidate) -> int | None:
