@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -263,11 +263,10 @@ def one_f_one_b_loss(layers: Layers, stacked, head: Callable, head_params, embed
     context axis: XLA's collective permutes there wait for every device). `schedule`: "1f1b", or
     "gpipe" for GPipe's order on the same tables (every forward, then every backward). `runner`: the
     schedule's own loop in place of the tables' (`zero_bubble.zero_bubble_schedule`)."""
-    embed_branch = embed_branch and branches
+    loop = Loop(layers, head, embed, mesh, axis, tuple(batch_axes), schedule, embed_branch and branches, branches)
 
     def run(stacked, head_params, embed_params, *rest):
-        return (runner or table_schedule)(layers, head, embed, embed_branch, branches, mesh, axis, batch_axes, schedule,
-                                     stacked, head_params, embed_params, *rest)
+        return (runner or table_schedule)(loop, Operands(stacked, head_params, embed_params, *rest))
 
     @jax.custom_vjp
     def loss(stacked, head_params, embed_params, *rest):
@@ -282,24 +281,68 @@ def one_f_one_b_loss(layers: Layers, stacked, head: Callable, head_params, embed
     return loss(stacked, head_params, embed_params, head_rest, layer_inputs, head_inputs, targets, keys)
 
 
-def table_schedule(layers, head, embed, embed_branch, branches, mesh, axis, batch_axes, schedule, stacked, head_params,
-              embed_params, head_rest, layer_inputs, head_inputs, targets, keys):
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """A schedule's loop as fixed for one compiled step: the stacked layers' code, the model's code
+    around them (`head`, `embed`: see `one_f_one_b_loss`), where it runs (the mesh, its stage axis, the
+    batch axes made manual) and how (`schedule`; `embed_branch`, `branches`: see `one_f_one_b_loss`)."""
+
+    layers: Layers
+    head: Callable
+    embed: Callable
+    mesh: Any
+    axis: str
+    batch_axes: tuple[str, ...]
+    schedule: str
+    embed_branch: bool
+    branches: bool
+
+
+class Operands(NamedTuple):
+    """The arrays a schedule's loop runs on (see `one_f_one_b_loss`)."""
+
+    stacked: Any            # the layers' parameters, [stage, chunk, layer-in-chunk, ...]
+    head_params: Any        # the weights the code after the layers reads
+    embed_params: Any       # the weights the code before the layers reads
+    head_rest: Any          # the model's other state the code around the layers reads
+    layer_inputs: Any       # (split by microbatch, whole) arguments of the layers
+    head_inputs: Any        # (split by microbatch, whole) arguments of the code around them
+    targets: Any            # [microbatch, ...]
+    keys: Any               # (the layers' random keys, the head's)
+
+
+class _TableCarry(NamedTuple):
+    """What one tick of `table_schedule` hands the next."""
+
+    incoming: Any           # the activation that arrived from the previous stage
+    cot_in: Any             # the gradient that arrived from the next stage
+    stash: Any              # [slot, ...]: inputs of the forwards whose backward is still to come
+    waiting: Any            # [microbatch, ...]: the loss gradients waiting for their backward (gpipe)
+    loops: Any              # ([microbatch, ...], [microbatch, ...]): what waits for another chunk (circular)
+    g_layers: Any           # the running sums of the gradients
+    g_head: Any
+    g_embed: Any
+    loss_sum: Any
+
+
+def table_schedule(loop: Loop, operands: Operands):
+    """(loss, gradients) of the layers, head and embedding under the schedule's tables
+    (`shardplan.checks.schedules.OneFOneB`): 1f1b, interleaved 1F1B, gpipe and the circular schedule."""
     from shardplan.checks.schedules import OneFOneB
-    stages, virtual, per_chunk = jax.tree.leaves(stacked)[0].shape[:3]
-    micro = targets.shape[0]
-    plan = OneFOneB.of(stages, micro, virtual, schedule)
+    layers, axis = loop.layers, loop.axis
+    stages, virtual, per_chunk = jax.tree.leaves(operands.stacked)[0].shape[:3]
+    micro = operands.targets.shape[0]
+    plan = OneFOneB.of(stages, micro, virtual, loop.schedule)
     # the schedule's tables, [stage, tick]: microbatch (-1: idle), chunk, stash slot
     tables = [jnp.asarray([[(w[k] if w else -1) for w in row] for row in rows], jnp.int32)
               for rows in (plan.forward, plan.backward) for k in (0, 1)]
     tables += [jnp.asarray(plan.forward_slot, jnp.int32), jnp.asarray(plan.backward_slot, jnp.int32)]
     loop_f, loop_b = (jnp.asarray(row, jnp.int32) for row in plan.looped())
 
-    when = branching(branches)
-
-    def per_device(state, head_params, embed_params, head_rest, layer_inputs, head_inputs, targets, keys):
-        layer_keys, head_keys = shard_keys(keys[0], mesh, batch_axes), shard_keys(keys[1], mesh, batch_axes)
-        (layer_split, layer_whole), (head_split, head_whole) = layer_inputs, head_inputs
-        state = chunk_of_state(state, 0)                                          # (virtual, per_chunk, ...)
+    def per_device(mine: Operands):
+        layer_keys = shard_keys(mine.keys[0], loop.mesh, loop.batch_axes)
+        layer_split, layer_whole = mine.layer_inputs
+        state = chunk_of_state(mine.stacked, 0)                                   # (virtual, per_chunk, ...)
         s = jax.lax.axis_index(axis)
         last = stages - 1
         f_m, f_v, b_m, b_v, f_slot, b_slot = (table[s] for table in tables)
@@ -307,7 +350,7 @@ def table_schedule(layers, head, embed, embed_branch, branches, mesh, axis, batc
         def stage_fn(chunk_state, h, m, v):
             first, size = layers.chunk(v * stages + s, per_chunk)
             return run_chunk(layers, chunk_state, h, rows_of(layer_split, m), layer_whole, fold_keys(layer_keys, m),
-                              first, size)
+                             first, size)
 
         # A chunk's weights are taken, and its gradients added back, outside the tick's branches: inside,
         # the transpose of that slice can re-tile a weight split over an axis left to XLA with a
@@ -319,15 +362,15 @@ def table_schedule(layers, head, embed, embed_branch, branches, mesh, axis, batc
         def add_to_chunk(total, v, grads):
             return jax.tree.map(lambda t, g: t.at[v if virtual > 1 else 0].add(g.astype(t.dtype)), total, grads)
 
-        ends = Ends(head, embed, head_params, embed_params, head_rest, head_split, head_whole, head_keys, targets,
-                    embed_branch, when)
+        when = branching(loop.branches)
+        ends = Ends(loop, mine, when)
         like = ends.like
 
-        def tick(carry, t):
-            incoming, cot_in, stash, waiting, loops, g_layers, g_head, g_embed, loss_sum = carry
+        def tick(carry: _TableCarry, t):
             f_on, mf_, vf, f_at = f_m[t] >= 0, jnp.maximum(f_m[t], 0), f_v[t], f_slot[t]
             b_on, mb_, vb, b_at = b_m[t] >= 0, jnp.maximum(b_m[t], 0), b_v[t], b_slot[t]
             enters, leaves = f_on & (s == 0) & (vf == 0), f_on & (s == last) & (vf == virtual - 1)
+            incoming, cot_in, loops = carry.incoming, carry.cot_in, carry.loops
             if plan.loops:      # the circular schedule: what arrives for another chunk waits until it is due
                 loops = (kept_at(loops[0], loop_f[t], incoming), kept_at(loops[1], loop_b[t], cot_in))
                 incoming = jnp.where((s == 0) & (vf > 0), loops[0][mf_], incoming)
@@ -335,13 +378,13 @@ def table_schedule(layers, head, embed, embed_branch, branches, mesh, axis, batc
             h_in = ends.layers_input(enters, mf_, incoming)
             f_chunk = chunk_of(vf)
             h = when(f_on, lambda: stage_fn(f_chunk, h_in, mf_, vf), lambda: jnp.zeros_like(h_in))
-            stash = jnp.where(f_on, stash.at[f_at].set(h_in), stash)
+            stash = jnp.where(f_on, carry.stash.at[f_at].set(h_in), carry.stash)
 
             loss_m, gh, gy = ends.loss_and_gradients(leaves, h, mf_)
-            loss_sum, g_head = loss_sum + loss_m, add_into(g_head, gh)
 
             # the last chunk's backward runs from the loss computed at its forward: on that tick (1F1B), or
             # later from where it waited (gpipe)
+            waiting = carry.waiting
             if plan.head_waits:
                 waiting = kept_at(waiting, jnp.where(leaves, mf_, -1), gy.astype(waiting.dtype))
                 gy = waiting[mb_]
@@ -353,23 +396,23 @@ def table_schedule(layers, head, embed, embed_branch, branches, mesh, axis, batc
                 _, vjp = jax.vjp(lambda st, x: stage_fn(st, x, mb_, vb), b_chunk, stash[b_at])
                 return vjp(cot)
             gl, gx = when(b_on, backward, lambda: (jax.tree.map(jnp.zeros_like, b_chunk), jnp.zeros_like(h)))
-            g_layers = add_to_chunk(g_layers, vb, gl)
-
-            g_embed = add_into(g_embed, ends.embed_gradients(b_on & (s == 0) & (vb == 0), mb_, gx))
-            return (to_next_stage(h, axis, stages), to_previous_stage(gx, axis, stages), stash, waiting, loops, g_layers,
-                    g_head, g_embed, loss_sum), None
+            g_embed = ends.embed_gradients(b_on & (s == 0) & (vb == 0), mb_, gx)
+            return _TableCarry(to_next_stage(h, axis, stages), to_previous_stage(gx, axis, stages), stash, waiting,
+                               loops, add_to_chunk(carry.g_layers, vb, gl), add_into(carry.g_head, gh),
+                               add_into(carry.g_embed, g_embed), carry.loss_sum + loss_m), None
 
         zeros = jnp.zeros(like.shape, like.dtype)
-        waiting = jnp.zeros((micro if plan.head_waits else 0, *like.shape), like.dtype)
-        loops = (jnp.zeros((micro if plan.loops else 0, *like.shape), like.dtype),) * 2
-        carry = (zeros, zeros, jnp.zeros((plan.slots, *like.shape), like.dtype), waiting, loops, running_sum(state),
-                 running_sum(head_params), running_sum(embed_params), jnp.zeros((), jnp.float32))
-        (*_, g_layers, g_head, g_embed, loss_sum), _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
-        return finish_gradients(g_layers, g_head, g_embed, loss_sum, micro, batch_axes, state, head_params,
-                                embed_params)
+        carry = _TableCarry(
+            incoming=zeros, cot_in=zeros, stash=jnp.zeros((plan.slots, *like.shape), like.dtype),
+            waiting=jnp.zeros((micro if plan.head_waits else 0, *like.shape), like.dtype),
+            loops=(jnp.zeros((micro if plan.loops else 0, *like.shape), like.dtype),) * 2,
+            g_layers=running_sum(state), g_head=running_sum(mine.head_params),
+            g_embed=running_sum(mine.embed_params), loss_sum=jnp.zeros((), jnp.float32))
+        done, _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
+        return finish_gradients(done.g_layers, done.g_head, done.g_embed, done.loss_sum, micro, loop.batch_axes,
+                                state, mine.head_params, mine.embed_params)
 
-    return run_on_stages(per_device, mesh, axis, batch_axes, stacked, head_params, embed_params, head_rest,
-                         layer_inputs, head_inputs, targets, keys)
+    return run_on_stages(per_device, loop, operands)
 
 
 def branching(branches: bool) -> Callable:
@@ -389,11 +432,12 @@ class Ends:
     it (XLA's collectives for an automatic batch axis must run on every stage alike). `when(on, run,
     otherwise)`: the schedule's branch (a `cond`, or both sides and a select)."""
 
-    def __init__(self, head, embed, head_params, embed_params, rest, split, whole, keys, targets, embed_branch, when):
-        self._head, self._embed, self._head_params, self._embed_params = head, embed, head_params, embed_params
-        self._rest, self._split, self._whole, self._keys, self._targets = rest, split, whole, keys, targets
-        self._embed_branch, self._when = embed_branch, when
-        self.like = jax.eval_shape(self.entering, embed_params, 0)
+    def __init__(self, loop: Loop, mine: Operands, when):
+        self._head, self._embed, self._embed_branch, self._when = loop.head, loop.embed, loop.embed_branch, when
+        self._head_params, self._embed_params, self._rest = mine.head_params, mine.embed_params, mine.head_rest
+        (self._split, self._whole), self._targets = mine.head_inputs, mine.targets
+        self._keys = shard_keys(mine.keys[1], loop.mesh, loop.batch_axes)
+        self.like = jax.eval_shape(self.entering, self._embed_params, 0)
 
     def entering(self, embed_params, m):
         """Microbatch m's input to the layers."""
@@ -443,18 +487,18 @@ def finish_gradients(g_layers, g_head, g_embed, loss_sum, micro: int, batch_axes
     return g_layers, (g_head, g_embed, (loss_sum * scale)[None])
 
 
-def run_on_stages(per_device, mesh, axis, batch_axes, stacked, head_params, embed_params, head_rest, layer_inputs,
-                  head_inputs, targets, keys):
-    """`per_device` under shard_map, manual over the stage axis and `batch_axes` -> (loss, (layer, head,
-    embedding gradients)): the head's and the loss from the last stage, the embedding's from the first."""
-    stages = mesh.shape[axis]
-    rows = _batch_spec(batch_axes, None)
+def run_on_stages(per_device: Callable, loop: Loop, operands: Operands):
+    """`per_device(operands)` under shard_map, manual over the stage axis and the manual batch axes ->
+    (loss, (layer, head, embedding gradients)): the head's and the loss from the last stage, the
+    embedding's from the first."""
+    stages = loop.mesh.shape[loop.axis]
+    rows = _batch_spec(loop.batch_axes, None)
     inputs = (rows, P())
-    run = jax.shard_map(per_device, mesh=mesh, in_specs=(P(axis), P(), P(), P(), inputs, inputs, rows, P()),
-                        out_specs=(P(axis), (P(axis), P(axis), P(axis))),
-                        axis_names={axis, *batch_axes}, check_vma=False)
-    g_layers, (g_head, g_embed, loss) = run(stacked, head_params, embed_params, head_rest, layer_inputs,
-                                            head_inputs, targets, keys)
+    run = jax.shard_map(per_device, mesh=loop.mesh,
+                        in_specs=(Operands(P(loop.axis), P(), P(), P(), inputs, inputs, rows, P()),),
+                        out_specs=(P(loop.axis), (P(loop.axis), P(loop.axis), P(loop.axis))),
+                        axis_names={loop.axis, *loop.batch_axes}, check_vma=False)
+    g_layers, (g_head, g_embed, loss) = run(operands)
     g_head, loss = jax.tree.map(lambda g: g[stages - 1], g_head), loss[stages - 1]
     g_embed = jax.tree.map(lambda g: g[0], g_embed)
     return loss, (g_layers, g_head, g_embed)
