@@ -17,7 +17,8 @@ import minigpt_model
 import shardplan
 from minigpt_model.steps import loss_fn, train_step
 from shardplan.pipeline.loop import stack, unstack
-from shardplan.checks.schedules import OneFOneB, article_bubble, bubble_fraction, max_in_flight, timeline
+from shardplan.checks.schedules import (OneFOneB, article_bubble, bubble_fraction, in_flight, max_in_flight,
+                                       timeline)
 
 from conftest import PLANS, full
 
@@ -42,6 +43,9 @@ def test_bubbles_and_in_flight(microbatches):
     assert bubble_fraction(inter) < bubble_fraction(gpipe) < article_bubble(stages)
     assert max_in_flight(gpipe) == microbatches                 # GPipe keeps every microbatch
     assert max_in_flight(one_f) <= 2 * stages - 1               # 1F1B: bounded by stages, not microbatches
+    # between ticks 1F1B's stage s keeps 2(S-1-s) microbatches (the last: none; at most M), GPipe's all M
+    assert in_flight(one_f) == [min(microbatches, 2 * (stages - 1 - s)) for s in range(stages)]
+    assert in_flight(gpipe) == [microbatches] * stages
     # the tables the training step runs (under `model_loss`) are these timelines, with a stash slot per
     # microbatch in flight; GPipe's last stage keeps each loss gradient until its backward
     tables, circular = OneFOneB.of(stages, microbatches, 1, "gpipe"), OneFOneB.of(stages, microbatches, 2, "interleaved")

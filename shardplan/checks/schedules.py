@@ -319,13 +319,13 @@ def bubble_fraction(grid: list[list[list[Work]]], backward_cost: float = 2.0) ->
     return 1.0 - busy / total if total else 0.0
 
 
-def max_in_flight(grid: list[list[list[Work]]]) -> int:
-    """Most microbatches any stage has started but not finished backward (what it must keep): until
-    their weight gradients, under the zero-bubble schedule."""
+def in_flight(grid: list[list[list[Work]]]) -> list[int]:
+    """Per stage, the most microbatches it has started but not finished backward (what it must keep):
+    until their weight gradients, under the zero-bubble schedule."""
     ends = "W" if any(w.kind == "W" for tick in grid for cell in tick for w in cell) else "B"
-    worst = 0
+    most = []
     for s in range(len(grid[0])):
-        open_ = set()
+        open_, worst = set(), 0
         for tick in grid:
             for w in tick[s]:
                 if w.kind == "F":
@@ -333,7 +333,13 @@ def max_in_flight(grid: list[list[list[Work]]]) -> int:
                 elif w.kind == ends:
                     open_.discard((w.microbatch, w.chunk))
             worst = max(worst, len(open_))
-    return worst
+        most.append(worst)
+    return most
+
+
+def max_in_flight(grid: list[list[list[Work]]]) -> int:
+    """The most microbatches any stage keeps (`in_flight`)."""
+    return max(in_flight(grid))
 
 
 def article_bubble(stages: int) -> float:

@@ -211,32 +211,33 @@ def _id_list(ids: list[int]) -> str:
 
 def render_pipeline(console: Console, report: Report) -> None:
     """Stage map (layers and bytes per stage) and the schedule as a timeline with its bubble."""
-    from shardplan.checks.schedules import article_bubble, bubble_fraction, max_in_flight, render_timeline, timeline
+    from shardplan.checks.schedules import article_bubble, bubble_fraction, in_flight, render_timeline, timeline
     stage_map, pipe = report.stage_map, report.plan.pipeline
     if stage_map is None:
         return
+    grid = timeline(pipe.schedule, stage_map.stages, pipe.microbatches, stage_map.virtual)
+    kept = in_flight(grid)
     schedule = pipe.schedule if stage_map.virtual == 1 else \
         f"{'interleaved 1f1b' if pipe.schedule == '1f1b' else 'circular'}, {stage_map.virtual} chunks per stage"
     table = Table(title=f"Pipeline over axis {pipe.axis!r}: {schedule}, {pipe.microbatches} microbatches",
                   header_style="bold")
-    for column in ("stage", "layers", "devices", "params/device", "opt state/device"):
-        table.add_column(column, justify="right" if "/" in column else "left")
+    for column in ("stage", "layers", "devices", "params/device", "opt state/device", "kept between ticks"):
+        table.add_column(column, justify="left" if column in ("stage", "layers", "devices") else "right")
     for stage in range(stage_map.stages):
         layers = [i for i, s in enumerate(stage_map.stage_of) if s == stage]
         devices = [d for d in report.devices if d.coords[pipe.axis] == stage]     # none when the mesh is wrong
         table.add_row(str(stage), _index_ranges(layers, through="-", separator=", "),
                       _id_list([d.device_id for d in devices]) or "-",
                       human_bytes(max(d.param_bytes for d in devices)) if devices else "-",
-                      human_bytes(max(d.opt_bytes for d in devices)) if devices else "-")
+                      human_bytes(max(d.opt_bytes for d in devices)) if devices else "-", str(kept[stage]))
     print_table(console, table)
-    grid = timeline(pipe.schedule, stage_map.stages, pipe.microbatches, stage_map.virtual)
     console.print(render_timeline(grid, width=console.width))
     kinds = "b<m> input gradient, w<m> weight gradients" if pipe.schedule == "zb-h1" else "b<m> backward"
     counted = "b and w each counted as a forward" if pipe.schedule == "zb-h1" else "a backward counted as 2 forwards"
     console.print(f"F<m> forward, {kinds} of microbatch m ('c: chunk c); {len(grid)} ticks; bubble "
                   f"{bubble_fraction(grid):.1%} ({counted}) vs {article_bubble(stage_map.stages):.1%} "
-                  f"for the article's stage-after-stage pipeline; at most {max_in_flight(grid)} microbatches in "
-                  "flight per stage")
+                  f"for the article's stage-after-stage pipeline; a stage keeps the inputs (zb-h1: the residuals) "
+                  f"of at most {max(kept)} microbatches between ticks (per stage: `kept between ticks`)")
 
 
 def render_experts(console: Console, report: Report, cost=None) -> None:
