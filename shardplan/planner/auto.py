@@ -682,7 +682,8 @@ def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 
                   f"  schedule: {pipe.schedule}     # modelled bubble {cost.bubble:.3f}"]
         if pipe.virtual_stages > 1:
             lines.append(f"  virtual_stages: {pipe.virtual_stages}")
-    lines.append("params:")
+    lines.append("params:" + ("                      # the embedding and head split over 'stage' too: each stage "
+                              "keeps its share at rest, the step gathers them" if c.ends else ""))
     for pattern, spec, comment in rules(c, found.roles, found.params):
         lines += [f"  - match: '{pattern}'   # {comment}", f"    spec: {_flow(spec)}"]
     plan = chosen.plan
