@@ -86,7 +86,8 @@ def test_generator_draws_every_option_and_known_mistakes():
 def test_minimiser_keeps_the_failure_and_drops_the_rest():
     """With a stand-in judge that fails any plan holding `remat`, the minimiser strips everything else."""
     import random
-    case = next(c for c in (draw(random.Random(1), k) for k in range(200))
+    rng = random.Random(1)
+    case = next(c for c in (draw(rng, k) for k in range(200))
                 if "remat" in c["plan"] and "precision" in c["plan"] and not c["expect"])
 
     def judge(trial):
