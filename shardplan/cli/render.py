@@ -219,10 +219,13 @@ def render_pipeline(console: Console, report: Report) -> None:
     kept = in_flight(grid)
     schedule = pipe.schedule if stage_map.virtual == 1 else \
         f"{'interleaved 1f1b' if pipe.schedule == '1f1b' else 'circular'}, {stage_map.virtual} chunks per stage"
-    table = Table(title=f"Pipeline over axis {pipe.axis!r}: {schedule}, {pipe.microbatches} microbatches",
+    table = Table(title=f"Pipeline over axis {pipe.axis!r}: {schedule}, {pipe.microbatches} microbatches "
+                        "(bytes per device)",
                   header_style="bold")
-    for column in ("stage", "layers", "devices", "params/device", "opt state/device", "kept between ticks"):
-        table.add_column(column, justify="left" if column in ("stage", "layers", "devices") else "right")
+    for column in ("stage", "layers", "devices", "params", "opt state", "kept"):
+        # (the devices folded into runs take as many lines at 16,384 devices as at 1,024)
+        table.add_column(column, justify="left" if column in ("stage", "layers", "devices") else "right",
+                         max_width=26 if column == "devices" else None)
     for stage in range(stage_map.stages):
         layers = [i for i, s in enumerate(stage_map.stage_of) if s == stage]
         devices = [d for d in report.devices if d.coords[pipe.axis] == stage]     # none when the mesh is wrong
@@ -237,7 +240,7 @@ def render_pipeline(console: Console, report: Report) -> None:
     console.print(f"F<m> forward, {kinds} of microbatch m ('c: chunk c); {len(grid)} ticks; bubble "
                   f"{bubble_fraction(grid):.1%} ({counted}) vs {article_bubble(stage_map.stages):.1%} "
                   f"for the article's stage-after-stage pipeline; a stage keeps the inputs (zb-h1: the residuals) "
-                  f"of at most {max(kept)} microbatches between ticks (per stage: `kept between ticks`)")
+                  f"of at most {max(kept)} microbatches between ticks (per stage: `kept`)")
 
 
 def render_experts(console: Console, report: Report, cost=None) -> None:
