@@ -144,8 +144,9 @@ def _stage_axis_not_last(axis, specs, where) -> list[Diagnostic]:
     path, entry = first[0]
     better = [a for a in entry if a != axis] + [axis]
     return [where("pipeline-axis-order", ("params",),
-                  f"{path} splits one dim over {list(entry)}, the stage axis {axis!r} before "
-                  f"{entry[-1]!r} (and {len(first) - 1} more such): the step gathers it over the stages, which "
+                  f"{path} splits one dim over {list(entry)}, the stage axis {axis!r} before {entry[-1]!r}"
+                  + (f" (and {len(first) - 1} more such)" if len(first) > 1 else "") +
+                  ": the step gathers it over the stages, which "
                   "with the stage axis last is one all-gather per stage group; this order makes XLA gather the "
                   "whole dim over every axis", path=path, severity="warning",
                   hint=f"write {better} (the stage axis last)")]
