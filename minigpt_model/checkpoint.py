@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from shardplan.run.interrupts import interrupts_deferred
-from shardplan.pipeline.loop import to_plain_tree, to_stacked_tree
+from shardplan.pipeline.loop import Arrangement, to_plain_tree, to_stacked_tree
 from shardplan.run.optimizer import load_plain_state, plain_abstract, plain_state
 from shardplan.pipeline.pipelined import pipelined_layers
 
@@ -102,11 +102,11 @@ def _pure(node) -> dict:
     return nnx.to_pure_dict(nnx.state(node))
 
 
-def _layers_of(model) -> tuple[str, tuple[int, ...] | None] | None:
-    """(stacked-layers attribute, layers per unequal stage) of a pipelined model (checkpoints keep the
+def _layers_of(model) -> tuple[str, Arrangement] | None:
+    """(stacked-layers attribute, where each layer sits in it) of a pipelined model (checkpoints keep the
     unpipelined layout)."""
     found = pipelined_layers(model)
-    return (found[0], found[1].stage_counts) if found else None
+    return (found[0], found[1].arrangement) if found else None
 
 
 def _plain(tree: dict, layers) -> dict:

@@ -3,7 +3,8 @@
 A tick is one lockstep step of every stage. `F`/`B` mark a forward/backward of a microbatch
 (with its chunk for the interleaved schedule). The bubble is the idle share of stage time,
 weighting a backward as `backward_cost` forwards (2, the usual estimate). Under the zero-bubble
-schedule `B` is the input gradient alone and `W` the weight gradients, half a backward each.
+schedules `B` is the input gradient alone and `W` the weight gradients, half a backward each;
+under the V schedule `R` is a chunk's forward run again to rebuild what B and W read.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Work:
-    kind: str          # "F", "B" or "W" (zero-bubble: B the input gradient, W the weight gradients)
+    kind: str          # "F", "B", "W" (zero-bubble: B the input gradient, W the weight gradients), "R" (zb-v)
     microbatch: int
     chunk: int = 0     # which of the device's chunks (interleaved); 0 otherwise
 
@@ -25,14 +26,15 @@ def on_tables(schedule: str | None, sequence_split: bool = False) -> bool:
     """Whether a training step under `schedule` runs on the schedule tables (`OneFOneB`; the model's
     code around its layers per microbatch, each stage's forward recomputed in its backward): 1F1B, and
     gpipe and the circular schedule unless a context axis splits the sequence (the tables would run
-    every part on every tick). The zero-bubble schedule exists on its tables only (a plan splitting the
+    every part on every tick). The zero-bubble schedules exist on their tables only (a plan splitting the
     sequence is refused)."""
-    return schedule in ("1f1b", "zb-h1") or (schedule in ("gpipe", "interleaved") and not sequence_split)
+    return schedule in ("1f1b", "zb-h1", "zb-v") or (schedule in ("gpipe", "interleaved") and not sequence_split)
 
 
 def recomputes_stages(schedule: str | None, sequence_split: bool = False) -> bool:
     """Whether a stage runs its forward again in its backward: on the tables each stage keeps only its
-    input, except under the zero-bubble schedule, which keeps the forward's residuals."""
+    input, except under ZB-H1, which keeps the forward's residuals. (The V schedule keeps inputs too, and
+    runs each chunk's forward again before its backward.)"""
     return on_tables(schedule, sequence_split) and schedule != "zb-h1"
 
 
@@ -47,6 +49,8 @@ def timeline(schedule: str, stages: int, microbatches: int, virtual: int = 1) ->
         return _one_f_one_b(stages, microbatches, virtual)
     if schedule == "zb-h1":
         return ZeroBubble.of(stages, microbatches).grid()
+    if schedule == "zb-v":
+        return ZeroBubbleV.of(stages, microbatches).grid()
     virtual = virtual if schedule == "interleaved" else 1
     forward_ticks = virtual * microbatches + stages - 1
     grid = [[[] for _ in range(stages)] for _ in range(2 * forward_ticks)]
@@ -276,6 +280,170 @@ class ZeroBubble:
                 for t in range(self.ticks)]
 
 
+@dataclasses.dataclass(frozen=True)
+class ZeroBubbleV:
+    """A V-shaped zero-bubble schedule (after ZB-V, Qi et al., "Pipeline Parallelism with Controllable
+    Memory", 2024) as tables, per device and tick, ticks one chunk's op each: `op` 0 idle, 1 F, 2 R,
+    3 B, 4 W, of chunk `chunk` (0 or 1) and microbatch `micro`.
+
+    The layers are cut into 2S chunks; device d holds chunk d and chunk 2S-1-d (`chunk_stage`), so a
+    microbatch runs up the devices and back down: the first chunk and the last (the embedding and the
+    head) are both on device 0, and the turn at device S-1 stays on the device. A chunk's forward F
+    keeps only its input; before its backward the chunk runs forward again (R) to rebuild what the
+    input gradient B and the weight gradients W read. W, which nobody waits for, fills the ticks the
+    others leave idle; at most two chunks' residuals (one stage's worth, what 1F1B holds while it
+    recomputes a stage) are held between R and W on a device.
+
+    Each device takes, each tick, the first of: a ready B; an R whose gradient has arrived (while fewer
+    than two residual sets are held, else a W to free one); a ready F (at most `forwards` inputs kept);
+    a W — the shortest of a few such greedy orders (`_POLICIES`). Outputs move one tick: a chunk-0
+    activation and a chunk-1 gradient up to the next device (or, at the turn, to the device itself),
+    a chunk-1 activation and a chunk-0 gradient down.
+
+    Buffers, as slots per device: `box` (what arrived, from arrival to the op that reads it: F its
+    input, B its output gradient; device 0's chunk-1 forward writes the loss gradient there itself),
+    `stash` (F's input until R), `keep` (R to W: what W reads; B adds what it hands W), `until_b` (R to
+    B: what B alone reads). `take_up`/`take_down`/`take_local`: the box slot of what arrives this tick
+    from the device below, above, or itself (-1: nothing).
+    """
+
+    stages: int
+    microbatches: int
+    ticks: int
+    op: tuple           # [device][tick] -> 0 idle, 1 F, 2 R, 3 B, 4 W
+    chunk: tuple        # [device][tick] -> 0 or 1
+    micro: tuple        # [device][tick] -> microbatch (0 when idle)
+    read: tuple         # [device][tick] -> box slot F reads its input from / B its output gradient from
+    stash: tuple        # [device][tick] -> stash slot F writes, R reads
+    keep: tuple         # [device][tick] -> keep slot R writes, B adds to, W reads
+    until_b: tuple      # [device][tick] -> until_b slot R writes, B reads
+    loss_to: tuple      # [device][tick] -> box slot device 0's chunk-1 forward writes the loss gradient to
+    take_up: tuple      # [device][tick] -> box slot of the arrival from the device below, -1
+    take_down: tuple    # [device][tick] -> box slot of the arrival from the device above, -1
+    take_local: tuple   # [device][tick] -> box slot of the device's own output of the tick before, -1
+    slots: tuple        # (box, stash, keep, until_b) slot counts, most over devices
+
+    RESIDUALS = 2       # residual sets a device holds between R and W
+
+    @staticmethod
+    @functools.lru_cache(maxsize=64)
+    def of(stages: int, microbatches: int) -> "ZeroBubbleV":
+        S, M = stages, microbatches
+        ticks, done = min((_v_greedy(S, M, *policy) for policy in _POLICIES), key=lambda found: found[0])
+        return ZeroBubbleV._with_slots(S, M, ticks, done)
+
+    @staticmethod
+    def _with_slots(S, M, ticks, done) -> "ZeroBubbleV":
+        names = ("op", "chunk", "micro", "read", "stash", "keep", "until_b", "loss_to", "take_up", "take_down",
+                 "take_local")
+        empty = {name: -1 if name in ("loss_to", "take_up", "take_down", "take_local") else 0 for name in names}
+        tables = {name: [[empty[name]] * ticks for _ in range(S)] for name in names}
+        for (kind, k, m), t in done.items():
+            d, c = chunk_stage(k, S, v_shape=True), k // S
+            tables["op"][d][t], tables["chunk"][d][t], tables["micro"][d][t] = " FRBW".index(kind), c, m
+        counts = [0, 0, 0, 0]
+        for d in range(S):
+            spans: dict = {"box": [], "stash": [], "keep": [], "until_b": []}   # (start, end, id): written, last read
+            arrivals = {}
+            for k in (d, 2 * S - 1 - d):
+                for m in range(M):
+                    f, r, b, w = (done[(kind, k, m)] for kind in "FRBW")
+                    spans["stash"].append((f, r, (k, m)))
+                    spans["keep"].append((r, w, (k, m)))
+                    spans["until_b"].append((r, b, (k, m)))
+                    if k > 0:                   # the input, from chunk k - 1
+                        spans["box"].append((done[("F", k - 1, m)] + 1, f, ("F", k, m)))
+                        arrivals[("F", k, m)] = chunk_stage(k - 1, S, v_shape=True)
+                    if k < 2 * S - 1:           # the output gradient, from chunk k + 1's B
+                        spans["box"].append((done[("B", k + 1, m)] + 1, b, ("B", k, m)))
+                        arrivals[("B", k, m)] = chunk_stage(k + 1, S, v_shape=True)
+                    else:                       # the loss gradient, written by the forward itself
+                        spans["box"].append((f, b, ("B", k, m)))
+            for n, (name, found) in enumerate(spans.items()):
+                slot_of = _allocate(found)
+                counts[n] = max(counts[n], max(slot_of.values(), default=-1) + 1)
+                for start, end, key in found:
+                    slot = slot_of[key]
+                    if name != "box":
+                        tables[name][d][start] = tables[name][d][end] = slot
+                        if name == "keep":
+                            tables[name][d][done[("B", *key)]] = slot
+                        continue
+                    tables["read"][d][end] = slot
+                    if key not in arrivals:
+                        tables["loss_to"][d][start] = slot
+                    else:
+                        source = arrivals[key]
+                        column = "take_local" if source == d else "take_up" if source < d else "take_down"
+                        tables[column][d][start] = slot
+        frozen = {name: tuple(tuple(row) for row in table) for name, table in tables.items()}
+        return ZeroBubbleV(S, M, ticks, slots=tuple(counts), **frozen)
+
+    def grid(self) -> list[list[list[Work]]]:
+        return [[[Work(" FRBW"[self.op[d][t]], self.micro[d][t], self.chunk[d][t])] if self.op[d][t] else []
+                 for d in range(self.stages)] for t in range(self.ticks)]
+
+
+def chunk_stage(chunk: int, stages: int, v_shape: bool = False) -> int:
+    """The stage holding chunk `chunk`: round the stages (c mod S), or up and back down in a V.
+
+    >>> [chunk_stage(c, 3) for c in range(6)], [chunk_stage(c, 3, v_shape=True) for c in range(6)]
+    ([0, 1, 2, 0, 1, 2], [0, 1, 2, 2, 1, 0])
+    """
+    stage, repeat = chunk % stages, chunk // stages
+    return stages - 1 - stage if v_shape and repeat % 2 else stage
+
+
+# (forwards kept per device, as a multiple of S; forwards by microbatch first or by later chunk first;
+# a W before an F whenever one is due) — each best on some (S, M) of 2..8 x 4..32
+_POLICIES = ((3, "microbatch", True), (3, "chunk", False), (2, "chunk", False))
+
+
+def _v_greedy(S: int, M: int, forwards: int, first: str, w_first: bool) -> tuple[int, dict]:
+    """(ticks, (kind, chunk, microbatch) -> tick) of the greedy V schedule under one policy."""
+    done: dict = {}
+    next_of = {(kind, k): 0 for kind in "FRBW" for k in range(2 * S)}
+    stashed, held = [0] * S, [0] * S
+    t = 0
+    total = 8 * S * M
+
+    def before(key):
+        return done.get(key, t) < t
+
+    def ready(kind, d):
+        found = []
+        for k in (d, 2 * S - 1 - d):
+            m = next_of[(kind, k)]
+            if m >= M:
+                continue
+            if kind == "F":
+                ok = k == 0 or before(("F", k - 1, m))
+            elif kind == "R":
+                ok = before(("F", k, m)) and (k == 2 * S - 1 or before(("B", k + 1, m)))
+            else:
+                ok = before(("R" if kind == "B" else "B", k, m))
+            if ok:
+                found.append(((m, -k) if first == "microbatch" else (-k, m), (kind, k, m)))
+        return [work for _, work in sorted(found)]
+
+    while len(done) < total:
+        now = []
+        for d in range(S):
+            b, r, f, w = ready("B", d), ready("R", d), ready("F", d), ready("W", d)
+            f = f if stashed[d] < forwards * S else []
+            r_ok = r if held[d] < ZeroBubbleV.RESIDUALS else []
+            order = (b, r_ok, w, f) if w_first or (r and not r_ok) else (b, r_ok, f, w)
+            now.append(next((found[0] for found in order if found), None))
+        for d, work in enumerate(now):
+            if work is not None:
+                done[work] = t
+                next_of[work[:2]] += 1
+                stashed[d] += {"F": 1, "R": -1}.get(work[0], 0)
+                held[d] += {"R": 1, "W": -1}.get(work[0], 0)
+        t += 1
+    return t, done
+
+
 def _ready(work, s: int, S: int, t: int, done: dict) -> bool:
     """Whether `work` of stage s may run at tick t: what it reads was made on an earlier tick (a
     neighbour's output arrives one tick after it was sent)."""
@@ -288,8 +456,8 @@ def _ready(work, s: int, S: int, t: int, done: dict) -> bool:
     return before(("B", s, m))
 
 
-def _allocate(spans: list[tuple[int, int, int]]) -> dict[int, int]:
-    """Microbatch -> slot for buffers held over [start, end] (inclusive): a slot is reused once its
+def _allocate(spans: list[tuple]) -> dict:
+    """Microbatch (or any key) -> slot for buffers held over [start, end] (inclusive): a slot is reused once its
     last read is on an earlier tick than the next write."""
     slot_of, busy = {}, []      # (end, slot)
     free: list[int] = []
@@ -308,9 +476,10 @@ def _allocate(spans: list[tuple[int, int, int]]) -> dict[int, int]:
 
 def bubble_fraction(grid: list[list[list[Work]]], backward_cost: float = 2.0) -> float:
     """Idle share of stage time: each tick lasts as long as its busiest stage. With `W` work in the grid
-    (zero-bubble), `B` and `W` each last half a backward."""
+    (zero-bubble), `B` and `W` each last half a backward; `R` (the V schedule's forward run again) a
+    forward."""
     split = any(w.kind == "W" for tick in grid for cell in tick for w in cell)
-    costs = {"F": 1.0, "B": backward_cost / 2 if split else backward_cost, "W": backward_cost / 2}
+    costs = {"F": 1.0, "R": 1.0, "B": backward_cost / 2 if split else backward_cost, "W": backward_cost / 2}
 
     def cost(works):
         return sum(costs[w.kind] for w in works)

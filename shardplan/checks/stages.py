@@ -7,6 +7,7 @@ import re
 from collections import defaultdict
 
 from shardplan.checks.paths import ParamInfo
+from shardplan.checks.schedules import chunk_stage
 from shardplan.plan.diagnostics import Diagnostic
 from shardplan.plan.matching import checked_pattern
 from shardplan.plan.schema import Plan
@@ -22,6 +23,7 @@ class StageMap:
     stage_of: tuple[int, ...]
     stages: int
     virtual: int
+    v_shape: bool = False       # zb-v: chunk c < S on stage c, chunk c >= S on stage 2S - 1 - c
 
     @property
     def counts(self) -> tuple[int, ...]:
@@ -80,7 +82,8 @@ def plan_stages(plan: Plan, params: list[ParamInfo], sizes: dict[str, int],
                             f"pipeline.layers {pipe.layers!r} requires a top-level list of layers with parameters "
                             f"(paths {pipe.layers}/0/...), but no parameter path has that form",
                             hint=_layer_lists_hint(params))]
-    stages, virtual = sizes[pipe.axis], pipe.virtual_stages if pipe.schedule in ("interleaved", "1f1b") else 1
+    stages = sizes[pipe.axis]
+    virtual = 2 if pipe.schedule == "zb-v" else pipe.virtual_stages if pipe.schedule in ("interleaved", "1f1b") else 1
     found = _axis_in_layer_specs(plan, pipe.axis, specs, where) + _layers_differ(pipe.layers, layers, specs, where)
     if pipe.schedule == "1f1b" and virtual > 1 and pipe.microbatches % stages:
         found.append(where("pipeline-microbatches", ("pipeline", "microbatches"),
@@ -91,9 +94,9 @@ def plan_stages(plan: Plan, params: list[ParamInfo], sizes: dict[str, int],
         found.append(where("pipeline-microbatches", ("pipeline", "microbatches"),
                            f"interleaved needs at least as many microbatches as stages ({stages}), but got "
                            f"{pipe.microbatches}", hint=f"set microbatches: {stages} or more"))
-    if pipe.schedule == "zb-h1" and plan.context is not None and sizes.get(plan.context.axis, 1) > 1:
+    if pipe.schedule in ("zb-h1", "zb-v") and plan.context is not None and sizes.get(plan.context.axis, 1) > 1:
         found.append(where("pipeline-schedule-context", ("pipeline", "schedule"),
-                           f"zb-h1 runs its stages' parts in branches, one per device and tick, but the sequence is "
+                           f"{pipe.schedule} runs its stages' parts in branches, one per device and tick, but the sequence is "
                            f"split over the context axis {plan.context.axis!r} ({sizes[plan.context.axis]} devices), "
                            "whose collectives every device must join on every tick",
                            hint="use schedule 1f1b (its stages then run every part on every tick), or drop the "
@@ -102,7 +105,7 @@ def plan_stages(plan: Plan, params: list[ParamInfo], sizes: dict[str, int],
     found += assign_found
     if stage_of is None:
         return None, found
-    stage_map = StageMap(pipe.layers, tuple(stage_of), stages, virtual)
+    stage_map = StageMap(pipe.layers, tuple(stage_of), stages, virtual, pipe.schedule == "zb-v")
     found += _check_layout(plan, stage_map, where)
     return (None if any(d.severity == "error" for d in found) else stage_map), found
 
@@ -193,7 +196,7 @@ def _assign(plan, indices: list[int], stages: int, virtual: int, where) -> tuple
         if count % stages and virtual == 1:
             return balanced_stages(count, stages), []
         per_chunk = count // (stages * virtual)
-        return [(i // per_chunk) % stages for i in range(count)], []
+        return [chunk_stage(i // per_chunk, stages, pipe.schedule == "zb-v") for i in range(count)], []
     compiled = []
     for k, rule in enumerate(pipe.stages):
         line, col = plan.locate("pipeline", "stages", k, "match")
@@ -253,7 +256,8 @@ def _check_layout(plan, stage_map: StageMap, where) -> list[Diagnostic]:
     if stage_map.virtual == 1:
         expected = sorted(stage_map.stage_of)      # consecutive runs in stage order
     else:
-        expected = [(i // stage_map.per_chunk) % stage_map.stages for i in range(len(stage_map.stage_of))]
+        expected = [chunk_stage(i // stage_map.per_chunk, stage_map.stages, stage_map.v_shape)
+                    for i in range(len(stage_map.stage_of))]
     if list(stage_map.stage_of) != expected:
         first = next(i for i, (a, b) in enumerate(zip(stage_map.stage_of, expected)) if a != b)
         if stage_map.virtual == 1:
@@ -261,11 +265,14 @@ def _check_layout(plan, stage_map: StageMap, where) -> list[Diagnostic]:
                           f"{pipe.schedule} needs each stage to hold consecutive layers in stage order, but "
                           f"{pipe.layers}/{first} is on stage {stage_map.stage_of[first]}, expected {expected[first]}",
                           path=f"{pipe.layers}/{first}", hint="assign layers 0.. to stage 0, the next ones to stage 1, ...")]
+        placed = (f"zb-v needs chunk c (of {stage_map.per_chunk} layers) on stage c for c < {stage_map.stages}, "
+                  f"on stage {2 * stage_map.stages - 1} - c after" if stage_map.v_shape else
+                  f"{pipe.schedule} with {stage_map.virtual} chunks per stage needs chunk c (of {stage_map.per_chunk} "
+                  f"layers) on stage c mod {stage_map.stages}")
         return [where("stage-not-circular", ("pipeline", "stages"),
-                      f"interleaved with {stage_map.virtual} chunks per stage needs chunk c (of {stage_map.per_chunk} "
-                      f"layers) on stage c mod {stage_map.stages}, but {pipe.layers}/{first} is on stage "
-                      f"{stage_map.stage_of[first]}, expected {expected[first]}", path=f"{pipe.layers}/{first}",
-                      hint="use stages: even, which places chunks circularly")]
+                      f"{placed}, but {pipe.layers}/{first} is on stage {stage_map.stage_of[first]}, expected "
+                      f"{expected[first]}", path=f"{pipe.layers}/{first}",
+                      hint="use stages: even, which places the chunks so")]
     return found
 
 

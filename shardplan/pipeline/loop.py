@@ -34,6 +34,7 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from shardplan.checks.schedules import chunk_stage
 from shardplan.run.layer_call import LayerCall, fold_keys
 from shardplan.run.widen import narrowed, widened
 
@@ -62,6 +63,28 @@ def fit_microbatches(rows: int, microbatches: int, batch_axes: tuple[str, ...],
 
 
 @dataclasses.dataclass(frozen=True)
+class Arrangement:
+    """Where each layer sits in the stacked [stage, chunk, slot] arrays. By default chunk c (of
+    `virtual` x S chunks of equal size, in model order) is chunk c // S of stage c % S: the chunks go
+    round the stages. `v_shape` (the V schedule, two chunks per stage): chunk c < S on stage c, chunk
+    c >= S on stage 2S - 1 - c, so the layers go up the stages and back down. `counts`: layers per
+    stage when unequal (one chunk each, padded to the largest)."""
+
+    counts: tuple[int, ...] | None = None
+    v_shape: bool = False
+
+    def stage_of_chunk(self, chunk: int, stages: int) -> tuple[int, int]:
+        """(stage, which of its chunks) holding model chunk `chunk`."""
+        return chunk_stage(chunk, stages, self.v_shape), chunk // stages
+
+    def model_chunk(self, stage, repeat, stages: int):
+        """The model chunk stage `stage` holds as its chunk `repeat` (either may be traced)."""
+        if not self.v_shape:
+            return repeat * stages + stage
+        return repeat * stages + jnp.where(repeat % 2 == 1, stages - 1 - stage, stage)
+
+
+@dataclasses.dataclass(frozen=True)
 class Layers:
     """What every layer of one pipelined call shares: the layers' graph definitions (one per kind, when
     layers differ in a non-array attribute such as local/global attention), each layer's kind in model
@@ -70,15 +93,16 @@ class Layers:
     kinds: tuple
     kind_of: tuple[int, ...]
     call: LayerCall
-    counts: tuple[int, ...] | None = None   # layers per stage, when unequal (stages padded to the largest)
+    arrangement: Arrangement = Arrangement()
 
-    def chunk(self, chunk, per_chunk: int):
-        """(model index of the chunk's first layer, how many of its slots hold layers or None: all);
-        `chunk` may be traced. Unequal stages have one chunk each."""
-        if self.counts is None:
-            return chunk * per_chunk, None
-        offsets = [sum(self.counts[:s]) for s in range(len(self.counts))]
-        return jnp.asarray(offsets, jnp.int32)[chunk], jnp.asarray(self.counts, jnp.int32)[chunk]
+    def chunk(self, stage, repeat, stages: int, per_chunk: int):
+        """(model index of the first layer of stage `stage`'s chunk `repeat`, how many of its slots hold
+        layers or None: all); `stage` and `repeat` may be traced. Unequal stages have one chunk each."""
+        counts = self.arrangement.counts
+        if counts is None:
+            return self.arrangement.model_chunk(stage, repeat, stages) * per_chunk, None
+        offsets = [sum(counts[:s]) for s in range(len(counts))]
+        return jnp.asarray(offsets, jnp.int32)[stage], jnp.asarray(counts, jnp.int32)[stage]
 
     def run(self, layer_state, index, h, split, whole, keys):
         """Layer `index` (model order; may be traced) on the activation `h`: the layer's own kind, chosen
@@ -167,14 +191,18 @@ def rows_of(arrays, m):
 
 def sequential_forward(layers: Layers, stacked, h, split, whole, keys):
     """The stacked layers in model order, one after another (no pipeline)."""
-    return run_chunk(layers, jax.tree.map(lambda a: model_order(a, layers.counts), stacked), h, split, whole, keys, 0)
+    return run_chunk(layers, jax.tree.map(lambda a: model_order(a, layers.arrangement), stacked), h, split, whole,
+                     keys, 0)
 
 
-def model_order(a, counts: tuple[int, ...] | None = None):
-    """(stages, virtual, per_chunk, ...) -> (layers, ...) in model order (chunk c is at [c % stages,
-    c // stages]), without the padding slots of unequal stages."""
+def model_order(a, arrangement: Arrangement = Arrangement()):
+    """(stages, virtual, per_chunk, ...) -> (layers, ...) in model order (see `Arrangement`), without the
+    padding slots of unequal stages."""
     stages, virtual, per_chunk = a.shape[:3]
+    if arrangement.v_shape:         # the odd chunks run down the stages
+        a = jnp.stack([a[::-1, v] if v % 2 else a[:, v] for v in range(virtual)], axis=1)
     flat = jnp.swapaxes(a, 0, 1).reshape(virtual * stages * per_chunk, *a.shape[3:])
+    counts = arrangement.counts
     if counts is None or len(set(counts)) == 1:
         return flat
     return flat[jnp.asarray([s * per_chunk + j for s, n in enumerate(counts) for j in range(n)])]
@@ -190,6 +218,8 @@ def circular_forward(layers: Layers, stacked, xs, split, whole, keys, *, mesh, a
     """
     stages = jax.tree.leaves(stacked)[0].shape[0]
     (stacked, whole), narrow = widened((stacked, whole))
+    if layers.arrangement.v_shape:
+        return _cached(_v_runner, layers, mesh, axis, batch_axes, narrow)(stacked, xs, split, whole, keys)[0]
     run = _cached(_circular_runner, layers, mesh, axis, batch_axes, narrow)
     return run(stacked, xs, split, whole, keys)[stages - 1]
 
@@ -215,7 +245,7 @@ def _circular_runner(layers: Layers, mesh, axis: str, batch_axes: tuple[str, ...
             active = (rel >= 0) & (rel < virtual * micro)
             first_input = jnp.where(repeat == 0, xs[m], looped[m])
             h_in = jnp.where(s == 0, first_input, incoming)
-            first, size = layers.chunk(repeat * stages + s, per_chunk)
+            first, size = layers.chunk(s, repeat, stages, per_chunk)
             # Idle ticks compute too, and drop the result: the stages run in lockstep, so this costs no
             # time. Under a `lax.cond` autodiff kept the stage's weights once per tick (measured: the
             # compiled peak 2.7x the modelled one on a small model). With one chunk per stage its
@@ -237,6 +267,50 @@ def _circular_runner(layers: Layers, mesh, axis: str, batch_axes: tuple[str, ...
         # (the chunks' weights are picked by a traced index: slices, which saved would be kept once per tick)
         body = jax.checkpoint(tick, policy=_not_slices, prevent_cse=False) if virtual > 1 else tick
         (_, _, outs), _ = jax.lax.scan(body, (zeros[0], zeros, zeros), ticks)
+        return outs[None]
+
+    rows = _batch_spec(batch_axes, None)
+    return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(axis), rows, rows, P(), P()),
+                                 out_specs=_batch_spec(batch_axes, axis, None), axis_names={axis, *batch_axes},
+                                 check_vma=False))
+
+
+@functools.cache
+def _v_runner(layers: Layers, mesh, axis: str, batch_axes: tuple[str, ...], narrow: tuple):
+    """`_circular_runner` for layers placed in a V (`Arrangement.v_shape`): every microbatch up the stages
+    through their first chunks, then down through their second, in two sweeps of M + S - 1 ticks; the
+    outputs end on the first stage."""
+
+    def per_device(state, xs, split, whole, keys):
+        state, whole = narrowed((state, whole), narrow)
+        keys = shard_keys(keys, mesh, batch_axes)
+        stages = mesh.shape[axis]
+        per_chunk = jax.tree.leaves(state)[0].shape[2]
+        micro = xs.shape[0]
+        state = chunk_of_state(state, 0)                                         # (2, per_chunk, ...)
+        s = jax.lax.axis_index(axis)
+        sweep = micro + stages - 1
+
+        def tick(carry, t):
+            from_below, from_above, turned, outs = carry
+            down = t >= sweep
+            rel = jnp.where(down, t - sweep - (stages - 1 - s), t - s)
+            m = jnp.clip(rel, 0, micro - 1)
+            active = (rel >= 0) & (rel < micro)
+            h_in = jnp.where(down, jnp.where(s == stages - 1, turned[m], from_above),
+                             jnp.where(s == 0, xs[m], from_below))
+            v = down.astype(jnp.int32)
+            first, size = layers.chunk(s, v, stages, per_chunk)
+            h = run_chunk(layers, chunk_of_state(state, v), h_in, rows_of(split, m), whole, fold_keys(keys, m), first,
+                          size)
+            h = jnp.where(active, h, jnp.zeros_like(h_in))
+            turned = jnp.where(~down & active & (s == stages - 1), turned.at[m].set(h), turned)   # (the turn stays)
+            outs = jnp.where(down & active & (s == 0), outs.at[m].set(h), outs)
+            return (to_next_stage(h, axis, stages), to_previous_stage(h, axis, stages), turned, outs), None
+
+        zeros = jnp.zeros_like(xs)
+        body = jax.checkpoint(tick, policy=_not_slices, prevent_cse=False)     # (see `_circular_runner`)
+        (_, _, _, outs), _ = jax.lax.scan(body, (zeros[0], zeros[0], zeros, zeros), jnp.arange(2 * sweep))
         return outs[None]
 
     rows = _batch_spec(batch_axes, None)
@@ -348,7 +422,7 @@ def table_schedule(loop: Loop, operands: Operands):
         f_m, f_v, b_m, b_v, f_slot, b_slot = (table[s] for table in tables)
 
         def stage_fn(chunk_state, h, m, v):
-            first, size = layers.chunk(v * stages + s, per_chunk)
+            first, size = layers.chunk(s, v, stages, per_chunk)
             return run_chunk(layers, chunk_state, h, rows_of(layer_split, m), layer_whole, fold_keys(layer_keys, m),
                              first, size)
 
@@ -489,9 +563,10 @@ def finish_gradients(g_layers, g_head, g_embed, loss_sum, micro: int, batch_axes
 
 def run_on_stages(per_device: Callable, loop: Loop, operands: Operands):
     """`per_device(operands)` under shard_map, manual over the stage axis and the manual batch axes ->
-    (loss, (layer, head, embedding gradients)): the head's and the loss from the last stage, the
-    embedding's from the first."""
+    (loss, (layer, head, embedding gradients)): the head's and the loss from the last stage (the V
+    schedule's: the first), the embedding's from the first."""
     stages = loop.mesh.shape[loop.axis]
+    head_stage = 0 if loop.schedule == "zb-v" else stages - 1
     rows = _batch_spec(loop.batch_axes, None)
     inputs = (rows, P())
     run = jax.shard_map(per_device, mesh=loop.mesh,
@@ -499,7 +574,7 @@ def run_on_stages(per_device: Callable, loop: Loop, operands: Operands):
                         out_specs=(P(loop.axis), (P(loop.axis), P(loop.axis), P(loop.axis))),
                         axis_names={loop.axis, *loop.batch_axes}, check_vma=False)
     g_layers, (g_head, g_embed, loss) = run(operands)
-    g_head, loss = jax.tree.map(lambda g: g[stages - 1], g_head), loss[stages - 1]
+    g_head, loss = jax.tree.map(lambda g: g[head_stage], g_head), loss[head_stage]
     g_embed = jax.tree.map(lambda g: g[0], g_embed)
     return loss, (g_layers, g_head, g_embed)
 
@@ -524,22 +599,23 @@ def cross_entropy(logits, targets):
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-def stack(layers: list[dict], stages: int, virtual: int, counts: tuple[int, ...] | None = None,
+def stack(layers: list[dict], stages: int, virtual: int, arrangement: Arrangement = Arrangement(),
           sharding_of: Callable | None = None) -> dict:
-    """Per-layer pure states -> one state of (stages, virtual, per_chunk, ...) arrays, chunk c on stage c % stages.
-    Unequal stages (`counts` layers each, one chunk) are padded with zeros to the largest. Shape structs
+    """Per-layer pure states -> one state of (stages, virtual, per_chunk, ...) arrays, placed as `arrangement`
+    says. Unequal stages (`counts` layers each, one chunk) are padded with zeros to the largest. Shape structs
     (an abstract model) stack to shape structs.
 
     Given `sharding_of(path)` (the stacked layout of the leaf at that '/'-joined path), concrete arrays
     are stacked in place: each stage's devices receive their own layers only, so no device holds more
     than its stage's layers twice over (`shardplan.init` of a pipeline plan relies on it)."""
+    counts = arrangement.counts
     uneven = counts is not None and len(set(counts)) > 1
     per_chunk = max(counts) if uneven else len(layers) // (stages * virtual)
     if uneven:
         starts = [sum(counts[:s]) for s in range(stages)]
         positions = [(s, 0, j) for s, n in enumerate(counts) for j in range(n)]
-    else:   # layer i is layer l of chunk c = i // per_chunk, on stage c % stages, repeat c // stages
-        positions = [((i // per_chunk) % stages, i // (per_chunk * stages), i % per_chunk) for i in range(len(layers))]
+    else:   # layer i is layer i % per_chunk of chunk i // per_chunk
+        positions = [(*arrangement.stage_of_chunk(i // per_chunk, stages), i % per_chunk) for i in range(len(layers))]
 
     flat = [jax.tree.flatten_with_path(layer)[0] for layer in layers]
     concrete = all(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(layers))
@@ -558,7 +634,10 @@ def stack(layers: list[dict], stages: int, virtual: int, counts: tuple[int, ...]
             return jnp.stack([jnp.stack([*arrays[start:start + n], *padding[n:]]) for start, n in zip(starts, counts)]
                              )[:, None]
         stacked = jnp.stack(arrays)                                                    # (L, ...)
-        return jnp.swapaxes(stacked.reshape(virtual, stages, per_chunk, *stacked.shape[1:]), 0, 1)
+        chunks = stacked.reshape(virtual, stages, per_chunk, *stacked.shape[1:])
+        if arrangement.v_shape:
+            chunks = jnp.stack([chunks[v, ::-1] if v % 2 else chunks[v] for v in range(virtual)])
+        return jnp.swapaxes(chunks, 0, 1)
     return jax.tree.map(arrange, *layers)
 
 
@@ -609,16 +688,16 @@ def _stack_slots(present: tuple[bool, ...], chunks: tuple[int, int], out_shardin
     return jax.jit(stack_, out_shardings=out_shardings)
 
 
-def unstack(stacked: dict, counts: tuple[int, ...] | None = None) -> list[dict]:
+def unstack(stacked: dict, arrangement: Arrangement = Arrangement()) -> list[dict]:
     """Inverse of `stack`."""
     leaves, treedef = jax.tree.flatten(stacked)
-    return [jax.tree.unflatten(treedef, list(layer)) for layer in _unstacked(tuple(leaves), counts)]
+    return [jax.tree.unflatten(treedef, list(layer)) for layer in _unstacked(tuple(leaves), arrangement)]
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _unstacked(leaves: tuple, counts: tuple[int, ...] | None) -> list[tuple]:
+def _unstacked(leaves: tuple, arrangement: Arrangement) -> list[tuple]:
     """One program for every leaf and layer (slicing each op by op compiled a program per slice and shape)."""
-    flat = [model_order(a, counts) for a in leaves]
+    flat = [model_order(a, arrangement) for a in leaves]
     return [tuple(a[i] for a in flat) for i in range(flat[0].shape[0])]
 
 
@@ -626,12 +705,12 @@ def _is_stacked(subtree) -> bool:
     return isinstance(subtree, dict) and bool(subtree) and not all(isinstance(k, int) for k in subtree)
 
 
-def _unstack_any(subtree: dict, counts: tuple[int, ...] | None = None) -> list[dict]:
+def _unstack_any(subtree: dict, arrangement: Arrangement = Arrangement()) -> list[dict]:
     """`unstack` for arrays, and for shape structs (each layer keeping the stacked sharding's inner dims)."""
     leaves, treedef = jax.tree.flatten(subtree)
     if not isinstance(leaves[0], jax.ShapeDtypeStruct):
-        return unstack(subtree, counts)
-    count = sum(counts) if counts else leaves[0].shape[0] * leaves[0].shape[1] * leaves[0].shape[2]
+        return unstack(subtree, arrangement)
+    count = sum(arrangement.counts) if arrangement.counts else math.prod(leaves[0].shape[:3])
 
     def layer_struct(leaf):
         sharding = leaf.sharding
@@ -641,16 +720,15 @@ def _unstack_any(subtree: dict, counts: tuple[int, ...] | None = None) -> list[d
     return [jax.tree.unflatten(treedef, [layer_struct(leaf) for leaf in leaves]) for _ in range(count)]
 
 
-def to_plain_tree(tree, layers: str, counts: tuple[int, ...] | None = None):
-    """A pure state (model or optimizer) with stacked layers -> the unpipelined model's layout
-    (`counts`: layers per stage, when unequal)."""
+def to_plain_tree(tree, layers: str, arrangement: Arrangement = Arrangement()):
+    """A pure state (model or optimizer) with stacked layers -> the unpipelined model's layout."""
     if not isinstance(tree, dict):
         return tree
-    return {k: dict(enumerate(_unstack_any(v, counts))) if k == layers and _is_stacked(v) else
-            to_plain_tree(v, layers, counts) for k, v in tree.items()}
+    return {k: dict(enumerate(_unstack_any(v, arrangement))) if k == layers and _is_stacked(v) else
+            to_plain_tree(v, layers, arrangement) for k, v in tree.items()}
 
 
-def to_stacked_tree(plain, like, layers: str, counts: tuple[int, ...] | None = None):
+def to_stacked_tree(plain, like, layers: str, arrangement: Arrangement = Arrangement()):
     """Inverse of `to_plain_tree`, placing each stacked array as its counterpart in `like`."""
     if not isinstance(like, dict):
         return plain
@@ -659,8 +737,8 @@ def to_stacked_tree(plain, like, layers: str, counts: tuple[int, ...] | None = N
         if k == layers and _is_stacked(v):
             first = jax.tree.leaves(v)[0]
             per_layer = [plain[k][i] for i in range(len(plain[k]))]
-            stacked = stack(per_layer, first.shape[0], first.shape[1], counts)
+            stacked = stack(per_layer, first.shape[0], first.shape[1], arrangement)
             out[k] = jax.tree.map(lambda a, ref: jax.device_put(a, ref.sharding), stacked, v)
         else:
-            out[k] = to_stacked_tree(plain[k], v, layers, counts)
+            out[k] = to_stacked_tree(plain[k], v, layers, arrangement)
     return out

@@ -22,9 +22,10 @@ from shardplan.checks.layer_contract import PipelineCallError, calling_without_u
 from shardplan.checks.paths import join_path
 from shardplan.checks.schedules import SCHEDULES, on_tables
 from shardplan.pipeline.branch_probe import layers_permute_in_branches
-from shardplan.pipeline.loop import (Layers, circular_forward, cross_entropy, fit_microbatches, model_order,
+from shardplan.pipeline.loop import (Arrangement, Layers, circular_forward, cross_entropy, fit_microbatches, model_order,
                                      one_f_one_b_loss, sequential_forward, stack, unstack)
 from shardplan.pipeline.zero_bubble import zero_bubble_schedule
+from shardplan.pipeline.zero_bubble_v import zero_bubble_v_schedule
 from shardplan.plan.diagnostics import PlanWarning
 from shardplan.run.accumulate import accumulated_loss
 from shardplan.run.layer_call import CallArgs, describe_layer_call, draw_keys, merge_microbatches, split_microbatches
@@ -59,9 +60,10 @@ class PipelinedLayers(nnx.Module):
                  data_axes: tuple[str, ...], sharding_of: Callable | None = None, context_axis: str | None = None):
         graphdefs = [nnx.graphdef(layer) for layer in layers]
         kinds = list(dict.fromkeys(graphdefs))
-        counts = tuple(counts) if counts and len(set(counts)) > 1 else None     # unequal stages, padded
+        arrangement = Arrangement(tuple(counts) if counts and len(set(counts)) > 1 else None,     # unequal: padded
+                                  v_shape=schedule == "zb-v")
         stacked = nnx.merge(kinds[0], stack([nnx.to_pure_dict(nnx.state(layer)) for layer in layers], stages, virtual,
-                                            counts, sharding_of))
+                                            arrangement, sharding_of))
         for key in nnx.state(stacked):
             setattr(self, key, getattr(stacked, key))
         self._pipeline_kinds, self._pipeline_kind_of = tuple(kinds), tuple(kinds.index(g) for g in graphdefs)
@@ -69,7 +71,7 @@ class PipelinedLayers(nnx.Module):
         self._pipeline_schedule, self._pipeline_microbatches = schedule, microbatches
         self._pipeline_batch_axes, self._pipeline_plain = tuple(batch_axes), plain_graphdef
         self._pipeline_data_axes = tuple(data_axes)      # every batch axis; `batch_axes`: those run manually
-        self._pipeline_counts = counts
+        self._pipeline_arrangement = arrangement
         self._pipeline_split_heads = frozenset(split_heads)    # weights after the layers 1F1B may keep split
         self._pipeline_context = context_axis                  # the sequence split over it: 1F1B takes no branch
 
@@ -78,9 +80,9 @@ class PipelinedLayers(nnx.Module):
         return self._pipeline_schedule
 
     @property
-    def stage_counts(self) -> tuple[int, ...] | None:
-        """Layers per stage when stages are unequal (each padded to the largest); None when equal."""
-        return self._pipeline_counts
+    def arrangement(self) -> Arrangement:
+        """Where each layer sits in the stacked arrays."""
+        return self._pipeline_arrangement
 
     # A list of one entry: the model's loop over its layers calls the whole pipeline once.
     def __len__(self) -> int:
@@ -102,7 +104,7 @@ class PipelinedLayers(nnx.Module):
         described = None
         for kind, graphdef in enumerate(self._pipeline_kinds):
             index = self._pipeline_kind_of.index(kind)
-            layer = nnx.merge(graphdef, jax.tree.map(lambda a: model_order(a, self._pipeline_counts)[index], state))
+            layer = nnx.merge(graphdef, jax.tree.map(lambda a: model_order(a, self._pipeline_arrangement)[index], state))
             found = describe_layer_call(layer, args, kwargs, f"{self._pipeline_name}/{index}")
             if described is not None and found[0] != described[0]:
                 raise PipelineCallError(f"the layers of {self._pipeline_name} differ in what they return for the same "
@@ -116,12 +118,13 @@ class PipelinedLayers(nnx.Module):
             return replay(args[0])
         state = nnx.state(self)
         call, split, whole, rngs = self._layer_call(state, args, kwargs)
-        layers = Layers(self._pipeline_kinds, self._pipeline_kind_of, call, self._pipeline_counts)
+        layers = Layers(self._pipeline_kinds, self._pipeline_kind_of, call, self._pipeline_arrangement)
         keys = draw_keys(rngs)
         request = _LOSS_REQUEST.get()
         stages, virtual = jax.tree.leaves(state)[0].shape[:2]
         micro = self._fit(args[0].shape[0])[0]
-        too_few = virtual > 1 and (micro < stages if self.schedule == "interleaved" else micro % stages)
+        too_few = virtual > 1 and self.schedule != "zb-v" and (micro < stages if self.schedule == "interleaved"
+                                                               else micro % stages)
         if request is not None and (too_few or not on_tables(self.schedule, self._pipeline_context is not None)):
             # interleaved 1F1B needs whole groups of `stages` microbatches, the circular schedule a
             # microbatch per stage; a smaller batch (an evaluation) runs the layers' own forward and the
@@ -136,7 +139,7 @@ class PipelinedLayers(nnx.Module):
         if self.schedule != "gpipe" and request is None and on_tables(self.schedule, self._pipeline_context is not None):
             _warn_without_model_loss(self.schedule)
         microbatches, batch_axes = self._fit(x.shape[0])
-        if virtual > 1 and microbatches < stages:
+        if virtual > 1 and microbatches < stages and self.schedule != "zb-v":
             # The circular schedule needs a microbatch per stage to loop back in time; so few rows
             # (sampling) run layer after layer instead: the same computation, without overlap.
             return call.output(sequential_forward(layers, state, x, split, whole, keys))
@@ -234,7 +237,7 @@ class PipelinedLayers(nnx.Module):
             ([micro(a) for a in split], whole), ([micro(a) for a in model_split], model_whole),
             micro(request.targets), (keys, head_keys), mesh=mesh, axis=self._pipeline_axis, batch_axes=batch_axes,
             embed_branch=every_batch_axis_manual, branches=branches, schedule=self.schedule,
-            runner=zero_bubble_schedule if self.schedule == "zb-h1" else None)
+            runner={"zb-h1": zero_bubble_schedule, "zb-v": zero_bubble_v_schedule}.get(self.schedule))
 
     def _permutes_in_branches(self, layers, state, x, split, whole, keys, microbatches: int,
                               batch_axes: tuple[str, ...]) -> bool:
@@ -297,7 +300,7 @@ def to_plain(model: nnx.Module) -> nnx.Module:
         return model
     name, layers = found
     state = nnx.to_pure_dict(nnx.state(model))
-    state[name] = dict(enumerate(unstack(state[name], layers.stage_counts)))
+    state[name] = dict(enumerate(unstack(state[name], layers.arrangement)))
     return nnx.merge(layers._pipeline_plain, state)
 
 

@@ -64,13 +64,13 @@ def zero_bubble_schedule(loop: Loop, operands: Operands):
         s = jax.lax.axis_index(axis)
         last = stages - 1
         row = {name: table[s] for name, table in tables.items()}
-        first, size = loop.layers.chunk(s, per_chunk)
+        first, size = loop.layers.chunk(s, 0, stages, per_chunk)
 
         when = branching(loop.branches)
         ends = Ends(loop, mine, when)
         like = ends.like
-        parts = _Parts.of(loop.layers, chunk_leaves, chunk_def, like, layer_whole, first, size,
-                          rows_of(layer_split, 0), fold_keys(layer_keys, 0))
+        parts = StageParts.of(loop.layers, chunk_leaves, chunk_def, like, layer_whole, size, rows_of(layer_split, 0),
+                              fold_keys(layer_keys, 0), first)
 
         def tick(carry: _Carry, t):
             op, m = row["op"][t], row["micro"][t]
@@ -81,7 +81,7 @@ def zero_bubble_schedule(loop: Loop, operands: Operands):
             enters, leaves = f_on & (s == 0), f_on & (s == last)
             h_in = ends.layers_input(enters, m, inbox[row["inbox"][t]])
             y, saved = when(f_on, lambda: parts.forward(chunk_leaves, h_in, rows_of(layer_split, m),
-                                                        fold_keys(layer_keys, m)),
+                                                        fold_keys(layer_keys, m), first),
                             lambda: (jnp.zeros_like(h_in), parts.nothing_saved()))
             kept = [kept_at(buffer, jnp.where(f_on, row["keep"][t], -1), value)
                     for buffer, value in zip(carry.kept, saved[0])]
@@ -124,7 +124,7 @@ def zero_bubble_schedule(loop: Loop, operands: Operands):
     return run_on_stages(per_device, loop, operands)
 
 
-class _Parts:
+class StageParts:
     """A stage's forward that keeps its residuals, and its backward split into B and W
     (`split_backward`), traced once for the stage's shapes. Residuals that are the stage's own weights
     are not kept (read from the weights again); the others are kept until W if W reads them, else until
@@ -141,10 +141,11 @@ class _Parts:
         self.until_b = [residuals[i] for i in self._until_b_at]
 
     @staticmethod
-    def of(layers, chunk_leaves, chunk_def, like, whole, first, size, sample_split, sample_keys) -> "_Parts":
+    def of(layers, chunk_leaves, chunk_def, like, whole, size, sample_split, sample_keys, sample_first) -> "StageParts":
+        """`size`: see `run_chunk`; the samples: one microbatch's arguments and the chunk's first layer."""
         found = {}
 
-        def run(leaves, h, split, keys):
+        def run(leaves, h, split, keys, first):
             def stage(leaves, h):
                 return run_chunk(layers, jax.tree.unflatten(chunk_def, leaves), h, split, whole, keys, first, size)
             y, vjp = jax.vjp(stage, leaves, h)
@@ -152,7 +153,7 @@ class _Parts:
             return y, residuals
 
         traced = jax.make_jaxpr(run)(chunk_leaves, jax.ShapeDtypeStruct(like.shape, like.dtype), sample_split,
-                                     sample_keys)
+                                     sample_keys, sample_first)
         weights = traced.jaxpr.invars[:len(chunk_leaves)]
         outs = traced.jaxpr.outvars[1:]
         forwarded = [weights.index(v) if isinstance(v, core.Var) and v in weights else -1 for v in outs]
@@ -164,11 +165,12 @@ class _Parts:
         split = split_backward(backward, [True] * n + [False], w_may_read=[True] * len(residuals) + [False])
         handed = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in split.w.jaxpr.invars[-split.crossing:]] \
             if split.crossing else []
-        return _Parts(run, forwarded, split, residuals, handed)
+        return StageParts(run, forwarded, split, residuals, handed)
 
-    def forward(self, chunk_leaves, h, split, keys):
-        """(output, (what W reads, what B alone reads)) of one microbatch's forward."""
-        y, residuals = self._run(chunk_leaves, h, split, keys)
+    def forward(self, chunk_leaves, h, split, keys, first):
+        """(output, (what W reads, what B alone reads)) of one microbatch's forward of the chunk whose first
+        layer is `first`."""
+        y, residuals = self._run(chunk_leaves, h, split, keys, first)
         return y, ([residuals[i] for i in self._kept_at], [residuals[i] for i in self._until_b_at])
 
     def nothing_saved(self):

@@ -142,12 +142,14 @@ class PipelineConfig(_Strict):
     stages: Union[Literal["even"], list[StageRule]] = Field(
         default="even", description="Ordered stage rules (first full match wins) or 'even'.")
     microbatches: int = Field(default=1, ge=1, le=4096, description="Microbatches per step.")
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1"] = Field(
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"] = Field(
         default="gpipe", description="Pipeline schedule (zb-h1: 1F1B with each backward split into its input "
-                                     "and weight gradients, the latter filling 1F1B's idle ticks).")
+                                     "and weight gradients, the latter filling 1F1B's idle ticks; zb-v: two "
+                                     "chunks per device in a V, zero-bubble at 1F1B's activation memory).")
     virtual_stages: int = Field(default=1, ge=1, le=64, description="Chunks of layers per device: with 1f1b, "
                                 "Megatron's interleaved 1F1B (microbatches a multiple of the stages); with "
-                                "interleaved, the circular schedule. gpipe has one chunk per device.")
+                                "interleaved, the circular schedule. gpipe and zb-h1 have one chunk per device, "
+                                "zb-v two.")
 
     @model_validator(mode="after")
     def _chunks_need_a_schedule_for_them(self) -> "PipelineConfig":
@@ -156,6 +158,9 @@ class PipelineConfig(_Strict):
                              f"virtual_stages {self.virtual_stages} would do nothing: "
                              "use schedule 1f1b (Megatron's interleaved 1F1B) or interleaved "
                              "(the circular schedule), or leave virtual_stages out")
+        if self.schedule == "zb-v" and self.virtual_stages not in (1, 2):
+            raise ValueError(f"zb-v runs two chunks of layers per device, in a V, so virtual_stages "
+                             f"{self.virtual_stages} cannot hold: leave virtual_stages out (or write 2)")
         return self
 
 

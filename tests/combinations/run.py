@@ -118,7 +118,7 @@ def _plain(model, tree) -> dict:
     from shardplan.pipeline.pipelined import pipelined_layers
     found = pipelined_layers(model)
     if found is not None:
-        tree = to_plain_tree(tree, found[0], found[1].stage_counts)
+        tree = to_plain_tree(tree, found[0], found[1].arrangement)
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {jax.tree_util.keystr(path): np.asarray(jax.device_get(leaf), np.float32) for path, leaf in flat}
 
