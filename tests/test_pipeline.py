@@ -121,6 +121,81 @@ def test_zero_bubble_tables(stages, microbatches):
                 assert held.pop(table.inbox[s][t])
 
 
+@pytest.mark.parametrize("stages, microbatches", [(4, 8), (4, 32), (2, 4), (8, 16), (4, 2), (3, 5), (1, 3)])
+def test_zero_bubble_v_tables(stages, microbatches):
+    """ZB-V: every F, R, B and W once per chunk and microbatch, on the chunk's device of the V, each after
+    what it reads; run with symbols for arrays, every op reads exactly what its tables say it should (an
+    arrival from the right neighbour, the right microbatch's stash, residuals and handed values), no slot
+    is overwritten before it is read; the bubble is below 1F1B's, and a device holds one residual set."""
+    from shardplan.checks.schedules import ZeroBubbleV, chunk_stage
+    S, M = stages, microbatches
+    table = ZeroBubbleV.of(S, M)
+    grid = timeline("zb-v", S, M)
+    at = {}
+    for t, tick in enumerate(grid):
+        for d, works in enumerate(tick):
+            assert len(works) <= 1
+            for w in works:
+                k = w.chunk * S + (d if w.chunk == 0 else S - 1 - d)     # the model chunk
+                assert chunk_stage(k, S, v_shape=True) == d and (w.kind, k, w.microbatch) not in at
+                at[(w.kind, k, w.microbatch)] = t
+    assert len(at) == 8 * S * M
+    for (kind, k, m), t in at.items():
+        reads = {"F": [("F", k - 1, m)] if k else [], "R": [("F", k, m)] + ([("B", k + 1, m)] if k < 2 * S - 1 else []),
+                 "B": [("R", k, m)], "W": [("B", k, m)]}[kind]
+        assert all(at[r] < t for r in reads), (kind, k, m)
+    # the tables run on symbols: (what, chunk, microbatch)
+    names = ("box", "stash", "keep", "until_b")
+    buffers = [{name: {} for name in names + ("crossed",)} for _ in range(S)]
+    sent = [(None, None)] * S                   # (up, down) of each device on the tick before
+    own = [None] * S
+    for t in range(table.ticks):
+        now_sent, now_own = [], []
+        for d in range(S):
+            box = buffers[d]["box"]
+            for column, value in (("take_up", sent[d - 1][0] if d else None),
+                                  ("take_down", sent[d + 1][1] if d < S - 1 else None), ("take_local", own[d])):
+                slot = getattr(table, column)[d][t]
+                if slot >= 0:
+                    assert value is not None and slot not in box and slot < table.slots[0], (t, d, column)
+                    box[slot] = value
+            op, c, m = table.op[d][t], table.chunk[d][t], table.micro[d][t]
+            k = c * S + (d if c == 0 else S - 1 - d)
+            out = None
+            if op == 1:                                                         # F
+                got = ("entering", 0, m) if k == 0 else box.pop(table.read[d][t])
+                assert got == (("entering", 0, m) if k == 0 else ("activation", k - 1, m)), (t, d)
+                assert table.stash[d][t] not in buffers[d]["stash"]
+                buffers[d]["stash"][table.stash[d][t]] = ("input", k, m)
+                out = ("activation", k, m)
+                if k == 2 * S - 1:                                              # the loss, on device 0
+                    assert d == 0 and table.loss_to[d][t] not in box
+                    box[table.loss_to[d][t]] = ("gradient", k, m)
+            elif op == 2:                                                       # R
+                assert buffers[d]["stash"].pop(table.stash[d][t]) == ("input", k, m)
+                for name in ("keep", "until_b"):
+                    slot = getattr(table, name)[d][t]
+                    assert slot not in buffers[d][name] and slot < table.slots[names.index(name)]
+                    buffers[d][name][slot] = ("residuals", k, m)
+            elif op == 3:                                                       # B
+                assert box.pop(table.read[d][t]) == ("gradient", k, m)
+                assert buffers[d]["until_b"].pop(table.until_b[d][t]) == ("residuals", k, m)
+                assert buffers[d]["keep"][table.keep[d][t]] == ("residuals", k, m)
+                buffers[d]["crossed"][table.keep[d][t]] = ("handed", k, m)
+                out = ("gradient", k - 1, m) if k else None
+            elif op == 4:                                                       # W
+                assert buffers[d]["keep"].pop(table.keep[d][t]) == ("residuals", k, m)
+                assert buffers[d]["crossed"].pop(table.keep[d][t]) == ("handed", k, m)
+            up = op == 1 and c == 0 or op == 3 and c == 1
+            now_sent.append((out, None) if up else (None, out))
+            now_own.append(out)
+        sent, own = now_sent, now_own
+    assert all(not buffers[d][name] for d in range(S) for name in ("stash", "keep", "until_b", "crossed"))
+    assert table.slots[2] == ZeroBubbleV.RESIDUALS == 1
+    if S > 1 and M >= S:
+        assert bubble_fraction(grid) < bubble_fraction(timeline("1f1b", S, M))
+
+
 def test_the_cost_models_closed_form_bubbles_are_the_timelines():
     from shardplan.planner.cost import schedule_bubble
     for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("1f1b", 2), ("interleaved", 2), ("interleaved", 3),

@@ -81,12 +81,12 @@ MODELS = {
         lambda x: ((x,), {"rngs": nnx.Rngs(0), "deterministic": True}), _ce, _images),
 }
 MESHES = {"2x2x2": "{stage: 2, data: 2, model: 2}", "4x2x1": "{stage: 4, data: 2, model: 1}"}
-SCHEDULES = ["gpipe", "interleaved", "1f1b", "interleaved-1f1b", "zb-h1"]  # interleaved-1f1b: 1f1b, virtual_stages 2
+SCHEDULES = ["gpipe", "interleaved", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"]  # interleaved-1f1b: 1f1b, virtual 2
 # The whole matrix takes ~4 min on 2 cores. The default run takes one case per model shaped like the
 # public ones, every schedule and both meshes among them (~40 s); MiniGPT trains under every schedule
-# in test_pipeline.py. SHARDPLAN_FULL_MATRIX=1 runs all 40.
+# in test_pipeline.py. SHARDPLAN_FULL_MATRIX=1 runs all 48.
 DEFAULT = {("gemma", "interleaved", "2x2x2"), ("qwen", "1f1b", "4x2x1"), ("vit", "gpipe", "2x2x2"),
-           ("gemma", "interleaved-1f1b", "2x2x2"), ("qwen", "zb-h1", "2x2x2")}
+           ("gemma", "interleaved-1f1b", "2x2x2"), ("qwen", "zb-h1", "2x2x2"), ("gemma", "zb-v", "4x2x1")}
 CASES = [(name, schedule, mesh) if (name, schedule, mesh) in DEFAULT else full(name, schedule, mesh)
          for name in MODELS for schedule in SCHEDULES for mesh in MESHES]
 
@@ -119,9 +119,9 @@ def _max_error(got, want):
                for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
 
 
-def _unstacked(state: dict, layers: str) -> dict:
+def _unstacked(state: dict, layers: str, arrangement) -> dict:
     state = dict(state)
-    state[layers] = dict(enumerate(unstack(state[layers])))
+    state[layers] = dict(enumerate(unstack(state[layers], arrangement)))
     return state
 
 
@@ -175,7 +175,8 @@ def test_pipelined_model_is_the_original_model(name, schedule, mesh, references)
 
     loss, grads = nnx.jit(lambda m, x, y: nnx.value_and_grad(lambda m: _loss(name, m, x, y))(m))(model, x, y)
     errors["loss"] = abs(float(loss) - want_loss)
-    errors["gradients"] = _max_error(_unstacked(nnx.to_pure_dict(grads), layers), want_grads)
+    errors["gradients"] = _max_error(_unstacked(nnx.to_pure_dict(grads), layers, getattr(model, layers).arrangement),
+                                     want_grads)
 
     optimizer = shardplan.shard_optimizer(plan, model, optax.adamw(**ADAM), mesh_)
     _adamw_update(optimizer, model, grads)

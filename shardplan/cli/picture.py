@@ -198,8 +198,8 @@ def _pipeline(report: Report, y: float) -> tuple[list[str], float]:
     pipe, stage_map = report.plan.pipeline, report.stage_map
     grid = timeline(pipe.schedule, stage_map.stages, pipe.microbatches, stage_map.virtual)
     idle = sum(not cell for tick in grid for cell in tick)
-    split = pipe.schedule == "zb-h1"
-    lasting = "B and W each as long as a forward" if split else \
+    split = pipe.schedule in ("zb-h1", "zb-v")
+    lasting = ("R, B and W" if pipe.schedule == "zb-v" else "B and W") + " each as long as a forward" if split else \
         "a backward lasting two forwards (a cell holding one is that much longer)"
     parts = [_text(20, y + 16, f"Pipeline over '{pipe.axis}': {pipe.schedule}, {pipe.microbatches} microbatches, "
                                f"{len(grid)} ticks", size=14, weight="bold"),
@@ -218,9 +218,8 @@ def _pipeline(report: Report, y: float) -> tuple[list[str], float]:
                 parts.append(_rect(x0, y0, cell_w, cell_h, "#f4f4f4", stroke="#ffffff", title=f"tick {tick}: idle"))
                 continue
             w = items[-1]
-            forward = w.kind == "F"
             fill = PALETTE[w.microbatch % len(PALETTE)]
-            opacity = "1.0" if forward else "0.55" if w.kind == "B" else "0.3"
+            opacity = {"F": "1.0", "R": "0.75", "B": "0.55"}.get(w.kind, "0.3")
             label = "+".join(f"{'F' if i.kind == 'F' else i.kind.lower()}{i.microbatch}" +
                              (f"'{i.chunk}" if i.chunk else "") for i in items)
             parts.append(f"<g opacity='{opacity}'>" + _rect(x0, y0, cell_w, cell_h, fill, stroke="#ffffff",
@@ -230,8 +229,8 @@ def _pipeline(report: Report, y: float) -> tuple[list[str], float]:
                 parts.append(_text(x0 + cell_w / 2, y0 + 16, label, size=int(size), anchor="middle", fill="#111",
                                    mono=True))
     y += stage_map.stages * cell_h + 8
-    legend = ("F<m>: forward of microbatch m (solid); b<m>: its input gradient (light); w<m>: its weight "
-              "gradients (lighter); grey: idle") if split else \
+    legend = ("F<m>: forward of microbatch m (solid); " + ("r<m>: the forward again; " if pipe.schedule == "zb-v" else "")
+              + "b<m>: its input gradient (light); w<m>: its weight gradients (lighter); grey: idle") if split else \
         "F<m>: forward of microbatch m (solid); b<m>: backward (light); grey: idle"
     parts.append(_text(20 + label_w, y + 12, legend, size=10, fill="#555"))
     return parts, y + 20

@@ -235,8 +235,10 @@ def render_pipeline(console: Console, report: Report) -> None:
                       human_bytes(max(d.opt_bytes for d in devices)) if devices else "-", str(kept[stage]))
     print_table(console, table)
     console.print(render_timeline(grid, width=console.width))
-    kinds = "b<m> input gradient, w<m> weight gradients" if pipe.schedule == "zb-h1" else "b<m> backward"
-    counted = "b and w each counted as a forward" if pipe.schedule == "zb-h1" else "a backward counted as 2 forwards"
+    kinds = {"zb-h1": "b<m> input gradient, w<m> weight gradients",
+             "zb-v": "r<m> forward again, b<m> input gradient, w<m> weight gradients"}.get(pipe.schedule, "b<m> backward")
+    counted = {"zb-h1": "b and w each counted as a forward", "zb-v": "r, b and w each counted as a forward"}.get(
+        pipe.schedule, "a backward counted as 2 forwards")
     console.print(f"F<m> forward, {kinds} of microbatch m ('c: chunk c); {len(grid)} ticks; bubble "
                   f"{bubble_fraction(grid):.1%} ({counted}) vs {article_bubble(stage_map.stages):.1%} "
                   f"for the article's stage-after-stage pipeline; a stage keeps the inputs (zb-h1: the residuals) "

@@ -141,14 +141,16 @@ class StageParts:
         self.until_b = [residuals[i] for i in self._until_b_at]
 
     @staticmethod
-    def of(layers, chunk_leaves, chunk_def, like, whole, size, sample_split, sample_keys, sample_first) -> "StageParts":
-        """`size`: see `run_chunk`; the samples: one microbatch's arguments and the chunk's first layer."""
+    def of(layers, chunk_leaves, chunk_def, like, whole, size, sample_split, sample_keys, sample_first,
+           policy=None) -> "StageParts":
+        """`size`: see `run_chunk`; the samples: one microbatch's arguments and the chunk's first layer;
+        `policy`: a `jax.checkpoint` policy choosing the residuals kept (None: all of them)."""
         found = {}
 
         def run(leaves, h, split, keys, first):
             def stage(leaves, h):
                 return run_chunk(layers, jax.tree.unflatten(chunk_def, leaves), h, split, whole, keys, first, size)
-            y, vjp = jax.vjp(stage, leaves, h)
+            y, vjp = jax.vjp(stage if policy is None else jax.checkpoint(stage, policy=policy), leaves, h)
             residuals, found["tree"] = jax.tree.flatten(vjp)
             return y, residuals
 

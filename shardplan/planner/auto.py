@@ -33,6 +33,7 @@ from shardplan.checks.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR,
 FSDP_MIN_BYTES = 1 << 16
 MICROBATCH_FACTORS = (1, 2, 4, 8, 16)   # microbatches = factor x stages, or one sequence per microbatch
 MAX_ACCUMULATE = 64                     # gradient accumulation without a pipeline: counts that divide the rows
+V_TABLES = 1024                         # zb-v offered up to stages x microbatches (its tables take ~1 s there)
 REMAT_CHOICES = ("none", "dots", "full")
 REMAT_POLICY = {"dots": "dots_with_no_batch_dims_saveable", "full": "full"}
 # The budget share auto leaves free: the memory model's usual under-estimate against the compiler
@@ -371,6 +372,8 @@ def _schedules(base: Candidate, stage: int, data: int, roles: ModelRoles, worklo
             yield dataclasses.replace(base, schedule="zb-h1", microbatches=microbatches)
         if roles.layer_count % (2 * stage) == 0:
             yield dataclasses.replace(base, schedule="interleaved", microbatches=microbatches, virtual=2)
+            if "context" not in base.axes and stage * microbatches <= V_TABLES:
+                yield dataclasses.replace(base, schedule="zb-v", microbatches=microbatches, virtual=2)
             if microbatches % stage == 0:       # Megatron's interleaved 1F1B: microbatches in groups of S
                 yield dataclasses.replace(base, schedule="1f1b", microbatches=microbatches, virtual=2)
 

@@ -850,6 +850,8 @@ def _activations(kept: tuple[dict, dict, dict], step: _Step) -> tuple[int, int, 
         _, slots, beside = _tables(step)
         stored = tokens * (slots * layers + beside * step.width * b) if step.schedule == "zb-h1" else \
             tokens * ((slots + beside) * step.width * b + layers / step.virtual)
+        if step.schedule == "zb-v":     # and one chunk's weight-matmul outputs, kept from R until W
+            stored += tokens * sum(dots[layer] * stands_for[layer] for layer in full) / step.virtual
     else:
         # every tick runs one of the stage's `virtual` chunks and keeps its activations (the whole-batch
         # gpipe's idle ticks too: they compute on and drop what they compute)
@@ -951,6 +953,10 @@ def _tables(step: _Step) -> tuple[int, int, int]:
             return 3 * step.microbatches + step.stages - 1, step.stages, 2
         tables = ZeroBubble.of(step.stages, step.microbatches)
         return tables.ticks, tables.slots[0], 2
+    if step.schedule == "zb-v":         # (inputs until R, arrivals and what moves; ticks of one chunk's op each)
+        from shardplan.checks.schedules import ZeroBubbleV
+        tables = ZeroBubbleV.of(step.stages, step.microbatches)
+        return tables.ticks, tables.slots[1], tables.slots[0] + 3
     from shardplan.checks.schedules import OneFOneB
     tables = OneFOneB.of(step.stages, step.microbatches, step.virtual)
     return tables.ticks, tables.slots, tables.microbatches * tables.head_waits

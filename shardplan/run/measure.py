@@ -87,9 +87,11 @@ def branch_share(plan) -> float:
     sizes = resolve_axes(plan, jax.device_count())[0]
     stages = sizes[pipe.axis]
     split_sequence = plan.context is not None and sizes[plan.context.axis] > 1
-    from shardplan.checks.schedules import OneFOneB, ZeroBubble, on_tables
+    from shardplan.checks.schedules import OneFOneB, ZeroBubble, ZeroBubbleV, on_tables
     if pipe.schedule == "zb-h1":        # each of F, B and W taken once per microbatch
         return pipe.microbatches / ZeroBubble.of(stages, pipe.microbatches).ticks
+    if pipe.schedule == "zb-v":         # each of F, R, B and W taken once per microbatch and chunk
+        return 2 * pipe.microbatches / ZeroBubbleV.of(stages, pipe.microbatches).ticks
     if on_tables(pipe.schedule, split_sequence):
         tables = OneFOneB.of(stages, pipe.microbatches, pipe.virtual_stages, pipe.schedule)
         return pipe.virtual_stages * pipe.microbatches / tables.ticks
