@@ -318,3 +318,22 @@ def test_unequal_stages_are_padded_runs_as_even_as_the_layer_count_allows(tmp_pa
                       "    - {match: 'layers/4', stage: 2}\n    - {match: 'layers/5', stage: 3}\n")
     assert lopsided.ok and [(d.code, d.severity) for d in lopsided.diagnostics] == [("stage-unbalanced", "warning")]
     assert "the largest (3 layers) sets the pace where 1 or 2 layers would do" in lopsided.diagnostics[0].message
+
+
+def test_zb_v_places_its_two_chunks_per_stage_in_a_v(tmp_path):
+    """`stages: even` under zb-v puts chunk c on stage c and chunk 2S-1-c on it too; rules placing the
+    chunks round the stages are refused naming the V; virtual_stages other than 2 cannot hold."""
+    def report(pipeline: str):
+        (tmp_path / "plan.yaml").write_text(pipe(pipeline))
+        return check_params(shardplan.load_plan(tmp_path / "plan.yaml"), PIPE_PARAMS, list(range(8)))
+
+    even = report("  schedule: zb-v\n")
+    assert even.ok and even.stage_map.stage_of == (0, 1, 1, 0) and even.stage_map.virtual == 2
+    circular = report("  schedule: zb-v\n  stages:\n    - {match: 'layers/(0|2)', stage: 0}\n"
+                      "    - {match: 'layers/(1|3)', stage: 1}\n")
+    (found,) = circular.errors
+    assert found.code == "stage-not-circular" and "zb-v needs chunk c (of 1 layers) on stage c for c < 2, on stage 3 - c" \
+        in found.message and "layers/2 is on stage 0, expected 1" in found.message
+    (tmp_path / "plan.yaml").write_text(pipe("  schedule: zb-v\n  virtual_stages: 3\n"))
+    with pytest.raises(shardplan.PlanError, match="zb-v runs two chunks of layers per device"):
+        shardplan.load_plan(tmp_path / "plan.yaml")

@@ -126,7 +126,8 @@ def test_zero_bubble_v_tables(stages, microbatches):
     """ZB-V: every F, R, B and W once per chunk and microbatch, on the chunk's device of the V, each after
     what it reads; run with symbols for arrays, every op reads exactly what its tables say it should (an
     arrival from the right neighbour, the right microbatch's stash, residuals and handed values), no slot
-    is overwritten before it is read; the bubble is below 1F1B's, and a device holds one residual set."""
+    is overwritten before it is read; the bubble is below 1F1B's, and a device holds at most FOR_B sets for B
+    and FOR_W for W."""
     from shardplan.checks.schedules import ZeroBubbleV, chunk_stage
     S, M = stages, microbatches
     table = ZeroBubbleV.of(S, M)
@@ -145,8 +146,8 @@ def test_zero_bubble_v_tables(stages, microbatches):
                  "B": [("R", k, m)], "W": [("B", k, m)]}[kind]
         assert all(at[r] < t for r in reads), (kind, k, m)
     # the tables run on symbols: (what, chunk, microbatch)
-    names = ("box", "stash", "keep", "until_b")
-    buffers = [{name: {} for name in names + ("crossed",)} for _ in range(S)]
+    names = ("box", "stash", "keep", "until_b", "crossed")
+    buffers = [{name: {} for name in names} for _ in range(S)]
     sent = [(None, None)] * S                   # (up, down) of each device on the tick before
     own = [None] * S
     for t in range(table.ticks):
@@ -181,17 +182,18 @@ def test_zero_bubble_v_tables(stages, microbatches):
                 assert box.pop(table.read[d][t]) == ("gradient", k, m)
                 assert buffers[d]["until_b"].pop(table.until_b[d][t]) == ("residuals", k, m)
                 assert buffers[d]["keep"][table.keep[d][t]] == ("residuals", k, m)
-                buffers[d]["crossed"][table.keep[d][t]] = ("handed", k, m)
+                assert table.crossed[d][t] not in buffers[d]["crossed"] and table.crossed[d][t] < table.slots[4]
+                buffers[d]["crossed"][table.crossed[d][t]] = ("handed", k, m)
                 out = ("gradient", k - 1, m) if k else None
             elif op == 4:                                                       # W
                 assert buffers[d]["keep"].pop(table.keep[d][t]) == ("residuals", k, m)
-                assert buffers[d]["crossed"].pop(table.keep[d][t]) == ("handed", k, m)
+                assert buffers[d]["crossed"].pop(table.crossed[d][t]) == ("handed", k, m)
             up = op == 1 and c == 0 or op == 3 and c == 1
             now_sent.append((out, None) if up else (None, out))
             now_own.append(out)
         sent, own = now_sent, now_own
     assert all(not buffers[d][name] for d in range(S) for name in ("stash", "keep", "until_b", "crossed"))
-    assert table.slots[2] == ZeroBubbleV.RESIDUALS == 1
+    assert table.slots[3] <= ZeroBubbleV.FOR_B and table.slots[4] <= ZeroBubbleV.FOR_W
     if S > 1 and M >= S:
         assert bubble_fraction(grid) < bubble_fraction(timeline("1f1b", S, M))
 
@@ -235,6 +237,17 @@ def test_stack_unstack_round_trip_is_circular():
     assert [float(l["w"][0]) for l in unstack(stacked)] == list(range(8))
 
 
+def test_stack_unstack_round_trip_in_a_v():
+    """zb-v: chunks 0 and 3 on stage 0, 1 and 2 on stage 1, in place and as shape structs."""
+    from shardplan.pipeline.loop import Arrangement, model_order
+    v = Arrangement(v_shape=True)
+    layers = [{"w": jnp.full((2,), i, jnp.float32)} for i in range(8)]
+    stacked = stack(layers, stages=2, virtual=2, arrangement=v)
+    assert stacked["w"][:, :, :, 0].tolist() == [[[0.0, 1.0], [6.0, 7.0]], [[2.0, 3.0], [4.0, 5.0]]]
+    assert [float(l["w"][0]) for l in unstack(stacked, v)] == list(range(8))
+    assert model_order(stacked["w"], v)[:, 0].tolist() == list(range(8))
+
+
 # ------------------------------------------------------------------------------ numerics
 
 def _plan(base: str, schedule: str, virtual: int = 1):
@@ -276,7 +289,8 @@ def _adamw_steps(plan, config: dict, batches):
 # (the circular schedule trains like one device on the Gemma-style model in test_wild_models.py by default)
 @pytest.mark.parametrize("base, schedule, virtual", [("minigpt_3d.yaml", "1f1b", 1), ("minigpt_pp4.yaml", "gpipe", 1),
                                                      full("minigpt_pp4.yaml", "interleaved", 2),
-                                                     ("minigpt_pp4.yaml", "1f1b", 2)])     # interleaved 1F1B
+                                                     ("minigpt_pp4.yaml", "1f1b", 2),      # interleaved 1F1B
+                                                     full("minigpt_pp4.yaml", "zb-v", 2)])
 def test_five_adamw_steps_match_one_device(base, schedule, virtual):
     batches = np.random.default_rng(1).integers(0, 128, size=(5, 16, 17), dtype=np.int32)
     plan = _plan(base, schedule, virtual)

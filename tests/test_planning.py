@@ -284,21 +284,24 @@ def test_ranking_on_one_layer_equals_the_full_check(name):
     assert compared > 20 and (gathered or name == "minigpt") and (unequal or roles.layer_count != 3)
 
 
-def test_auto_offers_interleaved_one_f_one_b_and_float32_masters_and_their_plans_check():
+def test_auto_offers_interleaved_one_f_one_b_the_v_schedule_and_float32_masters_and_their_plans_check():
     model, roles = abstract_with_roles(BUILD["wide llama"])
     params = param_infos(model)
     workload, profile = Workload(BATCH, SEQ), get_profile("h200")
     offered = list(auto.candidates(roles, 8, 1, workload, compute="bfloat16"))
     interleaved = [c for c in offered if c.schedule == "1f1b" and c.virtual == 2]
     masters = [c for c in offered if c.master]
+    v_shaped = [c for c in offered if c.schedule == "zb-v"]
     assert interleaved and all(c.microbatches % c.axes["stage"] == 0 for c in interleaved)
     assert masters and all(c.zero1 for c in masters)
-    for candidate in (interleaved[0], masters[0]):
+    assert v_shaped and all(c.virtual == 2 and "context" not in c.axes for c in v_shaped)
+    for candidate in (interleaved[0], masters[0], v_shaped[0]):
         full = auto._checked(candidate, roles, params, 8, 1, workload, profile, "tokens", None)
         assert full.rejected is None, full.rejected
         pipe, precision = full.plan.pipeline, full.plan.precision
         if candidate.virtual > 1:
-            assert (pipe.schedule, pipe.virtual_stages) == ("1f1b", 2)
+            assert (pipe.schedule, pipe.virtual_stages) == (candidate.schedule, 2)
+            assert full.report.stage_map.v_shape == (candidate.schedule == "zb-v")
         else:
             assert (precision.params, precision.master) == ("bfloat16", "float32")
             # the masters split with the moments (2 + 12/DP bytes against 4 + 8/DP: equal at DP 2), and

@@ -290,22 +290,30 @@ class ZeroBubbleV:
     The layers are cut into 2S chunks; device d holds chunk d and chunk 2S-1-d (`chunk_stage`), so a
     microbatch runs up the devices and back down: the first chunk and the last (the embedding and the
     head) are both on device 0, and the turn at device S-1 stays on the device. A chunk's forward F
-    keeps only its input; before its backward the chunk runs forward again (R) to rebuild what the
-    input gradient B and the weight gradients W read. W, which nobody waits for, fills the ticks the
-    others leave idle; at most two chunks' residuals (one stage's worth, what 1F1B holds while it
-    recomputes a stage) are held between R and W on a device.
+    keeps only its input; once its output gradient has arrived the chunk runs forward again (R) to
+    rebuild what its input gradient B reads, and B follows; the weight gradients W, which nobody waits
+    for, fill ticks the others leave idle. A device holds at most one set of what R rebuilt for B
+    (`FOR_B`) and one of what B hands W (`FOR_W`): about what 1F1B holds while it recomputes a stage.
 
-    Each device takes, each tick, the first of: a ready B; an R whose gradient has arrived (while fewer
-    than two residual sets are held, else a W to free one); a ready F (at most `forwards` inputs kept);
-    a W — the shortest of a few such greedy orders (`_POLICIES`). Outputs move one tick: a chunk-0
-    activation and a chunk-1 gradient up to the next device (or, at the turn, to the device itself),
-    a chunk-1 activation and a chunk-0 gradient down.
+    At that memory the W's have little room to fill the bubble, and R sits on the backward's critical
+    path: the step lasts about as long as interleaved 1F1B's (S = 4, M = 8: 77 ticks of half a stage's
+    op, 38.5 stage forwards, against 38 for interleaved 1F1B and 44 for 1F1B, all recomputing). ZB-V's
+    near-zero bubble needs the forward's residuals kept, as zb-h1 keeps them, at several times the
+    memory. What this schedule adds is two chunks per device for any M (interleaved 1F1B needs M a
+    multiple of S, the circular schedule M >= S and M buffers), with the embedding and the head on
+    one device.
+
+    Each device takes, each tick, the first of: a ready B (while no W is due, else that W); a ready R
+    (while no set is held for B); a ready F (at most `forwards` inputs kept) or a W — the shortest of
+    a few such greedy orders (`_POLICIES`). Outputs move one tick: a chunk-0 activation and a chunk-1
+    gradient up to the next device (or, at the turn, to the device itself), a chunk-1 activation and
+    a chunk-0 gradient down.
 
     Buffers, as slots per device: `box` (what arrived, from arrival to the op that reads it: F its
     input, B its output gradient; device 0's chunk-1 forward writes the loss gradient there itself),
-    `stash` (F's input until R), `keep` (R to W: what W reads; B adds what it hands W), `until_b` (R to
-    B: what B alone reads). `take_up`/`take_down`/`take_local`: the box slot of what arrives this tick
-    from the device below, above, or itself (-1: nothing).
+    `stash` (F's input until R), `keep` (R to W: what W reads of R's, B too), `until_b` (R to B: what B alone
+    reads), `crossed` (B to W: what B hands W). `take_up`/`take_down`/`take_local`: the box slot of what
+    arrives this tick from the device below, above, or itself (-1: nothing).
     """
 
     stages: int
@@ -316,15 +324,17 @@ class ZeroBubbleV:
     micro: tuple        # [device][tick] -> microbatch (0 when idle)
     read: tuple         # [device][tick] -> box slot F reads its input from / B its output gradient from
     stash: tuple        # [device][tick] -> stash slot F writes, R reads
-    keep: tuple         # [device][tick] -> keep slot R writes, B adds to, W reads
+    keep: tuple         # [device][tick] -> keep slot R writes, B and W read
     until_b: tuple      # [device][tick] -> until_b slot R writes, B reads
+    crossed: tuple      # [device][tick] -> crossed slot B writes, W reads
     loss_to: tuple      # [device][tick] -> box slot device 0's chunk-1 forward writes the loss gradient to
     take_up: tuple      # [device][tick] -> box slot of the arrival from the device below, -1
     take_down: tuple    # [device][tick] -> box slot of the arrival from the device above, -1
     take_local: tuple   # [device][tick] -> box slot of the device's own output of the tick before, -1
-    slots: tuple        # (box, stash, keep, until_b) slot counts, most over devices
+    slots: tuple        # (box, stash, keep, until_b, crossed) slot counts, most over devices
 
-    RESIDUALS = 1       # residual sets a device holds between R and W
+    FOR_B = 1           # sets a device holds from R until B
+    FOR_W = 1           # and from B until W (2: 1.4x the memory of 1F1B on benchmarks/pipeline.py, for 2% fewer ticks)
 
     @staticmethod
     @functools.lru_cache(maxsize=64)
@@ -337,16 +347,16 @@ class ZeroBubbleV:
 
     @staticmethod
     def _with_slots(S, M, ticks, done) -> "ZeroBubbleV":
-        names = ("op", "chunk", "micro", "read", "stash", "keep", "until_b", "loss_to", "take_up", "take_down",
-                 "take_local")
+        names = ("op", "chunk", "micro", "read", "stash", "keep", "until_b", "crossed", "loss_to", "take_up",
+                 "take_down", "take_local")
         empty = {name: -1 if name in ("loss_to", "take_up", "take_down", "take_local") else 0 for name in names}
         tables = {name: [[empty[name]] * ticks for _ in range(S)] for name in names}
         for (kind, k, m), t in done.items():
             d, c = chunk_stage(k, S, v_shape=True), k // S
             tables["op"][d][t], tables["chunk"][d][t], tables["micro"][d][t] = " FRBW".index(kind), c, m
-        counts = [0, 0, 0, 0]
+        counts = [0] * 5
         for d in range(S):
-            spans: dict = {"box": [], "stash": [], "keep": [], "until_b": []}   # (start, end, id): written, last read
+            spans: dict = {"box": [], "stash": [], "keep": [], "until_b": [], "crossed": []}   # (start, end, id)
             arrivals = {}
             for k in (d, 2 * S - 1 - d):
                 for m in range(M):
@@ -354,6 +364,7 @@ class ZeroBubbleV:
                     spans["stash"].append((f, r, (k, m)))
                     spans["keep"].append((r, w, (k, m)))
                     spans["until_b"].append((r, b, (k, m)))
+                    spans["crossed"].append((b, w, (k, m)))
                     if k > 0:                   # the input, from chunk k - 1
                         spans["box"].append((done[("F", k - 1, m)] + 1, f, ("F", k, m)))
                         arrivals[("F", k, m)] = chunk_stage(k - 1, S, v_shape=True)
@@ -367,7 +378,7 @@ class ZeroBubbleV:
                 counts[n] = max(counts[n], max(slot_of.values(), default=-1) + 1)
                 for start, end, key in found:
                     slot = slot_of[key]
-                    if name != "box":
+                    if name != "box":           # (written at start, read at end; B reads R's `keep` too)
                         tables[name][d][start] = tables[name][d][end] = slot
                         if name == "keep":
                             tables[name][d][done[("B", *key)]] = slot
@@ -409,7 +420,7 @@ def _v_greedy(S: int, M: int, forwards: int, first: str, w_first: bool) -> tuple
     where it deadlocks."""
     done: dict = {}
     next_of = {(kind, k): 0 for kind in "FRBW" for k in range(2 * S)}
-    stashed, held = [0] * S, [0] * S
+    stashed, for_b, for_w = [0] * S, [0] * S, [0] * S     # inputs kept; sets held for B, for W
     t = 0
     total = 8 * S * M
 
@@ -424,10 +435,12 @@ def _v_greedy(S: int, M: int, forwards: int, first: str, w_first: bool) -> tuple
                 continue
             if kind == "F":
                 ok = k == 0 or before(("F", k - 1, m))
-            elif kind == "R":
+            elif kind == "R":       # once the gradient has arrived: R then B (R earlier holds more for B)
                 ok = before(("F", k, m)) and (k == 2 * S - 1 or before(("B", k + 1, m)))
+            elif kind == "B":
+                ok = before(("R", k, m))
             else:
-                ok = before(("R" if kind == "B" else "B", k, m))
+                ok = before(("B", k, m))
             if ok:
                 found.append(((m, -k) if first == "microbatch" else (-k, m), (kind, k, m)))
         return [work for _, work in sorted(found)]
@@ -437,8 +450,9 @@ def _v_greedy(S: int, M: int, forwards: int, first: str, w_first: bool) -> tuple
         for d in range(S):
             b, r, f, w = ready("B", d), ready("R", d), ready("F", d), ready("W", d)
             f = f if stashed[d] < forwards * S else []
-            r_ok = r if held[d] < ZeroBubbleV.RESIDUALS else []
-            order = (b, r_ok, w, f) if w_first or (r and not r_ok) else (b, r_ok, f, w)
+            b = b if for_w[d] < ZeroBubbleV.FOR_W else []
+            r = r if for_b[d] < ZeroBubbleV.FOR_B else []
+            order = (b, r, w, f) if w_first or for_w[d] >= ZeroBubbleV.FOR_W else (b, r, f, w)
             now.append(next((found[0] for found in order if found), None))
         if not any(now):        # nothing ran, so nothing more can: the kept forwards wait on each other
             return math.inf, {}
@@ -447,7 +461,8 @@ def _v_greedy(S: int, M: int, forwards: int, first: str, w_first: bool) -> tuple
                 done[work] = t
                 next_of[work[:2]] += 1
                 stashed[d] += {"F": 1, "R": -1}.get(work[0], 0)
-                held[d] += {"R": 1, "W": -1}.get(work[0], 0)
+                for_b[d] += {"R": 1, "B": -1}.get(work[0], 0)
+                for_w[d] += {"B": 1, "W": -1}.get(work[0], 0)
         t += 1
     return t, done
 

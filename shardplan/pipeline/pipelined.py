@@ -311,7 +311,8 @@ def _warn_without_model_loss(schedule: str) -> None:
 
     from shardplan.plan.diagnostics import PlanWarning
     warnings.warn(f"the plan's pipeline schedule {schedule!r} runs only inside shardplan.model_loss; this call of the "
-                  "model runs the circular (gpipe) forward instead: the same numbers, but every microbatch's "
+                  f"model runs the {'V-shaped' if schedule == 'zb-v' else 'circular (gpipe)'} forward instead: the "
+                  "same numbers, but every microbatch's "
                   "activations kept until the backward (more memory). In a training step, compute the loss with "
                   "shardplan.model_loss(model, loss_of, targets, *inputs); evaluation and sampling need nothing",
                   PlanWarning, stacklevel=4)

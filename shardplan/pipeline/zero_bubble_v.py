@@ -23,7 +23,7 @@ from shardplan.pipeline.loop import (Ends, Loop, Operands, add_into, branching, 
 from shardplan.pipeline.zero_bubble import StageParts
 from shardplan.run.layer_call import fold_keys
 
-_TABLES = ("op", "chunk", "micro", "read", "stash", "keep", "until_b", "loss_to", "take_up", "take_down",
+_TABLES = ("op", "chunk", "micro", "read", "stash", "keep", "until_b", "crossed", "loss_to", "take_up", "take_down",
            "take_local")
 _F, _R, _B, _W = 1, 2, 3, 4
 
@@ -53,7 +53,7 @@ def zero_bubble_v_schedule(loop: Loop, operands: Operands):
     micro = operands.targets.shape[0]
     plan = ZeroBubbleV.of(stages, micro)
     tables = {name: jnp.asarray(getattr(plan, name), jnp.int32) for name in _TABLES}
-    box_slots, stash_slots, keep_slots, until_b_slots = plan.slots
+    box_slots, stash_slots, keep_slots, until_b_slots, crossed_slots = plan.slots
     axis = loop.axis
 
     def per_device(mine: Operands):
@@ -113,12 +113,12 @@ def zero_bubble_v_schedule(loop: Loop, operands: Operands):
                 return parts.input_gradient(leaves, [k[row["keep"][t]] for k in kept],
                                             [u[row["until_b"][t]] for u in until_b], box[row["read"][t]])
             gx, handed = when(b_on, input_gradient, lambda: (jnp.zeros_like(h_in), parts.nothing_handed()))
-            crossed = [kept_at(buffer, jnp.where(b_on, row["keep"][t], -1), value)
+            crossed = [kept_at(buffer, jnp.where(b_on, row["crossed"][t], -1), value)
                        for buffer, value in zip(carry.crossed, handed)]
 
             def weight_gradient():
-                slot = row["keep"][t]
-                return parts.weight_gradient(leaves, [k[slot] for k in kept], [c[slot] for c in crossed])
+                return parts.weight_gradient(leaves, [k[row["keep"][t]] for k in kept],
+                                             [c[row["crossed"][t]] for c in crossed])
             gl = when(w_on, weight_gradient, lambda: [jnp.zeros_like(a) for a in leaves])
             g_layers = jax.tree.map(lambda total, g: total.at[v].add(g.astype(total.dtype)), carry.g_layers,
                                     jax.tree.unflatten(chunk_def, gl))
@@ -137,7 +137,7 @@ def zero_bubble_v_schedule(loop: Loop, operands: Operands):
             from_below=zeros, from_above=zeros, own=zeros,
             box=jnp.zeros((max(box_slots, 1), *like.shape), like.dtype),
             stash=jnp.zeros((max(stash_slots, 1), *like.shape), like.dtype),
-            kept=parts.buffers(parts.kept, keep_slots), crossed=parts.buffers(parts.handed, keep_slots),
+            kept=parts.buffers(parts.kept, keep_slots), crossed=parts.buffers(parts.handed, crossed_slots),
             until_b=parts.buffers(parts.until_b, until_b_slots), g_layers=running_sum(state),
             g_head=running_sum(mine.head_params), g_embed=running_sum(mine.embed_params),
             loss_sum=jnp.zeros((), jnp.float32))

@@ -8,7 +8,7 @@ import itertools
 
 # In the table's order.
 FEATURES = ("data", "tensor", "FSDP", "zero1", "accumulate", "remat", "bf16 compute", "bf16 + masters",
-            "activations", "gpipe", "1f1b", "interleaved", "zb-h1", "virtual stages", "unequal stages",
+            "activations", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "virtual stages", "unequal stages",
             "ends on stages", "context all_gather", "context ring", "load balance", "experts dropless",
             "experts capacity", "experts on data")
 
