@@ -95,8 +95,8 @@ def main() -> None:
               f"{row['formula_v2']:>15.3f} {row['zb-h1']:>7.3f} {row['formula_zb']:>15.3f} {row['zb-v']:>7.3f} "
               f"{row['article']:>16.3f}")
 
-    print(f"\n   step length in forwards of a whole stage (each schedule's own work, recomputation included; "
-          f"no bubble: 4M, zb-h1 3M)")
+    print("\n   step length in forwards of a whole stage (each schedule's own work, recomputation included; "
+          "no bubble: 4M, zb-h1 3M)")
     lengths = {"1f1b": ("1f1b", 1, {"F": 1, "B": 3}), "1f1b v=2": ("1f1b", 2, {"F": 0.5, "B": 1.5}),
                "zb-h1": ("zb-h1", 1, {"F": 1, "B": 1, "W": 1}), "zb-v": ("zb-v", 2, {"F": 0.5, "R": 0.5, "B": 0.5, "W": 0.5})}
     print("".join([f"{'M':>4}"] + [f"{name:>10}" for name in lengths]))
