@@ -217,8 +217,9 @@ def render_pipeline(console: Console, report: Report) -> None:
         return
     grid = timeline(pipe.schedule, stage_map.stages, pipe.microbatches, stage_map.virtual)
     kept = in_flight(grid)
+    named = {"1f1b": "interleaved 1f1b", "interleaved": "circular", "zb-v": "zb-v"}.get(pipe.schedule, pipe.schedule)
     schedule = pipe.schedule if stage_map.virtual == 1 else \
-        f"{'interleaved 1f1b' if pipe.schedule == '1f1b' else 'circular'}, {stage_map.virtual} chunks per stage"
+        f"{named}, {stage_map.virtual} chunks per stage" + (" in a V" if stage_map.v_shape else "")
     table = Table(title=f"Pipeline over axis {pipe.axis!r}: {schedule}, {pipe.microbatches} microbatches "
                         "(bytes per device)",
                   header_style="bold")

@@ -33,7 +33,7 @@ from shardplan.checks.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR,
 FSDP_MIN_BYTES = 1 << 16
 MICROBATCH_FACTORS = (1, 2, 4, 8, 16)   # microbatches = factor x stages, or one sequence per microbatch
 MAX_ACCUMULATE = 64                     # gradient accumulation without a pipeline: counts that divide the rows
-V_TABLES = 1024                         # zb-v offered up to stages x microbatches (its tables take ~1 s there)
+V_TABLES = 256                          # zb-v offered up to stages x microbatches (its tables take ~0.2 s there)
 REMAT_CHOICES = ("none", "dots", "full")
 REMAT_POLICY = {"dots": "dots_with_no_batch_dims_saveable", "full": "full"}
 # The budget share auto leaves free: the memory model's usual under-estimate against the compiler
