@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 import minigpt_model  # noqa: E402
 import shardplan  # noqa: E402
 from shardplan.planner.cost import Workload, estimate  # noqa: E402
-from shardplan.run.measure import measure  # noqa: E402
+from shardplan.compose.measure import measure  # noqa: E402
 from shardplan.checks.paths import param_infos  # noqa: E402
 from shardplan.planner.profiles import get_profile  # noqa: E402
 from shardplan.planner.kept import with_code  # noqa: E402

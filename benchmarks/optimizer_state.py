@@ -60,7 +60,7 @@ def main() -> None:
     from flax import nnx
 
     import minigpt_model
-    from shardplan.run.measure import lm_train_step
+    from shardplan.compose.measure import lm_train_step
 
     config = dict(maxlen=64, vocab_size=4096, embed_dim=args.embed, num_heads=8, feed_forward_dim=4 * args.embed,
                   num_transformer_blocks=args.blocks, dropout_rate=0.0)

@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 
 import minigpt_model  # noqa: E402
 import shardplan  # noqa: E402
-from shardplan.run.measure import measure, prepare  # noqa: E402
+from shardplan.compose.measure import measure, prepare  # noqa: E402
 
 MIB = 2 ** 20
 ENDS = ("embedding_layer/token_emb", "output_layer/")

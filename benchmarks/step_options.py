@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 
 import minigpt_model  # noqa: E402
 import shardplan  # noqa: E402
-from shardplan.run.measure import measure  # noqa: E402
+from shardplan.compose.measure import measure  # noqa: E402
 
 SP = ("activations:\n  - {match: 'embedding_layer', spec: [data, model, null]}\n"
       "  - {match: 'transformer_blocks/\\d+/layer_norm\\d', spec: [data, model, null]}\n")

@@ -10,7 +10,8 @@
 """
 
 from shardplan.checks.mesh import make_mesh
-from shardplan.checks.report import Report, check
+from shardplan.checks.report import Report
+from shardplan.compose.check import check
 from shardplan.plan.diagnostics import CODES, Diagnostic, PlanError, PlanWarning
 from shardplan.plan.loader import load_plan, parse_plan
 from shardplan.plan.schema import Plan
@@ -27,7 +28,7 @@ def __getattr__(name: str):
     # set the device count before JAX starts.
     if name in ("apply_plan", "init", "shard_optimizer", "shard_inputs", "shard_local_inputs", "constrain",
                 "partition_spec"):
-        from shardplan.run import apply
+        from shardplan.compose import apply
         return getattr(apply, name)
     if name == "simulate_cpu_devices":     # must run before JAX starts: importing it starts nothing
         from shardplan.run.devices import simulate_cpu_devices

@@ -14,7 +14,7 @@ import shardplan
 from shardplan.planner import auto
 from shardplan.planner.cost import Workload, estimate
 from shardplan.run.hlo import collective_stats
-from shardplan.run.measure import measure, prepare, lm_train_step, lm_loss
+from shardplan.compose.measure import measure, prepare, lm_train_step, lm_loss
 from shardplan.checks.paths import param_infos
 from shardplan.planner.profiles import get_profile, parse_bytes
 from shardplan.checks.roles import COLUMN, ROW, recognise_module

@@ -14,7 +14,7 @@ import pytest
 from conftest import REPO
 
 MODULES = ["shardplan.plan.schema", "shardplan.checks.layout", "shardplan.checks.mesh", "shardplan.run.hlo", "shardplan.checks.paths",
-           "shardplan.plan.loader", "shardplan.checks.report", "shardplan.run.apply", "shardplan.run.specs", "shardplan.checks.roles", "shardplan.planner.auto",
+           "shardplan.plan.loader", "shardplan.compose.check", "shardplan.compose.apply", "shardplan.run.specs", "shardplan.checks.roles", "shardplan.planner.auto",
            "shardplan.plan.matching", "shardplan.planner.profiles", "shardplan.plan.inert", "shardplan.run.models", "shardplan.pipeline.loop", "shardplan.checks.diff",
            "shardplan.planner.overlap", "shardplan.pipeline.pipelined", "shardplan.run.flags"]
 

@@ -72,7 +72,7 @@ import json, sys, warnings
 import jax, optax, shardplan, minigpt_model
 from flax import nnx
 from shardplan.run.hlo import collective_stats
-from shardplan.run.measure import lm_train_step
+from shardplan.compose.measure import lm_train_step
 plan = shardplan.parse_plan(sys.argv[1])
 mesh = shardplan.make_mesh(plan)
 with warnings.catch_warnings(record=True) as caught:

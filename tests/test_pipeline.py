@@ -355,7 +355,7 @@ def test_one_f_one_b_head_split_over_a_batch_axis_enters_whole(schedule, write_p
     np.testing.assert_allclose(layer.reshape(-1, *layer.shape[3:]), np.stack(
         [expected_grads["layers"][i]["mlp"]["up"]["kernel"] for i in range(4)]), atol=GRAD_TOL)
     # the whole training step compiles too (the abort came from it: AdamW and the sharded update)
-    from shardplan.run.measure import measure
+    from shardplan.compose.measure import measure
     assert measure(plan, Llama(**LARGER, rngs=nnx.Rngs(0)), 16, 32).peak_bytes > 0
 
 

@@ -23,7 +23,7 @@ from shardplan.planner.kept import with_code
 from shardplan.planner.representative import Representative
 from shardplan.checks.roles import CodeCopies, recognise_module
 from shardplan.run.abstract import abstract_with_roles
-from shardplan.run.measure import measure
+from shardplan.compose.measure import measure
 
 from minigpt_model.llama import Llama
 from wild_models import GemmaConfig, GemmaLike, gemma_inputs

@@ -244,7 +244,7 @@ def test_init_builds_every_parameter_on_its_shards(name):
     layers are created split over the stage axis too, then stacked into their stages leaf by leaf)."""
     from minigpt_model.llama import Llama
     from shardplan.checks.paths import param_infos
-    from shardplan.run.apply import init_program
+    from shardplan.compose.apply import init_program
     plan = shardplan.parse_plan(LLAMA_PP4) if name.startswith("llama") else shardplan.load_plan(PLANS / name)
     mesh = shardplan.make_mesh(plan)
 

@@ -30,7 +30,7 @@ def degenerate_sections(plan: Plan, sizes: dict[str, int]) -> list[Diagnostic]:
 def pipeline_fsdp(plan: Plan, specs: dict[str, tuple], sizes: dict[str, int],
                   batch_axes: tuple[str, ...]) -> list[Diagnostic]:
     """Layer weights inside a pipeline's stages split over a batch axis (FSDP) enter the pipeline's loop
-    gathered over it (`shardplan.run.apply`): exact, but the stage's layers are whole for the step."""
+    gathered over it (`shardplan.compose.apply`): exact, but the stage's layers are whole for the step."""
     pipe = plan.pipeline
     if pipe is None or sizes.get(pipe.axis, 1) == 1:
         return []

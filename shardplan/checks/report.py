@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 from shardplan.checks.layout import DeviceTotals, ParamLayout, device_totals, imbalance, param_layout
 from shardplan.checks.mesh import check_given_mesh, check_hosts, resolve_axes
@@ -92,85 +91,6 @@ def _param_json(p: ParamLayout) -> dict:
             "shard_shape": list(p.shard_shape), "bytes_per_device": p.bytes_per_device,
             "opt_spec": spec_json(p.opt_spec), "opt_bytes_per_device": p.opt_bytes_per_device,
             "rule": None if p.rule is None else p.rule + 1, "rule_line": p.rule_line, "stage": p.stage}
-
-
-def check(plan: Plan, model, mesh=None, *, input_shapes: dict[str, tuple[int, ...]] | None = None,
-          example: Callable | None = None, roles=None) -> Report:
-    """Check `plan` against `model` (real or `nnx.eval_shape`) and `mesh` (default: all devices).
-
-    Never raises for plan mistakes: they are in `report.diagnostics`. A pipeline plan is also
-    checked against how the model calls its layers, by tracing one call abstractly: `example`
-    (e.g. `lambda m: m(tokens, positions)`), else zeros shaped as the plan's `inputs` give them.
-    `roles` (`shardplan.checks.roles.recognise`) name the attention projections context parallelism
-    reads; by default they are read from the model's definition order (an abstract model's is sorted).
-
-    >>> import shardplan, minigpt_model
-    >>> from flax import nnx
-    >>> plan = shardplan.load_plan("plans/minigpt_dp_tp.yaml")
-    >>> model = nnx.eval_shape(lambda: minigpt_model.MiniGPT(vocab_size=50304, rngs=nnx.Rngs(0)))
-    >>> shardplan.check(plan, model).ok
-    True
-    """
-    import jax
-
-    from shardplan.checks.paths import param_infos
-    device_ids = _device_ids(plan, mesh)
-    report = check_params(plan, param_infos(model), device_ids, input_shapes=input_shapes,
-                          processes=jax.process_count(), given_mesh=None if mesh is None else dict(mesh.shape),
-                          given_types=None if mesh is None else _axis_types(mesh))
-    return with_model_checks(report, plan, model, example, mesh, roles)
-
-
-def with_model_checks(report: Report, plan: Plan, model, example: Callable | None = None, mesh=None,
-                      roles=None) -> Report:
-    """`report` plus what needs the model itself: its module paths against the step options' rules and,
-    given an example call (`example`, or the plan's input shapes), whether it can run its layers as the
-    pipeline does and whether the activation specs fit the outputs they name."""
-    from shardplan.checks.calls import check_layer_calls, example_call
-    from shardplan.checks.step import check_step_modules, check_step_shapes
-    from shardplan.checks.paths import module_paths
-    found = check_step_modules(plan, [path for path, _ in module_paths(model)]) if plan.activations or plan.remat else []
-    call = None
-    if report.stage_map is not None or plan.activations or report.experts or plan.context:
-        call = example if example is not None else example_call(plan, model)
-    if call is not None and report.stage_map is not None:
-        found += check_layer_calls(plan, model, call)
-    if call is not None and not report.errors:
-        found += check_step_shapes(plan, model, report.axes, call)
-    if report.experts and not report.errors:
-        from shardplan.checks.mesh import tracing_mesh
-        from shardplan.experts.contract import blocks_call, check_expert_calls
-        block_call = call if call is not None else blocks_call(model, report)
-        if block_call is not None:     # (checked for devices this machine need not have, as the layout is)
-            found += check_expert_calls(plan, model, report, block_call,
-                                        mesh if mesh is not None else tracing_mesh(plan, report.axes))
-    if plan.context is not None and not report.errors:
-        from shardplan.checks.roles import recognise_module
-        from shardplan.context.contract import check_context_calls
-        from shardplan.checks.mesh import tracing_mesh
-        found += check_context_calls(plan, model, roles or recognise_module(model), call,
-                                     mesh if mesh is not None else tracing_mesh(plan, report.axes))
-    if not found:
-        return report
-    stage_map = None if any(d.severity == "error" for d in found) else report.stage_map
-    return dataclasses.replace(report, diagnostics=report.diagnostics + found, stage_map=stage_map)
-
-
-def _axis_types(mesh) -> dict[str, str]:
-    return {name: str(kind.name).lower() for name, kind in zip(mesh.axis_names, mesh.axis_types)}
-
-
-def _device_ids(plan: Plan, mesh) -> list[int]:
-    """Device ids in mesh order: the given mesh's, else the plan's mesh over all devices if it can be built."""
-    if mesh is None:
-        from shardplan.plan.diagnostics import PlanError
-        from shardplan.checks.mesh import make_mesh
-        try:
-            mesh = make_mesh(plan)
-        except PlanError:
-            import jax
-            return [int(d.id) for d in jax.devices()]
-    return [int(d.id) for d in mesh.devices.flat]
 
 
 def check_params(plan: Plan, params: list[ParamInfo], device_ids: list[int], *,

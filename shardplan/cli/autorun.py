@@ -134,7 +134,7 @@ def _measure(console: Console, found: planner.Search, factory: str, config: dict
     """Compile the top k candidates; {candidate key: Measured}. A candidate whose step cannot be built
     (the model's forward needs more than token ids) is reported and left unmeasured."""
     import jax
-    from shardplan.run.measure import measure
+    from shardplan.compose.measure import measure
     from shardplan.run.models import build_model
     results = {}
     for index, ranked in enumerate(found.ranked[:k]):

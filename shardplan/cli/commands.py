@@ -726,7 +726,8 @@ def _checked_model(args, order: list[str]):
     plan = load_plan(args.plan)
     from shardplan.run.devices import has_accelerator
     from shardplan.checks.paths import param_infos
-    from shardplan.checks.report import check, check_params, with_model_checks
+    from shardplan.checks.report import check_params
+    from shardplan.compose.check import check, with_model_checks
     from shardplan.checks.roles import recognise
     if args.devices is None and has_accelerator():
         model = _abstract_model(args, plan, order)

@@ -266,7 +266,7 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
         microbatches=pipe.microbatches if pipe else 1, virtual=stage_map.virtual if pipe else 1,
         tokens=workload.batch * workload.seq // max(1, math.prod(sizes[a] for a in batch_axes)),
         seq=workload.seq, itemsize=itemsize, width=roles.width,
-        # the pipeline's loop leaves only the experts' axis to XLA (`shardplan.run.apply`)
+        # the pipeline's loop leaves only the experts' axis to XLA (`shardplan.compose.apply`)
         manual_batch=not (pipe and plan.experts and plan.experts.axis in batch_axes),
         remat=options.remat, sequence_ways=options.sequence_ways, attention_stored=options.attention_stored,
         counts=counts, accumulate=plan.accumulate if pipe is None else 1, widened=not profile.low_precision_native,

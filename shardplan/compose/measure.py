@@ -59,7 +59,7 @@ def lm_train_step(model: nnx.Module, optimizer: nnx.Optimizer, tokens: jax.Array
 
 def prepare(plan, model: nnx.Module, batch: int, seq: int, *, input_name: str | None = None, vocab: int = 2):
     """(sharded model, optimizer, tokens, targets) ready for `lm_train_step`."""
-    from shardplan.run.apply import apply_plan, shard_inputs, shard_optimizer
+    from shardplan.compose.apply import apply_plan, shard_inputs, shard_optimizer
     from shardplan.checks.mesh import make_mesh
     mesh = make_mesh(plan)
     model = apply_plan(plan, model, mesh)

@@ -14,7 +14,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from shardplan.checks.context import check_context, context_inputs
 from shardplan.checks.layout import zero1_layout, zero1_spec
 from shardplan.checks.paths import join_path
-from shardplan.checks.report import Report, check
+from shardplan.checks.report import Report
+from shardplan.compose.check import check
 from shardplan.checks.stages import check_microbatches
 from shardplan.checks.validate import data_axes, validate_inputs, validate_optimizer
 from shardplan.run.abstract import abstract_with_roles, eval_shape
