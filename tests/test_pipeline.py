@@ -75,6 +75,19 @@ def test_bubbles_and_in_flight(microbatches):
     assert circular.loops and not tables.loops
 
 
+def _tick_of_each_op(grid, where) -> dict:
+    """(kind, where(stage, work), microbatch) -> its tick, each op found once and one per stage and tick."""
+    at = {}
+    for t, tick in enumerate(grid):
+        for s, works in enumerate(tick):
+            assert len(works) <= 1
+            for w in works:
+                key = (w.kind, where(s, w), w.microbatch)
+                assert key not in at
+                at[key] = t
+    return at
+
+
 @pytest.mark.parametrize("stages, microbatches", [(4, 8), (4, 32), (2, 4), (8, 16), (4, 2), (1, 3)])
 def test_zero_bubble_tables(stages, microbatches):
     """ZB-H1: every F, B and W once per stage and microbatch, each after what it reads arrived (a tick
@@ -84,13 +97,7 @@ def test_zero_bubble_tables(stages, microbatches):
     S, M = stages, microbatches
     table = ZeroBubble.of(S, M)
     grid = timeline("zb-h1", S, M)
-    at = {}
-    for t, tick in enumerate(grid):
-        for s, works in enumerate(tick):
-            assert len(works) <= 1
-            for w in works:
-                assert (w.kind, s, w.microbatch) not in at
-                at[(w.kind, s, w.microbatch)] = t
+    at = _tick_of_each_op(grid, lambda s, w: s)
     assert len(at) == 3 * S * M
     for (kind, s, m), t in at.items():
         reads = {"F": [("F", s - 1, m)] if s else [], "W": [("B", s, m)],
@@ -132,14 +139,12 @@ def test_zero_bubble_v_tables(stages, microbatches):
     S, M = stages, microbatches
     table = ZeroBubbleV.of(S, M)
     grid = timeline("zb-v", S, M)
-    at = {}
-    for t, tick in enumerate(grid):
-        for d, works in enumerate(tick):
-            assert len(works) <= 1
-            for w in works:
-                k = w.chunk * S + (d if w.chunk == 0 else S - 1 - d)     # the model chunk
-                assert chunk_stage(k, S, v_shape=True) == d and (w.kind, k, w.microbatch) not in at
-                at[(w.kind, k, w.microbatch)] = t
+
+    def model_chunk(d, w):
+        k = w.chunk * S + (d if w.chunk == 0 else S - 1 - d)
+        assert chunk_stage(k, S, v_shape=True) == d
+        return k
+    at = _tick_of_each_op(grid, model_chunk)
     assert len(at) == 8 * S * M
     for (kind, k, m), t in at.items():
         reads = {"F": [("F", k - 1, m)] if k else [], "R": [("F", k, m)] + ([("B", k + 1, m)] if k < 2 * S - 1 else []),
