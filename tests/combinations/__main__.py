@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from .generate import draw
+from .generate import SCHEDULES, draw
 from .matrix import matrix, render
 from .minimise import minimise
 from .pool import Pool, run_all
@@ -21,9 +21,11 @@ from .run import plan_text
 FAILURES = ("wrong", "failed", "abort", "hang", "not-refused", "refused-otherwise")
 
 
-def cases(seed: int, count: int) -> list[dict]:
+def cases(seed: int, count: int, schedule: str | None = None) -> list[dict]:
+    """The seed's first `count` cases; `schedule`: every pipeline that can run it does (the other draws
+    stay the seed's)."""
     rng = random.Random(seed)
-    return [draw(rng, k) for k in range(count)]
+    return [draw(rng, k, schedule) for k in range(count)]
 
 
 def read_case(path: Path) -> dict:
@@ -61,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minimise", action="store_true", help="shrink each failure to a smallest plan")
     parser.add_argument("--replay", type=Path, help="run one saved case again and print its result")
     parser.add_argument("--matrix", type=Path, help="write the support matrix of this run (markdown) to this file")
+    parser.add_argument("--schedule", choices=SCHEDULES,
+                        help="every pipelined case runs this schedule where its stages allow (default: drawn)")
     args = parser.parse_args(argv)
     if args.replay:
         try:
@@ -75,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             pool.close()
             print(f"minimised in {spent} runs: saved {save(case, result, args.out)}")
         return 0 if result["status"] not in FAILURES else 1
-    todo, started = cases(args.seed, args.cases), time.monotonic()
+    todo, started = cases(args.seed, args.cases, args.schedule), time.monotonic()
 
     def progress(k, case, result):
         mark = "FAIL " if result["status"] in FAILURES else ""

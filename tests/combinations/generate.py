@@ -13,7 +13,7 @@ from .models import DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, SEQ, VOCAB
 NAMES = ("data", "batch", "dp", "fsdp", "model", "tp", "mp", "tensor", "stage", "pp", "pipe", "context", "cp",
          "seq", "expert", "ep", "x", "y", "z")
 REMAT = ("full", "none", "dots_saveable", "nothing_saveable", "dots_with_no_batch_dims_saveable")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 FACTORIES = {"llama": "tests.combinations.models:Llama", "gpt2": "tests.combinations.models:GPT2",
              "moe": "tests.combinations.models:MoEDecoder"}
 
@@ -78,8 +78,9 @@ def _on_stages(spec: list, shape, stage: str, sizes: dict, rng: random.Random) -
     return spec
 
 
-def draw(rng: random.Random, index: int) -> dict:
-    """One case: {id, devices, kind, config, rows, plan, expect (a code that must refuse it, or None)}."""
+def draw(rng: random.Random, index: int, schedule: str | None = None) -> dict:
+    """One case: {id, devices, kind, config, rows, plan, expect (a code that must refuse it, or None)};
+    `schedule`: the pipeline's, where the stages allow it."""
     devices = rng.choice((8, 8, 6))
     kind = rng.choice(("llama", "gpt2", "moe"))
     config = {"experts": 8 if devices == 8 else 6, "form": rng.choice(("sorted", "loop", "dense"))} \
@@ -92,7 +93,7 @@ def draw(rng: random.Random, index: int) -> dict:
     names = rng.sample(NAMES, len(sizes_list))
     sizes = dict(zip(names, sizes_list))
     roles = _roles(kind, sizes, rng)
-    plan = _plan(kind, config, sizes, roles, rng)
+    plan = _plan(kind, config, sizes, roles, rng, schedule)
     rows = _rows(plan, sizes, roles)
     case = {"id": index, "devices": devices, "kind": kind, "config": config, "rows": rows, "plan": plan,
             "expect": None}
@@ -114,7 +115,8 @@ def _roles(kind: str, sizes: dict, rng: random.Random) -> dict:
     return {job: name for name, job in roles.items()}
 
 
-def _plan(kind: str, config: dict, sizes: dict, roles: dict, rng: random.Random) -> dict:
+def _plan(kind: str, config: dict, sizes: dict, roles: dict, rng: random.Random,
+          schedule: str | None = None) -> dict:
     data, tensor, stage, context, expert = (roles.get(j) for j in ("data", "tensor", "stage", "context", "expert"))
     batch = [a for a in (data, expert) if a]
     batch_entry = None if not batch else batch[0] if len(batch) == 1 else batch
@@ -141,7 +143,7 @@ def _plan(kind: str, config: dict, sizes: dict, roles: dict, rng: random.Random)
     if data and rng.random() < 0.3:
         plan["optimizer"] = "zero1"
     if stage:
-        plan["pipeline"] = _pipeline(sizes[stage], stage, rng)
+        plan["pipeline"] = _pipeline(sizes[stage], stage, rng, schedule)
     elif rng.random() < 0.25:
         plan["accumulate"] = 2
     if rng.random() < 0.3:
@@ -163,8 +165,13 @@ def _plan(kind: str, config: dict, sizes: dict, roles: dict, rng: random.Random)
     return plan
 
 
-def _pipeline(stages: int, axis: str, rng: random.Random) -> dict:
-    schedule = rng.choice(SCHEDULES)
+def _pipeline(stages: int, axis: str, rng: random.Random, schedule: str | None = None) -> dict:
+    # (zb-v, with its two chunks per stage, joined after the matrix's run: drawn from the others, the
+    # seeds draw what they drew; `schedule` sets it)
+    drawn = rng.choice(SCHEDULES[:4])
+    schedule = schedule or drawn
+    if schedule == "zb-v" and LAYERS % (2 * stages):       # (two chunks per stage: 2S must divide the layers)
+        schedule = drawn
     pipe = {"axis": axis, "layers": "blocks", "schedule": schedule, "microbatches": rng.choice((1, 2, 4))}
     if schedule in ("1f1b", "interleaved") and LAYERS % (2 * stages) == 0 and rng.random() < 0.4:
         pipe["virtual_stages"] = 2
