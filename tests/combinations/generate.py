@@ -166,8 +166,8 @@ def _plan(kind: str, config: dict, sizes: dict, roles: dict, rng: random.Random,
 
 
 def _pipeline(stages: int, axis: str, rng: random.Random, schedule: str | None = None) -> dict:
-    # (zb-v, with its two chunks per stage, joined after the matrix's run: drawn from the others, the
-    # seeds draw what they drew; `schedule` sets it)
+    # (drawn from the four older schedules, so that a seed's cases stay those docs/support-matrix.md ran;
+    # `schedule` sets zb-v, or any other, for every pipeline whose stages allow it)
     drawn = rng.choice(SCHEDULES[:4])
     schedule = schedule or drawn
     if schedule == "zb-v" and LAYERS % (2 * stages):       # (two chunks per stage: 2S must divide the layers)
