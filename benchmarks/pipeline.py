@@ -98,7 +98,8 @@ def main() -> None:
     print("\n   step length in forwards of a whole stage (each schedule's own work, recomputation included; "
           "no bubble: 4M, zb-h1 3M)")
     lengths = {"1f1b": ("1f1b", 1, {"F": 1, "B": 3}), "1f1b v=2": ("1f1b", 2, {"F": 0.5, "B": 1.5}),
-               "zb-h1": ("zb-h1", 1, {"F": 1, "B": 1, "W": 1}), "zb-v": ("zb-v", 2, {"F": 0.5, "R": 0.5, "B": 0.5, "W": 0.5})}
+               "zb-h1": ("zb-h1", 1, {"F": 1, "B": 1, "W": 1}),
+               "zb-v": ("zb-v", 2, {"F": 0.5, "R": 0.5, "B": 0.5, "W": 0.5})}
     print("".join([f"{'M':>4}"] + [f"{name:>10}" for name in lengths]))
     for m, row in zip((4, 8, 16, 32), results["bubble"]):
         for name, (schedule, virtual, costs) in lengths.items():

@@ -332,8 +332,9 @@ def test_zb_v_places_its_two_chunks_per_stage_in_a_v(tmp_path):
     circular = report("  schedule: zb-v\n  stages:\n    - {match: 'layers/(0|2)', stage: 0}\n"
                       "    - {match: 'layers/(1|3)', stage: 1}\n")
     (found,) = circular.errors
-    assert found.code == "stage-not-circular" and "zb-v needs chunk c (of 1 layers) on stage c for c < 2, on stage 3 - c" \
-        in found.message and "layers/2 is on stage 0, expected 1" in found.message
+    assert found.code == "stage-not-circular"
+    assert "zb-v needs chunk c (of 1 layers) on stage c for c < 2, on stage 3 - c" in found.message
+    assert "layers/2 is on stage 0, expected 1" in found.message
     (tmp_path / "plan.yaml").write_text(pipe("  schedule: zb-v\n  virtual_stages: 3\n"))
     with pytest.raises(shardplan.PlanError, match="zb-v runs two chunks of layers per device"):
         shardplan.load_plan(tmp_path / "plan.yaml")

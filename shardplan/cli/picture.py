@@ -229,8 +229,9 @@ def _pipeline(report: Report, y: float) -> tuple[list[str], float]:
                 parts.append(_text(x0 + cell_w / 2, y0 + 16, label, size=int(size), anchor="middle", fill="#111",
                                    mono=True))
     y += stage_map.stages * cell_h + 8
-    legend = ("F<m>: forward of microbatch m (solid); " + ("r<m>: the forward again; " if pipe.schedule == "zb-v" else "")
-              + "b<m>: its input gradient (light); w<m>: its weight gradients (lighter); grey: idle") if split else \
+    again = "r<m>: the forward again; " if pipe.schedule == "zb-v" else ""
+    legend = ("F<m>: forward of microbatch m (solid); " + again +
+              "b<m>: its input gradient (light); w<m>: its weight gradients (lighter); grey: idle") if split else \
         "F<m>: forward of microbatch m (solid); b<m>: backward (light); grey: idle"
     parts.append(_text(20 + label_w, y + 12, legend, size=10, fill="#555"))
     return parts, y + 20

@@ -237,7 +237,8 @@ def render_pipeline(console: Console, report: Report) -> None:
     print_table(console, table)
     console.print(render_timeline(grid, width=console.width))
     kinds = {"zb-h1": "b<m> input gradient, w<m> weight gradients",
-             "zb-v": "r<m> forward again, b<m> input gradient, w<m> weight gradients"}.get(pipe.schedule, "b<m> backward")
+             "zb-v": "r<m> forward again, b<m> input gradient, w<m> weight gradients"}.get(pipe.schedule,
+                                                                                          "b<m> backward")
     counted = {"zb-h1": "b and w each counted as a forward", "zb-v": "r, b and w each counted as a forward"}.get(
         pipe.schedule, "a backward counted as 2 forwards")
     console.print(f"F<m> forward, {kinds} of microbatch m ('c: chunk c); {len(grid)} ticks; bubble "
