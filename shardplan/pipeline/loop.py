@@ -563,10 +563,10 @@ def finish_gradients(g_layers, g_head, g_embed, loss_sum, micro: int, batch_axes
 
 def run_on_stages(per_device: Callable, loop: Loop, operands: Operands):
     """`per_device(operands)` under shard_map, manual over the stage axis and the manual batch axes ->
-    (loss, (layer, head, embedding gradients)): the head's and the loss from the last stage (the V
-    schedule's: the first), the embedding's from the first."""
-    stages = loop.mesh.shape[loop.axis]
-    head_stage = 0 if loop.schedule == "zb-v" else stages - 1
+    (loss, (layer, head, embedding gradients)): the head's and the loss from the stage of the last chunk
+    (the last stage; in a V the first), the embedding's from the first."""
+    stages, virtual = jax.tree.leaves(operands.stacked)[0].shape[:2]
+    head_stage = loop.layers.arrangement.stage_of_chunk(stages * virtual - 1, stages)[0]
     rows = _batch_spec(loop.batch_axes, None)
     inputs = (rows, P())
     run = jax.shard_map(per_device, mesh=loop.mesh,

@@ -123,8 +123,8 @@ class PipelinedLayers(nnx.Module):
         request = _LOSS_REQUEST.get()
         stages, virtual = jax.tree.leaves(state)[0].shape[:2]
         micro = self._fit(args[0].shape[0])[0]
-        too_few = virtual > 1 and self.schedule != "zb-v" and (micro < stages if self.schedule == "interleaved"
-                                                               else micro % stages)
+        in_a_v = self._pipeline_arrangement.v_shape     # (its loops need no group or count of microbatches)
+        too_few = virtual > 1 and not in_a_v and (micro < stages if self.schedule == "interleaved" else micro % stages)
         if request is not None and (too_few or not on_tables(self.schedule, self._pipeline_context is not None)):
             # interleaved 1F1B needs whole groups of `stages` microbatches, the circular schedule a
             # microbatch per stage; a smaller batch (an evaluation) runs the layers' own forward and the
@@ -139,7 +139,7 @@ class PipelinedLayers(nnx.Module):
         if self.schedule != "gpipe" and request is None and on_tables(self.schedule, self._pipeline_context is not None):
             _warn_without_model_loss(self.schedule)
         microbatches, batch_axes = self._fit(x.shape[0])
-        if virtual > 1 and microbatches < stages and self.schedule != "zb-v":
+        if virtual > 1 and microbatches < stages and not in_a_v:
             # The circular schedule needs a microbatch per stage to loop back in time; so few rows
             # (sampling) run layer after layer instead: the same computation, without overlap.
             return call.output(sequential_forward(layers, state, x, split, whole, keys))
