@@ -286,7 +286,8 @@ def _diagnostic_from(err: dict, file: str | None, positions: Positions, root: ty
         hint = f"did you mean {close[0]!r}?" if close else None
     shown = repr(got) if not isinstance(got, (dict, list)) or len(repr(got)) < 80 else type(got).__name__
     message = err["msg"].removeprefix("Value error, ")
-    if ", but got" not in message:
+    # (a section's own check names the values it refused; "but got dict" would only add noise)
+    if ", but got" not in message and not (kind == "value_error" and isinstance(got, dict)):
         message += f", but got {shown}"
     return Diagnostic("invalid-value", "error", f"{where}: {message}", file=file, line=line, column=col, hint=hint)
 
