@@ -20,11 +20,19 @@ Four published sources, each with its configurations and measured throughput per
   A100 80GB with FSDP and Megatron tensor parallelism 8, about 2M tokens a batch, "up to 147 TFLOP/s
   per GPU" (converted with Megatron's formula); fp16 with fp32 masters, modelled as bf16 with masters.
 
+- MoE: the DeepSeek-V3 technical report (DeepSeek-AI 2024, arXiv 2412.19437, sections 3.1-3.4 and 4.2):
+  671B parameters, 37B activated, on 2,048 H800 (`profiles/h800-sxm.yaml`), pipeline 16 (DualPipe) x
+  expert parallelism 64 over 8 nodes x ZeRO-1 data parallelism, no tensor parallelism, batch 15,360
+  sequences of 4,096 tokens, "180K H800 GPU hours" per trillion tokens (1,543 tokens/s per GPU); and
+  Megatron-Core's published Mixtral 8x7B mapping (megatron/core/transformer/moe/README.md, v0.8:
+  dropless, all-to-all, BF16, 64 H100, sequence 4,096, TP 1 x EP 8 x PP 4 with 8 virtual stages,
+  microbatch 1, global batch 256; 438 teraFLOP/s per GPU by Megatron's MoE FLOP formula).
+
 Each row is modelled twice with the hardware written as profile files (profiles/): the published
 configuration itself, and what `auto` picks (bf16 compute, 80 GB per device, 8 devices per host).
 The models are MiniGPT (GPT: layer norms, biases, GELU MLP 4x, untied head) at the published shapes.
 
-    python benchmarks/published_runs.py [--only megatron|mt-nlg|mpt|opt] [--profile FILE] [--json out.json]
+    python benchmarks/published_runs.py [--only megatron|mt-nlg|mpt|opt|moe] [--profile FILE] [--json out.json]
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from shardplan.checks.paths import param_infos  # noqa: E402
 from shardplan.planner import auto  # noqa: E402
 from shardplan.planner.cost import Workload, model_flops  # noqa: E402
 from shardplan.plan.diagnostics import PlanError  # noqa: E402
+from shardplan.planner.kept import with_code  # noqa: E402
 from shardplan.planner.profiles import load_profile  # noqa: E402
 from shardplan.planner.representative import Representative  # noqa: E402
 from shardplan.checks.roles import definition_order, recognise  # noqa: E402
@@ -158,6 +167,61 @@ def mpt_rows():
                gpus, Workload(microbatch * accumulate * gpus, 2048), profile, published, float(tokens), fsdp_only)
 
 
+# The MoE runs as MiniGPT shapes: its experts are two matrices [E, D, F] and [E, F, D] with ReLU, so a
+# SwiGLU expert of width f (three matrices) is written with F = 3f/2 (the same parameters and FLOPs); its
+# attention is multi-head (DeepSeek-V3's is multi-head latent attention, Mixtral's grouped-query), and its
+# blocks are all MoE (DeepSeek-V3's first 3 are dense with width 18,432: the same FLOPs as the 8 routed
+# experts and the shared one, 9 x 2,048). DeepSeek-V3's shared expert is written as a ninth routed one per
+# token (the same FLOPs; it is exchanged with the others, 9/8 of the all-to-all's bytes). Both runs were
+# dropless, with exchanges of exactly the rows routed; shardplan's dropless exchange has room for every token
+# at every expert (E / k times the rows), so they are written with `dispatch: capacity` at factor 1.0, the
+# even load their balancing aims for.
+MOE_CAPACITY = 1.0
+# Megatron's MoE FLOP formula (megatron/training/training.py, num_floating_point_operations) per token:
+# 12 L h^2 [(1 + g/n + s/h) + (F/h) k 3/2 + V / (2 L h)] for SwiGLU experts of width F, g query groups of n heads.
+MIXTRAL = dict(layers=32, hidden=4096, heads=32, groups=8, ffn=14336, experts=8, top_k=2, vocab=32000, seq=4096,
+               gpus=64, tensor=1, expert=8, pipeline=4, virtual=8, microbatch=1, batch=256, tflops=438)
+DEEPSEEK_V3 = dict(layers=61, hidden=7168, heads=128, expert_ffn=2048, experts=256, top_k=8, shared=1,
+                   vocab=129280, seq=4096, gpus=2048, pipeline=16, expert=64, batch=15360, gpu_hours_per_t=180e3)
+
+
+def moe_rows():
+    m = MIXTRAL
+    per_token = 12 * m["layers"] * m["hidden"] ** 2 * (
+        1 + m["groups"] / m["heads"] + m["seq"] / m["hidden"] + m["ffn"] / m["hidden"] * m["top_k"] * 1.5
+        + m["vocab"] / (2 * m["layers"] * m["hidden"]))
+    data = m["gpus"] // (m["tensor"] * m["pipeline"] * m["expert"])
+    published = auto.Candidate({"stage": m["pipeline"], "data": data, "expert": m["expert"]},
+                               _hosts(m["pipeline"], data, m["gpus"]), False, False, False, True, "1f1b",
+                               m["batch"] // (data * m["expert"] * m["microbatch"]), m["virtual"], "none",
+                               compute="bfloat16", experts=True, capacity=MOE_CAPACITY, master=True)
+    yield ("Mixtral 8x7B", dict(vocab_size=m["vocab"], maxlen=m["seq"], embed_dim=m["hidden"], num_heads=m["heads"],
+                                feed_forward_dim=m["ffn"] * 3 // 2, num_transformer_blocks=m["layers"],
+                                num_experts=m["experts"], experts_per_token=m["top_k"]),
+           m["gpus"], Workload(m["batch"], m["seq"]), _profile("h100-80gb-sxm.yaml"), published,
+           m["tflops"] * 1e12 / per_token, expert_parallel, False, MOE_CAPACITY)
+    d = DEEPSEEK_V3
+    data = d["gpus"] // d["pipeline"]
+    # DualPipe (a bidirectional zero-bubble schedule keeping PP + 1 microbatches' activations, nothing
+    # recomputed but norms and up-projections) written as zb-h1 with selective rematerialisation, one
+    # sequence per microbatch; the expert-parallel group (64 of the 128 data ranks) written as all 128:
+    # the same bytes per device cross InfiniBand either way
+    published = auto.Candidate({"stage": d["pipeline"], "data": data}, _hosts(d["pipeline"], data, d["gpus"]),
+                               False, False, False, True, "zb-h1", d["batch"] // data, 1, "dots",
+                               compute="bfloat16", experts=True, capacity=MOE_CAPACITY, master=True)
+    yield ("DeepSeek-V3", dict(vocab_size=d["vocab"], maxlen=d["seq"], embed_dim=d["hidden"], num_heads=d["heads"],
+                               feed_forward_dim=d["expert_ffn"] * 3 // 2, num_transformer_blocks=d["layers"],
+                               num_experts=d["experts"], experts_per_token=d["top_k"] + d["shared"]),
+           d["gpus"], Workload(d["batch"], d["seq"]), _profile("h800-sxm.yaml"), published,
+           1e12 / (d["gpu_hours_per_t"] * 3600), expert_parallel, False, MOE_CAPACITY)
+
+
+def expert_parallel(c: auto.Candidate) -> bool:
+    """What both MoE runs used: expert parallelism without tensor parallelism, ZeRO-1 (Megatron's
+    distributed optimizer) and bf16 with float32 masters."""
+    return c.experts and not c.tensor and not c.fsdp
+
+
 def _hosts(stage: int, data: int, gpus: int) -> dict:
     """Hosts of 8 spread over the stage axis first, then data (one of the placements `auto` tries)."""
     hosts = max(1, gpus // 8)
@@ -168,15 +232,19 @@ def _hosts(stage: int, data: int, gpus: int) -> dict:
     return {name: n for name, n in (("stage", on_stage), ("data", on_data)) if n > 1}
 
 
-def run_row(label, config, gpus, workload, profile, published, measured, toolbox=None, accumulates=False):
+def run_row(label, config, gpus, workload, profile, published, measured, toolbox=None, accumulates=False,
+            capacity=None):
     """`accumulates`: the paper gives no microbatch size, and Megatron accumulates gradients over
     microbatches when a data rank's batch does not fit: the published layout is modelled at the
-    fewest microbatches (dividing the rank's batch) at which it fits, as Megatron would run it."""
+    fewest microbatches (dividing the rank's batch) at which it fits, as Megatron would run it.
+    `capacity`: `auto` offers expert parallelism with that capacity factor (a MoE row)."""
     order: list[str] = []
     started = time.perf_counter()
     model = build_model("minigpt_model:MiniGPT", config, on_built=lambda m: order.extend(definition_order(m)))
     params = param_infos(model)
     roles = recognise(params, order)
+    if capacity is not None:        # k experts per token, read off the code as `auto` reads it
+        roles = with_code(roles, model, workload.seq)
     rep = Representative.of(params, roles)
     unwritable, theirs = auto.sketch(published, roles, rep, workload, profile)
     local = workload.batch // published.axes.get("data", 1)
@@ -189,10 +257,11 @@ def run_row(label, config, gpus, workload, profile, published, measured, toolbox
     # the model's matmul FLOPs (nothing recomputed) at the modelled speed against what the profile's
     # matmuls can reach at all: a row above that ceiling would be modelled faster than the hardware
     ceiling = profile.flops_for("bfloat16") * profile.matmul_efficiency
-    achieved = sum(model_flops(params, roles, workload)) / theirs.step_s / gpus if theirs else 0.0
+    achieved = sum(model_flops(params, roles, workload, capacity=capacity or 1.0)) / theirs.step_s / gpus if theirs else 0.0
     row = {"model": label, "devices": gpus, "batch": workload.batch, "seq": workload.seq,
            "published": {"tensor": published.axes.get("model", 1), "pipeline": published.axes.get("stage", 1),
-                         "rules": published.rules_label(), "tokens_per_s_per_device": measured,
+                         "rules": published.rules_label(), "experts": published.experts,
+                         "tokens_per_s_per_device": measured,
                          # None where shardplan cannot write the published configuration as a plan
                          "unwritable": unwritable,
                          "modelled_tokens_per_s_per_device": tokens / theirs.step_s / gpus if theirs else None,
@@ -200,11 +269,11 @@ def run_row(label, config, gpus, workload, profile, published, measured, toolbox
                          "modelled_flops_per_s_per_device": achieved, "matmul_ceiling": ceiling}}
     for key, only in (("auto", toolbox), ("auto_any", None)):
         found = auto.search(params, roles, devices=gpus, workload=workload, profile=profile, memory=DEVICE_MEMORY,
-                            hosts=max(1, gpus // 8), compute="bfloat16", only=only)
+                            hosts=max(1, gpus // 8), compute="bfloat16", only=only, capacity=capacity)
         best = found.best
         row[key] = None if best is None else {
             "tensor": best.candidate.axes.get("model", 1), "pipeline": best.candidate.axes.get("stage", 1),
-            "mesh": best.candidate.label(), "rules": best.candidate.rules_label(),
+            "mesh": best.candidate.label(), "rules": best.candidate.rules_label(), "experts": best.candidate.experts,
             "modelled_tokens_per_s_per_device": tokens / best.estimate.step_s / gpus,
             "modelled_peak_bytes": best.estimate.peak_bytes}
     row["seconds"] = time.perf_counter() - started
@@ -222,6 +291,8 @@ def verdict(row) -> str:
         misses.append("tensor")
     if mine is not None and not theirs["pipeline"] / 2 <= mine["pipeline"] <= theirs["pipeline"] * 2:
         misses.append("pipeline")
+    if mine is not None and theirs["experts"] and not mine["experts"]:
+        misses.append("expert parallelism")
     if theirs["unwritable"]:
         misses.append(f"published configuration cannot be written ({theirs['unwritable']})")
     elif abs(theirs["modelled_tokens_per_s_per_device"] / theirs["tokens_per_s_per_device"] - 1) > TARGET:
@@ -239,7 +310,7 @@ def _shape(pick) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=["megatron", "mt-nlg", "mpt", "opt"])
+    parser.add_argument("--only", choices=["megatron", "mt-nlg", "mpt", "opt", "moe"])
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     parser.add_argument("--profile", metavar="FILE", help="cost every row with this profile file instead of its "
                                                           "cluster's (e.g. one written from a datasheet alone)")
@@ -250,7 +321,8 @@ def main() -> None:
         except PlanError as error:
             parser.error("\n".join(d.format() for d in error.diagnostics))
         print(OVERRIDE[0].defaults_line() or f"profile {OVERRIDE[0].name!r} sets every field", "\n")
-    sources = [("megatron", megatron_rows), ("mt-nlg", mt_nlg_rows), ("mpt", mpt_rows), ("opt", opt_rows)]
+    sources = [("megatron", megatron_rows), ("mt-nlg", mt_nlg_rows), ("mpt", mpt_rows), ("opt", opt_rows),
+               ("moe", moe_rows)]
     rows = []
     print("tokens/s per GPU: measured, modelled for the published configuration, modelled for auto's picks "
           "(with the run's own options / with every option); TP/PP: tensor and pipeline degrees\n")

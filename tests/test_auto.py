@@ -1,6 +1,7 @@
 """`shardplan auto` and the cost model: written plans validate, train like one device, and move no
 more bytes than the hand-written plans on the same mesh; a memory budget is honoured by the compiler."""
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -269,3 +270,43 @@ def test_auto_proposes_expert_parallelism_for_a_moe_model_and_its_plan_trains_li
     report = shardplan.check(plan, build(), input_shapes={"tokens": (BATCH, SEQ)})
     assert report.diagnostics == [], [d.format() for d in report.diagnostics]
     np.testing.assert_allclose(_losses(plan, build), _single_device_losses(build), rtol=1e-5)
+
+
+def test_auto_with_a_capacity_factor_writes_capacity_dispatch_and_counts_the_routed_rows(tmp_path):
+    """`capacity` (the CLI's --capacity-factor): expert parallelism with slots for the routed rows instead
+    of the dropless exchange's room for every token at every expert; the step's expert FLOPs follow the
+    k the model's code chooses."""
+    from shardplan.planner.kept import with_code
+
+    def build(k):
+        return lambda: minigpt_model.MiniGPT(**{**MINIGPT, "feed_forward_dim": 512}, num_experts=8,
+                                             experts_per_token=k, rngs=nnx.Rngs(0))
+    flops = {}
+    for k in (2, 4):
+        model, roles = abstract_with_roles(build(k))
+        roles = with_code(roles, model, SEQ)
+        assert roles.code.top_k == k
+        params = param_infos(model)
+        found = auto.search(params, roles, devices=8, workload=Workload(BATCH, SEQ), profile=get_profile("cpu"),
+                            capacity=1.0, pipelines=False)
+        ep = next(r for r in found.ranked if r.candidate.experts and r.candidate.axes == {"data": 8}
+                  and not r.candidate.fsdp and r.plan is not None)
+        assert ep.candidate.capacity == 1.0 and "ep capacity 1" in ep.candidate.rules_label()
+        path = tmp_path / f"k{k}.yaml"
+        path.write_text(auto.plan_text(ep, found, command="test"))
+        plan = shardplan.load_plan(path)
+        assert (plan.experts.dispatch, plan.experts.capacity_factor, plan.experts.axis) == ("capacity", 1.0, "data")
+        assert shardplan.check(plan, build(k)(), input_shapes={"tokens": (BATCH, SEQ)}).ok
+        flops[k] = ep.estimate.flops
+        # the model's own FLOPs count k of the 8 experts per token
+        every = dataclasses.replace(roles, code=dataclasses.replace(roles.code, top_k=8))
+        expert_weights = 2 * MINIGPT["embed_dim"] * 512 * 8 * MINIGPT["num_transformer_blocks"]
+        assert sum(auto.model_flops(params, every, Workload(BATCH, SEQ))) - sum(
+            auto.model_flops(params, roles, Workload(BATCH, SEQ))) == pytest.approx(
+            6 * BATCH * SEQ * expert_weights * (8 - k) / 8)
+    # each device's expert rows: 8 experts x ceil(k x 128 tokens / 8) slots, through both expert matrices,
+    # forward and backward: doubling k adds that many rows' FLOPs, exactly
+    tokens = BATCH * SEQ // 8
+    rows = {k: 8 * -(-k * tokens // 8) for k in (2, 4)}
+    added = 6 * (rows[4] - rows[2]) * 2 * MINIGPT["embed_dim"] * 512 * MINIGPT["num_transformer_blocks"]
+    assert flops[4] - flops[2] == pytest.approx(added, rel=1e-9)

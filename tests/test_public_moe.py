@@ -176,3 +176,14 @@ def test_the_plan_can_name_the_router_and_the_expert_weights():
     bad = shardplan.check(shardplan.parse_plan(text.replace("axis: expert}", "axis: expert, router: '('}")),
                           decoder("gpt_oss"))
     assert [d.code for d in bad.errors] == ["experts-invalid-regex"] and "experts.router" in bad.errors[0].message
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gpt_oss"])
+def test_the_cost_model_reads_how_many_experts_a_token_takes_off_the_public_code(kind, monkeypatch):
+    """The parameters do not show k; the traced code's `top_k` does (3 here, not the assumed 2)."""
+    import public_moe_models
+    from shardplan.planner.kept import with_code
+    from shardplan.run.abstract import abstract_with_roles
+    monkeypatch.setattr(public_moe_models, "TOP_K", 3)
+    model, roles = abstract_with_roles(lambda: MoEBlockDecoder(BLOCKS[kind], rngs=nnx.Rngs(0)))
+    assert with_code(roles, model, 16).code.top_k == 3

@@ -55,6 +55,7 @@ class CodeCopies:
     logits: float = 0.0         # of the float32 logits
     head_weights: float = 0.0   # of the output head's weights (a tied head's transpose)
     heads: float = 1.0          # the scores' heads per head `Attention` counts (which guesses flattened ones)
+    top_k: int = 0              # experts each token's rows go to in the MoE blocks (0: none seen)
     traced: bool = False        # read from the code (False: a plain transformer's assumed)
 
 

@@ -24,7 +24,7 @@ EXIT_OK, EXIT_NOTHING_FITS = 0, 1
 def run_auto(console: Console, *, factory: str, config: dict, devices: int, hosts: int, memory: int | None,
              batch: int, seq: int, profile, input_name: str, output: str, top: int, measure: int,
              as_json: bool, command: str, usage_error, paths: tuple[str, ...] = (), compute: str | None = None,
-             margin: float | None = None) -> int:
+             margin: float | None = None, capacity: float | None = None) -> int:
     from shardplan.run.models import ModelLoadError, build_model
     from shardplan.checks.paths import param_infos
     from shardplan.planner.kept import with_code
@@ -53,7 +53,7 @@ def run_auto(console: Console, *, factory: str, config: dict, devices: int, host
                                hosts=hosts, input_name=input_name, model={"factory": factory, "config": config},
                                pipelines=refusal is None, compute=compute, progress=progress,
                                keep=max(planner.KEEP, top, measure), check=max(planner.KEEP, measure),
-                               margin=planner.MEMORY_MARGIN if margin is None else margin)
+                               margin=planner.MEMORY_MARGIN if margin is None else margin, capacity=capacity)
     measured = {}
     if measure and found.ranked:
         measured = _measure(console, found, factory, config, measure, paths, input_name)

@@ -234,6 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "profile file (.yaml/.toml; see `shardplan profiles`) (default h200)")
     auto.add_argument("--compute-dtype", choices=["float32", "bfloat16", "float16"], default=None,
                       help="dtype the step computes in (default: the model's own); written as `precision: compute`")
+    auto.add_argument("--capacity-factor", type=float, default=None, metavar="F",
+                      help="expert parallelism with slots for F x the even share of routed rows per (device, expert), "
+                           "dropping the rest (written as `experts: dispatch: capacity`; default: dropless, whose "
+                           "exchange has room for every token at every expert)")
     auto.add_argument("--memory-margin", type=float, default=None, metavar="SHARE",
                       help="share of the memory budget left free for what the memory model does not count "
                            "(default 0.2: its largest measured under-estimate, 18%%, plus slack)")
@@ -687,6 +691,9 @@ def _auto(args, console: Console) -> int:
     _writable(args.output, make_folder=True)          # before the search, not after it
     if args.memory_margin is not None and not 0 <= args.memory_margin < 1:
         raise UsageError(f"--memory-margin is a share of the budget in [0, 1), but got {args.memory_margin}")
+    if args.capacity_factor is not None and not 0 < args.capacity_factor <= 64:
+        raise UsageError(f"--capacity-factor is a multiple of the even share in (0, 64] (as the plan's "
+                         f"`experts: capacity_factor`), but got {args.capacity_factor}")
     if args.measure and args.devices > 64:
         raise UsageError(f"--measure compiles every candidate on {args.devices} simulated CPU devices; "
                          "measure with at most 64 (the ranking without --measure needs no devices)")
@@ -708,7 +715,7 @@ def _auto(args, console: Console) -> int:
     return run_auto(console, factory=args.model, config=config, devices=args.devices, hosts=args.hosts,
                     memory=memory, batch=args.batch or 4 * args.devices, seq=args.seq, profile=profile,
                     input_name=args.input, output=args.output, top=args.top, measure=args.measure,
-                    compute=args.compute_dtype, margin=args.memory_margin,
+                    compute=args.compute_dtype, margin=args.memory_margin, capacity=args.capacity_factor,
                     as_json=args.json, command=command, usage_error=UsageError, paths=tuple(args.import_paths))
 
 

@@ -5,8 +5,8 @@ of what it would count for the expert weights as ordinary matrices.
 
 Rows per device: each (source device, expert) pair has C slots, so a device holds E x C rows (its E / ep
 experts, from each of the ep devices of its group). Dropless, C is the device's tokens; with a capacity
-factor f, C = ceil(f x k x tokens / E) for k experts per token (the cost model does not know k: 2 is
-assumed and said).
+factor f, C = ceil(f x k x tokens / E) for k experts per token (k as the model's code chooses them, read
+off its traced `top_k`; where that was not traced, 2 is assumed and said).
 """
 
 from __future__ import annotations
@@ -21,29 +21,33 @@ ASSUMED_TOP_K = 2
 class ExpertCost:
     transfers: tuple              # (kind, axes, bytes of one op, ops, what)
     flops: float
-    kept_bytes: int               # the exchange's rows kept for the backward, at the peak
+    # (an expert weight's path, bytes per token its block keeps for the backward: the rows that arrived,
+    # each matmul's output, the rows sent back; of which the matmul outputs), one block for the blocks
+    # it stands for: the caller keeps them as it keeps its layers' activations (per microbatch in flight)
+    kept_per_token: tuple[tuple[str, float, float], ...]
     caveats: tuple[str, ...] = ()
 
 
-def slots(tokens: float, experts: int, capacity_factor: float | None) -> int:
+def slots(tokens: float, experts: int, capacity_factor: float | None, top_k: int = ASSUMED_TOP_K) -> int:
     if capacity_factor is None:
         return max(1, math.ceil(tokens))
-    return max(1, math.ceil(capacity_factor * ASSUMED_TOP_K * tokens / experts))
+    return max(1, math.ceil(capacity_factor * top_k * tokens / experts))
 
 
 def expert_cost(blocks, layouts: dict, *, axis: str, capacity_factor: float | None, batch_axes: tuple,
                 sizes: dict, passes: int, tokens_per_pass: float, width: int, itemsize: int, recompute,
-                count) -> ExpertCost:
+                count, top_k: int = 0) -> ExpertCost:
     """`blocks`: the plan's BlockRoles; `layouts`: path -> ParamLayout of the expert weights held here;
     `recompute(path)`: whether the backward runs the block's forward again; `count(path)`: how many
-    blocks one stands for."""
-    transfers, flops, kept, caveats = [], 0.0, 0, []
+    blocks one stands for; `top_k`: experts per token (0: not known, `ASSUMED_TOP_K`)."""
+    known = top_k or ASSUMED_TOP_K
+    transfers, flops, kept, caveats = [], 0.0, [], []
     for block in blocks:
         held = [layouts[p] for p in block.experts if p in layouts]
         if not held:
             continue
         n = count(held[0].path)
-        capacity = slots(tokens_per_pass, block.count, capacity_factor)
+        capacity = slots(tokens_per_pass, block.count, capacity_factor, known)
         rows = block.count * capacity                       # E x C, on every device
         again = recompute(held[0].path)
         # one exchange out (the tokens, width D) and one back (the output, width D) per forward; their
@@ -65,8 +69,8 @@ def expert_cost(blocks, layouts: dict, *, axis: str, capacity_factor: float | No
             if reduce_over:
                 transfers.append(("all-reduce", reduce_over, whole if fsdp else p.bytes_per_device, passes * n,
                                   f"{p.path}: expert gradient over the other data-parallel devices"))
-        # kept for the backward: the rows that arrived, each matmul's output, the rows sent back
-        kept += rows * (2 * width + inner) * itemsize * passes * n
-    if capacity_factor is not None:
+        per_token = rows / max(tokens_per_pass, 1.0) * itemsize
+        kept.append((held[0].path, per_token * (2 * width + inner), per_token * inner))
+    if capacity_factor is not None and not top_k:
         caveats.append(f"capacity slots costed for {ASSUMED_TOP_K} experts per token")
-    return ExpertCost(tuple(transfers), flops, kept, tuple(caveats))
+    return ExpertCost(tuple(transfers), flops, tuple(kept), tuple(caveats))

@@ -62,7 +62,9 @@ class Candidate:
     sequence: bool = False              # sequence parallelism over 'model' in the layers' norm regions
     compute: str | None = None          # compute dtype when not the parameters'
     accumulate: int = 1                 # gradient accumulation: microbatches run in turn (no pipeline)
-    experts: bool = False               # expert parallelism, the experts folded onto 'data'
+    experts: bool = False               # expert parallelism over 'expert' where the mesh has it, else folded onto 'data'
+    capacity: float | None = None       # the experts' dispatch: None dropless, else slots per (device, expert) as
+                                        # this multiple of the even share (tokens past them are dropped)
     master: bool = False                # parameters stored in the compute dtype, float32 masters in the optimizer
     ring: bool = False                  # with a 'context' axis: ring attention (else keys and values gathered)
     overlap: bool = False               # `tensor_overlap` (collective matmul) with sequence parallelism, on GPUs
@@ -79,7 +81,7 @@ class Candidate:
         if self.tensor:
             parts.append("megatron" + ("+vocab" if self.vocab else ""))
         if self.experts:
-            parts.append("ep")
+            parts.append("ep" if self.capacity is None else f"ep capacity {self.capacity:g}")
         if self.fsdp:
             parts.append("fsdp")
         if self.zero1:
@@ -131,7 +133,7 @@ def search(params: list[ParamInfo], roles: ModelRoles, *, devices: int, workload
            memory: int | None = None, hosts: int = 1, input_name: str = "tokens",
            model: dict[str, Any] | None = None, pipelines: bool = True, compute: str | None = None,
            margin: float = MEMORY_MARGIN, keep: int = KEEP, check: int = KEEP, progress=None,
-           only=None) -> Search:
+           only=None, capacity: float | None = None) -> Search:
     """Every candidate plan, costed and ranked by modelled step time: the best `keep`, of which the
     first `check` are checked in full (as a hand-written plan is, on every parameter) and the rest
     listed as costed on one layer (`Ranked.plan` None: the same modelled cost, tested).
@@ -142,16 +144,18 @@ def search(params: list[ParamInfo], roles: ModelRoles, *, devices: int, workload
     rest cannot rank and are not costed. `pipelines=False`: none with a pipeline, for a model that
     cannot run its layers as one. `margin`: the share of the budget kept free, for what the memory
     model does not count. `progress(done, total)` is called as candidates are costed. `only(candidate)`:
-    consider only the candidates it accepts (e.g. the options a published run had).
+    consider only the candidates it accepts (e.g. the options a published run had). `capacity`: expert
+    parallelism dispatches with that capacity factor (tokens past it are dropped, which the model's own
+    code does not do; the user's choice, as the compute dtype is) instead of dropless.
     """
     budget = memory if memory is not None else profile.memory_bytes
     usable = int(budget * (1 - margin))
     rep = Representative.of(params, roles)
-    bounds = _Bounds.of(params, roles, workload, profile, compute, devices)
+    bounds = _Bounds.of(params, roles, workload, profile, compute, devices, capacity)
     blocks = find_blocks(params)
     listed = sorted(((bounds.step(c), n, c) for n, c in enumerate(
         _overlapping(candidates(roles, devices, hosts, workload, pipelines, compute,
-                                blocks[0].count if blocks else None, _heavy_ends(params, roles)), profile))
+                                blocks[0].count if blocks else None, _heavy_ends(params, roles), capacity), profile))
         if only is None or only(c)), key=lambda t: t[:2])
     fitting: list[tuple[float, int, Candidate, Estimate]] = []
     slowest: list[float] = []           # max-heap (negated) of the `keep` best step times
@@ -246,8 +250,8 @@ class _Bounds:
 
     @classmethod
     def of(cls, params, roles: ModelRoles, workload: Workload, profile: Profile, compute: str | None,
-           devices: int) -> "_Bounds":
-        layer, other = model_flops(params, roles, workload)
+           devices: int, capacity: float | None = None) -> "_Bounds":
+        layer, other = model_flops(params, roles, workload, capacity=capacity or 1.0)
         dtype = compute or (params[0].dtype.name if params else "float32")
         # the faster of the two rates keeps it a bound when attention runs at another efficiency
         efficiency = max(profile.matmul_efficiency, profile.attention_efficiency)
@@ -290,16 +294,17 @@ def _overlapping(found, profile: Profile):
 
 
 def candidates(roles: ModelRoles, devices: int, hosts: int, workload: Workload, pipelines: bool = True,
-               compute: str | None = None, experts: int | None = None, ends: bool = False):
+               compute: str | None = None, experts: int | None = None, ends: bool = False,
+               capacity: float | None = None):
     """Meshes x rule sets x pipeline settings x step options; the checker weeds out what does not divide.
     `experts`: the expert count of the model's MoE blocks (expert parallelism folded onto 'data' is
-    offered where 'data' divides it, with every rule set and pipeline). `ends`: pipelines are also
-    offered with the code around the layers split over 'stage' (`_heavy_ends`)."""
+    offered where 'data' divides it, with every rule set and pipeline; dropless, or with `capacity`).
+    `ends`: pipelines are also offered with the code around the layers split over 'stage' (`_heavy_ends`)."""
     for c in _dense_candidates(roles, devices, hosts, workload, pipelines, compute, ends):
         yield c
         data = c.axes.get("data", 1)
         if experts and data > 1 and experts % data == 0:
-            yield dataclasses.replace(c, experts=True)
+            yield dataclasses.replace(c, experts=True, capacity=capacity)
 
 
 def _dense_candidates(roles: ModelRoles, devices: int, hosts: int, workload: Workload, pipelines: bool,
@@ -431,7 +436,7 @@ _SHARED: dict = {}      # key -> (roles, params, value): work shared across one 
 def _rule_set(candidate: Candidate) -> tuple:
     """What a candidate's parameter specs depend on (`_specs` reads nothing else)."""
     return (candidate.tensor, candidate.vocab, candidate.fsdp, candidate.experts, candidate.axes.get("model"),
-            candidate.axes.get("data"), candidate.ends and candidate.axes.get("stage"))
+            candidate.axes.get("data"), candidate.axes.get("expert"), candidate.ends and candidate.axes.get("stage"))
 
 
 def _shared(key, roles: ModelRoles, params: list[ParamInfo], make):
@@ -452,7 +457,7 @@ def _specs(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo]) -> 
     stacked = {path for b in find_blocks(params) for path in b.experts} if candidate.experts else set()
     for p in params:
         if p.path in stacked:
-            out[p.path] = ["data"]          # each device its own experts; their other dims whole
+            out[p.path] = [_expert_axis(candidate)]     # each device its own experts; their other dims whole
             continue
         role = roles.of(p.path)
         entries: list = [None] * len(p.shape)
@@ -523,8 +528,7 @@ def plan_document(candidate: Candidate, roles: ModelRoles, params: list[ParamInf
     if model:
         document["model"] = model
     document["mesh"] = {"axes": dict(candidate.axes), **({"hosts": dict(candidate.hosts)} if candidate.hosts else {})}
-    document["inputs"] = {input_name: ["data" if "data" in candidate.axes else None,
-                                       "context" if "context" in candidate.axes else None]}
+    document["inputs"] = {input_name: [_batch_axes(candidate), "context" if "context" in candidate.axes else None]}
     if "context" in candidate.axes:
         document["context"] = {"axis": "context", "strategy": "ring" if candidate.ring else "all_gather"}
     if candidate.zero1:
@@ -534,14 +538,16 @@ def plan_document(candidate: Candidate, roles: ModelRoles, params: list[ParamInf
     if candidate.experts:
         blocks = sorted({_fold_layer(b.block + "/", roles.layers)[:-1] for b in find_blocks(params)})
         document["experts"] = {"blocks": blocks[0] if len(blocks) == 1 else "(" + "|".join(blocks) + ")",
-                               "axis": "data", "dispatch": "dropless"}
+                               "axis": _expert_axis(candidate), "dispatch": "dropless"}
+        if candidate.capacity is not None:
+            document["experts"].update(dispatch="capacity", capacity_factor=candidate.capacity)
     if candidate.schedule:
         document["pipeline"] = {"axis": "stage", "layers": roles.layers, "stages": "even",
                                 "microbatches": candidate.microbatches, "schedule": candidate.schedule,
                                 **({"virtual_stages": candidate.virtual} if candidate.virtual > 1 else {})}
     document["params"] = [{"match": pattern, "spec": spec} for pattern, spec, _ in rules(candidate, roles, params)]
     if candidate.sequence:
-        batch = "data" if "data" in candidate.axes else None
+        batch = _batch_axes(candidate)
         document["activations"] = [{"match": module, "spec": [batch, "model", None]} for module in
                                    _shared("sequence", roles, params, lambda: sequence_modules(roles, params))]
     if candidate.overlap:
@@ -553,6 +559,17 @@ def plan_document(candidate: Candidate, roles: ModelRoles, params: list[ParamInf
         if candidate.master:
             document["precision"].update(params=candidate.compute, master="float32")
     return document
+
+
+def _expert_axis(candidate: Candidate) -> str:
+    return "expert" if "expert" in candidate.axes else "data"
+
+
+def _batch_axes(candidate: Candidate):
+    """What splits the batch: 'data', and an 'expert' axis (a part of data parallelism whose devices
+    also hold different experts, as Megatron's expert-parallel ranks are data-parallel ranks too)."""
+    axes = [a for a in ("data", "expert") if a in candidate.axes]
+    return axes[0] if len(axes) == 1 else (axes or None)
 
 
 def sequence_modules(roles: ModelRoles, params: list[ParamInfo]) -> list[str]:
@@ -677,6 +694,9 @@ def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 
         experts = chosen.plan.experts
         lines += ["experts:                     # each device holds its share of the experts; tokens reach them by all-to-all",
                   f"  blocks: '{experts.blocks}'", f"  axis: {experts.axis}", f"  dispatch: {experts.dispatch}"]
+        if experts.capacity_factor is not None:
+            lines += [f"  capacity_factor: {experts.capacity_factor:g}   # slots per (device, expert): this many "
+                      "times the even share of routed rows; rows past them are dropped"]
     if c.schedule:
         pipe = chosen.plan.pipeline
         lines += ["pipeline:", f"  axis: {pipe.axis}", f"  layers: {pipe.layers}",

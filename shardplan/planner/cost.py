@@ -277,7 +277,7 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
     # optimizer state; the step gathers them and runs as if they were not split (measured on minigpt_3d).
     step = dataclasses.replace(step, on_stages=frozenset(p.path for p in resting if _on_stages(p, step)))
     every = [_gathered_over_stages(p, step) if p.path in step.on_stages else p for p in resting]
-    experts = _expert_terms(report, every, step)
+    experts = _expert_terms(report, every, step, roles.code.top_k)
     # the expert weights' own costs are the exchange's (`shardplan.experts.cost`), not a matrix's
     held = [p for p in every if experts is None or p.path not in experts.paths]
     transfers = _communication(held, roles, step) + (list(experts.transfers) if experts else [])
@@ -285,10 +285,8 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
     transfers += [Transfer(*t) for t in sequence.transfers]
     param_bytes = sum(p.bytes_per_device * step.count(p.path) for p in resting)
     optimizer_bytes = sum(p.opt_bytes_per_device * step.count(p.path) for p in resting)
-    kept = _per_token(held, roles, step)
+    kept = _per_token(held, roles, step, experts.kept_per_token if experts else ())
     stored, remat, microbatch, microbatch_remat = _activations(kept, step)
-    if experts is not None:
-        stored, microbatch = stored + experts.kept_bytes, microbatch + experts.kept_bytes // step.accumulate
     if step.tabled:
         # the head runs inside the loop: its weights (gathered, when they enter whole), the running
         # sum of their gradients and each microbatch's before it is added (measured in XLA's buffers)
@@ -376,12 +374,13 @@ class _ExpertTerms:
     paths: frozenset
     transfers: tuple
     flops: float
-    kept_bytes: int
+    kept_per_token: tuple
     caveats: tuple
 
 
-def _expert_terms(report, held, step: _Step) -> _ExpertTerms | None:
-    """The plan's expert parallelism, costed by `shardplan.experts.cost`."""
+def _expert_terms(report, held, step: _Step, top_k: int) -> _ExpertTerms | None:
+    """The plan's expert parallelism, costed by `shardplan.experts.cost` (`top_k`: read off the model's
+    code, 0 where it was not traced)."""
     if not report.experts or report.plan.experts is None:
         return None
     from shardplan.experts.cost import expert_cost
@@ -392,10 +391,10 @@ def _expert_terms(report, held, step: _Step) -> _ExpertTerms | None:
     found = expert_cost(report.experts, layouts, axis=experts.axis,
                         capacity_factor=experts.capacity_factor if experts.dispatch == "capacity" else None,
                         batch_axes=step.batch_axes, sizes=step.sizes, passes=passes, tokens_per_pass=tokens,
-                        width=step.width, itemsize=step.itemsize, count=step.count,
+                        width=step.width, itemsize=step.itemsize, count=step.count, top_k=top_k,
                         recompute=lambda path: step.recomputes(staged, True))
     return _ExpertTerms(frozenset(p for b in report.experts for p in b.experts),
-                        tuple(Transfer(*t) for t in found.transfers), found.flops, found.kept_bytes, found.caveats)
+                        tuple(Transfer(*t) for t in found.transfers), found.flops, found.kept_per_token, found.caveats)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -720,9 +719,11 @@ def _tensor_ways(p: ParamLayout, dims: tuple[int, ...], step: _Step) -> int:
     return step.ways(_split_axes(p, dims, step.batch_axes))
 
 
-def _per_token(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple[dict, dict, dict]:
+def _per_token(held: list[ParamLayout], roles: ModelRoles, step: _Step, experts=()) -> tuple[dict, dict, dict]:
     """Bytes per token kept for the backward, by layer (None: before the layers, "after": after them):
-    (everything autodiff keeps, the matmul outputs alone, how many layers each entry stands for)."""
+    (everything autodiff keeps, the matmul outputs alone, how many layers each entry stands for).
+    `experts`: (an expert weight's path, bytes per token, of which matmul outputs) of the expert-parallel
+    blocks (`shardplan.experts.cost`), kept in their layers as the rest."""
     b = step.itemsize
     code = roles.code
     full: dict = {}
@@ -766,6 +767,11 @@ def _per_token(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple
             logits = (step.width + vocab) * b * LOGIT_COPIES + vocab * b * code.logits
             full["after"] = full.get("after", 0.0) + logits
             dots["after"] = dots.get("after", 0.0) + logits
+    for path, size, out in experts:
+        layer = roles.layer_of(path)
+        stands_for.setdefault(layer, step.count(path))
+        full[layer] = full.get(layer, 0.0) + size
+        dots[layer] = dots.get(layer, 0.0) + out
     held_layers = {roles.layer_of(p.path) for p in held} - {None}
     for layer, width in _kv_widths(held, roles, step).items():
         # context parallelism keeps the whole sequence's keys and values (`shardplan.context.cost`)
@@ -902,15 +908,20 @@ def _flops(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple[flo
     return total, attention_total, kernels
 
 
-def model_flops(params, roles: ModelRoles, workload: Workload) -> tuple[float, float]:
+def model_flops(params, roles: ModelRoles, workload: Workload, *, capacity: float = 1.0) -> tuple[float, float]:
     """(in the repeated layers, elsewhere) matmul FLOPs of one step of the whole model, nothing
-    recomputed: what `_flops` counts, before any split."""
+    recomputed: what `_flops` counts, before any split. A MoE block's experts count for the rows routed to
+    them: k of E experts per token (k read off the code, `roles.code.top_k`; at least 1 where it was not),
+    times `capacity` where that is below 1 (slots for fewer rows than are routed)."""
+    from shardplan.checks.expert_roles import find_blocks
     tokens = workload.batch * workload.seq
+    routed = {path: max(1, roles.code.top_k) * min(1.0, capacity) / b.count
+              for b in find_blocks(params) if b.count for path in b.experts}
     layer = other = 0.0
     for p in params:
         role = roles.roles.get(p.path)
         if role is not None and role.kind in (COLUMN, ROW, MATMUL):
-            flops = WEIGHT_FLOPS * tokens * math.prod(p.shape)
+            flops = WEIGHT_FLOPS * tokens * math.prod(p.shape) * routed.get(p.path, 1.0)
             layer, other = (layer + flops, other) if roles.layer_of(p.path) is not None else (layer, other + flops)
     for attention in roles.attention:
         flops = ATTENTION_FLOPS * tokens * workload.seq * attention.width

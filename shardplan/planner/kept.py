@@ -75,7 +75,33 @@ def traced_copies(model, call: Callable, roles: ModelRoles, seq: int) -> CodeCop
     ratio = heads / max((a.heads for a in roles.attention), default=1) if heads else 1.0
     return CodeCopies(*(round(max(0.0, n), 2) for n in (scores / ratio - PLAIN_SCORE_COPIES,
                                                          logits - PLAIN_LOGIT_COPIES, weights)),
-                      round(ratio, 3), traced=True)
+                      round(ratio, 3), top_k=_top_k(traced, model), traced=True)
+
+
+def _top_k(jaxpr, model) -> int:
+    """How many experts a token's rows go to: the largest `k` of a `top_k` over a MoE block's expert
+    count anywhere in the traced code (0: none; the parameters do not show it)."""
+    from shardplan.checks.expert_roles import find_blocks
+    from shardplan.checks.paths import param_infos
+    counts = {b.count for b in find_blocks(param_infos(model)) if b.count}
+    if not counts:
+        return 0
+    found = 0
+    for eqn in _equations(jaxpr):
+        if eqn.primitive.name == "top_k" and eqn.invars and eqn.invars[0].aval.shape[-1:] in {(c,) for c in counts}:
+            found = max(found, int(eqn.params["k"]))
+    return found
+
+
+def _equations(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs inside it (jit, checkpoint, custom derivatives)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (list, tuple)) else (value,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    yield from _equations(inner)
 
 
 def trace_length(model, seq: int) -> int:
