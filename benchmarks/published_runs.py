@@ -257,7 +257,8 @@ def run_row(label, config, gpus, workload, profile, published, measured, toolbox
     # the model's matmul FLOPs (nothing recomputed) at the modelled speed against what the profile's
     # matmuls can reach at all: a row above that ceiling would be modelled faster than the hardware
     ceiling = profile.flops_for("bfloat16") * profile.matmul_efficiency
-    achieved = sum(model_flops(params, roles, workload, capacity=capacity or 1.0)) / theirs.step_s / gpus if theirs else 0.0
+    flops = sum(model_flops(params, roles, workload, capacity=capacity or 1.0))
+    achieved = flops / theirs.step_s / gpus if theirs else 0.0
     row = {"model": label, "devices": gpus, "batch": workload.batch, "seq": workload.seq,
            "published": {"tensor": published.axes.get("model", 1), "pipeline": published.axes.get("stage", 1),
                          "rules": published.rules_label(), "experts": published.experts,

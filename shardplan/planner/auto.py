@@ -62,7 +62,7 @@ class Candidate:
     sequence: bool = False              # sequence parallelism over 'model' in the layers' norm regions
     compute: str | None = None          # compute dtype when not the parameters'
     accumulate: int = 1                 # gradient accumulation: microbatches run in turn (no pipeline)
-    experts: bool = False               # expert parallelism over 'expert' where the mesh has it, else folded onto 'data'
+    experts: bool = False               # expert parallelism over 'expert' if the mesh has it, else folded onto 'data'
     capacity: float | None = None       # the experts' dispatch: None dropless, else slots per (device, expert) as
                                         # this multiple of the even share (tokens past them are dropped)
     master: bool = False                # parameters stored in the compute dtype, float32 masters in the optimizer
