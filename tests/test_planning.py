@@ -127,6 +127,39 @@ def test_cost_model_on_one_f_one_b_matches_the_compiled_step(ends_on_stages, com
         assert cost.argument_bytes < before.argument_bytes
 
 
+EP_PLAN = """version: 1
+mesh: {axes: {data: 4, expert: 2}}
+inputs: {tokens: [[data, expert], null]}
+experts: {blocks: 'transformer_blocks/\\d+/moe', axis: expert, %s}
+params:
+  - {match: 'transformer_blocks/\\d+/moe/w_(in|out)', spec: [expert]}
+  - {match: '.*', spec: replicated}
+"""
+
+
+@pytest.mark.parametrize("dispatch, k", [("dispatch: capacity, capacity_factor: 1.0", 4), ("dispatch: dropless", 2)],
+                         ids=["capacity-top4", "dropless-top2"])
+def test_cost_model_on_expert_parallelism_matches_the_compiled_step(dispatch, k):
+    """MiniGPT's MoE (4 blocks of 8 experts, k read off its code) on data 4 x expert 2: each block keeps
+    its exchange's slots, every matmul's output and what XLA keeps per routed row (measured on other
+    sizes: `shardplan.experts.cost`), so the modelled peak is within 15% of the compiled step's
+    (measured +6.6% and -2.6%; counting the kept slots alone it was -22% on 8 blocks), the all-to-all
+    bytes exact."""
+    config = dict(maxlen=128, vocab_size=256, embed_dim=128, num_heads=4, feed_forward_dim=512,
+                  num_transformer_blocks=4, num_experts=8, experts_per_token=k)
+    model, roles = abstract_with_roles(lambda: minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0)))
+    roles = with_code(roles, model, 128)
+    assert roles.code.top_k == k
+    plan = shardplan.parse_plan(EP_PLAN % dispatch)
+    report = shardplan.check(plan, model, input_shapes={"tokens": (32, 128)})
+    assert report.ok
+    cost = estimate(report, roles, Workload(32, 128), get_profile("cpu"))
+    compiled = measure(plan, minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0)), 32, 128)
+    assert cost.peak_bytes == pytest.approx(compiled.peak_bytes, rel=0.15)
+    assert sum(t.bytes * t.count for t in cost.transfers if t.kind == "all-to-all") == \
+        compiled.collectives.bytes["all-to-all"]
+
+
 def _gemma_arguments(tokens):
     return gemma_inputs(tokens), {}
 
