@@ -16,7 +16,7 @@ REGRESSIONS = sorted((Path(__file__).parent / "combinations" / "regressions").gl
 # A sample of the generator's seed 0: 1f1b and zb-h1 pipelines (one with the code around the layers on
 # the stages), experts, context, bf16, float32 masters, remat and a deliberately broken plan are among
 # its first cases; the other schedules are in tests/test_wild_models.py and the long runs.
-SAMPLE = 12
+SAMPLE = 8          # (cases 8-11 draw no option the first 8 do not)
 
 
 def test_a_fixed_sample_of_random_plans_trains_like_one_device_or_is_refused():
