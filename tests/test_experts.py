@@ -160,6 +160,12 @@ def test_capacity_dispatch_equals_one_device_when_nothing_drops_and_warns_when_i
     for needle in ("layers/0/moe", "capacity_factor 1.0", "8 slots per (device, expert)", "32 tokens per device",
                    "choosing 2 of 8 experts", "drops about 12.1%"):
         assert needle in text, text
+    assert "example batch" not in text
+    # without shapes in the plan the count comes from a made-up call of the blocks, and the warning says so
+    shapeless = shardplan.parse_plan(plan_text("ep4", ", dispatch: capacity, capacity_factor: 1.0"))
+    found = [d.format() for d in shardplan.check(shapeless, MoEDecoder(SortedMoE, rngs=nnx.Rngs(0))).diagnostics
+             if d.code == "experts-capacity-drops"]
+    assert found and all("on an example batch: the plan's inputs give no shapes" in t for t in found), found
 
 
 def test_expected_drop_share_matches_a_simulated_uniform_router():

@@ -61,7 +61,8 @@ def with_model_checks(report: Report, plan: Plan, model, example: Callable | Non
         block_call = call if call is not None else blocks_call(model, report)
         if block_call is not None:     # (checked for devices this machine need not have, as the layout is)
             found += check_expert_calls(plan, model, report, block_call,
-                                        mesh if mesh is not None else tracing_mesh(plan, report.axes))
+                                        mesh if mesh is not None else tracing_mesh(plan, report.axes),
+                                        made_up=call is None)
     if plan.context is not None and not report.errors:
         from shardplan.checks.roles import recognise_module
         from shardplan.context.contract import check_context_calls

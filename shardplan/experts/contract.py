@@ -7,7 +7,9 @@ from shardplan.checks.experts import expected_drop_share
 from shardplan.plan.diagnostics import Diagnostic
 
 
-def check_expert_calls(plan, model, report, call, mesh) -> list[Diagnostic]:
+def check_expert_calls(plan, model, report, call, mesh, *, made_up: bool = False) -> list[Diagnostic]:
+    """`made_up`: `call` is `blocks_call`'s (the plan's inputs give no shapes), so its token count is not
+    the user's and the capacity warning says so."""
     import jax
     from flax import nnx
 
@@ -70,7 +72,9 @@ def check_expert_calls(plan, model, report, call, mesh) -> list[Diagnostic]:
                                         f"block {block!r}: capacity_factor {plan.experts.capacity_factor} gives "
                                         f"{capacity} slots per (device, expert) for {tokens} tokens per device "
                                         f"choosing {top_k} of {experts} experts; a uniform router drops about "
-                                        f"{share:.1%} of routed rows", file=plan.file, line=line, column=col,
+                                        f"{share:.1%} of routed rows" + (" (on an example batch: the plan's inputs "
+                                        "give no shapes, and the share depends on the tokens per device)"
+                                        if made_up else ""), file=plan.file, line=line, column=col,
                                         path=block, hint="raise capacity_factor, or use dispatch: dropless"))
     return found
 
