@@ -160,6 +160,23 @@ def test_cost_model_on_expert_parallelism_matches_the_compiled_step(dispatch, k)
         compiled.collectives.bytes["all-to-all"]
 
 
+def test_cost_model_on_expert_parallelism_inside_a_pipeline_matches_the_compiled_step():
+    """1F1B with the experts folded onto data: inside the loop each microbatch's expert-weight gradients
+    and their running sum are kept as the other layers' are (they were left out: -18%; now -3.4%)."""
+    config = dict(maxlen=128, vocab_size=256, embed_dim=128, num_heads=4, feed_forward_dim=512,
+                  num_transformer_blocks=8, num_experts=8, experts_per_token=2)
+    model, roles = abstract_with_roles(lambda: minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0)))
+    roles = with_code(roles, model, 128)
+    candidate = auto.Candidate({"stage": 2, "data": 4}, {}, False, False, False, False, "1f1b", 4, 1,
+                               experts=True, capacity=1.0)
+    plan = auto.build_plan(candidate, roles, param_infos(model))
+    report = shardplan.check(plan, model, input_shapes={"tokens": (32, 128)})
+    assert report.ok
+    cost = estimate(report, roles, Workload(32, 128), get_profile("cpu"))
+    compiled = measure(plan, minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0)), 32, 128)
+    assert cost.peak_bytes == pytest.approx(compiled.peak_bytes, rel=0.15)
+
+
 @pytest.mark.parametrize("remat", ["none", "dots"])
 def test_cost_model_on_the_zero_bubble_schedule_matches_the_compiled_step(remat):
     """zb-h1 keeps each microbatch's residuals from F until its W: measured on other sizes, the compiled

@@ -313,7 +313,7 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
     stored, remat = stored + head_copies, remat + head_copies
     compute_copy = 0
     if options.compute_itemsize != param_itemsize:
-        compute_copy = sum(math.prod(p.shard_shape) * step.count(p.path) for p in held) * options.compute_itemsize
+        compute_copy = sum(math.prod(p.shard_shape) * step.count(p.path) for p in every) * options.compute_itemsize
     # the head's gradients, made as the backward starts (a tied embedding's second use too)
     early_grads = sum(p.bytes_per_device for p in held if p.path in roles.after_layers | roles.tied)
     if step.accumulate > 1:     # the running sum of the gradients, and each microbatch's before it is added
@@ -323,7 +323,7 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
         # the compute dtype, their running sum in float32 at least (`shardplan.pipeline.loop`)
         early_grads = sum(math.prod(p.shard_shape) * step.count(p.path) *
                           (min(p.itemsize, options.compute_itemsize) + max(4, options.compute_itemsize))
-                          for p in held if p.stage is not None)
+                          for p in every if p.stage is not None)      # (the experts' weights too)
     # the gathered copies of the parameters split over the stages, for the whole step
     gathered = sum(p.bytes_per_device * step.count(p.path) for p in every if p.path in step.on_stages)
     regathered = 0
