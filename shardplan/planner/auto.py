@@ -151,8 +151,8 @@ def search(params: list[ParamInfo], roles: ModelRoles, *, devices: int, workload
     budget = memory if memory is not None else profile.memory_bytes
     usable = int(budget * (1 - margin))
     rep = Representative.of(params, roles)
-    bounds = _Bounds.of(params, roles, workload, profile, compute, devices, capacity)
     blocks = find_blocks(params)
+    bounds = _Bounds.of(params, roles, workload, profile, compute, devices, capacity, blocks)
     listed = sorted(((bounds.step(c), n, c) for n, c in enumerate(
         _overlapping(candidates(roles, devices, hosts, workload, pipelines, compute,
                                 blocks[0].count if blocks else None, _heavy_ends(params, roles), capacity), profile))
@@ -250,8 +250,8 @@ class _Bounds:
 
     @classmethod
     def of(cls, params, roles: ModelRoles, workload: Workload, profile: Profile, compute: str | None,
-           devices: int, capacity: float | None = None) -> "_Bounds":
-        layer, other = model_flops(params, roles, workload, capacity=capacity or 1.0)
+           devices: int, capacity: float | None = None, blocks=None) -> "_Bounds":
+        layer, other = model_flops(params, roles, workload, capacity=capacity or 1.0, blocks=blocks)
         dtype = compute or (params[0].dtype.name if params else "float32")
         # the faster of the two rates keeps it a bound when attention runs at another efficiency
         efficiency = max(profile.matmul_efficiency, profile.attention_efficiency)

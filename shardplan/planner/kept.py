@@ -83,14 +83,11 @@ def _top_k(jaxpr, model) -> int:
     count anywhere in the traced code (0: none; the parameters do not show it)."""
     from shardplan.checks.expert_roles import find_blocks
     from shardplan.checks.paths import param_infos
-    counts = {b.count for b in find_blocks(param_infos(model)) if b.count}
-    if not counts:
+    chosen = [eqn for eqn in _equations(jaxpr) if eqn.primitive.name == "top_k" and eqn.invars]
+    if not chosen:          # (finding the blocks takes seconds on a deep model: only when there is a top_k)
         return 0
-    found = 0
-    for eqn in _equations(jaxpr):
-        if eqn.primitive.name == "top_k" and eqn.invars and eqn.invars[0].aval.shape[-1:] in {(c,) for c in counts}:
-            found = max(found, int(eqn.params["k"]))
-    return found
+    counts = {(b.count,) for b in find_blocks(param_infos(model)) if b.count}
+    return max((int(eqn.params["k"]) for eqn in chosen if eqn.invars[0].aval.shape[-1:] in counts), default=0)
 
 
 def _equations(jaxpr):
