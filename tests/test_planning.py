@@ -3,6 +3,7 @@ against compiled steps; `auto` ranking on one layer standing for all exactly as 
 the new sections that validate and train like one device."""
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -127,6 +128,18 @@ def test_cost_model_on_one_f_one_b_matches_the_compiled_step(ends_on_stages, com
         assert cost.argument_bytes < before.argument_bytes
 
 
+def _against_compiler(config: dict, plan_of, batch: int, seq: int):
+    """(roles with what the code keeps, modelled cost, compiled figures) of one step of MiniGPT(**config)
+    under `plan_of(roles, params)`."""
+    model, roles = abstract_with_roles(lambda: minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0)))
+    roles = with_code(roles, model, seq)
+    plan = plan_of(roles, param_infos(model))
+    report = shardplan.check(plan, model, input_shapes={"tokens": (batch, seq)})
+    assert report.ok, [d.format() for d in report.errors]
+    cost = estimate(report, roles, Workload(batch, seq), get_profile("cpu"))
+    return roles, cost, measure(plan, minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0)), batch, seq)
+
+
 EP_PLAN = """version: 1
 mesh: {axes: {data: 4, expert: 2}}
 inputs: {tokens: [[data, expert], null]}
@@ -147,14 +160,9 @@ def test_cost_model_on_expert_parallelism_matches_the_compiled_step(dispatch, k)
     bytes exact."""
     config = dict(maxlen=128, vocab_size=256, embed_dim=128, num_heads=4, feed_forward_dim=512,
                   num_transformer_blocks=4, num_experts=8, experts_per_token=k)
-    model, roles = abstract_with_roles(lambda: minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0)))
-    roles = with_code(roles, model, 128)
+    roles, cost, compiled = _against_compiler(config, lambda roles, params: shardplan.parse_plan(EP_PLAN % dispatch),
+                                              32, 128)
     assert roles.code.top_k == k
-    plan = shardplan.parse_plan(EP_PLAN % dispatch)
-    report = shardplan.check(plan, model, input_shapes={"tokens": (32, 128)})
-    assert report.ok
-    cost = estimate(report, roles, Workload(32, 128), get_profile("cpu"))
-    compiled = measure(plan, minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0)), 32, 128)
     assert cost.peak_bytes == pytest.approx(compiled.peak_bytes, rel=0.15)
     assert sum(t.bytes * t.count for t in cost.transfers if t.kind == "all-to-all") == \
         compiled.collectives.bytes["all-to-all"]
@@ -165,15 +173,9 @@ def test_cost_model_on_expert_parallelism_inside_a_pipeline_matches_the_compiled
     and their running sum are kept as the other layers' are (they were left out: -18%; now -3.4%)."""
     config = dict(maxlen=128, vocab_size=256, embed_dim=128, num_heads=4, feed_forward_dim=512,
                   num_transformer_blocks=8, num_experts=8, experts_per_token=2)
-    model, roles = abstract_with_roles(lambda: minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0)))
-    roles = with_code(roles, model, 128)
     candidate = auto.Candidate({"stage": 2, "data": 4}, {}, False, False, False, False, "1f1b", 4, 1,
                                experts=True, capacity=1.0)
-    plan = auto.build_plan(candidate, roles, param_infos(model))
-    report = shardplan.check(plan, model, input_shapes={"tokens": (32, 128)})
-    assert report.ok
-    cost = estimate(report, roles, Workload(32, 128), get_profile("cpu"))
-    compiled = measure(plan, minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0)), 32, 128)
+    _, cost, compiled = _against_compiler(config, functools.partial(auto.build_plan, candidate), 32, 128)
     assert cost.peak_bytes == pytest.approx(compiled.peak_bytes, rel=0.15)
 
 
@@ -186,14 +188,8 @@ def test_cost_model_on_the_zero_bubble_schedule_matches_the_compiled_step(remat)
     +1.3% without rematerialisation, -11.7% with `dots`; the S sets alone were -38% and -26%)."""
     config = dict(MINIGPT, maxlen=64, vocab_size=512, embed_dim=96, num_heads=4, feed_forward_dim=384,
                   num_transformer_blocks=6)
-    model, roles = abstract_with_roles(lambda: minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0)))
-    roles = with_code(roles, model, 64)
     candidate = auto.Candidate({"stage": 2, "data": 4}, {}, False, False, False, False, "zb-h1", 4, 1, remat)
-    plan = auto.build_plan(candidate, roles, param_infos(model))
-    report = shardplan.check(plan, model, input_shapes={"tokens": (32, 64)})
-    assert report.ok
-    cost = estimate(report, roles, Workload(32, 64), get_profile("cpu"))
-    compiled = measure(plan, minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0)), 32, 64)
+    _, cost, compiled = _against_compiler(config, functools.partial(auto.build_plan, candidate), 32, 64)
     assert cost.peak_bytes == pytest.approx(compiled.peak_bytes, rel=0.15)
 
 
