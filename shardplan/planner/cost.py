@@ -38,6 +38,7 @@ import dataclasses
 import functools
 import math
 
+from shardplan.checks.expert_roles import find_blocks
 from shardplan.checks.layout import ParamLayout
 from shardplan.checks.validate import data_axes
 from shardplan.plan.schema import format_spec, spec_axes
@@ -53,7 +54,7 @@ SCORE_COPIES = 2                # attention scores and probabilities kept per he
 # and output gradients from B until W, and the loop's copies of the set it reads and the one it
 # writes. Measured on MiniGPT (8 blocks, embed 128, 2 and 4 stages, 2 to 8 microbatches on CPU
 # devices): the compiled temporaries are 2.0-2.6x the S sets; 1.75 S + 1.5 sets put the peaks
-# within +1%..+9% of the compiled.
+# within -1%..+5% of the compiled.
 ZB_SET_COPIES = 1.75
 ZB_EXTRA_SETS = 1.5
 # With rematerialised layers it keeps S sets of what the policy saves and, measured the same way, about
@@ -932,7 +933,6 @@ def model_flops(params, roles: ModelRoles, workload: Workload, *, capacity: floa
     them: k of E experts per token (k read off the code, `roles.code.top_k`; at least 1 where it was not),
     times `capacity` where that is below 1 (slots for fewer rows than are routed). `blocks`: the MoE blocks
     (`shardplan.checks.expert_roles.find_blocks`), where the caller has them."""
-    from shardplan.checks.expert_roles import find_blocks
     tokens = workload.batch * workload.seq
     routed = {path: max(1, roles.code.top_k) * min(1.0, capacity) / b.count
               for b in (find_blocks(params) if blocks is None else blocks) if b.count for path in b.experts}
