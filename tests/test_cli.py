@@ -238,3 +238,16 @@ def test_validate_says_what_it_assumed_and_strict_makes_warnings_fail(capsys, tm
     assert code == 0 and "idle-axis" in out and "not checked" not in out
     code, out, _ = run(capsys, "validate", str(idle), *model, "--strict")
     assert code == 1 and "idle-axis" in out
+
+
+def test_auto_capacity_factor_says_when_it_changes_nothing_and_refuses_what_is_no_factor(capsys, tmp_path):
+    tiny = ("--model", "minigpt_model:MiniGPT", "--config", "num_transformer_blocks=2", "--config", "embed_dim=32",
+            "--config", "feed_forward_dim=64", "--config", "vocab_size=64", "--devices", "8", "--profile", "cpu")
+    code, out, _ = run(capsys, "auto", *tiny, "--capacity-factor", "1.25", "-o", str(tmp_path / "dense.yaml"))
+    flat = " ".join(out.split())
+    assert code == 0 and "--capacity-factor changes nothing: the model has no MoE blocks" in flat, out
+    assert "experts:" not in (tmp_path / "dense.yaml").read_text()
+    for bad in ("0", "-1", "nan", "100"):
+        code, out, err = run(capsys, "auto", *tiny, "--capacity-factor", bad, "-o", str(tmp_path / "bad.yaml"))
+        assert code == 2 and "--capacity-factor is a multiple of the even share in (0, 64]" in " ".join((out + err).split())
+        assert not (tmp_path / "bad.yaml").exists()

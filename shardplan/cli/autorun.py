@@ -42,6 +42,12 @@ def run_auto(console: Console, *, factory: str, config: dict, devices: int, host
     if not roles.code.traced:
         console.print(Text.assemble(("activations counted as a plain transformer's: ", "bold"),
                                     f"the forward could not be traced with `{input_name}` alone"))
+    if capacity is not None:
+        from shardplan.checks.expert_roles import find_blocks
+        if not find_blocks(params):
+            console.print(Text.assemble(("--capacity-factor changes nothing: ", "bold"), "the model has no MoE "
+                                        "blocks (a router whose experts are stacked weights) to make expert-parallel"))
+            capacity = None
     refusal = _pipeline_refusal(model, roles.layers, input_name, workload)
     if refusal:
         console.print(Text.assemble(("no pipeline candidates: ", "bold"), refusal))
