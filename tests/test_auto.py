@@ -310,3 +310,30 @@ def test_auto_with_a_capacity_factor_writes_capacity_dispatch_and_counts_the_rou
     rows = {k: 8 * -(-k * tokens // 8) for k in (2, 4)}
     added = 6 * (rows[4] - rows[2]) * 2 * MINIGPT["embed_dim"] * 512 * MINIGPT["num_transformer_blocks"]
     assert flops[4] - flops[2] == pytest.approx(added, rel=1e-9)
+
+
+def test_auto_gives_the_end_stages_fewer_layers_where_the_head_outweighs_a_layer(tmp_path):
+    """A head of about two layers' work (vocabulary 1,024 at width 64): on 4 stages of 10 layers the last
+    stage, which also runs the head and loss, takes fewer layers (its padding slots are skipped on the
+    schedule tables); the stages' modelled work evens out, the written plan validates without a warning
+    and trains like one device."""
+    config = {**MINIGPT, "vocab_size": 1024, "num_transformer_blocks": 10}
+
+    def build():
+        return minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0))
+    found, _, roles = _search(build, only=lambda c: c.axes == {"stage": 4, "data": 2} and c.schedule == "1f1b" and
+                              not (c.zero1 or c.fsdp or c.ends) and c.remat == "none" and c.microbatches == 8)
+    best = found.best
+    assert best.candidate.split is not None and best.candidate.split[-1] < min(best.candidate.split[1:-1])
+    even = auto.sketch(dataclasses.replace(best.candidate, split=None), roles, auto.Representative.of(found.params, roles),
+                       found.workload, found.profile)[1]
+    assert max(best.estimate.stage_compute_s) < max(even.stage_compute_s) == even.compute_s
+    # the stages' work is within one layer of each other, where the even split left the last a head behind
+    spread = max(best.estimate.stage_compute_s) - min(best.estimate.stage_compute_s)
+    assert spread <= best.estimate.layer_s / (1 - best.estimate.bubble) * 1.01
+    assert max(even.stage_compute_s) - min(even.stage_compute_s) > spread
+    plan = _written(found, tmp_path)
+    report = shardplan.check(plan, build(), input_shapes={"tokens": (BATCH, SEQ)})
+    assert report.diagnostics == [] and report.stage_map.counts == best.candidate.split, \
+        [d.format() for d in report.diagnostics]
+    np.testing.assert_allclose(_losses(plan, build, steps=2), _single_device_losses(build, steps=2), rtol=1e-5)

@@ -155,9 +155,8 @@ CASES = {
     "stage-out-of-range": (pipe("  stages:\n    - {match: 'layers/[0-1]', stage: 0}\n"
                                 "    - {match: 'layers/[2-3]', stage: 5}\n"), PIPE_PARAMS, 8, None,
                            ["stage 5", "2 stages"], 9),
-    "stage-unbalanced": (pipe("  stages:\n    - {match: 'layers/[0-2]', stage: 0}\n"
-                              "    - {match: 'layers/3', stage: 1}\n"), PIPE_PARAMS, 8, None,
-                         ["unequal", "{0: 3, 1: 1}", "2 layers"], 7),
+    "stage-unbalanced": (pipe("  stages:\n    - {match: 'layers/[0-3]', stage: 0}\n"), PIPE_PARAMS, 8, None,
+                         ["unequal", "{0: 4, 1: 0}", "holds no layer", "2 layers"], 7),
     "stage-noncontiguous": (pipe("  stages:\n    - {match: 'layers/(0|2)', stage: 0}\n"
                                  "    - {match: 'layers/(1|3)', stage: 1}\n"), PIPE_PARAMS, 8, None,
                             ["consecutive", "layers/1 is on stage 1, expected 0"], 7),
@@ -318,6 +317,11 @@ def test_unequal_stages_are_padded_runs_as_even_as_the_layer_count_allows(tmp_pa
                       "    - {match: 'layers/4', stage: 2}\n    - {match: 'layers/5', stage: 3}\n")
     assert lopsided.ok and [(d.code, d.severity) for d in lopsided.diagnostics] == [("stage-unbalanced", "warning")]
     assert "the largest (3 layers) sets the pace where 1 or 2 layers would do" in lopsided.diagnostics[0].message
+    # shorter end stages (they run the embedding and the head too): Megatron's uneven split, no warning
+    params[:6] = [ParamInfo(f"layers/{i}/w", (64, 64), F32) for i in range(10)]
+    ends = report("  stages:\n    - {match: 'layers/[0-1]', stage: 0}\n    - {match: 'layers/[2-5]', stage: 1}\n"
+                  "    - {match: 'layers/[6-8]', stage: 2}\n    - {match: 'layers/9', stage: 3}\n")
+    assert ends.diagnostics == [] and ends.stage_map.counts == (2, 4, 3, 1)
 
 
 def test_zb_v_places_its_two_chunks_per_stage_in_a_v(tmp_path):

@@ -183,8 +183,10 @@ class DeviceTotals:
 
 
 def device_totals(params: list[ParamLayout], sizes: dict[str, int], device_ids: list[int],
-                  stage_axis: str | None = None) -> list[DeviceTotals]:
-    """Bytes each device holds; a staged parameter counts only on devices of its stage."""
+                  stage_axis: str | None = None, stage_counts: tuple[int, ...] = ()) -> list[DeviceTotals]:
+    """Bytes each device holds; a staged parameter counts only on devices of its stage. Stages holding
+    fewer layers than the longest (`stage_counts`, layers per stage) are padded to it with zero-filled
+    layers, which take the same bytes as real ones."""
     per_stage: dict[int | None, tuple[int, int]] = {}
     totals = []
     for k, device_id in enumerate(device_ids):
@@ -193,6 +195,13 @@ def device_totals(params: list[ParamLayout], sizes: dict[str, int], device_ids: 
         if stage not in per_stage:
             held = [p for p in params if p.stage is None or stage is None or stage == p.stage]
             per_stage[stage] = (sum(p.bytes_per_device for p in held), sum(p.opt_bytes_per_device for p in held))
+            if stage_counts and stage_counts[stage] < max(stage_counts):
+                longest = stage_counts.index(max(stage_counts))
+                layer = [p for p in params if p.stage == longest]     # one layer's worth: the longest's / its count
+                per_stage[stage] = tuple(total + (max(stage_counts) - stage_counts[stage]) *
+                                         sum(getattr(p, field) for p in layer) // max(stage_counts)
+                                         for total, field in zip(per_stage[stage],
+                                                                 ("bytes_per_device", "opt_bytes_per_device")))
         totals.append(DeviceTotals(k, device_id, coords, *per_stage[stage]))
     return totals
 

@@ -133,7 +133,8 @@ def check_params(plan: Plan, params: list[ParamInfo], device_ids: list[int], *,
     data = data_axes(plan, sizes) if plan.optimizer == "zero1" else ()
     layouts = [_layout(p, sizes, data, stage_map, plan.precision) for p in placements]
     axis = plan.pipeline.axis if stage_map else None
-    devices = device_totals(layouts, sizes, device_ids, axis) if not mesh_diagnostics else []
+    devices = device_totals(layouts, sizes, device_ids, axis, stage_map.counts if stage_map else ()) \
+        if not mesh_diagnostics else []
     return Report(plan, sizes, device_ids, diagnostics, layouts, devices, stage_map, tuple(expert_roles))
 
 

@@ -234,6 +234,14 @@ def balanced_stages(count: int, stages: int) -> list[int]:
     return [s for s, size in enumerate(sizes) for _ in range(size)]
 
 
+def _shorter_at_the_ends(counts: list[int]) -> bool:
+    """Megatron's uneven split (`--decoder-first/last-pipeline-num-layers`): the middle stages as even as
+    they can be and the first and last no longer than any of them, which also run the embedding and the
+    head (the table schedules skip the shorter stages' padding, so they finish their ticks sooner)."""
+    middle = counts[1:-1]
+    return not middle or (max(middle) - min(middle) <= 1 and max(counts[0], counts[-1]) <= min(middle))
+
+
 def _check_layout(plan, stage_map: StageMap, where) -> list[Diagnostic]:
     pipe = plan.pipeline
     counts = list(stage_map.counts)
@@ -247,7 +255,7 @@ def _check_layout(plan, stage_map: StageMap, where) -> list[Diagnostic]:
             return [where("stage-unbalanced", ("pipeline", "stages"),
                           f"stages hold unequal numbers of layers {dict(enumerate(counts))}; {problem}",
                           hint=f"give each stage {even} (or use stages: even)")]
-        if max(counts) > fewest + (count % stage_map.stages > 0):
+        if max(counts) > fewest + (count % stage_map.stages > 0) and not _shorter_at_the_ends(counts):
             # runnable (stages are padded to the largest), but slower than it need be
             found.append(where("stage-unbalanced", ("pipeline", "stages"),
                                f"stages hold unequal numbers of layers {dict(enumerate(counts))}; every stage runs "

@@ -770,7 +770,7 @@ def _estimate(args, report, order: list[str], model, deep=None):
     traced = recognise(param_infos(model), deep.shallow_order) if deep else roles
     code = with_code(traced, model, workload.seq, input_name=next(iter(report.plan.inputs), "tokens")).code
     roles = dataclasses.replace(roles, code=code)
-    return workload, profile, estimate(report, roles, workload, profile), roles.code
+    return workload, profile, estimate(report, roles, workload, profile, per_stage=True), roles.code
 
 
 def _deep_model(args, plan: Plan, order: list[str]):

@@ -447,8 +447,34 @@ def render_estimate(console: Console, workload, profile, cost, *, accumulate: in
                   f"{cost.compute_s * 1e3:.2f} ms{bubble} + communication {cost.exposed_communication_s * 1e3:.2f} ms"
                   f" + optimizer update {cost.update_s * 1e3:.2f} ms" + (f" (more runs during compute: {hidden})"
                                                                          if hidden else ""))
+    _render_stage_costs(console, cost)
     for caveat in cost.caveats:
         print_wrapped(console, Text.assemble(("  approximate: ", "bold yellow"), caveat))
+
+
+def _render_stage_costs(console: Console, cost) -> None:
+    """Each pipeline stage's modelled activations and compute, and how unequal they are."""
+    from shardplan.checks.layout import human_bytes
+    times, kept = cost.stage_compute_s, cost.stage_activation_bytes
+    if len(times) < 2 or len(kept) != len(times):
+        return
+    table = Table(box=None, pad_edge=False)
+    for column in ("stage", "activations kept", "compute/step"):
+        table.add_column(column, justify="left" if column == "stage" else "right")
+    rows: list[list] = []       # stages alike as shown share a row (64 stages: a few rows)
+    for stage, (seconds, nbytes) in enumerate(zip(times, kept)):
+        shown = [human_bytes(nbytes), f"{seconds * 1e3:.2f} ms"]
+        if rows and rows[-1][1:] == shown:
+            rows[-1][0].append(stage)
+        else:
+            rows.append([[stage], *shown])
+    for stages, *shown in rows:
+        table.add_row(_index_ranges(stages, through="-", separator=", "), *shown)
+    print_table(console, table)
+    print_wrapped(console, f"  the stages run in lockstep, so the slowest sets the pace (slowest/fastest "
+                  f"{max(times) / min(times):.2f}: the first also runs the code before the layers, the last the head "
+                  f"and loss); what they keep differs {max(kept) / max(1, min(kept)):.2f}x, but one program runs "
+                  "every stage: each device has room for what any stage keeps (the activations above)")
 
 
 

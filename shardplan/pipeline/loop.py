@@ -128,15 +128,20 @@ def chunk_of_state(state, index):
     return jax.tree.map(lambda a: a[index], state)
 
 
-def run_chunk(layers: Layers, chunk_state, h, split, whole, keys, first_layer, size=None):
+def run_chunk(layers: Layers, chunk_state, h, split, whole, keys, first_layer, size=None, when=None):
     """The chunk's layers one after another, under scan; with `size`, the slots from `size` on are
-    padding and pass the activation through. (They run, on zero weights, and their output is dropped:
-    under a `lax.cond` autodiff would keep the stage's weights once per loop trip. A stage with padding
-    waits for the longest anyway.)"""
+    padding and pass the activation through. With `when` (the schedule's branch, `branching`) a padding
+    slot is skipped, so a stage holding fewer layers finishes its tick sooner: what lets the end stages,
+    which also run the embedding or the head, hold fewer layers. Without it (the whole-batch loop, whose
+    autodiff under a `lax.cond` kept the stage's weights once per loop trip) the slot runs on zero
+    weights and its output is dropped."""
     count = jax.tree.leaves(chunk_state)[0].shape[0]
 
     def layer(h, inputs):
         layer_state, index = inputs
+        if size is not None and when is not None:
+            return when(index < size, lambda: layers.run(layer_state, first_layer + index, h, split, whole, keys),
+                        lambda: h), None
         out = layers.run(layer_state, first_layer + index, h, split, whole, keys)
         return (out if size is None else jnp.where(index < size, out, h)), None
 
@@ -421,10 +426,12 @@ def table_schedule(loop: Loop, operands: Operands):
         last = stages - 1
         f_m, f_v, b_m, b_v, f_slot, b_slot = (table[s] for table in tables)
 
+        when = branching(loop.branches)
+
         def stage_fn(chunk_state, h, m, v):
             first, size = layers.chunk(s, v, stages, per_chunk)
             return run_chunk(layers, chunk_state, h, rows_of(layer_split, m), layer_whole, fold_keys(layer_keys, m),
-                             first, size)
+                             first, size, when)
 
         # A chunk's weights are taken, and its gradients added back, outside the tick's branches: inside,
         # the transpose of that slice can re-tile a weight split over an axis left to XLA with a
@@ -436,7 +443,6 @@ def table_schedule(loop: Loop, operands: Operands):
         def add_to_chunk(total, v, grads):
             return jax.tree.map(lambda t, g: t.at[v if virtual > 1 else 0].add(g.astype(t.dtype)), total, grads)
 
-        when = branching(loop.branches)
         ends = Ends(loop, mine, when)
         like = ends.like
 

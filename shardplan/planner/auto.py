@@ -23,8 +23,9 @@ from shardplan.checks.report import Report, check_params
 from shardplan.checks.validate import REPLICATED_WARNING_BYTES, data_axes
 from shardplan.checks.expert_roles import find_blocks
 from shardplan.checks.schedules import recomputes_stages
+from shardplan.checks.stages import balanced_stages
 from shardplan.plan.schema import Plan, spec_axes
-from shardplan.planner.cost import Estimate, Workload, schedule_bubble, estimate, model_flops
+from shardplan.planner.cost import Estimate, Workload, estimate, model_flops, padding_skipped, schedule_bubble
 from shardplan.planner.profiles import Profile
 from shardplan.planner.representative import Representative, lay_out
 from shardplan.checks.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR, ModelRoles
@@ -69,6 +70,8 @@ class Candidate:
     ring: bool = False                  # with a 'context' axis: ring attention (else keys and values gathered)
     overlap: bool = False               # `tensor_overlap` (collective matmul) with sequence parallelism, on GPUs
     ends: bool = False                  # with a pipeline: the embedding and head split over 'stage' too
+    split: tuple[int, ...] | None = None    # layers per stage where not as even as they can be: the end
+                                            # stages shorter, as they also run the embedding and the head
 
     def label(self) -> str:
         mesh = " x ".join(f"{name} {size}" for name, size in self.axes.items())
@@ -90,7 +93,8 @@ class Candidate:
             parts.append("cp ring" if self.ring else "cp all-gather")
         if self.schedule:
             virtual = f" v{self.virtual}" if self.virtual > 1 else ""
-            parts.append(f"{self.schedule}{virtual} M={self.microbatches}" + (", ends on stages" if self.ends else ""))
+            parts.append(f"{self.schedule}{virtual} M={self.microbatches}" + (", ends on stages" if self.ends else "") +
+                         (", layers " + "/".join(map(str, self.split)) if self.split else ""))
         if self.sequence:
             parts.append("sp + overlap" if self.overlap else "sp")
         if self.accumulate > 1:
@@ -173,10 +177,12 @@ def search(params: list[ParamInfo], roles: ModelRoles, *, devices: int, workload
         if cost.peak_bytes > usable:
             rejected.append(Ranked(candidate, None, None, cost, "over the memory budget"))
             continue
-        fitting.append((cost.step_s, n, candidate, cost))
-        heapq.heappush(slowest, -cost.step_s)
-        if len(slowest) > keep:
-            heapq.heappop(slowest)
+        for candidate, cost in _with_shorter_ends(candidate, cost, roles, rep, workload, profile, input_name, usable,
+                                                  only):
+            fitting.append((cost.step_s, n, candidate, cost))
+            heapq.heappush(slowest, -cost.step_s)
+            if len(slowest) > keep:
+                heapq.heappop(slowest)
     # Sequence parallelism and gradient accumulation only where memory needs them: sequence
     # parallelism is modelled as Megatron's while XLA's partitioner was measured to move more (a
     # caveat on every such estimate); accumulation only adds reductions.
@@ -203,6 +209,45 @@ def search(params: list[ParamInfo], roles: ModelRoles, *, devices: int, workload
     return Search(ranked, rejected, params, roles, workload, profile, budget, usable, len(fitting), pruned)
 
 
+def _with_shorter_ends(candidate: Candidate, cost: Estimate, roles: ModelRoles, rep: Representative,
+                       workload: Workload, profile: Profile, input_name: str, usable: int, only=None):
+    """The candidate, and where its end stages take longer than the others (the embedding, the head and
+    loss on top of their layers) and its schedule lets a shorter stage finish sooner, the same with the
+    layers split to even out the stages' work, when that fits and is faster."""
+    yield candidate, cost
+    if not padding_skipped(candidate.schedule, candidate.virtual, "context" in candidate.axes):
+        return
+    stages = candidate.axes["stage"]
+    split = shorter_ends(roles.layer_count, stages, cost.layer_s, *cost.ends_s)
+    even = balanced_stages(roles.layer_count, stages)
+    if split == tuple(even.count(s) for s in range(stages)):
+        return
+    shorter = dataclasses.replace(candidate, split=split)
+    if only is not None and not only(shorter):
+        return
+    _, found = sketch(shorter, roles, rep, workload, profile, input_name=input_name)
+    if found.peak_bytes <= usable and found.step_s < cost.step_s:
+        yield shorter, found
+
+
+def shorter_ends(layers: int, stages: int, layer_s: float, before_s: float, after_s: float) -> tuple[int, ...]:
+    """Layers per stage (each at least one, consecutive runs) that even out the stages' work when the
+    first also runs the code before the layers (`before_s`) and the last the code after them: each
+    layer in turn to the stage that would finish soonest with it, which for layers of one size gives the
+    smallest longest stage (ties: the earlier stage).
+
+    >>> shorter_ends(10, 4, 1.0, 0.0, 1.5)
+    (3, 3, 3, 1)
+    """
+    counts = [1] * stages
+    load = [layer_s + before_s * (s == 0) + after_s * (s == stages - 1) for s in range(stages)]
+    for _ in range(layers - stages):
+        s = min(range(stages), key=lambda k: (load[k] + layer_s, k))
+        counts[s] += 1
+        load[s] += layer_s
+    return tuple(counts)
+
+
 def _unneeded(c: Candidate, step_s: float, fits: dict[str, float]) -> str | None:
     """Why a candidate's sequence parallelism, accumulation or split ends are not needed: a simpler
     twin fits (and, for sequence parallelism with collective matmul, which can make it faster, is no
@@ -222,7 +267,7 @@ def sketch(candidate: Candidate, roles: ModelRoles, rep: Representative, workloa
            input_name: str = "tokens") -> tuple[str | None, Estimate | None]:
     """(why the candidate is pointless, else None; its modelled cost), laid out on one layer for all."""
     plan = build_plan(candidate, roles, rep.params, input_name=input_name)
-    layout, counts = lay_out(plan, specs(candidate, roles, rep.params), rep, candidate.axes, roles)
+    layout, counts = lay_out(plan, specs(candidate, roles, rep.params), rep, candidate.axes, roles, candidate.split)
     idle = _idle(candidate, layout)
     return idle, None if idle else estimate(layout, roles, workload, profile, counts=counts)
 
@@ -542,7 +587,8 @@ def plan_document(candidate: Candidate, roles: ModelRoles, params: list[ParamInf
         if candidate.capacity is not None:
             document["experts"].update(dispatch="capacity", capacity_factor=candidate.capacity)
     if candidate.schedule:
-        document["pipeline"] = {"axis": "stage", "layers": roles.layers, "stages": "even",
+        document["pipeline"] = {"axis": "stage", "layers": roles.layers,
+                                "stages": stage_rules(roles.layers, candidate.split) if candidate.split else "even",
                                 "microbatches": candidate.microbatches, "schedule": candidate.schedule,
                                 **({"virtual_stages": candidate.virtual} if candidate.virtual > 1 else {})}
     document["params"] = [{"match": pattern, "spec": spec} for pattern, spec, _ in rules(candidate, roles, params)]
@@ -699,9 +745,15 @@ def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 
                       "times the even share of routed rows; rows past them are dropped"]
     if c.schedule:
         pipe = chosen.plan.pipeline
-        lines += ["pipeline:", f"  axis: {pipe.axis}", f"  layers: {pipe.layers}",
-                  "  stages: even               # consecutive runs of layers, " + _stage_sizes(c, found.roles),
-                  f"  microbatches: {pipe.microbatches}",
+        lines += ["pipeline:", f"  axis: {pipe.axis}", f"  layers: {pipe.layers}"]
+        if c.split:
+            lines.append(f"  stages:                    # layers {'/'.join(map(str, c.split))}: the stages' work evened out, the "
+                         "first also running the embedding, the last the head and loss (modelled compute "
+                         + "/".join(f"{t * 1e3:.3g}" for t in cost.stage_compute_s) + " ms)")
+            lines += [f"    - {{match: '{rule['match']}', stage: {rule['stage']}}}" for rule in stage_rules(found.roles.layers, c.split)]
+        else:
+            lines.append("  stages: even               # consecutive runs of layers, " + _stage_sizes(c, found.roles))
+        lines += [f"  microbatches: {pipe.microbatches}",
                   f"  schedule: {pipe.schedule}     # modelled bubble {cost.bubble:.3f}"]
         if pipe.virtual_stages > 1:
             lines.append(f"  virtual_stages: {pipe.virtual_stages}")
@@ -730,6 +782,20 @@ def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 
     elif plan.precision.compute:
         lines += ["precision:", f"  compute: {plan.precision.compute}       # parameters stay in their dtype"]
     return "\n".join(lines) + "\n"
+
+
+def stage_rules(layers: str, split: tuple[int, ...]) -> list[dict]:
+    """`stages:` rules putting consecutive runs of `split[s]` layers on stage s.
+
+    >>> stage_rules("blocks", (1, 2))
+    [{'match': 'blocks/(0)', 'stage': 0}, {'match': 'blocks/(1|2)', 'stage': 1}]
+    """
+    rules, start = [], 0
+    for stage, count in enumerate(split):
+        indices = "|".join(str(i) for i in range(start, start + count))
+        rules.append({"match": f"{re.escape(layers)}/({indices})", "stage": stage})
+        start += count
+    return rules
 
 
 def _stage_sizes(c: Candidate, roles: ModelRoles) -> str:

@@ -112,6 +112,12 @@ class Estimate:
     caveats: tuple[str, ...] = ()   # what this layout has that the model does not know: figures approximate
     update_s: float = 0.0       # the optimizer's update, bound by memory bandwidth (in step_s)
     hidden: tuple[tuple[str, float], ...] = ()  # (overlap lane, seconds of communication hidden behind compute)
+    # Pipelines: each stage's compute per step (its layers, and the code around them where that runs on
+    # its stage), bubble included; the stages run in lockstep, so `compute_s` is the largest
+    stage_compute_s: tuple[float, ...] = ()
+    layer_s: float = 0.0        # one layer's compute per step on its stage, bubble excluded
+    ends_s: tuple[float, float] = (0.0, 0.0)    # the code before / after the layers, the same way
+    stage_activation_bytes: tuple[int, ...] = ()    # each stage's `activation_bytes` (asked for: `per_stage`)
 
     @property
     def grad_bytes(self) -> int:
@@ -165,7 +171,9 @@ class Estimate:
                 "flops": self.flops, "compute_s": self.compute_s, "communication_s": self.communication_s,
                 "exposed_communication_s": self.exposed_communication_s, "update_s": self.update_s,
                 "hidden_communication_s": dict(self.hidden),
-                "bubble": self.bubble, "step_s": self.step_s, "caveats": list(self.caveats)}
+                "bubble": self.bubble, "step_s": self.step_s, "caveats": list(self.caveats),
+                "stage_compute_s": list(self.stage_compute_s),
+                "stage_activation_bytes": list(self.stage_activation_bytes)}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -250,11 +258,12 @@ class _Step:
 
 
 def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
-             counts: dict[str, int] | None = None) -> Estimate:
+             counts: dict[str, int] | None = None, per_stage: bool = False) -> Estimate:
     """The modelled cost of one step of `report.plan` (a checked plan, see `shardplan.check`).
 
     `counts` (path -> n): each listed parameter stands for n alike (the planner lays out one layer
-    for all layers of the same structure); the result is that of the whole model.
+    for all layers of the same structure); the result is that of the whole model. `per_stage`: also
+    each pipeline stage's activations (`Estimate.stage_activation_bytes`; its schedule's timeline is built).
     """
     plan, sizes = report.plan, report.axes
     stage_map = report.stage_map
@@ -283,7 +292,10 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
         counts=counts, accumulate=plan.accumulate if pipe is None else 1, widened=not profile.low_precision_native,
         context=context, ring=bool(context) and plan.context.strategy == "ring",
         tensor_overlap=plan.tensor_overlap and profile.overlap)
-    resting = [p for p in report.params if p.stage in (None, 0)]
+    # The device holding the most layers: stages are padded to the longest, so every stage holds as
+    # many layer slots (and stage 0 keeps the most microbatches in flight: an upper bound where they differ)
+    heaviest = _heaviest(stage_map) if pipe else 0
+    resting = [p for p in report.params if p.stage in (None, heaviest)]
     # Parameters around the layers split over the stage axis: each stage keeps 1/S of them and of their
     # optimizer state; the step gathers them and runs as if they were not split (measured on minigpt_3d).
     step = dataclasses.replace(step, on_stages=frozenset(p.path for p in resting if _on_stages(p, step)))
@@ -298,6 +310,8 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
     optimizer_bytes = sum(p.opt_bytes_per_device * step.count(p.path) for p in resting)
     kept = _per_token(held, roles, step, experts.kept_per_token if experts else ())
     stored, remat, microbatch, microbatch_remat = _activations(kept, step)
+    stage_stored = _stage_activations(kept, step, stage_map, stored) if per_stage and pipe else ()
+    loop_stored = stored
     if step.tabled:
         # the head runs inside the loop: its weights (gathered, when they enter whole), the running
         # sum of their gradients and each microbatch's before it is added (measured in XLA's buffers)
@@ -361,8 +375,11 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
     peak = profile.flops_for(options.compute_dtype)
     # each matmul kernel also costs a fixed time (launch, prologue, the last partial wave of tiles):
     # what makes small matmuls slower than large ones (`Profile.matmul_overhead`)
-    compute_s = (matmul_flops / (peak * profile.matmul_efficiency) + kernels * profile.matmul_overhead +
-                 attention_flops / (peak * profile.attention_efficiency) + elementwise_s) / (1.0 - bubble)
+    body_s = (matmul_flops / (peak * profile.matmul_efficiency) + kernels * profile.matmul_overhead +
+              attention_flops / (peak * profile.attention_efficiency) + elementwise_s)
+    ends_s = _ends_seconds(held, kept, roles, step, profile, peak)
+    layer_s, stage_s = _stage_seconds(body_s, ends_s, step, stage_map if pipe else None)
+    compute_s = max(stage_s) / (1.0 - bubble)
     timed = [(t.overlap, _seconds(t, step, profile, plan.mesh.hosts)) for t in transfers]
     communication_s = sum(seconds for _, seconds in timed)
     overlapped = exposure(timed, compute_s=compute_s, attention_s=attention_flops / (peak * profile.attention_efficiency),
@@ -377,7 +394,74 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
                     # steps of two sizes); outside one it did not always
                     max((p.opt_bytes_per_device for p in resting), default=0) if step.stage_axis else optimizer_bytes,
                     options.caveats + _layout_caveats(held, roles, step) + (experts.caveats if experts else ()) +
-                    sequence.caveats, update_s, overlapped.hidden)
+                    sequence.caveats, update_s, overlapped.hidden,
+                    tuple(t / (1.0 - bubble) for t in stage_s) if pipe else (), layer_s, ends_s,
+                    tuple(a + stored - loop_stored for a in stage_stored))
+
+
+def _stage_activations(kept, step: _Step, stage_map, stored: int) -> tuple[int, ...]:
+    """Activation bytes each stage keeps for the backward (the loop's own, before the code around the
+    layers adds what it keeps outside the tables): its microbatches in flight, its layers, and the
+    embedding's or head's on the end stages. Outside the tables every stage keeps the same."""
+    if not step.tabled:
+        return (stored,) * stage_map.stages
+    from shardplan.checks.schedules import in_flight, timeline
+    flight = in_flight(timeline(step.schedule, step.stages, step.microbatches, step.virtual))
+    held = max(stage_map.counts)
+    skips = padding_skipped(step.schedule, step.virtual, step.context is not None)
+    last = 0 if stage_map.v_shape else stage_map.stages - 1
+    return tuple(_activations(kept, step, _OnStage(flight[0] - flight[s], (count / held) if skips else 1.0,
+                                                   s == 0, s == last))[0]
+                 for s, count in enumerate(stage_map.counts))
+
+
+def _heaviest(stage_map) -> int:
+    """The stage holding the most layers (the first of them)."""
+    counts = stage_map.counts
+    return counts.index(max(counts))
+
+
+def padding_skipped(schedule: str | None, virtual: int, context: bool) -> bool:
+    """Whether a stage holding fewer layers than the longest skips its padding slots (the table
+    schedules with one chunk per stage branch round them, `shardplan.pipeline.loop.run_chunk`) rather
+    than computing them on zeros."""
+    return schedule in ("gpipe", "1f1b") and virtual == 1 and on_tables(schedule, context)
+
+
+def _ends_seconds(held, kept, roles: ModelRoles, step: _Step, profile: Profile, peak: float) -> tuple[float, float]:
+    """Compute seconds per step of the code before and after the repeated layers (embedding; head and
+    loss, a tied embedding's logits included): their matmuls and kernels, and their elementwise work."""
+    full = kept[0]
+    out = []
+    for after in (False, True):
+        mine = [p for p in held if roles.layer_of(p.path) is None and
+                (p.path in roles.after_layers or p.path in roles.tied) == after]
+        matmul, attention, kernels = _flops(mine, roles, step)
+        stored = full.get("after" if after else None, 0.0)
+        out.append(matmul / (peak * profile.matmul_efficiency) + kernels * profile.matmul_overhead +
+                   attention / (peak * profile.attention_efficiency) +
+                   step.tokens * ELEMENTWISE_PASSES * stored / profile.memory_bandwidth)
+    return out[0], out[1]
+
+
+def _stage_seconds(body_s: float, ends_s: tuple[float, float], step: _Step,
+                   stage_map) -> tuple[float, tuple[float, ...]]:
+    """(one layer's seconds, each stage's seconds) of compute per step, bubble excluded. `body_s`: the
+    device holding the most layers, with the code around them. On the schedule tables the embedding runs
+    on the stage holding the first chunk and the head on the one holding the last (zb-v: both on stage
+    0); elsewhere on every stage. A shorter stage saves its padding slots where it skips them."""
+    if stage_map is None:
+        return 0.0, (body_s,)
+    before, after = ends_s
+    held = max(stage_map.counts)
+    layer = max(0.0, body_s - before - after) / held
+    skips = padding_skipped(step.schedule, step.virtual, step.context is not None)
+    last = 0 if stage_map.v_shape else stage_map.stages - 1
+    out = []
+    for stage, count in enumerate(stage_map.counts):
+        ends = before * (stage == 0) + after * (stage == last) if step.tabled else before + after
+        out.append(layer * (count if skips else held) + ends)
+    return layer, tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -838,13 +922,27 @@ def _scores(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> float:
                stands_for[attention.layer] for attention in roles.attention if attention.layer in stands_for)
 
 
-def _activations(kept: tuple[dict, dict, dict], step: _Step) -> tuple[int, int, int, int]:
+@dataclasses.dataclass(frozen=True, slots=True)
+class _OnStage:
+    """One stage of a pipeline on the schedule tables, against the device `estimate` costs (the most
+    layers, the first stage's microbatches in flight)."""
+
+    fewer_in_flight: int        # microbatches it keeps fewer of
+    layers: float               # its share of that device's layers (padding it skips is not run)
+    first: bool                 # it runs the code before the layers
+    last: bool                  # and after them
+
+
+def _activations(kept: tuple[dict, dict, dict], step: _Step, on: _OnStage | None = None) -> tuple[int, int, int, int]:
     """Bytes kept for the backward (`kept`: from `_per_token`): (as run, layers rematerialised, one
-    microbatch's layers as run, the same rematerialised)."""
+    microbatch's layers as run, the same rematerialised). `on`: those of another stage (tables only)."""
     b = step.itemsize
     full, dots, stands_for = dict(kept[0]), kept[1], kept[2]
     outside = full.pop(None, 0.0)
     head = full.pop("after", 0.0)
+    if on is not None:
+        outside, head = outside * on.first, head * on.last
+        full = {layer: size * on.layers for layer, size in full.items()}
     count = sum(stands_for[layer] for layer in full)
     biggest = max(full.values(), default=0.0)
     # the layers' inputs: the residual stream, split over the sequence by sequence parallelism (Megatron's
@@ -865,6 +963,7 @@ def _activations(kept: tuple[dict, dict, dict], step: _Step) -> tuple[int, int, 
         # backward), and one chunk's forward recomputed in its backward; zero-bubble: the residuals of
         # the microbatches in flight (the first stage's S) and its two one-slot inboxes
         _, slots, beside = _tables(step)
+        slots -= on.fewer_in_flight if on is not None else 0
         if step.schedule == "zb-h1" and step.remat == "none":
             stored = tokens * ((ZB_SET_COPIES * slots + ZB_EXTRA_SETS) * layers + beside * step.width * b)
         elif step.schedule == "zb-h1":
@@ -903,14 +1002,15 @@ def _traffic(kept: tuple[dict, dict, dict], scores: float, step: _Step) -> float
 def _flops(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple[float, float, float]:
     """(weight matmul, attention) FLOPs per device per step: 2 per weight and token forward, 4
     backward; a forward run again in the backward adds its 2. Third: the weight matmul kernels run
-    (per pass, one forward, two backward, one more when the forward runs again)."""
+    (per pass, one forward, two backward, one more when the forward runs again). A tied embedding's
+    logits are a matmul too."""
     total = attention_total = kernels = 0.0
     stands_for: dict = {}
     for p in held:
         role = roles.roles.get(p.path)
         layer = roles.layer_of(p.path)
         stands_for[layer] = step.count(p.path)
-        if role is None or role.kind not in (COLUMN, ROW, MATMUL):
+        if role is None or (role.kind not in (COLUMN, ROW, MATMUL) and p.path not in roles.tied):
             continue
         passes, tokens = step.passes(p.stage is not None)
         recompute = 8 / 6 if step.recomputes(p.stage is not None, layer is not None) else 1.0
@@ -939,7 +1039,7 @@ def model_flops(params, roles: ModelRoles, workload: Workload, *, capacity: floa
     layer = other = 0.0
     for p in params:
         role = roles.roles.get(p.path)
-        if role is not None and role.kind in (COLUMN, ROW, MATMUL):
+        if role is not None and (role.kind in (COLUMN, ROW, MATMUL) or p.path in roles.tied):    # (a tied head's logits)
             flops = WEIGHT_FLOPS * tokens * math.prod(p.shape) * routed.get(p.path, 1.0)
             layer, other = (layer + flops, other) if roles.layer_of(p.path) is not None else (layer, other + flops)
     for attention in roles.attention:

@@ -13,6 +13,7 @@ import re
 
 from shardplan.checks.layout import ParamLayout, param_layout
 from shardplan.checks.paths import ParamInfo
+from shardplan.checks.schedules import chunk_stage
 from shardplan.checks.stages import StageMap, balanced_stages
 from shardplan.checks.validate import data_axes
 from shardplan.plan.schema import Plan, normalize_spec
@@ -57,25 +58,31 @@ class Layout:
 
 
 def lay_out(plan: Plan, specs: dict[str, list], rep: Representative, sizes: dict[str, int],
-            roles: ModelRoles) -> tuple[Layout, dict[str, int] | None]:
-    """(layout of the representative parameters under `plan`, counts for `estimate`)."""
+            roles: ModelRoles, split: tuple[int, ...] | None = None) -> tuple[Layout, dict[str, int] | None]:
+    """(layout of the representative parameters under `plan`, counts for `estimate`). `split`: layers
+    per stage (one chunk each), where not `stages: even`."""
     pipe = plan.pipeline
     stages = sizes[pipe.axis] if pipe else 1
-    virtual = pipe.virtual_stages if pipe else 1
+    virtual = (2 if pipe.schedule == "zb-v" else pipe.virtual_stages) if pipe else 1
     stage_map = None
     if pipe:
         per_chunk = roles.layer_count // (stages * virtual)
-        stage_of = balanced_stages(roles.layer_count, stages) if roles.layer_count % (stages * virtual) else \
-            [(i // per_chunk) % stages for i in range(roles.layer_count)]
-        stage_map = StageMap(pipe.layers, tuple(stage_of), stages, virtual)
+        if split:
+            stage_of = [s for s, n in enumerate(split) for _ in range(n)]
+        elif roles.layer_count % (stages * virtual):
+            stage_of = balanced_stages(roles.layer_count, stages)
+        else:
+            stage_of = [chunk_stage(i // per_chunk, stages, pipe.schedule == "zb-v") for i in range(roles.layer_count)]
+        stage_map = StageMap(pipe.layers, tuple(stage_of), stages, virtual, pipe.schedule == "zb-v")
+    heaviest = stage_map.counts.index(max(stage_map.counts)) if stage_map else None
     data = data_axes(plan, sizes) if plan.optimizer == "zero1" else ()
     layouts = []
     for p in rep.params:
         spec = normalize_spec(specs[p.path])
-        stage = (0 if p.path in rep.layer_paths else stage_map.stage_of_path(p.path)) if stage_map else None
+        stage = (heaviest if p.path in rep.layer_paths else stage_map.stage_of_path(p.path)) if stage_map else None
         layouts.append(param_layout(p.path, p.shape, p.dtype, spec, sizes, data, plan.precision, stage=stage))
-    # a device holds the layers of its stage: stage 0's, the largest when stages are unequal
-    held = stage_map.counts[0] if stage_map else rep.layer_count
+    # a device holds as many layer slots as the longest stage (stages are padded to it)
+    held = max(stage_map.counts) if stage_map else rep.layer_count
     counts = {path: held for path in rep.layer_paths} if rep.layer_count else None
     experts = ()
     if plan.experts is not None:
