@@ -1,7 +1,8 @@
 """Cost model of one training step under a plan: bytes, communication, FLOPs and a modelled time. Pure.
 
-Everything is per device, for the device holding the first pipeline stage (stages are balanced),
-for a language-model step: `batch` sequences of `seq` tokens, cross-entropy loss, AdamW. The plan's
+Everything is per device, for the device holding the most layers with the first pipeline stage's
+microbatches in flight (one program runs every stage, so each has room for what any keeps), and the
+slowest stage's compute (`Estimate.stage_compute_s`: the stages run in lockstep), for a language-model step: `batch` sequences of `seq` tokens, cross-entropy loss, AdamW. The plan's
 step sections count too: `remat` (what the layers keep, what the backward recomputes), `precision`
 (the compute dtype's peak, its copy of the parameters, 2-byte activations where the device computes
 it natively) and `activations` (sequence parallelism, modelled as Megatron's and flagged). Time is
