@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from shardplan.checks.paths import ParamInfo
 from shardplan.checks.schedules import chunk_stage
@@ -28,7 +28,8 @@ class StageMap:
     @property
     def counts(self) -> tuple[int, ...]:
         """Layers per stage."""
-        return tuple(self.stage_of.count(s) for s in range(self.stages))
+        found = Counter(self.stage_of)       # (auto asks for it of thousands of candidates)
+        return tuple(found[s] for s in range(self.stages))
 
     @property
     def per_chunk(self) -> int:

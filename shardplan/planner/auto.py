@@ -240,11 +240,12 @@ def shorter_ends(layers: int, stages: int, layer_s: float, before_s: float, afte
     (3, 3, 3, 1)
     """
     counts = [1] * stages
-    load = [layer_s + before_s * (s == 0) + after_s * (s == stages - 1) for s in range(stages)]
+    finish = [(layer_s * 2 + before_s * (s == 0) + after_s * (s == stages - 1), s) for s in range(stages)]
+    heapq.heapify(finish)       # (when each stage would finish with one more layer, stage)
     for _ in range(layers - stages):
-        s = min(range(stages), key=lambda k: (load[k] + layer_s, k))
+        at, s = heapq.heappop(finish)
         counts[s] += 1
-        load[s] += layer_s
+        heapq.heappush(finish, (at + layer_s, s))
     return tuple(counts)
 
 

@@ -88,6 +88,9 @@ class Transfer:
         return self.bytes * self.count
 
 
+_TRANSFER_FIELDS = tuple(f.name for f in dataclasses.fields(Transfer))     # (`dataclasses.asdict` is slow at 10^4 plans)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Estimate:
     param_bytes: int
@@ -165,7 +168,7 @@ class Estimate:
                 "microbatch_activation_bytes_remat": self.microbatch_activation_bytes_remat,
                 "argument_bytes": self.argument_bytes, "peak_bytes": self.peak_bytes,
                 "collective_bytes": self.collective_bytes, "collective_count": self.collective_count,
-                "collectives": [dataclasses.asdict(t) for t in self.transfers],
+                "collectives": [{name: getattr(t, name) for name in _TRANSFER_FIELDS} for t in self.transfers],
                 "compute_copy_bytes": self.compute_copy_bytes, "early_grad_bytes": self.early_grad_bytes,
                 "gathered_bytes": self.gathered_bytes, "regathered_bytes": self.regathered_bytes,
                 "updated_bytes": self.updated_bytes,
