@@ -32,6 +32,12 @@ class StageMap:
         return tuple(found[s] for s in range(self.stages))
 
     @property
+    def longest(self) -> int:
+        """The stage holding the most layers (the first of them): every stage holds as many slots."""
+        counts = self.counts
+        return counts.index(max(counts))
+
+    @property
     def per_chunk(self) -> int:
         if self.virtual == 1:
             return max(self.counts)

@@ -240,6 +240,7 @@ def _json(found: planner.Search, measured: dict, top: int) -> dict:
             "ranked": [{"mesh": r.candidate.axes, "hosts": r.candidate.hosts, "rules": r.candidate.rules_label(),
                         "remat": r.candidate.remat, "sequence_parallel": r.candidate.sequence,
                         "accumulate": r.candidate.accumulate,
+                        "stage_layers": list(r.candidate.split) if r.candidate.split else None,
                         "context": None if "context" not in r.candidate.axes else {
                             "size": r.candidate.axes["context"],
                             "strategy": "ring" if r.candidate.ring else "all_gather"},

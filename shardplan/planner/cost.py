@@ -2,7 +2,8 @@
 
 Everything is per device, for the device holding the most layers with the first pipeline stage's
 microbatches in flight (one program runs every stage, so each has room for what any keeps), and the
-slowest stage's compute (`Estimate.stage_compute_s`: the stages run in lockstep), for a language-model step: `batch` sequences of `seq` tokens, cross-entropy loss, AdamW. The plan's
+slowest stage's compute (`Estimate.stage_compute_s`: the stages run in lockstep), for a
+language-model step: `batch` sequences of `seq` tokens, cross-entropy loss, AdamW. The plan's
 step sections count too: `remat` (what the layers keep, what the backward recomputes), `precision`
 (the compute dtype's peak, its copy of the parameters, 2-byte activations where the device computes
 it natively) and `activations` (sequence parallelism, modelled as Megatron's and flagged). Time is
@@ -298,8 +299,7 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
         tensor_overlap=plan.tensor_overlap and profile.overlap)
     # The device holding the most layers: stages are padded to the longest, so every stage holds as
     # many layer slots (and stage 0 keeps the most microbatches in flight: an upper bound where they differ)
-    heaviest = _heaviest(stage_map) if pipe else 0
-    resting = [p for p in report.params if p.stage in (None, heaviest)]
+    resting = [p for p in report.params if p.stage in (None, stage_map.longest if pipe else 0)]
     # Parameters around the layers split over the stage axis: each stage keeps 1/S of them and of their
     # optimizer state; the step gathers them and runs as if they were not split (measured on minigpt_3d).
     step = dataclasses.replace(step, on_stages=frozenset(p.path for p in resting if _on_stages(p, step)))
@@ -417,12 +417,6 @@ def _stage_activations(kept, step: _Step, stage_map, stored: int) -> tuple[int, 
     return tuple(_activations(kept, step, _OnStage(flight[0] - flight[s], (count / held) if skips else 1.0,
                                                    s == 0, s == last))[0]
                  for s, count in enumerate(stage_map.counts))
-
-
-def _heaviest(stage_map) -> int:
-    """The stage holding the most layers (the first of them)."""
-    counts = stage_map.counts
-    return counts.index(max(counts))
 
 
 def padding_skipped(schedule: str | None, virtual: int, context: bool) -> bool:

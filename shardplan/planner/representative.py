@@ -74,12 +74,12 @@ def lay_out(plan: Plan, specs: dict[str, list], rep: Representative, sizes: dict
         else:
             stage_of = [chunk_stage(i // per_chunk, stages, pipe.schedule == "zb-v") for i in range(roles.layer_count)]
         stage_map = StageMap(pipe.layers, tuple(stage_of), stages, virtual, pipe.schedule == "zb-v")
-    heaviest = stage_map.counts.index(max(stage_map.counts)) if stage_map else None
+    longest = stage_map.longest if stage_map else None
     data = data_axes(plan, sizes) if plan.optimizer == "zero1" else ()
     layouts = []
     for p in rep.params:
         spec = normalize_spec(specs[p.path])
-        stage = (heaviest if p.path in rep.layer_paths else stage_map.stage_of_path(p.path)) if stage_map else None
+        stage = (longest if p.path in rep.layer_paths else stage_map.stage_of_path(p.path)) if stage_map else None
         layouts.append(param_layout(p.path, p.shape, p.dtype, spec, sizes, data, plan.precision, stage=stage))
     # a device holds as many layer slots as the longest stage (stages are padded to it)
     held = max(stage_map.counts) if stage_map else rep.layer_count
