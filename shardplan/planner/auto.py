@@ -23,7 +23,6 @@ from shardplan.checks.report import Report, check_params
 from shardplan.checks.validate import REPLICATED_WARNING_BYTES, data_axes
 from shardplan.checks.expert_roles import find_blocks
 from shardplan.checks.schedules import recomputes_stages
-from shardplan.checks.stages import balanced_stages
 from shardplan.plan.schema import Plan, spec_axes
 from shardplan.planner.cost import Estimate, Workload, estimate, model_flops, padding_skipped, schedule_bubble
 from shardplan.planner.profiles import Profile
@@ -34,6 +33,9 @@ from shardplan.checks.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR,
 FSDP_MIN_BYTES = 1 << 16
 MICROBATCH_FACTORS = (1, 2, 4, 8, 16)   # microbatches = factor x stages, or one sequence per microbatch
 MAX_ACCUMULATE = 64                     # gradient accumulation without a pipeline: counts that divide the rows
+# Shorter end stages are offered where they make the step at least this much faster: below it they only
+# crowd the ranking with twins of the even split (an embedding's few microseconds moving a layer)
+SPLIT_GAIN = 0.01
 V_TABLES = 256                          # zb-v offered up to stages x microbatches (its tables take ~0.2 s there)
 REMAT_CHOICES = ("none", "dots", "full")
 REMAT_POLICY = {"dots": "dots_with_no_batch_dims_saveable", "full": "full"}
@@ -213,20 +215,21 @@ def _with_shorter_ends(candidate: Candidate, cost: Estimate, roles: ModelRoles, 
                        workload: Workload, profile: Profile, input_name: str, usable: int, only=None):
     """The candidate, and where its end stages take longer than the others (the embedding, the head and
     loss on top of their layers) and its schedule lets a shorter stage finish sooner, the same with the
-    layers split to even out the stages' work, when that fits and is faster."""
+    layers split to even out the stages' work, when that fits and is faster by `SPLIT_GAIN` at least."""
     yield candidate, cost
     if not padding_skipped(candidate.schedule, candidate.virtual, "context" in candidate.axes):
         return
     stages = candidate.axes["stage"]
     split = shorter_ends(roles.layer_count, stages, cost.layer_s, *cost.ends_s)
-    even = balanced_stages(roles.layer_count, stages)
-    if split == tuple(even.count(s) for s in range(stages)):
-        return
+    before, after = cost.ends_s
+    longest = max(cost.layer_s * n + before * (s == 0) + after * (s == stages - 1) for s, n in enumerate(split))
+    if (max(cost.stage_compute_s) - longest / (1 - cost.bubble)) < SPLIT_GAIN * cost.step_s:
+        return          # (the even split, or one whose compute gains too little to be worth costing)
     shorter = dataclasses.replace(candidate, split=split)
     if only is not None and not only(shorter):
         return
     _, found = sketch(shorter, roles, rep, workload, profile, input_name=input_name)
-    if found.peak_bytes <= usable and found.step_s < cost.step_s:
+    if found.peak_bytes <= usable and found.step_s < cost.step_s * (1 - SPLIT_GAIN):
         yield shorter, found
 
 
