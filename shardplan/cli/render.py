@@ -472,8 +472,8 @@ def _render_stage_costs(console: Console, cost) -> None:
         table.add_row(_index_ranges(stages, through="-", separator=", "), *shown)
     print_table(console, table)
     print_wrapped(console, f"  the stages run in lockstep, so the slowest sets the pace (slowest/fastest "
-                  f"{max(times) / min(times):.2f}: the first also runs the code before the layers, the last the head "
-                  f"and loss); what they keep differs {max(kept) / max(1, min(kept)):.2f}x, but one program runs "
+                  f"{max(times) / min(times):.2f}: the stage holding the first layer also runs the code before the "
+                  f"layers, the one holding the last the head and loss); what they keep differs {max(kept) / max(1, min(kept)):.2f}x, but one program runs "
                   "every stage: each device has room for what any stage keeps (the activations above)")
 
 
