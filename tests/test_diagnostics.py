@@ -319,9 +319,14 @@ def test_unequal_stages_are_padded_runs_as_even_as_the_layer_count_allows(tmp_pa
     assert "the largest (3 layers) sets the pace where 1 or 2 layers would do" in lopsided.diagnostics[0].message
     # shorter end stages (they run the embedding and the head too): Megatron's uneven split, no warning
     params[:6] = [ParamInfo(f"layers/{i}/w", (64, 64), F32) for i in range(10)]
-    ends = report("  stages:\n    - {match: 'layers/[0-1]', stage: 0}\n    - {match: 'layers/[2-5]', stage: 1}\n"
-                  "    - {match: 'layers/[6-8]', stage: 2}\n    - {match: 'layers/9', stage: 3}\n")
+    rules = ("  stages:\n    - {match: 'layers/[0-1]', stage: 0}\n    - {match: 'layers/[2-5]', stage: 1}\n"
+             "    - {match: 'layers/[6-8]', stage: 2}\n    - {match: 'layers/9', stage: 3}\n")
+    ends = report(rules)
     assert ends.diagnostics == [] and ends.stage_map.counts == (2, 4, 3, 1)
+    # zb-h1 computes a shorter stage's padding: the split saves nothing there, and says so
+    computed = report(rules + "  schedule: zb-h1\n")
+    assert computed.ok and [(d.code, d.severity) for d in computed.diagnostics] == [("stage-unbalanced", "warning")]
+    assert "save no time" in computed.diagnostics[0].message and "gpipe or 1f1b" in computed.diagnostics[0].hint
 
 
 def test_zb_v_places_its_two_chunks_per_stage_in_a_v(tmp_path):

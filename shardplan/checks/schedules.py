@@ -39,6 +39,13 @@ def recomputes_stages(schedule: str | None, sequence_split: bool = False) -> boo
     return on_tables(schedule, sequence_split) and schedule != "zb-h1"
 
 
+def padding_skipped(schedule: str | None, virtual: int, sequence_split: bool = False) -> bool:
+    """Whether a stage holding fewer layers than the longest skips its padding slots (the table
+    schedules with one chunk per stage branch round them, `shardplan.pipeline.loop.run_chunk`) rather
+    than computing them on zeros (zb-h1, whose backward split reads one traced stage; the whole-batch loop)."""
+    return schedule in ("gpipe", "1f1b") and virtual == 1 and on_tables(schedule, sequence_split)
+
+
 def forward_tick(stage: int, microbatch: int, repeat: int, microbatches: int) -> int:
     """Tick of the forward of `microbatch` at `stage` during pass `repeat` over the stages."""
     return repeat * microbatches + microbatch + stage

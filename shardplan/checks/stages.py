@@ -7,7 +7,7 @@ import re
 from collections import Counter, defaultdict
 
 from shardplan.checks.paths import ParamInfo
-from shardplan.checks.schedules import chunk_stage
+from shardplan.checks.schedules import chunk_stage, padding_skipped
 from shardplan.plan.diagnostics import Diagnostic
 from shardplan.plan.matching import checked_pattern
 from shardplan.plan.schema import Plan
@@ -113,7 +113,8 @@ def plan_stages(plan: Plan, params: list[ParamInfo], sizes: dict[str, int],
     if stage_of is None:
         return None, found
     stage_map = StageMap(pipe.layers, tuple(stage_of), stages, virtual, pipe.schedule == "zb-v")
-    found += _check_layout(plan, stage_map, where)
+    split_sequence = plan.context is not None and sizes.get(plan.context.axis, 1) > 1
+    found += _check_layout(plan, stage_map, where, padding_skipped(pipe.schedule, virtual, split_sequence))
     return (None if any(d.severity == "error" for d in found) else stage_map), found
 
 
@@ -249,7 +250,7 @@ def _shorter_at_the_ends(counts: list[int]) -> bool:
     return not middle or (max(middle) - min(middle) <= 1 and max(counts[0], counts[-1]) <= min(middle))
 
 
-def _check_layout(plan, stage_map: StageMap, where) -> list[Diagnostic]:
+def _check_layout(plan, stage_map: StageMap, where, skips_padding: bool) -> list[Diagnostic]:
     pipe = plan.pipeline
     counts = list(stage_map.counts)
     found = []
@@ -268,6 +269,16 @@ def _check_layout(plan, stage_map: StageMap, where) -> list[Diagnostic]:
                                f"stages hold unequal numbers of layers {dict(enumerate(counts))}; every stage runs "
                                f"in lockstep, so the largest ({max(counts)} layers) sets the pace where {even} "
                                "would do", hint=f"give each stage {even} (or use stages: even)", severity="warning"))
+        elif max(counts) > fewest + (count % stage_map.stages > 0) and not skips_padding:
+            # the end stages' share of the head and embedding is what a shorter stage makes room for; here it
+            # computes its padding slots anyway
+            found.append(where("stage-unbalanced", ("pipeline", "stages"),
+                               f"stages hold unequal numbers of layers {dict(enumerate(counts))} to make room at the "
+                               f"ends, but under this schedule every stage computes the longest stage's "
+                               f"{max(counts)} slots, the shorter ones on zero-filled padding, so they save no time "
+                               f"where {even} would do", severity="warning",
+                               hint="use schedule gpipe or 1f1b (a shorter stage skips its padding there), or "
+                                    "stages: even"))
     if stage_map.virtual == 1:
         expected = sorted(stage_map.stage_of)      # consecutive runs in stage order
     else:

@@ -22,9 +22,9 @@ from shardplan.checks.paths import ParamInfo
 from shardplan.checks.report import Report, check_params
 from shardplan.checks.validate import REPLICATED_WARNING_BYTES, data_axes
 from shardplan.checks.expert_roles import find_blocks
-from shardplan.checks.schedules import recomputes_stages
+from shardplan.checks.schedules import padding_skipped, recomputes_stages
 from shardplan.plan.schema import Plan, spec_axes
-from shardplan.planner.cost import Estimate, Workload, estimate, model_flops, padding_skipped, schedule_bubble
+from shardplan.planner.cost import Estimate, Workload, estimate, model_flops, schedule_bubble
 from shardplan.planner.profiles import Profile
 from shardplan.planner.representative import Representative, lay_out
 from shardplan.checks.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR, ModelRoles

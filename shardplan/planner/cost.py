@@ -46,7 +46,7 @@ from shardplan.checks.validate import data_axes
 from shardplan.plan.schema import format_spec, spec_axes
 from shardplan.planner.overlap import exposure
 from shardplan.planner.profiles import Profile
-from shardplan.checks.schedules import on_tables, recomputes_stages
+from shardplan.checks.schedules import on_tables, padding_skipped, recomputes_stages
 from shardplan.checks.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR, ModelRoles, Role
 
 TOKEN_BYTES = 4                 # tokens and targets are int32
@@ -417,13 +417,6 @@ def _stage_activations(kept, step: _Step, stage_map, stored: int) -> tuple[int, 
     return tuple(_activations(kept, step, _OnStage(flight[0] - flight[s], (count / held) if skips else 1.0,
                                                    s == 0, s == last))[0]
                  for s, count in enumerate(stage_map.counts))
-
-
-def padding_skipped(schedule: str | None, virtual: int, context: bool) -> bool:
-    """Whether a stage holding fewer layers than the longest skips its padding slots (the table
-    schedules with one chunk per stage branch round them, `shardplan.pipeline.loop.run_chunk`) rather
-    than computing them on zeros."""
-    return schedule in ("gpipe", "1f1b") and virtual == 1 and on_tables(schedule, context)
 
 
 def _ends_seconds(held, kept, roles: ModelRoles, step: _Step, profile: Profile, peak: float) -> tuple[float, float]:
