@@ -308,6 +308,7 @@ def test_unequal_stages_are_padded_runs_as_even_as_the_layer_count_allows(tmp_pa
 
     even = report("")
     assert even.diagnostics == [] and even.stage_map.counts == (2, 2, 1, 1) and even.stage_map.per_chunk == 2
+    assert len({d.total for d in even.devices}) == 1        # a 1-layer stage holds its padding slot too
     interleaved = report("  schedule: interleaved\n  virtual_stages: 2\n  microbatches: 4\n")
     assert [d.code for d in interleaved.errors] == ["stage-unbalanced"]
     rules = "  stages:\n    - {match: 'layers/[0-3]', stage: 0}\n    - {match: 'layers/4', stage: 1}\n"

@@ -195,13 +195,12 @@ def device_totals(params: list[ParamLayout], sizes: dict[str, int], device_ids: 
         if stage not in per_stage:
             held = [p for p in params if p.stage is None or stage is None or stage == p.stage]
             per_stage[stage] = (sum(p.bytes_per_device for p in held), sum(p.opt_bytes_per_device for p in held))
-            if stage_counts and stage_counts[stage] < max(stage_counts):
-                longest = stage_counts.index(max(stage_counts))
-                layer = [p for p in params if p.stage == longest]     # one layer's worth: the longest's / its count
-                per_stage[stage] = tuple(total + (max(stage_counts) - stage_counts[stage]) *
-                                         sum(getattr(p, field) for p in layer) // max(stage_counts)
-                                         for total, field in zip(per_stage[stage],
-                                                                 ("bytes_per_device", "opt_bytes_per_device")))
+            most = max(stage_counts, default=0)
+            if stage is not None and stage_counts and stage_counts[stage] < most:
+                layers = [p for p in params if p.stage == stage_counts.index(most)]     # the longest stage's
+                padding = most - stage_counts[stage]
+                per_stage[stage] = (per_stage[stage][0] + padding * sum(p.bytes_per_device for p in layers) // most,
+                                    per_stage[stage][1] + padding * sum(p.opt_bytes_per_device for p in layers) // most)
         totals.append(DeviceTotals(k, device_id, coords, *per_stage[stage]))
     return totals
 
