@@ -533,7 +533,8 @@ def _inspect(args, console: Console) -> int:
     render.render_pipeline(console, report)
     render.render_experts(console, report, cost[2] if cost is not None else None)
     if cost is not None:
-        render.render_estimate(console, *cost[:3], accumulate=report.plan.accumulate, code=cost[3])
+        render.render_estimate(console, *cost[:3], accumulate=report.plan.accumulate, code=cost[3],
+                               evened=_evened_stages(report, cost[2]))
     render.render_params(console, report, collapse=not args.all_params)
     if args.device is not None and report.devices:      # no per-device layout when the mesh does not fit
         render.render_device_detail(console, report, args.device, collapse=not args.all_params)
@@ -751,6 +752,19 @@ def _checked_model(args, order: list[str]):
 def _batch(args, report) -> int:
     """inspect's global batch: --batch, or 4 sequences per device."""
     return args.batch or 4 * len(report.device_ids)
+
+
+def _evened_stages(report, cost):
+    """(layers per stage, modelled compute of the slowest) of a split that evens out the plan's stages,
+    where its schedule lets a shorter stage skip its padding and the gain is worth saying; else None."""
+    from shardplan.checks.schedules import padding_skipped
+    from shardplan.planner.auto import evened_out
+    stage_map, plan = report.stage_map, report.plan
+    split_sequence = plan.context is not None and report.axes.get(plan.context.axis, 1) > 1
+    if stage_map is None or not cost.stage_compute_s or not padding_skipped(plan.pipeline.schedule,
+                                                                            stage_map.virtual, split_sequence):
+        return None
+    return evened_out(len(stage_map.stage_of), stage_map.stages, cost)
 
 
 def _estimate(args, report, order: list[str], model, deep=None):

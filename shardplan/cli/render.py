@@ -408,9 +408,11 @@ def render_summary(console: Console, report: Report) -> None:
     render_diagnostics(console, report.diagnostics)
 
 
-def render_estimate(console: Console, workload, profile, cost, *, accumulate: int = 1, code=None) -> None:
+def render_estimate(console: Console, workload, profile, cost, *, accumulate: int = 1, code=None,
+                    evened=None) -> None:
     """The cost model's figures for one device: memory, communication by kind and axes, time (`code`:
-    what the model's code keeps beyond a plain transformer, `shardplan.checks.roles.CodeCopies`)."""
+    what the model's code keeps beyond a plain transformer, `shardplan.checks.roles.CodeCopies`;
+    `evened`: a split of the layers that evens out the pipeline's stages, and its slowest stage's compute)."""
     from shardplan.checks.layout import human_bytes
     console.print()
     print_wrapped(console, Text.assemble(("Cost estimate", "bold"), f" per device, batch {workload.batch} x "
@@ -447,13 +449,14 @@ def render_estimate(console: Console, workload, profile, cost, *, accumulate: in
                   f"{cost.compute_s * 1e3:.2f} ms{bubble} + communication {cost.exposed_communication_s * 1e3:.2f} ms"
                   f" + optimizer update {cost.update_s * 1e3:.2f} ms" + (f" (more runs during compute: {hidden})"
                                                                          if hidden else ""))
-    _render_stage_costs(console, cost)
+    _render_stage_costs(console, cost, evened)
     for caveat in cost.caveats:
         print_wrapped(console, Text.assemble(("  approximate: ", "bold yellow"), caveat))
 
 
-def _render_stage_costs(console: Console, cost) -> None:
-    """Each pipeline stage's modelled activations and compute, and how unequal they are."""
+def _render_stage_costs(console: Console, cost, evened=None) -> None:
+    """Each pipeline stage's modelled activations and compute, how unequal they are, and a split of the
+    layers that evens them out (`evened`)."""
     from shardplan.checks.layout import human_bytes
     times, kept = cost.stage_compute_s, cost.stage_activation_bytes
     if len(times) < 2 or len(kept) != len(times):
@@ -475,6 +478,11 @@ def _render_stage_costs(console: Console, cost) -> None:
                   f"{max(times) / min(times):.2f}: the stage holding the first layer also runs the code before the "
                   f"layers, the one holding the last the head and loss); what they keep differs {max(kept) / max(1, min(kept)):.2f}x, but one program runs "
                   "every stage: each device has room for what any stage keeps (the activations above)")
+    if evened is not None:
+        split, slowest = evened
+        print_wrapped(console, f"  layers {'/'.join(map(str, split))} per stage would even them out: the slowest at "
+                      f"{slowest * 1e3:.2f} ms instead of {max(times) * 1e3:.2f} (write them as `stages:` rules, "
+                      "docs/pipelines.md \"Shorter end stages\"; every stage then holds the longest's layer slots)")
 
 
 

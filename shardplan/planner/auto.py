@@ -219,18 +219,28 @@ def _with_shorter_ends(candidate: Candidate, cost: Estimate, roles: ModelRoles, 
     yield candidate, cost
     if not padding_skipped(candidate.schedule, candidate.virtual, "context" in candidate.axes):
         return
-    stages = candidate.axes["stage"]
-    split = shorter_ends(roles.layer_count, stages, cost.layer_s, *cost.ends_s)
-    before, after = cost.ends_s
-    longest = max(cost.layer_s * n + before * (s == 0) + after * (s == stages - 1) for s, n in enumerate(split))
-    if (max(cost.stage_compute_s) - longest / (1 - cost.bubble)) < SPLIT_GAIN * cost.step_s:
-        return          # (the even split, or one whose compute gains too little to be worth costing)
-    shorter = dataclasses.replace(candidate, split=split)
+    better = evened_out(roles.layer_count, candidate.axes["stage"], cost)
+    if better is None:
+        return
+    shorter = dataclasses.replace(candidate, split=better[0])
     if only is not None and not only(shorter):
         return
     _, found = sketch(shorter, roles, rep, workload, profile, input_name=input_name)
     if found.peak_bytes <= usable and found.step_s < cost.step_s * (1 - SPLIT_GAIN):
         yield shorter, found
+
+
+def evened_out(layers: int, stages: int, cost: Estimate) -> tuple[tuple[int, ...], float] | None:
+    """(layers per stage, the slowest stage's modelled compute) of the split that evens out the stages'
+    work (`shorter_ends`), where it promises `SPLIT_GAIN` of the step; else None. `cost`: of the plan as
+    it splits them now, on a schedule whose shorter stages skip their padding."""
+    split = shorter_ends(layers, stages, cost.layer_s, *cost.ends_s)
+    before, after = cost.ends_s
+    slowest = max(cost.layer_s * n + before * (s == 0) + after * (s == stages - 1)
+                  for s, n in enumerate(split)) / (1 - cost.bubble)
+    if max(cost.stage_compute_s) - slowest < SPLIT_GAIN * cost.step_s:
+        return None     # (the split it has, or one whose compute gains too little to be worth it)
+    return split, slowest
 
 
 def shorter_ends(layers: int, stages: int, layer_s: float, before_s: float, after_s: float) -> tuple[int, ...]:
