@@ -471,6 +471,8 @@ def _render_stage_costs(console: Console, cost, evened=None) -> None:
             rows[-1][0].append(stage)
         else:
             rows.append([[stage], *shown])
+    if len(rows) == 1:
+        return          # (every stage alike: the whole-batch loop runs the code around the layers everywhere)
     for stages, *shown in rows:
         table.add_row(_index_ranges(stages, through="-", separator=", "), *shown)
     print_table(console, table)

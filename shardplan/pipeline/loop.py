@@ -140,8 +140,10 @@ def run_chunk(layers: Layers, chunk_state, h, split, whole, keys, first_layer, s
     def layer(h, inputs):
         layer_state, index = inputs
         if size is not None and when is not None:
-            return when(index < size, lambda: layers.run(layer_state, first_layer + index, h, split, whole, keys),
-                        lambda: h), None
+            # (the layer's arrays enter the branch as its operands: a module merged inside from values
+            # closed over from outside could not be updated there, as a rematerialised layer is)
+            return when(index < size, lambda st, x, sp, wh, ks: layers.run(st, first_layer + index, x, sp, wh, ks),
+                        lambda st, x, sp, wh, ks: x, layer_state, h, split, whole, keys), None
         out = layers.run(layer_state, first_layer + index, h, split, whole, keys)
         return (out if size is None else jnp.where(index < size, out, h)), None
 
@@ -496,12 +498,12 @@ def table_schedule(loop: Loop, operands: Operands):
 
 
 def branching(branches: bool) -> Callable:
-    """`when(on, run, otherwise)`: `run()` where `on`, else `otherwise()`, as a `cond` (each device takes
-    its side), or with `branches` false both sides computed and one selected."""
-    def when(on, run, otherwise):
+    """`when(on, run, otherwise, *operands)`: `run(*operands)` where `on`, else `otherwise(*operands)`, as a
+    `cond` (each device takes its side), or with `branches` false both sides computed and one selected."""
+    def when(on, run, otherwise, *operands):
         if branches:
-            return jax.lax.cond(on, run, otherwise)
-        return jax.tree.map(lambda a, b: jnp.where(on, a, b), run(), otherwise())
+            return jax.lax.cond(on, run, otherwise, *operands)
+        return jax.tree.map(lambda a, b: jnp.where(on, a, b), run(*operands), otherwise(*operands))
     return when
 
 
