@@ -84,7 +84,8 @@ def _pipelined(plan: Plan, model: nnx.Module, mesh, report: Report, specs: dict)
                              data_axes=tuple(a for a in data_axes(plan, report.axes) if a != pipe.axis)
                              + _idle_axes(plan, report, specs),
                              context_axis=plan.context.axis if plan.context and report.axes[plan.context.axis] > 1
-                             else None)
+                             else None, expert_axis=plan.experts.axis if report.experts else None,
+                             expert_weights=_expert_weights(plan, report))
     setattr(model, pipe.layers, layers)
     for keys, variable in nnx.to_flat_state(nnx.state(model)):
         path = join_path(keys)
@@ -95,6 +96,13 @@ def _pipelined(plan: Plan, model: nnx.Module, mesh, report: Report, specs: dict)
     return model
 
 
+def _expert_weights(plan: Plan, report: Report) -> frozenset:
+    """Paths, within one pipelined layer, of its blocks' expert weights."""
+    prefix = plan.pipeline.layers + "/"
+    return frozenset(path.removeprefix(prefix).split("/", 1)[1] for r in report.experts or ()
+                     for path in r.experts if path.startswith(prefix))
+
+
 def _tensor_split_outside(plan: Plan, report: Report, specs: dict) -> tuple[str, ...]:
     """Parameters outside the pipelined layers split over tensor axes only (none of the batch axes)."""
     batch = set(data_axes(plan, report.axes))
@@ -103,13 +111,14 @@ def _tensor_split_outside(plan: Plan, report: Report, specs: dict) -> tuple[str,
 
 
 def _manual_batch_axes(plan: Plan, report: Report, specs: dict) -> tuple[str, ...]:
-    """Axes the pipeline runs manually besides the stage axis: the data axes but the experts' (their blocks'
-    own exchange splits tokens over it), then the axes nothing else uses, as more data parallelism. A
-    layer weight split over a manual axis (FSDP inside a stage) enters the loop gathered over it. Left
-    automatic, either kind aborted XLA's partitioner (jax 0.10.2) once a stage's weight was split over
-    a tensor axis too: `plans/minigpt_3d.yaml` with one FSDP rule; a row-parallel weight with an idle axis."""
-    experts = plan.experts.axis if report.experts else None
-    data = tuple(a for a in data_axes(plan, report.axes) if a not in (plan.pipeline.axis, experts))
+    """Axes the pipeline runs manually besides the stage axis: the data axes (the experts' among them:
+    their weights enter the loop split over it, and their blocks exchange rows over it inside the
+    stage), then the axes nothing else uses, as more data parallelism. Any other layer weight split over
+    a manual axis (FSDP inside a stage) enters the loop gathered over it. Left automatic, either kind
+    aborted XLA's partitioner (jax 0.10.2) once a stage's weight was split over a tensor axis too:
+    `plans/minigpt_3d.yaml` with one FSDP rule; a row-parallel weight with an idle axis. The experts'
+    axis left automatic had XLA reduce every microbatch's gradients over it."""
+    data = tuple(a for a in data_axes(plan, report.axes) if a != plan.pipeline.axis)
     return data + _idle_axes(plan, report, specs)
 
 

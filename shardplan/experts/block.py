@@ -76,12 +76,19 @@ class Traced:
 
 def split_axes(options: ExpertOptions) -> tuple[tuple[str, ...], object]:
     """(the batch axes this call splits tokens over, the mesh to split on): inside a pipeline's stages its
-    stage and data axes are already manual, and the tokens already this device's along them."""
+    stage and batch axes are already manual (the experts' among them), and the tokens already this
+    device's along them."""
     context = jax.sharding.get_abstract_mesh()
     manual = set(getattr(context, "manual_axes", ()) or ())
     if not manual:
         return options.batch_axes, options.mesh
     return tuple(a for a in options.batch_axes if a not in manual), context
+
+
+def experts_manual(options: ExpertOptions) -> bool:
+    """Whether the block runs where its expert axis is already manual (a pipeline's stage): its expert
+    weights and tokens are then this device's own, and it exchanges rows without a shard_map of its own."""
+    return options.axis in set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ())
 
 
 def trace_block(original, options: ExpertOptions, module, args: tuple, kwargs: dict):
@@ -104,7 +111,9 @@ def trace_block(original, options: ExpertOptions, module, args: tuple, kwargs: d
     expert_positions = [arrays.index(k) for k, path in enumerate(paths) if path in options.experts]
     leaves = [flat[k] for k in arrays]
     batch_axes, mesh = split_axes(options)
-    devices = math.prod(dict(zip(mesh.axis_names, mesh.axis_sizes))[a] for a in batch_axes)
+    # (where the expert axis is manual the block runs on what this device holds, without a shard_map)
+    devices = 1 if experts_manual(options) else math.prod(dict(zip(mesh.axis_names, mesh.axis_sizes))[a]
+                                                          for a in batch_axes)
     batch = next((x.shape[0] for k, x in zip(arrays, leaves) if k >= state_leaves and x.ndim), None)
     tokens = [i for i, (k, x) in enumerate(zip(arrays, leaves)) if k >= state_leaves and x.ndim and x.shape[0] == batch]
     if batch is None:
@@ -115,7 +124,11 @@ def trace_block(original, options: ExpertOptions, module, args: tuple, kwargs: d
         # (a sampler's batch of one, say); they are cut off again.
         leaves = [jnp.pad(x, [(0, padding)] + [(0, 0)] * (x.ndim - 1)) if i in tokens else x
                   for i, x in enumerate(leaves)]
-    avals = [jax.ShapeDtypeStruct(((batch + padding) // devices, *x.shape[1:]) if i in tokens else x.shape, x.dtype)
+    # Where the expert axis is already manual each device holds E/ep experts: the block's code is traced
+    # with all E of them, as one device of the pipeline's program sees the block
+    ep = options.mesh.shape[options.axis] if experts_manual(options) else 1
+    avals = [jax.ShapeDtypeStruct(((batch + padding) // devices, *x.shape[1:]) if i in tokens else
+                                  (x.shape[0] * ep, *x.shape[1:]) if i in expert_positions else x.shape, x.dtype)
              for i, x in enumerate(leaves)]
     closed, shapes = jax.make_jaxpr(pure, return_shape=True)(*avals)
     out_tree = jax.tree.structure(shapes)
@@ -190,10 +203,19 @@ def _fallback_call(original, options: ExpertOptions, module, args: tuple, kwargs
     """The block's own program under sharding constraints, partitioned by the compiler: expert weights
     split on their E dim (they never move), the tokens gathered over the expert axis (still split over the
     other batch axes), each device computing its own experts on them, and the outputs per token split
-    over the expert axis again (a reduce-scatter of the partial sums over E). Exact whatever the code."""
+    over the expert axis again (a reduce-scatter of the partial sums over E). Exact whatever the code.
+    Where the expert axis is already manual (a pipeline's stage) the experts are gathered instead."""
     if reason is not None:      # (None: asked for, `dense_only`)
         _report_fallback(type(module), options, reason)
     pure, leaves, traced = trace_block(original, options, module, args, kwargs)
+    if experts_manual(options):
+        # (a pipeline's stage, manual over the expert axis): the experts gathered to every device, which
+        # runs the block on its own tokens; their gradients are reduce-scattered back
+        out, rest = pure(*[jax.lax.all_gather(x, options.axis, tiled=True) if i in traced.experts else x
+                           for i, x in enumerate(leaves)])
+        if jax.tree.leaves(rest):
+            nnx.update(module, rest)
+        return out
     batch_axes, mesh = split_axes(options)
     others = tuple(a for a in batch_axes if a != options.axis)
 
@@ -250,7 +272,6 @@ def _expert_parallel_call(original, options: ExpertOptions, module, args: tuple,
     from shardplan.run.widen import narrowed, widened       # (one helper with the pipeline's loops; see docs/layout.md)
 
     def per_device(*local):
-        local = narrowed(list(local), narrow)
         # Traced again here, so the program's shardings name the manual axes it now runs under.
         avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in traced.closed.in_avals]
         closed = jax.make_jaxpr(pure)(*avals)
@@ -262,16 +283,20 @@ def _expert_parallel_call(original, options: ExpertOptions, module, args: tuple,
         return [outs[k] for k in dependent] + outs[len(out_avals):]
 
     counting = DROPS.get() is not None
-    batch_axes, mesh = split_axes(options)
-    rows = P(batch_axes)
-    in_specs = [rows if i in traced.tokens else P(options.axis) if i in traced.experts else P()
-                for i in range(len(leaves))]
-    sharded = jax.shard_map(per_device, mesh=mesh, in_specs=tuple(in_specs),
-                            out_specs=[rows] * (len(dependent) + counting), axis_names=set(batch_axes),
-                            check_vma=False)
-    # (the weights' gradients are then summed over the batch axes in float32: see `shardplan.run.widen`)
-    wide, narrow = widened(list(leaves))
-    parallel = jax.jit(sharded)(*wide)
+    if experts_manual(options):
+        # (a pipeline's stage, manual over the expert axis: its loop reduces the weights' gradients once)
+        parallel = per_device(*leaves)
+    else:
+        batch_axes, mesh = split_axes(options)
+        rows = P(batch_axes)
+        in_specs = [rows if i in traced.tokens else P(options.axis) if i in traced.experts else P()
+                    for i in range(len(leaves))]
+        sharded = jax.shard_map(lambda *local: per_device(*narrowed(list(local), narrow)), mesh=mesh,
+                                in_specs=tuple(in_specs), out_specs=[rows] * (len(dependent) + counting),
+                                axis_names=set(batch_axes), check_vma=False)
+        # (the weights' gradients are then summed over the batch axes in float32: see `shardplan.run.widen`)
+        wide, narrow = widened(list(leaves))
+        parallel = jax.jit(sharded)(*wide)
     if counting:
         DROPS.get().append((module, jnp.sum(parallel[-1])))
         parallel = parallel[:-1]
@@ -281,12 +306,21 @@ def _expert_parallel_call(original, options: ExpertOptions, module, args: tuple,
     for k, value in zip(dependent, parallel):
         outs[k] = value
     if len(dependent) < len(outs):
-        whole = jax.tree.leaves(pure(*[x[:traced.batch] if i in traced.tokens else x for i, x in enumerate(leaves)]))
+        whole = jax.tree.leaves(pure(*whole_call(leaves, traced)))
         outs = [whole[k] if value is None else value for k, value in enumerate(outs)]
     out, rest = jax.tree.unflatten(traced.out_tree, outs)
     if jax.tree.leaves(rest):
         nnx.update(module, rest)
     return out
+
+
+def whole_call(leaves: list, traced: Traced) -> list:
+    """The leaves the block's ordinary call takes for its outputs that do not depend on the experts: the
+    batch without padding; where the expert axis is manual, zeros of every expert's shape in place of this
+    device's (nothing reads them: the experts are pruned from that call)."""
+    return [x[:traced.batch] if i in traced.tokens else
+            jnp.zeros(traced.closed.in_avals[i].shape, x.dtype) if i in traced.experts else x
+            for i, x in enumerate(leaves)]
 
 
 def expert_options(plan, mesh, roles) -> dict[str, ExpertOptions]:

@@ -25,11 +25,12 @@ _SEEN: dict = {}
 
 
 def layers_permute_in_branches(layers, state, specs: list[PartitionSpec], inputs: tuple, mesh: Mesh, axis: str,
-                               batch_axes: tuple[str, ...]) -> bool:
+                               batch_axes: tuple[str, ...], leaf_specs: tuple | None = None) -> bool:
     """Whether one chunk of `layers` (stacked `state`, each leaf (stages, chunks, layers, ...) with
     its `specs`), run forward and backward on `inputs` — (activation, split inputs, whole inputs,
     keys) for one microbatch, the first two split over `batch_axes` — needs a collective-permute over
-    the axes of `mesh` left to XLA, on XLA:CPU. Always false on accelerators."""
+    the axes of `mesh` left to XLA, on XLA:CPU (`leaf_specs`: how the leaves enter the loop, see
+    `shardplan.pipeline.loop.stage_specs`). Always false on accelerators."""
     if jax.default_backend() != "cpu":
         return False
     manual = {axis, *batch_axes}
@@ -42,7 +43,7 @@ def layers_permute_in_branches(layers, state, specs: list[PartitionSpec], inputs
     chunk = [jax.ShapeDtypeStruct((leaf.shape[0], *leaf.shape[2:]), leaf.dtype) for leaf in leaves]
     h, split, whole, keys = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), inputs)
     key = (layers, treedef, tuple(chunk), tuple(chunk_specs), h, tuple(split), str(jax.tree.structure(whole)),
-           tuple(jax.tree.leaves((whole, keys))), tuple(mesh.shape.items()), axis, batch_axes)
+           tuple(jax.tree.leaves((whole, keys))), tuple(mesh.shape.items()), axis, batch_axes, leaf_specs)
     try:
         return _SEEN[key]
     except TypeError:            # a layer definition that cannot be hashed: probe every time
@@ -57,7 +58,9 @@ def layers_permute_in_branches(layers, state, specs: list[PartitionSpec], inputs
         out, vjp = jax.vjp(forward, [leaf[0] for leaf in chunk], h)
         return vjp(out)
 
-    probe = jax.shard_map(forward_and_backward, mesh=mesh, in_specs=(PartitionSpec(axis), rows, rows, PartitionSpec(),
+    entering = PartitionSpec(axis) if leaf_specs is None else [PartitionSpec(axis, *tuple(spec)[2:])
+                                                                for spec in leaf_specs]
+    probe = jax.shard_map(forward_and_backward, mesh=mesh, in_specs=(entering, rows, rows, PartitionSpec(),
                                                                      PartitionSpec()),
                           out_specs=PartitionSpec(), axis_names=manual, check_vma=False)
     shardings = [NamedSharding(mesh, spec) for spec in chunk_specs]

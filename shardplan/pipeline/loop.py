@@ -173,6 +173,34 @@ def _batch_spec(batch_axes: tuple[str, ...], *leading) -> P:
     return P(*leading, batch_axes if batch_axes else None)
 
 
+def stage_specs(specs, experts: list[bool], axis: str, batch_axes: tuple[str, ...],
+                expert_axis: str | None) -> tuple[P, ...] | None:
+    """How each leaf of the stacked layers (its plan spec, [stage, chunk, slot, ...]; whether it is an
+    expert weight) enters the loop: split over the stage axis, and an expert weight over the experts'
+    axis where the plan splits it so and the loop runs that axis manually (the experts stay on their
+    devices; any other split over a manual axis, FSDP's, is gathered). None: every leaf split over the
+    stage axis alone.
+
+    >>> stage_specs([P("stage", None, None, "expert", None, "model"), P("stage", None, None, "expert")], [True, False],
+    ...             "stage", ("data", "expert"), "expert")
+    (P('stage', None, None, 'expert', None, None), P('stage', None, None, None))
+    >>> stage_specs([P("stage")], [False], "stage", ("data",), "expert") is None
+    True
+    """
+    if expert_axis is None or expert_axis not in batch_axes:
+        return None
+
+    def kept(entry, expert: bool):
+        return expert_axis if expert and expert_axis in (entry if isinstance(entry, tuple) else (entry,)) else None
+    return tuple(P(axis, None, None, *(kept(entry, expert) for entry in tuple(spec)[3:]))
+                 for spec, expert in zip(specs, experts))
+
+
+def _state_in(stacked, leaf_specs, axis: str):
+    """The loop's in_specs (and its gradients' out_specs) for the stacked layers (see `stage_specs`)."""
+    return P(axis) if leaf_specs is None else jax.tree.unflatten(jax.tree.structure(stacked), list(leaf_specs))
+
+
 def shard_keys(keys, mesh, batch_axes: tuple[str, ...]):
     """Keys of their own per batch shard (each draws masks only for its own rows)."""
     if not keys or not batch_axes:
@@ -216,7 +244,7 @@ def model_order(a, arrangement: Arrangement = Arrangement()):
 
 
 def circular_forward(layers: Layers, stacked, xs, split, whole, keys, *, mesh, axis: str,
-                     batch_axes: tuple[str, ...] = ()):
+                     batch_axes: tuple[str, ...] = (), leaf_specs: tuple | None = None):
     """Forward of (M, mb, ...) microbatches (and the layers' split arguments, also (M, mb, ...)) through
     the stacked layers; returns (M, mb, ...).
 
@@ -226,13 +254,15 @@ def circular_forward(layers: Layers, stacked, xs, split, whole, keys, *, mesh, a
     stages = jax.tree.leaves(stacked)[0].shape[0]
     (stacked, whole), narrow = widened((stacked, whole))
     if layers.arrangement.v_shape:
-        return _cached(_v_runner, layers, mesh, axis, batch_axes, narrow)(stacked, xs, split, whole, keys)[0]
-    run = _cached(_circular_runner, layers, mesh, axis, batch_axes, narrow)
+        return _cached(_v_runner, layers, mesh, axis, batch_axes, narrow, leaf_specs)(stacked, xs, split, whole,
+                                                                                      keys)[0]
+    run = _cached(_circular_runner, layers, mesh, axis, batch_axes, narrow, leaf_specs)
     return run(stacked, xs, split, whole, keys)[stages - 1]
 
 
 @functools.cache
-def _circular_runner(layers: Layers, mesh, axis: str, batch_axes: tuple[str, ...], narrow: tuple):
+def _circular_runner(layers: Layers, mesh, axis: str, batch_axes: tuple[str, ...], narrow: tuple,
+                     leaf_specs: tuple | None = None):
     """The jitted shard_map of the circular forward (a partly manual shard_map cannot run eagerly); the
     weights and whole arguments enter `widened`, to the dtypes `narrow` names."""
 
@@ -276,14 +306,12 @@ def _circular_runner(layers: Layers, mesh, axis: str, batch_axes: tuple[str, ...
         (_, _, outs), _ = jax.lax.scan(body, (zeros[0], zeros, zeros), ticks)
         return outs[None]
 
-    rows = _batch_spec(batch_axes, None)
-    return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(axis), rows, rows, P(), P()),
-                                 out_specs=_batch_spec(batch_axes, axis, None), axis_names={axis, *batch_axes},
-                                 check_vma=False))
+    return _forward_on_stages(per_device, mesh, axis, batch_axes, leaf_specs)
 
 
 @functools.cache
-def _v_runner(layers: Layers, mesh, axis: str, batch_axes: tuple[str, ...], narrow: tuple):
+def _v_runner(layers: Layers, mesh, axis: str, batch_axes: tuple[str, ...], narrow: tuple,
+              leaf_specs: tuple | None = None):
     """`_circular_runner` for layers placed in a V (`Arrangement.v_shape`): every microbatch up the stages
     through their first chunks, then down through their second, in two sweeps of M + S - 1 ticks; the
     outputs end on the first stage."""
@@ -320,16 +348,24 @@ def _v_runner(layers: Layers, mesh, axis: str, batch_axes: tuple[str, ...], narr
         (_, _, _, outs), _ = jax.lax.scan(body, (zeros[0], zeros[0], zeros, zeros), jnp.arange(2 * sweep))
         return outs[None]
 
+    return _forward_on_stages(per_device, mesh, axis, batch_axes, leaf_specs)
+
+
+def _forward_on_stages(per_device: Callable, mesh, axis: str, batch_axes: tuple[str, ...], leaf_specs):
+    """The jitted shard_map of a forward loop (`per_device(state, xs, split, whole, keys)`)."""
     rows = _batch_spec(batch_axes, None)
-    return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(axis), rows, rows, P(), P()),
-                                 out_specs=_batch_spec(batch_axes, axis, None), axis_names={axis, *batch_axes},
-                                 check_vma=False))
+
+    def run(stacked, *rest):
+        return jax.shard_map(per_device, mesh=mesh, in_specs=(_state_in(stacked, leaf_specs, axis), rows, rows, P(), P()),
+                             out_specs=_batch_spec(batch_axes, axis, None), axis_names={axis, *batch_axes},
+                             check_vma=False)(stacked, *rest)
+    return jax.jit(run)
 
 
 def one_f_one_b_loss(layers: Layers, stacked, head: Callable, head_params, embed: Callable, embed_params, head_rest,
                      layer_inputs, head_inputs, targets, keys, *, mesh, axis: str, batch_axes: tuple[str, ...] = (),
                      embed_branch: bool = True, branches: bool = True, schedule: str = "1f1b",
-                     runner: Callable | None = None):
+                     runner: Callable | None = None, leaf_specs: tuple | None = None):
     """Mean loss over microbatches, with gradients computed by the 1F1B schedule itself (averaged over
     the manual `batch_axes` once, after the loop). `embed(params, rest, split, whole, keys)` is one
     microbatch's input to the layers (the model's code before them) and runs on the first stage as
@@ -344,7 +380,8 @@ def one_f_one_b_loss(layers: Layers, stacked, head: Callable, head_params, embed
     context axis: XLA's collective permutes there wait for every device). `schedule`: "1f1b", or
     "gpipe" for GPipe's order on the same tables (every forward, then every backward). `runner`: the
     schedule's own loop in place of the tables' (`zero_bubble.zero_bubble_schedule`)."""
-    loop = Loop(layers, head, embed, mesh, axis, tuple(batch_axes), schedule, embed_branch and branches, branches)
+    loop = Loop(layers, head, embed, mesh, axis, tuple(batch_axes), schedule, embed_branch and branches, branches,
+                leaf_specs)
 
     def run(stacked, head_params, embed_params, *rest):
         return (runner or table_schedule)(loop, Operands(stacked, head_params, embed_params, *rest))
@@ -377,6 +414,7 @@ class Loop:
     schedule: str
     embed_branch: bool
     branches: bool
+    leaf_specs: tuple | None = None     # how the stacked layers enter (`stage_specs`)
 
 
 class Operands(NamedTuple):
@@ -492,7 +530,7 @@ def table_schedule(loop: Loop, operands: Operands):
             g_embed=running_sum(mine.embed_params), loss_sum=jnp.zeros((), jnp.float32))
         done, _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
         return finish_gradients(done.g_layers, done.g_head, done.g_embed, done.loss_sum, micro, loop.batch_axes,
-                                state, mine.head_params, mine.embed_params)
+                                state, mine.head_params, mine.embed_params, loop.leaf_specs)
 
     return run_on_stages(per_device, loop, operands)
 
@@ -557,16 +595,33 @@ class Ends:
         return jax.tree.map(lambda g, z: jnp.where(done, g, z), backward(), zero)
 
 
-def finish_gradients(g_layers, g_head, g_embed, loss_sum, micro: int, batch_axes, state, head_params, embed_params):
+def finish_gradients(g_layers, g_head, g_embed, loss_sum, micro: int, batch_axes, state, head_params, embed_params,
+                     leaf_specs: tuple | None = None):
     """One device's sums over its microbatches -> means, averaged over the manual batch axes once, in
-    the parameters' dtypes, with a leading stage dim (see `run_on_stages`)."""
+    the parameters' dtypes, with a leading stage dim (see `run_on_stages`). A layer weight split over a
+    manual axis (an expert weight, `stage_specs`) already holds every device's part along it (its rows
+    came through the exchange): it is summed over the other batch axes only."""
     scale = 1.0 / micro
     if batch_axes:      # each shard's loss is a mean over its rows: average them, once
-        g_layers, g_head, g_embed, loss_sum = jax.lax.pmean((g_layers, g_head, g_embed, loss_sum), batch_axes)
+        g_head, g_embed, loss_sum = jax.lax.pmean((g_head, g_embed, loss_sum), batch_axes)
+        g_layers = _averaged(g_layers, batch_axes, leaf_specs)
     g_layers = jax.tree.map(lambda g, a: (g * scale).astype(a.dtype)[None], g_layers, state)
     g_head = jax.tree.map(lambda g, a: (g * scale).astype(a.dtype)[None], g_head, head_params)
     g_embed = jax.tree.map(lambda g, a: (g * scale).astype(a.dtype)[None], g_embed, embed_params)
     return g_layers, (g_head, g_embed, (loss_sum * scale)[None])
+
+
+def _averaged(g_layers, batch_axes: tuple[str, ...], leaf_specs: tuple | None):
+    if leaf_specs is None:
+        return jax.lax.pmean(g_layers, batch_axes)
+    shards = jax.lax.psum(1, batch_axes)
+    leaves, tree = jax.tree.flatten(g_layers)
+    out = []
+    for g, spec in zip(leaves, leaf_specs):
+        split = {name for entry in spec[1:] for name in (entry if isinstance(entry, tuple) else (entry,))}
+        others = tuple(a for a in batch_axes if a not in split)
+        out.append((jax.lax.psum(g, others) if others else g) / shards)
+    return jax.tree.unflatten(tree, out)
 
 
 def run_on_stages(per_device: Callable, loop: Loop, operands: Operands):
@@ -577,9 +632,10 @@ def run_on_stages(per_device: Callable, loop: Loop, operands: Operands):
     head_stage = loop.layers.arrangement.stage_of_chunk(stages * virtual - 1, stages)[0]
     rows = _batch_spec(loop.batch_axes, None)
     inputs = (rows, P())
+    layers_in = _state_in(operands.stacked, loop.leaf_specs, loop.axis)
     run = jax.shard_map(per_device, mesh=loop.mesh,
-                        in_specs=(Operands(P(loop.axis), P(), P(), P(), inputs, inputs, rows, P()),),
-                        out_specs=(P(loop.axis), (P(loop.axis), P(loop.axis), P(loop.axis))),
+                        in_specs=(Operands(layers_in, P(), P(), P(), inputs, inputs, rows, P()),),
+                        out_specs=(layers_in, (P(loop.axis), P(loop.axis), P(loop.axis))),
                         axis_names={loop.axis, *loop.batch_axes}, check_vma=False)
     g_layers, (g_head, g_embed, loss) = run(operands)
     g_head, loss = jax.tree.map(lambda g: g[head_stage], g_head), loss[head_stage]

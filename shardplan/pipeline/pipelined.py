@@ -23,7 +23,7 @@ from shardplan.checks.paths import join_path
 from shardplan.checks.schedules import SCHEDULES, on_tables
 from shardplan.pipeline.branch_probe import layers_permute_in_branches
 from shardplan.pipeline.loop import (Arrangement, Layers, circular_forward, cross_entropy, fit_microbatches, model_order,
-                                     one_f_one_b_loss, sequential_forward, stack, unstack)
+                                     one_f_one_b_loss, sequential_forward, stack, stage_specs, unstack)
 from shardplan.pipeline.zero_bubble import zero_bubble_schedule
 from shardplan.pipeline.zero_bubble_v import zero_bubble_v_schedule
 from shardplan.plan.diagnostics import PlanWarning
@@ -57,7 +57,8 @@ class PipelinedLayers(nnx.Module):
     def __init__(self, layers: list[nnx.Module], *, name: str, stages: int, virtual: int, mesh, axis: str,
                  schedule: str, microbatches: int, batch_axes: tuple[str, ...], plain_graphdef,
                  counts: tuple[int, ...] | None = None, split_heads: tuple[str, ...] = (),
-                 data_axes: tuple[str, ...], sharding_of: Callable | None = None, context_axis: str | None = None):
+                 data_axes: tuple[str, ...], sharding_of: Callable | None = None, context_axis: str | None = None,
+                 expert_axis: str | None = None, expert_weights: frozenset = frozenset()):
         graphdefs = [nnx.graphdef(layer) for layer in layers]
         kinds = list(dict.fromkeys(graphdefs))
         arrangement = Arrangement(tuple(counts) if counts and len(set(counts)) > 1 else None,     # unequal: padded
@@ -74,6 +75,8 @@ class PipelinedLayers(nnx.Module):
         self._pipeline_arrangement = arrangement
         self._pipeline_split_heads = frozenset(split_heads)    # weights after the layers 1F1B may keep split
         self._pipeline_context = context_axis                  # the sequence split over it: 1F1B takes no branch
+        self._pipeline_experts = expert_axis                   # the expert weights stay split over it
+        self._pipeline_expert_weights = expert_weights         # their paths within a layer
 
     @property
     def schedule(self) -> str:
@@ -145,8 +148,15 @@ class PipelinedLayers(nnx.Module):
             return call.output(sequential_forward(layers, state, x, split, whole, keys))
         ys = circular_forward(layers, state, split_microbatches(x, microbatches),
                               [split_microbatches(a, microbatches) for a in split], whole, keys,
-                              mesh=self._pipeline_mesh, axis=self._pipeline_axis, batch_axes=batch_axes)
+                              mesh=self._pipeline_mesh, axis=self._pipeline_axis, batch_axes=batch_axes,
+                              leaf_specs=self._leaf_specs(state, batch_axes))
         return call.output(merge_microbatches(ys))
+
+    def _leaf_specs(self, state, batch_axes: tuple[str, ...]) -> tuple | None:
+        """How the stacked layers enter the loop (`stage_specs`)."""
+        experts = [join_path(path).removesuffix("/.value") in self._pipeline_expert_weights
+                   for path, _ in jax.tree.flatten_with_path(state)[0]]
+        return stage_specs(_specs(state), experts, self._pipeline_axis, batch_axes, self._pipeline_experts)
 
     def _fit(self, rows: int) -> tuple[int, tuple[str, ...]]:
         """Microbatches and manual batch axes for a batch of `rows`: the plan's when they divide it; else
@@ -237,7 +247,8 @@ class PipelinedLayers(nnx.Module):
             ([micro(a) for a in split], whole), ([micro(a) for a in model_split], model_whole),
             micro(request.targets), (keys, head_keys), mesh=mesh, axis=self._pipeline_axis, batch_axes=batch_axes,
             embed_branch=every_batch_axis_manual, branches=branches, schedule=self.schedule,
-            runner={"zb-h1": zero_bubble_schedule, "zb-v": zero_bubble_v_schedule}.get(self.schedule))
+            runner={"zb-h1": zero_bubble_schedule, "zb-v": zero_bubble_v_schedule}.get(self.schedule),
+            leaf_specs=self._leaf_specs(state, batch_axes))
 
     def _permutes_in_branches(self, layers, state, x, split, whole, keys, microbatches: int,
                               batch_axes: tuple[str, ...]) -> bool:
@@ -247,10 +258,10 @@ class PipelinedLayers(nnx.Module):
 
         def one_microbatch(a):
             return jax.ShapeDtypeStruct((rows, *a.shape[1:]), a.dtype)
-        specs = jax.tree.leaves(nnx.get_partition_spec(state), is_leaf=lambda v: isinstance(v, jax.sharding.PartitionSpec))
+        specs = _specs(state)
         inputs = (one_microbatch(x), [one_microbatch(a) for a in split], whole, keys)
         if not layers_permute_in_branches(layers, state, specs, inputs, self._pipeline_mesh, self._pipeline_axis,
-                                          batch_axes):
+                                          batch_axes, self._leaf_specs(state, batch_axes)):
             return False
         if (self._pipeline_name, batch_axes) not in _SAID_LOCKSTEP:
             _SAID_LOCKSTEP.add((self._pipeline_name, batch_axes))
@@ -259,6 +270,11 @@ class PipelinedLayers(nnx.Module):
                           "schedule's branches, so every stage computes at every tick and keeps its own work: the "
                           "same numbers, more computation (accelerators keep the branches)", PlanWarning, stacklevel=4)
         return True
+
+
+def _specs(state) -> list:
+    """The plan's spec of each leaf of the stacked layers."""
+    return jax.tree.leaves(nnx.get_partition_spec(state), is_leaf=lambda v: isinstance(v, jax.sharding.PartitionSpec))
 
 
 def _used_inputs(function: Callable, leaves: list) -> list[bool]:

@@ -119,7 +119,7 @@ def zero_bubble_schedule(loop: Loop, operands: Operands):
         done, _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
         g_layers = jax.tree.map(lambda g: g[None], jax.tree.unflatten(chunk_def, done.g_layers))   # (virtual=1, ...)
         return finish_gradients(g_layers, done.g_head, done.g_embed, done.loss_sum, micro, loop.batch_axes, state,
-                                mine.head_params, mine.embed_params)
+                                mine.head_params, mine.embed_params, loop.leaf_specs)
 
     return run_on_stages(per_device, loop, operands)
 

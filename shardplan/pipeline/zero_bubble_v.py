@@ -143,6 +143,6 @@ def zero_bubble_v_schedule(loop: Loop, operands: Operands):
             loss_sum=jnp.zeros((), jnp.float32))
         done, _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
         return finish_gradients(done.g_layers, done.g_head, done.g_embed, done.loss_sum, micro, loop.batch_axes, state,
-                                mine.head_params, mine.embed_params)
+                                mine.head_params, mine.embed_params, loop.leaf_specs)
 
     return run_on_stages(per_device, loop, operands)

@@ -196,7 +196,6 @@ class _Step:
     seq: int
     itemsize: int
     width: int
-    manual_batch: bool = True   # the pipeline runs its batch axes manually (all but the experts' axis)
     remat: str = "none"         # what the repeated layers keep for the backward: none, full or dots
     sequence_ways: int = 1      # tensor ways that split the sequence between the layers' matmuls
     attention_stored: bool = True   # attention scores are written to memory (not fused on chip)
@@ -243,20 +242,11 @@ class _Step:
             return self.microbatches + self.stages - 1, tokens
         return passes, tokens
 
-    def reductions_per_step(self, staged: bool, head: bool) -> int:
-        """How often a gradient is all-reduced over the batch axes: once, unless a pipeline's batch
-        axes stay automatic (a layer is FSDP-split over them); then XLA reduces a layer's gradient
-        in every backward tick (1F1B: every backward, and its head's every loss). Gradient
-        accumulation reduces each microbatch's gradient as it comes (measured on XLA)."""
-        if self.stage_axis is None:
-            return self.accumulate
-        if self.manual_batch:
-            return 1
-        if self.tabled and (staged or head):
-            return self.microbatches
-        if staged:
-            return self.virtual * self.microbatches + self.stages - 1
-        return 1
+    def reductions_per_step(self) -> int:
+        """How often a gradient is all-reduced over the batch axes: once (a pipeline runs its batch
+        axes manually and reduces after its loop), but gradient accumulation reduces each
+        microbatch's gradient as it comes (measured on XLA)."""
+        return self.accumulate if self.stage_axis is None else 1
 
     def ways(self, axes) -> int:
         return math.prod(self.sizes[a] for a in axes)
@@ -291,8 +281,6 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
         microbatches=pipe.microbatches if pipe else 1, virtual=stage_map.virtual if pipe else 1,
         tokens=workload.batch * workload.seq // max(1, math.prod(sizes[a] for a in batch_axes)),
         seq=workload.seq, itemsize=itemsize, width=roles.width,
-        # the pipeline's loop leaves only the experts' axis to XLA (`shardplan.compose.apply`)
-        manual_batch=not (pipe and plan.experts and plan.experts.axis in batch_axes),
         remat=options.remat, sequence_ways=options.sequence_ways, attention_stored=options.attention_stored,
         counts=counts, accumulate=plan.accumulate if pipe is None else 1, widened=not profile.low_precision_native,
         context=context, ring=bool(context) and plan.context.strategy == "ring",
@@ -625,7 +613,7 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
         if reduce_over:
             group = reduce_over + ((step.stage_axis,) if step.stage_axis and not staged and
                                    not step.tabled else ())
-            key = (group, step.reductions_per_step(staged, head))
+            key = (group, step.reductions_per_step())
             # a tied embedding's two uses (lookup, logits) are reduced separately
             reductions[key] = reductions.get(key, 0) + int(size * step.widening(p)) * count * \
                 (2 if p.path in roles.tied else 1)
@@ -796,8 +784,7 @@ def _head_ways(p: ParamLayout, roles: ModelRoles, step: _Step) -> int:
     weight split over tensor axes only keeps its split (1); one split over a batch axis (or while
     FSDP-split layers keep those automatic), or a tied embedding, enters whole (see
     `shardplan.pipeline.pipelined`)."""
-    whole = (p.path in roles.tied or not step.manual_batch or
-             any(a in step.batch_axes for a in spec_axes(p.spec)))
+    whole = p.path in roles.tied or any(a in step.batch_axes for a in spec_axes(p.spec))
     return step.ways(spec_axes(p.spec)) if whole else 1
 
 
@@ -900,7 +887,7 @@ def _context_terms(held: list[ParamLayout], roles: ModelRoles, step: _Step):
     return context_cost([w for layer, w in widths.items() for _ in range(stands_for.get(layer, 1))],
                         strategy="ring" if step.ring else "all_gather", axis=step.context or "", ways=ways,
                         rows=tokens * ways / step.seq, seq=step.seq, itemsize=step.itemsize, passes=passes,
-                        gradient_bytes=gradients, reductions=step.reductions_per_step(staged, False))
+                        gradient_bytes=gradients, reductions=step.reductions_per_step())
 
 
 def _scores(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> float:

@@ -21,11 +21,23 @@ from .run import plan_text
 FAILURES = ("wrong", "failed", "abort", "hang", "not-refused", "refused-otherwise")
 
 
-def cases(seed: int, count: int, schedule: str | None = None) -> list[dict]:
-    """The seed's first `count` cases; `schedule`: every pipeline that can run it does (the other draws
-    stay the seed's)."""
+# --only: which drawn cases run (the others are drawn and passed over, so a case keeps its seed's id)
+FOCUS = {"experts-in-stages": lambda case: "experts" in case["plan"] and "pipeline" in case["plan"]}
+
+
+def cases(seed: int, count: int, schedule: str | None = None, only: str | None = None) -> list[dict]:
+    """The seed's first `count` cases (`only`: of those `FOCUS[only]` keeps); `schedule`: every pipeline
+    that can run it does (the other draws stay the seed's)."""
     rng = random.Random(seed)
-    return [draw(rng, k, schedule) for k in range(count)]
+    keep = FOCUS[only] if only else (lambda case: True)
+    found: list[dict] = []
+    k = 0
+    while len(found) < count:
+        case = draw(rng, k, schedule)
+        k += 1
+        if keep(case):
+            found.append(case)
+    return found
 
 
 def read_case(path: Path) -> dict:
@@ -65,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--matrix", type=Path, help="write the support matrix of this run (markdown) to this file")
     parser.add_argument("--schedule", choices=SCHEDULES,
                         help="every pipelined case runs this schedule where its stages allow (default: drawn)")
+    parser.add_argument("--only", choices=sorted(FOCUS), help="run only the drawn cases of this kind (ids stay "
+                                                               "the seed's)")
     args = parser.parse_args(argv)
     if args.replay:
         try:
@@ -79,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             pool.close()
             print(f"minimised in {spent} runs: saved {save(case, result, args.out)}")
         return 0 if result["status"] not in FAILURES else 1
-    todo, started = cases(args.seed, args.cases, args.schedule), time.monotonic()
+    todo, started = cases(args.seed, args.cases, args.schedule, args.only), time.monotonic()
 
     def progress(k, case, result):
         mark = "FAIL " if result["status"] in FAILURES else ""
