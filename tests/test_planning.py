@@ -168,20 +168,38 @@ def test_cost_model_on_expert_parallelism_matches_the_compiled_step(dispatch, k)
         compiled.collectives.bytes["all-to-all"]
 
 
-@pytest.mark.parametrize("virtual", [1, 2])
-def test_cost_model_on_expert_parallelism_inside_a_pipeline_matches_the_compiled_step(virtual):
-    """1F1B with the experts folded onto data: inside the loop each microbatch's expert-weight gradients
-    and their running sum are kept as the other layers' are (they were left out: -18%; now +1.1% and
-    -4.8% interleaved). The loop runs the experts' axis manually, so every gradient is reduced once,
-    after it: two all-reduces a step, the bytes of every collective exact but the loss's few (with the
-    axis left to XLA, 27 all-reduces and 12 all-gathers moved 8.7 MB where 1.7 MB do)."""
+EP_PIPELINE_PLAN = """version: 1
+mesh: {axes: {stage: 2, data: 2, expert: 2}}
+inputs: {tokens: [[data, expert], null]}
+experts: {blocks: 'transformer_blocks/\\d+/moe', axis: expert, dispatch: capacity, capacity_factor: 1.0}
+pipeline: {axis: stage, layers: transformer_blocks, microbatches: 4, schedule: 1f1b, virtual_stages: 2}
+params:
+  - {match: 'transformer_blocks/\\d+/moe/w_(in|out)', spec: [expert]}
+  - {match: '.*', spec: replicated}
+"""
+
+
+@pytest.mark.parametrize("layout", ["folded", "beside-data"])
+def test_cost_model_on_expert_parallelism_inside_a_pipeline_matches_the_compiled_step(layout):
+    """1F1B with the experts folded onto data 4, and interleaved with an expert axis beside data (the
+    Mixtral row's layout class): inside the loop each microbatch's expert-weight gradients and their
+    running sum are kept as the other layers' are (they were left out: -18%; now +1.1% and -4.8%). The
+    loop runs the experts' axis manually, so every gradient is reduced once, after it (the expert
+    weights' over data alone): at most three all-reduces a step, the bytes of every collective exact
+    but the loss's few. With the axis left to XLA, folded, 27 all-reduces and 12 all-gathers moved
+    8.7 MB where 1.7 MB do."""
     config = dict(maxlen=128, vocab_size=256, embed_dim=128, num_heads=4, feed_forward_dim=512,
                   num_transformer_blocks=8, num_experts=8, experts_per_token=2)
-    candidate = auto.Candidate({"stage": 2, "data": 4}, {}, False, False, False, False, "1f1b", 4, virtual,
-                               experts=True, capacity=1.0)
-    _, cost, compiled = _against_compiler(config, functools.partial(auto.build_plan, candidate), 32, 128)
+    if layout == "folded":
+        candidate = auto.Candidate({"stage": 2, "data": 4}, {}, False, False, False, False, "1f1b", 4, 1,
+                                   experts=True, capacity=1.0)
+        plan_of = functools.partial(auto.build_plan, candidate)
+    else:
+        def plan_of(roles, params):
+            return shardplan.parse_plan(EP_PIPELINE_PLAN)
+    _, cost, compiled = _against_compiler(config, plan_of, 32, 128)
     assert cost.peak_bytes == pytest.approx(compiled.peak_bytes, rel=0.15)
-    assert compiled.collectives.count["all-reduce"] <= 2 and "all-gather" not in compiled.collectives.count
+    assert compiled.collectives.count["all-reduce"] <= 3 and "all-gather" not in compiled.collectives.count
     assert {kind: nbytes for kind, (_, nbytes) in cost.by_kind().items()} == pytest.approx(compiled.collectives.bytes,
                                                                                         abs=16)
 

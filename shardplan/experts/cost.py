@@ -44,10 +44,13 @@ def slots(tokens: float, experts: int, capacity_factor: float | None, top_k: int
 
 def expert_cost(blocks, layouts: dict, *, axis: str, capacity_factor: float | None, batch_axes: tuple,
                 sizes: dict, passes: int, tokens_per_pass: float, width: int, itemsize: int, recompute,
-                count, top_k: int = 0) -> ExpertCost:
+                count, top_k: int = 0, reductions: int | None = None) -> ExpertCost:
     """`blocks`: the plan's BlockRoles; `layouts`: path -> ParamLayout of the expert weights held here;
     `recompute(path)`: whether the backward runs the block's forward again; `count(path)`: how many
-    blocks one stands for; `top_k`: experts per token (0: not known, `ASSUMED_TOP_K`)."""
+    blocks one stands for; `top_k`: experts per token (0: not known, `ASSUMED_TOP_K`); `reductions`:
+    how often a step gathers an FSDP-split expert weight and reduces the gradients (a pipeline's loop:
+    once, as it enters and after; default: every pass)."""
+    reductions = passes if reductions is None else reductions
     known = top_k or ASSUMED_TOP_K
     transfers, flops, kept, caveats = [], 0.0, [], []
     for block in blocks:
@@ -72,10 +75,10 @@ def expert_cost(blocks, layouts: dict, *, axis: str, capacity_factor: float | No
             fsdp = tuple(a for a in later if a in batch_axes)
             whole = math.prod(p.shard_shape) * p.itemsize * math.prod(sizes[a] for a in fsdp)
             if fsdp:
-                transfers.append(("all-gather", fsdp, whole, passes * n, f"{p.path}: FSDP weight gathered"))
+                transfers.append(("all-gather", fsdp, whole, reductions * n, f"{p.path}: FSDP weight gathered"))
             reduce_over = tuple(a for a in batch_axes if a != axis and a not in later)
             if reduce_over:
-                transfers.append(("all-reduce", reduce_over, whole if fsdp else p.bytes_per_device, passes * n,
+                transfers.append(("all-reduce", reduce_over, whole if fsdp else p.bytes_per_device, reductions * n,
                                   f"{p.path}: expert gradient over the other data-parallel devices"))
         per_token = rows / max(tokens_per_pass, 1.0) * itemsize
         routed = min(rows / max(tokens_per_pass, 1.0), known) * itemsize

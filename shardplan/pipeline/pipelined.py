@@ -225,8 +225,8 @@ class PipelinedLayers(nnx.Module):
                                                      first(request.targets)), head_params)
         before = _used_inputs(lambda params: jax.numpy.sum(layers_entry(params, rest_leaves, *sample)), head_params)
         every_batch_axis_manual = batch_axes == self._pipeline_data_axes
-        # (with the sequence split over a context axis, or the experts' batch axis left to XLA, a split head
-        # aborted XLA's partitioner too: it enters whole)
+        # (with the sequence split over a context axis, or a batch axis left to XLA for a small batch, a split
+        # head aborted XLA's partitioner too: it enters whole)
         may_split = [every_batch_axis_manual and paths[i] in self._pipeline_split_heads
                      and self._pipeline_context is None for i in outside]
         split_ok = [may and not read_before for may, read_before in zip(may_split, before)]

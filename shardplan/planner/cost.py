@@ -466,7 +466,7 @@ def _expert_terms(report, held, step: _Step, top_k: int) -> _ExpertTerms | None:
                         capacity_factor=experts.capacity_factor if experts.dispatch == "capacity" else None,
                         batch_axes=step.batch_axes, sizes=step.sizes, passes=passes, tokens_per_pass=tokens,
                         width=step.width, itemsize=step.itemsize, count=step.count, top_k=top_k,
-                        recompute=lambda path: step.recomputes(staged, True))
+                        recompute=lambda path: step.recomputes(staged, True), reductions=step.reductions_per_step())
     return _ExpertTerms(frozenset(p for b in report.experts for p in b.experts),
                         tuple(Transfer(*t) for t in found.transfers), found.flops, found.kept_per_token, found.caveats)
 
@@ -634,8 +634,7 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
                                  f"{p.path}: 1F1B head moved to the first stage"))
         transfers += _times(mine, count)
     for (axes, ops), nbytes in reductions.items():
-        what = GRADIENT_REDUCTION + ("" if ops == 1 else ", per microbatch" if step.stage_axis is None else
-                                     ", inside the pipeline loop")
+        what = GRADIENT_REDUCTION + ("" if ops == 1 else ", per microbatch")
         transfers.append(Transfer("all-reduce", axes, nbytes, ops, what, "backward"))
     transfers += _pipeline_transfers(step)
     return _merge(transfers)
