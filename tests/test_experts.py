@@ -309,6 +309,29 @@ def test_experts_inside_pipeline_stages_with_tensor_parallelism_train_like_one_d
 
 
 
+def test_experts_in_stages_keep_their_split_while_other_weights_on_the_same_axis_enter_gathered():
+    """The loop runs the experts' axis manually: the expert weights enter split over it, an attention
+    weight FSDP-split over the same axis enters gathered (and only it is warned of), three AdamW steps give
+    one device's losses, and every gradient is reduced once a step (no all-reduce per microbatch)."""
+    plan = shardplan.parse_plan(
+        "version: 1\nmesh: {axes: {stage: 2, expert: 4}}\ninputs: {tokens: [expert, null]}\n"
+        "experts: {blocks: 'transformer_blocks/\\d+/moe', axis: expert}\n"
+        "pipeline: {axis: stage, layers: transformer_blocks, microbatches: 2, schedule: 1f1b}\nparams:\n"
+        "  - {match: 'transformer_blocks/\\d+/moe/w_(in|out)', spec: [expert, null, null]}\n"
+        "  - {match: 'transformer_blocks/\\d+/mha/query/kernel', spec: [expert, null, null]}\n"
+        "  - {match: '.*', spec: replicated}\n")
+    import minigpt_model
+    report = shardplan.check(plan, minigpt_model.MiniGPT(**MOE_MINIGPT, rngs=nnx.Rngs(0)))
+    (warning,) = [d for d in report.warnings if d.code == "pipeline-fsdp-gathered"]
+    assert warning.path.endswith("mha/query/kernel")      # (one per block: no expert weight among them)
+    assert f"{MOE_MINIGPT['num_transformer_blocks']} layer weight(s)" in warning.message
+    want, got, model, ops = three_minigpt_steps(plan, MOE_MINIGPT)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    w_in = model.transformer_blocks.moe.w_in.get_value()
+    assert w_in.sharding.shard_shape(w_in.shape)[3] == MOE_MINIGPT["num_experts"] // 4
+    assert len(ops.get("all-reduce", [])) <= 3
+
+
 @pytest.mark.parametrize("model", ["loop", full("sigmoid_shared")])
 def test_pipelined_moe_layers_step_like_one_device(model):
     """Each way of writing the block, in a gpipe pipeline x EP x TP: loss, gradients and the parameters

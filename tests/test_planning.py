@@ -204,6 +204,33 @@ def test_cost_model_on_expert_parallelism_inside_a_pipeline_matches_the_compiled
                                                                                         abs=16)
 
 
+FSDP_PIPELINE_PLAN = """version: 1
+mesh: {axes: {stage: 2, data: 4}}
+inputs: {tokens: [data, null]}
+pipeline: {axis: stage, layers: transformer_blocks, microbatches: 4, schedule: %s}
+params:
+  - {match: 'transformer_blocks/\\d+/linear[12]/kernel', spec: [data]}
+  - {match: '.*', spec: replicated}
+"""
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_cost_model_on_fsdp_inside_a_pipeline_matches_the_compiled_step(schedule):
+    """Layer weights FSDP-split over the data axis inside 1F1B and zb-h1 stages: the loop runs that axis
+    manually, so they enter it gathered, once a step, whole for the step (and so are their gradients'
+    sums), and their gradients are reduced once after it. Counted per microbatch, the model had 96
+    all-gathers of 25.2 MB and 10.1 MB of all-reduces where the compiled step moves 2.1 MB and 3.8 MB,
+    and its peak was -18%; now the bytes are exact and the peak -5.6% (zb-h1 -1.0%)."""
+    config = dict(maxlen=128, vocab_size=256, embed_dim=128, num_heads=4, feed_forward_dim=512,
+                  num_transformer_blocks=8)
+    _, cost, compiled = _against_compiler(config, lambda roles, params: shardplan.parse_plan(
+        FSDP_PIPELINE_PLAN % schedule), 32, 128)
+    assert cost.peak_bytes == pytest.approx(compiled.peak_bytes, rel=0.1)
+    assert {kind: nbytes for kind, (_, nbytes) in cost.by_kind().items()} == pytest.approx(compiled.collectives.bytes,
+                                                                                        abs=16)
+    assert not cost.caveats
+
+
 @pytest.mark.parametrize("remat", ["none", "dots"])
 def test_cost_model_on_the_zero_bubble_schedule_matches_the_compiled_step(remat):
     """zb-h1 keeps each microbatch's residuals from F until its W: measured on other sizes, the compiled

@@ -27,10 +27,11 @@ def degenerate_sections(plan: Plan, sizes: dict[str, int]) -> list[Diagnostic]:
     return found
 
 
-def pipeline_fsdp(plan: Plan, specs: dict[str, tuple], sizes: dict[str, int],
-                  batch_axes: tuple[str, ...]) -> list[Diagnostic]:
+def pipeline_fsdp(plan: Plan, specs: dict[str, tuple], sizes: dict[str, int], batch_axes: tuple[str, ...],
+                  expert_weights: frozenset = frozenset()) -> list[Diagnostic]:
     """Layer weights inside a pipeline's stages split over a batch axis (FSDP) enter the pipeline's loop
-    gathered over it (`shardplan.compose.apply`): exact, but the stage's layers are whole for the step."""
+    gathered over it (`shardplan.compose.apply`): exact, but the stage's layers are whole for the step.
+    The expert weights (`expert_weights`, their paths) stay split over the experts' axis."""
     pipe = plan.pipeline
     if pipe is None or sizes.get(pipe.axis, 1) == 1:
         return []
@@ -38,8 +39,8 @@ def pipeline_fsdp(plan: Plan, specs: dict[str, tuple], sizes: dict[str, int],
     prefix = pipe.layers + "/"
     gathered = {}
     for path, spec in specs.items():
-        axes = [a for a in spec_axes(spec)
-                if a in batch_axes and a not in (pipe.axis, experts) and sizes.get(a, 1) > 1]
+        axes = [a for a in spec_axes(spec) if a in batch_axes and a != pipe.axis and sizes.get(a, 1) > 1
+                and not (a == experts and path in expert_weights)]
         if path.startswith(prefix) and axes:
             gathered.setdefault(tuple(dict.fromkeys(axes)), []).append(path)
     found = []

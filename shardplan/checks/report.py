@@ -116,7 +116,7 @@ def check_params(plan: Plan, params: list[ParamInfo], device_ids: list[int], *,
     stage_map, staging = plan_stages(plan, params, sizes, specs)
     diagnostics += staging
     if not mesh_diagnostics:
-        diagnostics += degenerate_sections(plan, sizes) + pipeline_fsdp(plan, specs, sizes, data_axes(plan, sizes))
+        diagnostics += degenerate_sections(plan, sizes)
         diagnostics += tensor_overlap_without_effect(plan, specs, sizes, data_axes(plan, sizes))
         # one stage, or one expert group: the section runs as if it were absent (`section-does-nothing`)
         stage_map = None if plan.pipeline is not None and sizes.get(plan.pipeline.axis) == 1 else stage_map
@@ -125,6 +125,8 @@ def check_params(plan: Plan, params: list[ParamInfo], device_ids: list[int], *,
         expert_roles = []
     if not mesh_diagnostics:
         found += check_experts(plan, expert_roles, {p.param.path: p for p in placements}, sizes)
+        found += pipeline_fsdp(plan, specs, sizes, data_axes(plan, sizes),
+                               frozenset(path for block in expert_roles for path in block.experts))
     diagnostics += found
     diagnostics += check_context(plan, sizes, input_shapes) if not mesh_diagnostics else []
     if input_shapes:

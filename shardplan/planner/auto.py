@@ -381,8 +381,11 @@ def _dense_candidates(roles: ModelRoles, devices: int, hosts: int, workload: Wor
         axes = axes or {"data": 1}
         for host_split, ring in itertools.product(_host_splits(axes, hosts), (False, True) if context > 1 else (False,)):
             for tensor, vocab in ((False, False),) if model == 1 else ((True, True), (True, False)):
-                for fsdp, zero1 in ((False, False),) if data == 1 else ((False, False), (True, False),
-                                                                          (False, True)):
+                # (inside a pipeline the loop gathers FSDP-split layers whole for the step, which
+                # `pipeline-fsdp-gathered` warns of: ZeRO-1 splits the optimizer state there instead)
+                sharded = ((False, False), (True, False), (False, True)) if stage == 1 else ((False, False),
+                                                                                           (False, True))
+                for fsdp, zero1 in ((False, False),) if data == 1 else sharded:
                     base = Candidate(axes, host_split, tensor, vocab, fsdp, zero1, compute=compute, ring=ring)
                     rows = workload.batch // data
                     accumulate = [a for a in range(1, min(rows, MAX_ACCUMULATE) + 1) if rows % a == 0] \

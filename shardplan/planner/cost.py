@@ -294,7 +294,8 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
     every = [_gathered_over_stages(p, step) if p.path in step.on_stages else p for p in resting]
     experts = _expert_terms(report, every, step, roles.code.top_k)
     # the expert weights' own costs are the exchange's (`shardplan.experts.cost`), not a matrix's
-    held = [p for p in every if experts is None or p.path not in experts.paths]
+    expert_paths = experts.paths if experts else frozenset()
+    held = [p for p in every if p.path not in expert_paths]
     transfers = _communication(held, roles, step) + (list(experts.transfers) if experts else [])
     sequence = _context_terms(held, roles, step)
     transfers += [Transfer(*t) for t in sequence.transfers]
@@ -328,7 +329,7 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
     elif step.tabled:
         # the same for the stage's layers, inside the loop (the head's: above): each microbatch's in
         # the compute dtype, their running sum in float32 at least (`shardplan.pipeline.loop`)
-        early_grads = sum(math.prod(p.shard_shape) * step.count(p.path) *
+        early_grads = sum(math.prod(p.shard_shape) * _loop_ways(p, step, expert_paths) * step.count(p.path) *
                           (min(p.itemsize, options.compute_itemsize) + max(4, options.compute_itemsize))
                           for p in every if p.stage is not None)      # (the experts' weights too)
     # the gathered copies of the parameters split over the stages, for the whole step
@@ -344,9 +345,10 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
             # gathered whole in the compute dtype. The backward reads the gathered weight of a layer
             # that is not rematerialised (autodiff keeps it, as any matmul operand): every layer's is
             # kept. A rematerialised layer gathers again; a good schedule holds two layers' at a time.
+            # A pipeline's stage enters its loop with its layers gathered, whole for the step.
             # (An FSDP embedding or head moves activations instead, see `_matrix_transfers`.)
             count = step.count(p.path)
-            if step.remat == "none" and step.stage_axis is None:
+            if step.remat == "none" or step.stage_axis is not None:
                 held_whole = count
             else:
                 held_whole = min(2, count) if count > 1 else int(own_layers.index(layer) < 2)  # one for all, or each
@@ -529,9 +531,6 @@ def _layout_caveats(held, roles: ModelRoles, step: _Step) -> tuple[str, ...]:
         found.append("gpipe's peak memory: XLA keeps more of the loop's activations than the model counts (the "
                      "compiled peak measured from 0.86x to 1.4x the modelled one on the CPU backend, the most with "
                      "FSDP)")
-    if step.stage_axis and any(p.stage is not None and a in step.batch_axes for p in held for a in spec_axes(p.spec)):
-        found.append("FSDP inside a pipeline: the stage's layers enter the loop gathered over the batch axes, "
-                     "whole for the step; the model counts them split")
     if step.stage_axis is None and step.remat != "none" and any(
             roles.layer_of(p.path) is not None and a in step.batch_axes for p in held for a in spec_axes(p.spec)):
         found.append("FSDP with rematerialised layers: XLA's CPU scheduler gathers the layers' weights for the "
@@ -591,9 +590,11 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
                 # that head's activations as for any FSDP-split head
                 mine += _matrix_transfers(p, Role(p.path, COLUMN, (1,), (0,)), step, staged, in_layer)[0]
         axes = spec_axes(p.spec)
-        reduce_over = tuple(a for a in step.batch_axes if a not in axes)
         fsdp = [a for a in axes if a in step.batch_axes]
-        if fsdp and not moved_activations:
+        # (a layer weight FSDP-split inside a pipeline is whole in the loop: so is its gradient)
+        whole_in_loop = staged and bool(fsdp)
+        reduce_over = tuple(a for a in step.batch_axes if a not in axes or whole_in_loop)
+        if fsdp and not moved_activations and not whole_in_loop:
             transfers += _times(mine, count)
             continue                            # its whole gradient was all-reduced with the gather
         if p.opt_spec != p.spec:            # ZeRO-1 updates a shard, then gathers the parameter
@@ -609,7 +610,7 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
                                      passes, f"{p.path}: ZeRO-1 head activations gathered"))
                 reduce_over = tuple(a for a in reduce_over if a not in extra)
         # a gathered head's gradient is computed, reduced and moved whole inside the pipeline
-        size = p.bytes_per_device + gathered
+        size = p.bytes_per_device * (step.ways(fsdp) if whole_in_loop else 1) + gathered
         if reduce_over:
             group = reduce_over + ((step.stage_axis,) if step.stage_axis and not staged and
                                    not step.tabled else ())
@@ -685,6 +686,11 @@ def _matrix_transfers(p: ParamLayout, role: Role, step: _Step, staged: bool,
     ways = step.ways(fsdp)
     # the weight is cast to the compute dtype before XLA gathers it; its gradient comes back so
     whole = math.prod(p.shard_shape) * min(p.itemsize, step.itemsize) * ways
+    if staged:
+        # the pipeline's loop runs the batch axes manually: the weight enters it gathered over them, once
+        # a step, and its whole gradient is reduced after the loop with the others (`_communication`)
+        return found + [Transfer("all-gather", fsdp, whole, 1, f"{p.path}: FSDP weight gathered as the loop "
+                                 "starts")], False
     # Inside a pipeline loop the weight is gathered again for the backward (1F1B: also for the
     # recomputed forward) and its gradient reduced per microbatch; gradient accumulation gathers
     # and reduces once per microbatch. A rematerialised layer gathers again as its forward reruns
@@ -769,6 +775,15 @@ def _gathered_over_stages(p: ParamLayout, step: _Step) -> ParamLayout:
     shard = tuple(n * step.sizes[axis] if d < len(p.spec) and p.spec[d] and axis in p.spec[d] else n
                   for d, n in enumerate(p.shard_shape))
     return dataclasses.replace(p, spec=without(p.spec), opt_spec=without(p.opt_spec), shard_shape=shard)
+
+
+def _loop_ways(p: ParamLayout, step: _Step, expert_paths: frozenset) -> int:
+    """How many shards of a stage's weight its pipeline loop gathers: those over the batch axes (FSDP
+    inside a stage), but an expert weight's split over the experts' own axis, which stays."""
+    if p.stage is None or step.stage_axis is None:
+        return 1
+    own = p.spec[0] if p.path in expert_paths and p.spec and p.spec[0] else ()
+    return step.ways(tuple(a for a in spec_axes(p.spec) if a in step.batch_axes and a not in own))
 
 
 def _before_layers_in_loop(p: ParamLayout, roles: ModelRoles, step: _Step) -> bool:
