@@ -6,6 +6,7 @@ relative to one device, all measured in one run. Layouts:
 
 - ep:          plans/minigpt_moe_ep.yaml, data 2 x expert 4, tokens exchanged by all-to-all
 - ep-folded:   experts over the 8-way data axis (each device 1 expert)
+- ep-folded-1f1b: experts over a 4-way data axis inside a 1F1B pipeline of 2 stages (4 microbatches)
 - fsdp:        no expert parallelism; expert stacks split over data on their model dim (FSDP)
 - replicated:  no expert parallelism; every device holds every expert (data parallel)
 
@@ -50,6 +51,7 @@ sys.path.insert(0, str(REPO))
 import minigpt_model  # noqa: E402
 import shardplan  # noqa: E402
 from minigpt_model.steps import train_step  # noqa: E402
+from shardplan.compose.measure import branch_share  # noqa: E402
 from shardplan.run.hlo import collective_stats  # noqa: E402
 
 MOE = "transformer_blocks/\\d+/moe"
@@ -60,6 +62,17 @@ name: ep-folded
 mesh: {{axes: {{data: 8}}}}
 inputs: {{tokens: [data, null]}}
 experts: {{blocks: '{MOE}', axis: data}}
+params:
+  - {{match: '{MOE}/w_(in|out)', spec: [data, null, null]}}
+  - {{match: '.*', spec: replicated}}
+""",
+    # the experts folded onto data inside 1F1B stages: every gradient reduced once, after the loop
+    "ep-folded-1f1b": f"""version: 1
+name: ep-folded-1f1b
+mesh: {{axes: {{stage: 2, data: 4}}}}
+inputs: {{tokens: [data, null]}}
+experts: {{blocks: '{MOE}', axis: data}}
+pipeline: {{axis: stage, layers: transformer_blocks, microbatches: 4, schedule: 1f1b}}
 params:
   - {{match: '{MOE}/w_(in|out)', spec: [data, null, null]}}
   - {{match: '.*', spec: replicated}}
@@ -91,7 +104,8 @@ def measure(plan: shardplan.Plan, config: dict, batch: int, seq: int, steps: int
     start = time.perf_counter()
     compiled = train_step.lower(model, optimizer, tokens, tokens, training=False).compile()
     compile_s = time.perf_counter() - start
-    stats = collective_stats(compiled.as_text())
+    # as often as each op runs (a pipeline's ops sit in its loop; its branches count by the schedule's share)
+    stats = collective_stats(compiled.as_text(), executed=True, branch_share=branch_share(plan))
     memory = compiled.memory_analysis()
     train_step(model, optimizer, tokens, tokens, training=False).block_until_ready()        # warm
     start = time.perf_counter()
@@ -101,7 +115,9 @@ def measure(plan: shardplan.Plan, config: dict, batch: int, seq: int, steps: int
     seconds = (time.perf_counter() - start) / steps
     return {"layout": plan.name, "collective_count": dict(stats.count), "collective_bytes": dict(stats.bytes),
             "total_collective_bytes": stats.total_bytes, "argument_bytes": memory.argument_size_in_bytes,
-            "temp_bytes": memory.temp_size_in_bytes, "flops": compiled.cost_analysis()["flops"],
+            "temp_bytes": memory.temp_size_in_bytes,
+            # (XLA's cost analysis counts a loop's body once: no figure for a pipelined step)
+            "flops": None if plan.pipeline else compiled.cost_analysis()["flops"],
             "step_s": seconds, "tokens_per_s": batch * seq / seconds, "compile_s": round(compile_s, 2)}
 
 
@@ -152,7 +168,8 @@ def measure_public(kind: str, way: str, batch: int, seq: int) -> dict:
                 compiled = step.lower(model, optimizer, tokens).compile()
         else:
             compiled = step.lower(model, optimizer, tokens).compile()
-    stats = collective_stats(compiled.as_text())
+    # as often as each op runs (a pipeline's ops sit in its loop; its branches count by the schedule's share)
+    stats = collective_stats(compiled.as_text(), executed=True, branch_share=branch_share(plan))
     return {"layer": kind, "way": way, "fell_back": any(issubclass(w.category, ExpertFallbackWarning) for w in caught),
             "collective_bytes": dict(stats.bytes), "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
             "flops": compiled.cost_analysis()["flops"]}
@@ -206,13 +223,14 @@ def main() -> None:
         rows.append(measure(plan, config, args.batch, args.seq, args.steps))
         rows[-1]["layout"] = name
     kinds = ("all-to-all", "all-reduce", "all-gather", "reduce-scatter", "collective-permute")
-    print(f"{'layout':12} {'ops':>4} " + " ".join(f"{k[:10]:>10}" for k in kinds) +
+    print(f"{'layout':15} {'ops':>4} " + " ".join(f"{k[:10]:>10}" for k in kinds) +
           f" {'args MiB':>8} {'temp MiB':>8} {'GFLOP/dev':>9} {'tok/s x1':>8}")
     for r in rows:
         b = r["collective_bytes"]
-        print(f"{r['layout']:12} {sum(r['collective_count'].values()):>4} " +
+        print(f"{r['layout']:15} {sum(r['collective_count'].values()):>4} " +
               " ".join(f"{b.get(k, 0) / 2**20:>10.2f}" for k in kinds) +
-              f" {r['argument_bytes'] / 2**20:>8.2f} {r['temp_bytes'] / 2**20:>8.2f} {r['flops'] / 1e9:>9.2f}"
+              f" {r['argument_bytes'] / 2**20:>8.2f} {r['temp_bytes'] / 2**20:>8.2f} "
+              + (f"{r['flops'] / 1e9:>9.2f}" if r["flops"] is not None else f"{'-':>9}") +
               f" {r['tokens_per_s'] / one['tokens_per_s']:>8.2f}")
     print("\ncollectives in MiB per device per step; tok/s x1: training tokens/s over one device's, same run")
     if args.json:
