@@ -78,17 +78,20 @@ def split_axes(options: ExpertOptions) -> tuple[tuple[str, ...], object]:
     """(the batch axes this call splits tokens over, the mesh to split on): inside a pipeline's stages its
     stage and batch axes are already manual (the experts' among them), and the tokens already this
     device's along them."""
-    context = jax.sharding.get_abstract_mesh()
-    manual = set(getattr(context, "manual_axes", ()) or ())
+    manual = _manual_axes()
     if not manual:
         return options.batch_axes, options.mesh
-    return tuple(a for a in options.batch_axes if a not in manual), context
+    return tuple(a for a in options.batch_axes if a not in manual), jax.sharding.get_abstract_mesh()
 
 
 def experts_manual(options: ExpertOptions) -> bool:
     """Whether the block runs where its expert axis is already manual (a pipeline's stage): its expert
     weights and tokens are then this device's own, and it exchanges rows without a shard_map of its own."""
-    return options.axis in set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ())
+    return options.axis in _manual_axes()
+
+
+def _manual_axes() -> set[str]:
+    return set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ())
 
 
 def trace_block(original, options: ExpertOptions, module, args: tuple, kwargs: dict):

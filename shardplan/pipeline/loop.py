@@ -191,9 +191,14 @@ def stage_specs(specs, experts: list[bool], axis: str, batch_axes: tuple[str, ..
         return None
 
     def kept(entry, expert: bool):
-        return expert_axis if expert and expert_axis in (entry if isinstance(entry, tuple) else (entry,)) else None
+        return expert_axis if expert and expert_axis in _entry_axes(entry) else None
     return tuple(P(axis, None, None, *(kept(entry, expert) for entry in tuple(spec)[3:]))
                  for spec, expert in zip(specs, experts))
+
+
+def _entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, a name, or a tuple of names)."""
+    return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
 
 
 def _state_in(stacked, leaf_specs, axis: str):
@@ -618,7 +623,7 @@ def _averaged(g_layers, batch_axes: tuple[str, ...], leaf_specs: tuple | None):
     leaves, tree = jax.tree.flatten(g_layers)
     out = []
     for g, spec in zip(leaves, leaf_specs):
-        split = {name for entry in spec[1:] for name in (entry if isinstance(entry, tuple) else (entry,))}
+        split = {name for entry in spec[1:] for name in _entry_axes(entry)}
         others = tuple(a for a in batch_axes if a not in split)
         out.append((jax.lax.psum(g, others) if others else g) / shards)
     return jax.tree.unflatten(tree, out)

@@ -239,8 +239,9 @@ class PipelinedLayers(nnx.Module):
         embed_in = entering(before, [may and not by_head for may, by_head in zip(may_split, used)])
         used_at = [i for i, keep in zip(outside, used) if keep]
         read_at = [i for i, read in zip(outside, before) if read]
+        leaf_specs = self._leaf_specs(state, batch_axes)
         branches = self._pipeline_context is None and not self._permutes_in_branches(
-            layers, state, x, split, whole, keys, microbatches, batch_axes)
+            layers, state, x, split, whole, keys, microbatches, batch_axes, leaf_specs)
         return one_f_one_b_loss(
             layers, state, functools.partial(head_loss, used=used_at), head_in,
             functools.partial(layers_entry, used=read_at), embed_in, rest_leaves,
@@ -248,10 +249,10 @@ class PipelinedLayers(nnx.Module):
             micro(request.targets), (keys, head_keys), mesh=mesh, axis=self._pipeline_axis, batch_axes=batch_axes,
             embed_branch=every_batch_axis_manual, branches=branches, schedule=self.schedule,
             runner={"zb-h1": zero_bubble_schedule, "zb-v": zero_bubble_v_schedule}.get(self.schedule),
-            leaf_specs=self._leaf_specs(state, batch_axes))
+            leaf_specs=leaf_specs)
 
     def _permutes_in_branches(self, layers, state, x, split, whole, keys, microbatches: int,
-                              batch_axes: tuple[str, ...]) -> bool:
+                              batch_axes: tuple[str, ...], leaf_specs: tuple | None) -> bool:
         """Whether the schedule must run without branches on this backend (see `branch_probe`), said once
         per pipeline and layout."""
         rows = x.shape[0] // microbatches
@@ -261,7 +262,7 @@ class PipelinedLayers(nnx.Module):
         specs = _specs(state)
         inputs = (one_microbatch(x), [one_microbatch(a) for a in split], whole, keys)
         if not layers_permute_in_branches(layers, state, specs, inputs, self._pipeline_mesh, self._pipeline_axis,
-                                          batch_axes, self._leaf_specs(state, batch_axes)):
+                                          batch_axes, leaf_specs):
             return False
         if (self._pipeline_name, batch_axes) not in _SAID_LOCKSTEP:
             _SAID_LOCKSTEP.add((self._pipeline_name, batch_axes))
