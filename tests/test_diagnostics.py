@@ -239,7 +239,7 @@ def trigger(tmp_path: Path, code: str) -> list[shardplan.Diagnostic]:
 # plans are in test_wild_models.py, test_step_options.py, test_formats.py, test_experts.py and test_context.py.
 MODEL_CASES = {"pipeline-layer-call", "example-call-failed", "step-rule-unused", "activation-shape",
                "annotation-overridden", "experts-contract", "experts-fallback", "experts-capacity-drops", "context-no-attention",
-               "context-ring-attention", "context-positions"}
+               "context-ring-attention", "context-positions", "precision-not-applied"}
 
 
 def test_every_code_has_a_case():

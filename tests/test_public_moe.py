@@ -187,3 +187,21 @@ def test_the_cost_model_reads_how_many_experts_a_token_takes_off_the_public_code
     monkeypatch.setattr(public_moe_models, "TOP_K", 3)
     model, roles = abstract_with_roles(lambda: MoEBlockDecoder(BLOCKS[kind], rngs=nnx.Rngs(0)))
     assert with_code(roles, model, 16).code.top_k == 3
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gemma4", "gpt_oss"])
+def test_check_says_where_a_public_layer_computes_wider_than_the_plan(kind):
+    """tunix's Gemma 4 layer casts its expert weights to its config's `dtype` (float32 here) before each
+    matmul, whatever the parameters hold: under `precision: {compute: bfloat16}` 8 of the forward's 9
+    matmuls still run in float32, and `check` says so. The Qwen3 and GPT-OSS layers follow their inputs:
+    nothing to say."""
+    text = plan_text(kind, "ep4", shape=False) + "precision: {compute: bfloat16}\n"
+    plan = shardplan.parse_plan(text, file="p.yaml")
+    found = [d for d in shardplan.check(plan, decoder(kind)).diagnostics if d.code == "precision-not-applied"]
+    if kind != "gemma4":
+        assert not found
+        return
+    (warning,) = found
+    assert warning.severity == "warning" and warning.line == len(text.splitlines())     # the precision line
+    assert "precision.compute is bfloat16, but 8 of the forward's 9 matmuls" in warning.message
+    assert "float32[8,16,64]" in warning.message

@@ -2,6 +2,9 @@
 precision, applied to models whose code knows nothing of them; each checked against the same step
 without the option, and each diagnostic triggered by a bad plan."""
 
+import collections
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,6 +110,58 @@ def test_bfloat16_compute_on_a_llama_style_model(write_plan):
     assert outputs[1].dtype == np.float32                          # outputs come back in the parameters' dtype
     scale = np.abs(outputs[0]).max()
     assert np.abs(outputs[1] - outputs[0]).max() <= 0.05 * scale
+
+
+def _matmul_operands(plan_text: str, base: str) -> collections.Counter:
+    """(dtype, dtype) of every matmul's operands in one lowered training step -> how many."""
+    plan = shardplan.parse_plan((PLANS / base).read_text() + plan_text, file=base)
+    mesh = shardplan.make_mesh(plan)
+    model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0)), mesh)
+    x, y = _tokens()
+    x = shardplan.shard_inputs(plan, {"tokens": x}, mesh)["tokens"]
+    text = nnx.jit(lambda m, x, y: nnx.value_and_grad(loss_fn)(m, x, y)).lower(model, x, jax.device_put(y, x.sharding)).as_text()
+    pairs = re.findall(r"stablehlo\.dot_general[^\n]*: \(tensor<[^>]*x(\w+)>, tensor<[^>]*x(\w+)>\)", text)
+    return collections.Counter(pairs)
+
+
+@pytest.mark.parametrize("plan_text, base", [(BF16, "minigpt_dp_tp.yaml"), ("precision: {params: bfloat16}\n",
+                                                                             "minigpt_dp_tp.yaml"),
+                                             (BF16, "minigpt_3d.yaml")], ids=["compute", "params", "compute-1f1b"])
+def test_narrow_precision_runs_the_matmuls_narrow(plan_text, base):
+    """flax's `nnx.Embed` fixes the dtype it computes in to its table's when built (float32), so the
+    embedding turned the cast parameters back into float32 and every layer after it promoted to float32:
+    all 51 matmuls of this step ran in float32 under `compute: bfloat16` (and under `params: bfloat16`).
+    Now every matmul reads bfloat16 weights; the only float32 operands left are the gradients of the
+    attention scores, which flax computes in float32 from bfloat16 inputs."""
+    found = _matmul_operands(plan_text, base)
+    assert found[("f32", "f32")] == 0, found
+    assert found[("bf16", "bf16")] >= 0.9 * sum(found.values()), found
+    assert sum(found[("f32", "f32")] for found in [_matmul_operands("", base)]) == sum(found.values())
+
+
+class CastsWider(nnx.Module):
+    """A model whose code computes its head in float32 whatever its parameters hold."""
+
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(128, 64, rngs=rngs)
+        self.head = nnx.Param(jnp.ones((64, 128)))
+
+    def __call__(self, tokens):
+        return self.embed(tokens).astype(jnp.float32) @ self.head.get_value().astype(jnp.float32)
+
+
+@pytest.mark.parametrize("field", ["compute", "params"])
+def test_check_says_when_the_model_computes_wider_than_the_plan(field):
+    text = ("version: 1\nmesh: {axes: {data: 8}}\ninputs: {tokens: [data, null]}\n"
+            f"params: [{{match: '.*', spec: replicated}}]\nprecision: {{{field}: bfloat16}}\n")
+    plan = shardplan.parse_plan(text, file="wide.yaml")
+    (warning,) = [d for d in shardplan.check(plan, CastsWider(nnx.Rngs(0))).diagnostics
+                  if d.code == "precision-not-applied"]
+    assert (warning.severity, warning.line) == ("warning", 5)
+    assert f"precision.{field} is bfloat16, but 1 of the forward's 1 matmuls" in warning.message
+    assert "float32[1,8,64] × float32[64,128]" in warning.message and "bfloat16" in warning.hint
+    minigpt = shardplan.parse_plan((PLANS / "minigpt_dp_tp.yaml").read_text() + BF16)
+    assert not shardplan.check(minigpt, minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0))).diagnostics
 
 
 def test_parameter_dtype_is_stored(plain):

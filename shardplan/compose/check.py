@@ -69,10 +69,25 @@ def with_model_checks(report: Report, plan: Plan, model, example: Callable | Non
         from shardplan.checks.mesh import tracing_mesh
         found += check_context_calls(plan, model, roles or recognise_module(model), call,
                                      mesh if mesh is not None else tracing_mesh(plan, report.axes))
+    found += _precision_checks(report, plan, model, call)
     if not found:
         return report
     stage_map = None if any(d.severity == "error" for d in found) else report.stage_map
     return dataclasses.replace(report, diagnostics=report.diagnostics + found, stage_map=stage_map)
+
+
+def _precision_checks(report: Report, plan: Plan, model, call: Callable | None) -> list:
+    """Whether a narrow `precision` reaches the model's matmuls, on the example call or, without one,
+    on a few zero tokens for the plan's first input (a model that cannot take them is not judged)."""
+    import jax.numpy as jnp
+    narrow = plan.precision.compute or plan.precision.params
+    if not narrow or jnp.dtype(narrow).itemsize >= 4 or report.errors or not plan.inputs:
+        return []
+    from shardplan.checks.calls import call_with
+    from shardplan.run.precision import precision_diagnostics
+    if call is None:
+        call = call_with(model, {next(iter(plan.inputs)): jnp.zeros((1, 8), jnp.int32)})
+    return precision_diagnostics(plan, model, call)
 
 
 def _axis_types(mesh) -> dict[str, str]:

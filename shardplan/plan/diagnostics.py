@@ -91,6 +91,7 @@ CODES: dict[str, str] = {
     "activation-shape": "an activations spec does not fit the output it names (rank, divisibility, an axis twice)",
     "annotation-overridden": "the plan gives a parameter another spec than the model's own annotation",
     "step-rule-unused": "an activations or remat rule that matches no module of the model",
+    "precision-not-applied": "a narrow `precision` that some of the model's matmuls do not take (its code casts wider)",
 }
 
 

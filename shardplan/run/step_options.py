@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from shardplan.checks.paths import module_paths
+from shardplan.run.precision import floating, follow_plan_dtype
 from shardplan.run.specs import partition_spec
 from shardplan.plan.matching import first_module_rule
 from shardplan.plan.schema import Plan, normalize_spec
@@ -58,12 +59,15 @@ def accumulation(model) -> int:
 
 def apply_step_options(plan: Plan, model, mesh) -> None:
     """Wrap, in place, the calls of the modules the plan's step options name; cast stored parameters
-    to `precision.params`."""
+    to `precision.params`; modules that compute in their parameters' dtype compute in the plan's."""
+    computes_in = plan.precision.compute or plan.precision.params
+    if computes_in:
+        follow_plan_dtype(model, jnp.dtype(computes_in))
     if plan.precision.params:
         dtype = jnp.dtype(plan.precision.params)
         for _, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
             value = variable.get_value()
-            if hasattr(value, "dtype") and jnp.issubdtype(value.dtype, jnp.floating):
+            if floating(value):
                 variable.set_value(value.astype(dtype) if not isinstance(value, jax.ShapeDtypeStruct) else
                                    jax.ShapeDtypeStruct(value.shape, dtype, sharding=value.sharding))
     options = planned_options(plan, model, mesh)
@@ -173,18 +177,14 @@ def _rematerialised(run, policy: str):
     return remat_run
 
 
-def _floating(a) -> bool:
-    return hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)
-
-
 def _in_dtype(run, dtype):
     """`run` on a copy of the module whose floating parameters are cast to `dtype` (gradients flow back
     to the stored ones); floating outputs in `dtype` come back in the parameters' dtype."""
     def cast_run(module, args, kwargs):
         graphdef, params, rest = nnx.split(module, nnx.Param, ...)
         # (1F1B's head replays the model with plain-number placeholders for the layers' weights)
-        stored = {a.dtype for a in jax.tree.leaves(params) if _floating(a)}
-        low = jax.tree.map(lambda a: a.astype(dtype) if _floating(a) else a, params)
+        stored = {a.dtype for a in jax.tree.leaves(params) if floating(a)}
+        low = jax.tree.map(lambda a: a.astype(dtype) if floating(a) else a, params)
         copy = nnx.merge(graphdef, low, rest)
         before = jax.tree.leaves(rest)
         out = run(copy, args, kwargs)
