@@ -37,8 +37,9 @@ def calling_without_updates(module, call, where: str, what: str = "its layers"):
 
 
 def check_output(out, x, where: str):
-    """The treedef of a layer's output, which must hold the activation (same shape and dtype as `x`) as
-    its only array."""
+    """The treedef of a layer's output, which must hold the activation (the shape of `x`, and its dtype or
+    a wider float one: a layer whose code computes wider than its input, such as rotary positions in
+    float32 under bfloat16 compute, is carried in the wider dtype, see `carried_dtype`) as its only array."""
     leaves, out_treedef = jax.tree.flatten(out)
     arrays = [leaf for leaf in leaves if is_array(leaf)]
     if len(arrays) != len(leaves) or len(arrays) != 1:
@@ -47,7 +48,7 @@ def check_output(out, x, where: str):
             "layer must return it alone or as the only array of its output (e.g. (None, x)). Per-layer outputs "
             "such as caches or auxiliary losses cannot leave a pipeline: call the model without a cache")
     (y,) = arrays
-    if (y.shape, y.dtype) != (x.shape, x.dtype):
+    if y.shape != x.shape or (y.dtype != x.dtype and carried_dtype(x.dtype, y.dtype) is None):
         raise PipelineCallError(f"{where} maps the activation {tuple(x.shape)} {x.dtype} to {tuple(y.shape)} "
                                 f"{y.dtype}; pipelined layers must keep its shape and dtype")
     return out_treedef
@@ -61,3 +62,14 @@ def describe_value(value) -> str:
     if isinstance(value, dict):
         return "a dict of {" + ", ".join(f"{k!r}: {describe_value(v)}" for k, v in value.items()) + "}"
     return repr(value) if value is None or isinstance(value, (bool, int, float, str)) else type(value).__name__
+
+
+def carried_dtype(given, returned):
+    """The dtype a pipeline carries a layer's activation in when the layer, given `given`, returns
+    `returned`: the wider of two float dtypes (the model's own code promotes), else None (not carried)."""
+    import jax.numpy as jnp
+    given, returned = jnp.dtype(given), jnp.dtype(returned)
+    if jnp.issubdtype(given, jnp.floating) and jnp.issubdtype(returned, jnp.floating) and \
+            returned.itemsize > given.itemsize:
+        return returned
+    return None

@@ -257,7 +257,9 @@ def circular_forward(layers: Layers, stacked, xs, split, whole, keys, *, mesh, a
     transpose all-reduces the layers' gradients once at the end instead of once per tick.
     """
     stages = jax.tree.leaves(stacked)[0].shape[0]
-    (stacked, whole), narrow = widened((stacked, whole))
+    # the microbatches too: under a context axis they enter whole over it, and their gradient's sum over
+    # it in bfloat16 aborted XLA's CPU compiler (once the activations really were bfloat16)
+    (stacked, whole, xs), narrow = widened((stacked, whole, xs))
     if layers.arrangement.v_shape:
         return _cached(_v_runner, layers, mesh, axis, batch_axes, narrow, leaf_specs)(stacked, xs, split, whole,
                                                                                       keys)[0]
@@ -269,10 +271,10 @@ def circular_forward(layers: Layers, stacked, xs, split, whole, keys, *, mesh, a
 def _circular_runner(layers: Layers, mesh, axis: str, batch_axes: tuple[str, ...], narrow: tuple,
                      leaf_specs: tuple | None = None):
     """The jitted shard_map of the circular forward (a partly manual shard_map cannot run eagerly); the
-    weights and whole arguments enter `widened`, to the dtypes `narrow` names."""
+    weights, whole arguments and microbatches enter `widened`, to the dtypes `narrow` names."""
 
     def per_device(state, xs, split, whole, keys):
-        state, whole = narrowed((state, whole), narrow)
+        state, whole, xs = narrowed((state, whole, xs), narrow)
         keys = shard_keys(keys, mesh, batch_axes)
         stages = mesh.shape[axis]
         virtual, per_chunk = jax.tree.leaves(state)[0].shape[1:3]        # this device's (1, virtual, per_chunk)
@@ -322,7 +324,7 @@ def _v_runner(layers: Layers, mesh, axis: str, batch_axes: tuple[str, ...], narr
     outputs end on the first stage."""
 
     def per_device(state, xs, split, whole, keys):
-        state, whole = narrowed((state, whole), narrow)
+        state, whole, xs = narrowed((state, whole, xs), narrow)
         keys = shard_keys(keys, mesh, batch_axes)
         stages = mesh.shape[axis]
         per_chunk = jax.tree.leaves(state)[0].shape[2]

@@ -121,6 +121,7 @@ class PipelinedLayers(nnx.Module):
             return replay(args[0])
         state = nnx.state(self)
         call, split, whole, rngs = self._layer_call(state, args, kwargs)
+        args = (call.entering(args[0]), *args[1:])
         layers = Layers(self._pipeline_kinds, self._pipeline_kind_of, call, self._pipeline_arrangement)
         keys = draw_keys(rngs)
         request = _LOSS_REQUEST.get()
@@ -205,7 +206,8 @@ class PipelinedLayers(nnx.Module):
 
         def layers_entry(params, rest_leaves, split, whole, keys, *, used=None):
             entering = []
-            replayed(params, rest_leaves, lambda x: entering.append(x) or call.output(x), split, whole, keys, used)
+            replayed(params, rest_leaves, lambda x: entering.append(call.entering(x)) or call.output(x), split, whole,
+                     keys, used)
             return entering[0]
 
         def micro(a):

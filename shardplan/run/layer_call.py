@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardplan.checks.layer_contract import (PipelineCallError, calling_without_updates, check_output, describe_value,
-                                             is_array)
+from shardplan.checks.layer_contract import (PipelineCallError, calling_without_updates, carried_dtype, check_output,
+                                              describe_value, is_array)
 
 SPLIT, WHOLE, STATIC, RNGS = "split", "whole", "static", "rngs"
 
@@ -87,6 +87,11 @@ class LayerCall:
 
     rest: CallArgs
     out_treedef: Any
+    carry: Any = None           # the wider dtype the layers' code returns, which the pipeline carries (None: the input's)
+
+    def entering(self, x):
+        """The activation as the pipeline carries it."""
+        return x.astype(self.carry) if self.carry is not None else x
 
     def arguments(self, h, split, whole, keys) -> tuple[tuple, dict]:
         args, kwargs = self.rest.rebuild(split, whole, keys)
@@ -113,14 +118,21 @@ def describe_layer_call(layer: nnx.Module, args: tuple, kwargs: dict, where: str
     def one_layer(layer, x, split, whole):
         out_args, out_kwargs = rest.rebuild(split, whole, keys)
         return calling_without_updates(layer, lambda: layer(x, *out_args, **out_kwargs), where)
-    try:
-        out = nnx.eval_shape(one_layer, layer, x, split, whole)
-    except PipelineCallError:
-        raise
-    except Exception as error:
-        raise PipelineCallError(f"{where} fails when called with the model's arguments: "
-                                f"{type(error).__name__}: {error}") from error
-    return LayerCall(rest, check_output(out, x, where)), split, whole, rngs
+    def traced(x):
+        try:
+            return nnx.eval_shape(one_layer, layer, x, split, whole)
+        except PipelineCallError:
+            raise
+        except Exception as error:
+            raise PipelineCallError(f"{where} fails when called with the model's arguments: "
+                                    f"{type(error).__name__}: {error}") from error
+    out = traced(x)
+    treedef = check_output(out, x, where)
+    carry = carried_dtype(x.dtype, jax.tree.leaves(out)[0].dtype)
+    if carry is not None:       # carried wider from the first layer on: the layers must keep that dtype
+        widened = jax.ShapeDtypeStruct(x.shape, carry)
+        treedef = check_output(traced(widened), widened, where)
+    return LayerCall(rest, treedef, carry), split, whole, rngs
 
 
 def split_microbatches(x: jax.Array, microbatches: int) -> jax.Array:
