@@ -295,17 +295,22 @@ def run_row(label, config, gpus, workload, profile, published, measured, toolbox
 def scaling() -> None:
     """The MPT rows of `MPT_SCALING`, the published configuration alone: where the model's error moves
     with the number of nodes, the network is what it misses; where it does not, the per-GPU execution."""
-    print(f"{'model':6} {'GPUs':>5} {'micro':>5} {'ckpt':>5}  {'measured':>8} {'modelled':>8} {'err':>5} {'peak GB':>7}")
+    print("serial: the same step with every collective on the critical path (none overlapped)\n")
+    print(f"{'model':6} {'GPUs':>5} {'micro':>5} {'ckpt':>5}  {'measured':>8} {'modelled':>8} {'err':>5} "
+          f"{'serial':>7} {'err':>5} {'comm/compute':>12} {'peak GB':>7}")
     for label, config, gpus, workload, profile, published, measured, _ in mpt_rows(MPT_SCALING):
         order: list[str] = []
         model = build_model("minigpt_model:MiniGPT", config, on_built=lambda m: order.extend(definition_order(m)))
         params = param_infos(model)
         roles = recognise(params, order)
         _, est = auto.sketch(published, roles, Representative.of(params, roles), workload, profile)
-        modelled = workload.batch * workload.seq / est.step_s / gpus
+        tokens = workload.batch * workload.seq / gpus
+        modelled = tokens / est.step_s
+        serial = tokens / (est.step_s + est.communication_s - est.exposed_communication_s)
         micro = workload.batch // gpus // published.accumulate
         print(f"{label:6} {gpus:>5} {micro:>5} {published.remat != 'none'!s:>5}  {measured:>8.0f} {modelled:>8.0f} "
-              f"{modelled / measured - 1:>+5.0%} {est.peak_bytes / 1e9:>7.1f}", flush=True)
+              f"{modelled / measured - 1:>+5.0%} {serial:>7.0f} {serial / measured - 1:>+5.0%} "
+              f"{est.communication_s / est.compute_s:>12.2f} {est.peak_bytes / 1e9:>7.1f}", flush=True)
 
 
 def verdict(row) -> str:
