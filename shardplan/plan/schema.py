@@ -196,7 +196,8 @@ class Precision(_Strict):
         default=None, description="dtype parameters are stored in (and optimizer state follows); default: as built.")
     compute: Literal[FLOAT_DTYPES] | None = Field(
         default=None, description="dtype the forward and backward run in: floating parameters are cast to it for "
-                                  "the call (gradients reach the stored parameters in their dtype); outputs come "
+                                  "the call (gradients reach the stored parameters in their dtype), and modules that "
+                                  "compute in their parameters' dtype (flax's nnx.Embed) compute in it; outputs come "
                                   "back in the parameters' dtype.")
     master: Literal["float32"] | None = Field(
         default=None, description="Keep float32 master weights in the optimizer state (split with the moments "
