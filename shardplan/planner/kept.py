@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from shardplan.checks.jaxprs import equations
 from shardplan.checks.roles import COLUMN, CodeCopies, ModelRoles
 
 # What a plain transformer's code keeps, in copies (traced on MiniGPT and the LLaMA-style model): per
@@ -83,22 +84,11 @@ def _top_k(jaxpr, model) -> int:
     count anywhere in the traced code (0: none; the parameters do not show it)."""
     from shardplan.checks.expert_roles import find_blocks
     from shardplan.checks.paths import param_infos
-    chosen = [eqn for eqn in _equations(jaxpr) if eqn.primitive.name == "top_k" and eqn.invars]
+    chosen = [eqn for eqn in equations(jaxpr) if eqn.primitive.name == "top_k" and eqn.invars]
     if not chosen:          # (finding the blocks takes seconds on a deep model: only when there is a top_k)
         return 0
     counts = {(b.count,) for b in find_blocks(param_infos(model)) if b.count}
     return max((int(eqn.params["k"]) for eqn in chosen if eqn.invars[0].aval.shape[-1:] in counts), default=0)
-
-
-def _equations(jaxpr):
-    """Every equation of `jaxpr` and of the jaxprs inside it (jit, checkpoint, custom derivatives)."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for inner in value if isinstance(value, (list, tuple)) else (value,):
-                inner = getattr(inner, "jaxpr", inner)
-                if hasattr(inner, "eqns"):
-                    yield from _equations(inner)
 
 
 def trace_length(model, seq: int) -> int:

@@ -17,7 +17,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from shardplan.checks.jaxprs import equations
 from shardplan.checks.paths import module_paths
+from shardplan.plan.diagnostics import Diagnostic
 
 
 def follow_plan_dtype(model, dtype) -> list[str]:
@@ -63,7 +65,7 @@ def wide_matmuls(model, dtype, call: Callable) -> tuple[int, int, str]:
                                     jax.tree.map(lambda a: abstract(a, False), rest)).jaxpr
     wide = total = 0
     first = ""
-    for eqn in _equations(jaxpr):
+    for eqn in equations(jaxpr):
         if eqn.primitive.name not in ("dot_general", "ragged_dot", "ragged_dot_general"):
             continue
         total += 1
@@ -74,17 +76,6 @@ def wide_matmuls(model, dtype, call: Callable) -> tuple[int, int, str]:
     return wide, total, first
 
 
-def _equations(jaxpr):
-    """Every equation of `jaxpr` and of the jaxprs inside it (jit, scan, cond, remat, custom rules)."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for inner in value if isinstance(value, (list, tuple)) else (value,):
-                inner = getattr(inner, "jaxpr", inner)
-                if hasattr(inner, "eqns"):
-                    yield from _equations(inner)
-
-
 def floating(a) -> bool:
     return hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)
 
@@ -92,7 +83,6 @@ def floating(a) -> bool:
 def precision_diagnostics(plan, model, call: Callable):
     """`precision-not-applied` where the forward `call(model)` runs matmuls wider than the plan's
     narrow precision (none when it cannot be traced: other checks say why)."""
-    from shardplan.plan.diagnostics import Diagnostic
     field = "compute" if plan.precision.compute else "params"
     dtype = jnp.dtype(getattr(plan.precision, field))
     try:
