@@ -11,7 +11,9 @@ modules left in the dtype they were built with (the behaviour before `shardplan.
 compiled memory (`memory_analysis()`), the measured step time, and the cost model's figures for the
 same plan with the `h200` profile.
 
-    python benchmarks/gpu_check.py --gemms --precision [--json out.json]
+`--sequences`: the bf16 step at 8,192 tokens as 32 x 256, 8 x 1,024 and 2 x 4,096.
+
+    python benchmarks/gpu_check.py --gemms --precision --sequences [--json out.json]
 """
 
 from __future__ import annotations
@@ -80,7 +82,20 @@ BATCH, SEQ = 8, 1024
 PLAN = "version: 1\nmesh: {axes: {data: 1}}\ninputs: {tokens: [data, null]}\nparams: [{match: '.*', spec: []}]\n"
 
 
-def precision() -> dict:
+def sequences() -> dict:
+    """The same model and tokens a step (8,192) under `compute: bfloat16` at sequences of 256, 1,024 and
+    4,096: where the measured step grows with the sequence faster than the modelled one, the attention
+    is what the time model misses."""
+    global BATCH, SEQ
+    found = {}
+    for batch, seq in ((32, 256), (8, 1024), (2, 4096)):
+        BATCH, SEQ = batch, seq
+        CONFIG["maxlen"] = seq
+        found[f"{batch}x{seq}"] = precision(variants=(("bf16 compute", "precision: {compute: bfloat16}\n", True),))
+    return found
+
+
+def precision(variants=None) -> dict:
     import jax
     from flax import nnx
 
@@ -94,8 +109,9 @@ def precision() -> dict:
     from shardplan.planner.profiles import get_profile
     results = {}
     followed = step_options.follow_plan_dtype
-    for name, extra, follow in (("float32", "", True), ("bf16 compute", "precision: {compute: bfloat16}\n", True),
-                                ("bf16 compute, modules as built", "precision: {compute: bfloat16}\n", False)):
+    for name, extra, follow in variants or (
+            ("float32", "", True), ("bf16 compute", "precision: {compute: bfloat16}\n", True),
+            ("bf16 compute, modules as built", "precision: {compute: bfloat16}\n", False)):
         try:
             step_options.follow_plan_dtype = followed if follow else (lambda model, dtype: [])
             plan = shardplan.parse_plan(PLAN + extra)
@@ -138,6 +154,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gemms", action="store_true")
     parser.add_argument("--precision", action="store_true")
+    parser.add_argument("--sequences", action="store_true", help="bf16 steps of 8,192 tokens at sequences 256 to 4,096")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
     import jax
@@ -147,6 +164,8 @@ def main() -> None:
         out["gemms"] = gemms()
     if args.precision:
         out["precision"] = precision()
+    if args.sequences:
+        out["sequences"] = sequences()
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     if args.precision and all("error" in row for row in out["precision"].values()):
