@@ -347,7 +347,7 @@ def main() -> None:
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     parser.add_argument("--profile", metavar="FILE", help="cost every row with this profile file instead of its "
                                                           "cluster's (e.g. one written from a datasheet alone)")
-    parser.add_argument("--scaling", action="store_true", help="the other MPT rows of the same tables (8 to 512 "
+    parser.add_argument("--scaling", action="store_true", help="11 MPT rows of the same tables (8 to 512 "
                                                                    "GPUs), published configurations only")
     args = parser.parse_args()
     if args.profile:
