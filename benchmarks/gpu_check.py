@@ -13,6 +13,8 @@ same plan with the `h200` profile.
 
 `--sequences`: the bf16 step at 8,192 tokens as 32 x 256, 8 x 1,024 and 2 x 4,096.
 
+`--parts`: that step taken apart (forward, backward, update, and `nnx.jit`'s own cost).
+
     python benchmarks/gpu_check.py --gemms --precision --sequences [--json out.json]
 """
 
@@ -95,6 +97,62 @@ def sequences() -> dict:
     return found
 
 
+def parts() -> dict:
+    """The bf16 step of `--precision` taken apart, each a plain `jax.jit` of a pure function: the forward
+    and loss, forward and backward, the whole step (with AdamW's update), and the whole step through
+    `nnx.jit` as `lm_train_step` runs it: where the time the model misses goes."""
+    import jax
+    from flax import nnx
+
+    import minigpt_model
+    import shardplan
+    from shardplan.compose.measure import lm_loss, lm_train_step, prepare
+    plan = shardplan.parse_plan(PLAN + "precision: {compute: bfloat16}\n")
+    model = minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0))
+    model, optimizer, tokens, targets = prepare(plan, model, BATCH, SEQ, vocab=CONFIG["vocab_size"])
+    graphdef, state = nnx.split((model, optimizer))
+
+    def forward(state, tokens, targets):
+        model, _ = nnx.merge(graphdef, state)
+        return lm_loss(model, tokens, targets)
+
+    def backward(state, tokens, targets):
+        model, _ = nnx.merge(graphdef, state)
+        return nnx.value_and_grad(lm_loss)(model, tokens, targets)     # the gradients too, or XLA drops them
+
+    def step(state, tokens, targets):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(lm_loss)(model, tokens, targets)
+        optimizer.update(model, grads)
+        return loss, nnx.state((model, optimizer))
+
+    def timed(run, feed=False):
+        nonlocal state
+        times = []
+        for i in range(8):
+            start = time.perf_counter()
+            out = run()
+            if feed:
+                loss, state_out = out
+                loss.block_until_ready()
+                state = state_out
+            else:
+                jax.block_until_ready(out)
+            times.append(time.perf_counter() - start)
+        return sorted(times[3:])[2]
+    found = {}
+    for name, function in (("forward", forward), ("forward and backward", backward)):
+        jitted = jax.jit(function)
+        found[name] = timed(lambda: jitted(state, tokens, targets))
+    jitted = jax.jit(step, donate_argnums=0)
+    found["step, jax.jit"] = timed(lambda: jitted(state, tokens, targets), feed=True)
+    model, optimizer = nnx.merge(graphdef, state)
+    found["step, nnx.jit"] = timed(lambda: lm_train_step(model, optimizer, tokens, targets))
+    for name, seconds in found.items():
+        print(f"  {name:24} {seconds * 1e3:7.1f} ms", flush=True)
+    return found
+
+
 def precision(variants=None) -> dict:
     import jax
     from flax import nnx
@@ -155,6 +213,7 @@ def main() -> None:
     parser.add_argument("--gemms", action="store_true")
     parser.add_argument("--precision", action="store_true")
     parser.add_argument("--sequences", action="store_true", help="bf16 steps of 8,192 tokens at sequences 256 to 4,096")
+    parser.add_argument("--parts", action="store_true", help="the bf16 step taken apart: forward, backward, update")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
     import jax
@@ -166,6 +225,8 @@ def main() -> None:
         out["precision"] = precision()
     if args.sequences:
         out["sequences"] = sequences()
+    if args.parts:
+        out["parts"] = parts()
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     if args.precision and all("error" in row for row in out["precision"].values()):
