@@ -88,13 +88,9 @@ def sequences() -> dict:
     """The same model and tokens a step (8,192) under `compute: bfloat16` at sequences of 256, 1,024 and
     4,096: where the measured step grows with the sequence faster than the modelled one, the attention
     is what the time model misses."""
-    global BATCH, SEQ
-    found = {}
-    for batch, seq in ((32, 256), (8, 1024), (2, 4096)):
-        BATCH, SEQ = batch, seq
-        CONFIG["maxlen"] = seq
-        found[f"{batch}x{seq}"] = precision(variants=(("bf16 compute", "precision: {compute: bfloat16}\n", True),))
-    return found
+    return {f"{batch}x{seq}": precision(variants=(("bf16 compute", "precision: {compute: bfloat16}\n", True),),
+                                       batch=batch, seq=seq)
+            for batch, seq in ((32, 256), (8, 1024), (2, 4096))}
 
 
 def parts() -> dict:
@@ -153,7 +149,7 @@ def parts() -> dict:
     return found
 
 
-def precision(variants=None) -> dict:
+def precision(variants=None, batch: int = BATCH, seq: int = SEQ) -> dict:
     import jax
     from flax import nnx
 
@@ -173,11 +169,11 @@ def precision(variants=None) -> dict:
         try:
             step_options.follow_plan_dtype = followed if follow else (lambda model, dtype: [])
             plan = shardplan.parse_plan(PLAN + extra)
-            model = minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0))
-            roles = with_code(recognise_module(model), model, SEQ)
-            report = shardplan.check(plan, model, input_shapes={"tokens": (BATCH, SEQ)})
-            cost = estimate(report, roles, Workload(BATCH, SEQ), get_profile("h200"))
-            model, optimizer, tokens, targets = prepare(plan, model, BATCH, SEQ, vocab=CONFIG["vocab_size"])
+            model = minigpt_model.MiniGPT(**{**CONFIG, "maxlen": max(CONFIG["maxlen"], seq)}, rngs=nnx.Rngs(0))
+            roles = with_code(recognise_module(model), model, seq)
+            report = shardplan.check(plan, model, input_shapes={"tokens": (batch, seq)})
+            cost = estimate(report, roles, Workload(batch, seq), get_profile("h200"))
+            model, optimizer, tokens, targets = prepare(plan, model, batch, seq, vocab=CONFIG["vocab_size"])
             compiled = lm_train_step.lower(model, optimizer, tokens, targets, None).compile()
             memory = compiled.memory_analysis()
             for _ in range(3):
@@ -191,7 +187,7 @@ def precision(variants=None) -> dict:
             peak = memory.argument_size_in_bytes + memory.temp_size_in_bytes + memory.output_size_in_bytes - \
                 memory.alias_size_in_bytes
             row = {"temp_bytes": int(memory.temp_size_in_bytes), "argument_bytes": int(memory.argument_size_in_bytes),
-                   "peak_bytes": int(peak), "step_s": step, "tokens_per_s": BATCH * SEQ / step,
+                   "peak_bytes": int(peak), "step_s": step, "tokens_per_s": batch * seq / step,
                    "modelled_peak_bytes": cost.peak_bytes, "modelled_activation_bytes": cost.activation_bytes,
                    "modelled_step_s": cost.step_s,
                    "warnings": [d.code for d in report.diagnostics]}
