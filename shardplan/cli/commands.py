@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--devices", type=_count(1, MAX_MESH_DEVICES), metavar="N",
                          help="lay the plan out for N devices (default: the accelerators present, else as many as "
                               "the plan's mesh needs, 8 for a -1 axis)")
+        sub.add_argument("--eager", action="store_true",
+                         help="build the model for real on the CPU instead of abstractly (for a factory that cannot "
+                              "be traced, e.g. one whose submodules default to rngs=nnx.Rngs(0); tried by itself "
+                              "when the abstract build fails for that reason)")
         _path_and_debug(sub)
 
     validate = commands.add_parser("validate", help="check a plan against its model and mesh; print diagnostics")
@@ -625,7 +629,7 @@ def _model_params(factory: str, config_pairs: list[str], order: list[str] | None
     from shardplan.checks.roles import definition_order
     order = [] if order is None else order
     try:
-        model = build_model(factory, parse_overrides(config_pairs), paths=tuple(paths),
+        model = build_model(factory, parse_overrides(config_pairs), paths=tuple(paths), notice=_notice,
                             on_built=lambda module: order.extend(definition_order(module)))
     except ModelLoadError as exc:
         raise UsageError(str(exc)) from None
@@ -832,10 +836,15 @@ def _build(args, factory: str, config: dict, order: list[str]):
     from shardplan.checks.roles import definition_order
     from shardplan.run.models import ModelLoadError, build_model
     try:
-        return build_model(factory, config, paths=tuple(args.import_paths),
-                           on_built=lambda module: order.extend(definition_order(module)))
+        return build_model(factory, config, paths=tuple(args.import_paths), eager=getattr(args, "eager", False),
+                           on_built=lambda module: order.extend(definition_order(module)), notice=_notice)
     except ModelLoadError as exc:
         raise UsageError(str(exc)) from None
+
+
+def _notice(message: str) -> None:
+    """One line on stderr, beside the command's output (which may be JSON on stdout)."""
+    print_wrapped(consoles()[1], f"note: {message}")
 
 
 def _setup_devices(requested: int | None, plan: Plan) -> None:

@@ -18,8 +18,8 @@ from shardplan.checks.report import Report
 from shardplan.compose.check import check
 from shardplan.checks.stages import check_microbatches
 from shardplan.checks.validate import data_axes, validate_inputs, validate_optimizer
-from shardplan.run.abstract import abstract_with_roles, eval_shape
-from shardplan.run.optimizer import master_weights, padded_state
+from shardplan.run.abstract import abstract_with_roles, eval_shape, unplaced
+from shardplan.run.optimizer import master_weights, optimizer_state, padded_state
 from shardplan.run.specs import partition_spec
 from shardplan.run.step_options import apply_step_options
 from shardplan.plan.diagnostics import Diagnostic, PlanError, warn
@@ -167,14 +167,15 @@ def init(plan: Plan, factory, mesh: jax.sharding.Mesh, *, example=None, key=None
     >>> model.output_layer.kernel.sharding.spec
     P(None, 'model')
     """
-    if key is None:
-        graphdef, program = init_program(plan, factory, mesh, example=example)
-    else:
-        cache_key = (key, plan.model_dump_json(), plan.file, mesh)
-        if cache_key not in _INIT_PROGRAMS:
-            _INIT_PROGRAMS[cache_key] = init_program(plan, factory, mesh, example=example)
-        graphdef, program = _INIT_PROGRAMS[cache_key]
-    return nnx.merge(graphdef, program())
+    with unplaced():        # the plan places what the model's own annotations would
+        if key is None:
+            graphdef, program = init_program(plan, factory, mesh, example=example)
+        else:
+            cache_key = (key, plan.model_dump_json(), plan.file, mesh)
+            if cache_key not in _INIT_PROGRAMS:
+                _INIT_PROGRAMS[cache_key] = init_program(plan, factory, mesh, example=example)
+            graphdef, program = _INIT_PROGRAMS[cache_key]
+        return nnx.merge(graphdef, program())
 
 
 _INIT_PROGRAMS: dict = {}
@@ -262,7 +263,7 @@ def shard_optimizer(plan: Plan, model: nnx.Module, tx: optax.GradientTransformat
         tx = padded_state(tx, widths)
     optimizer = _unplaced_optimizer(model, tx)
     # All of the optimizer's state, its step counter included, must live on the mesh.
-    for keys, variable in nnx.to_flat_state(nnx.state(optimizer)):
+    for keys, variable in nnx.to_flat_state(optimizer_state(optimizer)):
         shape = tuple(getattr(variable.get_value(), "shape", ()))
         layout = _param_of_state(keys, shape, planned)
         if layout is None:
@@ -272,15 +273,40 @@ def shard_optimizer(plan: Plan, model: nnx.Module, tx: optax.GradientTransformat
         _place(variable, NamedSharding(mesh, partition_spec(opt_spec)))
         if opt_shape != param_shape:      # checkpoints keep it unpadded, placed as its parameter
             variable.set_metadata(unpadded=(param_shape, NamedSharding(mesh, partition_spec(spec))))
+    _record_optimizer_sharding(model, planned)
     return optimizer
+
+
+def _record_optimizer_sharding(model: nnx.Module, planned: dict) -> None:
+    """Flax's own `optimizer_sharding` metadata on each parameter whose state the plan splits otherwise
+    (ZeRO-1), so an `nnx.Optimizer` a user builds on the model follows the plan too. Set after the
+    optimizer is built: flax would apply it while building. A padded state has no such spec."""
+    for keys, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        shape, spec, opt_shape, opt_spec = planned[join_path(keys)]
+        if opt_spec != spec and opt_shape == shape:
+            variable.set_metadata(optimizer_sharding=partition_spec(opt_spec))
 
 
 class PlannedOptimizer(nnx.Optimizer):
     """`nnx.Optimizer` whose `update` leaves the model and its own state on the plan's layout, so a plain
     `nnx.jit` step keeps the plan without calling `constrain` (XLA would otherwise choose the layout of
-    the step's outputs: under FSDP it splits a replicated bias)."""
+    the step's outputs: under FSDP it splits a replicated bias).
 
-    def update(self, model, grads, /, **kwargs):
+    It holds its model, as `nnx.ModelAndOptimizer` does, so both forms of the step work: `update(model,
+    grads)` (flax's `nnx.Optimizer`) and `update(grads)` (the tutorials' `nnx.ModelAndOptimizer`). Its own
+    state, what checkpoints keep, is `optimizer_state(optimizer)` (the model's parameters are not in it)."""
+
+    def __init__(self, model, tx, *, wrt=nnx.Param):
+        super().__init__(model, tx, wrt=wrt)
+        self.model = model
+
+    def update(self, *args, **kwargs):
+        if len(args) == 1:
+            model, (grads,) = self.model, args
+        elif len(args) == 2:
+            model, grads = args
+        else:
+            raise TypeError(f"update takes (grads) or (model, grads), but got {len(args)} positional arguments")
         updates = super().update(model, grads, **kwargs)
         constrain(model, self)
         return updates
@@ -290,13 +316,15 @@ def _unplaced_optimizer(model: nnx.Module, tx) -> nnx.Optimizer:
     """`nnx.Optimizer` built without the parameters' placement metadata, which it would copy onto its state
     and apply itself (Flax refuses meshes that mix Auto and Explicit axes); the caller places the state."""
     params = [variable for _, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))]
-    saved = [{key: v.get_metadata().get(key) for key in ("out_sharding", "mesh")} for v in params]
+    keys = ("out_sharding", "mesh", "optimizer_sharding")
+    saved = [{key: v.get_metadata()[key] for key in keys if key in v.get_metadata()} for v in params]
     for variable in params:
-        variable.set_metadata(out_sharding=None, mesh=None)
+        variable.set_metadata(out_sharding=None, mesh=None, optimizer_sharding=None)
     try:
         return PlannedOptimizer(model, tx, wrt=nnx.Param)
     finally:
         for variable, metadata in zip(params, saved):
+            variable.del_metadata("optimizer_sharding")
             variable.set_metadata(**metadata)
 
 

@@ -70,6 +70,11 @@ def with_model_checks(report: Report, plan: Plan, model, example: Callable | Non
         found += check_context_calls(plan, model, roles or recognise_module(model), call,
                                      mesh if mesh is not None else tracing_mesh(plan, report.axes))
     found += _precision_checks(report, plan, model, call)
+    if "explicit" in plan.mesh.types.values() and not report.errors and not any(d.severity == "error" for d in found):
+        from shardplan.checks.mesh import tracing_mesh
+        from shardplan.run.explicit_axes import explicit_axes_diagnostics
+        found += explicit_axes_diagnostics(plan, model, {layout.path: layout.spec for layout in report.params},
+                                           report.axes, mesh if mesh is not None else tracing_mesh(plan, report.axes))
     if not found:
         return report
     stage_map = None if any(d.severity == "error" for d in found) else report.stage_map

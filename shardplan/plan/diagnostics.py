@@ -91,6 +91,8 @@ CODES: dict[str, str] = {
     "activation-shape": "an activations spec does not fit the output it names (rank, divisibility, an axis twice)",
     "annotation-overridden": "the plan gives a parameter another spec than the model's own annotation",
     "step-rule-unused": "an activations or remat rule that matches no module of the model",
+    "explicit-axes-unresolved": "under explicit mesh axes, an operation of the model's forward cannot resolve "
+                                "its output's sharding from its operands' placed types",
     "precision-not-applied": "a narrow `precision` that some of the model's matmuls do not take (its code casts wider)",
 }
 

@@ -35,9 +35,16 @@ def short_tracer_errors():
             DynamicJaxprTracer._origin_msg = original
 
 
+def unplaced():
+    """Build without Flax's eager sharding: a model annotated with `nnx.with_partitioning` otherwise needs a
+    mesh context at creation (flax 0.12's default), and its annotations may name axes the plan's mesh does
+    not have. The plan places every variable afterwards and records its layout in the same metadata."""
+    return nnx.use_eager_sharding(False)
+
+
 def eval_shape(fn, *args, **kwargs):
-    """`nnx.eval_shape(fn, *args, **kwargs)`, linear in the number of variables set."""
-    with short_tracer_errors():
+    """`nnx.eval_shape(fn, *args, **kwargs)`, linear in the number of variables set, unplaced."""
+    with short_tracer_errors(), unplaced():
         return nnx.eval_shape(fn, *args, **kwargs)
 
 

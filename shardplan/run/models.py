@@ -144,12 +144,16 @@ def _is_config_class(annotation) -> bool:
 
 
 def build_model(spec: str, config: dict[str, Any], *, abstract: bool = True, seed: int = 0, on_built=None,
-                paths: tuple[str, ...] = ()):
+                paths: tuple[str, ...] = (), notice=None, eager: bool = False):
     """Call the factory with `config` (and `rngs=` if it takes one); abstract via `nnx.eval_shape`.
 
     `config` keys the factory does not take fill its config object (see `config_arguments`).
     `on_built(module)` sees the freshly built module, before `eval_shape` rebuilds it abstractly
     (which sorts its attributes: read definition order there).
+
+    A factory that cannot be traced (its constructor mutates an `nnx.Rngs` made outside it, such as a
+    default argument, or branches on a random value) is built eagerly on the CPU instead, and
+    `notice(message)` is told so in one line; `eager` builds it so without trying (`--eager`).
     """
     factory = resolve_factory(spec, paths)
     wants_rngs = _accepts_rngs(factory)
@@ -164,14 +168,67 @@ def build_model(spec: str, config: dict[str, Any], *, abstract: bool = True, see
             on_built(module)
         return module
 
+    def failed(exc: BaseException, how: str = "") -> ModelLoadError:
+        if isinstance(exc, SystemExit):
+            return ModelLoadError(f"model factory {spec!r} called sys.exit({exc.code!r}) instead of returning a model")
+        if isinstance(exc, NotAModule):
+            return ModelLoadError(str(exc))
+        # the factory is the user's code: its complaint is about their config
+        return ModelLoadError(f"model factory {spec!r} with config {config} failed{how}: {type(exc).__name__}: {exc}")
+
+    if not abstract or eager:
+        try:
+            return _on_cpu(construct) if eager else construct()
+        except (Exception, SystemExit) as exc:
+            raise failed(exc, " (built eagerly on the CPU, --eager)" if eager else "") from None
     try:
-        model = eval_shape(construct) if abstract else construct()
-    except SystemExit as exc:
-        raise ModelLoadError(f"model factory {spec!r} called sys.exit({exc.code!r}) instead of returning a model") \
-            from None
-    except NotAModule as exc:
-        raise ModelLoadError(str(exc)) from None
-    except Exception as exc:     # the factory is the user's code: its complaint is about their config
-        raise ModelLoadError(f"model factory {spec!r} with config {config} failed: {type(exc).__name__}: "
-                             f"{exc}") from None
+        return eval_shape(construct)
+    except (Exception, SystemExit) as exc:
+        if not _untraceable(exc):
+            raise failed(exc) from None
+        abstract_error = exc
+    return _eager_instead(spec, construct, abstract_error, notice, failed)
+
+
+def _untraceable(exc: BaseException) -> bool:
+    """Does `exc` say the factory's code cannot run under a trace (rather than that its config is wrong)?"""
+    import jax
+    from flax import errors
+    kinds = (errors.TraceContextError, jax.errors.ConcretizationTypeError, jax.errors.UnexpectedTracerError,
+             jax.errors.TracerArrayConversionError, jax.errors.TracerBoolConversionError,
+             jax.errors.TracerIntegerConversionError)
+    return isinstance(exc, kinds)
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of an error's message, without the documentation link flax appends."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return text.split(" (https://")[0]
+
+
+def _on_cpu(construct):
+    import jax
+    with jax.default_device(jax.devices("cpu")[0]):
+        return construct()
+
+
+def _eager_instead(spec: str, construct, abstract_error: BaseException, notice, failed):
+    """The model built for real on the CPU, after its abstract build failed for a trace reason."""
+    import jax
+    import numpy as np
+    cause = f"{type(abstract_error).__name__}: {_first_line(abstract_error)}".rstrip(": ")
+    why = (f"model factory {spec!r} cannot be built abstractly (nnx.eval_shape: {cause}); this happens when its "
+           "constructor uses an nnx.Rngs made outside it, such as a default argument `rngs=nnx.Rngs(0)`")
+    try:
+        model = _on_cpu(construct)
+    except (Exception, SystemExit) as exc:
+        raise ModelLoadError(f"{why}; building it eagerly on the CPU failed too ({type(exc).__name__}: "
+                             f"{_first_line(exc)}). Way out: pass `rngs` on to every "
+                             "submodule the factory builds (or give the factory an `rngs` argument), so that it "
+                             "builds abstractly") from None
+    leaves = [x for x in jax.tree.leaves(nnx.state(model, nnx.Param)) if hasattr(x, "shape")]
+    size = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in leaves)
+    if notice is not None:
+        notice(f"{why}; built it eagerly on the CPU instead ({sum(int(np.prod(x.shape)) for x in leaves):,} "
+               f"parameters, {size / 2**20:,.2f} MiB); --eager skips the abstract try")
     return model

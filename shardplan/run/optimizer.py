@@ -74,10 +74,17 @@ def padded_state(tx: optax.GradientTransformation, widths: list[int]) -> optax.G
     return optax.GradientTransformation(init, update)
 
 
+def optimizer_state(optimizer):
+    """The optimizer's own state (step count and the transformation's state), without the model an
+    optimizer that holds it (`nnx.ModelAndOptimizer`, shardplan's) carries."""
+    from flax import nnx
+    return nnx.state(optimizer, nnx.OptState)
+
+
 def _unpadded(optimizer):
     """(keys, value, (shape, sharding) or None) of every optimizer-state variable."""
     from flax import nnx
-    for keys, variable in nnx.to_flat_state(nnx.state(optimizer)):
+    for keys, variable in nnx.to_flat_state(optimizer_state(optimizer)):
         yield keys, variable.get_value(), variable.get_metadata().get("unpadded")
 
 
@@ -91,7 +98,7 @@ def plain_state(optimizer) -> dict:
     """The optimizer's state as a pure dict, padded ZeRO-1 leaves cut to their parameter's shape (what
     checkpoints keep: it does not depend on the data size)."""
     from flax import nnx
-    pure = nnx.to_pure_dict(nnx.state(optimizer))
+    pure = nnx.to_pure_dict(optimizer_state(optimizer))
     for keys, value, unpadded in _unpadded(optimizer):
         if unpadded is not None:
             _put(pure, keys, value[..., :unpadded[0][-1]])
@@ -102,7 +109,7 @@ def plain_abstract(optimizer) -> dict:
     """Shapes, dtypes and shardings of `plain_state`, placed as the optimizer is now (a padded leaf as
     its parameter): restoring into them reshards the saved arrays."""
     from flax import nnx
-    pure = nnx.to_pure_dict(nnx.state(optimizer))
+    pure = nnx.to_pure_dict(optimizer_state(optimizer))
     for keys, value, unpadded in _unpadded(optimizer):
         shape, sharding = unpadded if unpadded is not None else (value.shape, value.sharding)
         _put(pure, keys, jax.ShapeDtypeStruct(shape, value.dtype, sharding=sharding))
@@ -120,6 +127,6 @@ def load_plain_state(optimizer, pure: dict) -> None:
                 value = value[key]
             widths = [(0, 0)] * (value.ndim - 1) + [(0, target.shape[-1] - value.shape[-1])]
             _put(pure, keys, jax.device_put(jnp.pad(value, widths), target.sharding))
-    state = nnx.state(optimizer)
+    state = optimizer_state(optimizer)
     nnx.replace_by_pure_dict(state, pure)
     nnx.update(optimizer, state)

@@ -1,0 +1,111 @@
+"""Explicit mesh axes against the model's own code: under `mesh.types: explicit` every operation must
+resolve its output's sharding from its operands' types, and plain model code (an embedding's gather
+on split rows or a batch-split index, a product whose two operands split one axis) often cannot. JAX
+says so only when the step is first traced; `check` traces the forward once, abstractly, with the
+parameters and inputs typed as the plan places them, and reports the operation before anything runs.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from shardplan.checks.calls import call_arguments
+from shardplan.checks.paths import join_path
+from shardplan.plan.diagnostics import Diagnostic
+from shardplan.plan.schema import Plan, input_example, input_spec, normalize_spec
+from shardplan.run.specs import partition_spec
+
+
+def explicit_axes_diagnostics(plan: Plan, model, specs: dict[str, tuple], sizes: dict[str, int],
+                              mesh) -> list[Diagnostic]:
+    """`explicit-axes-unresolved` where the forward, typed as the plan places it on `mesh`, has an
+    operation JAX cannot resolve under the plan's explicit axes (none when nothing is explicit, or the
+    forward cannot be traced on zeros: other checks say why)."""
+    explicit = [a for a, kind in plan.mesh.types.items() if kind == "explicit" and sizes.get(a, 1) > 1]
+    arrays = _typed_inputs(plan, sizes, mesh)
+    if not explicit or not arrays:
+        return []
+    graphdef, state = nnx.split(model)
+    typed = _typed_state(state, specs, mesh)
+
+    def forward(state, arrays):
+        module = nnx.merge(graphdef, state)
+        args, kwargs = call_arguments(module, arrays)
+        return module(*args, **kwargs)
+    try:
+        # `check` lays plans out for devices this machine need not have: then the mesh is abstract
+        within = jax.set_mesh if isinstance(mesh, jax.sharding.Mesh) else jax.sharding.use_abstract_mesh
+        with within(mesh):
+            jax.eval_shape(forward, typed, arrays)
+    except Exception as exc:
+        # jax 0.10 keeps ShardingTypeError private (jax._src.core): known by its name
+        return [_unresolved(plan, explicit, exc, state, specs)] if type(exc).__name__ == "ShardingTypeError" else []
+    return []
+
+
+def _typed_inputs(plan: Plan, sizes: dict[str, int], mesh) -> dict:
+    """The plan's inputs as abstract arrays placed per their specs: the example shape a plan gives, else
+    a few tokens for its first input (as many rows as its batch dim is split)."""
+    arrays = {}
+    for name, raw in plan.inputs.items():
+        spec = normalize_spec(input_spec(raw))
+        found = input_example(raw)
+        if found is None and arrays:
+            continue
+        rows = 1
+        for axis in (spec[0] or ()) if spec else ():
+            rows *= sizes.get(axis, 1)
+        shape, dtype = found if found is not None else ((rows, 8), "int32")
+        if len(spec) > len(shape):
+            return {}
+        arrays[name] = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=NamedSharding(mesh, partition_spec(spec)))
+    return arrays
+
+
+def _typed_state(state, specs: dict[str, tuple], mesh):
+    """The model's state as abstract arrays typed with the plan's shardings (anything else replicated)."""
+    def typed(path, leaf):
+        keys = tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+        spec = specs.get(join_path(keys[:-1] if keys and keys[-1] == "value" else keys), ())
+        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype") or len(spec) > len(leaf.shape):
+            return leaf
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, partition_spec(spec)))
+    return jax.tree_util.tree_map_with_path(typed, state)
+
+
+def _unresolved(plan: Plan, explicit: list[str], exc: Exception, state, specs: dict) -> Diagnostic:
+    text = " ".join(str(exc).split())
+    operation = text.split(". Got")[0] if ". Got" in text else text[:300]
+    named = _parameters_named(text, state, specs)
+    line, column = plan.locate("mesh", "types")
+    axes = ", ".join(repr(a) for a in explicit)
+    culprit = f"; its operands include {', '.join(named)}" if named else ""
+    return Diagnostic(
+        "explicit-axes-unresolved", "error",
+        f"mesh.types makes {axes} explicit, which requires every operation of the model's forward to resolve "
+        f"its output's sharding from its operands' types, but one cannot{culprit}: {operation}",
+        file=plan.file, line=line, column=column, path=named[0] if named else None,
+        hint="leave these axes auto (drop them from mesh.types): shardplan places every parameter and input, and "
+             "XLA resolves the rest; or give that operation an out_sharding in the model's code")
+
+
+def _parameters_named(text: str, state, specs: dict) -> list[str]:
+    """Planned parameters whose typed shape (`float32[512@model,64]`) JAX's message shows."""
+    shown = set(re.findall(r"\w+\[[^\]]*\]", text))
+    found = []
+    for keys, variable in nnx.to_flat_state(state):
+        path, value = join_path(keys), variable.get_value()
+        spec = specs.get(path)
+        if spec is None or not hasattr(value, "shape"):
+            continue
+        entries = tuple(spec) + (None,) * (len(value.shape) - len(spec))
+        dims = ",".join(f"{n}@{e[0] if len(e) == 1 else '(' + ','.join(e) + ')'}" if e else str(n)
+                        for n, e in zip(value.shape, entries))
+        if f"{jnp.dtype(value.dtype).name}[{dims}]" in shown:
+            found.append(path)
+    return found
