@@ -134,3 +134,29 @@ class GatherMoE(nnx.Module):
         y = jnp.einsum("nkf,nkdf->nkd", h, wd)
         routed = jnp.einsum("nkd,nk->nd", y, weights)
         return (routed + self.shared(tokens)).reshape(b, t, d)
+
+
+class FusedSplitMoE(nnx.Module):
+    """DeepSeek-V3-style experts with one fused gate/up stack: every expert on every token by einsum over E,
+    the fused output `split` into its gate and up halves (a construct the sparse path cannot follow: the
+    block runs the dense way), weighted by sigmoid scores of a top-k with a score bias."""
+
+    def __init__(self, dim, hidden, experts, top_k, *, rngs):
+        self.gate = nnx.Param(_init(rngs, (experts, dim), dim ** -0.5))                  # [E, D]
+        self.score_bias = nnx.Param(jnp.zeros((experts,)))
+        self.w_gate_up = nnx.Param(_init(rngs, (experts, 2 * hidden, dim), dim ** -0.5))  # [E, 2F, D]
+        self.w_down = nnx.Param(_init(rngs, (experts, dim, hidden)))                      # [E, D, F]
+        self.count, self.top_k = experts, top_k
+
+    def __call__(self, x):
+        b, t, d = x.shape
+        tokens = x.reshape(b * t, d)
+        scores = jax.nn.sigmoid(tokens @ self.gate[...].T)                                # [N, E]
+        _, chosen = jax.lax.top_k(scores + self.score_bias[...], self.top_k)
+        weights = jnp.take_along_axis(scores, chosen, axis=1)
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        gates = jnp.sum(jax.nn.one_hot(chosen, self.count) * weights[..., None], axis=1)  # [N, E]
+        gate_up = jnp.einsum("nd,efd->nef", tokens, self.w_gate_up[...])                  # [N, E, 2F]
+        g, u = jnp.split(gate_up, 2, axis=-1)
+        y = jnp.einsum("nef,edf->ned", jax.nn.silu(g) * u, self.w_down[...])              # [N, E, D]
+        return jnp.einsum("ned,ne->nd", y, gates).reshape(b, t, d)

@@ -236,10 +236,11 @@ def trigger(tmp_path: Path, code: str) -> list[shardplan.Diagnostic]:
 
 
 # Codes that need the model itself (how it calls its layers, its modules, their outputs): their bad
-# plans are in test_wild_models.py, test_step_options.py, test_formats.py, test_experts.py and test_context.py.
+# plans are in test_wild_models.py, test_step_options.py, test_formats.py, test_experts.py, test_context.py and
+# test_tutorials.py.
 MODEL_CASES = {"pipeline-layer-call", "example-call-failed", "step-rule-unused", "activation-shape",
                "annotation-overridden", "experts-contract", "experts-fallback", "experts-capacity-drops", "context-no-attention",
-               "context-ring-attention", "context-positions", "precision-not-applied"}
+               "context-ring-attention", "context-positions", "precision-not-applied", "explicit-axes-unresolved"}
 
 
 def test_every_code_has_a_case():

@@ -13,12 +13,12 @@ from flax import nnx
 
 import shardplan
 from conftest import full
-from moe_forms import CapacityMoE, ExpertMajorMoE, GatherMoE, MaskedLoopMoE
+from moe_forms import CapacityMoE, ExpertMajorMoE, FusedSplitMoE, GatherMoE, MaskedLoopMoE
 from public_moe_models import BLOCKS, DIM, EXPERTS, HIDDEN, TOP_K, MoEBlockDecoder
 from test_experts import assert_equal_runs, collectives
 
 OWN_FORMS = {"masked_loop": MaskedLoopMoE, "expert_major": ExpertMajorMoE, "capacity_vmap": CapacityMoE,
-             "gather_top_k": GatherMoE}
+             "gather_top_k": GatherMoE, "fused_split": FusedSplitMoE}
 
 
 def decoder(kind):
@@ -34,12 +34,13 @@ RULES = {"qwen3": [(r"layers/\d+/moe/(gate|up|down)_proj", "[E, null, null]")],
          "expert_major": [(r"layers/\d+/moe/w_\w+", "[E, null, null]")],
          "capacity_vmap": [(r"layers/\d+/moe/experts/\w+/kernel", "[E, null, null]"),
                            (r"layers/\d+/moe/experts/\w+/bias", "[E, null]")],
-         "gather_top_k": [(r"layers/\d+/moe/w_\w+", "[E, null, null]")]}
+         "gather_top_k": [(r"layers/\d+/moe/w_\w+", "[E, null, null]")],
+         "fused_split": [(r"layers/\d+/moe/w_\w+", "[E, null, null]")]}
 LAYOUTS = {"ep4": ("{data: 2, expert: 4}", "[[data, expert], null]", "expert"),
            "folded": ("{data: 8}", "[data, null]", "data")}
 # How each layer runs: the sparse path (tokens by all-to-all) or the dense fallback, said plainly.
 SPARSE = {"qwen3": True, "gemma4": True, "gpt_oss": False, "masked_loop": True, "expert_major": True,
-          "capacity_vmap": False, "gather_top_k": True}
+          "capacity_vmap": False, "gather_top_k": True, "fused_split": False}
 TOKENS = np.asarray(jax.random.randint(jax.random.key(0), (16, 16), 0, 64))
 
 
@@ -96,7 +97,7 @@ def expert_flops(hlo: str) -> float:
 # (the masked loop, the expert-major einsum and the gather also run in tests/test_expert_forms.py).
 CASES = [("qwen3", "ep4"), ("gemma4", "ep4"), ("gpt_oss", "ep4"), full("qwen3", "folded"), ("gemma4", "folded"),
          full("gpt_oss", "folded"), full("masked_loop", "ep4"), full("expert_major", "folded"), ("capacity_vmap", "ep4"),
-         ("gather_top_k", "ep4")]
+         ("gather_top_k", "ep4"), ("fused_split", "ep4")]
 
 
 @pytest.mark.parametrize("kind, layout", CASES)

@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from shardplan.experts import interpret
+from shardplan.experts.pinned import run_pinned
 
 
 # While `contract.check_expert_calls` traces: a list each exchange adds (block id, rows, tokens, experts, slots) to.
@@ -204,9 +205,10 @@ def expert_parallel_call(original, options: ExpertOptions, module, args: tuple, 
 
 def _fallback_call(original, options: ExpertOptions, module, args: tuple, kwargs: dict, reason):
     """The block's own program under sharding constraints, partitioned by the compiler: expert weights
-    split on their E dim (they never move), the tokens gathered over the expert axis (still split over the
-    other batch axes), each device computing its own experts on them, and the outputs per token split
-    over the expert axis again (a reduce-scatter of the partial sums over E). Exact whatever the code.
+    split on their E dim and every value that carries it pinned there (`pinned.run_pinned`: they never
+    move), the tokens gathered over the expert axis (still split over the other batch axes), each device
+    computing its own experts on them, and the outputs per token split over the expert axis again (a
+    reduce-scatter of the partial sums over E). Exact whatever the code.
     Where the expert axis is already manual (a pipeline's stage) the experts are gathered instead."""
     if reason is not None:      # (None: asked for, `dense_only`)
         _report_fallback(type(module), options, reason)
@@ -227,7 +229,14 @@ def _fallback_call(original, options: ExpertOptions, module, args: tuple, kwargs
     leaves = [x[:traced.batch] if i in traced.tokens else x for i, x in enumerate(leaves)]
     placed = [constrain(x, P(others or None)) if i in traced.tokens else
               constrain(x, P(options.axis)) if i in traced.experts else x for i, x in enumerate(leaves)]
-    out, rest = pure(*placed)
+    count = placed[traced.experts[0]].shape[0] if traced.experts else None
+
+    def pin(value, dim):      # the experts' dim stays on the expert axis; the compiler places the rest
+        if getattr(value, "ndim", 0) <= dim or value.shape[dim] != count:
+            return value
+        return constrain(value, P(*[options.axis if d == dim else P.UNCONSTRAINED for d in range(value.ndim)]))
+    closed = jax.make_jaxpr(pure)(*[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in placed])
+    out, rest = jax.tree.unflatten(traced.out_tree, run_pinned(closed, placed, set(traced.experts), pin))
     rows = traced.batch
     out = jax.tree.map(lambda y: constrain(y, P(batch_axes)) if getattr(y, "ndim", 0) and y.shape[0] == rows
                        and y.shape[0] % _size(mesh, batch_axes) == 0 else y, out)

@@ -60,3 +60,13 @@ def abstract_with_roles(build) -> tuple[object, ModelRoles]:
 
     model = eval_shape(construct)
     return model, recognise(param_infos(model), order)
+
+
+def untraceable(exc: BaseException) -> bool:
+    """Does `exc` say the factory's code cannot run under a trace (rather than that its config is wrong)?"""
+    import jax
+    from flax import errors
+    kinds = (errors.TraceContextError, jax.errors.ConcretizationTypeError, jax.errors.UnexpectedTracerError,
+             jax.errors.TracerArrayConversionError, jax.errors.TracerBoolConversionError,
+             jax.errors.TracerIntegerConversionError)
+    return isinstance(exc, kinds)

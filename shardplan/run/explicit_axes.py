@@ -19,6 +19,7 @@ from shardplan.checks.paths import join_path
 from shardplan.plan.diagnostics import Diagnostic
 from shardplan.plan.schema import Plan, input_example, input_spec, normalize_spec
 from shardplan.run.specs import partition_spec
+from shardplan.run.step_options import apply_step_options
 
 
 def explicit_axes_diagnostics(plan: Plan, model, specs: dict[str, tuple], sizes: dict[str, int],
@@ -35,6 +36,7 @@ def explicit_axes_diagnostics(plan: Plan, model, specs: dict[str, tuple], sizes:
 
     def forward(state, arrays):
         module = nnx.merge(graphdef, state)
+        apply_step_options(plan, module, mesh)      # an `activations` rule runs its module with auto axes
         args, kwargs = call_arguments(module, arrays)
         return module(*args, **kwargs)
     try:
@@ -87,16 +89,18 @@ def _unresolved(plan: Plan, explicit: list[str], exc: Exception, state, specs: d
     culprit = f"; its operands include {', '.join(named)}" if named else ""
     return Diagnostic(
         "explicit-axes-unresolved", "error",
-        f"mesh.types makes {axes} explicit, which requires every operation of the model's forward to resolve "
-        f"its output's sharding from its operands' types, but one cannot{culprit}: {operation}",
+        f"mesh.types makes {axes} explicit mesh axes, under which every operation of the model's forward must "
+        f"resolve its output's sharding from its operands' types, but one cannot{culprit}: {operation}",
         file=plan.file, line=line, column=column, path=named[0] if named else None,
-        hint="leave these axes auto (drop them from mesh.types): shardplan places every parameter and input, and "
-             "XLA resolves the rest; or give that operation an out_sharding in the model's code")
+        hint=(f"an `activations` rule on module {named[0].rsplit('/', 1)[0]!r} gives its output a sharding and runs "
+              "it with its axes automatic; or " if named and "/" in named[0] else "")
+        + "leave these axes auto (drop them from mesh.types): shardplan places every parameter and input, and XLA "
+          "resolves the rest; or give that operation an out_sharding in the model's code")
 
 
 def _parameters_named(text: str, state, specs: dict) -> list[str]:
-    """Planned parameters whose typed shape (`float32[512@model,64]`) JAX's message shows."""
-    shown = set(re.findall(r"\w+\[[^\]]*\]", text))
+    """Planned parameters whose typed shape (`[512@model,64]` of `float32[512@model,64]`) JAX's message shows."""
+    shown = set(re.findall(r"\w+\[([^\]]*)\]", text))        # dims only: the compute dtype may be narrower
     found = []
     for keys, variable in nnx.to_flat_state(state):
         path, value = join_path(keys), variable.get_value()
@@ -106,6 +110,6 @@ def _parameters_named(text: str, state, specs: dict) -> list[str]:
         entries = tuple(spec) + (None,) * (len(value.shape) - len(spec))
         dims = ",".join(f"{n}@{e[0] if len(e) == 1 else '(' + ','.join(e) + ')'}" if e else str(n)
                         for n, e in zip(value.shape, entries))
-        if f"{jnp.dtype(value.dtype).name}[{dims}]" in shown:
+        if dims in shown:
             found.append(path)
     return found

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from flax import nnx
 
-from shardplan.run.abstract import eval_shape
+from shardplan.run.abstract import eval_shape, untraceable
 
 
 class ModelLoadError(Exception):
@@ -184,20 +184,10 @@ def build_model(spec: str, config: dict[str, Any], *, abstract: bool = True, see
     try:
         return eval_shape(construct)
     except (Exception, SystemExit) as exc:
-        if not _untraceable(exc):
+        if not untraceable(exc):
             raise failed(exc) from None
         abstract_error = exc
     return _eager_instead(spec, construct, abstract_error, notice, failed)
-
-
-def _untraceable(exc: BaseException) -> bool:
-    """Does `exc` say the factory's code cannot run under a trace (rather than that its config is wrong)?"""
-    import jax
-    from flax import errors
-    kinds = (errors.TraceContextError, jax.errors.ConcretizationTypeError, jax.errors.UnexpectedTracerError,
-             jax.errors.TracerArrayConversionError, jax.errors.TracerBoolConversionError,
-             jax.errors.TracerIntegerConversionError)
-    return isinstance(exc, kinds)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -228,7 +218,8 @@ def _eager_instead(spec: str, construct, abstract_error: BaseException, notice, 
                              "builds abstractly") from None
     leaves = [x for x in jax.tree.leaves(nnx.state(model, nnx.Param)) if hasattr(x, "shape")]
     size = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in leaves)
+    shown = f"{size / 2**20:,.2f} MiB" if size >= 2**20 else f"{size / 2**10:,.1f} KiB"
     if notice is not None:
         notice(f"{why}; built it eagerly on the CPU instead ({sum(int(np.prod(x.shape)) for x in leaves):,} "
-               f"parameters, {size / 2**20:,.2f} MiB); --eager skips the abstract try")
+               f"parameters, {shown}); --eager skips the abstract try")
     return model

@@ -1,0 +1,242 @@
+"""Public NNX tutorial code as people write it today (tests/tutorials/, unmodified), sharded by plans and
+trained with the tutorials' own steps: `nnx.ModelAndOptimizer`'s `update(grads)`, models annotated with
+`nnx.with_partitioning` under flax's eager sharding, submodules that default to `nnx.Rngs(0)`, explicit
+mesh axes. Each run is compared with the same step on one device."""
+
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import shardplan
+import tutorial_code
+from conftest import PLANS, REPO
+
+TOL = 2e-5
+
+VIT_PLANS = {
+    "data": "mesh: {axes: {data: 8}}\ninputs: {image: [data], label: [data]}\nparams:\n"
+            "  - {match: '.*', spec: replicated}\n",
+    "fsdp-tp": "mesh: {axes: {data: 4, model: 2}}\ninputs: {image: [data], label: [data]}\nparams:\n"
+               "  - {match: 'encoder/layers/\\d+/attn/(query|key|value)/kernel', spec: [data, model]}\n"
+               "  - {match: 'encoder/layers/\\d+/attn/out/kernel', spec: [model, null, data]}\n"
+               "  - {match: 'encoder/layers/\\d+/mlp/layers/0/kernel', spec: [data, model]}\n"
+               "  - {match: 'encoder/layers/\\d+/mlp/layers/3/kernel', spec: [model, data]}\n"
+               "  - {match: '.*', spec: replicated}\n",
+}
+VIT_CONFIG = dict(num_classes=10, img_size=16, patch_size=8, num_layers=2, num_heads=2, mlp_dim=32,
+                  hidden_size=16, dropout_rate=0.0)
+
+
+def vit_batch():
+    images = np.asarray(jax.random.normal(jax.random.key(1), (8, 16, 16, 3)))
+    return {"image": images, "label": np.arange(8) % 10}
+
+
+def params_of(model):
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def assert_close(got, want, what):
+    worst = max(jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
+                                             got, want)))
+    assert worst < TOL, f"{what} differ by {worst}"
+
+
+def vit_on_one_device(ns):
+    model = ns["VisionTransformer"](**VIT_CONFIG, rngs=nnx.Rngs(0))
+    optimizer = nnx.ModelAndOptimizer(model, optax.sgd(1e-2, 0.8, nesterov=True))
+    losses = [float(ns["train_step"](model, optimizer, vit_batch())) for _ in range(2)]
+    return losses, params_of(model)
+
+
+@pytest.mark.parametrize("layout", sorted(VIT_PLANS))
+def test_the_vit_tutorials_step_as_written_trains_like_one_device_under_shard_optimizer(layout):
+    """The tutorial's `train_step` calls `optimizer.update(grads)`, as `nnx.ModelAndOptimizer` takes it."""
+    ns = tutorial_code.vit()
+    want_losses, want_params = vit_on_one_device(ns)
+    plan = shardplan.parse_plan("version: 1\n" + VIT_PLANS[layout])
+    mesh = shardplan.make_mesh(plan)
+    model = shardplan.init(plan, lambda: ns["VisionTransformer"](**VIT_CONFIG, rngs=nnx.Rngs(0)), mesh)
+    planned = {path: v.get_value().sharding for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    optimizer = shardplan.shard_optimizer(plan, model, optax.sgd(1e-2, 0.8, nesterov=True), mesh)
+    batch = shardplan.shard_inputs(plan, vit_batch(), mesh)
+    losses = [float(ns["train_step"](model, optimizer, batch)) for _ in range(2)]
+    np.testing.assert_allclose(losses, want_losses, rtol=TOL)
+    assert_close(params_of(model), want_params, "parameters after two steps")
+    for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        assert v.get_value().sharding.is_equivalent_to(planned[path], v.get_value().ndim), path
+    assert optimizer.step[...] == 2
+
+
+def test_the_translation_tutorials_own_model_and_optimizer_trains_a_placed_model_like_one_device():
+    """The encoder-decoder tutorial as written: its own `nnx.ModelAndOptimizer` over a model shardplan placed."""
+    ns = tutorial_code.translation()
+    config = dict(sequence_length=8, vocab_size=64, embed_dim=16, latent_dim=32, num_heads=2, dropout_rate=0.0)
+    rows = np.asarray(jax.random.randint(jax.random.key(2), (3, 8, 8), 1, 64))
+    batch = {"encoder_inputs": rows[0], "decoder_inputs": rows[1], "target_output": rows[2]}
+
+    def run(model, place=lambda b: b):
+        optimizer = nnx.ModelAndOptimizer(model, optax.adamw(1e-3, eps=1e-6))   # (a key bias gets no gradient)
+        return [float(ns["train_step"](model, optimizer, place(batch))) for _ in range(2)], params_of(model)
+    want_losses, want_params = run(ns["TransformerModel"](**config, rngs=nnx.Rngs(0)))
+    plan = shardplan.parse_plan(
+        "version: 1\nmesh: {axes: {data: 4, model: 2}}\n"
+        "inputs: {encoder_inputs: [data], decoder_inputs: [data], target_output: [data]}\nparams:\n"
+        "  - {match: '.*attention_\\d/(query|key|value)/kernel|encoder/attention/(query|key|value)/kernel',"
+        " spec: [null, model]}\n"
+        "  - {match: '.*dense_proj/layers/0/kernel', spec: [null, model]}\n"
+        "  - {match: '.*', spec: replicated}\n")
+    mesh = shardplan.make_mesh(plan)
+    model = shardplan.apply_plan(plan, ns["TransformerModel"](**config, rngs=nnx.Rngs(0)), mesh)
+    losses, params = run(model, lambda b: shardplan.shard_inputs(plan, b, mesh))
+    np.testing.assert_allclose(losses, want_losses, rtol=TOL)
+    assert_close(params, want_params, "parameters after two steps")
+
+
+GSPMD_PLAN = ("version: 1\nmesh: {axes: {data: 2, model: 4}}\ninputs: {x: [data]}\nparams:\n"
+              "  - {match: 'dot1/kernel', spec: [null, model]}\n  - {match: 'w2', spec: [model, null]}\n")
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_init_builds_the_flax_guides_annotated_model_under_either_eager_sharding_setting(eager):
+    """`DotReluDot` annotates its kernels (`nnx.with_partitioning`, `sharding=`); under flax's default eager
+    sharding they need a mesh context at creation, which `init` does not ask the user for."""
+    ns = tutorial_code.gspmd()
+    plan = shardplan.parse_plan(GSPMD_PLAN)
+    mesh = shardplan.make_mesh(plan)
+    with nnx.use_eager_sharding(eager):
+        model = shardplan.init(plan, lambda: ns["DotReluDot"](64, rngs=nnx.Rngs(0)), mesh)
+        want = ns["DotReluDot"](64, rngs=nnx.Rngs(0)) if not eager else None
+    assert model.dot1.kernel.sharding.spec == P(None, "model")
+    assert model.w2.sharding.spec == P("model")
+    # flax's own metadata says the plan's layout (what nnx.get_partition_spec and orbax read)
+    assert model.w2.get_metadata()["out_sharding"] == P("model") and model.w2.get_metadata()["mesh"] == mesh
+    if want is not None:
+        assert_close(params_of(model), params_of(want), "parameters")
+
+
+def test_the_flax_guides_jax_jit_step_trains_like_one_device_under_shard_optimizer():
+    """The guide's `jax.jit` step (`optimizer.update(model, grads)`, the model returned), under its mesh."""
+    ns = tutorial_code.gspmd()
+    x, y = (np.asarray(jax.random.normal(jax.random.key(k), (8, 64))) for k in (3, 4))
+
+    def run(mesh, make_optimizer, model):
+        losses = []
+        with jax.set_mesh(mesh):
+            optimizer = make_optimizer(model)
+            for _ in range(3):
+                model, loss = ns["train_step"](model, optimizer, x, y)
+                losses.append(float(loss))
+        return losses, params_of(model)
+    one = jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1],
+                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with jax.set_mesh(one):                  # (the guide builds its model under its mesh)
+        reference = ns["DotReluDot"](64, rngs=nnx.Rngs(0))
+    want = run(one, lambda m: nnx.Optimizer(m, optax.adam(1e-3), wrt=nnx.Param), reference)
+    plan = shardplan.parse_plan(GSPMD_PLAN)
+    mesh = shardplan.make_mesh(plan)
+    model = shardplan.init(plan, lambda: ns["DotReluDot"](64, rngs=nnx.Rngs(0)), mesh)
+    got = run(mesh, lambda m: shardplan.shard_optimizer(plan, m, optax.adam(1e-3), mesh), model)
+    np.testing.assert_allclose(got[0], want[0], rtol=TOL)
+    assert_close(got[1], want[1], "parameters after three steps")
+
+
+EXPLICIT_PLAN = ("version: 1\nmesh:\n  axes: {data: 2, model: 4}\n  types: {data: explicit, model: explicit}\n"
+                 "inputs: {x: [data]}\nparams:\n  - {match: 'dot1/kernel', spec: [null, model]}\n"
+                 "  - {match: 'w2', spec: [model, null]}\n  - {match: 'b2', spec: replicated}\n")
+
+
+def test_explicit_axes_train_a_model_written_for_them_like_one_device():
+    """The guide's `ExplicitDotReluDot` resolves its own products (`out_sharding=`): `check` accepts the
+    explicit plan and three steps equal one device's."""
+    ns = tutorial_code.gspmd()
+    plan = shardplan.parse_plan(EXPLICIT_PLAN)
+    mesh = shardplan.make_mesh(plan)
+    x, y = (np.asarray(jax.random.normal(jax.random.key(k), (8, 64))) for k in (5, 6))
+
+    def run(mesh, model, optimizer):
+        losses = []
+        with jax.set_mesh(mesh):
+            for _ in range(3):
+                model, loss = ns["train_step"](model, optimizer, x, y)
+                losses.append(float(loss))
+        return losses, params_of(model)
+    one = jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1],
+                        axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    with jax.set_mesh(one):
+        reference = ns["ExplicitDotReluDot"](64, rngs=nnx.Rngs(0))
+    want = run(one, reference, nnx.Optimizer(reference, optax.adam(1e-3), wrt=nnx.Param))
+    with jax.set_mesh(mesh):
+        model = ns["ExplicitDotReluDot"](64, rngs=nnx.Rngs(0))
+        report = shardplan.check(plan, model, mesh)
+        assert report.ok, [d.format() for d in report.diagnostics]
+        model = shardplan.apply_plan(plan, model, mesh)
+    assert model.w2.sharding.spec == P("model") and model.w2.sharding.mesh.axis_types == mesh.axis_types
+    got = run(mesh, model, shardplan.shard_optimizer(plan, model, optax.adam(1e-3), mesh))
+    np.testing.assert_allclose(got[0], want[0], rtol=TOL)
+    assert_close(got[1], want[1], "parameters after three steps")
+
+
+def with_explicit_types(text: str, axes) -> str:
+    """The plan's text with `types:` making every mesh axis explicit, on the line after `axes:`."""
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.strip().startswith("axes:"))
+    indent = lines[at][:len(lines[at]) - len(lines[at].lstrip())]
+    lines.insert(at + 1, f"{indent}types: {{{', '.join(f'{a}: explicit' for a in axes)}}}")
+    return "\n".join(lines) + "\n", at + 2
+
+
+@pytest.mark.parametrize("name", ["minigpt_dp.yaml", "minigpt_dp_tp.yaml", "minigpt_fsdp.toml",
+                                  "minigpt_dp_tp_sp.yaml", "minigpt_cp.yaml", "llama_logical.yaml"])
+def test_shipped_plans_with_explicit_axes_are_refused_before_anything_runs(name, tmp_path):
+    """MiniGPT's embedding gather cannot resolve its output's sharding under explicit axes: its first step
+    would raise JAX's ShardingTypeError; `check` says so first, at the plan's `types` line."""
+    from minigpt_model.llama import Llama
+    from minigpt_model.model import MiniGPT
+    plan = shardplan.load_plan(PLANS / name)
+    text, line = with_explicit_types((PLANS / name).read_text(), plan.mesh.axes) if name.endswith("yaml") else \
+        (None, None)
+    if text is None:                      # TOML: the same table's key
+        text = (PLANS / name).read_text().replace("axes = { data = -1 }",
+                                                  "axes = { data = -1 }\ntypes = { data = \"explicit\" }")
+        line = next(i for i, l in enumerate(text.splitlines(), 1) if l.startswith("types"))
+    path = tmp_path / name
+    path.write_text(text)
+    plan = shardplan.load_plan(path)
+    config = dict(plan.model.config)
+    build = Llama if plan.model.factory.endswith("Llama") else MiniGPT
+    model = nnx.eval_shape(lambda: build(**config, rngs=nnx.Rngs(0)))
+    report = shardplan.check(plan, model)
+    found = [d for d in report.errors if d.code == "explicit-axes-unresolved"]
+    assert found, [d.format() for d in report.diagnostics]
+    text = found[0].format()
+    assert found[0].line == line and str(path) in text, text
+    assert "explicit" in text and "out_sharding" in text and found[0].path in text, text
+    assert found[0].path.endswith("embedding") or "sp" in name, text    # with the embeddings' activations rules
+                                                                         # (sequence parallel) the next product
+
+
+def test_validate_builds_a_tutorial_block_that_owns_its_rngs_eagerly_and_says_so(tmp_path):
+    """The UNETR tutorial's `UnetrBasicBlock` builds its `UnetResBlock` with that block's default
+    `nnx.Rngs(0)`: it cannot be built under `nnx.eval_shape`. The CLI builds it on the CPU and says so."""
+    plan = tmp_path / "dp.yaml"
+    plan.write_text("version: 1\nmesh: {axes: {data: 8}}\ninputs: {x: [data]}\nparams:\n"
+                    "  - {match: '.*', spec: replicated}\n")
+    config = ["--config", "in_channels=4", "--config", "out_channels=8", "--config", "kernel_size=3",
+              "--config", "stride=1"]
+    for extra in ([], ["--eager"]):
+        done = subprocess.run([sys.executable, "-m", "shardplan", "inspect", str(plan), "--model",
+                               "tutorial_code:UnetrBasicBlock", "--path", str(REPO / "tests"), *config, *extra],
+                              capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert "Traceback" not in done.stderr
+        assert "layer/conv_norm_act1/layers/0/kernel" in done.stdout and "(3, 3, 4, 8)" in done.stdout
+        said = " ".join(done.stderr.split())
+        noted = "cannot be built abstractly" in said and "built it eagerly on the CPU instead (944 parameters" in said
+        assert noted == (not extra), done.stderr

@@ -1,0 +1,78 @@
+"""Classes and functions of the public tutorials kept in tests/tutorials/ (unmodified), taken by name
+from their code cells exactly as written and run in a namespace of the imports the notebooks make.
+Only definitions are taken: the cells' other statements download data or build full-size models.
+
+- `vit()`: the jax-ai-stack ViT tutorial's `VisionTransformer` (blocks in an `nnx.Sequential`, default
+  `rngs=nnx.Rngs(0)` arguments), its loss and its `train_step` (`nnx.ModelAndOptimizer`'s `update(grads)`).
+- `translation()`: the jax-ai-stack encoder-decoder translation `TransformerModel` and its `train_step`.
+- `segmentation()`: the jax-ai-stack UNETR tutorial's blocks (submodules built with a default `nnx.Rngs(0)`).
+- `gspmd()`: the flax guide "Scale up on multiple devices": `DotReluDot` (annotated with
+  `nnx.with_partitioning`, built under flax's eager sharding), the explicit-axes `ExplicitDotReluDot`, and
+  the guide's `jax.jit` `train_step`.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from functools import partial
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+HERE = Path(__file__).parent / "tutorials"
+IMPORTS = dict(jax=jax, jnp=jnp, np=np, nnx=nnx, optax=optax, partial=partial, P=P, NamedSharding=NamedSharding,
+               AxisType=AxisType, Callable=Callable)
+
+
+def definitions(notebook: str, names: list[str]) -> dict:
+    """A namespace holding `names`, defined by the notebook's own source text, in the order given."""
+    found = {}
+    for cell in re.findall(r"```\{code-cell\}[^\n]*\n(.*?)```", (HERE / notebook).read_text(), re.S):
+        if cell.startswith("---\n"):                 # a cell's own metadata block
+            cell = cell.split("\n---\n", 1)[1]
+        try:
+            tree = ast.parse(cell)
+        except SyntaxError:                          # a cell of notebook magics (%%timeit)
+            continue
+        lines = cell.splitlines()
+        for node in tree.body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name in names:
+                start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+                found[node.name] = "\n".join(lines[start - 1:node.end_lineno])
+    missing = set(names) - set(found)
+    assert not missing, f"{notebook} no longer defines {sorted(missing)}"
+    namespace = dict(IMPORTS)
+    for name in names:
+        exec(compile(found[name], f"{HERE / notebook}:{name}", "exec"), namespace)
+    return namespace
+
+
+def vit() -> dict:
+    return definitions("JAX_Vision_transformer.md",
+                       ["TransformerEncoder", "VisionTransformer", "compute_losses_and_logits", "train_step"])
+
+
+def translation() -> dict:
+    return definitions("JAX_machine_translation.md",
+                       ["TransformerEncoder", "PositionalEmbedding", "TransformerDecoder", "TransformerModel",
+                        "compute_loss", "train_step"])
+
+
+def segmentation() -> dict:
+    return definitions("JAX_examples_image_segmentation.md",
+                       ["Conv2dNormActivation", "InstanceNorm", "UnetResBlock", "UnetrBasicBlock"])
+
+
+def gspmd() -> dict:
+    return definitions("flax_gspmd.md", ["DotReluDot", "ExplicitDotReluDot", "train_step"])
+
+
+UnetrBasicBlock = segmentation()["UnetrBasicBlock"]     # for `--model tutorial_code:UnetrBasicBlock`
