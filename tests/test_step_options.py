@@ -283,8 +283,9 @@ def test_explicit_plan_trains_with_the_trainer(tmp_path, capsys):
     code = main(["train", "--plan", str(plan), "--out", str(tmp_path / "run2"), "--steps", "2", "--batch-size", "8",
                  "--config=num_transformer_blocks=2", "--config=embed_dim=64", "--config=maxlen=32",
                  "--config=feed_forward_dim=128", "--config=num_heads=8"])
-    err = capsys.readouterr().err
+    err = " ".join(capsys.readouterr().err.split())          # (as wrapped at the console's width)
     assert code == 1 and "explicit mesh axes" in err and "activations" in err and "internal error" not in err
+    assert "explicit-axes-unresolved" in err and "embedding_layer/token_emb" in err     # refused by check
 
 
 # ------------------------------------------------------------------------------ sharded initialisation
