@@ -83,13 +83,13 @@ def _typed_state(state, specs: dict[str, tuple], mesh):
 def _unresolved(plan: Plan, explicit: list[str], exc: Exception, state, specs: dict) -> Diagnostic:
     text = " ".join(str(exc).split())
     operation = text.split(". Got")[0] if ". Got" in text else text[:300]
-    named = _parameters_named(text, state, specs)
+    named = _parameters_named(text, state, specs, set(explicit))
     line, column = plan.locate("mesh", "types")
     axes = ", ".join(repr(a) for a in explicit)
     culprit = f"; its operands include {', '.join(named)}" if named else ""
     return Diagnostic(
         "explicit-axes-unresolved", "error",
-        f"mesh.types makes {axes} explicit mesh axes, under which every operation of the model's forward must "
+        f"mesh.types makes {axes} explicit; under explicit mesh axes every operation of the model's forward must "
         f"resolve its output's sharding from its operands' types, but one cannot{culprit}: {operation}",
         file=plan.file, line=line, column=column, path=named[0] if named else None,
         hint=(f"an `activations` rule on module {named[0].rsplit('/', 1)[0]!r} gives its output a sharding and runs "
@@ -98,7 +98,7 @@ def _unresolved(plan: Plan, explicit: list[str], exc: Exception, state, specs: d
           "resolves the rest; or give that operation an out_sharding in the model's code")
 
 
-def _parameters_named(text: str, state, specs: dict) -> list[str]:
+def _parameters_named(text: str, state, specs: dict, explicit: set[str]) -> list[str]:
     """Planned parameters whose typed shape (`[512@model,64]` of `float32[512@model,64]`) JAX's message shows."""
     shown = set(re.findall(r"\w+\[([^\]]*)\]", text))        # dims only: the compute dtype may be narrower
     found = []
@@ -107,7 +107,9 @@ def _parameters_named(text: str, state, specs: dict) -> list[str]:
         spec = specs.get(path)
         if spec is None or not hasattr(value, "shape"):
             continue
-        entries = tuple(spec) + (None,) * (len(value.shape) - len(spec))
+        # (array types show only the explicit axes of a spec)
+        entries = tuple(tuple(a for a in e if a in explicit) if e else None for e in spec)
+        entries += (None,) * (len(value.shape) - len(spec))
         dims = ",".join(f"{n}@{e[0] if len(e) == 1 else '(' + ','.join(e) + ')'}" if e else str(n)
                         for n, e in zip(value.shape, entries))
         if dims in shown:
