@@ -206,6 +206,10 @@ CASES = {
     "pipeline-fsdp-gathered": (pipe("", params="params:\n  - {match: 'layers/\\d+/w', spec: [null, data]}\n"
                                                "  - {match: '.*', spec: replicated}\n"), PIPE_PARAMS, 8, None,
                                ["split over the batch axis 'data' (FSDP)", "layers/0/w", "gathered"], 5),
+    "explicit-axes-section": ("version: 1\nmesh:\n  axes: {stage: 2, data: 4}\n  types: {data: explicit}\n"
+                              "pipeline: {axis: stage, layers: layers}\nparams: [{match: '.*', spec: []}]\n",
+                              PIPE_PARAMS, 8, None, ["'data' explicit", "`pipeline` section", "shard_map",
+                                                     "drop mesh.types"], 4),
     "stage-layers-differ": (pipe(""), PIPE_PARAMS[:-3] + [ParamInfo("layers/3/b", (32,), F32)] + PIPE_PARAMS[-2:],
                             8, None, ["layers/3/b", "(32,)", "identically shaped"], 6),
 }

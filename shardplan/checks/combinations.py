@@ -83,3 +83,21 @@ def tensor_overlap_without_effect(plan: Plan, specs: dict[str, tuple], sizes: di
                  f"{tensor[0]}, null]}} at the layers' norms (Megatron's --tp-comm-overlap needs --sequence-parallel "
                  "too), or leave tensor_overlap out")]
     return []
+
+
+def explicit_with_sections(plan: Plan, sizes: dict[str, int]) -> list[Diagnostic]:
+    """Explicit mesh axes with a section that runs parts of the step by hand (`shard_map`) and places values
+    between them by `with_sharding_constraint`, which may name only automatic axes."""
+    explicit = [a for a, kind in plan.mesh.types.items() if kind == "explicit" and sizes.get(a, 1) > 1]
+    sections = [name for name in _SECTIONS if getattr(plan, name) is not None]
+    if not explicit or not sections:
+        return []
+    line, column = plan.locate("mesh", "types")
+    named = " and ".join(f"`{name}`" for name in sections)
+    verb = "run" if len(sections) > 1 else "runs"
+    return [Diagnostic(
+        "explicit-axes-section", "error",
+        f"mesh.types makes {', '.join(repr(a) for a in explicit)} explicit, but the plan's {named} section"
+        f"{'s' if len(sections) > 1 else ''} {verb} parts of the step by hand over its mesh axes (shard_map) and "
+        "places values between them by constraints, which explicit axes refuse", file=plan.file, line=line,
+        column=column, hint="leave the axes auto (drop mesh.types) with pipeline, experts or context sections")]

@@ -11,7 +11,8 @@ from shardplan.checks.stages import StageMap, check_microbatches, plan_stages
 from shardplan.checks.step import check_step_axes
 from shardplan.checks.validate import (Placement, data_axes, idle_axes, rule_level, unmapped_logical_names,
                                        validate_inputs, validate_optimizer, validate_params)
-from shardplan.checks.combinations import degenerate_sections, pipeline_fsdp, tensor_overlap_without_effect
+from shardplan.checks.combinations import (degenerate_sections, explicit_with_sections, pipeline_fsdp,
+                                            tensor_overlap_without_effect)
 from shardplan.checks.context import check_context
 from shardplan.checks.experts import check_experts, expert_blocks
 from shardplan.plan.diagnostics import Diagnostic
@@ -116,7 +117,7 @@ def check_params(plan: Plan, params: list[ParamInfo], device_ids: list[int], *,
     stage_map, staging = plan_stages(plan, params, sizes, specs)
     diagnostics += staging
     if not mesh_diagnostics:
-        diagnostics += degenerate_sections(plan, sizes)
+        diagnostics += degenerate_sections(plan, sizes) + explicit_with_sections(plan, sizes)
         diagnostics += tensor_overlap_without_effect(plan, specs, sizes, data_axes(plan, sizes))
         # one stage, or one expert group: the section runs as if it were absent (`section-does-nothing`)
         stage_map = None if plan.pipeline is not None and sizes.get(plan.pipeline.axis) == 1 else stage_map
@@ -148,7 +149,7 @@ def check_plan_only(plan: Plan, device_count: int) -> list[Diagnostic]:
     mesh_diagnostics += check_hosts(plan, sizes, 1) if not mesh_diagnostics else []
     diagnostics += mesh_diagnostics + rule_level(plan, rules, sizes)
     diagnostics += validate_inputs(plan, sizes) + validate_optimizer(plan, sizes) + unmapped_logical_names(plan, sizes)
-    diagnostics += check_step_axes(plan, sizes) if not mesh_diagnostics else []
+    diagnostics += check_step_axes(plan, sizes) + explicit_with_sections(plan, sizes) if not mesh_diagnostics else []
     if plan.pipeline is not None:
         # Without parameters plan_stages stops after the axis check, so the stage regexes are compiled here.
         _, staging = plan_stages(plan, [], sizes, {})

@@ -20,7 +20,7 @@ from shardplan.checks.stages import check_microbatches
 from shardplan.checks.validate import data_axes, validate_inputs, validate_optimizer
 from shardplan.run.abstract import abstract_with_roles, eval_shape, unplaced, untraceable
 from shardplan.run.optimizer import master_weights, optimizer_state, padded_state
-from shardplan.run.specs import partition_spec
+from shardplan.run.specs import partition_spec, pin
 from shardplan.run.step_options import apply_step_options
 from shardplan.plan.diagnostics import Diagnostic, PlanError, PlanWarning, warn
 from shardplan.plan.schema import Plan, normalize_spec, spec_axes
@@ -145,7 +145,7 @@ def _place(variable: nnx.Variable, sharding: NamedSharding) -> None:
     if isinstance(value, jax.ShapeDtypeStruct):
         variable.set_value(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding))
     elif isinstance(value, jax.core.Tracer):        # under jit: the array is constrained, as the metadata says
-        variable.set_value(jax.lax.with_sharding_constraint(value, sharding))
+        variable.set_value(pin(value, sharding))
     elif hasattr(value, "shape"):
         variable.set_value(jax.device_put(value, sharding))
 
@@ -158,6 +158,11 @@ def init(plan: Plan, factory, mesh: jax.sharding.Mesh, *, example=None, key=None
 
     `key`, if given, is a hashable value naming what `factory` builds (say its config and seed): calls
     with the same key, plan and mesh reuse one compiled program.
+
+    A model annotated with `nnx.with_partitioning` is built without flax's eager sharding, whichever way
+    `nnx.use_eager_sharding` is set: the plan places every parameter and records its layout in the same
+    metadata (`out_sharding`, `mesh`). A factory that cannot be traced (a submodule built with a default
+    `rngs=nnx.Rngs(0)` made outside it) is built whole, then placed, with a `PlanWarning` saying so.
 
     >>> import shardplan, minigpt_model
     >>> from flax import nnx
@@ -253,9 +258,12 @@ def shard_optimizer(plan: Plan, model: nnx.Module, tx: optax.GradientTransformat
                     mesh: jax.sharding.Mesh) -> nnx.Optimizer:
     """An `nnx.Optimizer` over the model's parameters, its state placed per the plan's `optimizer`; its
     `update` keeps the model and the state on the plan's layout (a plain `nnx.jit` step needs no `constrain`).
+    It holds the model as `nnx.ModelAndOptimizer` does, so a step written for either works as it is:
+    `optimizer.update(model, grads)` or the tutorials' `optimizer.update(grads)`.
 
     `same`: each state leaf shaped like a parameter gets that parameter's spec; `zero1`: also
-    split over the data axis. Scalars (step counts) are replicated.
+    split over the data axis, and each parameter so split records it as flax's `optimizer_sharding`
+    metadata (an `nnx.Optimizer` you build yourself then follows it). Scalars (step counts) are replicated.
 
     >>> import optax, shardplan, minigpt_model
     >>> from flax import nnx
@@ -398,7 +406,7 @@ def constrain(*nodes) -> None:
                 sharding = NamedSharding(metadata["mesh"], metadata["out_sharding"])
                 value = variable.get_value()
                 if isinstance(value, jax.core.Tracer):
-                    variable.set_value(jax.lax.with_sharding_constraint(value, sharding))
+                    variable.set_value(pin(value, sharding))
                 else:
                     variable.set_value(jax.device_put(value, sharding))
 

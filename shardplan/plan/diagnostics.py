@@ -93,6 +93,8 @@ CODES: dict[str, str] = {
     "step-rule-unused": "an activations or remat rule that matches no module of the model",
     "explicit-axes-unresolved": "under explicit mesh axes, an operation of the model's forward cannot resolve "
                                 "its output's sharding from its operands' placed types",
+    "explicit-axes-section": "explicit mesh axes with a pipeline, experts or context section, which run parts of "
+                             "the step by hand",
     "precision-not-applied": "a narrow `precision` that some of the model's matmuls do not take (its code casts wider)",
 }
 

@@ -29,8 +29,8 @@ def explicit_axes_diagnostics(plan: Plan, model, specs: dict[str, tuple], sizes:
     forward cannot be traced on zeros: other checks say why)."""
     explicit = [a for a, kind in plan.mesh.types.items() if kind == "explicit" and sizes.get(a, 1) > 1]
     arrays = _typed_inputs(plan, sizes, mesh)
-    if not explicit or not arrays:
-        return []
+    if not explicit or not arrays or any(getattr(plan, s) is not None for s in ("pipeline", "experts", "context")):
+        return []        # (sections that run by hand are refused with explicit axes: `explicit-axes-section`)
     graphdef, state = nnx.split(model)
     typed = _typed_state(state, specs, mesh)
 

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 
 from shardplan.checks.paths import module_paths
 from shardplan.run.precision import floating, follow_plan_dtype
-from shardplan.run.specs import partition_spec
+from shardplan.run.specs import partition_spec, pin
 from shardplan.plan.matching import first_module_rule
 from shardplan.plan.schema import Plan, normalize_spec
 
@@ -104,11 +104,13 @@ def _call(original, options: Options, module, args: tuple, kwargs: dict):
         kept = _shardings(nnx.state(module, nnx.Not(nnx.Param)))
         whole = NamedSharding(options.sharding.mesh, jax.sharding.PartitionSpec())
         shapes, _ = jax.eval_shape(jax.sharding.auto_axes(automatic, out_sharding=(whole, kept)), state, args, kwargs)
+        # (auto_axes hands its outputs back typed by the explicit axes; the rule's automatic ones are pinned after)
         fitted = jax.tree.map(lambda s: _fitted(options.sharding, s.shape), shapes)
-        out, rest = jax.sharding.auto_axes(automatic, out_sharding=(fitted, kept))(state, args, kwargs)
+        typed = jax.tree.map(lambda s: _explicit_only(s), fitted)
+        out, rest = jax.sharding.auto_axes(automatic, out_sharding=(typed, kept))(state, args, kwargs)
         if jax.tree.leaves(rest):          # batch statistics, RNG counters
             nnx.update(module, rest)
-        return out
+        return jax.tree.map(lambda a, s: pin(a, s), out, fitted)
     out = run(module, args, kwargs)
     if options.sharding is not None:
         out = jax.tree.map(lambda a: _constrain(a, options.sharding), out)
@@ -117,6 +119,14 @@ def _call(original, options: Options, module, args: tuple, kwargs: dict):
 
 def _shardings(tree):
     return jax.tree.map(lambda a: jax.typeof(a).sharding, tree)
+
+
+def _explicit_only(sharding: NamedSharding) -> NamedSharding:
+    """`sharding` naming only the mesh's explicit axes (what `auto_axes` may hand its outputs back with)."""
+    mesh = sharding.mesh
+    explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit}
+    return NamedSharding(mesh, jax.sharding.PartitionSpec(*[_without(e, set(mesh.axis_names) - explicit)
+                                                            for e in sharding.spec]))
 
 
 def _explicit_axes(mesh) -> bool:
@@ -134,7 +144,7 @@ def _constrain(value, sharding: NamedSharding):
     manual = set() if context.empty else {name for name, kind in zip(context.axis_names, context.axis_types)
                                           if kind == jax.sharding.AxisType.Manual}
     if not manual:
-        return jax.lax.with_sharding_constraint(value, _fitted(sharding, value.shape))
+        return pin(value, _fitted(sharding, value.shape))
     spec = jax.sharding.PartitionSpec(*[_without(entry, manual) for entry in sharding.spec])
     return jax.lax.with_sharding_constraint(value, _fitted(NamedSharding(context, spec), value.shape))
 

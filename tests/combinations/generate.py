@@ -5,6 +5,7 @@ A case is plain data (JSON), so it can travel to a worker process and be saved w
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -97,9 +98,29 @@ def draw(rng: random.Random, index: int, schedule: str | None = None) -> dict:
     rows = _rows(plan, sizes, roles)
     case = {"id": index, "devices": devices, "kind": kind, "config": config, "rows": rows, "plan": plan,
             "expect": None}
+    _explicit_axes(case, sizes)
     if rng.random() < 0.25:
         _break(case, sizes, roles, rng)
     return case
+
+
+def _explicit_axes(case: dict, sizes: dict) -> None:
+    """Some axes explicit (`mesh.types`), in about one case in eight, now and then with `activations` rules
+    that give the embeddings' outputs a sharding. Drawn from the case's own seed, so the seed's other draws
+    stay those docs/support-matrix.md ran."""
+    own = random.Random(f"explicit:{case['id']}:{json.dumps(case['plan'], sort_keys=True)}")
+    if own.random() >= 0.125:
+        return
+    axes = [a for a, size in sizes.items() if size > 1]
+    chosen = own.sample(axes, own.randint(1, len(axes))) if axes else []
+    if not chosen:
+        return
+    plan = case["plan"]
+    plan["mesh"]["types"] = {a: "explicit" for a in chosen}
+    if own.random() < 0.5:
+        rows = plan["inputs"]["tokens"]["spec"]
+        embeddings = ("wte", "wpe") if case["kind"] == "gpt2" else ("embed",)
+        plan["activations"] = [{"match": name, "spec": list(rows)} for name in embeddings] + plan.get("activations", [])
 
 
 def _roles(kind: str, sizes: dict, rng: random.Random) -> dict:

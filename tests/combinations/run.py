@@ -8,6 +8,7 @@ its parameter by twice the learning rate."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -90,11 +91,20 @@ def _batches(rows: int):
 
 
 def _train(case: dict, plan, mesh) -> dict:
+    import jax
     import optax
 
     import shardplan
     model = shardplan.apply_plan(plan, _model(case), mesh)
     optimizer = shardplan.shard_optimizer(plan, model, optax.adamw(LEARNING_RATE, eps=1e-3), mesh)
+    # (explicit axes resolve bare specs, a model's or the step options', on the mesh in context)
+    within = jax.set_mesh(mesh) if "explicit" in plan.mesh.types.values() else contextlib.nullcontext()
+    with within:
+        return _steps(case, plan, mesh, model, optimizer)
+
+
+def _steps(case: dict, plan, mesh, model, optimizer) -> dict:
+    import shardplan
     losses, grads = [], []
     for tokens, positions, targets in _batches(case["rows"]):
         batch = shardplan.shard_inputs(plan, {"tokens": tokens, "positions": positions}, mesh)
