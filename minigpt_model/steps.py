@@ -17,14 +17,17 @@ def loss_fn(model: nnx.Module, tokens: jnp.ndarray, targets: jnp.ndarray,
     return shardplan.model_loss(model, cross_entropy, targets, tokens, rngs=rngs, training=training)
 
 
-@nnx.jit(static_argnames=("training",))
-def train_step(model: nnx.Module, optimizer: nnx.Optimizer, tokens: jnp.ndarray, targets: jnp.ndarray,
-               dropout_key: jax.Array | None = None, training: bool = True) -> jnp.ndarray:
-    """One AdamW step; dropout draws from `dropout_key` (derive it from the step for exact resumes)."""
+def train_update(model: nnx.Module, optimizer: nnx.Optimizer, tokens: jnp.ndarray, targets: jnp.ndarray,
+                 dropout_key: jax.Array | None = None, training: bool = True) -> jnp.ndarray:
+    """One AdamW step; dropout draws from `dropout_key` (derive it from the step for exact resumes).
+    Undecorated: the trainer compiles it with `shardplan.jit_step`, `train_step` with `nnx.jit`."""
     rngs = nnx.Rngs(dropout=dropout_key) if dropout_key is not None else None
     loss, grads = nnx.value_and_grad(loss_fn)(model, tokens, targets, rngs, training)
     optimizer.update(model, grads)      # shardplan's optimizer keeps both on the plan's layout
     return loss
+
+
+train_step = nnx.jit(train_update, static_argnames=("training",))
 
 
 @nnx.jit

@@ -28,7 +28,7 @@ from minigpt_model.checkpoint import CheckpointError, Checkpoints, DiskFull, is_
 from minigpt_model.data import Dataset, DataError, build_dataset, read_documents
 from minigpt_model.model import MiniGPT
 from minigpt_model.sampling import generate
-from minigpt_model.steps import eval_step, make_optimizer, train_step
+from minigpt_model.steps import eval_step, make_optimizer, train_update
 from minigpt_model.tokenizer import END_OF_TEXT, get_tokenizer
 from shardplan.run.preemption import Preempted, PreemptionWatch
 from shardplan.cli.render import render_summary
@@ -212,42 +212,60 @@ def _loop(config, plan, mesh, dataset: Dataset, model, optimizer, checkpoints, m
     last = config.steps if stop_after is None else min(config.steps, start + stop_after)
     share = dict(process=jax.process_index(), processes=jax.process_count())
     eval_data = [_place(plan, mesh, b) for b in dataset.eval_batches(config.eval_batches, **share)]
+    # compiled once over the model's and optimizer's state: no graph walk on every call (as nnx.jit does)
+    step_fn = shardplan.jit_step(train_update, model, optimizer)
     # A bar redraws in place, which a log file cannot show: without a terminal, a line every 5% instead.
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                         TimeRemainingColumn(), console=console, transient=False, disable=not console.is_terminal)
     report_every = 0 if console.is_terminal else max(1, config.steps // 20)
+    clock = {"since": time.perf_counter(), "counted": 0, "started": time.perf_counter()}
+
+    def finish(done: int, loss_array) -> dict:
+        """Read a dispatched step's loss (blocking on it only now): its metrics record, shown."""
+        loss = float(loss_array)
+        losses[done] = loss
+        if not math.isfinite(loss):
+            raise RunError(f"the loss became {loss} at step {done}; lower --lr (now {config.lr})")
+        if done == start + 1:   # the first step includes compilation; rate the steady state
+            clock["since"], clock["counted"] = time.perf_counter(), 0
+        else:
+            clock["counted"] += 1
+        rate = clock["counted"] * tokens_per_step / max(time.perf_counter() - clock["since"], 1e-9)
+        progress.update(task, completed=done, info=f"loss {loss:.3f}  {rate:,.0f} tok/s")
+        if report_every and (done % report_every == 0 or done == last):
+            console.print(f"train {done}/{config.steps}: loss {loss:.3f}, {rate:,.0f} tok/s, "
+                          f"{time.perf_counter() - clock['started']:,.0f} s")
+        return {"step": done, "loss": loss, "tokens_per_s": round(rate, 1), "time": time.time()}
+
     with progress:
         task = progress.add_task("train", total=config.steps, completed=start, info="compiling the step...")
-        clock, counted = time.perf_counter(), 0
-        started = clock
+        pending = None                        # the step dispatched last, its loss not read yet
+        batch = _place(plan, mesh, dataset.batch(start, **share)) if start < last else None
         for step in range(start, last):
-            tokens, targets = _place(plan, mesh, dataset.batch(step, **share))
-            loss = float(train_step(model, optimizer, tokens, targets, jax.random.fold_in(base_key, step)))
             done = step + 1
-            losses[done] = loss
-            if not math.isfinite(loss):
-                raise RunError(f"the loss became {loss} at step {done}; lower --lr (now {config.lr})")
-            counted += 1
-            rate = counted * tokens_per_step / (time.perf_counter() - clock)
-            record = {"step": done, "loss": loss, "tokens_per_s": round(rate, 1), "time": time.time()}
-            if done % config.eval_every == 0 or done == config.steps:
-                evals[done] = record["eval_loss"] = _evaluate(model, eval_data)
-                progress.console.print(f"step {done}: train loss {loss:.4f}, eval loss {evals[done]:.4f}")
-            metrics.append(record)
+            loss_array = step_fn(*batch, jax.random.fold_in(base_key, step))
+            # the next batch goes to the devices, and the previous step is recorded, while this one runs
+            batch = _place(plan, mesh, dataset.batch(done, **share)) if done < last else None
+            if pending is not None:
+                metrics.append(finish(*pending))
+            pending = (done, loss_array)
             stop = watch.should_stop(done)
-            if stop or done % config.checkpoint_every == 0 or done == config.steps:
+            evaluate = done % config.eval_every == 0 or done == config.steps
+            save = stop or done % config.checkpoint_every == 0 or done == config.steps
+            if not (evaluate or save or done == last):
+                continue
+            record, pending = finish(*pending), None
+            if evaluate:
+                evals[done] = record["eval_loss"] = _evaluate(model, eval_data)
+                progress.console.print(f"step {done}: train loss {record['loss']:.4f}, eval loss {evals[done]:.4f}")
+            metrics.append(record)
+            if save:
                 checkpoints.save(done, model, optimizer, {"step": done, "data_step": done, "seed": config.seed,
                                                           "model": model_config, "tokenizer": tokenizer.name,
                                                           "plan": config.plan})
             if stop:
                 raise Preempted(f"preempted: saved step {done} to {checkpoints.directory}; continue with the same "
                                 "command and --resume", done)
-            progress.update(task, completed=done, info=f"loss {loss:.3f}  {rate:,.0f} tok/s")
-            if report_every and (done % report_every == 0 or done == last):
-                console.print(f"train {done}/{config.steps}: loss {loss:.3f}, {rate:,.0f} tok/s, "
-                              f"{time.perf_counter() - started:,.0f} s")
-            if step == start:   # the first step includes compilation; rate the steady state
-                clock, counted = time.perf_counter(), 0
     return losses, evals
 
 

@@ -7,6 +7,7 @@
     optimizer = shardplan.shard_optimizer(plan, model, optax.adamw(3e-4), mesh)
     batch = shardplan.shard_inputs(plan, {"tokens": tokens}, mesh)
     loss = shardplan.model_loss(model, loss_of, targets, tokens)   # any plan; 1F1B computes it in the pipeline
+    step = shardplan.jit_step(train_step, model, optimizer)        # compiled once; no graph walk per call
 """
 
 from shardplan.checks.mesh import make_mesh
@@ -17,7 +18,7 @@ from shardplan.plan.loader import load_plan, parse_plan
 from shardplan.plan.schema import Plan
 
 __all__ = ["CODES", "Diagnostic", "Plan", "PlanError", "PlanWarning", "Report", "apply_plan", "check", "constrain", "dropped_rows",
-           "init", "load_plan",
+           "init", "jit_step", "load_plan",
            "make_mesh", "model_loss", "parse_plan", "performance_flags", "set_performance_flags", "shard_inputs",
            "shard_local_inputs", "shard_optimizer", "simulate_cpu_devices", "to_plain"]
 
@@ -36,6 +37,9 @@ def __getattr__(name: str):
     if name in ("performance_flags", "set_performance_flags"):     # the same: plain Python
         from shardplan.run import flags
         return getattr(flags, name)
+    if name == "jit_step":
+        from shardplan.run.jit_step import jit_step
+        return jit_step
     if name == "dropped_rows":
         from shardplan.experts.block import dropped_rows
         return dropped_rows
