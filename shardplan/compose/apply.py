@@ -18,7 +18,7 @@ from shardplan.checks.report import Report
 from shardplan.compose.check import check
 from shardplan.checks.stages import check_microbatches
 from shardplan.checks.validate import data_axes, validate_inputs, validate_optimizer
-from shardplan.run.abstract import abstract_with_roles, eval_shape, unplaced, untraceable
+from shardplan.run.abstract import abstract_with_roles, eval_shape, first_line, unplaced, untraceable
 from shardplan.run.optimizer import master_weights, optimizer_state, padded_state
 from shardplan.run.specs import partition_spec, pin
 from shardplan.run.step_options import apply_step_options
@@ -186,7 +186,7 @@ def init(plan: Plan, factory, mesh: jax.sharding.Mesh, *, example=None, key=None
             raise
         import warnings
         warnings.warn(f"shardplan.init: the factory cannot be built inside a compiled program ({type(exc).__name__}: "
-                      f"{str(exc).splitlines()[0] if str(exc) else ''}; e.g. a submodule built with a default "
+                      f"{first_line(exc)}; e.g. a submodule built with a default "
                       "rngs=nnx.Rngs(0) made outside it): built it whole on the default device, then placed it "
                       "(apply_plan). Pass rngs on to every submodule to build it on its shards",
                       PlanWarning, stacklevel=2)
@@ -197,7 +197,7 @@ def init(plan: Plan, factory, mesh: jax.sharding.Mesh, *, example=None, key=None
 _INIT_PROGRAMS: dict = {}
 
 
-def built(factory):
+def _built(factory):
     """`factory()` without flax's eager sharding (`unplaced`): the plan places what its annotations would."""
     with unplaced():
         return factory()
@@ -217,7 +217,7 @@ def init_program(plan: Plan, factory, mesh: jax.sharding.Mesh, *, example=None):
     shardings = jax.tree.map(lambda s: s.sharding, planned)
 
     def build():
-        return nnx.state(apply_plan(plan, built(factory), mesh, example=example))
+        return nnx.state(apply_plan(plan, _built(factory), mesh, example=example))
     return graphdef, jax.jit(build, out_shardings=shardings)
 
 
@@ -244,7 +244,7 @@ class _PipelineInit:
                 split = zero1_spec(shape, spec, sizes, (axis, *free))
                 spec = split if split != spec else zero1_spec(shape, spec, sizes, (axis,))
             variable.set_value(NamedSharding(mesh, partition_spec(spec)))
-        self.create = jax.jit(lambda: nnx.state(built(factory)), out_shardings=shardings)
+        self.create = jax.jit(lambda: nnx.state(_built(factory)), out_shardings=shardings)
 
     def __call__(self):
         model = nnx.merge(self.graphdef, self.create())

@@ -70,3 +70,9 @@ def untraceable(exc: BaseException) -> bool:
              jax.errors.TracerArrayConversionError, jax.errors.TracerBoolConversionError,
              jax.errors.TracerIntegerConversionError)
     return isinstance(exc, kinds)
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an error's message, without the documentation link flax appends."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return text.split(" (https://")[0]

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from flax import nnx
 
-from shardplan.run.abstract import eval_shape, untraceable
+from shardplan.run.abstract import eval_shape, first_line, untraceable
 
 
 class ModelLoadError(Exception):
@@ -190,12 +190,6 @@ def build_model(spec: str, config: dict[str, Any], *, abstract: bool = True, see
     return _eager_instead(spec, construct, abstract_error, notice, failed)
 
 
-def _first_line(exc: BaseException) -> str:
-    """The first line of an error's message, without the documentation link flax appends."""
-    text = str(exc).splitlines()[0] if str(exc) else ""
-    return text.split(" (https://")[0]
-
-
 def _on_cpu(construct):
     import jax
     with jax.default_device(jax.devices("cpu")[0]):
@@ -206,14 +200,14 @@ def _eager_instead(spec: str, construct, abstract_error: BaseException, notice, 
     """The model built for real on the CPU, after its abstract build failed for a trace reason."""
     import jax
     import numpy as np
-    cause = f"{type(abstract_error).__name__}: {_first_line(abstract_error)}".rstrip(": ")
+    cause = f"{type(abstract_error).__name__}: {first_line(abstract_error)}".rstrip(": ")
     why = (f"model factory {spec!r} cannot be built abstractly (nnx.eval_shape: {cause}); this happens when its "
            "constructor uses an nnx.Rngs made outside it, such as a default argument `rngs=nnx.Rngs(0)`")
     try:
         model = _on_cpu(construct)
     except (Exception, SystemExit) as exc:
         raise ModelLoadError(f"{why}; building it eagerly on the CPU failed too ({type(exc).__name__}: "
-                             f"{_first_line(exc)}). Way out: pass `rngs` on to every "
+                             f"{first_line(exc)}). Way out: pass `rngs` on to every "
                              "submodule the factory builds (or give the factory an `rngs` argument), so that it "
                              "builds abstractly") from None
     leaves = [x for x in jax.tree.leaves(nnx.state(model, nnx.Param)) if hasattr(x, "shape")]
