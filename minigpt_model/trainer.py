@@ -28,7 +28,7 @@ from minigpt_model.checkpoint import CheckpointError, Checkpoints, DiskFull, is_
 from minigpt_model.data import Dataset, DataError, build_dataset, read_documents
 from minigpt_model.model import MiniGPT
 from minigpt_model.sampling import generate
-from minigpt_model.steps import eval_step, make_optimizer, train_update
+from minigpt_model.steps import eval_step, make_optimizer, train_update_at
 from minigpt_model.tokenizer import END_OF_TEXT, get_tokenizer
 from shardplan.run.preemption import Preempted, PreemptionWatch
 from shardplan.cli.render import render_summary
@@ -213,7 +213,7 @@ def _loop(config, plan, mesh, dataset: Dataset, model, optimizer, checkpoints, m
     share = dict(process=jax.process_index(), processes=jax.process_count())
     eval_data = [_place(plan, mesh, b) for b in dataset.eval_batches(config.eval_batches, **share)]
     # compiled once over the model's and optimizer's state: no graph walk on every call (as nnx.jit does)
-    step_fn = shardplan.jit_step(train_update, model, optimizer)
+    step_fn = shardplan.jit_step(train_update_at, model, optimizer)
     # A bar redraws in place, which a log file cannot show: without a terminal, a line every 5% instead.
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                         TimeRemainingColumn(), console=console, transient=False, disable=not console.is_terminal)
@@ -243,7 +243,7 @@ def _loop(config, plan, mesh, dataset: Dataset, model, optimizer, checkpoints, m
         batch = _place(plan, mesh, dataset.batch(start, **share)) if start < last else None
         for step in range(start, last):
             done = step + 1
-            loss_array = step_fn(*batch, jax.random.fold_in(base_key, step))
+            loss_array = step_fn(*batch, base_key, np.int32(step))
             # the next batch goes to the devices, and the previous step is recorded, while this one runs
             batch = _place(plan, mesh, dataset.batch(done, **share)) if done < last else None
             if pending is not None:
