@@ -5,7 +5,8 @@ The model is the tiny MiniGPT of the issue that measured it (width 32, 2 heads, 
 so the compiled program is small and what the loop adds around it shows), at 2, 16 and 48 blocks, under
 `plans/minigpt_dp_tp.yaml` on 8 simulated CPU devices, batch 8, the trainer's AdamW with clipping and
 dropout. Every loop reads the loss every step, as a user's `print(float(loss))` does. The loops run in
-turns, a few steps each, and each figure is the median of its steps, so that a busy machine slows all alike.
+turns, a few steps each, before and after the trainer's run, and each figure is the median of its steps,
+so that a busy machine slows all alike.
 
 - limit: `jax.jit(pure)(state, ...)` with `graphdef, state = nnx.split((model, optimizer))` once;
 - jit_step: `shardplan.jit_step(train_step, model, optimizer)` (the documented loop);
@@ -111,15 +112,21 @@ def measure(blocks: int, rounds: int, steps: int) -> dict:
     for step in run.values():                   # compile, and a step to settle
         step(), step()
     times = {name: [] for name in run}
-    for _ in range(rounds):
-        for name, step in run.items():
-            for _ in range(steps):
-                start = time.perf_counter()
-                step()
-                times[name].append(time.perf_counter() - start)
-    found = {name: statistics.median(ts) for name, ts in times.items()}
+
+    def turns(count: int) -> None:
+        for _ in range(count):
+            for name, step in run.items():
+                for _ in range(steps):
+                    start = time.perf_counter()
+                    step()
+                    times[name].append(time.perf_counter() - start)
+    # (the trainer runs between two halves of the loops' turns, so that the limit brackets it in time)
+    turns(rounds // 2)
     with tempfile.TemporaryDirectory() as folder:
-        found["minigpt train"] = trainer_median(blocks, rounds * steps + 3, Path(folder) / "run")
+        trained = trainer_median(blocks, rounds * steps + 3, Path(folder) / "run")
+    turns(rounds - rounds // 2)
+    found = {name: statistics.median(ts) for name, ts in times.items()}
+    found["minigpt train"] = trained
     return {"seconds": found, "ratio": {name: s / found["limit"] for name, s in found.items()}, "arrays": arrays}
 
 
