@@ -143,8 +143,9 @@ def main() -> int:
         got = measure(blocks, args.rounds, args.steps)
         results[blocks] = got
         s, r = got["seconds"], got["ratio"]
-        print(f"{blocks:>6} {got['arrays']:>6} {s['limit'] * 1e3:9.1f} {r['jit_step']:8.2f}x {r['nnx.jit']:8.2f}x {r['minigpt train']:13.2f}x"
-              f"   ({s['jit_step'] * 1e3:.1f}, {s['nnx.jit'] * 1e3:.1f}, {s['minigpt train'] * 1e3:.1f} ms)")
+        print(f"{blocks:>6} {got['arrays']:>6} {s['limit'] * 1e3:9.1f} {r['jit_step']:8.2f}x {r['nnx.jit']:8.2f}x "
+              f"{r['minigpt train']:13.2f}x   ({s['jit_step'] * 1e3:.1f}, {s['nnx.jit'] * 1e3:.1f}, "
+              f"{s['minigpt train'] * 1e3:.1f} ms)")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

@@ -35,9 +35,8 @@ def run_pinned(closed: core.ClosedJaxpr, args: list, stacks: set[int], pin: Call
     for i, (var, value) in enumerate(zip(jaxpr.invars, args)):
         env[var], dims[var] = (pin(value, 0), 0) if i in stacks else (value, None)
     for eqn in jaxpr.eqns:
-        values = [read(v) for v in eqn.invars]
-        outs = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params)) if eqn.primitive.multiple_results \
-            else [eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))]
+        outs = eqn.primitive.bind(*[read(v) for v in eqn.invars], **eqn.primitive.get_bind_params(eqn.params))
+        outs = outs if eqn.primitive.multiple_results else [outs]
         labels = expert_dims(eqn, [None if isinstance(v, core.Literal) else dims.get(v) for v in eqn.invars])
         for var, value, dim in zip(eqn.outvars, outs, labels):
             env[var], dims[var] = (pin(value, dim), dim) if dim is not None else (value, None)

@@ -1,0 +1,63 @@
+"""`shardplan.jit_step`: the same numbers and layout as `nnx.jit` of the same step, the model and optimizer
+updated in place, values set between calls taken, one program per static value, and a clear error for a
+step that changes the model's structure."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import shardplan
+from conftest import PLANS, TINY_MINIGPT
+from minigpt_model.model import MiniGPT
+from minigpt_model.steps import train_update
+
+
+def placed(plan_name: str):
+    plan = shardplan.load_plan(PLANS / plan_name)
+    mesh = shardplan.make_mesh(plan)
+    model = shardplan.apply_plan(plan, MiniGPT(**TINY_MINIGPT, rngs=nnx.Rngs(0)), mesh)
+    # (eps: a near-zero gradient's rounding is not amplified into a whole step)
+    optimizer = shardplan.shard_optimizer(plan, model, optax.adamw(1e-3, eps=1e-3), mesh)
+    rows = np.asarray(jax.random.randint(jax.random.key(1), (16, TINY_MINIGPT["maxlen"] + 1), 0, 128))
+    return plan, model, optimizer, shardplan.shard_inputs(plan, (rows[:, :-1], rows[:, 1:]), mesh)
+
+
+@pytest.mark.parametrize("plan_name", ["minigpt_fsdp.toml", "minigpt_3d.yaml"])
+def test_jit_step_trains_like_nnx_jit_and_keeps_the_layout(plan_name):
+    _, model, optimizer, (tokens, targets) = placed(plan_name)
+    _, other, other_optimizer, _ = placed(plan_name)
+    want = {path: v.get_value().sharding for path, v in nnx.to_flat_state(nnx.state((model, optimizer)))}
+    key = jax.random.key(3)
+    step = shardplan.jit_step(train_update, model, optimizer, static_argnames=("training",))
+    walked = nnx.jit(train_update, static_argnames=("training",))
+    got = [float(step(tokens, targets, key, training=False)) for _ in range(3)]
+    expected = [float(walked(other, other_optimizer, tokens, targets, key, training=False)) for _ in range(3)]
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    assert int(optimizer.step[...]) == 3 and got[2] < got[0]
+    for path, v in nnx.to_flat_state(nnx.state((model, optimizer))):
+        assert v.get_value().sharding.is_equivalent_to(want[path], v.get_value().ndim), path
+    for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(other))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_jit_step_takes_values_set_between_calls_and_compiles_once_per_static_value():
+    _, model, optimizer, (tokens, targets) = placed("minigpt_dp_tp.yaml")
+    saved = jax.tree.map(lambda x: x, nnx.state((model, optimizer)))
+    step = shardplan.jit_step(train_update, model, optimizer, static_argnames=("training",))
+    first = float(step(tokens, targets, jax.random.key(0), training=False))
+    nnx.update((model, optimizer), saved)                    # as restoring a checkpoint does
+    assert float(step(tokens, targets, jax.random.key(0), training=False)) == first
+    step(tokens, targets, jax.random.key(0), training=True)
+    assert len(step._compiled) == 2
+
+
+def test_a_step_that_adds_a_variable_is_refused_with_a_clear_error():
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+
+    def grows(model, x):
+        model.extra = nnx.Param(x.sum())
+        return model(x).sum()
+    with pytest.raises(ValueError, match="changed the structure of its model"):
+        shardplan.jit_step(grows, model)(np.ones((1, 2), np.float32))
