@@ -124,27 +124,32 @@ def test_init_builds_the_flax_guides_annotated_model_under_either_eager_sharding
 def test_the_flax_guides_jax_jit_step_trains_like_one_device_under_shard_optimizer():
     """The guide's `jax.jit` step (`optimizer.update(model, grads)`, the model returned), under its mesh."""
     ns = tutorial_code.gspmd()
-    x, y = (np.asarray(jax.random.normal(jax.random.key(k), (8, 64))) for k in (3, 4))
-
-    def run(mesh, make_optimizer, model):
-        losses = []
-        with jax.set_mesh(mesh):
-            optimizer = make_optimizer(model)
-            for _ in range(3):
-                model, loss = ns["train_step"](model, optimizer, x, y)
-                losses.append(float(loss))
-        return losses, params_of(model)
-    one = jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1],
-                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    with jax.set_mesh(one):                  # (the guide builds its model under its mesh)
+    one = one_device_mesh(jax.sharding.AxisType.Auto)
+    with jax.set_mesh(one):                  # (the guide builds its model and optimizer under its mesh)
         reference = ns["DotReluDot"](64, rngs=nnx.Rngs(0))
-    want = run(one, lambda m: nnx.Optimizer(m, optax.adam(1e-3), wrt=nnx.Param), reference)
+        optimizer = nnx.Optimizer(reference, optax.adam(1e-3), wrt=nnx.Param)
+    want = guide_steps(ns, one, reference, optimizer)
     plan = shardplan.parse_plan(GSPMD_PLAN)
     mesh = shardplan.make_mesh(plan)
     model = shardplan.init(plan, lambda: ns["DotReluDot"](64, rngs=nnx.Rngs(0)), mesh)
-    got = run(mesh, lambda m: shardplan.shard_optimizer(plan, m, optax.adam(1e-3), mesh), model)
+    got = guide_steps(ns, mesh, model, shardplan.shard_optimizer(plan, model, optax.adam(1e-3), mesh))
     np.testing.assert_allclose(got[0], want[0], rtol=TOL)
     assert_close(got[1], want[1], "parameters after three steps")
+
+
+def one_device_mesh(kind):
+    return jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1], axis_types=(kind,) * 2)
+
+
+def guide_steps(ns, mesh, model, optimizer):
+    """(losses, parameters) of three steps of the guide's own `jax.jit` `train_step`, under `mesh`."""
+    x, y = (np.asarray(jax.random.normal(jax.random.key(k), (8, 64))) for k in (3, 4))
+    losses = []
+    with jax.set_mesh(mesh):
+        for _ in range(3):
+            model, loss = ns["train_step"](model, optimizer, x, y)
+            losses.append(float(loss))
+    return losses, params_of(model)
 
 
 EXPLICIT_PLAN = ("version: 1\nmesh:\n  axes: {data: 2, model: 4}\n  types: {data: explicit, model: explicit}\n"
@@ -158,27 +163,17 @@ def test_explicit_axes_train_a_model_written_for_them_like_one_device():
     ns = tutorial_code.gspmd()
     plan = shardplan.parse_plan(EXPLICIT_PLAN)
     mesh = shardplan.make_mesh(plan)
-    x, y = (np.asarray(jax.random.normal(jax.random.key(k), (8, 64))) for k in (5, 6))
-
-    def run(mesh, model, optimizer):
-        losses = []
-        with jax.set_mesh(mesh):
-            for _ in range(3):
-                model, loss = ns["train_step"](model, optimizer, x, y)
-                losses.append(float(loss))
-        return losses, params_of(model)
-    one = jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1],
-                        axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    one = one_device_mesh(jax.sharding.AxisType.Explicit)
     with jax.set_mesh(one):
         reference = ns["ExplicitDotReluDot"](64, rngs=nnx.Rngs(0))
-    want = run(one, reference, nnx.Optimizer(reference, optax.adam(1e-3), wrt=nnx.Param))
+    want = guide_steps(ns, one, reference, nnx.Optimizer(reference, optax.adam(1e-3), wrt=nnx.Param))
     with jax.set_mesh(mesh):
         model = ns["ExplicitDotReluDot"](64, rngs=nnx.Rngs(0))
         report = shardplan.check(plan, model, mesh)
         assert report.ok, [d.format() for d in report.diagnostics]
         model = shardplan.apply_plan(plan, model, mesh)
     assert model.w2.sharding.spec == P("model") and model.w2.sharding.mesh.axis_types == mesh.axis_types
-    got = run(mesh, model, shardplan.shard_optimizer(plan, model, optax.adam(1e-3), mesh))
+    got = guide_steps(ns, mesh, model, shardplan.shard_optimizer(plan, model, optax.adam(1e-3), mesh))
     np.testing.assert_allclose(got[0], want[0], rtol=TOL)
     assert_close(got[1], want[1], "parameters after three steps")
 
