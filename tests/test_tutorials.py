@@ -189,7 +189,7 @@ def with_explicit_types(text: str, axes) -> str:
 
 @pytest.mark.parametrize("name", ["minigpt_dp.yaml", "minigpt_dp_tp.yaml", "minigpt_fsdp.toml",
                                   "minigpt_dp_tp_sp.yaml", "minigpt_cp.yaml", "llama_logical.yaml",
-                                  "minigpt_3d.yaml", "minigpt_pp4.yaml", "minigpt_moe_ep.yaml"])
+                                  "minigpt_3d.yaml", "minigpt_pp4.yaml", "minigpt_moe_ep.yaml", "minigpt_tp.yaml"])
 def test_shipped_plans_with_explicit_axes_are_refused_before_anything_runs(name, tmp_path):
     """MiniGPT's embedding gather cannot resolve its output's sharding under explicit axes: its first step
     would raise JAX's ShardingTypeError; `check` says so first, at the plan's `types` line. Pipelines,
