@@ -66,9 +66,9 @@ def jit_step(fn: Callable, *nodes, donate: bool = False, static_argnames: tuple[
     """`fn(*nodes, *args)` — a training step over a model and its optimizer, written as for `nnx.jit` but
     undecorated — compiled once with `jax.jit` over their state: `step(*args)` runs it and updates `nodes`
     in place, without the graph walk `nnx.jit` does on every call (the host work that made a step of a
-    16-block MiniGPT cost 1.35-1.62x its compiled program here). `donate` lets XLA reuse the state's
-    buffers for the new state (less memory; the old arrays are gone after each call); `static_argnames`
-    name keyword arguments that choose a program, as `jax.jit`'s do.
+    tiny MiniGPT cost 1.24-1.39x a `jax.jit` of the same step here: `benchmarks/step_overhead.py`).
+    `donate` lets XLA reuse the state's buffers for the new state (less memory; the old arrays are gone
+    after each call); `static_argnames` name keyword arguments that choose a program, as `jax.jit`'s do.
 
     >>> import jax, optax, shardplan
     >>> from flax import nnx
