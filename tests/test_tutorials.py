@@ -241,3 +241,22 @@ def test_validate_builds_a_tutorial_block_that_owns_its_rngs_eagerly_and_says_so
         said = " ".join(done.stderr.split())
         noted = "cannot be built abstractly" in said and "built it eagerly on the CPU instead (944 parameters" in said
         assert noted == (not extra), done.stderr
+
+
+@pytest.mark.parametrize("layers", ["encoder/layers", "blocks"])
+def test_a_pipeline_over_the_vits_nested_blocks_is_refused_with_a_true_message(layers):
+    """The ViT tutorial keeps its blocks in an `nnx.Sequential` (`encoder/layers/0/...`): pipelines take a
+    top-level list for now, and the message says so instead of claiming that no such path exists."""
+    ns = tutorial_code.vit()
+    plan = shardplan.parse_plan("version: 1\n" + VIT_PLANS["data"].replace("{data: 8}", "{stage: 2, data: 4}")
+                                + f"pipeline: {{axis: stage, layers: {layers}}}\n")
+    model = nnx.eval_shape(lambda: ns["VisionTransformer"](**VIT_CONFIG, rngs=nnx.Rngs(0)))
+    found = [d for d in shardplan.check(plan, model).errors if d.code == "pipeline-no-layers"]
+    assert found
+    text = " ".join(found[0].format().split())
+    if layers == "encoder/layers":
+        assert "a list of 2 layers nested inside the model" in text and "no parameter path" not in text, text
+    else:
+        assert "no parameter path has that form" in text, text
+    assert "this model has no top-level list of layers" in text and "nested" in text and "encoder/layers" in text
+    assert "encoder/layers/0/mlp/layers" not in text, text

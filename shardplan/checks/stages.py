@@ -63,13 +63,36 @@ def layer_params(layers: str, params: list[ParamInfo]) -> dict[int, dict[str, Pa
     return dict(sorted(found.items()))
 
 
+def layer_lists(params: list[ParamInfo]) -> list[str]:
+    """Paths of the model's lists of numbered layers with parameters, top-level and nested (`blocks`,
+    `encoder/layers`, `encoder/layers/0/mlp/layers`), in order of first appearance."""
+    found: dict[str, None] = {}
+    for p in params:
+        for m in re.finditer(r"/\d+/", p.path):
+            found.setdefault(p.path[:m.start()], None)
+    return list(found)
+
+
 def _layer_lists_hint(params: list[ParamInfo]) -> str:
-    """The model's own top-level lists of numbered layers, to name in `pipeline.layers`."""
-    import re
-    lists = sorted({m.group(1) for p in params if (m := re.match(r"([^/]+)/\d+/", p.path))})
-    if lists:
-        return f"name the model attribute that holds the repeated layers: this model has {', '.join(lists)}"
-    return "name the model attribute that holds the repeated layers (a list of modules: paths NAME/0/..., NAME/1/...)"
+    """The model's own lists of numbered layers, to name in `pipeline.layers`."""
+    lists = layer_lists(params)
+    top = sorted(path for path in lists if "/" not in path)
+    nested = [path for path in lists if "/" in path and not re.search(r"/\d+/", path + "/")][:4]
+    said = f"this model has {', '.join(top)}" if top else "this model has no top-level list of layers"
+    if nested:
+        said += f" (nested, which pipelines do not take yet: {', '.join(nested)})"
+    return f"name the model attribute that holds the repeated layers: {said}"
+
+
+def _no_layers(pipe, params: list[ParamInfo]) -> str:
+    """Why `pipeline.layers` names no layers it can run, truthfully for a nested list."""
+    if "/" in pipe.layers and layer_params(pipe.layers, params):
+        count = len(layer_params(pipe.layers, params))
+        return (f"pipeline.layers {pipe.layers!r} is a list of {count} layers nested inside the model (paths "
+                f"{pipe.layers}/0/...), but pipelines run a list that is an attribute of the model itself "
+                "(a top-level path such as 'layers') for now")
+    return (f"pipeline.layers {pipe.layers!r} requires a top-level list of layers with parameters "
+            f"(paths {pipe.layers}/0/...), but no parameter path has that form")
 
 
 def plan_stages(plan: Plan, params: list[ParamInfo], sizes: dict[str, int],
@@ -85,9 +108,7 @@ def plan_stages(plan: Plan, params: list[ParamInfo], sizes: dict[str, int],
                             f"{list(sizes)}", hint=f"add {pipe.axis}: N to mesh.axes (e.g. {{{pipe.axis}: 2, ...}})")]
     layers = layer_params(pipe.layers, params)
     if not layers or "/" in pipe.layers:
-        return None, [where("pipeline-no-layers", ("pipeline", "layers"),
-                            f"pipeline.layers {pipe.layers!r} requires a top-level list of layers with parameters "
-                            f"(paths {pipe.layers}/0/...), but no parameter path has that form",
+        return None, [where("pipeline-no-layers", ("pipeline", "layers"), _no_layers(pipe, params),
                             hint=_layer_lists_hint(params))]
     stages = sizes[pipe.axis]
     virtual = 2 if pipe.schedule == "zb-v" else pipe.virtual_stages if pipe.schedule in ("interleaved", "1f1b") else 1
