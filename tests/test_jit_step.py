@@ -61,3 +61,19 @@ def test_a_step_that_adds_a_variable_is_refused_with_a_clear_error():
         return model(x).sum()
     with pytest.raises(ValueError, match="changed the structure of its model"):
         shardplan.jit_step(grows, model)(np.ones((1, 2), np.float32))
+
+
+def test_a_donating_step_trains_the_same_and_frees_the_old_state():
+    def fresh():
+        model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    def loss_step(model, optimizer, x):
+        loss, grads = nnx.value_and_grad(lambda m: (m(x) ** 2).mean())(model)
+        optimizer.update(model, grads)
+        return loss
+    x = np.ones((4, 2), np.float32)
+    kept, donated = shardplan.jit_step(loss_step, *fresh()), shardplan.jit_step(loss_step, *fresh(), donate=True)
+    old = donated._variables[0].get_raw_value()
+    assert [float(kept(x)) for _ in range(3)] == [float(donated(x)) for _ in range(3)]
+    assert old.is_deleted()
