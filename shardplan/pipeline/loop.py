@@ -35,6 +35,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from shardplan.checks.schedules import chunk_stage
+from shardplan.pipeline.residuals import LayerResiduals, Stash
 from shardplan.run.layer_call import LayerCall, fold_keys
 from shardplan.run.widen import narrowed, widened
 
@@ -372,7 +373,7 @@ def _forward_on_stages(per_device: Callable, mesh, axis: str, batch_axes: tuple[
 def one_f_one_b_loss(layers: Layers, stacked, head: Callable, head_params, embed: Callable, embed_params, head_rest,
                      layer_inputs, head_inputs, targets, keys, *, mesh, axis: str, batch_axes: tuple[str, ...] = (),
                      embed_branch: bool = True, branches: bool = True, schedule: str = "1f1b",
-                     runner: Callable | None = None, leaf_specs: tuple | None = None):
+                     runner: Callable | None = None, leaf_specs: tuple | None = None, keep_residuals: bool = True):
     """Mean loss over microbatches, with gradients computed by the 1F1B schedule itself (averaged over
     the manual `batch_axes` once, after the loop). `embed(params, rest, split, whole, keys)` is one
     microbatch's input to the layers (the model's code before them) and runs on the first stage as
@@ -388,7 +389,7 @@ def one_f_one_b_loss(layers: Layers, stacked, head: Callable, head_params, embed
     "gpipe" for GPipe's order on the same tables (every forward, then every backward). `runner`: the
     schedule's own loop in place of the tables' (`zero_bubble.zero_bubble_schedule`)."""
     loop = Loop(layers, head, embed, mesh, axis, tuple(batch_axes), schedule, embed_branch and branches, branches,
-                leaf_specs)
+                leaf_specs, keep_residuals)
 
     def run(stacked, head_params, embed_params, *rest):
         return (runner or table_schedule)(loop, Operands(stacked, head_params, embed_params, *rest))
@@ -422,6 +423,7 @@ class Loop:
     embed_branch: bool
     branches: bool
     leaf_specs: tuple | None = None     # how the stacked layers enter (`stage_specs`)
+    keep_residuals: bool = True         # false: the stage input alone, recomputed from (`remat: full`)
 
 
 class Operands(NamedTuple):
@@ -493,6 +495,11 @@ def table_schedule(loop: Loop, operands: Operands):
         ends = Ends(loop, mine, when)
         like = ends.like
 
+        def layer_fn(layer_state, h, m, index):
+            return layers.run(layer_state, index, h, rows_of(layer_split, m), layer_whole, fold_keys(layer_keys, m))
+        kept = _KeptForBackward.of(loop, stage_fn, layer_fn, lambda v: layers.chunk(s, v, stages, per_chunk),
+                                   chunk_of_state(state, 0), like, when)
+
         def tick(carry: _TableCarry, t):
             f_on, mf_, vf, f_at = f_m[t] >= 0, jnp.maximum(f_m[t], 0), f_v[t], f_slot[t]
             b_on, mb_, vb, b_at = b_m[t] >= 0, jnp.maximum(b_m[t], 0), b_v[t], b_slot[t]
@@ -504,10 +511,14 @@ def table_schedule(loop: Loop, operands: Operands):
                 cot_in = jnp.where((s == last) & (vb < virtual - 1), loops[1][mb_], cot_in)
             h_in = ends.layers_input(enters, mf_, incoming)
             f_chunk = chunk_of(vf)
-            h = when(f_on, lambda: stage_fn(f_chunk, h_in, mf_, vf), lambda: jnp.zeros_like(h_in))
-            stash = jnp.where(f_on, carry.stash.at[f_at].set(h_in), carry.stash)
+            if loop.branches:   # (the stash written inside the branch: an idle tick neither computes nor copies)
+                h, stash = jax.lax.cond(f_on, lambda stash: kept.forward(f_chunk, h_in, mf_, vf, stash, f_at, True),
+                                        lambda stash: (jnp.zeros_like(h_in), stash), carry.stash)
+            else:
+                h, stash = kept.forward(f_chunk, h_in, mf_, vf, carry.stash, f_at, f_on)
+                h = jnp.where(f_on, h, jnp.zeros_like(h))
 
-            loss_m, gh, gy = ends.loss_and_gradients(leaves, h, mf_)
+            loss_m, g_head, gy = ends.loss_and_gradients(leaves, h, mf_, carry.g_head)
 
             # the last chunk's backward runs from the loss computed at its forward: on that tick (1F1B), or
             # later from where it waited (gpipe)
@@ -518,19 +529,16 @@ def table_schedule(loop: Loop, operands: Operands):
             cot = jnp.where((s == last) & (vb == virtual - 1), gy, cot_in)
 
             b_chunk = chunk_of(vb)
-
-            def backward():
-                _, vjp = jax.vjp(lambda st, x: stage_fn(st, x, mb_, vb), b_chunk, stash[b_at])
-                return vjp(cot)
-            gl, gx = when(b_on, backward, lambda: (jax.tree.map(jnp.zeros_like, b_chunk), jnp.zeros_like(h)))
-            g_embed = ends.embed_gradients(b_on & (s == 0) & (vb == 0), mb_, gx)
+            g_layers, gx = ends.summed(b_on, lambda: kept.backward(b_chunk, stash, b_at, mb_, vb, cot),
+                                       lambda: (jax.tree.map(jnp.zeros_like, b_chunk), jnp.zeros_like(h)),
+                                       carry.g_layers, lambda total, g: add_to_chunk(total, vb, g))
+            g_embed = ends.embed_gradients(b_on & (s == 0) & (vb == 0), mb_, gx, carry.g_embed)
             return _TableCarry(to_next_stage(h, axis, stages), to_previous_stage(gx, axis, stages), stash, waiting,
-                               loops, add_to_chunk(carry.g_layers, vb, gl), add_into(carry.g_head, gh),
-                               add_into(carry.g_embed, g_embed), carry.loss_sum + loss_m), None
+                               loops, g_layers, g_head, g_embed, carry.loss_sum + loss_m), None
 
         zeros = jnp.zeros(like.shape, like.dtype)
         carry = _TableCarry(
-            incoming=zeros, cot_in=zeros, stash=jnp.zeros((plan.slots, *like.shape), like.dtype),
+            incoming=zeros, cot_in=zeros, stash=kept.empty(plan.slots),
             waiting=jnp.zeros((micro if plan.head_waits else 0, *like.shape), like.dtype),
             loops=(jnp.zeros((micro if plan.loops else 0, *like.shape), like.dtype),) * 2,
             g_layers=running_sum(state), g_head=running_sum(mine.head_params),
@@ -540,6 +548,45 @@ def table_schedule(loop: Loop, operands: Operands):
                                 state, mine.head_params, mine.embed_params, loop.leaf_specs)
 
     return run_on_stages(per_device, loop, operands)
+
+
+class _KeptForBackward:
+    """What a table schedule's stage keeps of a microbatch's forward, and its backward from it: each
+    layer's residuals, as autodiff keeps them (under the layers' `remat` policy: `LayerResiduals`), or,
+    where every layer is rematerialised whole (`remat: full`), the stage's input alone, the forward
+    recomputed from it in the backward."""
+
+    def __init__(self, stage_fn, chunk_of_layer, residuals: "LayerResiduals | None", like, per_chunk: int):
+        self._stage_fn, self._chunk, self._residuals = stage_fn, chunk_of_layer, residuals
+        self._like, self._per_chunk = like, per_chunk
+
+    @staticmethod
+    def of(loop: "Loop", stage_fn, layer_fn, chunk_of_layer, chunk_state, like, when) -> "_KeptForBackward":
+        like = jax.ShapeDtypeStruct(like.shape, like.dtype)
+        per_chunk = jax.tree.leaves(chunk_state)[0].shape[0]
+        residuals = (LayerResiduals(layer_fn, chunk_of_state(chunk_state, 0), like, when)
+                     if loop.keep_residuals else None)
+        return _KeptForBackward(stage_fn, chunk_of_layer, residuals, like, per_chunk)
+
+    def empty(self, slots: int) -> list:
+        if self._residuals is None:
+            return Stash.empty([self._like], slots)
+        return self._residuals.empty(slots, self._per_chunk)
+
+    def forward(self, chunk, h, m, v, stash: list, slot, on):
+        """(the stage's output, the stash with what its backward needs at `slot`, where `on`)."""
+        if self._residuals is None:
+            return self._stage_fn(chunk, h, m, v), Stash.put(stash, slot, [h], on)
+        first, size = self._chunk(v)
+        return self._residuals.forward(chunk, h, m, first, size, stash, jnp.where(on, slot, stash[0].shape[0] - 1))
+
+    def backward(self, chunk, stash: list, slot, m, v, cot):
+        """(the chunk's weight gradients, the stage input's gradient) of microbatch m."""
+        if self._residuals is None:
+            _, vjp = jax.vjp(lambda st, x: self._stage_fn(st, x, m, v), chunk, stash[0][slot])
+            return vjp(cot)
+        first, size = self._chunk(v)
+        return self._residuals.backward(chunk, m, first, size, stash, slot, cot)
 
 
 def branching(branches: bool) -> Callable:
@@ -565,6 +612,8 @@ class Ends:
         (self._split, self._whole), self._targets = mine.head_inputs, mine.targets
         self._keys = shard_keys(mine.keys[1], loop.mesh, loop.batch_axes)
         self.like = jax.eval_shape(self.entering, self._embed_params, 0)
+        self.sums_inside = loop.branches and all(name in (loop.axis, *loop.batch_axes) or size == 1
+                                                 for name, size in loop.mesh.shape.items())
 
     def entering(self, embed_params, m):
         """Microbatch m's input to the layers."""
@@ -581,25 +630,45 @@ class Ends:
                                 lambda: arrived)
         return jnp.where(enters, self.entering(self._embed_params, m).astype(self.like.dtype), arrived)
 
-    def loss_and_gradients(self, leaves, h, m):
-        """(loss, head gradients, gradient of the layers' output h) of microbatch m where it leaves the
-        last stage; zeros elsewhere."""
+    def loss_and_gradients(self, leaves, h, m, g_head):
+        """(loss, `g_head` plus the head's gradients, gradient of the layers' output h) of microbatch m where
+        it leaves the last stage; elsewhere a zero loss and gradient, `g_head` as it was."""
         def at_last():
             loss, (gh, gy) = jax.value_and_grad(self._loss, argnums=(0, 1))(self._head_params, h, m)
-            return loss.astype(jnp.float32), gh, gy
-        zero_head = jax.tree.map(jnp.zeros_like, self._head_params)
-        return self._when(leaves, at_last, lambda: (jnp.zeros((), jnp.float32), zero_head, jnp.zeros_like(h)))
+            return gh, (loss.astype(jnp.float32), gy)
 
-    def embed_gradients(self, done, m, gx):
-        """Gradients of the code before the layers from the layers' input gradient gx of microbatch m,
-        on the first stage when `done`; zeros elsewhere."""
+        def elsewhere():
+            return jax.tree.map(jnp.zeros_like, self._head_params), (jnp.zeros((), jnp.float32), jnp.zeros_like(h))
+        g_head, (loss, gy) = self.summed(leaves, at_last, elsewhere, g_head)
+        return loss, g_head, gy
+
+    def embed_gradients(self, done, m, gx, g_embed):
+        """`g_embed` plus the gradients of the code before the layers from the layers' input gradient gx of
+        microbatch m, on the first stage when `done`."""
         def backward():
             _, vjp = jax.vjp(lambda p: self.entering(p, m), self._embed_params)
-            return vjp(gx.astype(self.like.dtype))[0]
-        zero = jax.tree.map(jnp.zeros_like, self._embed_params)
+            return vjp(gx.astype(self.like.dtype))[0], ()
+
+        def elsewhere():
+            return jax.tree.map(jnp.zeros_like, self._embed_params), ()
         if self._embed_branch:
-            return jax.lax.cond(done, backward, lambda: zero)
-        return jax.tree.map(lambda g, z: jnp.where(done, g, z), backward(), zero)
+            return self.summed(done, backward, elsewhere, g_embed)[0]
+        return add_into(g_embed, jax.tree.map(lambda g, z: jnp.where(done, g, z), backward()[0], elsewhere()[0]))
+
+    def summed(self, on, compute, otherwise, total, add=None):
+        """(`total` plus the gradients of `compute()` -> (gradients, rest), rest) where `on`; else (`total`,
+        the rest of `otherwise()`). Where every mesh axis is manual the sum is taken inside the branch: an
+        idle tick then neither makes zeros nor adds them (each a pass over the gradients' memory per tick:
+        a third of gpipe's step on benchmarks/pipeline_work.py). Where XLA has axes of its own, the sum
+        stays outside (re-tiling a sum there can put a collective in a branch some stages skip)."""
+        add = add or add_into
+        if self.sums_inside:
+            def run(total):
+                g, rest = compute()
+                return add(total, g), rest
+            return jax.lax.cond(on, run, lambda total: (total, otherwise()[1]), total)
+        g, rest = self._when(on, compute, otherwise)
+        return add(total, g), rest
 
 
 def finish_gradients(g_layers, g_head, g_embed, loss_sum, micro: int, batch_axes, state, head_params, embed_params,

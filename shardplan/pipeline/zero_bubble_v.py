@@ -20,7 +20,7 @@ from shardplan.checks.schedules import ZeroBubbleV
 from shardplan.pipeline.loop import (Ends, Loop, Operands, add_into, branching, chunk_of_state, finish_gradients,
                                      kept_at, rows_of, run_chunk, run_on_stages, running_sum, shard_keys, to_next_stage,
                                      to_previous_stage)
-from shardplan.pipeline.zero_bubble import StageParts
+from shardplan.pipeline.residuals import StageParts
 from shardplan.run.layer_call import fold_keys
 
 _TABLES = ("op", "chunk", "micro", "read", "stash", "keep", "until_b", "crossed", "loss_to", "take_up", "take_down",
@@ -78,13 +78,14 @@ def zero_bubble_v_schedule(loop: Loop, operands: Operands):
         # R keeps the weight matmuls' outputs only; B recomputes the rest from them (attention's own
         # matmuls included). Keeping everything R computes held 1.5-1.8x 1F1B's temporary memory on
         # benchmarks/pipeline.py; this, 1.05x.
-        parts = StageParts.of(loop.layers, chunk_leaves(0), chunk_def, like, layer_whole, None,
-                              rows_of(layer_split, 0), fold_keys(layer_keys, 0), first_layer(0),
+        def stage(leaves, h, split, keys, first):
+            return run_chunk(loop.layers, jax.tree.unflatten(chunk_def, leaves), h, split, layer_whole, keys, first)
+        parts = StageParts.of(stage, chunk_leaves(0), like, (rows_of(layer_split, 0), fold_keys(layer_keys, 0),
+                                                             first_layer(0)),
                               policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
 
         def forward(leaves, h, m, v):
-            return run_chunk(loop.layers, jax.tree.unflatten(chunk_def, leaves), h, rows_of(layer_split, m),
-                             layer_whole, fold_keys(layer_keys, m), first_layer(v))
+            return stage(leaves, h, rows_of(layer_split, m), fold_keys(layer_keys, m), first_layer(v))
 
         def tick(carry: _Carry, t):
             op, v, m = row["op"][t], row["chunk"][t], row["micro"][t]
@@ -98,7 +99,7 @@ def zero_bubble_v_schedule(loop: Loop, operands: Operands):
             y = when(f_on, lambda: forward(leaves, h_in, m, v), lambda: jnp.zeros_like(h_in))
             stash = kept_at(carry.stash, jnp.where(f_on, row["stash"][t], -1), h_in)
             finishes = f_on & (s == 0) & (v == 1)
-            loss_m, gh, gy = ends.loss_and_gradients(finishes, y, m)
+            loss_m, g_head, gy = ends.loss_and_gradients(finishes, y, m, carry.g_head)
             box = kept_at(box, jnp.where(finishes, row["loss_to"][t], -1), gy.astype(box.dtype))
 
             saved = when(r_on, lambda: parts.forward(leaves, stash[row["stash"][t]], rows_of(layer_split, m),
@@ -119,17 +120,18 @@ def zero_bubble_v_schedule(loop: Loop, operands: Operands):
             def weight_gradient():
                 return parts.weight_gradient(leaves, [k[row["keep"][t]] for k in kept],
                                              [c[row["crossed"][t]] for c in crossed])
-            gl = when(w_on, weight_gradient, lambda: [jnp.zeros_like(a) for a in leaves])
-            g_layers = jax.tree.map(lambda total, g: total.at[v].add(g.astype(total.dtype)), carry.g_layers,
-                                    jax.tree.unflatten(chunk_def, gl))
-            g_embed = ends.embed_gradients(b_on & (s == 0) & (v == 0), m, gx)
+            g_layers, _ = ends.summed(
+                w_on, lambda: (weight_gradient(), ()), lambda: ([jnp.zeros_like(a) for a in leaves], ()),
+                carry.g_layers, lambda total, gl: jax.tree.map(lambda t, g: t.at[v].add(g.astype(t.dtype)), total,
+                                                               jax.tree.unflatten(chunk_def, gl)))
+            g_embed = ends.embed_gradients(b_on & (s == 0) & (v == 0), m, gx, carry.g_embed)
 
             out = jnp.where(f_on, y, gx)
             up = (f_on & (v == 0)) | (b_on & (v == 1))
             zeros = jnp.zeros_like(out)
             return _Carry(to_next_stage(jnp.where(up, out, zeros), axis, stages),
                           to_previous_stage(jnp.where(up, zeros, out), axis, stages), out, box, stash, kept,
-                          crossed, until_b, g_layers, add_into(carry.g_head, gh), add_into(carry.g_embed, g_embed),
+                          crossed, until_b, g_layers, g_head, g_embed,
                           carry.loss_sum + loss_m), None
 
         zeros = jnp.zeros(like.shape, like.dtype)

@@ -1,0 +1,132 @@
+"""A pipelined step's work against the data-parallel step of the same model, in one run.
+
+MiniGPT 8 blocks x width 256 (8 heads, vocabulary 4,096, sequence 128), batch 32, AdamW; 8 simulated
+CPU devices. Data parallel 8 against stage 2 x data 4 with 4 microbatches under each schedule, and
+`remat` (none, a selective policy, full) on the blocks under data parallelism and 1F1B. The simulated
+devices share this machine's cores, so a step's wall time is every device's work added up: a
+pipelined step at 1.00x does the model's work and no more (its bubble costs nothing here).
+
+For each step: its median time over interleaved rounds (every variant once per round, so load on the
+machine falls on all alike), the ratio to data parallel, the compiled program's FLOPs per device
+(`cost_analysis`: deterministic, the work it was compiled to do) against data parallel's, and its
+temporary memory per device (`memory_analysis`).
+
+    python benchmarks/pipeline_work.py [--rounds 5] [--only 1f1b,dp] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from shardplan.run.devices import simulate_cpu_devices  # noqa: E402
+
+simulate_cpu_devices(8)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import shardplan  # noqa: E402
+from minigpt_model.model import MiniGPT  # noqa: E402
+from minigpt_model.steps import train_update  # noqa: E402
+
+MODEL = dict(maxlen=128, vocab_size=4096, embed_dim=256, num_heads=8, feed_forward_dim=256,
+             num_transformer_blocks=8, dropout_rate=0.0)
+BATCH = 32
+SELECTIVE = "dots_with_no_batch_dims_saveable"
+
+
+def plan_text(schedule: str | None, remat: str = "none", virtual: int = 1) -> str:
+    """Data parallel 8 (schedule None) or stage 2 x data 4, 4 microbatches; `remat` on every block."""
+    mesh = "{data: 8}" if schedule is None else "{stage: 2, data: 4}"
+    lines = ["version: 1", "name: work", "model:", "  factory: minigpt_model:MiniGPT", f"mesh:\n  axes: {mesh}",
+             "inputs:\n  tokens: [data, null]\n  targets: [data, null]", "params:\n  - match: '.*'\n    spec: replicated"]
+    if schedule is not None:
+        lines.append(f"pipeline:\n  axis: stage\n  layers: transformer_blocks\n  stages: even\n  microbatches: 4\n"
+                     f"  schedule: {schedule}" + (f"\n  virtual_stages: {virtual}" if virtual > 1 else ""))
+    if remat != "none":
+        lines.append(f"remat:\n  - match: 'transformer_blocks/\\d+'\n    policy: {remat}")
+    return "\n".join(lines) + "\n"
+
+
+VARIANTS = {
+    "dp": (None, "none", 1), "dp full": (None, "full", 1), "dp selective": (None, SELECTIVE, 1),
+    "gpipe": ("gpipe", "none", 1), "1f1b": ("1f1b", "none", 1), "1f1b v=2": ("1f1b", "none", 2),
+    "circular v=2": ("interleaved", "none", 2), "zb-h1": ("zb-h1", "none", 1), "zb-v": ("zb-v", "none", 2),
+    "1f1b selective": ("1f1b", SELECTIVE, 1), "1f1b full": ("1f1b", "full", 1),
+}
+
+
+class Step:
+    """One variant's model, optimizer, batch and compiled step."""
+
+    def __init__(self, name: str, schedule, remat: str, virtual: int):
+        self.name = name
+        plan = shardplan.parse_plan(plan_text(schedule, remat, virtual), file=f"{name}.yaml")
+        mesh = shardplan.make_mesh(plan)
+        self.model = shardplan.init(plan, lambda: MiniGPT(**MODEL, rngs=nnx.Rngs(0)), mesh)
+        self.optimizer = shardplan.shard_optimizer(plan, self.model, optax.adamw(1e-3), mesh)
+        tokens = np.random.default_rng(0).integers(0, MODEL["vocab_size"], (BATCH, MODEL["maxlen"] + 1), np.int32)
+        batch = shardplan.shard_inputs(plan, {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}, mesh)
+        self.tokens, self.targets = batch["tokens"], batch["targets"]
+        self.step = shardplan.jit_step(train_update, self.model, self.optimizer)
+        start = time.perf_counter()
+        compiled = self.step.lower(self.tokens, self.targets).compile()
+        self.compile_s = time.perf_counter() - start
+        self.temp = compiled.memory_analysis().temp_size_in_bytes
+        self.times: list[tuple[float, float]] = []
+        self.run()                                          # warm: the first call compiles (or loads) it
+
+    def run(self) -> tuple[float, float]:
+        """(wall seconds, CPU seconds of this process) of one step."""
+        start, cpu = time.perf_counter(), time.process_time()
+        loss = self.step(self.tokens, self.targets)
+        jax.block_until_ready((loss, nnx.state(self.model)))
+        return time.perf_counter() - start, time.process_time() - cpu
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--only", help="comma-separated variants (dp always runs): " + ", ".join(VARIANTS))
+    parser.add_argument("--json", metavar="FILE")
+    args = parser.parse_args()
+    names = list(VARIANTS) if not args.only else ["dp", *(n for n in args.only.split(",") if n != "dp")]
+    steps = []
+    for name in names:
+        print(f"compiling {name} ...", file=sys.stderr, flush=True)
+        steps.append(Step(name, *VARIANTS[name]))
+    for r in range(args.rounds):
+        print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
+        for step in steps:
+            step.times.append(step.run())
+    base = steps[0]
+    base_wall, base_cpu = (statistics.median(t[k] for t in base.times) for k in (0, 1))
+    print(f"MiniGPT {MODEL['num_transformer_blocks']} x {MODEL['embed_dim']}, batch {BATCH} x {MODEL['maxlen']}, "
+          f"AdamW, 8 simulated CPU devices; pipelines: stage 2 x data 4, 4 microbatches; medians of {args.rounds} "
+          "rounds (CPU: this process's CPU seconds, every device's work)")
+    print(f"{'step':<16}{'wall s':>8}{'x dp':>7}{'CPU s':>8}{'x dp':>7}{'temp MiB':>10}{'compile s':>11}")
+    rows = []
+    for step in steps:
+        wall, cpu = (statistics.median(t[k] for t in step.times) for k in (0, 1))
+        rows.append({"step": step.name, "wall_s": wall, "wall_ratio": wall / base_wall, "cpu_s": cpu,
+                     "cpu_ratio": cpu / base_cpu, "temp_bytes": step.temp, "compile_s": step.compile_s})
+        print(f"{step.name:<16}{wall:>8.3f}{wall / base_wall:>7.2f}{cpu:>8.3f}{cpu / base_cpu:>7.2f}"
+              f"{step.temp / 2**20:>10.1f}{step.compile_s:>11.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""What a stage keeps of a microbatch's forward for its backward, and the backward run from it.
+
+`StageParts` traces a stage's forward once under `jax.vjp` and keeps what autodiff keeps (its
+residuals): the backward then runs from them, as a plain `jax.grad` of the model would, instead of
+recomputing the forward from the stage's input. A `remat` policy on the layers (the plan's `remat:`,
+which wraps their calls) decides what the residuals are: the values it saves, the rest recomputed in
+the backward. Residuals that are the stage's own weights are not kept (read from the weights again).
+For the zero-bubble schedules the backward is also split into B and W (`split_backward`).
+
+`Stash` is the buffer a schedule keeps them in, one slot per microbatch in flight, plus a scratch slot
+that a tick with nothing to keep writes to: every write is then one in-place update of a slot, where a
+select between the old slot and the new value read the slot back on every tick.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax._src import core
+
+from shardplan.pipeline.split_backward import split_backward
+
+
+class StageParts:
+    """A stage's forward that keeps its residuals, and its backward from them: whole (`gradients`), or
+    split into B (`input_gradient`) and W (`weight_gradient`), traced once for the stage's shapes. Kept
+    residuals are `kept` (W reads them, or all of them when the backward is not split) and `until_b`
+    (B alone reads them); the output gradient, if W reads it, is `handed` over by B."""
+
+    def __init__(self, run, forwarded, residuals, backward, split):
+        self._run, self._forwarded, self._residuals, self._backward, self._split = (run, forwarded, residuals,
+                                                                                    backward, split)
+        stored = [i for i, f in enumerate(forwarded) if f < 0]
+        if split is None:
+            self._kept_at, self._until_b_at, self.handed = stored, [], []
+        else:
+            self._kept_at = [i for i in stored if split.w_uses[i]]
+            self._until_b_at = [i for i in stored if split.b_uses[i] and not split.w_uses[i]]
+            self.handed = ([jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+                            for v in split.w.jaxpr.invars[-split.crossing:]] if split.crossing else [])
+        self.kept = [residuals[i] for i in self._kept_at]
+        self.until_b = [residuals[i] for i in self._until_b_at]
+
+    @staticmethod
+    def of(stage: Callable, chunk_leaves: list, like, samples: tuple, *, policy=None,
+           split: bool = True) -> "StageParts":
+        """`stage(leaves, h, *samples)`: the stage's output on input `h` (shaped as `like`) with the chunk's
+        weights `leaves`; `samples`: one microbatch's other arguments (traced, so they may differ per call);
+        `policy`: a `jax.checkpoint` policy choosing the residuals kept (None: what autodiff keeps);
+        `split`: also split the backward into B and W."""
+        found = {}
+
+        def run(leaves, h, *args):
+            def forward(leaves, h):
+                return stage(leaves, h, *args)
+            y, vjp = jax.vjp(forward if policy is None else jax.checkpoint(forward, policy=policy), leaves, h)
+            residuals, found["tree"] = jax.tree.flatten(vjp)
+            return y, residuals
+
+        traced = jax.make_jaxpr(run)(chunk_leaves, jax.ShapeDtypeStruct(like.shape, like.dtype), *samples)
+        weights = traced.jaxpr.invars[:len(chunk_leaves)]
+        outs = traced.jaxpr.outvars[1:]
+        forwarded = [weights.index(v) if isinstance(v, core.Var) and v in weights else -1 for v in outs]
+        residuals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in outs]
+        tree = found["tree"]
+        backward = jax.make_jaxpr(lambda res, ct: tree.unflatten(res)(ct))(
+            residuals, jax.ShapeDtypeStruct(like.shape, like.dtype))
+        n = len(chunk_leaves)
+        parts = split_backward(backward, [True] * n + [False], w_may_read=[True] * len(residuals) + [False]) \
+            if split else None
+        return StageParts(run, forwarded, residuals, backward, parts)
+
+    def forward(self, chunk_leaves, h, *args):
+        """(output, (what W reads, what B alone reads)) of one microbatch's forward of the chunk."""
+        y, residuals = self._run(chunk_leaves, h, *args)
+        return y, ([residuals[i] for i in self._kept_at], [residuals[i] for i in self._until_b_at])
+
+    def nothing_saved(self):
+        return ([jnp.zeros(r.shape, r.dtype) for r in self.kept], [jnp.zeros(r.shape, r.dtype) for r in self.until_b])
+
+    def nothing_handed(self):
+        return [jnp.zeros(r.shape, r.dtype) for r in self.handed]
+
+    def _residuals_from(self, chunk_leaves, kept, until_b):
+        out = [None] * len(self._residuals)
+        for i, at in enumerate(self._forwarded):
+            if at >= 0:
+                out[i] = chunk_leaves[at]
+        for i, value in zip(self._kept_at, kept):
+            out[i] = value
+        for i, value in zip(self._until_b_at, until_b):
+            out[i] = value
+        return [jnp.zeros(r.shape, r.dtype) if v is None else v for v, r in zip(out, self._residuals)]
+
+    def gradients(self, chunk_leaves, kept, cot):
+        """(the weights' gradients, the stage input's gradient) from the kept residuals (unsplit parts)."""
+        out = core.eval_jaxpr(self._backward.jaxpr, self._backward.consts,
+                              *self._residuals_from(chunk_leaves, kept, []), cot)
+        return list(out[:len(chunk_leaves)]), out[len(chunk_leaves)]
+
+    def input_gradient(self, chunk_leaves, kept, until_b, cot):
+        """(the stage input's gradient, what B hands to W)."""
+        b = self._split.b
+        out = core.eval_jaxpr(b.jaxpr, b.consts, *self._residuals_from(chunk_leaves, kept, until_b), cot)
+        return out[0], list(out[1:])
+
+    def weight_gradient(self, chunk_leaves, kept, handed):
+        residuals = self._residuals_from(chunk_leaves, kept, [None] * len(self._until_b_at))
+        w = self._split.w
+        reads = [r for r, used in zip(residuals, self._split.w_uses) if used]
+        return core.eval_jaxpr(w.jaxpr, w.consts, *reads, *handed)
+
+    @staticmethod
+    def buffers(like, slots: int):
+        return [jnp.zeros((max(slots, 1), *r.shape), r.dtype) for r in like]
+
+
+class LayerResiduals:
+    """The residuals of each layer of a chunk, kept per layer: the forward's scan over the layers writes
+    each layer's residuals into its slot of the stash as it goes (in place), and the backward's scan
+    reads them back, as autodiff's own scan over layers does. (Keeping the stage's residuals whole, as
+    one scan's stacked outputs copied into the stash, cost more in copies than recomputing the forward.)
+
+    `layer(layer_state, h, m, index)`: layer `index` (model order) on microbatch m's activation h.
+    `when(on, run, otherwise, *operands)`: the schedule's branch; padding slots (unequal stages, index
+    past `size`) pass the activation through and get no gradient."""
+
+    def __init__(self, layer, layer_state, like, when):
+        self._layer, self._when = layer, when
+        leaves, self._def = jax.tree.flatten(layer_state)
+
+        def stage(leaves, h, m, index):
+            return layer(jax.tree.unflatten(self._def, leaves), h, m, index)
+        self._parts = StageParts.of(stage, leaves, like, (jnp.int32(0), jnp.int32(0)), split=False)
+        self.like = self._parts.kept
+
+    def empty(self, slots: int, per_chunk: int) -> list:
+        """Buffers [slot (and a scratch slot), layer, ...] of each kept residual."""
+        return [jnp.zeros((slots + 1, per_chunk, *r.shape), r.dtype) for r in self.like]
+
+    def forward(self, chunk_state, h, m, first, size, stash: list, slot):
+        """(the chunk's output, the stash with microbatch m's residuals at `slot`)."""
+        def body(carry, inputs):
+            h, stash = carry
+            layer_state, i = inputs
+
+            def run(h, stash):
+                y, (kept, _) = self._parts.forward(jax.tree.leaves(layer_state), h, m, first + i)
+                return y, [b.at[slot, i].set(r) for b, r in zip(stash, kept)]
+            if size is None:
+                return run(h, stash), None
+            return self._when(i < size, run, lambda h, stash: (h, stash), h, stash), None
+        count = jax.tree.leaves(chunk_state)[0].shape[0]
+        (h, stash), _ = jax.lax.scan(body, (h, stash), (chunk_state, jnp.arange(count)))
+        return h, stash
+
+    def backward(self, chunk_state, m, first, size, stash: list, slot, cot):
+        """(the chunk's weight gradients, its input's gradient) of the microbatch kept at `slot`."""
+        def body(g, inputs):
+            layer_state, i = inputs
+
+            def run(g):
+                gl, gx = self._parts.gradients(jax.tree.leaves(layer_state), [b[slot, i] for b in stash], g)
+                return jax.tree.unflatten(self._def, gl), gx
+            if size is None:
+                gl, gx = run(g)
+            else:
+                gl, gx = self._when(i < size, run, lambda g: (jax.tree.map(jnp.zeros_like, layer_state), g), g)
+            return gx, gl
+        count = jax.tree.leaves(chunk_state)[0].shape[0]
+        gx, gl = jax.lax.scan(body, cot, (chunk_state, jnp.arange(count)), reverse=True)
+        return gl, gx
+
+
+class Stash:
+    """Buffers of `slots` slots (and a scratch one) for a list of values shaped as `like`."""
+
+    @staticmethod
+    def empty(like, slots: int) -> list:
+        return [jnp.zeros((slots + 1, *r.shape), r.dtype) for r in like]
+
+    @staticmethod
+    def put(buffers: list, slot, values: list, on) -> list:
+        """`values` into `slot` where `on`; else into the scratch slot (nothing read back)."""
+        return [b.at[jnp.where(on, slot, b.shape[0] - 1)].set(v.astype(b.dtype)) for b, v in zip(buffers, values)]
+
+    @staticmethod
+    def take(buffers: list, slot) -> list:
+        return [b[slot] for b in buffers]
