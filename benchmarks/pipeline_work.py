@@ -6,10 +6,12 @@ CPU devices. Data parallel 8 against stage 2 x data 4 with 4 microbatches under 
 devices share this machine's cores, so a step's wall time is every device's work added up: a
 pipelined step at 1.00x does the model's work and no more (its bubble costs nothing here).
 
-For each step: its median time over interleaved rounds (every variant once per round, so load on the
-machine falls on all alike), the ratio to data parallel, the compiled program's FLOPs per device
-(`cost_analysis`: deterministic, the work it was compiled to do) against data parallel's, and its
-temporary memory per device (`memory_analysis`).
+For each step: its median time over interleaved rounds (every variant once per round, each round
+starting one variant further on, so load on the machine falls on all alike), in wall seconds and in
+this process's CPU seconds, the ratio to data parallel; its temporary memory per device
+(`memory_analysis`); and its matmul GFLOP per device counted in the compiled HLO as often as each
+runs (deterministic: the work it was compiled to do), with a stage's forward and backward apart
+(their named scopes; under 1F1B's tables; a remat policy's recomputation lands in the backward).
 
     python benchmarks/pipeline_work.py [--rounds 5] [--only 1f1b,dp] [--json out.json]
 """
@@ -40,10 +42,14 @@ sys.path.insert(0, str(REPO))
 import shardplan  # noqa: E402
 from minigpt_model.model import MiniGPT  # noqa: E402
 from minigpt_model.steps import train_update  # noqa: E402
+from shardplan.checks.schedules import OneFOneB  # noqa: E402
+from shardplan.pipeline.residuals import BACKWARD_SCOPE, FORWARD_SCOPE  # noqa: E402
+from shardplan.run.hlo import dot_flops  # noqa: E402
 
 MODEL = dict(maxlen=128, vocab_size=4096, embed_dim=256, num_heads=8, feed_forward_dim=256,
              num_transformer_blocks=8, dropout_rate=0.0)
 BATCH = 32
+MICROBATCHES = 4
 SELECTIVE = "dots_with_no_batch_dims_saveable"
 
 
@@ -53,7 +59,7 @@ def plan_text(schedule: str | None, remat: str = "none", virtual: int = 1) -> st
     lines = ["version: 1", "name: work", "model:", "  factory: minigpt_model:MiniGPT", f"mesh:\n  axes: {mesh}",
              "inputs:\n  tokens: [data, null]\n  targets: [data, null]", "params:\n  - match: '.*'\n    spec: replicated"]
     if schedule is not None:
-        lines.append(f"pipeline:\n  axis: stage\n  layers: transformer_blocks\n  stages: even\n  microbatches: 4\n"
+        lines.append(f"pipeline:\n  axis: stage\n  layers: transformer_blocks\n  stages: even\n  microbatches: {MICROBATCHES}\n"
                      f"  schedule: {schedule}" + (f"\n  virtual_stages: {virtual}" if virtual > 1 else ""))
     if remat != "none":
         lines.append(f"remat:\n  - match: 'transformer_blocks/\\d+'\n    policy: {remat}")
@@ -84,6 +90,7 @@ class Step:
         start = time.perf_counter()
         compiled = self.step.lower(self.tokens, self.targets).compile()
         self.compile_s = time.perf_counter() - start
+        self.flops = _matmul_flops(compiled.as_text(), schedule, virtual)
         self.temp = compiled.memory_analysis().temp_size_in_bytes
         self.times: list[tuple[float, float]] = []
         self.run()                                          # warm: the first call compiles (or loads) it
@@ -94,6 +101,18 @@ class Step:
         loss = self.step(self.tokens, self.targets)
         jax.block_until_ready((loss, nnx.state(self.model)))
         return time.perf_counter() - start, time.process_time() - cpu
+
+
+def _matmul_flops(hlo: str, schedule: str | None, virtual: int) -> tuple[float, float, float] | None:
+    """(all, the stage forward's, the stage backward's) matmul FLOPs per device and step, counted in the
+    HLO as often as they run: a tick's work branch runs on the schedule's ops out of its ticks. None
+    where the tables are not 1F1B's (zb-h1, zb-v)."""
+    if schedule is None:
+        return dot_flops(hlo), 0.0, 0.0
+    if schedule not in ("gpipe", "1f1b", "interleaved"):
+        return None
+    share = MICROBATCHES * virtual / OneFOneB.of(2, MICROBATCHES, virtual, schedule).ticks
+    return tuple(dot_flops(hlo, branch_share=share, scope=scope) for scope in (None, FORWARD_SCOPE, BACKWARD_SCOPE))
 
 
 def main() -> None:
@@ -109,21 +128,24 @@ def main() -> None:
         steps.append(Step(name, *VARIANTS[name]))
     for r in range(args.rounds):
         print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
-        for step in steps:
+        for step in steps[r % len(steps):] + steps[:r % len(steps)]:     # each round starts one further on
             step.times.append(step.run())
     base = steps[0]
     base_wall, base_cpu = (statistics.median(t[k] for t in base.times) for k in (0, 1))
     print(f"MiniGPT {MODEL['num_transformer_blocks']} x {MODEL['embed_dim']}, batch {BATCH} x {MODEL['maxlen']}, "
           f"AdamW, 8 simulated CPU devices; pipelines: stage 2 x data 4, 4 microbatches; medians of {args.rounds} "
           "rounds (CPU: this process's CPU seconds, every device's work)")
-    print(f"{'step':<16}{'wall s':>8}{'x dp':>7}{'CPU s':>8}{'x dp':>7}{'temp MiB':>10}{'compile s':>11}")
+    print(f"{'step':<16}{'wall s':>8}{'x dp':>7}{'CPU s':>8}{'x dp':>7}{'temp MiB':>10}{'compile s':>11}"
+          f"{'GFLOP':>7}{'fwd':>6}{'bwd':>6}")
     rows = []
     for step in steps:
         wall, cpu = (statistics.median(t[k] for t in step.times) for k in (0, 1))
         rows.append({"step": step.name, "wall_s": wall, "wall_ratio": wall / base_wall, "cpu_s": cpu,
-                     "cpu_ratio": cpu / base_cpu, "temp_bytes": step.temp, "compile_s": step.compile_s})
+                     "cpu_ratio": cpu / base_cpu, "temp_bytes": step.temp, "compile_s": step.compile_s,
+                     "matmul_flops": step.flops})
+        flops = "".join(f"{f / 1e9:>{w}.2f}" for f, w in zip(step.flops, (7, 6, 6))) if step.flops else ""
         print(f"{step.name:<16}{wall:>8.3f}{wall / base_wall:>7.2f}{cpu:>8.3f}{cpu / base_cpu:>7.2f}"
-              f"{step.temp / 2**20:>10.1f}{step.compile_s:>11.1f}")
+              f"{step.temp / 2**20:>10.1f}{step.compile_s:>11.1f}{flops}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

@@ -577,3 +577,88 @@ def test_a_one_f_one_b_plan_called_outside_model_loss_says_what_runs_instead():
         jax.eval_shape(lambda m, x: shardplan.model_loss(m, lambda logits, t: logits.mean(), x, x), model, tokens)
     found = [str(w.message) for w in caught if issubclass(w.category, shardplan.PlanWarning)]
     assert len(found) == 1 and "'1f1b' runs only inside shardplan.model_loss" in found[0], found
+
+
+# ------------------------------------------------------------------------------ nested lists, residuals, remat
+
+class _Wrapped(nnx.Module):
+    """MiniGPT one level down: its blocks at `inner/transformer_blocks`, as most models nest theirs."""
+
+    def __init__(self, rngs, **config):
+        self.inner = minigpt_model.MiniGPT(**{**CONFIG, **config}, rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.inner(tokens)
+
+
+def _nested_plan(schedule: str, remat: str = "none") -> shardplan.Plan:
+    text = ("version: 1\nmesh: {axes: {stage: 2, data: 4}}\ninputs: {tokens: [data, null]}\n"
+            f"pipeline: {{axis: stage, layers: inner/transformer_blocks, microbatches: 4, schedule: {schedule}}}\n"
+            "params:\n  - {match: '.*', spec: replicated}\n")
+    if remat != "none":
+        text += f"remat:\n  - {{match: 'inner/transformer_blocks/\\d+', policy: {remat}}}\n"
+    return shardplan.parse_plan(text, file=f"nested-{schedule}-{remat}.yaml")
+
+
+def _nested_loss_and_grads(model, tokens):
+    def loss(model):
+        return shardplan.model_loss(model, lambda logits, t: optax.softmax_cross_entropy_with_integer_labels(
+            logits, t).mean(), tokens[:, 1:], tokens[:, :-1])
+    return nnx.jit(nnx.value_and_grad(loss))(model)
+
+
+@pytest.mark.parametrize("schedule, remat", [("1f1b", "none"), ("1f1b", "dots_with_no_batch_dims_saveable"),
+                                             full("gpipe", "none"), full("1f1b", "full")])
+def test_a_nested_layer_list_pipelines_and_matches_one_device(schedule, remat):
+    """`pipeline.layers: inner/transformer_blocks`: loss and gradients equal one device's, with the plan's
+    remat policy in effect inside the stages, and back to the plain model."""
+    tokens = np.random.default_rng(3).integers(0, 128, size=(16, 17), dtype=np.int32)
+    want_loss, want_grads = _nested_loss_and_grads(_Wrapped(nnx.Rngs(0)), tokens)
+    plan = _nested_plan(schedule, remat)
+    mesh = shardplan.make_mesh(plan)
+    model = shardplan.apply_plan(plan, _Wrapped(nnx.Rngs(0)), mesh)
+    assert type(model.inner.transformer_blocks).__name__ == "PipelinedLayers"
+    loss, grads = _nested_loss_and_grads(model, shardplan.shard_inputs(plan, {"tokens": tokens}, mesh)["tokens"])
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
+    plain_grads = _plain_grads(model, grads)
+    for got, want in zip(jax.tree.leaves(plain_grads), jax.tree.leaves(nnx.to_pure_dict(want_grads))):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=GRAD_TOL)
+    plain = shardplan.to_plain(model)
+    assert len(plain.inner.transformer_blocks) == 8
+
+
+def _plain_grads(model, grads):
+    from shardplan.pipeline.loop import to_plain_tree
+    from shardplan.pipeline.pipelined import pipelined_layers
+    path, layers = pipelined_layers(model)
+    assert path == "inner/transformer_blocks"
+    return to_plain_tree(nnx.to_pure_dict(grads), path, layers.arrangement)
+
+
+def test_a_selective_remat_policy_inside_1f1b_recomputes_only_what_it_does_not_save():
+    """The stages keep their layers' residuals: with `remat: none` a stage's backward does no forward matmul
+    again (2x the forward's FLOPs), `full` recomputes the whole forward (3x), and a policy that saves the
+    weight matmuls recomputes only attention's batched ones (in between): counted in the compiled HLO."""
+    from shardplan.checks.schedules import OneFOneB
+    from shardplan.pipeline.residuals import BACKWARD_SCOPE, FORWARD_SCOPE
+    from shardplan.run.hlo import dot_flops
+    tokens = np.zeros((32, 65), np.int32)
+    share = 4 / OneFOneB.of(2, 4, 1, "1f1b").ticks          # a tick's work branch runs on 4 of the ticks
+    found = {}
+    for remat in ("none", "dots_with_no_batch_dims_saveable", "full"):
+        plan = _nested_plan("1f1b", remat)
+        mesh = shardplan.make_mesh(plan)
+        # (heads of 32, 64 tokens, 2 rows per microbatch: with one row XLA:CPU rewrites attention's matmuls)
+        model = shardplan.apply_plan(plan, _Wrapped(nnx.Rngs(0), maxlen=64, num_heads=2), mesh)
+        sharded = shardplan.shard_inputs(plan, {"tokens": tokens}, mesh)["tokens"]
+
+        def loss(model):
+            return shardplan.model_loss(model, lambda logits, t: optax.softmax_cross_entropy_with_integer_labels(
+                logits, t).mean(), sharded[:, 1:], sharded[:, :-1])
+        hlo = nnx.jit(nnx.value_and_grad(loss)).lower(model).compile().as_text()
+        found[remat] = [dot_flops(hlo, branch_share=share, scope=scope) for scope in (FORWARD_SCOPE, BACKWARD_SCOPE)]
+    forward = found["none"][0]
+    assert forward > 0 and all(f[0] == forward for f in found.values())
+    assert found["none"][1] == pytest.approx(2 * forward, rel=0.02)
+    assert found["full"][1] == pytest.approx(3 * forward, rel=0.02)
+    assert found["none"][1] < found["dots_with_no_batch_dims_saveable"][1] < found["full"][1]

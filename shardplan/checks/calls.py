@@ -13,6 +13,7 @@ import dataclasses
 import inspect
 from typing import Any, Callable
 
+from shardplan.checks.paths import node_at
 from shardplan.plan.diagnostics import Diagnostic
 from shardplan.plan.schema import Plan
 
@@ -134,7 +135,7 @@ def check_layer_calls(plan: Plan, model, call: Callable) -> list[Diagnostic]:
             updates.append(str(error))
             return run()
 
-    layers = list(getattr(model, pipe.layers))
+    layers = list(node_at(model, pipe.layers))
     try:
         calls = record_calls(model, {id(layer): i for i, layer in enumerate(layers)}, call, without_updates)
     except Exception as error:         # the model's own code failed on the example inputs

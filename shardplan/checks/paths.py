@@ -24,6 +24,20 @@ def join_path(keys: tuple) -> str:
     return "/".join(str(getattr(k, "key", k)) for k in keys)
 
 
+def node_at(model, path: str):
+    """The attribute (or list entry) of `model` at a '/'-joined path (`blocks`, `encoder/layers`)."""
+    node = model
+    for part in path.split("/"):
+        node = node[int(part)] if part.isdigit() and not hasattr(node, part) else getattr(node, part)
+    return node
+
+
+def set_node_at(model, path: str, value) -> None:
+    """Set the attribute of `model` at a '/'-joined path (see `node_at`)."""
+    parent, _, name = path.rpartition("/")
+    setattr(node_at(model, parent) if parent else model, name, value)
+
+
 def param_infos(model) -> list[ParamInfo]:
     """Every `nnx.Param` of a model (real or from `nnx.eval_shape`), sorted by path.
 

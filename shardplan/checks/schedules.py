@@ -33,10 +33,11 @@ def on_tables(schedule: str | None, sequence_split: bool = False) -> bool:
 
 
 def recomputes_stages(schedule: str | None, sequence_split: bool = False) -> bool:
-    """Whether a stage runs its forward again in its backward: on the tables each stage keeps only its
-    input, except under ZB-H1, which keeps the forward's residuals. (The V schedule keeps inputs too, and
-    runs each chunk's forward again before its backward.)"""
-    return on_tables(schedule, sequence_split) and schedule != "zb-h1"
+    """Whether a stage runs its forward again in its backward whatever the plan's `remat`: only the V
+    schedule does (it keeps chunk inputs and runs each chunk's forward again, saving its weight matmuls,
+    before its backward). The other tables keep each layer's residuals as autodiff does
+    (`shardplan.pipeline.residuals`), so the layers' `remat` policy alone decides what is recomputed."""
+    return on_tables(schedule, sequence_split) and schedule == "zb-v"
 
 
 def padding_skipped(schedule: str | None, virtual: int, sequence_split: bool = False) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from collections import Counter, defaultdict
 
@@ -73,26 +74,21 @@ def layer_lists(params: list[ParamInfo]) -> list[str]:
     return list(found)
 
 
-def _layer_lists_hint(params: list[ParamInfo]) -> str:
-    """The model's own lists of numbered layers, to name in `pipeline.layers`."""
-    lists = layer_lists(params)
-    top = sorted(path for path in lists if "/" not in path)
-    nested = [path for path in lists if "/" in path and not re.search(r"/\d+/", path + "/")][:4]
-    said = f"this model has {', '.join(top)}" if top else "this model has no top-level list of layers"
-    if nested:
-        said += f" (nested, which pipelines do not take yet: {', '.join(nested)})"
-    return f"name the model attribute that holds the repeated layers: {said}"
+def _layer_lists_hint(pipe, params: list[ParamInfo]) -> str:
+    """The model's own lists of numbered layers (the closest to what the plan wrote first), to name in
+    `pipeline.layers`."""
+    lists = [path for path in layer_lists(params) if not re.search(r"/\d+/", path + "/")]
+    if not lists:
+        return "this model has no list of numbered layers with parameters to pipeline"
+    closest = difflib.get_close_matches(pipe.layers, lists, n=4, cutoff=0.3)
+    shown = closest + [path for path in lists if path not in closest][:max(0, 4 - len(closest))]
+    return f"name the path of the list that holds the repeated layers: this model has {', '.join(shown)}"
 
 
 def _no_layers(pipe, params: list[ParamInfo]) -> str:
-    """Why `pipeline.layers` names no layers it can run, truthfully for a nested list."""
-    if "/" in pipe.layers and layer_params(pipe.layers, params):
-        count = len(layer_params(pipe.layers, params))
-        return (f"pipeline.layers {pipe.layers!r} is a list of {count} layers nested inside the model (paths "
-                f"{pipe.layers}/0/...), but pipelines run a list that is an attribute of the model itself "
-                "(a top-level path such as 'layers') for now")
-    return (f"pipeline.layers {pipe.layers!r} requires a top-level list of layers with parameters "
-            f"(paths {pipe.layers}/0/...), but no parameter path has that form")
+    """Why `pipeline.layers` names no layers it can run."""
+    return (f"pipeline.layers {pipe.layers!r} requires a list of layers with parameters at that path (parameter "
+            f"paths {pipe.layers}/0/...), but no parameter path has that form")
 
 
 def plan_stages(plan: Plan, params: list[ParamInfo], sizes: dict[str, int],
@@ -107,9 +103,9 @@ def plan_stages(plan: Plan, params: list[ParamInfo], sizes: dict[str, int],
                             f"pipeline.axis {pipe.axis!r} requires a mesh axis of that name, but the mesh has "
                             f"{list(sizes)}", hint=f"add {pipe.axis}: N to mesh.axes (e.g. {{{pipe.axis}: 2, ...}})")]
     layers = layer_params(pipe.layers, params)
-    if not layers or "/" in pipe.layers:
+    if not layers:
         return None, [where("pipeline-no-layers", ("pipeline", "layers"), _no_layers(pipe, params),
-                            hint=_layer_lists_hint(params))]
+                            hint=_layer_lists_hint(pipe, params))]
     stages = sizes[pipe.axis]
     virtual = 2 if pipe.schedule == "zb-v" else pipe.virtual_stages if pipe.schedule in ("interleaved", "1f1b") else 1
     found = _axis_in_layer_specs(plan, pipe.axis, specs, where) + _layers_differ(pipe.layers, layers, specs, where)

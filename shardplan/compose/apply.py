@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shardplan.checks.context import check_context, context_inputs
 from shardplan.checks.layout import zero1_layout, zero1_spec
-from shardplan.checks.paths import join_path
+from shardplan.checks.paths import join_path, node_at, set_node_at
 from shardplan.checks.report import Report
 from shardplan.compose.check import check
 from shardplan.checks.stages import check_microbatches
@@ -75,7 +75,7 @@ def _pipelined(plan: Plan, model: nnx.Module, mesh, report: Report, specs: dict)
 
     def stacked_spec(path: str) -> tuple:      # a layer's leaf (its path inside the layer), stacked
         return ((pipe.axis,), None, None) + tuple(specs.get(f"{pipe.layers}/0/{path}", ()))
-    layers = PipelinedLayers(list(getattr(model, pipe.layers)), name=pipe.layers, stages=stage_map.stages,
+    layers = PipelinedLayers(list(node_at(model, pipe.layers)), name=pipe.layers, stages=stage_map.stages,
                              virtual=stage_map.virtual, mesh=mesh, axis=pipe.axis, schedule=pipe.schedule,
                              microbatches=pipe.microbatches, batch_axes=_manual_batch_axes(plan, report, specs),
                              plain_graphdef=plain_graphdef, counts=stage_map.counts,
@@ -86,12 +86,13 @@ def _pipelined(plan: Plan, model: nnx.Module, mesh, report: Report, specs: dict)
                              context_axis=plan.context.axis if plan.context and report.axes[plan.context.axis] > 1
                              else None, expert_axis=plan.experts.axis if report.experts else None,
                              expert_weights=_expert_weights(plan, report))
-    setattr(model, pipe.layers, layers)
+    set_node_at(model, pipe.layers, layers)
+    prefix = pipe.layers + "/"
     for keys, variable in nnx.to_flat_state(nnx.state(model)):
         path = join_path(keys)
         spec = specs.get(path, ()) if isinstance(variable, nnx.Param) else ()
-        if keys[0] == pipe.layers:
-            spec = stacked_spec(join_path(keys[1:]))
+        if path.startswith(prefix):
+            spec = stacked_spec(path.removeprefix(prefix))
         _place(variable, NamedSharding(mesh, partition_spec(spec)))
     return model
 
@@ -106,7 +107,7 @@ def _expert_weights(plan: Plan, report: Report) -> frozenset:
 def _tensor_split_outside(plan: Plan, report: Report, specs: dict) -> tuple[str, ...]:
     """Parameters outside the pipelined layers split over tensor axes only (none of the batch axes)."""
     batch = set(data_axes(plan, report.axes))
-    return tuple(path for path, spec in specs.items() if path.split("/")[0] != plan.pipeline.layers and
+    return tuple(path for path, spec in specs.items() if not path.startswith(plan.pipeline.layers + "/") and
                  spec_axes(spec) and not set(spec_axes(spec)) & batch)
 
 

@@ -35,7 +35,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from shardplan.checks.schedules import chunk_stage
-from shardplan.pipeline.residuals import LayerResiduals, Stash
+from shardplan.pipeline.residuals import LayerResiduals
 from shardplan.run.layer_call import LayerCall, fold_keys
 from shardplan.run.widen import narrowed, widened
 
@@ -373,7 +373,7 @@ def _forward_on_stages(per_device: Callable, mesh, axis: str, batch_axes: tuple[
 def one_f_one_b_loss(layers: Layers, stacked, head: Callable, head_params, embed: Callable, embed_params, head_rest,
                      layer_inputs, head_inputs, targets, keys, *, mesh, axis: str, batch_axes: tuple[str, ...] = (),
                      embed_branch: bool = True, branches: bool = True, schedule: str = "1f1b",
-                     runner: Callable | None = None, leaf_specs: tuple | None = None, keep_residuals: bool = True):
+                     runner: Callable | None = None, leaf_specs: tuple | None = None):
     """Mean loss over microbatches, with gradients computed by the 1F1B schedule itself (averaged over
     the manual `batch_axes` once, after the loop). `embed(params, rest, split, whole, keys)` is one
     microbatch's input to the layers (the model's code before them) and runs on the first stage as
@@ -389,7 +389,7 @@ def one_f_one_b_loss(layers: Layers, stacked, head: Callable, head_params, embed
     "gpipe" for GPipe's order on the same tables (every forward, then every backward). `runner`: the
     schedule's own loop in place of the tables' (`zero_bubble.zero_bubble_schedule`)."""
     loop = Loop(layers, head, embed, mesh, axis, tuple(batch_axes), schedule, embed_branch and branches, branches,
-                leaf_specs, keep_residuals)
+                leaf_specs)
 
     def run(stacked, head_params, embed_params, *rest):
         return (runner or table_schedule)(loop, Operands(stacked, head_params, embed_params, *rest))
@@ -423,7 +423,6 @@ class Loop:
     embed_branch: bool
     branches: bool
     leaf_specs: tuple | None = None     # how the stacked layers enter (`stage_specs`)
-    keep_residuals: bool = True         # false: the stage input alone, recomputed from (`remat: full`)
 
 
 class Operands(NamedTuple):
@@ -477,15 +476,10 @@ def table_schedule(loop: Loop, operands: Operands):
 
         when = branching(loop.branches)
 
-        def stage_fn(chunk_state, h, m, v):
-            first, size = layers.chunk(s, v, stages, per_chunk)
-            return run_chunk(layers, chunk_state, h, rows_of(layer_split, m), layer_whole, fold_keys(layer_keys, m),
-                             first, size, when)
-
-        # A chunk's weights are taken, and its gradients added back, outside the tick's branches: inside,
-        # the transpose of that slice can re-tile a weight split over an axis left to XLA with a
-        # collective-permute, which XLA:CPU runs only when every device of the program arrives — and the
-        # stages idle on that tick never do.
+        # A chunk's weights are taken outside the tick's branches, and its gradients added back there too
+        # unless every mesh axis is manual (`Ends.summed`): inside, the transpose of that slice can re-tile a
+        # weight split over an axis left to XLA with a collective-permute, which XLA:CPU runs only when every
+        # device of the program arrives — and the stages idle on that tick never do.
         def chunk_of(v):
             return chunk_of_state(state, v if virtual > 1 else 0)
 
@@ -497,8 +491,8 @@ def table_schedule(loop: Loop, operands: Operands):
 
         def layer_fn(layer_state, h, m, index):
             return layers.run(layer_state, index, h, rows_of(layer_split, m), layer_whole, fold_keys(layer_keys, m))
-        kept = _KeptForBackward.of(loop, stage_fn, layer_fn, lambda v: layers.chunk(s, v, stages, per_chunk),
-                                   chunk_of_state(state, 0), like, when)
+        # What each layer's backward needs, as autodiff keeps it (the layers' remat policy decides what)
+        kept = LayerResiduals(layer_fn, chunk_of_state(chunk_of_state(state, 0), 0), like, when)
 
         def tick(carry: _TableCarry, t):
             f_on, mf_, vf, f_at = f_m[t] >= 0, jnp.maximum(f_m[t], 0), f_v[t], f_slot[t]
@@ -511,11 +505,14 @@ def table_schedule(loop: Loop, operands: Operands):
                 cot_in = jnp.where((s == last) & (vb < virtual - 1), loops[1][mb_], cot_in)
             h_in = ends.layers_input(enters, mf_, incoming)
             f_chunk = chunk_of(vf)
+            first_f, size_f = layers.chunk(s, vf, stages, per_chunk)
             if loop.branches:   # (the stash written inside the branch: an idle tick neither computes nor copies)
-                h, stash = jax.lax.cond(f_on, lambda stash: kept.forward(f_chunk, h_in, mf_, vf, stash, f_at, True),
-                                        lambda stash: (jnp.zeros_like(h_in), stash), carry.stash)
-            else:
-                h, stash = kept.forward(f_chunk, h_in, mf_, vf, carry.stash, f_at, f_on)
+                h, stash = jax.lax.cond(
+                    f_on, lambda stash: kept.forward(f_chunk, h_in, mf_, first_f, size_f, stash, f_at),
+                    lambda stash: (jnp.zeros_like(h_in), stash), carry.stash)
+            else:               # (an idle tick's residuals go to the scratch slot)
+                h, stash = kept.forward(f_chunk, h_in, mf_, first_f, size_f, carry.stash,
+                                        jnp.where(f_on, f_at, plan.slots))
                 h = jnp.where(f_on, h, jnp.zeros_like(h))
 
             loss_m, g_head, gy = ends.loss_and_gradients(leaves, h, mf_, carry.g_head)
@@ -529,7 +526,8 @@ def table_schedule(loop: Loop, operands: Operands):
             cot = jnp.where((s == last) & (vb == virtual - 1), gy, cot_in)
 
             b_chunk = chunk_of(vb)
-            g_layers, gx = ends.summed(b_on, lambda: kept.backward(b_chunk, stash, b_at, mb_, vb, cot),
+            first_b, size_b = layers.chunk(s, vb, stages, per_chunk)
+            g_layers, gx = ends.summed(b_on, lambda: kept.backward(b_chunk, mb_, first_b, size_b, stash, b_at, cot),
                                        lambda: (jax.tree.map(jnp.zeros_like, b_chunk), jnp.zeros_like(h)),
                                        carry.g_layers, lambda total, g: add_to_chunk(total, vb, g))
             g_embed = ends.embed_gradients(b_on & (s == 0) & (vb == 0), mb_, gx, carry.g_embed)
@@ -538,7 +536,7 @@ def table_schedule(loop: Loop, operands: Operands):
 
         zeros = jnp.zeros(like.shape, like.dtype)
         carry = _TableCarry(
-            incoming=zeros, cot_in=zeros, stash=kept.empty(plan.slots),
+            incoming=zeros, cot_in=zeros, stash=kept.empty(plan.slots + (not loop.branches), per_chunk),
             waiting=jnp.zeros((micro if plan.head_waits else 0, *like.shape), like.dtype),
             loops=(jnp.zeros((micro if plan.loops else 0, *like.shape), like.dtype),) * 2,
             g_layers=running_sum(state), g_head=running_sum(mine.head_params),
@@ -548,45 +546,6 @@ def table_schedule(loop: Loop, operands: Operands):
                                 state, mine.head_params, mine.embed_params, loop.leaf_specs)
 
     return run_on_stages(per_device, loop, operands)
-
-
-class _KeptForBackward:
-    """What a table schedule's stage keeps of a microbatch's forward, and its backward from it: each
-    layer's residuals, as autodiff keeps them (under the layers' `remat` policy: `LayerResiduals`), or,
-    where every layer is rematerialised whole (`remat: full`), the stage's input alone, the forward
-    recomputed from it in the backward."""
-
-    def __init__(self, stage_fn, chunk_of_layer, residuals: "LayerResiduals | None", like, per_chunk: int):
-        self._stage_fn, self._chunk, self._residuals = stage_fn, chunk_of_layer, residuals
-        self._like, self._per_chunk = like, per_chunk
-
-    @staticmethod
-    def of(loop: "Loop", stage_fn, layer_fn, chunk_of_layer, chunk_state, like, when) -> "_KeptForBackward":
-        like = jax.ShapeDtypeStruct(like.shape, like.dtype)
-        per_chunk = jax.tree.leaves(chunk_state)[0].shape[0]
-        residuals = (LayerResiduals(layer_fn, chunk_of_state(chunk_state, 0), like, when)
-                     if loop.keep_residuals else None)
-        return _KeptForBackward(stage_fn, chunk_of_layer, residuals, like, per_chunk)
-
-    def empty(self, slots: int) -> list:
-        if self._residuals is None:
-            return Stash.empty([self._like], slots)
-        return self._residuals.empty(slots, self._per_chunk)
-
-    def forward(self, chunk, h, m, v, stash: list, slot, on):
-        """(the stage's output, the stash with what its backward needs at `slot`, where `on`)."""
-        if self._residuals is None:
-            return self._stage_fn(chunk, h, m, v), Stash.put(stash, slot, [h], on)
-        first, size = self._chunk(v)
-        return self._residuals.forward(chunk, h, m, first, size, stash, jnp.where(on, slot, stash[0].shape[0] - 1))
-
-    def backward(self, chunk, stash: list, slot, m, v, cot):
-        """(the chunk's weight gradients, the stage input's gradient) of microbatch m."""
-        if self._residuals is None:
-            _, vjp = jax.vjp(lambda st, x: self._stage_fn(st, x, m, v), chunk, stash[0][slot])
-            return vjp(cot)
-        first, size = self._chunk(v)
-        return self._residuals.backward(chunk, m, first, size, stash, slot, cot)
 
 
 def branching(branches: bool) -> Callable:
@@ -861,24 +820,48 @@ def _unstack_any(subtree: dict, arrangement: Arrangement = Arrangement()) -> lis
 
 
 def to_plain_tree(tree, layers: str, arrangement: Arrangement = Arrangement()):
-    """A pure state (model or optimizer) with stacked layers -> the unpipelined model's layout."""
-    if not isinstance(tree, dict):
-        return tree
-    return {k: dict(enumerate(_unstack_any(v, arrangement))) if k == layers and _is_stacked(v) else
-            to_plain_tree(v, layers, arrangement) for k, v in tree.items()}
+    """A pure state (model or optimizer) with stacked layers at the path `layers` (`blocks`, or nested:
+    `encoder/layers`), wherever that path occurs in it -> the unpipelined model's layout."""
+    return _at_layers(tree, layers.split("/"), lambda v, _: dict(enumerate(_unstack_any(v, arrangement))))
 
 
 def to_stacked_tree(plain, like, layers: str, arrangement: Arrangement = Arrangement()):
     """Inverse of `to_plain_tree`, placing each stacked array as its counterpart in `like`."""
-    if not isinstance(like, dict):
-        return plain
+    def stacked(v, plain_layers):
+        first = jax.tree.leaves(v)[0]
+        per_layer = [plain_layers[i] for i in range(len(plain_layers))]
+        out = stack(per_layer, first.shape[0], first.shape[1], arrangement)
+        return jax.tree.map(lambda a, ref: jax.device_put(a, ref.sharding), out, v)
+    return _at_layers(like, layers.split("/"), stacked, plain)
+
+
+def _at_layers(tree, parts: list[str], convert, plain=None):
+    """`tree` (a pure dict) with `convert(subtree, plain's counterpart)` in place of every stacked subtree at
+    the path `parts`; with `plain`, the rest of the result is taken from it (`to_stacked_tree`)."""
+    if not isinstance(tree, dict):
+        return tree if plain is None else plain
     out = {}
-    for k, v in like.items():
-        if k == layers and _is_stacked(v):
-            first = jax.tree.leaves(v)[0]
-            per_layer = [plain[k][i] for i in range(len(plain[k]))]
-            stacked = stack(per_layer, first.shape[0], first.shape[1], arrangement)
-            out[k] = jax.tree.map(lambda a, ref: jax.device_put(a, ref.sharding), stacked, v)
+    for k, v in tree.items():
+        other = None if plain is None else plain[k]
+        inner = _follow(v, parts[1:]) if k == parts[0] else None
+        if inner is not None and _is_stacked(inner):
+            out[k] = _replace(v, parts[1:], lambda node, o=other: convert(node, _follow(o, parts[1:])
+                                                                           if o is not None else None), other)
         else:
-            out[k] = to_stacked_tree(plain[k], v, layers, arrangement)
+            out[k] = _at_layers(v, parts, convert, other)
     return out
+
+
+def _follow(tree, parts: list[str]):
+    for part in parts:
+        if not isinstance(tree, dict) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree
+
+
+def _replace(tree, parts: list[str], convert, plain=None):
+    if not parts:
+        return convert(tree)
+    return {k: _replace(v, parts[1:], convert, None if plain is None else plain[k]) if k == parts[0] else
+            (v if plain is None else plain[k]) for k, v in tree.items()}

@@ -23,7 +23,7 @@ from shardplan.checks.paths import join_path
 from shardplan.checks.schedules import SCHEDULES, on_tables
 from shardplan.pipeline.branch_probe import layers_permute_in_branches
 from shardplan.pipeline.loop import (Arrangement, Layers, circular_forward, cross_entropy, fit_microbatches, model_order,
-                                     one_f_one_b_loss, sequential_forward, stack, stage_specs, unstack)
+                                     one_f_one_b_loss, sequential_forward, stack, stage_specs, to_plain_tree)
 from shardplan.pipeline.zero_bubble import zero_bubble_schedule
 from shardplan.pipeline.zero_bubble_v import zero_bubble_v_schedule
 from shardplan.plan.diagnostics import PlanWarning
@@ -129,6 +129,10 @@ class PipelinedLayers(nnx.Module):
         micro = self._fit(args[0].shape[0])[0]
         in_a_v = self._pipeline_arrangement.v_shape     # (its loops need no group or count of microbatches)
         too_few = virtual > 1 and not in_a_v and (micro < stages if self.schedule == "interleaved" else micro % stages)
+        if request is not None and not _differentiable(state):
+            _warn_fixed_state(self._pipeline_name, self.schedule)
+            request.plain = True
+            request = None
         if request is not None and (too_few or not on_tables(self.schedule, self._pipeline_context is not None)):
             # interleaved 1F1B needs whole groups of `stages` microbatches, the circular schedule a
             # microbatch per stage; a smaller batch (an evaluation) runs the layers' own forward and the
@@ -176,7 +180,7 @@ class PipelinedLayers(nnx.Module):
         graphdef, params, rest = nnx.split(request.model, nnx.Param, ...)
         leaves, params_def = jax.tree.flatten(params)
         paths = [join_path(path).removesuffix("/.value") for path, _ in jax.tree.flatten_with_path(params)[0]]
-        in_layers = [path.split("/")[0] == self._pipeline_name for path in paths]
+        in_layers = [path.startswith(self._pipeline_name + "/") for path in paths]
         head_params = [leaf for leaf, inside in zip(leaves, in_layers) if not inside]
         rest_leaves, rest_def = jax.tree.flatten(rest)
         model_call, model_split, model_whole, model_rngs = CallArgs.of(request.args, request.kwargs, x.shape[0])
@@ -291,12 +295,16 @@ def _used_inputs(function: Callable, leaves: list) -> list[bool]:
 
 
 def pipelined_layers(model) -> tuple[str, PipelinedLayers] | None:
-    """(attribute, layers) of a model whose layers `apply_plan` pipelined; None for any other model."""
+    """(path, layers) of a model whose layers `apply_plan` pipelined (an attribute of the model, `blocks`,
+    or nested, `encoder/layers`); None for any other model."""
     if not isinstance(model, nnx.Module):
         return None
     for name, value in vars(model).items():
         if isinstance(value, PipelinedLayers):
             return name, value
+    for path, value in nnx.iter_graph(model):
+        if isinstance(value, PipelinedLayers):
+            return join_path(path), value
     return None
 
 
@@ -318,9 +326,22 @@ def to_plain(model: nnx.Module) -> nnx.Module:
     if found is None:
         return model
     name, layers = found
-    state = nnx.to_pure_dict(nnx.state(model))
-    state[name] = dict(enumerate(unstack(state[name], layers.arrangement)))
+    state = to_plain_tree(nnx.to_pure_dict(nnx.state(model)), name, layers.arrangement)
     return nnx.merge(layers._pipeline_plain, state)
+
+
+def _differentiable(state) -> bool:
+    """Whether every array of the stacked layers is a float (layers that keep RNG keys or counters, as an
+    `nnx.Dropout(rngs=...)` does, are not: the tables' gradient sums cannot hold them yet)."""
+    return all(jax.numpy.issubdtype(a.dtype, jax.numpy.inexact) for a in jax.tree.leaves(state))
+
+
+@functools.cache
+def _warn_fixed_state(name: str, schedule: str) -> None:
+    warnings.warn(f"pipeline {name!r}: its layers keep state that is not a float (RNG keys or counters, e.g. an "
+                  f"nnx.Dropout built with rngs=), which the {schedule} schedule's tables cannot run yet; the step "
+                  "runs the circular (gpipe) forward with autodiff instead: the same numbers, every microbatch's "
+                  "activations kept until the backward", PlanWarning, stacklevel=5)
 
 
 @functools.cache

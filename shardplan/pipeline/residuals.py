@@ -7,9 +7,8 @@ which wraps their calls) decides what the residuals are: the values it saves, th
 the backward. Residuals that are the stage's own weights are not kept (read from the weights again).
 For the zero-bubble schedules the backward is also split into B and W (`split_backward`).
 
-`Stash` is the buffer a schedule keeps them in, one slot per microbatch in flight, plus a scratch slot
-that a tick with nothing to keep writes to: every write is then one in-place update of a slot, where a
-select between the old slot and the new value read the slot back on every tick.
+`LayerResiduals` keeps them per layer, in a stash of one slot per microbatch in flight (plus, where the
+stages run without branches, a scratch slot their idle ticks write to).
 """
 
 from __future__ import annotations
@@ -21,6 +20,9 @@ import jax.numpy as jnp
 from jax._src import core
 
 from shardplan.pipeline.split_backward import split_backward
+
+# Named scopes of a stage's forward and backward (their ops' HLO names hold them: counted by benchmarks)
+FORWARD_SCOPE, BACKWARD_SCOPE = "pipeline_forward", "pipeline_backward"
 
 
 class StageParts:
@@ -137,8 +139,8 @@ class LayerResiduals:
         self.like = self._parts.kept
 
     def empty(self, slots: int, per_chunk: int) -> list:
-        """Buffers [slot (and a scratch slot), layer, ...] of each kept residual."""
-        return [jnp.zeros((slots + 1, per_chunk, *r.shape), r.dtype) for r in self.like]
+        """Buffers [slot, layer, ...] of each kept residual."""
+        return [jnp.zeros((slots, per_chunk, *r.shape), r.dtype) for r in self.like]
 
     def forward(self, chunk_state, h, m, first, size, stash: list, slot):
         """(the chunk's output, the stash with microbatch m's residuals at `slot`)."""
@@ -153,7 +155,8 @@ class LayerResiduals:
                 return run(h, stash), None
             return self._when(i < size, run, lambda h, stash: (h, stash), h, stash), None
         count = jax.tree.leaves(chunk_state)[0].shape[0]
-        (h, stash), _ = jax.lax.scan(body, (h, stash), (chunk_state, jnp.arange(count)))
+        with jax.named_scope(FORWARD_SCOPE):
+            (h, stash), _ = jax.lax.scan(body, (h, stash), (chunk_state, jnp.arange(count)))
         return h, stash
 
     def backward(self, chunk_state, m, first, size, stash: list, slot, cot):
@@ -170,22 +173,6 @@ class LayerResiduals:
                 gl, gx = self._when(i < size, run, lambda g: (jax.tree.map(jnp.zeros_like, layer_state), g), g)
             return gx, gl
         count = jax.tree.leaves(chunk_state)[0].shape[0]
-        gx, gl = jax.lax.scan(body, cot, (chunk_state, jnp.arange(count)), reverse=True)
+        with jax.named_scope(BACKWARD_SCOPE):
+            gx, gl = jax.lax.scan(body, cot, (chunk_state, jnp.arange(count)), reverse=True)
         return gl, gx
-
-
-class Stash:
-    """Buffers of `slots` slots (and a scratch one) for a list of values shaped as `like`."""
-
-    @staticmethod
-    def empty(like, slots: int) -> list:
-        return [jnp.zeros((slots + 1, *r.shape), r.dtype) for r in like]
-
-    @staticmethod
-    def put(buffers: list, slot, values: list, on) -> list:
-        """`values` into `slot` where `on`; else into the scratch slot (nothing read back)."""
-        return [b.at[jnp.where(on, slot, b.shape[0] - 1)].set(v.astype(b.dtype)) for b, v in zip(buffers, values)]
-
-    @staticmethod
-    def take(buffers: list, slot) -> list:
-        return [b[slot] for b in buffers]

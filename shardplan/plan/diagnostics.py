@@ -48,7 +48,7 @@ CODES: dict[str, str] = {
     "zero1-no-data-axis": "`optimizer: zero1` but no data axis shards the batch inputs",
     # pipelines
     "pipeline-no-axis": "the pipeline's stage axis is not a mesh axis",
-    "pipeline-no-layers": "`pipeline.layers` names no top-level list of layers",
+    "pipeline-no-layers": "`pipeline.layers` names no list of layers in the model",
     "pipeline-axis-in-spec": "a layer parameter's spec uses the stage axis",
     "pipeline-axis-order": "a parameter around the layers split over the stage axis before another axis in one dim",
     "pipeline-microbatches": "the microbatch count does not divide each data shard's batch",

@@ -25,8 +25,8 @@ compiled HLO (`benchmarks/cost_model.py` keeps it honest):
   under ZeRO-1 the updated parameter is then all-gathered, and (outside a tabled loop) an output
   head's gradient shard is computed whole from gathered activations instead of all-reduced;
 - pipelines send one microbatch activation per tick each way; on the schedule tables (1F1B, and
-  gpipe and the circular schedule unless the sequence is split: `_Step.tabled`) each stage's
-  forward is recomputed in its backward and the after-layer modules move between the stages; a
+  gpipe and the circular schedule unless the sequence is split: `_Step.tabled`) each stage keeps its
+  layers' residuals (zb-v: runs its forward again) and the after-layer modules move between the stages; a
   head split over
   a tensor axis is gathered whole once per step (it runs whole inside the pipeline), and its
   gradient is reduced and moved whole. Gradients are
@@ -951,9 +951,10 @@ def _activations(kept: tuple[dict, dict, dict], step: _Step, on: _OnStage | None
     if step.tabled:             # the code around the layers runs in the loop, a microbatch at a time
         outside = (outside + head) * tokens / step.tokens
         head = 0.0
-        # the stash of chunk inputs in flight and what waits beside it (gpipe: each loss gradient until its
-        # backward), and one chunk's forward recomputed in its backward; zero-bubble: the residuals of
-        # the microbatches in flight (the first stage's S) and its two one-slot inboxes
+        # the stash of what the microbatches in flight keep for their backward (each chunk's residuals;
+        # zb-v: chunk inputs, one chunk's forward run again) and what waits beside it (gpipe: each loss
+        # gradient until its backward); zero-bubble: residuals of the first stage's S microbatches and
+        # its two one-slot inboxes
         _, slots, beside = _tables(step)
         slots -= on.fewer_in_flight if on is not None else 0
         if step.schedule == "zb-h1" and step.remat == "none":
@@ -963,8 +964,13 @@ def _activations(kept: tuple[dict, dict, dict], step: _Step, on: _OnStage | None
             # what W reads (the inputs B ran again, the outputs' gradients) waits beside them
             pending = ZB_REMAT_PENDING_SETS * sum(size * stands_for[layer] for layer, size in full.items())
             stored = tokens * (slots * (layers - biggest) + biggest + pending + beside * step.width * b)
-        else:
+        elif step.schedule == "zb-v":
             stored = tokens * ((slots + beside) * step.width * b + layers / step.virtual)
+        else:
+            # each slot holds one chunk's residuals, as autodiff keeps them under the layers' remat; a
+            # rematerialised layer's own activations live once, while it runs again
+            again = biggest if step.remat != "none" else 0.0
+            stored = tokens * (slots * (layers - again) / step.virtual + again + beside * step.width * b)
         if step.schedule == "zb-v":     # and one chunk's weight-matmul outputs, kept from R until W
             stored += tokens * sum(dots[layer] * stands_for[layer] for layer in full) / step.virtual
     else:

@@ -1,4 +1,4 @@
-"""Counting what a compiled step communicates: collective ops and their bytes, from HLO text."""
+"""Counting what a compiled step does, from HLO text: collective ops and their bytes, matmul FLOPs."""
 
 from __future__ import annotations
 
@@ -65,12 +65,50 @@ _CALLEES = re.compile(r"(?P<attr>body|calls|to_apply|branch_computations|true_co
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
-def _runs_per_computation(hlo_text: str, branch_share: float = 1.0) -> dict[str, float]:
+_DOT = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (?P<out>\S+) dot\(%?(?P<lhs>[\w.\-]+), %?[\w.\-]+\).*?"
+                  r"lhs_contracting_dims=\{(?P<contract>[\d,]*)\}")
+_DEFINED = re.compile(r"^\s*(?:ROOT )?%?(?P<name>[\w.\-]+) = (?P<type>\S+) ")
+
+
+def dot_flops(hlo_text: str, *, branch_share: float = 1.0, scope: str | None = None) -> float:
+    r"""Matmul FLOPs of compiled HLO per execution, each dot counted as often as it runs (see
+    `collective_stats`: a conditional's working branches on a `branch_share` of their calls); with
+    `scope`, only the dots whose op_name holds it (a `jax.named_scope`).
+
+    >>> text = "\n".join(["ENTRY %main {", "  %a = f32[8,4]{1,0} parameter(0)", "  %b = f32[4,2]{1,0} parameter(1)",
+    ...                   "  ROOT %d = f32[8,2]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}", "}"])
+    >>> dot_flops(text)
+    128.0
+    """
+    runs = _runs_per_computation(hlo_text, branch_share, _DOT)
+    total, shapes, computation = 0.0, {}, None
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            computation, shapes = header.group("name"), {}
+            continue
+        defined = _DEFINED.match(line)
+        if defined:
+            shapes[defined.group("name")] = defined.group("type")
+        found = _DOT.match(line)
+        if not found or (scope is not None and scope not in line):
+            continue
+        out, lhs = _ARRAY.search(found.group("out")), _ARRAY.search(shapes.get(found.group("lhs"), ""))
+        if not out or not lhs:
+            continue
+        lhs_dims = [int(d) for d in lhs.group("dims").split(",") if d]
+        contracted = math.prod(lhs_dims[int(i)] for i in found.group("contract").split(",") if i)
+        out_size = math.prod(int(d) for d in out.group("dims").split(",") if d)
+        total += 2.0 * out_size * contracted * runs.get(computation, 1)
+    return total
+
+
+def _runs_per_computation(hlo_text: str, branch_share: float = 1.0, op: re.Pattern = _OP) -> dict[str, float]:
     """How often each computation runs per execution of the entry computation.
 
-    A conditional runs one branch per call. If every branch holds collectives it is a dispatch (layers
-    that differ, run by `lax.switch`): each branch counts 1/N of the calls. If only some do, it is a
-    pipeline tick's work-or-idle choice: the working branches share `branch_share` of the calls.
+    A conditional runs one branch per call. If every branch holds `op`s (collectives) it is a dispatch
+    (layers that differ, run by `lax.switch`): each branch counts 1/N of the calls. If only some do, it
+    is a pipeline tick's work-or-idle choice: the working branches share `branch_share` of the calls.
     """
     callers: dict[str, list[tuple[str, float]]] = collections.defaultdict(list)
     conditionals: list[tuple[str, list[str]]] = []
@@ -83,7 +121,7 @@ def _runs_per_computation(hlo_text: str, branch_share: float = 1.0) -> dict[str,
             computation = header.group("name")
             entry = computation if header.group("entry") else entry
             continue
-        if _OP.search(line):
+        if op.search(line):
             has_op.add(computation)
         trips = _TRIPS.search(line)
         branches = []
