@@ -42,9 +42,9 @@ def recomputes_stages(schedule: str | None, sequence_split: bool = False) -> boo
 
 def padding_skipped(schedule: str | None, virtual: int, sequence_split: bool = False) -> bool:
     """Whether a stage holding fewer layers than the longest skips its padding slots (the table
-    schedules with one chunk per stage branch round them, `shardplan.pipeline.loop.run_chunk`) rather
-    than computing them on zeros (zb-h1, whose backward split reads one traced stage; the whole-batch loop)."""
-    return schedule in ("gpipe", "1f1b") and virtual == 1 and on_tables(schedule, sequence_split)
+    schedules with one chunk per stage branch round them, `shardplan.pipeline.residuals.LayerResiduals`)
+    rather than computing them on zeros (the whole-batch loop)."""
+    return schedule in ("gpipe", "1f1b", "zb-h1") and virtual == 1 and on_tables(schedule, sequence_split)
 
 
 def forward_tick(stage: int, microbatch: int, repeat: int, microbatches: int) -> int:

@@ -506,14 +506,9 @@ def table_schedule(loop: Loop, operands: Operands):
             h_in = ends.layers_input(enters, mf_, incoming)
             f_chunk = chunk_of(vf)
             first_f, size_f = layers.chunk(s, vf, stages, per_chunk)
-            if loop.branches:   # (the stash written inside the branch: an idle tick neither computes nor copies)
-                h, stash = jax.lax.cond(
-                    f_on, lambda stash: kept.forward(f_chunk, h_in, mf_, first_f, size_f, stash, f_at),
-                    lambda stash: (jnp.zeros_like(h_in), stash), carry.stash)
-            else:               # (an idle tick's residuals go to the scratch slot)
-                h, stash = kept.forward(f_chunk, h_in, mf_, first_f, size_f, carry.stash,
-                                        jnp.where(f_on, f_at, plan.slots))
-                h = jnp.where(f_on, h, jnp.zeros_like(h))
+            h, stash = in_branch(loop.branches, f_on,
+                                 lambda stash: kept.forward(f_chunk, h_in, mf_, first_f, size_f, stash, f_at)[:2],
+                                 lambda: jnp.zeros_like(h_in), carry.stash)
 
             loss_m, g_head, gy = ends.loss_and_gradients(leaves, h, mf_, carry.g_head)
 
@@ -536,7 +531,7 @@ def table_schedule(loop: Loop, operands: Operands):
 
         zeros = jnp.zeros(like.shape, like.dtype)
         carry = _TableCarry(
-            incoming=zeros, cot_in=zeros, stash=kept.empty(plan.slots + (not loop.branches), per_chunk),
+            incoming=zeros, cot_in=zeros, stash=LayerResiduals.empty(kept.like, plan.slots, per_chunk),
             waiting=jnp.zeros((micro if plan.head_waits else 0, *like.shape), like.dtype),
             loops=(jnp.zeros((micro if plan.loops else 0, *like.shape), like.dtype),) * 2,
             g_layers=running_sum(state), g_head=running_sum(mine.head_params),
@@ -556,6 +551,15 @@ def branching(branches: bool) -> Callable:
             return jax.lax.cond(on, run, otherwise, *operands)
         return jax.tree.map(lambda a, b: jnp.where(on, a, b), run(*operands), otherwise(*operands))
     return when
+
+
+def in_branch(branches: bool, on, run: Callable, idle: Callable, *carried):
+    """`run(*carried)` -> (output, *carried updated) where `on`, else (`idle()`, *carried): inside a `cond`, so
+    that buffers `run` writes into are updated in place and an idle tick neither computes nor copies; with
+    `branches` false both sides computed and selected (whole buffers: the lockstep fallback only)."""
+    if branches:
+        return jax.lax.cond(on, run, lambda *c: (idle(), *c), *carried)
+    return jax.tree.map(lambda a, b: jnp.where(on, a, b), run(*carried), (idle(), *carried))
 
 
 class Ends:

@@ -127,37 +127,46 @@ class LayerResiduals:
 
     `layer(layer_state, h, m, index)`: layer `index` (model order) on microbatch m's activation h.
     `when(on, run, otherwise, *operands)`: the schedule's branch; padding slots (unequal stages, index
-    past `size`) pass the activation through and get no gradient."""
+    past `size`) pass the activation through and get no gradient. `split` (the zero-bubble schedules):
+    each layer's backward split into B and W (`StageParts`), the residuals kept in two stashes (what W
+    reads, `like`; what B alone reads, `until_b`) and what B hands W in a third (`handed`); `policy`: a
+    `jax.checkpoint` policy choosing the residuals kept."""
 
-    def __init__(self, layer, layer_state, like, when):
+    def __init__(self, layer, layer_state, like, when, *, split: bool = False, policy=None):
         self._layer, self._when = layer, when
         leaves, self._def = jax.tree.flatten(layer_state)
 
         def stage(leaves, h, m, index):
             return layer(jax.tree.unflatten(self._def, leaves), h, m, index)
-        self._parts = StageParts.of(stage, leaves, like, (jnp.int32(0), jnp.int32(0)), split=False)
-        self.like = self._parts.kept
+        self._parts = StageParts.of(stage, leaves, like, (jnp.int32(0), jnp.int32(0)), split=split, policy=policy)
+        self.like, self.until_b, self.handed = self._parts.kept, self._parts.until_b, self._parts.handed
 
-    def empty(self, slots: int, per_chunk: int) -> list:
-        """Buffers [slot, layer, ...] of each kept residual."""
-        return [jnp.zeros((slots, per_chunk, *r.shape), r.dtype) for r in self.like]
+    @staticmethod
+    def empty(like: list, slots: int, per_chunk: int) -> list:
+        """Buffers [slot, layer, ...] of each value shaped as in `like`."""
+        return [jnp.zeros((max(slots, 1), per_chunk, *r.shape), r.dtype) for r in like]
 
-    def forward(self, chunk_state, h, m, first, size, stash: list, slot):
-        """(the chunk's output, the stash with microbatch m's residuals at `slot`)."""
+    def _scan(self, body, carry, chunk_state, scope: str, reverse: bool = False):
+        count = jax.tree.leaves(chunk_state)[0].shape[0]
+        with jax.named_scope(scope):
+            return jax.lax.scan(body, carry, (chunk_state, jnp.arange(count)), reverse=reverse)
+
+    def _unless_padding(self, size, i, run, skip, *operands):
+        return run(*operands) if size is None else self._when(i < size, run, skip, *operands)
+
+    def forward(self, chunk_state, h, m, first, size, stash: list, slot, until_b: list = (), b_slot=None):
+        """(the chunk's output, the stash with microbatch m's residuals at `slot`, and split, what B alone
+        reads at `b_slot` of `until_b`)."""
         def body(carry, inputs):
-            h, stash = carry
             layer_state, i = inputs
 
-            def run(h, stash):
-                y, (kept, _) = self._parts.forward(jax.tree.leaves(layer_state), h, m, first + i)
-                return y, [b.at[slot, i].set(r) for b, r in zip(stash, kept)]
-            if size is None:
-                return run(h, stash), None
-            return self._when(i < size, run, lambda h, stash: (h, stash), h, stash), None
-        count = jax.tree.leaves(chunk_state)[0].shape[0]
-        with jax.named_scope(FORWARD_SCOPE):
-            (h, stash), _ = jax.lax.scan(body, (h, stash), (chunk_state, jnp.arange(count)))
-        return h, stash
+            def run(h, stash, until_b):
+                y, (kept, alone) = self._parts.forward(jax.tree.leaves(layer_state), h, m, first + i)
+                return (y, [b.at[slot, i].set(r) for b, r in zip(stash, kept)],
+                        [b.at[b_slot, i].set(r) for b, r in zip(until_b, alone)])
+            return self._unless_padding(size, i, run, lambda *c: c, *carry), None
+        (h, stash, until_b), _ = self._scan(body, (h, stash, list(until_b)), chunk_state, FORWARD_SCOPE)
+        return h, stash, until_b
 
     def backward(self, chunk_state, m, first, size, stash: list, slot, cot):
         """(the chunk's weight gradients, its input's gradient) of the microbatch kept at `slot`."""
@@ -167,12 +176,35 @@ class LayerResiduals:
             def run(g):
                 gl, gx = self._parts.gradients(jax.tree.leaves(layer_state), [b[slot, i] for b in stash], g)
                 return jax.tree.unflatten(self._def, gl), gx
-            if size is None:
-                gl, gx = run(g)
-            else:
-                gl, gx = self._when(i < size, run, lambda g: (jax.tree.map(jnp.zeros_like, layer_state), g), g)
+            gl, gx = self._unless_padding(size, i, run, lambda g: (jax.tree.map(jnp.zeros_like, layer_state), g), g)
             return gx, gl
-        count = jax.tree.leaves(chunk_state)[0].shape[0]
-        with jax.named_scope(BACKWARD_SCOPE):
-            gx, gl = jax.lax.scan(body, cot, (chunk_state, jnp.arange(count)), reverse=True)
+        gx, gl = self._scan(body, cot, chunk_state, BACKWARD_SCOPE, reverse=True)
         return gl, gx
+
+    def input_gradient(self, chunk_state, first, size, stash: list, slot, until_b: list, b_slot, handed: list, cot):
+        """Split: (the chunk input's gradient, `handed` with what W reads of B's at `slot`)."""
+        def body(carry, inputs):
+            layer_state, i = inputs
+
+            def run(g, handed):
+                gx, out = self._parts.input_gradient(jax.tree.leaves(layer_state), [b[slot, i] for b in stash],
+                                                     [b[b_slot, i] for b in until_b], g)
+                return gx, [b.at[slot, i].set(r) for b, r in zip(handed, out)]
+            return self._unless_padding(size, i, run, lambda *c: c, *carry), None
+        (gx, handed), _ = self._scan(body, (cot, handed), chunk_state, BACKWARD_SCOPE, reverse=True)
+        return gx, handed
+
+    def weight_gradient(self, chunk_state, first, size, stash: list, slot, handed: list):
+        """Split: the chunk's weight gradients of the microbatch kept at `slot`."""
+        def body(_, inputs):
+            layer_state, i = inputs
+
+            def run():
+                gl = self._parts.weight_gradient(jax.tree.leaves(layer_state), [b[slot, i] for b in stash],
+                                                 [b[slot, i] for b in handed])
+                return jax.tree.unflatten(self._def, gl)
+            if size is None:
+                return None, run()
+            return None, self._when(i < size, run, lambda: jax.tree.map(jnp.zeros_like, layer_state))
+        _, gl = self._scan(body, None, chunk_state, BACKWARD_SCOPE)
+        return gl

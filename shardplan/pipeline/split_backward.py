@@ -43,8 +43,10 @@ def split_backward(closed: core.ClosedJaxpr, w_outputs: list[bool], w_may_read: 
     jaxpr, consts = _inline(closed.jaxpr, closed.consts)
     b_out = [not w for w in w_outputs]
     may = [True] * len(jaxpr.invars) if w_may_read is None else w_may_read
-    b_eqns, w_eqns, crossing = _partition(jaxpr, b_out, list(w_outputs), {v for v, ok in zip(jaxpr.invars, may) if ok})
-    w_invars = [v for v in jaxpr.invars if v in _free(w_eqns, _outs(jaxpr, w_outputs))]
+    available = {v for v, ok in zip(jaxpr.invars, may) if ok}
+    b_eqns, w_eqns, crossing = _partition(jaxpr, b_out, list(w_outputs), available)
+    # (an invar W may not read, such as the output gradient, reaches it as B's: among `crossing`)
+    w_invars = [v for v in jaxpr.invars if v in _free(w_eqns, _outs(jaxpr, w_outputs)) and v in available]
     b_jaxpr = core.Jaxpr(jaxpr.constvars, jaxpr.invars, [*_outs(jaxpr, b_out), *crossing], b_eqns)
     w_jaxpr = core.Jaxpr(jaxpr.constvars, [*w_invars, *crossing], _outs(jaxpr, w_outputs), w_eqns)
     b_free = _free(b_eqns, b_jaxpr.outvars)

@@ -2,10 +2,10 @@
 input gradient B, which the previous stage waits for, and the weight gradients W, which it runs later
 in ticks 1F1B leaves idle (`shardplan.checks.schedules.ZeroBubble`).
 
-Unlike the other schedules, a stage keeps its forward's residuals rather than recomputing the forward
-in the backward: B then costs about what F does, and so does W, which the tables take as equal. What
-W reads (each weight matmul's input from the forward, its output gradient from B) stays until W; what
-B alone reads is dropped at B. Weights the residuals would repeat are read from the stage's own.
+A stage keeps its forward's residuals, per layer (`residuals.LayerResiduals`), as the table schedules
+do: B then costs about what F does, and so does W, which the tables take as equal. What W reads (each
+weight matmul's input from the forward, its output gradient from B) stays until W; what B alone reads
+is dropped at B. Weights the residuals would repeat are read from the stage's own.
 The code around the layers runs per microbatch on its stage, as under 1F1B (`loop.table_schedule`).
 """
 
@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 
 from shardplan.checks.schedules import ZeroBubble
-from shardplan.pipeline.loop import (Ends, Loop, Operands, add_into, branching, chunk_of_state, finish_gradients,
-                                     kept_at, rows_of, run_chunk, run_on_stages, running_sum, shard_keys, to_next_stage,
+from shardplan.pipeline.loop import (Ends, Loop, Operands, branching, chunk_of_state, finish_gradients, in_branch,
+                                     kept_at, rows_of, run_on_stages, running_sum, shard_keys, to_next_stage,
                                      to_previous_stage)
-from shardplan.pipeline.residuals import StageParts
+from shardplan.pipeline.residuals import LayerResiduals
 from shardplan.run.layer_call import fold_keys
 
 _TABLES = ("op", "micro", "keep", "until_b", "inbox", "cot", "take_in", "take_cot")
@@ -59,7 +59,6 @@ def zero_bubble_schedule(loop: Loop, operands: Operands):
         layer_split, layer_whole = mine.layer_inputs
         state = chunk_of_state(mine.stacked, 0)                                   # (virtual, per_chunk, ...)
         chunk = chunk_of_state(state, 0)                                          # (per_chunk, ...): one chunk
-        chunk_leaves, chunk_def = jax.tree.flatten(chunk)
         s = jax.lax.axis_index(axis)
         last = stages - 1
         row = {name: table[s] for name, table in tables.items()}
@@ -69,43 +68,35 @@ def zero_bubble_schedule(loop: Loop, operands: Operands):
         ends = Ends(loop, mine, when)
         like = ends.like
 
-        def stage(leaves, h, split, keys, first):
-            return run_chunk(loop.layers, jax.tree.unflatten(chunk_def, leaves), h, split, layer_whole, keys, first,
-                             size)
-        parts = StageParts.of(stage, chunk_leaves, like, (rows_of(layer_split, 0), fold_keys(layer_keys, 0), first))
+        def layer_fn(layer_state, h, m, index):
+            return loop.layers.run(layer_state, index, h, rows_of(layer_split, m), layer_whole,
+                                   fold_keys(layer_keys, m))
+        # each layer's residuals, kept per layer in the stashes as its forward runs (`LayerResiduals`)
+        parts = LayerResiduals(layer_fn, chunk_of_state(chunk, 0), like, when, split=True)
 
         def tick(carry: _Carry, t):
             op, m = row["op"][t], row["micro"][t]
             f_on, b_on, w_on = op == 1, op == 2, op == 3
+            slot, b_slot = row["keep"][t], row["until_b"][t]
             inbox = kept_at(carry.inbox, row["take_in"][t], carry.incoming)
             cotbox = kept_at(carry.cotbox, row["take_cot"][t], carry.cot_in)
 
             enters, leaves = f_on & (s == 0), f_on & (s == last)
             h_in = ends.layers_input(enters, m, inbox[row["inbox"][t]])
-            y, saved = when(f_on, lambda: parts.forward(chunk_leaves, h_in, rows_of(layer_split, m),
-                                                        fold_keys(layer_keys, m), first),
-                            lambda: (jnp.zeros_like(h_in), parts.nothing_saved()))
-            kept = [kept_at(buffer, jnp.where(f_on, row["keep"][t], -1), value)
-                    for buffer, value in zip(carry.kept, saved[0])]
-            until_b = [kept_at(buffer, jnp.where(f_on, row["until_b"][t], -1), value)
-                       for buffer, value in zip(carry.until_b, saved[1])]
+            y, kept, until_b = in_branch(
+                loop.branches, f_on, lambda kept, until_b: parts.forward(chunk, h_in, m, first, size, kept, slot,
+                                                                         until_b, b_slot),
+                lambda: jnp.zeros_like(h_in), carry.kept, carry.until_b)
 
             loss_m, g_head, gy = ends.loss_and_gradients(leaves, y, m, carry.g_head)
             cotbox = kept_at(cotbox, jnp.where(leaves, row["cot"][t], -1), gy.astype(cotbox.dtype))
-
-            def input_gradient():
-                slot, b_slot = row["keep"][t], row["until_b"][t]
-                return parts.input_gradient(chunk_leaves, [k[slot] for k in kept], [u[b_slot] for u in until_b],
-                                            cotbox[row["cot"][t]])
-            gx, handed = when(b_on, input_gradient, lambda: (jnp.zeros_like(h_in), parts.nothing_handed()))
-            crossed = [kept_at(buffer, jnp.where(b_on, row["keep"][t], -1), value)
-                       for buffer, value in zip(carry.crossed, handed)]
-
-            def weight_gradient():
-                slot = row["keep"][t]
-                return parts.weight_gradient(chunk_leaves, [k[slot] for k in kept], [c[slot] for c in crossed])
-            g_layers, _ = ends.summed(w_on, lambda: (weight_gradient(), ()),
-                                      lambda: ([jnp.zeros_like(a) for a in chunk_leaves], ()), carry.g_layers)
+            cot = cotbox[row["cot"][t]]
+            gx, crossed = in_branch(
+                loop.branches, b_on, lambda crossed: parts.input_gradient(chunk, first, size, kept, slot, until_b,
+                                                                          b_slot, crossed, cot),
+                lambda: jnp.zeros_like(h_in), carry.crossed)
+            g_layers, _ = ends.summed(w_on, lambda: (parts.weight_gradient(chunk, first, size, kept, slot, crossed), ()),
+                                      lambda: (jax.tree.map(jnp.zeros_like, chunk), ()), carry.g_layers)
             g_embed = ends.embed_gradients(b_on & (s == 0), m, gx, carry.g_embed)
             return _Carry(to_next_stage(y, axis, stages), to_previous_stage(gx, axis, stages), inbox, cotbox, kept,
                           crossed, until_b, g_layers, g_head, g_embed, carry.loss_sum + loss_m), None
@@ -114,12 +105,13 @@ def zero_bubble_schedule(loop: Loop, operands: Operands):
         carry = _Carry(
             incoming=zeros, cot_in=zeros, inbox=jnp.zeros((max(inbox_slots, 1), *like.shape), like.dtype),
             cotbox=jnp.zeros((max(cot_slots, 1), *like.shape), like.dtype),
-            kept=parts.buffers(parts.kept, keep_slots), crossed=parts.buffers(parts.handed, keep_slots),
-            until_b=parts.buffers(parts.until_b, until_b_slots), g_layers=running_sum(chunk_leaves),
+            kept=LayerResiduals.empty(parts.like, keep_slots, per_chunk),
+            crossed=LayerResiduals.empty(parts.handed, keep_slots, per_chunk),
+            until_b=LayerResiduals.empty(parts.until_b, until_b_slots, per_chunk), g_layers=running_sum(chunk),
             g_head=running_sum(mine.head_params), g_embed=running_sum(mine.embed_params),
             loss_sum=jnp.zeros((), jnp.float32))
         done, _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
-        g_layers = jax.tree.map(lambda g: g[None], jax.tree.unflatten(chunk_def, done.g_layers))   # (virtual=1, ...)
+        g_layers = jax.tree.map(lambda g: g[None], done.g_layers)                       # (virtual=1, ...)
         return finish_gradients(g_layers, done.g_head, done.g_embed, done.loss_sum, micro, loop.batch_axes, state,
                                 mine.head_params, mine.embed_params, loop.leaf_specs)
 

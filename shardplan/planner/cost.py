@@ -52,16 +52,6 @@ from shardplan.checks.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR,
 TOKEN_BYTES = 4                 # tokens and targets are int32
 LOGIT_COPIES = 3                # logits, their softmax and their gradient are alive together
 SCORE_COPIES = 2                # attention scores and probabilities kept per head (XLA fuses the rest)
-# zb-h1 without rematerialisation keeps more than its S residual sets: the weight gradients' inputs
-# and output gradients from B until W, and the loop's copies of the set it reads and the one it
-# writes. Measured on MiniGPT (8 blocks, embed 128, 2 and 4 stages, 2 to 8 microbatches on CPU
-# devices): the compiled temporaries are 2.0-2.6x the S sets; 1.75 S + 1.5 sets put the peaks
-# within -1%..+5% of the compiled.
-ZB_SET_COPIES = 1.75
-ZB_EXTRA_SETS = 1.5
-# With rematerialised layers it keeps S sets of what the policy saves and, measured the same way, about
-# three quarters of one unrematerialised set for W (peaks within -8%..+10% of the compiled).
-ZB_REMAT_PENDING_SETS = 0.75
 ELEMENTWISE_PASSES = 4          # stored activation bytes moved by elementwise work: written and read, forward and back
 GRADIENT_REDUCTION = "gradients, data parallel"
 WEIGHT_FLOPS = 6                # per weight and token: 2 forward, 4 backward
@@ -957,20 +947,15 @@ def _activations(kept: tuple[dict, dict, dict], step: _Step, on: _OnStage | None
         # its two one-slot inboxes
         _, slots, beside = _tables(step)
         slots -= on.fewer_in_flight if on is not None else 0
-        if step.schedule == "zb-h1" and step.remat == "none":
-            stored = tokens * ((ZB_SET_COPIES * slots + ZB_EXTRA_SETS) * layers + beside * step.width * b)
-        elif step.schedule == "zb-h1":
-            # a rematerialised layer's own activations live once, while it runs again, not in every set;
-            # what W reads (the inputs B ran again, the outputs' gradients) waits beside them
-            pending = ZB_REMAT_PENDING_SETS * sum(size * stands_for[layer] for layer, size in full.items())
-            stored = tokens * (slots * (layers - biggest) + biggest + pending + beside * step.width * b)
-        elif step.schedule == "zb-v":
+        if step.schedule == "zb-v":
             stored = tokens * ((slots + beside) * step.width * b + layers / step.virtual)
         else:
-            # each slot holds one chunk's residuals, as autodiff keeps them under the layers' remat; a
-            # rematerialised layer's own activations live once, while it runs again
+            # each slot holds one chunk's residuals, as autodiff keeps them under the layers' remat (a
+            # rematerialised layer's own activations live once, while it runs again); zb-h1's slots also
+            # hold what B hands W, each weight matmul's output gradient
             again = biggest if step.remat != "none" else 0.0
-            stored = tokens * (slots * (layers - again) / step.virtual + again + beside * step.width * b)
+            handed = sum(dots[layer] * stands_for[layer] for layer in full) if step.schedule == "zb-h1" else 0.0
+            stored = tokens * (slots * (layers - again + handed) / step.virtual + again + beside * step.width * b)
         if step.schedule == "zb-v":     # and one chunk's weight-matmul outputs, kept from R until W
             stored += tokens * sum(dots[layer] * stands_for[layer] for layer in full) / step.virtual
     else:
