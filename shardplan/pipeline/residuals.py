@@ -181,27 +181,31 @@ class LayerResiduals:
         gx, gl = self._scan(body, cot, chunk_state, BACKWARD_SCOPE, reverse=True)
         return gl, gx
 
-    def input_gradient(self, chunk_state, first, size, stash: list, slot, until_b: list, b_slot, handed: list, cot):
-        """Split: (the chunk input's gradient, `handed` with what W reads of B's at `slot`)."""
+    def input_gradient(self, chunk_state, first, size, stash: list, slot, until_b: list, b_slot, handed: list, cot,
+                       h_slot=None):
+        """Split: (the chunk input's gradient, `handed` with what W reads of B's at `h_slot`, by default
+        `slot`)."""
+        h_slot = slot if h_slot is None else h_slot
         def body(carry, inputs):
             layer_state, i = inputs
 
             def run(g, handed):
                 gx, out = self._parts.input_gradient(jax.tree.leaves(layer_state), [b[slot, i] for b in stash],
                                                      [b[b_slot, i] for b in until_b], g)
-                return gx, [b.at[slot, i].set(r) for b, r in zip(handed, out)]
+                return gx, [b.at[h_slot, i].set(r) for b, r in zip(handed, out)]
             return self._unless_padding(size, i, run, lambda *c: c, *carry), None
         (gx, handed), _ = self._scan(body, (cot, handed), chunk_state, BACKWARD_SCOPE, reverse=True)
         return gx, handed
 
-    def weight_gradient(self, chunk_state, first, size, stash: list, slot, handed: list):
-        """Split: the chunk's weight gradients of the microbatch kept at `slot`."""
+    def weight_gradient(self, chunk_state, first, size, stash: list, slot, handed: list, h_slot=None):
+        """Split: the chunk's weight gradients of the microbatch kept at `slot` (B's at `h_slot`)."""
+        h_slot = slot if h_slot is None else h_slot
         def body(_, inputs):
             layer_state, i = inputs
 
             def run():
                 gl = self._parts.weight_gradient(jax.tree.leaves(layer_state), [b[slot, i] for b in stash],
-                                                 [b[slot, i] for b in handed])
+                                                 [b[h_slot, i] for b in handed])
                 return jax.tree.unflatten(self._def, gl)
             if size is None:
                 return None, run()

@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 
 from shardplan.checks.schedules import ZeroBubbleV
-from shardplan.pipeline.loop import (Ends, Loop, Operands, add_into, branching, chunk_of_state, finish_gradients,
+from shardplan.pipeline.loop import (Ends, Loop, Operands, branching, chunk_of_state, finish_gradients, in_branch,
                                      kept_at, rows_of, run_chunk, run_on_stages, running_sum, shard_keys, to_next_stage,
                                      to_previous_stage)
-from shardplan.pipeline.residuals import StageParts
+from shardplan.pipeline.residuals import LayerResiduals
 from shardplan.run.layer_call import fold_keys
 
 _TABLES = ("op", "chunk", "micro", "read", "stash", "keep", "until_b", "crossed", "loss_to", "take_up", "take_down",
@@ -60,70 +60,55 @@ def zero_bubble_v_schedule(loop: Loop, operands: Operands):
         layer_keys = shard_keys(mine.keys[0], loop.mesh, loop.batch_axes)
         layer_split, layer_whole = mine.layer_inputs
         state = chunk_of_state(mine.stacked, 0)                                   # (2, per_chunk, ...)
-        _, chunk_def = jax.tree.flatten(chunk_of_state(state, 0))
         s = jax.lax.axis_index(axis)
         row = {name: table[s] for name, table in tables.items()}
 
         def first_layer(v):
             return loop.layers.chunk(s, v, stages, per_chunk)[0]
 
-        # A chunk's weights are taken, and its gradients added back, outside the tick's branches (see
-        # `loop.table_schedule`).
-        def chunk_leaves(v):
-            return jax.tree.leaves(chunk_of_state(state, v))
-
         when = branching(loop.branches)
         ends = Ends(loop, mine, when)
         like = ends.like
+
+        def layer_fn(layer_state, h, m, index):
+            return loop.layers.run(layer_state, index, h, rows_of(layer_split, m), layer_whole,
+                                   fold_keys(layer_keys, m))
         # R keeps the weight matmuls' outputs only; B recomputes the rest from them (attention's own
         # matmuls included). Keeping everything R computes held 1.5-1.8x 1F1B's temporary memory on
-        # benchmarks/pipeline.py; this, 1.05x.
-        def stage(leaves, h, split, keys, first):
-            return run_chunk(loop.layers, jax.tree.unflatten(chunk_def, leaves), h, split, layer_whole, keys, first)
-        parts = StageParts.of(stage, chunk_leaves(0), like, (rows_of(layer_split, 0), fold_keys(layer_keys, 0),
-                                                             first_layer(0)),
-                              policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-
-        def forward(leaves, h, m, v):
-            return stage(leaves, h, rows_of(layer_split, m), fold_keys(layer_keys, m), first_layer(v))
+        # benchmarks/pipeline.py; this, 1.05x. Kept per layer (`LayerResiduals`).
+        parts = LayerResiduals(layer_fn, chunk_of_state(chunk_of_state(state, 0), 0), like, when, split=True,
+                               policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
 
         def tick(carry: _Carry, t):
             op, v, m = row["op"][t], row["chunk"][t], row["micro"][t]
             f_on, r_on, b_on, w_on = op == _F, op == _R, op == _B, op == _W
+            slot, b_slot, c_slot = row["keep"][t], row["until_b"][t], row["crossed"][t]
             box = kept_at(carry.box, row["take_up"][t], carry.from_below)
             box = kept_at(box, row["take_down"][t], carry.from_above)
             box = kept_at(box, row["take_local"][t], carry.own)
-            leaves = chunk_leaves(v)
+            # (a chunk's weights are taken outside the tick's branches: see `loop.table_schedule`)
+            chunk, first = chunk_of_state(state, v), first_layer(v)
 
             h_in = ends.layers_input(f_on & (s == 0) & (v == 0), m, box[row["read"][t]])
-            y = when(f_on, lambda: forward(leaves, h_in, m, v), lambda: jnp.zeros_like(h_in))
+            y = when(f_on, lambda: run_chunk(loop.layers, chunk, h_in, rows_of(layer_split, m), layer_whole,
+                                             fold_keys(layer_keys, m), first), lambda: jnp.zeros_like(h_in))
             stash = kept_at(carry.stash, jnp.where(f_on, row["stash"][t], -1), h_in)
             finishes = f_on & (s == 0) & (v == 1)
             loss_m, g_head, gy = ends.loss_and_gradients(finishes, y, m, carry.g_head)
             box = kept_at(box, jnp.where(finishes, row["loss_to"][t], -1), gy.astype(box.dtype))
 
-            saved = when(r_on, lambda: parts.forward(leaves, stash[row["stash"][t]], rows_of(layer_split, m),
-                                                     fold_keys(layer_keys, m), first_layer(v))[1],
-                         parts.nothing_saved)
-            kept = [kept_at(buffer, jnp.where(r_on, row["keep"][t], -1), value)
-                    for buffer, value in zip(carry.kept, saved[0])]
-            until_b = [kept_at(buffer, jnp.where(r_on, row["until_b"][t], -1), value)
-                       for buffer, value in zip(carry.until_b, saved[1])]
-
-            def input_gradient():
-                return parts.input_gradient(leaves, [k[row["keep"][t]] for k in kept],
-                                            [u[row["until_b"][t]] for u in until_b], box[row["read"][t]])
-            gx, handed = when(b_on, input_gradient, lambda: (jnp.zeros_like(h_in), parts.nothing_handed()))
-            crossed = [kept_at(buffer, jnp.where(b_on, row["crossed"][t], -1), value)
-                       for buffer, value in zip(carry.crossed, handed)]
-
-            def weight_gradient():
-                return parts.weight_gradient(leaves, [k[row["keep"][t]] for k in kept],
-                                             [c[row["crossed"][t]] for c in crossed])
+            _, kept, until_b = in_branch(
+                loop.branches, r_on, lambda kept, until_b: ((), *parts.forward(
+                    chunk, stash[row["stash"][t]], m, first, None, kept, slot, until_b, b_slot)[1:]),
+                lambda: (), carry.kept, carry.until_b)
+            gx, crossed = in_branch(
+                loop.branches, b_on, lambda crossed: parts.input_gradient(
+                    chunk, first, None, kept, slot, until_b, b_slot, crossed, box[row["read"][t]], c_slot),
+                lambda: jnp.zeros_like(h_in), carry.crossed)
             g_layers, _ = ends.summed(
-                w_on, lambda: (weight_gradient(), ()), lambda: ([jnp.zeros_like(a) for a in leaves], ()),
-                carry.g_layers, lambda total, gl: jax.tree.map(lambda t, g: t.at[v].add(g.astype(t.dtype)), total,
-                                                               jax.tree.unflatten(chunk_def, gl)))
+                w_on, lambda: (parts.weight_gradient(chunk, first, None, kept, slot, crossed, c_slot), ()),
+                lambda: (jax.tree.map(jnp.zeros_like, chunk), ()), carry.g_layers,
+                lambda total, gl: jax.tree.map(lambda t, g: t.at[v].add(g.astype(t.dtype)), total, gl))
             g_embed = ends.embed_gradients(b_on & (s == 0) & (v == 0), m, gx, carry.g_embed)
 
             out = jnp.where(f_on, y, gx)
@@ -139,8 +124,9 @@ def zero_bubble_v_schedule(loop: Loop, operands: Operands):
             from_below=zeros, from_above=zeros, own=zeros,
             box=jnp.zeros((max(box_slots, 1), *like.shape), like.dtype),
             stash=jnp.zeros((max(stash_slots, 1), *like.shape), like.dtype),
-            kept=parts.buffers(parts.kept, keep_slots), crossed=parts.buffers(parts.handed, crossed_slots),
-            until_b=parts.buffers(parts.until_b, until_b_slots), g_layers=running_sum(state),
+            kept=LayerResiduals.empty(parts.like, keep_slots, per_chunk),
+            crossed=LayerResiduals.empty(parts.handed, crossed_slots, per_chunk),
+            until_b=LayerResiduals.empty(parts.until_b, until_b_slots, per_chunk), g_layers=running_sum(state),
             g_head=running_sum(mine.head_params), g_embed=running_sum(mine.embed_params),
             loss_sum=jnp.zeros((), jnp.float32))
         done, _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
