@@ -476,18 +476,22 @@ def table_schedule(loop: Loop, operands: Operands):
 
         when = branching(loop.branches)
 
-        # A chunk's weights are taken outside the tick's branches, and its gradients added back there too
-        # unless every mesh axis is manual (`Ends.summed`): inside, the transpose of that slice can re-tile a
-        # weight split over an axis left to XLA with a collective-permute, which XLA:CPU runs only when every
-        # device of the program arrives — and the stages idle on that tick never do.
+        ends = Ends(loop, mine, when)
+        like = ends.like
+
+        # A chunk's weights are taken, and its gradients added back, inside the tick's branches only where
+        # every mesh axis is manual (`Ends.summed`; an idle tick then slices nothing): elsewhere the
+        # transpose of that slice can re-tile a weight split over an axis left to XLA with a
+        # collective-permute, which XLA:CPU runs only when every device of the program arrives — and the
+        # stages idle on that tick never do. `chunk_of(v)()`: the chunk's weights, where the branch needs them.
         def chunk_of(v):
-            return chunk_of_state(state, v if virtual > 1 else 0)
+            if ends.sums_inside:
+                return lambda: chunk_of_state(state, v if virtual > 1 else 0)
+            taken = chunk_of_state(state, v if virtual > 1 else 0)
+            return lambda: taken
 
         def add_to_chunk(total, v, grads):
             return jax.tree.map(lambda t, g: t.at[v if virtual > 1 else 0].add(g.astype(t.dtype)), total, grads)
-
-        ends = Ends(loop, mine, when)
-        like = ends.like
 
         def layer_fn(layer_state, h, m, index):
             return layers.run(layer_state, index, h, rows_of(layer_split, m), layer_whole, fold_keys(layer_keys, m))
@@ -507,7 +511,7 @@ def table_schedule(loop: Loop, operands: Operands):
             f_chunk = chunk_of(vf)
             first_f, size_f = layers.chunk(s, vf, stages, per_chunk)
             h, stash = in_branch(loop.branches, f_on,
-                                 lambda stash: kept.forward(f_chunk, h_in, mf_, first_f, size_f, stash, f_at)[:2],
+                                 lambda stash: kept.forward(f_chunk(), h_in, mf_, first_f, size_f, stash, f_at)[:2],
                                  lambda: jnp.zeros_like(h_in), carry.stash)
 
             loss_m, g_head, gy = ends.loss_and_gradients(leaves, h, mf_, carry.g_head)
@@ -522,8 +526,8 @@ def table_schedule(loop: Loop, operands: Operands):
 
             b_chunk = chunk_of(vb)
             first_b, size_b = layers.chunk(s, vb, stages, per_chunk)
-            g_layers, gx = ends.summed(b_on, lambda: kept.backward(b_chunk, mb_, first_b, size_b, stash, b_at, cot),
-                                       lambda: (jax.tree.map(jnp.zeros_like, b_chunk), jnp.zeros_like(h)),
+            g_layers, gx = ends.summed(b_on, lambda: kept.backward(b_chunk(), mb_, first_b, size_b, stash, b_at, cot),
+                                       lambda: (jax.tree.map(jnp.zeros_like, b_chunk()), jnp.zeros_like(h)),
                                        carry.g_layers, lambda total, g: add_to_chunk(total, vb, g))
             g_embed = ends.embed_gradients(b_on & (s == 0) & (vb == 0), mb_, gx, carry.g_embed)
             return _TableCarry(to_next_stage(h, axis, stages), to_previous_stage(gx, axis, stages), stash, waiting,

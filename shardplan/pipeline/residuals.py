@@ -143,8 +143,10 @@ class LayerResiduals:
 
     @staticmethod
     def empty(like: list, slots: int, per_chunk: int) -> list:
-        """Buffers [slot, layer, ...] of each value shaped as in `like`."""
-        return [jnp.zeros((max(slots, 1), per_chunk, *r.shape), r.dtype) for r in like]
+        """Buffers [slot, layer, ...] of each value shaped as in `like`. (Each behind a barrier: XLA shared
+        one broadcast of zeros between same-shaped buffers and copied it into each, per step, a tenth of
+        zb-h1's step on benchmarks/pipeline_work.py.)"""
+        return [jax.lax.optimization_barrier(jnp.zeros((max(slots, 1), per_chunk, *r.shape), r.dtype)) for r in like]
 
     def _scan(self, body, carry, chunk_state, scope: str, reverse: bool = False):
         count = jax.tree.leaves(chunk_state)[0].shape[0]
