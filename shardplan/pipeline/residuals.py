@@ -1,14 +1,14 @@
 """What a stage keeps of a microbatch's forward for its backward, and the backward run from it.
 
-`StageParts` traces a stage's forward once under `jax.vjp` and keeps what autodiff keeps (its
+`StageParts` traces a layer's forward once under `jax.vjp` and keeps what autodiff keeps (its
 residuals): the backward then runs from them, as a plain `jax.grad` of the model would, instead of
 recomputing the forward from the stage's input. A `remat` policy on the layers (the plan's `remat:`,
 which wraps their calls) decides what the residuals are: the values it saves, the rest recomputed in
-the backward. Residuals that are the stage's own weights are not kept (read from the weights again).
+the backward. Residuals that are the layer's own weights are not kept (read from the weights again).
 For the zero-bubble schedules the backward is also split into B and W (`split_backward`).
 
-`LayerResiduals` keeps them per layer, in a stash of one slot per microbatch in flight (plus, where the
-stages run without branches, a scratch slot their idle ticks write to).
+`LayerResiduals` runs a chunk's layers with them, keeping each layer's residuals in a stash of one
+slot per microbatch in flight.
 """
 
 from __future__ import annotations
@@ -79,12 +79,6 @@ class StageParts:
         y, residuals = self._run(chunk_leaves, h, *args)
         return y, ([residuals[i] for i in self._kept_at], [residuals[i] for i in self._until_b_at])
 
-    def nothing_saved(self):
-        return ([jnp.zeros(r.shape, r.dtype) for r in self.kept], [jnp.zeros(r.shape, r.dtype) for r in self.until_b])
-
-    def nothing_handed(self):
-        return [jnp.zeros(r.shape, r.dtype) for r in self.handed]
-
     def _residuals_from(self, chunk_leaves, kept, until_b):
         out = [None] * len(self._residuals)
         for i, at in enumerate(self._forwarded):
@@ -114,9 +108,6 @@ class StageParts:
         reads = [r for r, used in zip(residuals, self._split.w_uses) if used]
         return core.eval_jaxpr(w.jaxpr, w.consts, *reads, *handed)
 
-    @staticmethod
-    def buffers(like, slots: int):
-        return [jnp.zeros((max(slots, 1), *r.shape), r.dtype) for r in like]
 
 
 class LayerResiduals:
