@@ -329,10 +329,15 @@ def test_unequal_stages_are_padded_runs_as_even_as_the_layer_count_allows(tmp_pa
              "    - {match: 'layers/[6-8]', stage: 2}\n    - {match: 'layers/9', stage: 3}\n")
     ends = report(rules)
     assert ends.diagnostics == [] and ends.stage_map.counts == (2, 4, 3, 1)
-    # zb-h1 computes a shorter stage's padding: the split saves nothing there, and says so
-    computed = report(rules + "  schedule: zb-h1\n")
+    # zb-h1 skips a shorter stage's padding too (its layers' residuals are kept per layer)
+    skipped = report(rules + "  schedule: zb-h1\n")
+    assert skipped.diagnostics == [] and skipped.stage_map.counts == (2, 4, 3, 1)
+    # the whole-batch loop (gpipe with the sequence split over a context axis) computes the padding: the
+    # split saves nothing there, and says so
+    head = head.replace("{stage: 4, data: 2}", "{stage: 4, context: 2}").replace("[data, null]", "[null, context]")
+    computed = report(rules + "context: {axis: context}\n")
     assert computed.ok and [(d.code, d.severity) for d in computed.diagnostics] == [("stage-unbalanced", "warning")]
-    assert "save no time" in computed.diagnostics[0].message and "gpipe or 1f1b" in computed.diagnostics[0].hint
+    assert "save no time" in computed.diagnostics[0].message and "gpipe, 1f1b or zb-h1" in computed.diagnostics[0].hint
 
 
 def test_zb_v_places_its_two_chunks_per_stage_in_a_v(tmp_path):

@@ -292,3 +292,18 @@ def test_a_pipeline_that_names_no_list_says_which_lists_the_model_has():
     assert "'encoder/blocks'" in text and "no parameter path has that form" in text, text
     assert "this model has encoder/layers" in text, text           # the closest list first
     assert "encoder/layers/0/mlp/layers" not in text, text         # (a list inside a layer is no candidate)
+
+
+def test_a_pipeline_over_the_guides_vmap_stacked_layers_is_refused_naming_the_construct():
+    """The flax guide's `MultiDotReluDot` builds its layers with `nnx.vmap` (one module, a leading layer
+    dimension) and runs them with `jax.lax.scan`: `check` says what it found and what would work."""
+    ns = tutorial_code.gspmd()
+    plan = shardplan.parse_plan("version: 1\nmesh: {axes: {stage: 2, data: 4}}\ninputs: {x: [data]}\n"
+                                "pipeline: {axis: stage, layers: layers}\nparams:\n  - {match: '.*', spec: replicated}\n")
+    with nnx.use_eager_sharding(False):          # (its annotations name the guide's mesh axes)
+        model = nnx.eval_shape(lambda: ns["MultiDotReluDot"](16, 4, rngs=nnx.Rngs(0)))
+    found = [d for d in shardplan.check(plan, model).errors if d.code == "pipeline-no-layers"]
+    assert found
+    text = " ".join(found[0].format().split())
+    assert "one stacked module" in text and "leading dimension of 4 layers" in text and "nnx.vmap" in text, text
+    assert "nnx.List" in text, text

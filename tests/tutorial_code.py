@@ -72,7 +72,7 @@ def segmentation() -> dict:
 
 
 def gspmd() -> dict:
-    return definitions("flax_gspmd.md", ["DotReluDot", "ExplicitDotReluDot", "train_step"])
+    return definitions("flax_gspmd.md", ["DotReluDot", "MultiDotReluDot", "ExplicitDotReluDot", "train_step"])
 
 
 UnetrBasicBlock = segmentation()["UnetrBasicBlock"]     # for `--model tutorial_code:UnetrBasicBlock`

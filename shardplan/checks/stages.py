@@ -86,7 +86,15 @@ def _layer_lists_hint(pipe, params: list[ParamInfo]) -> str:
 
 
 def _no_layers(pipe, params: list[ParamInfo]) -> str:
-    """Why `pipeline.layers` names no layers it can run."""
+    """Why `pipeline.layers` names no layers it can run: nothing at that path, or one stacked module there
+    (its parameters sharing a leading layer dimension, as `nnx.vmap` / `nnx.scan` build layers)."""
+    inside = [p for p in params if p.path.startswith(pipe.layers + "/")]
+    leading = {p.shape[0] if p.shape else None for p in inside}
+    if inside and len(leading) == 1 and None not in leading:
+        return (f"pipeline.layers {pipe.layers!r} is one stacked module: its {len(inside)} parameters share a "
+                f"leading dimension of {leading.pop()} layers (as nnx.vmap or nnx.scan build them, e.g. "
+                f"{inside[0].path} {tuple(inside[0].shape)}), and pipelines run a list of layers for now (parameter "
+                f"paths {pipe.layers}/0/...)")
     return (f"pipeline.layers {pipe.layers!r} requires a list of layers with parameters at that path (parameter "
             f"paths {pipe.layers}/0/...), but no parameter path has that form")
 
@@ -104,8 +112,11 @@ def plan_stages(plan: Plan, params: list[ParamInfo], sizes: dict[str, int],
                             f"{list(sizes)}", hint=f"add {pipe.axis}: N to mesh.axes (e.g. {{{pipe.axis}: 2, ...}})")]
     layers = layer_params(pipe.layers, params)
     if not layers:
-        return None, [where("pipeline-no-layers", ("pipeline", "layers"), _no_layers(pipe, params),
-                            hint=_layer_lists_hint(pipe, params))]
+        stacked = _no_layers(pipe, params)
+        hint = ("build the layers as a list the forward loops over (self.layers = nnx.List([Block(...) for _ in "
+                "range(n)]); for layer in self.layers: x = layer(x)), or leave the stacked layers out of the pipeline"
+                if "one stacked module" in stacked else _layer_lists_hint(pipe, params))
+        return None, [where("pipeline-no-layers", ("pipeline", "layers"), stacked, hint=hint)]
     stages = sizes[pipe.axis]
     virtual = 2 if pipe.schedule == "zb-v" else pipe.virtual_stages if pipe.schedule in ("interleaved", "1f1b") else 1
     found = _axis_in_layer_specs(plan, pipe.axis, specs, where) + _layers_differ(pipe.layers, layers, specs, where)
@@ -294,8 +305,8 @@ def _check_layout(plan, stage_map: StageMap, where, skips_padding: bool) -> list
                                f"ends, but under this schedule every stage computes the longest stage's "
                                f"{max(counts)} slots, the shorter ones on zero-filled padding, so they save no time "
                                f"where {even} would do", severity="warning",
-                               hint="use schedule gpipe or 1f1b (a shorter stage skips its padding there), or "
-                                    "stages: even"))
+                               hint="use schedule gpipe, 1f1b or zb-h1 without a split sequence (a shorter stage "
+                                    "skips its padding there), or stages: even"))
     if stage_map.virtual == 1:
         expected = sorted(stage_map.stage_of)      # consecutive runs in stage order
     else:
