@@ -381,7 +381,7 @@ def model_loss(model: nnx.Module, loss_of: Callable, targets, *args, **kwargs):
     if found is None and accumulation(model) > 1:
         return accumulated_loss(model, loss_of, targets, args, kwargs, accumulation(model))
     if found is None or found[1].schedule not in SCHEDULES:
-        return loss_of(model(*args, **kwargs), targets)
+        return loss_of(_split_over_rows_only(model(*args, **kwargs)), targets)
     request = _LossRequest(model, loss_of, targets, args, kwargs)
     token = _LOSS_REQUEST.set(request)
     try:
@@ -389,10 +389,24 @@ def model_loss(model: nnx.Module, loss_of: Callable, targets, *args, **kwargs):
     finally:
         _LOSS_REQUEST.reset(token)
     if request.plain:
-        return loss_of(output, targets)
+        return loss_of(_split_over_rows_only(output), targets)
     if request.loss is None:
         raise PipelineCallError(f"the model's forward never called its pipelined layers ({found[0]})")
     return request.loss
+
+
+def _split_over_rows_only(output):
+    """The model's output with explicit mesh axes (`mesh.types`) kept on its leading, batch, dimension only:
+    under explicit axes a loss that indexes a split dimension (cross-entropy with integer labels gathers
+    along the vocabulary) cannot resolve its sharding, and JAX refuses it (found by the combination tester:
+    a head split over an explicit axis). Outputs of automatic axes are returned as they are."""
+    def one(a):
+        sharding = getattr(jax.typeof(a), "sharding", None) if isinstance(a, jax.Array) else None
+        spec = tuple(getattr(sharding, "spec", ()) or ())
+        if len(spec) < 2 or all(entry is None for entry in spec[1:]):
+            return a
+        return jax.sharding.reshard(a, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(spec[0])))
+    return jax.tree.map(one, output)
 
 
 __all__ = ["PipelinedLayers", "pipelined_layers", "to_plain", "model_loss", "cross_entropy"]
