@@ -11,7 +11,8 @@ starting one variant further on, so load on the machine falls on all alike), in 
 this process's CPU seconds, the ratio to data parallel; its temporary memory per device
 (`memory_analysis`); and its matmul GFLOP per device counted in the compiled HLO as often as each
 runs (deterministic: the work it was compiled to do), with a stage's forward and backward apart
-(their named scopes; under 1F1B's tables; a remat policy's recomputation lands in the backward).
+(their named scopes; under 1F1B's tables; a remat policy's recomputation lands in the backward),
+beside the cost model's matmul GFLOP for the same plan.
 
     python benchmarks/pipeline_work.py [--rounds 5] [--only 1f1b,dp] [--json out.json]
 """
@@ -91,6 +92,7 @@ class Step:
         compiled = self.step.lower(self.tokens, self.targets).compile()
         self.compile_s = time.perf_counter() - start
         self.flops = _matmul_flops(compiled.as_text(), schedule, virtual)
+        self.modelled = _modelled_flops(plan)
         self.temp = compiled.memory_analysis().temp_size_in_bytes
         self.times: list[tuple[float, float]] = []
         self.run()                                          # warm: the first call compiles (or loads) it
@@ -115,6 +117,19 @@ def _matmul_flops(hlo: str, schedule: str | None, virtual: int) -> tuple[float, 
     return tuple(dot_flops(hlo, branch_share=share, scope=scope) for scope in (None, FORWARD_SCOPE, BACKWARD_SCOPE))
 
 
+def _modelled_flops(plan: shardplan.Plan) -> float:
+    """The cost model's matmul FLOPs per device and step for this plan (`shardplan.planner.cost`)."""
+    from shardplan.checks.roles import recognise_module
+    from shardplan.planner.cost import Workload, estimate
+    from shardplan.planner.kept import with_code
+    from shardplan.planner.profiles import get_profile
+    model = MiniGPT(**MODEL, rngs=nnx.Rngs(0))
+    roles = with_code(recognise_module(model), model, MODEL["maxlen"])
+    plain = plan.model_copy(update={"inputs": {k: v for k, v in plan.inputs.items() if k == "tokens"}})
+    report = shardplan.check(plain, model, input_shapes={"tokens": (BATCH, MODEL["maxlen"])})
+    return estimate(report, roles, Workload(BATCH, MODEL["maxlen"]), get_profile("cpu")).flops
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
@@ -136,16 +151,16 @@ def main() -> None:
           f"AdamW, 8 simulated CPU devices; pipelines: stage 2 x data 4, 4 microbatches; medians of {args.rounds} "
           "rounds (CPU: this process's CPU seconds, every device's work)")
     print(f"{'step':<16}{'wall s':>8}{'x dp':>7}{'CPU s':>8}{'x dp':>7}{'temp MiB':>10}{'compile s':>11}"
-          f"{'GFLOP':>7}{'fwd':>6}{'bwd':>6}")
+          f"{'GFLOP':>7}{'fwd':>6}{'bwd':>6}{'modelled':>9}")
     rows = []
     for step in steps:
         wall, cpu = (statistics.median(t[k] for t in step.times) for k in (0, 1))
         rows.append({"step": step.name, "wall_s": wall, "wall_ratio": wall / base_wall, "cpu_s": cpu,
                      "cpu_ratio": cpu / base_cpu, "temp_bytes": step.temp, "compile_s": step.compile_s,
-                     "matmul_flops": step.flops})
+                     "matmul_flops": step.flops, "modelled_flops": step.modelled})
         flops = "".join(f"{f / 1e9:>{w}.2f}" for f, w in zip(step.flops, (7, 6, 6))) if step.flops else ""
         print(f"{step.name:<16}{wall:>8.3f}{wall / base_wall:>7.2f}{cpu:>8.3f}{cpu / base_cpu:>7.2f}"
-              f"{step.temp / 2**20:>10.1f}{step.compile_s:>11.1f}{flops}")
+              f"{step.temp / 2**20:>10.1f}{step.compile_s:>11.1f}{flops or ' ' * 19}{step.modelled / 1e9:>9.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

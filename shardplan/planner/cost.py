@@ -1003,7 +1003,9 @@ def _flops(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple[flo
     for attention in roles.attention:
         if attention.layer in stands_for:
             passes, tokens = step.passes(step.stage_axis is not None)
-            recompute = 8 / 6 if step.recomputes(step.stage_axis is not None, attention.layer is not None) else 1.0
+            # (a selective policy saves the weight matmuls; attention's own, with batch dims, run again)
+            again = step.recomputes(step.stage_axis is not None, attention.layer is not None) or step.remat == "dots"
+            recompute = 8 / 6 if again else 1.0
             attention_total += ATTENTION_FLOPS * passes * tokens * step.seq * attention.width * recompute * \
                 stands_for[attention.layer] / _attention_ways(attention, held, roles, step)
     return total, attention_total, kernels
