@@ -129,22 +129,15 @@ def chunk_of_state(state, index):
     return jax.tree.map(lambda a: a[index], state)
 
 
-def run_chunk(layers: Layers, chunk_state, h, split, whole, keys, first_layer, size=None, when=None):
+def run_chunk(layers: Layers, chunk_state, h, split, whole, keys, first_layer, size=None):
     """The chunk's layers one after another, under scan; with `size`, the slots from `size` on are
-    padding and pass the activation through. With `when` (the schedule's branch, `branching`) a padding
-    slot is skipped, so a stage holding fewer layers finishes its tick sooner: what lets the end stages,
-    which also run the embedding or the head, hold fewer layers. Without it (the whole-batch loop, whose
-    autodiff under a `lax.cond` kept the stage's weights once per loop trip) the slot runs on zero
-    weights and its output is dropped."""
+    padding: each runs on zero weights and its output is dropped (the whole-batch loop, whose autodiff
+    under a `lax.cond` kept the stage's weights once per loop trip). The schedule tables skip padding
+    slots instead (`residuals.LayerResiduals`)."""
     count = jax.tree.leaves(chunk_state)[0].shape[0]
 
     def layer(h, inputs):
         layer_state, index = inputs
-        if size is not None and when is not None:
-            # (the layer's arrays enter the branch as its operands: a module merged inside from values
-            # closed over from outside could not be updated there, as a rematerialised layer is)
-            return when(index < size, lambda st, x, sp, wh, ks: layers.run(st, first_layer + index, x, sp, wh, ks),
-                        lambda st, x, sp, wh, ks: x, layer_state, h, split, whole, keys), None
         out = layers.run(layer_state, first_layer + index, h, split, whole, keys)
         return (out if size is None else jnp.where(index < size, out, h)), None
 
