@@ -242,6 +242,25 @@ def test_stack_unstack_round_trip_is_circular():
     assert [float(l["w"][0]) for l in unstack(stacked)] == list(range(8))
 
 
+def test_plain_and_stacked_trees_round_trip_at_a_nested_path_wherever_it_occurs():
+    """Checkpoints keep the unpipelined layout of the model and of the optimizer state, where the model's
+    tree sits deeper (`opt_state/0/mu/...`): a nested layer path converts at every depth, and back."""
+    from shardplan.pipeline.loop import to_plain_tree, to_stacked_tree
+    layers = [{"w": jnp.full((3,), float(i))} for i in range(4)]
+    stacked = stack(layers, 2, 1)
+    model = {"inner": {"blocks": stacked, "head": jnp.ones(2)}, "embed": jnp.zeros(3)}
+    tree = {"model": model, "opt_state": {0: {"mu": model}}}
+    plain = to_plain_tree(tree, "inner/blocks")
+    for at in (plain["model"], plain["opt_state"][0]["mu"]):
+        assert sorted(at["inner"]["blocks"]) == [0, 1, 2, 3]
+        np.testing.assert_array_equal(at["inner"]["blocks"][2]["w"], layers[2]["w"])
+        np.testing.assert_array_equal(at["inner"]["head"], jnp.ones(2))
+    back = to_stacked_tree(plain, tree, "inner/blocks")
+    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(tree)):
+        np.testing.assert_array_equal(got, want)
+    assert jax.tree.structure(back) == jax.tree.structure(tree)
+
+
 def test_stack_unstack_round_trip_in_a_v():
     """zb-v: chunks 0 and 3 on stage 0, 1 and 2 on stage 1, in place and as shape structs."""
     from shardplan.pipeline.loop import Arrangement, model_order

@@ -299,9 +299,6 @@ def pipelined_layers(model) -> tuple[str, PipelinedLayers] | None:
     or nested, `encoder/layers`); None for any other model."""
     if not isinstance(model, nnx.Module):
         return None
-    for name, value in vars(model).items():
-        if isinstance(value, PipelinedLayers):
-            return name, value
     for path, value in nnx.iter_graph(model):
         if isinstance(value, PipelinedLayers):
             return join_path(path), value
