@@ -206,6 +206,9 @@ CASES = {
     "pipeline-fsdp-gathered": (pipe("", params="params:\n  - {match: 'layers/\\d+/w', spec: [null, data]}\n"
                                                "  - {match: '.*', spec: replicated}\n"), PIPE_PARAMS, 8, None,
                                ["split over the batch axis 'data' (FSDP)", "layers/0/w", "gathered"], 5),
+    "remat-recomputed": (pipe("  schedule: zb-v\n  microbatches: 4\n", params=REPLICATE
+                              + "remat:\n  - {match: 'layers/\\d+', policy: none}\n"), PIPE_PARAMS, 8, None,
+                         ["remat rule #1", "policy none", "zb-v", "runs the chunk's forward again"], 11),
     "explicit-axes-section": ("version: 1\nmesh:\n  axes: {stage: 2, data: 4}\n  types: {data: explicit}\n"
                               "pipeline: {axis: stage, layers: layers}\nparams: [{match: '.*', spec: []}]\n",
                               PIPE_PARAMS, 8, None, ["'data' explicit", "`pipeline` section", "shard_map",
@@ -358,3 +361,17 @@ def test_zb_v_places_its_two_chunks_per_stage_in_a_v(tmp_path):
     (tmp_path / "plan.yaml").write_text(pipe("  schedule: zb-v\n  virtual_stages: 3\n"))
     with pytest.raises(shardplan.PlanError, match="zb-v runs two chunks of layers per device"):
         shardplan.load_plan(tmp_path / "plan.yaml")
+
+
+def test_remat_rules_take_effect_under_the_schedules_that_keep_residuals(tmp_path):
+    """`remat-recomputed` is zb-v's alone: zb-h1 and 1f1b keep what the rule keeps; `full` is zb-v's own."""
+    def codes(schedule: str, policy: str) -> set[str]:
+        text = pipe(f"  schedule: {schedule}\n  microbatches: 4\n",
+                    params=REPLICATE + f"remat:\n  - {{match: 'layers/\\d+', policy: {policy}}}\n")
+        (tmp_path / "plan.yaml").write_text(text)
+        report = check_params(shardplan.load_plan(tmp_path / "plan.yaml"), PIPE_PARAMS, list(range(8)))
+        return {d.code for d in report.diagnostics}
+    assert "remat-recomputed" in codes("zb-v", "dots_with_no_batch_dims_saveable")
+    assert "remat-recomputed" not in codes("zb-v", "full")
+    assert "remat-recomputed" not in codes("zb-h1", "none")
+    assert "remat-recomputed" not in codes("1f1b", "none")

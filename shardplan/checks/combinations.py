@@ -5,6 +5,7 @@ needs tensor parallelism with sequence parallelism to have anything to overlap."
 from __future__ import annotations
 
 from shardplan.plan.diagnostics import Diagnostic
+from shardplan.plan.matching import checked_pattern
 from shardplan.plan.schema import Plan, normalize_spec, spec_axes
 
 # a section naming an axis -> what it does over that axis
@@ -101,3 +102,26 @@ def explicit_with_sections(plan: Plan, sizes: dict[str, int]) -> list[Diagnostic
         f"{'s' if len(sections) > 1 else ''} {verb} parts of the step by hand over its mesh axes (shard_map) and "
         "places values between them by constraints, which explicit axes refuse", file=plan.file, line=line,
         column=column, hint="leave the axes auto (drop mesh.types) with pipeline, experts or context sections")]
+
+
+def remat_recomputed_anyway(plan: Plan, layer_paths: list[str]) -> list[Diagnostic]:
+    """A `remat` rule other than `full` on pipelined layers under zb-v: the V schedule keeps each chunk's
+    input and runs the chunk's forward again (R) before its backward whatever the rule asks, so the rule
+    decides only what that second forward keeps for B and W, not whether the forward runs again.
+    `layer_paths`: module paths inside the pipelined layers (`blocks/0`, `blocks/0/attn`, ...)."""
+    pipe = plan.pipeline
+    if pipe is None or pipe.schedule != "zb-v" or plan.context is not None:
+        return []
+    found = []
+    for k, rule in enumerate(plan.remat):
+        pattern, problem = checked_pattern(rule.match, "rule")
+        if problem or rule.policy == "full" or not any(pattern.fullmatch(path) for path in layer_paths):
+            continue
+        line, column = plan.locate("remat", k, "policy")
+        found.append(Diagnostic(
+            "remat-recomputed", "warning", f"remat rule #{k + 1} ({rule.match!r}, policy {rule.policy}) cannot keep "
+            "the layers' forward for their backward under the zb-v schedule: it keeps each chunk's input and runs "
+            "the chunk's forward again before the backward (R), so the rule decides only what that second forward "
+            "keeps", file=plan.file, line=line, column=column, rule=k,
+            hint="use schedule zb-h1 or 1f1b to keep the residuals (more memory), or say policy: full"))
+    return found

@@ -12,7 +12,7 @@ from shardplan.checks.step import check_step_axes
 from shardplan.checks.validate import (Placement, data_axes, idle_axes, rule_level, unmapped_logical_names,
                                        validate_inputs, validate_optimizer, validate_params)
 from shardplan.checks.combinations import (degenerate_sections, explicit_with_sections, pipeline_fsdp,
-                                            tensor_overlap_without_effect)
+                                            remat_recomputed_anyway, tensor_overlap_without_effect)
 from shardplan.checks.context import check_context
 from shardplan.checks.experts import check_experts, expert_blocks
 from shardplan.plan.diagnostics import Diagnostic
@@ -119,6 +119,7 @@ def check_params(plan: Plan, params: list[ParamInfo], device_ids: list[int], *,
     if not mesh_diagnostics:
         diagnostics += degenerate_sections(plan, sizes) + explicit_with_sections(plan, sizes)
         diagnostics += tensor_overlap_without_effect(plan, specs, sizes, data_axes(plan, sizes))
+        diagnostics += remat_recomputed_anyway(plan, _layer_modules(plan, params)) if stage_map else []
         # one stage, or one expert group: the section runs as if it were absent (`section-does-nothing`)
         stage_map = None if plan.pipeline is not None and sizes.get(plan.pipeline.axis) == 1 else stage_map
     expert_roles, found = expert_blocks(plan, params)
@@ -139,6 +140,14 @@ def check_params(plan: Plan, params: list[ParamInfo], device_ids: list[int], *,
     devices = device_totals(layouts, sizes, device_ids, axis, stage_map.counts if stage_map else ()) \
         if not mesh_diagnostics else []
     return Report(plan, sizes, device_ids, diagnostics, layouts, devices, stage_map, tuple(expert_roles))
+
+
+def _layer_modules(plan: Plan, params: list[ParamInfo]) -> list[str]:
+    """Module paths inside the pipelined layers (`blocks/0`, `blocks/0/attn`, ...), from the parameters'."""
+    prefix = plan.pipeline.layers + "/"
+    paths = {"/".join(parts[:n]) for p in params if p.path.startswith(prefix)
+             for parts in [p.path.split("/")] for n in range(prefix.count("/") + 1, len(parts))}
+    return sorted(paths)
 
 
 def check_plan_only(plan: Plan, device_count: int) -> list[Diagnostic]:
