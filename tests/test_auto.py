@@ -221,15 +221,46 @@ def test_inspect_json_carries_the_estimate(capsys):
     assert {t["kind"] for t in estimate_json["collectives"]} == {"all-reduce"}
 
 
-def test_measure_compiles_the_top_candidates_and_reranks(tmp_path, capsys):
+def test_measure_times_the_top_candidates_and_writes_the_measured_fastest(tmp_path, capsys):
+    import json
+
     from shardplan.cli import main
-    out = tmp_path / "measured.yaml"
+    from shardplan.planner.profiles import load_profile
+    out, refitted = tmp_path / "measured.yaml", tmp_path / "refit.yaml"
     config = [arg for key, value in MINIGPT.items() for arg in ("--config", f"{key}={value}")]
-    assert main(["auto", "--model", "minigpt_model:MiniGPT", *config, "--devices", "8", "--profile", "cpu",
-                 "--batch", "16", "--seq", "16", "--measure", "2", "-o", str(out)]) == 0
-    printed = capsys.readouterr().out
-    assert "2 candidates compiled" in printed and "compiled: moved / peak" in printed
+    argv = ["auto", "--model", "minigpt_model:MiniGPT", *config, "--devices", "8", "--profile", "cpu",
+            "--batch", "16", "--seq", "16", "--measure", "3", "-o", str(out)]
+    assert main(argv + ["--json"]) == 0
+    ranked = json.loads(capsys.readouterr().out)["ranked"]
+    timed = [r for r in ranked if "measured" in r]
+    assert len(timed) == 3 and ranked[:3] == timed           # the timed ones first, fastest measured first
+    steps = [r["measured"]["step_s"] for r in timed]
+    assert steps == sorted(steps) and all(s > 0 for s in steps)
+    written = out.read_text()
+    assert "# Chosen by measurement: the fastest of the 3 best candidates" in written
+    axes = ", ".join(f"{axis}: {size}" for axis, size in ranked[0]["mesh"].items())
+    assert f"axes: {{{axes}}}" in written and ("optimizer: zero1" in written) == ("zero1" in ranked[0]["rules"])
+    assert main(argv + ["--calibrate", str(refitted)]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "3 candidates compiled and timed" in printed and "measured step" in printed and "Kendall tau" in printed
+    assert f"wrote {refitted}" in printed
+    assert "refitted to 3 measured steps" in load_profile(refitted).description
     assert main(["validate", str(out)]) == 0
+
+
+def test_calibrate_writes_a_profile_of_what_it_measured(tmp_path, capsys):
+    from shardplan.cli import main
+    from shardplan.planner.profiles import load_profile
+    path = tmp_path / "measured.yaml"
+    assert main(["calibrate", "-o", str(path), "--quick"]) == 0
+    profile = load_profile(path)
+    assert profile.source.endswith("(measured)") and profile.devices_per_host == 8
+    assert 1e6 < profile.peak_flops < 1e13 and profile.memory_bandwidth > 1e6 and profile.intra_host_bandwidth > 1e5
+    assert 0 < profile.attention_efficiency <= 1 and profile.matmul_efficiency == 1.0
+    text = path.read_text()
+    assert "calibration:" in text and "matmuls_rows_inner_columns_s" in text and "not measured: inter_host" in text
+    assert main(["auto", "--model", "minigpt_model:MiniGPT", "--devices", "8", "--profile", str(path),
+                 "--batch", "16", "--seq", "16", "-o", str(tmp_path / "plan.yaml")]) == 0
 
 
 @pytest.mark.parametrize("name", ["minigpt_3d.yaml", "minigpt_pp4.yaml", "minigpt_fsdp.toml"])

@@ -24,7 +24,7 @@ EXIT_OK, EXIT_NOTHING_FITS = 0, 1
 def run_auto(console: Console, *, factory: str, config: dict, devices: int, hosts: int, memory: int | None,
              batch: int, seq: int, profile, input_name: str, output: str, top: int, measure: int,
              as_json: bool, command: str, usage_error, paths: tuple[str, ...] = (), compute: str | None = None,
-             margin: float | None = None, capacity: float | None = None) -> int:
+             margin: float | None = None, capacity: float | None = None, refit_to: str | None = None) -> int:
     from shardplan.run.models import ModelLoadError, build_model
     from shardplan.checks.paths import param_infos
     from shardplan.planner.kept import with_code
@@ -63,18 +63,23 @@ def run_auto(console: Console, *, factory: str, config: dict, devices: int, host
     measured = {}
     if measure and found.ranked:
         measured = _measure(console, found, factory, config, measure, paths, input_name)
+        modelled_order = list(found.ranked)
         found = _rerank(found, measured)
     if as_json:
         print(json.dumps(_json(found, measured, top), indent=2))
     else:
         _print_table(console, found, measured, top)
+        if measured:
+            _print_agreement(console, modelled_order, measured)
+    if refit_to and measured:
+        _write_refit(console, found, modelled_order, measured, refit_to)
     if not found.ranked:
         console.print(Text.assemble((f"no candidate fits {human_bytes(found.usable)} per device", "bold red"),
                                     f" (the budget {human_bytes(found.memory)} less the safety margin; "
                                     f"{len(found.rejected)} tried); raise --memory-per-device, add devices, "
                                     "lower --batch/--seq or try --compute-dtype bfloat16"))
         return EXIT_NOTHING_FITS
-    text = planner.plan_text(found.best, found, command=command)
+    text = planner.plan_text(found.best, found, command=command, measured=_measured_line(found, measured))
     _check_written(text, found, devices=devices, hosts=hosts, input_name=input_name)
     try:
         _write_atomically(Path(output), text)
@@ -135,14 +140,18 @@ def _key(item: planner.Ranked) -> tuple[str, str]:
     return item.candidate.label(), item.candidate.rules_label()
 
 
+MEASURED_ROUNDS = 7     # rounds of one timed step per candidate, after one round to warm up
+
+
 def _measure(console: Console, found: planner.Search, factory: str, config: dict, k: int,
              paths: tuple[str, ...] = (), input_name: str = "tokens") -> dict:
-    """Compile the top k candidates; {candidate key: Measured}. A candidate whose step cannot be built
-    (the model's forward needs more than token ids) is reported and left unmeasured."""
+    """Compile the top k candidates, then time them in `MEASURED_ROUNDS` interleaved rounds (the fastest);
+    {candidate key: Measured}. A candidate whose step cannot be built or run (the model's forward needs
+    more than token ids, the compiler fails, memory runs out) is reported and skipped: the search goes on."""
     import jax
-    from shardplan.compose.measure import measure
+    from shardplan.compose.measure import compile_step, time_interleaved
     from shardplan.run.models import build_model
-    results = {}
+    ready = {}
     for index, ranked in enumerate(found.ranked[:k]):
         needed = planner.total_devices(ranked.candidate.axes)
         if needed > jax.device_count():
@@ -151,32 +160,100 @@ def _measure(console: Console, found: planner.Search, factory: str, config: dict
             continue
         with console.status(f"compiling candidate {index + 1}/{min(k, len(found.ranked))}: "
                             f"{ranked.candidate.label()}, {ranked.candidate.rules_label()}"):
-            model = build_model(factory, config, abstract=False, paths=paths)
             try:
-                results[_key(ranked)] = measure(ranked.plan, model, found.workload.batch, found.workload.seq,
-                                                input_name=input_name)
-            except Exception as error:      # the model's own code, run on token ids
-                console.print(f"could not measure {ranked.candidate.label()}: the step fails on a batch of token "
-                              f"ids: {type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}")
+                model = build_model(factory, config, abstract=False, paths=paths)
+                ready[_key(ranked)] = compile_step(ranked.plan, model, found.workload.batch, found.workload.seq,
+                                                   input_name=input_name)
+            except Exception as error:      # the model's own code on token ids, the compiler, memory
+                _skipped(console, ranked, error)
+    keys = list(ready)
+    with console.status("timing") as status:
+        seconds = time_interleaved([ready[key] for key in keys], MEASURED_ROUNDS, progress=lambda r: status.update(
+            f"timing {len(keys)} candidates, one step each in turn: round {r} of {MEASURED_ROUNDS}"
+            + (" (warm-up)" if r == 0 else "")))
+    results = {}
+    for key, got in zip(keys, seconds):
+        if isinstance(got, Exception):
+            _skipped(console, next(r for r in found.ranked if _key(r) == key), got)
+        else:
+            results[key] = dataclasses.replace(ready[key].figures, step_s=got)
     return results
 
 
+def _skipped(console: Console, ranked: planner.Ranked, error: Exception) -> None:
+    console.print(f"could not measure {ranked.candidate.label()}, {ranked.candidate.rules_label()} (skipped): "
+                  f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}")
+
+
+def _measured_line(found: planner.Search, measured: dict) -> str:
+    got = measured.get(_key(found.best)) if found.best is not None else None
+    if got is None or got.step_s is None:
+        return ""
+    return (f"Chosen by measurement: the fastest of the {len(measured)} best candidates compiled and timed on "
+            f"the devices at hand, {planner.seconds(got.step_s)} a step (modelled "
+            f"{planner.seconds(found.best.estimate.step_s)}), compiled peak {human_bytes(got.peak_bytes)}.")
+
+
 def _rerank(found: planner.Search, measured: dict) -> planner.Search:
-    """Measured candidates: communication time scaled to the compiled bytes, memory from the compiler."""
-    ranked, rejected = [], list(found.rejected)
+    """The timed candidates first, fastest measured step first (a compiled peak over the budget
+    rejects); the others after them in the model's order."""
+    timed, rest, rejected = [], [], list(found.rejected)
     for item in found.ranked:
         got = measured.get(_key(item))
-        if got is None:
-            ranked.append((item, item.estimate.step_s))
-            continue
-        cost = item.estimate
-        if got.peak_bytes > found.memory:
+        if got is None or got.step_s is None:
+            rest.append(item)
+        elif got.peak_bytes > found.memory:
             rejected.append(dataclasses.replace(item, rejected="compiled memory over the budget"))
-            continue
-        scale = got.collectives.total_bytes / cost.collective_bytes if cost.collective_bytes else 1.0
-        ranked.append((item, cost.compute_s + cost.exposed_communication_s * scale + cost.update_s))
-    measured_first = sorted(ranked, key=lambda pair: pair[1])
-    return dataclasses.replace(found, ranked=[item for item, _ in measured_first], rejected=rejected)
+        else:
+            timed.append((got.step_s, item))
+    ranked = [item for _, item in sorted(timed, key=lambda pair: pair[0])] + rest
+    return dataclasses.replace(found, ranked=ranked, rejected=rejected)
+
+
+def agreement(ranked: list[planner.Ranked], measured: dict) -> tuple[list[tuple], float | None]:
+    """[(candidate, modelled s, measured s)] of the timed candidates in the model's order, and Kendall's
+    tau between the two orders (None under two)."""
+    from shardplan.planner.agreement import kendall_tau
+    rows = [(item, item.estimate.step_s, measured[_key(item)].step_s) for item in ranked
+            if _key(item) in measured and measured[_key(item)].step_s is not None]
+    tau = kendall_tau([r[1] for r in rows], [r[2] for r in rows]) if len(rows) >= 2 else None
+    return rows, tau
+
+
+def _print_agreement(console: Console, modelled_order: list[planner.Ranked], measured: dict) -> None:
+    from shardplan.cli.terminal import print_wrapped
+    rows, tau = agreement(modelled_order, measured)
+    if not rows:
+        return
+    ratios = sorted(abs(model / seen - 1) for _, model, seen in rows)
+    within = sum(r <= 0.2 for r in ratios)
+    print_wrapped(console, f"measured {len(rows)} candidates (the fastest of {MEASURED_ROUNDS} interleaved steps): modelled / "
+                           f"measured step {', '.join(f'{m / s:.2f}' for _, m, s in rows)} (in the model's order); "
+                           f"{within} of {len(rows)} within 20%; the model's ranking against the measured one: "
+                           f"Kendall tau {'-' if tau is None else f'{tau:.2f}'}; the written plan is the measured "
+                           "fastest")
+
+
+def _write_refit(console: Console, found: planner.Search, modelled_order: list[planner.Ranked], measured: dict,
+                 path: str) -> None:
+    """`--calibrate FILE`: the profile's rates refitted to the timed steps, written to FILE."""
+    from shardplan.cli.terminal import print_wrapped
+    from shardplan.planner.agreement import refit
+    from shardplan.planner.profiles import profile_file_text
+    rows, _ = agreement(modelled_order, measured)
+    points = [(item.estimate.compute_s + item.estimate.update_s, item.estimate.exposed_communication_s, seen)
+              for item, _, seen in rows]
+    if not points:
+        return
+    fitted = refit(found.profile, points)
+    lines = [f"{found.profile.name} ({found.profile.source}) refitted by `shardplan auto --measure --calibrate` to "
+             f"{len(points)} timed steps (batch {found.workload.batch} x {found.workload.seq}): "
+             + "; ".join(fitted.moved()),
+             f"median |modelled / measured - 1| on those steps: {fitted.error_before:.0%} before, "
+             f"{fitted.error_after:.0%} after (the same steps: check it on another workload)"]
+    _write_atomically(Path(path), profile_file_text(fitted.profile, lines))
+    print_wrapped(console, f"wrote {path}: " + "; ".join(fitted.moved()) + f" (median error on the timed steps "
+                           f"{fitted.error_before:.0%} -> {fitted.error_after:.0%})")
 
 
 def _print_table(console: Console, found: planner.Search, measured: dict, top: int) -> None:
@@ -187,7 +264,7 @@ def _print_table(console: Console, found: planner.Search, measured: dict, top: i
     if found.profile.defaults_line():
         print_wrapped(console, Text(found.profile.defaults_line(), style="yellow"))
     columns = ["#", "mesh", "rules", "bytes/device", "communication", "step (modelled)"]
-    columns += ["compiled: moved / peak"] if measured else []
+    columns += ["measured step", "compiled: moved / peak"] if measured else []
     columns += ["why it lost"]
     best = found.best
     rows = []
@@ -197,6 +274,7 @@ def _print_table(console: Console, found: planner.Search, measured: dict, top: i
                f"{human_bytes(cost.collective_bytes)} / {cost.collective_count} ops", planner.seconds(cost.step_s)]
         if measured:
             got = measured.get(_key(item))
+            row.append(planner.seconds(got.step_s) if got and got.step_s is not None else "-")
             row.append(f"{human_bytes(got.collectives.total_bytes)} / {human_bytes(got.peak_bytes)}" if got else "-")
         rows.append(row + ["chosen" if item is best else planner.why_lost(item, best)])
     widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
@@ -229,8 +307,15 @@ def _print_table(console: Console, found: planner.Search, measured: dict, top: i
         for caveat in best.estimate.caveats:
             print_wrapped(console, Text.assemble(("approximate: ", "bold yellow"), caveat))
     if measured:
-        console.print(f"{len(measured)} candidates compiled on simulated devices and re-ranked with the compiler's "
-                      "collective bytes and memory")
+        console.print(f"{len(measured)} candidates compiled and timed on the devices at hand, ranked by their "
+                      "measured step (a compiled peak over the budget rejects)")
+
+
+def _measured_json(got) -> dict:
+    if got is None:
+        return {}
+    return {"measured": {"step_s": got.step_s, "peak_bytes": got.peak_bytes, "compile_s": got.compile_s,
+                         "collective_bytes": got.collectives.total_bytes}}
 
 
 def _json(found: planner.Search, measured: dict, top: int) -> dict:
@@ -245,5 +330,6 @@ def _json(found: planner.Search, measured: dict, top: int) -> dict:
                             "size": r.candidate.axes["context"],
                             "strategy": "ring" if r.candidate.ring else "all_gather"},
                         "compute": r.candidate.compute, "checked": r.plan is not None,
-                        "estimate": r.estimate.to_json()} for r in found.ranked[:top]],
+                        "estimate": r.estimate.to_json(), **_measured_json(measured.get(_key(r)))}
+                       for r in found.ranked[:top]],
             "rejected": len(found.rejected)}

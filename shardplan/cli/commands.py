@@ -249,11 +249,37 @@ def build_parser() -> argparse.ArgumentParser:
     auto.add_argument("-o", "--output", required=True, metavar="PLAN", help="where to write the chosen plan (.yaml)")
     auto.add_argument("--top", type=_count(1), default=8, metavar="K", help="candidates to show (default 8)")
     auto.add_argument("--measure", type=_count(0), default=0, metavar="K",
-                      help="compile the top K candidates on N simulated devices (builds the model) and re-rank "
-                           "by the compiler's collective bytes and memory")
+                      help="compile the top K candidates and time a few steps of each on the devices at hand "
+                           "(N simulated CPU devices without an accelerator; builds the model), print modelled "
+                           "against measured, and write the measured fastest")
+    auto.add_argument("--calibrate", metavar="PROFILE", default=None,
+                      help="with --measure: refit the profile's compute and link rates to the timed steps and "
+                           "write the refitted profile to PROFILE (.yaml), saying what moved and by how much")
     auto.add_argument("--json", action="store_true", help="print the ranking as JSON instead of a table")
     _path_and_debug(auto)
     auto.set_defaults(handler=_auto)
+
+    calibrate = commands.add_parser(
+        "calibrate", help="measure a device profile on the devices at hand and write it as a profile file",
+        description="Time, with every device working at once, what the cost model turns work into time\n"
+                    "with: matmuls over a transformer's shapes (rate and per-kernel overhead), an elementwise\n"
+                    "pass (memory bandwidth), all-gathers and all-reduces over the devices (and, under the\n"
+                    "launcher, the hosts) for bandwidth and latency, and attention. Writes a profile file for\n"
+                    "--profile of `auto` and `inspect` that says what was measured, how and when. Without an\n"
+                    "accelerator it measures N simulated CPU devices (they share the cores).",
+        epilog="example:\n  shardplan calibrate -o measured.yaml\n"
+               "  shardplan auto --model minigpt_model:MiniGPT --devices 8 --profile measured.yaml --measure 8 "
+               "-o auto.yaml", formatter_class=HelpFormatter)
+    calibrate.add_argument("-o", "--output", required=True, metavar="PROFILE",
+                           help="where to write the profile (.yaml)")
+    calibrate.add_argument("--devices", type=_count(1, 64), default=None, metavar="N",
+                           help="simulated CPU devices to measure when there is no accelerator (default 8)")
+    calibrate.add_argument("--name", default="measured", help="the profile's name (default measured)")
+    calibrate.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                           help="dtype of the timed work (default: float32 on CPU, bfloat16 on accelerators)")
+    calibrate.add_argument("--quick", action="store_true", help="fewer and smaller shapes (about a quarter the time)")
+    calibrate.add_argument("--debug", action="store_true", help="show Python tracebacks")
+    calibrate.set_defaults(handler=_calibrate)
 
     profiles = commands.add_parser(
         "profiles", help="list the built-in device profiles, or check and show a profile file",
@@ -456,6 +482,32 @@ def _profiles(args, console: Console) -> int:
         print(json.dumps([dataclasses.asdict(p) for p in shown], indent=2))
     else:
         render_profiles(console, shown)
+    return EXIT_OK
+
+
+def _calibrate(args, console: Console) -> int:
+    from shardplan.cli.render import render_profiles
+    from shardplan.compose.calibrate import calibrate, profile_text
+    from shardplan.run.devices import has_accelerator
+    if not args.output.lower().endswith((".yaml", ".yml")):
+        raise UsageError(f"calibrate writes a YAML profile; name the output .yaml or .yml, not {args.output!r}")
+    _writable(args.output, make_folder=True)
+    if args.devices is not None or not has_accelerator():
+        _setup_devices(args.devices or 8, Plan.model_validate({"version": 1, "mesh": {"axes": {"data": 1}},
+                                                               "params": [{"match": ".*", "spec": "replicated"}]}))
+    with console.status("calibrating") as status:
+        found = calibrate(name=args.name, dtype=args.dtype, quick=args.quick,
+                          progress=lambda what: status.update(f"calibrating: {what}"))
+    unmeasured = ["inter_host_bandwidth (one process: written as a quarter of the links inside the host; run "
+                  "under the launcher to measure it)"] if found.processes == 1 else []
+    if found.devices == 1:
+        unmeasured.append("collectives (one device)")
+    from shardplan.cli.autorun import _write_atomically
+    from pathlib import Path
+    _write_atomically(Path(args.output), profile_text(found, unmeasured=unmeasured))
+    render_profiles(console, [found.profile])
+    console.print(f"measured in {found.seconds:.0f} s; wrote {args.output}" +
+                  "".join(f"\nnot measured: {what}" for what in unmeasured))
     return EXIT_OK
 
 
@@ -708,6 +760,12 @@ def _auto(args, console: Console) -> int:
         profile = get_profile(args.profile)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if args.calibrate is not None:
+        if not args.measure:
+            raise UsageError("--calibrate refits the profile to measured steps: give --measure K as well")
+        if not args.calibrate.lower().endswith((".yaml", ".yml")):
+            raise UsageError(f"--calibrate writes a YAML profile; name it .yaml or .yml, not {args.calibrate!r}")
+        _writable(args.calibrate, make_folder=True)
     if args.measure:
         _setup_devices(args.devices, Plan.model_validate({"version": 1, "mesh": {"axes": {"data": args.devices}},
                                                           "params": [{"match": ".*", "spec": "replicated"}]}))
@@ -721,7 +779,8 @@ def _auto(args, console: Console) -> int:
                     memory=memory, batch=args.batch or 4 * args.devices, seq=args.seq, profile=profile,
                     input_name=args.input, output=args.output, top=args.top, measure=args.measure,
                     compute=args.compute_dtype, margin=args.memory_margin, capacity=args.capacity_factor,
-                    as_json=args.json, command=command, usage_error=UsageError, paths=tuple(args.import_paths))
+                    as_json=args.json, command=command, usage_error=UsageError, paths=tuple(args.import_paths),
+                    refit_to=args.calibrate)
 
 
 def _report(args, order: list[str] | None = None):

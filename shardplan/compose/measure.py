@@ -26,6 +26,7 @@ class Measured:
     output_bytes: int
     alias_bytes: int
     compile_s: float
+    step_s: float | None = None         # median wall seconds of a step (`steps` timed), None if not run
 
     @property
     def peak_bytes(self) -> int:
@@ -99,8 +100,22 @@ def branch_share(plan) -> float:
     return work / (work + stages - 1)
 
 
-def measure(plan, model: nnx.Module, batch: int, seq: int, *, input_name: str | None = None,
-            arguments: Callable | None = None) -> Measured:
+@dataclasses.dataclass
+class ReadyStep:
+    """One candidate's step compiled on the devices at hand, with its state: `run` times one step."""
+
+    compiled: object
+    operands: tuple
+    figures: Measured
+
+    def run(self) -> float:
+        begin = time.perf_counter()
+        jax.block_until_ready(self.compiled(*self.operands))
+        return time.perf_counter() - begin
+
+
+def compile_step(plan, model: nnx.Module, batch: int, seq: int, *, input_name: str | None = None,
+                 arguments: Callable | None = None) -> ReadyStep:
     """Compile one step of `plan` on `model` (built, unsharded) and read the compiler's figures
     (`arguments`: see `lm_loss`)."""
     model, optimizer, tokens, targets = prepare(plan, model, batch, seq, input_name=input_name)
@@ -108,7 +123,39 @@ def measure(plan, model: nnx.Module, batch: int, seq: int, *, input_name: str | 
     compiled = lm_train_step.lower(model, optimizer, tokens, targets, arguments).compile()
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
-    return Measured(collective_stats(compiled.as_text(), executed=True, branch_share=branch_share(plan)),
-                    int(memory.argument_size_in_bytes),
-                    int(memory.temp_size_in_bytes), int(memory.output_size_in_bytes),
-                    int(memory.alias_size_in_bytes), round(seconds, 2))
+    figures = Measured(collective_stats(compiled.as_text(), executed=True, branch_share=branch_share(plan)),
+                       int(memory.argument_size_in_bytes), int(memory.temp_size_in_bytes),
+                       int(memory.output_size_in_bytes), int(memory.alias_size_in_bytes), round(seconds, 2))
+    return ReadyStep(compiled, (model, optimizer, tokens, targets), figures)
+
+
+def measure(plan, model: nnx.Module, batch: int, seq: int, *, input_name: str | None = None,
+            arguments: Callable | None = None, steps: int = 0) -> Measured:
+    """`compile_step`'s figures; with `steps`, the step also run once to warm up and `steps` times
+    more, timed (the median)."""
+    ready = compile_step(plan, model, batch, seq, input_name=input_name, arguments=arguments)
+    if not steps:
+        return ready.figures
+    times = [ready.run() for _ in range(steps + 1)][1:]
+    return dataclasses.replace(ready.figures, step_s=float(np.median(times)))
+
+
+def time_interleaved(steps: list[ReadyStep], rounds: int, progress: Callable[[int], None] = lambda _: None) -> list:
+    """The fastest seconds of each step over `rounds` rounds that run every step once in turn (after one
+    round to warm up): a machine whose load drifts slows every candidate alike, and the fastest of
+    several runs is the one other work disturbed least (as `timeit` advises). A step that fails when
+    run (out of memory) gets its exception instead."""
+    times: list = [[] for _ in steps]
+    for round_ in range(rounds + 1):
+        progress(round_)
+        for i, ready in enumerate(steps):
+            if isinstance(times[i], Exception):
+                continue
+            try:
+                seconds = ready.run()
+            except Exception as error:          # noqa: BLE001 (reported by the caller, the others go on)
+                times[i] = error
+                continue
+            if round_:
+                times[i].append(seconds)
+    return [t if isinstance(t, Exception) else float(min(t)) for t in times]

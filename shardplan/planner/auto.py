@@ -716,8 +716,9 @@ def seconds(s: float) -> str:
     return f"{s * 1e3:.2f} ms" if s >= 1e-3 else f"{s * 1e6:.1f} us"
 
 
-def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 3) -> str:
-    """The chosen plan as a commented YAML file, every comment saying why."""
+def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 3, measured: str = "") -> str:
+    """The chosen plan as a commented YAML file, every comment saying why (`measured`: how it won a
+    measurement, a sentence)."""
     from shardplan.checks.layout import human_bytes
     c, cost = chosen.candidate, chosen.estimate
     caveats = [f"# Approximate: {caveat}." for caveat in cost.caveats]
@@ -729,6 +730,7 @@ def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 
              "not costed),",
              f"# ranked by modelled step time on the {found.profile.name} profile for a batch of "
              f"{found.workload.batch} x {found.workload.seq} tokens.",
+             *([f"# {measured}"] if measured else []),
              *caveats,
              f"# Modelled per device: {human_bytes(cost.peak_bytes)} at the peak (parameters "
              f"{human_bytes(cost.param_bytes)}, optimizer {human_bytes(cost.optimizer_bytes)}, activations "

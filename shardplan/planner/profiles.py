@@ -180,6 +180,9 @@ class ProfileFile(BaseModel):
     attention: Literal["fused", "materialised"] = Field(
         "materialised", description="materialised: attention scores are written to memory and read back (XLA's "
                                     "attention); fused: they stay on chip (a flash-attention kernel)")
+    calibration: dict | None = Field(
+        None, description="what `shardplan calibrate` measured to write this profile (kept for the record; the "
+                          "cost model reads the figures above)")
 
 
 def load_profile(path: str | Path) -> Profile:
@@ -200,13 +203,37 @@ def load_profile(path: str | Path) -> Profile:
     data, positions = read_mapping(text, file=str(path), fmt=fmt, what="profile")
     found = validate_mapping(ProfileFile, data, file=str(path), positions=positions)
     values = found.model_dump()
+    calibrated = values.pop("calibration") is not None
     values["memory_bytes"] = int(values["memory_bytes"])
     if values["attention_efficiency"] is None:
         values["attention_efficiency"] = values["matmul_efficiency"]
     left = [name for name, field in ProfileFile.model_fields.items()
-            if not field.is_required() and name not in data and name not in ("description", "peak_flops_by_dtype")]
+            if not field.is_required() and name not in data
+            and name not in ("description", "peak_flops_by_dtype", "calibration")]
     defaults = tuple(f"{name}={values[name]}" for name in left)
-    return Profile(**values, source=str(path), defaults=defaults)
+    return Profile(**values, source=f"{path} (measured)" if calibrated else str(path), defaults=defaults)
+
+
+def profile_file_text(profile: Profile, comments: list[str], record: dict | None = None) -> str:
+    """`profile` as a profile file (`load_profile` reads it back), after `comments`; `record`: what it
+    was measured from, kept as `calibration:`."""
+    import yaml
+
+    def figure(value: float) -> float:
+        return float(f"{value:.4g}")
+    values = {"name": profile.name, "description": profile.description, "peak_flops": figure(profile.peak_flops),
+              "peak_flops_by_dtype": {k: figure(v) for k, v in profile.peak_flops_by_dtype.items()},
+              "memory_bytes": profile.memory_bytes, "memory_bandwidth": figure(profile.memory_bandwidth),
+              "intra_host_bandwidth": figure(profile.intra_host_bandwidth),
+              "inter_host_bandwidth": figure(profile.inter_host_bandwidth),
+              "devices_per_host": profile.devices_per_host, "collective_latency": figure(profile.collective_latency),
+              "matmul_efficiency": round(profile.matmul_efficiency, 3), "link_efficiency": round(profile.link_efficiency, 3),
+              "attention_efficiency": round(profile.attention_efficiency, 3),
+              "matmul_overhead": figure(profile.matmul_overhead), "low_precision_native": profile.low_precision_native,
+              "overlap": profile.overlap, "attention": profile.attention}
+    if record is not None:
+        values["calibration"] = record
+    return "".join(f"# {line}\n" for line in comments) + yaml.safe_dump(values, sort_keys=False, width=100)
 
 
 def get_profile(name: str) -> Profile:

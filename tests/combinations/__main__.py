@@ -24,7 +24,8 @@ FAILURES = ("wrong", "failed", "abort", "hang", "not-refused", "refused-otherwis
 # --only: which drawn cases run (the others are drawn and passed over, so a case keeps its seed's id)
 FOCUS = {"experts-in-stages": lambda case: "experts" in case["plan"] and "pipeline" in case["plan"],
          "bfloat16": lambda case: "bfloat16" in (case["plan"].get("precision") or {}).values(),
-         "explicit-axes": lambda case: "types" in case["plan"]["mesh"]}
+         "explicit-axes": lambda case: "types" in case["plan"]["mesh"],
+         "nested": lambda case: case["config"].get("nested", False)}
 
 
 def cases(seed: int, count: int, schedule: str | None = None, only: str | None = None) -> list[dict]:

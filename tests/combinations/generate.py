@@ -101,7 +101,30 @@ def draw(rng: random.Random, index: int, schedule: str | None = None) -> dict:
     _explicit_axes(case, sizes)
     if rng.random() < 0.25:
         _break(case, sizes, roles, rng)
+    _nested(case)
     return case
+
+
+def _nested(case: dict) -> None:
+    """The model's blocks nested at `decoder/blocks`, in about one case in five, every rule and section
+    that names them following. Drawn from the case's own seed (as `_explicit_axes`)."""
+    own = random.Random(f"nested:{case['id']}:{json.dumps(case['plan'], sort_keys=True)}")
+    if own.random() >= 0.2:
+        return
+    case["config"]["nested"] = True          # (the plan's `model.config` is the same dict)
+    plan = case["plan"]
+
+    def moved(pattern: str) -> str:
+        return "|".join("decoder/" + part if part.startswith("blocks") else part for part in pattern.split("|"))
+    for section in ("params", "activations", "remat"):
+        for rule in plan.get(section, []):
+            rule["match"] = moved(rule["match"])
+    if "pipeline" in plan:
+        plan["pipeline"]["layers"] = moved(plan["pipeline"]["layers"])
+        for rule in plan["pipeline"].get("stages", []) if isinstance(plan["pipeline"].get("stages"), list) else []:
+            rule["match"] = moved(rule["match"])
+    if "experts" in plan:
+        plan["experts"]["blocks"] = moved(plan["experts"]["blocks"])
 
 
 def _explicit_axes(case: dict, sizes: dict) -> None:

@@ -2,7 +2,8 @@
 a LLaMA-style one (hand-written einsum attention with grouped keys and values, RoPE, RMSNorm, SwiGLU,
 an untied head), a GPT-2-style one (`nnx.MultiHeadAttention`, LayerNorm, a GELU MLP with biases, the head
 tied to the token embedding) and a MoE decoder (LLaMA-style attention, a top-2 router and stacked
-experts, in the three forms docs/experts.md accepts). Each takes `(tokens, positions)`: positions come
+experts, in the three forms docs/experts.md accepts). With `nested=True` the blocks sit at
+`decoder/blocks` instead of `blocks`. Each takes `(tokens, positions)`: positions come
 from the inputs, so context parallelism's load balancing may reorder the sequence."""
 
 from __future__ import annotations
@@ -77,16 +78,34 @@ class LlamaBlock(nnx.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+class Decoder(nnx.Module):
+    """Where a `nested` model keeps its blocks: at `decoder/blocks`, as most real models nest them."""
+
+    def __init__(self, blocks: list):
+        self.blocks = nnx.List(blocks)
+
+
+def _placed(model: nnx.Module, blocks: list, nested: bool) -> None:
+    if nested:
+        model.decoder = Decoder(blocks)
+    else:
+        model.blocks = nnx.List(blocks)
+
+
+def _blocks(model: nnx.Module):
+    return model.decoder.blocks if hasattr(model, "decoder") else model.blocks
+
+
 class Llama(nnx.Module):
-    def __init__(self, *, rngs: nnx.Rngs):
+    def __init__(self, *, nested: bool = False, rngs: nnx.Rngs):
         self.embed = nnx.Embed(VOCAB, DIM, rngs=rngs)
-        self.blocks = nnx.List([LlamaBlock(rngs=rngs) for _ in range(LAYERS)])
+        _placed(self, [LlamaBlock(rngs=rngs) for _ in range(LAYERS)], nested)
         self.norm = RMSNorm(DIM)
         self.head = nnx.Linear(DIM, VOCAB, use_bias=False, rngs=rngs)
 
     def __call__(self, tokens, positions):
         x = self.embed(tokens)                                                  # (B, T, D)
-        for block in self.blocks:
+        for block in _blocks(self):
             x = block(x, positions)
         return self.head(self.norm(x))                                          # (B, T, V)
 
@@ -105,16 +124,16 @@ class GPT2Block(nnx.Module):
 
 
 class GPT2(nnx.Module):
-    def __init__(self, *, rngs: nnx.Rngs):
+    def __init__(self, *, nested: bool = False, rngs: nnx.Rngs):
         self.wte = nnx.Embed(VOCAB, DIM, rngs=rngs)
         self.wpe = nnx.Embed(SEQ, DIM, rngs=rngs)
-        self.blocks = nnx.List([GPT2Block(rngs=rngs) for _ in range(LAYERS)])
+        _placed(self, [GPT2Block(rngs=rngs) for _ in range(LAYERS)], nested)
         self.ln_f = nnx.LayerNorm(DIM, rngs=rngs)
 
     def __call__(self, tokens, positions):
         x = self.wte(tokens) + self.wpe(positions)                              # (B, T, D)
         mask = (positions[:, None, :, None] >= positions[:, None, None, :])     # (B, 1, T, T)
-        for block in self.blocks:
+        for block in _blocks(self):
             x = block(x, mask)
         return self.wte.attend(self.ln_f(x))                                    # (B, T, V), tied
 
@@ -156,9 +175,9 @@ class Experts(nnx.Module):
 
 
 class MoEDecoder(nnx.Module):
-    def __init__(self, *, experts: int = 8, form: str = "sorted", rngs: nnx.Rngs):
+    def __init__(self, *, experts: int = 8, form: str = "sorted", nested: bool = False, rngs: nnx.Rngs):
         self.embed = nnx.Embed(VOCAB, DIM, rngs=rngs)
-        self.blocks = nnx.List([LlamaBlock(rngs=rngs, mlp=Experts(experts, form, rngs=rngs)) for _ in range(LAYERS)])
+        _placed(self, [LlamaBlock(rngs=rngs, mlp=Experts(experts, form, rngs=rngs)) for _ in range(LAYERS)], nested)
         self.norm = RMSNorm(DIM)
         self.head = nnx.Linear(DIM, VOCAB, use_bias=False, rngs=rngs)
 

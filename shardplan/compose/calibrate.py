@@ -1,0 +1,238 @@
+"""`shardplan calibrate`: a device profile measured on the devices at hand, instead of a datasheet's.
+
+Every figure the cost model turns work into time with is timed here with all devices working at once
+(on simulated CPU devices they share the cores, and a device's rate is its share): matmuls over the
+shapes a transformer's layers use (fitted as `time = flops / rate + per-kernel overhead`), an
+elementwise pass (memory bandwidth), all-gathers and all-reduces over the devices of a host and, under
+the launcher, over the hosts (bandwidth and latency, from a small and a large message), and attention
+(`jax.nn.dot_product_attention`). Each measurement is the median of a few timed runs after a warm-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import statistics
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardplan.planner.profiles import Profile, profile_file_text
+
+# (rows, inner, columns) per device: rows are tokens; the others a layer's widths. Each list spans
+# the shapes its backend runs in the tests and benchmarks, small kernels to large.
+CPU_SHAPES = ((256, 256, 256), (1024, 256, 256), (1024, 256, 1024), (1024, 1024, 256), (4096, 256, 256),
+              (2048, 256, 1024), (1024, 256, 4096), (2048, 512, 512))
+GPU_SHAPES = ((512, 1024, 1024), (2048, 1024, 4096), (4096, 4096, 4096), (8192, 4096, 4096),
+              (8192, 4096, 14336), (16384, 8192, 8192), (4096, 8192, 28672), (16384, 4096, 4096))
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What was measured, and the profile it makes."""
+
+    profile: Profile
+    matmuls: tuple[tuple[int, int, int, float], ...]      # (rows, inner, columns, seconds) per device
+    elementwise: tuple[int, float]                        # (bytes moved per device, seconds)
+    collectives: tuple[tuple[str, str, int, float], ...]  # (kind, over: "host"/"hosts", bytes per device, seconds)
+    attention: tuple[tuple[int, ...], float]              # ((batch, seq, heads, head dim) per device, seconds)
+    backend: str
+    devices: int
+    processes: int
+    dtype: str
+    when: str
+    seconds: float                                        # how long the calibration took
+    dispatch: float                                       # seconds of launching a call, taken off each timing
+
+    def record(self) -> dict:
+        """The measurements, as the profile file keeps them (`calibration:`)."""
+        return {"measured": self.when, "backend": self.backend, "devices": self.devices,
+                "processes": self.processes, "dtype": self.dtype, "took_s": round(self.seconds, 1),
+                "dispatch_s_taken_off": _round(self.dispatch),
+                "how": "median of timed runs after a warm-up, every device working at once",
+                "matmuls_rows_inner_columns_s": [[m, k, n, _round(s)] for m, k, n, s in self.matmuls],
+                "elementwise_bytes_s": [self.elementwise[0], _round(self.elementwise[1])],
+                "collectives_kind_over_bytes_s": [[kind, over, b, _round(s)] for kind, over, b, s in self.collectives],
+                "attention_shape_s": [list(self.attention[0]), _round(self.attention[1])]}
+
+
+def _round(seconds: float) -> float:
+    return float(f"{seconds:.4g}")
+
+
+def timed(function: Callable, *args, repeats: int = 5, dispatch: float = 0.0) -> float:
+    """Median seconds of `function(*args)` (compiled, warmed up once), blocking on its result, less
+    `dispatch`: what launching any compiled call on every device costs (inside a step it is paid once,
+    not per kernel)."""
+    jax.block_until_ready(function(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(function(*args))
+        times.append(time.perf_counter() - start)
+    return max(statistics.median(times) - dispatch, 1e-7)
+
+
+def _dispatch(mesh) -> float:
+    """Seconds of a call that does next to nothing on every device."""
+    both = P(("hosts", "host"))
+    x = jax.device_put(jnp.ones((mesh.size * 8,), jnp.float32), NamedSharding(mesh, both))
+    return timed(jax.jit(jax.shard_map(lambda a: a + 1, mesh=mesh, in_specs=both, out_specs=both)), x, repeats=21)
+
+
+def _mesh() -> jax.sharding.Mesh:
+    """Every device on one axis; under several processes, (hosts, devices per host)."""
+    devices = np.array(jax.devices())
+    hosts = jax.process_count()
+    return jax.sharding.Mesh(devices.reshape(hosts, -1), ("hosts", "host"))
+
+
+def _matmul(mesh, m: int, k: int, n: int, dtype, dispatch: float, chain: int = 4) -> float:
+    """Seconds of an (m, k) x (k, n) product on every device at once: `chain` of them inside one compiled
+    loop (each on its own scaled input, so none is hoisted), as a step runs its kernels back to back."""
+    both = P(("hosts", "host"))
+    x = jax.device_put(jnp.ones((mesh.size * m, k), dtype), NamedSharding(mesh, both))
+    w = jax.device_put(jnp.ones((mesh.size * k, n), dtype) * 0.01, NamedSharding(mesh, both))
+
+    def products(a, b):
+        return jax.lax.fori_loop(0, chain, lambda i, acc: acc + (a * i.astype(a.dtype)) @ b,
+                                 jnp.zeros((a.shape[0], b.shape[1]), a.dtype))
+    product = jax.jit(jax.shard_map(products, mesh=mesh, in_specs=(both, both), out_specs=both, check_vma=False))
+    return timed(product, x, w, dispatch=dispatch) / chain
+
+
+def _elementwise(mesh, elements: int, dtype, dispatch: float) -> tuple[int, float]:
+    """(bytes read and written per device, seconds) of one fused elementwise pass."""
+    both = P(("hosts", "host"))
+    x = jax.device_put(jnp.ones((mesh.size * elements,), dtype), NamedSharding(mesh, both))
+    scaled = jax.jit(jax.shard_map(lambda a: a * 1.0001 + 0.5, mesh=mesh, in_specs=both, out_specs=both))
+    return 2 * elements * jnp.dtype(dtype).itemsize, timed(scaled, x, dispatch=dispatch)
+
+
+def _collective(mesh, kind: str, over: str, elements: int, dispatch: float) -> float:
+    """Seconds of one all-gather or all-reduce of `elements` float32 per device over `over`."""
+    both = P(("hosts", "host"))
+    x = jax.device_put(jnp.ones((mesh.size * elements,), jnp.float32), NamedSharding(mesh, both))
+    if kind == "all-reduce":
+        body = lambda a: jax.lax.psum(a, over)                              # noqa: E731
+    else:
+        body = lambda a: jax.lax.all_gather(a, over, tiled=True)[: a.shape[0]]  # noqa: E731
+    return timed(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=both, out_specs=both)), x, dispatch=dispatch)
+
+
+def _attention(mesh, shape: tuple[int, int, int, int], dtype, dispatch: float) -> float:
+    both = P(("hosts", "host"))
+    b, t, h, d = shape
+    q = jax.device_put(jnp.ones((mesh.size * b, t, h, d), dtype) * 0.1, NamedSharding(mesh, both))
+    attend = jax.jit(jax.shard_map(lambda a: jax.nn.dot_product_attention(a, a, a, is_causal=False), mesh=mesh,
+                                   in_specs=both, out_specs=both))
+    return timed(attend, q, dispatch=dispatch)
+
+
+def fit_rate(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(rate, overhead) of `seconds = work / rate + overhead` through (work, seconds) points, each weighed
+    by its own size (relative errors: the small kernels count as much as the large), overhead >= 0."""
+    work = np.array([w for w, _ in points], float)
+    seconds = np.array([s for _, s in points], float)
+    design = np.stack([work, np.ones_like(work)], 1) / seconds[:, None]
+    (inverse, overhead), *_ = np.linalg.lstsq(design, np.ones_like(work), rcond=None)
+    if overhead < 0 or inverse <= 0:       # no fixed cost to be seen: the rate through the origin
+        return float(np.sum(work) / np.sum(seconds)), 0.0
+    return float(1.0 / inverse), float(overhead)
+
+
+def _link(points: list[tuple[int, float]], factor: float) -> tuple[float, float]:
+    """(bandwidth, latency) from (bytes, seconds) of one collective at a small and a large size: the ring
+    moves `factor` x bytes per device."""
+    (small_bytes, small_s), (large_bytes, large_s) = points
+    bandwidth = factor * (large_bytes - small_bytes) / max(large_s - small_s, 1e-9)
+    latency = max(small_s - factor * small_bytes / bandwidth, 1e-9)
+    return bandwidth, latency
+
+
+def _memory_per_device(devices: int) -> int:
+    stats = getattr(jax.devices()[0], "memory_stats", lambda: None)()
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    import os
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")      # simulated devices share the host's
+    return int(total // devices)
+
+
+def calibrate(*, name: str = "measured", dtype: str | None = None, quick: bool = False,
+              progress: Callable[[str], None] = lambda _: None) -> Calibration:
+    """Measure the devices at hand (see the module docstring); `quick`: fewer and smaller shapes."""
+    started = time.perf_counter()
+    backend = jax.default_backend()
+    dtype = dtype or ("float32" if backend == "cpu" else "bfloat16")
+    kind = jnp.dtype(dtype)
+    mesh = _mesh()
+    devices, hosts = mesh.size, jax.process_count()
+    shapes = CPU_SHAPES if backend == "cpu" else GPU_SHAPES
+    shapes = shapes[:4] if quick else shapes
+    dispatch = _dispatch(mesh)
+    matmuls = []
+    for i, (m, k, n) in enumerate(shapes):
+        progress(f"matmul {i + 1}/{len(shapes)}: ({m} x {k}) x ({k} x {n}) per device")
+        matmuls.append((m, k, n, _matmul(mesh, m, k, n, kind, dispatch)))
+    rate, overhead = fit_rate([(2.0 * m * k * n, s) for m, k, n, s in matmuls])
+    progress("elementwise pass (memory bandwidth)")
+    elements = (1 << 20 if backend == "cpu" else 1 << 28) // (4 if quick else 1)
+    elementwise = _elementwise(mesh, elements, kind, dispatch)
+    collectives = []
+    sizes = (1 << 10, 1 << 20) if backend == "cpu" else (1 << 10, 1 << 26)
+    links = {}
+    for over in ("host", "hosts"):
+        if mesh.shape[over] == 1:
+            continue
+        n = mesh.shape[over]
+        for kind_name, factor in (("all-gather", (n - 1) / n), ("all-reduce", 2 * (n - 1) / n)):
+            progress(f"{kind_name} over the {'devices of a host' if over == 'host' else 'hosts'}")
+            # (the bytes a transfer of the cost model counts: the gathered whole, the reduced buffer)
+            whole = n if kind_name == "all-gather" else 1
+            points = [(4 * e * whole, _collective(mesh, kind_name, over, e, dispatch)) for e in sizes]
+            collectives += [(kind_name, over, b, s) for b, s in points]
+            links.setdefault(over, []).append(_link(points, factor))
+    progress("attention (jax.nn.dot_product_attention)")
+    shape = (1, 512, 4, 64) if backend == "cpu" else (4, 4096, 32, 128)
+    attention_s = _attention(mesh, shape, kind, dispatch)
+    b, t, h, d = shape
+    attention_rate = 4.0 * b * t * t * h * d / attention_s
+    intra = _median_link(links.get("host"))
+    inter = _median_link(links.get("hosts"))
+    bandwidth = elementwise[0] / elementwise[1]
+    latency = statistics.median([lat for pairs in links.values() for _, lat in pairs]) if links else 10e-6
+    when = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
+    profile = Profile(
+        name, f"measured by `shardplan calibrate` on {devices} {backend} device(s) over {hosts} process(es), "
+        f"{dtype}, {when}", peak_flops=rate, memory_bytes=_memory_per_device(devices), memory_bandwidth=bandwidth,
+        intra_host_bandwidth=intra[0] if intra else bandwidth, inter_host_bandwidth=inter[0] if inter else
+        (intra[0] if intra else bandwidth) / 4, collective_latency=latency, devices_per_host=mesh.shape["host"],
+        peak_flops_by_dtype={dtype: rate}, matmul_efficiency=1.0, link_efficiency=1.0,
+        attention_efficiency=min(1.0, attention_rate / rate), matmul_overhead=min(overhead, 1.0),
+        low_precision_native=backend != "cpu", overlap=backend != "cpu", source="measured",
+        attention="fused" if backend == "gpu" else "materialised")
+    return Calibration(profile, tuple(matmuls), elementwise, tuple(collectives), (shape, attention_s), backend,
+                       devices, hosts, dtype, when, time.perf_counter() - started, dispatch)
+
+
+def _median_link(pairs: list[tuple[float, float]] | None) -> tuple[float, float] | None:
+    if not pairs:
+        return None
+    return statistics.median(bw for bw, _ in pairs), statistics.median(lat for _, lat in pairs)
+
+
+def profile_text(calibration: Calibration, *, unmeasured: list[str] = ()) -> str:
+    """The profile file: its figures, then what they came from (`calibration:`)."""
+    head = [f"Measured by `shardplan calibrate` at {calibration.when} on {calibration.devices} "
+            f"{calibration.backend} device(s), {calibration.processes} process(es), {calibration.dtype}.",
+            "peak_flops is the measured matmul rate (so matmul_efficiency is 1); matmul_overhead the fitted",
+            "fixed cost per kernel; memory_bandwidth from one elementwise pass; link figures from all-gathers",
+            "and all-reduces of a small and a large message. `calibration:` keeps the raw timings."]
+    head += [f"not measured: {what}" for what in unmeasured]
+    return profile_file_text(calibration.profile, head, calibration.record())
