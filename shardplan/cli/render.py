@@ -514,7 +514,8 @@ def render_profiles(console: Console, profiles) -> None:
                      human_bytes(p.memory_bytes), f"{p.memory_bandwidth / 1e9:g}",
                      f"{p.intra_host_bandwidth / 1e9:g} / {p.inter_host_bandwidth / 1e9:g}", str(p.devices_per_host),
                      f"{p.matmul_efficiency:g} / {p.attention_efficiency:g} / {p.link_efficiency:g}",
-                     f"{p.collective_latency * 1e6:g} / {p.matmul_overhead * 1e6:g}", p.attention])
+                     f"{p.collective_latency * 1e6:g} / {p.matmul_overhead * 1e6:g}",
+                     p.attention + (", shared compute" if p.shared_compute else "")])
     columns = ["name", "peak TFLOP/s", "memory", "memory GB/s", "links GB/s (host / between)", "per host",
                "share: matmul / attention / link", "us: collective / matmul", "attention"]
     print_fitted(console, "device profiles", columns, rows)

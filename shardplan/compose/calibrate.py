@@ -5,7 +5,8 @@ Every figure the cost model turns work into time with is timed here with all dev
 shapes a transformer's layers use (fitted as `time = flops / rate + per-kernel overhead`), an
 elementwise pass (memory bandwidth), all-gathers and all-reduces over the devices of a host and, under
 the launcher, over the hosts (bandwidth and latency, from a small and a large message), and attention
-(`jax.nn.dot_product_attention`). Each measurement is the median of a few timed runs after a warm-up.
+(`jax.nn.dot_product_attention`), and whether the devices share their compute (the largest product on
+one device alone against all at once). Each measurement is the median of a few timed runs after a warm-up.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Calibration:
     processes: int
     dtype: str
     when: str
+    alone: float                                          # the largest product on one device, the others idle
     seconds: float                                        # how long the calibration took
     dispatch: float                                       # seconds of launching a call, taken off each timing
 
@@ -58,7 +60,8 @@ class Calibration:
                 "matmuls_rows_inner_columns_s": [[m, k, n, _round(s)] for m, k, n, s in self.matmuls],
                 "elementwise_bytes_s": [self.elementwise[0], _round(self.elementwise[1])],
                 "collectives_kind_over_bytes_s": [[kind, over, b, _round(s)] for kind, over, b, s in self.collectives],
-                "attention_shape_s": [list(self.attention[0]), _round(self.attention[1])]}
+                "attention_shape_s": [list(self.attention[0]), _round(self.attention[1])],
+                "largest_matmul_alone_s": _round(self.alone)}
 
 
 def _round(seconds: float) -> float:
@@ -104,6 +107,18 @@ def _matmul(mesh, m: int, k: int, n: int, dtype, dispatch: float, chain: int = 4
                                  jnp.zeros((a.shape[0], b.shape[1]), a.dtype))
     product = jax.jit(jax.shard_map(products, mesh=mesh, in_specs=(both, both), out_specs=both, check_vma=False))
     return timed(product, x, w, dispatch=dispatch) / chain
+
+
+def _alone(m: int, k: int, n: int, dtype, dispatch: float, chain: int = 4) -> float:
+    """Seconds of the same product on the first device while the others are idle."""
+    device = jax.devices()[0]
+    x = jax.device_put(jnp.ones((m, k), dtype), device)
+    w = jax.device_put(jnp.ones((k, n), dtype) * 0.01, device)
+
+    def products(a, b):
+        return jax.lax.fori_loop(0, chain, lambda i, acc: acc + (a * i.astype(a.dtype)) @ b,
+                                 jnp.zeros((a.shape[0], b.shape[1]), a.dtype))
+    return timed(jax.jit(products), x, w, dispatch=dispatch) / chain
 
 
 def _elementwise(mesh, elements: int, dtype, dispatch: float) -> tuple[int, float]:
@@ -181,6 +196,12 @@ def calibrate(*, name: str = "measured", dtype: str | None = None, quick: bool =
         progress(f"matmul {i + 1}/{len(shapes)}: ({m} x {k}) x ({k} x {n}) per device")
         matmuls.append((m, k, n, _matmul(mesh, m, k, n, kind, dispatch)))
     rate, overhead = fit_rate([(2.0 * m * k * n, s) for m, k, n, s in matmuls])
+    # Devices with compute of their own run a product as fast side by side as alone; devices that share
+    # the host's cores take about `devices` times longer side by side.
+    m, k, n, together = max(matmuls, key=lambda shape: shape[0] * shape[1] * shape[2])
+    progress("the same product on one device alone (do the devices share their compute?)")
+    alone = _alone(m, k, n, kind, dispatch)
+    shared = devices > 1 and together > 2 * alone
     progress("elementwise pass (memory bandwidth)")
     elements = (1 << 20 if backend == "cpu" else 1 << 28) // (4 if quick else 1)
     elementwise = _elementwise(mesh, elements, kind, dispatch)
@@ -215,10 +236,10 @@ def calibrate(*, name: str = "measured", dtype: str | None = None, quick: bool =
         (intra[0] if intra else bandwidth) / 4, collective_latency=latency, devices_per_host=mesh.shape["host"],
         peak_flops_by_dtype={dtype: rate}, matmul_efficiency=1.0, link_efficiency=1.0,
         attention_efficiency=min(1.0, attention_rate / rate), matmul_overhead=min(overhead, 1.0),
-        low_precision_native=backend != "cpu", overlap=backend != "cpu", source="measured",
+        low_precision_native=backend != "cpu", overlap=backend != "cpu", shared_compute=shared, source="measured",
         attention="fused" if backend == "gpu" else "materialised")
     return Calibration(profile, tuple(matmuls), elementwise, tuple(collectives), (shape, attention_s), backend,
-                       devices, hosts, dtype, when, time.perf_counter() - started, dispatch)
+                       devices, hosts, dtype, when, alone, time.perf_counter() - started, dispatch)
 
 
 def _median_link(pairs: list[tuple[float, float]] | None) -> tuple[float, float] | None:

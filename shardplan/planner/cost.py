@@ -363,7 +363,9 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
               attention_flops / (peak * profile.attention_efficiency) + elementwise_s)
     ends_s = _ends_seconds(held, kept, roles, step, profile, peak)
     layer_s, stage_s = _stage_seconds(body_s, ends_s, step, stage_map if pipe else None)
-    compute_s = max(stage_s) / (1.0 - bubble)
+    # devices sharing one pool of compute (simulated CPU devices) lend their idle ticks to each other: the
+    # step costs the stages' work added up, spread over all of them, and no bubble
+    compute_s = sum(stage_s) / len(stage_s) if profile.shared_compute else max(stage_s) / (1.0 - bubble)
     timed = [(t.overlap, _seconds(t, step, profile, plan.mesh.hosts)) for t in transfers]
     communication_s = sum(seconds for _, seconds in timed)
     overlapped = exposure(timed, compute_s=compute_s, attention_s=attention_flops / (peak * profile.attention_efficiency),

@@ -49,6 +49,9 @@ class Profile:
     attention: str = "materialised"  # "materialised": scores written to memory (XLA's attention); "fused": on chip
     low_precision_native: bool = True   # bf16 compute keeps activations and their collectives in 2 bytes
     overlap: bool = True    # collectives run asynchronously beside compute (see `shardplan.planner.overlap`)
+    # the devices share one pool of compute (simulated CPU devices on the host's cores): a device idle in a
+    # pipeline's bubble lends its share to the others, so a step costs the devices' work added up
+    shared_compute: bool = False
     source: str = "built in"
     defaults: tuple[str, ...] = ()      # a profile file's settings it left to their defaults, as `name=value`
 
@@ -91,7 +94,8 @@ PROFILES = {
         matmul_efficiency=1.0, link_efficiency=1.0, attention_efficiency=1.0,  # measured figures, not peaks
         matmul_overhead=0.0,            # (measured on one large matmul; the small ones' cost is not)
         low_precision_native=False,     # XLA on CPU computes and reduces bf16 in float32 (measured)
-        overlap=False),                 # its collectives are copies on the cores that compute
+        overlap=False,                  # its collectives are copies on the cores that compute
+        shared_compute=True),           # the 8 devices run on the same 2 cores
 }
 
 
@@ -180,6 +184,10 @@ class ProfileFile(BaseModel):
     attention: Literal["fused", "materialised"] = Field(
         "materialised", description="materialised: attention scores are written to memory and read back (XLA's "
                                     "attention); fused: they stay on chip (a flash-attention kernel)")
+    shared_compute: bool = Field(
+        False, description="the devices share one pool of compute, as simulated CPU devices share the host's cores: "
+                           "a device idle in a pipeline's bubble lends its share to the others (`calibrate` "
+                           "measures it: one device alone against all at once)")
     calibration: dict | None = Field(
         None, description="what `shardplan calibrate` measured to write this profile (kept for the record; the "
                           "cost model reads the figures above)")
@@ -230,7 +238,7 @@ def profile_file_text(profile: Profile, comments: list[str], record: dict | None
               "matmul_efficiency": round(profile.matmul_efficiency, 3), "link_efficiency": round(profile.link_efficiency, 3),
               "attention_efficiency": round(profile.attention_efficiency, 3),
               "matmul_overhead": figure(profile.matmul_overhead), "low_precision_native": profile.low_precision_native,
-              "overlap": profile.overlap, "attention": profile.attention}
+              "overlap": profile.overlap, "shared_compute": profile.shared_compute, "attention": profile.attention}
     if record is not None:
         values["calibration"] = record
     return "".join(f"# {line}\n" for line in comments) + yaml.safe_dump(values, sort_keys=False, width=100)
