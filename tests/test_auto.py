@@ -368,3 +368,33 @@ def test_auto_gives_the_end_stages_fewer_layers_where_the_head_outweighs_a_layer
     assert report.diagnostics == [] and report.stage_map.counts == best.candidate.split, \
         [d.format() for d in report.diagnostics]
     np.testing.assert_allclose(_losses(plan, build, steps=2), _single_device_losses(build, steps=2), rtol=1e-5)
+
+
+def test_a_plan_modelled_above_every_published_run_of_its_hardware_is_marked(tmp_path, capsys):
+    """A100s: nothing published beats 56% MFU; a plan modelled above that is marked in the table, the JSON
+    and the written plan (a datasheet profile of the same peak is the same class)."""
+    import json
+
+    from shardplan.cli import main
+    from shardplan.planner.evidence import best_published, beyond_evidence
+    from shardplan.planner.profiles import load_profile
+    out = tmp_path / "plan.yaml"
+    argv = ["auto", "--model", "minigpt_model:MiniGPT", "--config", "vocab_size=8192", "--config", "maxlen=2048",
+            "--config", "embed_dim=4096", "--config", "num_heads=32", "--config", "feed_forward_dim=16384",
+            "--config", "num_transformer_blocks=4", "--devices", "8", "--batch", "16", "--seq", "2048",
+            "--profile", str(REPO / "profiles" / "a100-80gb-selene.yaml"), "--compute-dtype", "bfloat16",
+            "-o", str(out)]
+    assert main(argv + ["--json"]) == 0
+    ranked = json.loads(capsys.readouterr().out)["ranked"]
+    assert all((r["mfu"] > 0.563) == bool(r["beyond_evidence"]) for r in ranked)
+    assert ranked[0]["mfu"] > 0.563 and "A100 (56%" in ranked[0]["beyond_evidence"]
+    assert "a claim without evidence" in out.read_text().split("version: 1")[0]
+    assert main(argv) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "(!)" in printed and "MFU above the best published run on A100 (56%" in printed
+    datasheet = tmp_path / "a100.yaml"
+    datasheet.write_text("name: my-a100\npeak_flops: 312e12\nmemory_bytes: 80GB\nmemory_bandwidth: 2.0e12\n"
+                         "intra_host_bandwidth: 300e9\ninter_host_bandwidth: 25e9\ndevices_per_host: 8\n")
+    assert best_published(load_profile(datasheet)).hardware == "A100"
+    assert beyond_evidence(0.5, load_profile(datasheet)) is None
+    assert best_published(load_profile(REPO / "profiles" / "h100-80gb-sxm.yaml")).mfu == 0.47

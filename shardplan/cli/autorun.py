@@ -17,6 +17,7 @@ from shardplan.checks.layout import human_bytes
 from shardplan.plan.inert import inert
 from shardplan.planner import auto as planner
 from shardplan.planner.cost import Workload
+from shardplan.planner.evidence import best_published, beyond_evidence
 
 EXIT_OK, EXIT_NOTHING_FITS = 0, 1
 
@@ -79,7 +80,9 @@ def run_auto(console: Console, *, factory: str, config: dict, devices: int, host
                                     f"{len(found.rejected)} tried); raise --memory-per-device, add devices, "
                                     "lower --batch/--seq or try --compute-dtype bfloat16"))
         return EXIT_NOTHING_FITS
-    text = planner.plan_text(found.best, found, command=command, measured=_measured_line(found, measured))
+    claim = beyond_evidence(model_flops_utilisation(found, found.best), found.profile)
+    note = " ".join(filter(None, [_measured_line(found, measured), claim and f"Note: {claim}."]))
+    text = planner.plan_text(found.best, found, command=command, measured=note)
     _check_written(text, found, devices=devices, hosts=hosts, input_name=input_name)
     try:
         _write_atomically(Path(output), text)
@@ -256,6 +259,15 @@ def _write_refit(console: Console, found: planner.Search, modelled_order: list[p
                            f"{fitted.error_before:.0%} -> {fitted.error_after:.0%})")
 
 
+def model_flops_utilisation(found: planner.Search, item: planner.Ranked) -> float:
+    """The candidate's modelled MFU: the model's matmul FLOPs (nothing recomputed) per modelled step, over
+    its devices' dense bf16 peak."""
+    from shardplan.planner.cost import model_flops
+    flops = sum(model_flops(found.params, found.roles, found.workload, capacity=item.candidate.capacity or 1.0))
+    peak = found.profile.peak_flops_by_dtype.get("bfloat16", found.profile.peak_flops)
+    return flops / item.estimate.step_s / planner.total_devices(item.candidate.axes) / peak
+
+
 def _print_table(console: Console, found: planner.Search, measured: dict, top: int) -> None:
     from shardplan.cli.terminal import print_table, print_wrapped
     title = (f"best {len(found.ranked)} of {found.fitting} plans that fit {human_bytes(found.usable)} per device "
@@ -263,15 +275,19 @@ def _print_table(console: Console, found: planner.Search, measured: dict, top: i
              f"{found.workload.seq})")
     if found.profile.defaults_line():
         print_wrapped(console, Text(found.profile.defaults_line(), style="yellow"))
-    columns = ["#", "mesh", "rules", "bytes/device", "communication", "step (modelled)"]
+    columns = ["#", "mesh", "rules", "bytes/device", "communication", "step (modelled)", "MFU"]
     columns += ["measured step", "compiled: moved / peak"] if measured else []
     columns += ["why it lost"]
     best = found.best
-    rows = []
+    rows, claims = [], None
     for rank, item in enumerate(found.ranked[:top], 1):
         cost = item.estimate
+        mfu = model_flops_utilisation(found, item)
+        claim = beyond_evidence(mfu, found.profile)
+        claims = claims or claim
         row = [str(rank), item.candidate.label(), item.candidate.rules_label(), human_bytes(cost.peak_bytes),
-               f"{human_bytes(cost.collective_bytes)} / {cost.collective_count} ops", planner.seconds(cost.step_s)]
+               f"{human_bytes(cost.collective_bytes)} / {cost.collective_count} ops", planner.seconds(cost.step_s),
+               f"{mfu:.0%}" + (" (!)" if claim else "")]
         if measured:
             got = measured.get(_key(item))
             row.append(planner.seconds(got.step_s) if got and got.step_s is not None else "-")
@@ -290,6 +306,12 @@ def _print_table(console: Console, found: planner.Search, measured: dict, top: i
         for row in rows:
             print_wrapped(console, Text.assemble((f"{row[0]}. {row[1]}, {row[2]}", "bold"), f": {row[-1]}"), indent=4)
             print_wrapped(console, "    " + "; ".join(f"{c} {v}" for c, v in zip(columns[3:-1], row[3:-1])), indent=6)
+    if claims:
+        record = best_published(found.profile)
+        print_wrapped(console, Text.assemble(("(!) ", "bold yellow"), f"MFU above the best published run on "
+                                             f"{record.hardware} ({record.mfu:.0%}: {record.source}): a claim "
+                                             "without evidence; measure before trusting it (--measure, or `shardplan "
+                                             "calibrate` for a profile)"))
     reasons: dict[str, int] = {}
     for item in found.rejected:     # "accumulation not needed: fits with 2" and "...: fits with none" are one reason
         why = item.rejected.split(":")[0]
@@ -330,6 +352,8 @@ def _json(found: planner.Search, measured: dict, top: int) -> dict:
                             "size": r.candidate.axes["context"],
                             "strategy": "ring" if r.candidate.ring else "all_gather"},
                         "compute": r.candidate.compute, "checked": r.plan is not None,
-                        "estimate": r.estimate.to_json(), **_measured_json(measured.get(_key(r)))}
+                        "estimate": r.estimate.to_json(), **_measured_json(measured.get(_key(r))),
+                        "mfu": model_flops_utilisation(found, r),
+                        "beyond_evidence": beyond_evidence(model_flops_utilisation(found, r), found.profile)}
                        for r in found.ranked[:top]],
             "rejected": len(found.rejected)}
