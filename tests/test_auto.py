@@ -243,7 +243,7 @@ def test_measure_times_the_top_candidates_and_writes_the_measured_fastest(tmp_pa
     assert main(argv + ["--calibrate", str(refitted)]) == 0
     printed = " ".join(capsys.readouterr().out.split())
     assert "3 candidates compiled and timed" in printed and "measured step" in printed and "Kendall tau" in printed
-    assert f"wrote {refitted}" in printed
+    assert refitted.exists() and "compute rates" in printed or "nothing: the profile already fits" in printed
     assert "refitted to 3 measured steps" in load_profile(refitted).description
     assert main(["validate", str(out)]) == 0
 
@@ -352,8 +352,11 @@ def test_auto_gives_the_end_stages_fewer_layers_where_the_head_outweighs_a_layer
 
     def build():
         return minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0))
-    found, _, roles = _search(build, only=lambda c: c.axes == {"stage": 4, "data": 2} and c.schedule == "1f1b" and
-                              not (c.zero1 or c.fsdp or c.ends) and c.remat == "none" and c.microbatches == 8)
+    # (devices with compute of their own: simulated ones share the cores, and there evening out gains nothing)
+    own = dataclasses.replace(get_profile("cpu"), shared_compute=False)
+    found, _, roles = _search(build, profile=own, only=lambda c: c.axes == {"stage": 4, "data": 2} and
+                              c.schedule == "1f1b" and not (c.zero1 or c.fsdp or c.ends) and c.remat == "none" and
+                              c.microbatches == 8)
     best = found.best
     assert best.candidate.split is not None and best.candidate.split[-1] < min(best.candidate.split[1:-1])
     even = auto.sketch(dataclasses.replace(best.candidate, split=None), roles, auto.Representative.of(found.params, roles),

@@ -306,6 +306,7 @@ class _Bounds:
     other_flops: float
     rate: float                     # achievable FLOP/s per device
     devices: int
+    shared: bool = False            # the devices share their compute: a bubble costs nothing
 
     @classmethod
     def of(cls, params, roles: ModelRoles, workload: Workload, profile: Profile, compute: str | None,
@@ -314,13 +315,13 @@ class _Bounds:
         dtype = compute or (params[0].dtype.name if params else "float32")
         # the faster of the two rates keeps it a bound when attention runs at another efficiency
         efficiency = max(profile.matmul_efficiency, profile.attention_efficiency)
-        return cls(layer, other, profile.flops_for(dtype) * efficiency, devices)
+        return cls(layer, other, profile.flops_for(dtype) * efficiency, devices, profile.shared_compute)
 
     def step(self, c: Candidate) -> float:
         # 1F1B and gpipe (but gpipe with a split sequence) run each stage's forward again in its backward
         again = 8 / 6 if c.remat == "full" or recomputes_stages(c.schedule, "context" in c.axes) else 1.0
         bubble = schedule_bubble(c.schedule, c.axes.get("stage", 1), c.microbatches, c.virtual) \
-            if c.schedule else 0.0
+            if c.schedule and not self.shared else 0.0
         return (self.layer_flops * again + self.other_flops) / self.devices / self.rate / (1.0 - bubble)
 
 
