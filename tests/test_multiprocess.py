@@ -100,3 +100,26 @@ def test_a_survivors_native_dump_is_told_from_its_own_lines():
         assert is_native_dump(line), line
     assert not is_native_dump("error: another process of this run stopped (Gloo all-reduce failed)")
     assert not is_native_dump("train 3/10: loss 5.1")
+
+
+def test_calibrate_over_two_processes_measures_the_links_between_hosts(tmp_path):
+    """Two real `jax.distributed` processes of 4 simulated devices each (one per "host"): every process
+    measures, the first writes a profile whose link between hosts was measured, not assumed."""
+    import yaml
+
+    from shardplan.planner.profiles import load_profile
+    from minigpt_model.launch import free_port
+    out = tmp_path / "two_hosts.yaml"
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "shardplan", "calibrate", "-o", str(out), "--quick",
+                               "--devices", "4", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                               "--process-id", str(i)], cwd=REPO, env=env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]     # (a bound on the work, not its time)
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    profile = load_profile(out)
+    assert profile.devices_per_host == 4 and profile.inter_host_bandwidth > 1e5
+    record = yaml.safe_load(out.read_text())["calibration"]
+    assert record["processes"] == 2 and record["devices"] == 8
+    assert {over for _, over, _, _ in record["collectives_kind_over_bytes_s"]} == {"host", "hosts"}
+    assert "not measured: inter_host" not in out.read_text()

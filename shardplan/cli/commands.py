@@ -278,6 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                            help="dtype of the timed work (default: float32 on CPU, bfloat16 on accelerators)")
     calibrate.add_argument("--quick", action="store_true", help="fewer and smaller shapes (about a quarter the time)")
+    calibrate.add_argument("--coordinator", metavar="HOST:PORT",
+                           help="one process per host: join the run whose process 0 listens at HOST:PORT (also read "
+                                "from JAX_COORDINATOR_ADDRESS; under SLURM or Open MPI all three are detected), "
+                                "to measure the links between hosts too; process 0 writes the profile")
+    calibrate.add_argument("--num-processes", type=_count(1), metavar="N", help="processes in the run")
+    calibrate.add_argument("--process-id", type=_count(0), metavar="I", help="this process's index, 0..N-1")
     calibrate.add_argument("--debug", action="store_true", help="show Python tracebacks")
     calibrate.set_defaults(handler=_calibrate)
 
@@ -495,13 +501,18 @@ def _calibrate(args, console: Console) -> int:
     if args.devices is not None or not has_accelerator():
         _setup_devices(args.devices or 8, Plan.model_validate({"version": 1, "mesh": {"axes": {"data": 1}},
                                                                "params": [{"match": ".*", "spec": "replicated"}]}))
+    from shardplan.run.distributed import initialize
+    initialize(coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
+    import jax
     with console.status("calibrating") as status:
         found = calibrate(name=args.name, dtype=args.dtype, quick=args.quick,
                           progress=lambda what: status.update(f"calibrating: {what}"))
-    unmeasured = ["inter_host_bandwidth (one process: written as a quarter of the links inside the host; run "
-                  "under the launcher to measure it)"] if found.processes == 1 else []
+    unmeasured = ["inter_host_bandwidth (one process: written as a quarter of the links inside the host; run one "
+                  "process per host with --coordinator to measure it)"] if found.processes == 1 else []
     if found.devices == 1:
         unmeasured.append("collectives (one device)")
+    if jax.process_index() != 0:
+        return EXIT_OK              # (every process measures; the first writes)
     from shardplan.cli.autorun import _write_atomically
     from pathlib import Path
     _write_atomically(Path(args.output), profile_text(found, unmeasured=unmeasured))

@@ -3,8 +3,8 @@
 Every figure the cost model turns work into time with is timed here with all devices working at once
 (on simulated CPU devices they share the cores, and a device's rate is its share): matmuls over the
 shapes a transformer's layers use (fitted as `time = flops / rate + per-kernel overhead`), an
-elementwise pass (memory bandwidth), all-gathers and all-reduces over the devices of a host and, under
-the launcher, over the hosts (bandwidth and latency, from a small and a large message), and attention
+elementwise pass (memory bandwidth), all-gathers and all-reduces over the devices of a host and, run as
+one process per host, over the hosts (bandwidth and latency, from a small and a large message), and attention
 (`jax.nn.dot_product_attention`), and whether the devices share their compute (the largest product on
 one device alone against all at once). Each measurement is the median of a few timed runs after a warm-up.
 """
@@ -84,23 +84,29 @@ def timed(function: Callable, *args, repeats: int = 5, dispatch: float = 0.0) ->
 def _dispatch(mesh) -> float:
     """Seconds of a call that does next to nothing on every device."""
     both = P(("hosts", "host"))
-    x = jax.device_put(jnp.ones((mesh.size * 8,), jnp.float32), NamedSharding(mesh, both))
+    x = _filled(mesh, (mesh.size * 8,), jnp.float32, 1.0)
     return timed(jax.jit(jax.shard_map(lambda a: a + 1, mesh=mesh, in_specs=both, out_specs=both)), x, repeats=21)
 
 
 def _mesh() -> jax.sharding.Mesh:
-    """Every device on one axis; under several processes, (hosts, devices per host)."""
-    devices = np.array(jax.devices())
-    hosts = jax.process_count()
-    return jax.sharding.Mesh(devices.reshape(hosts, -1), ("hosts", "host"))
+    """(hosts, devices per host): one process per host."""
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    return jax.sharding.Mesh(np.array(devices).reshape(jax.process_count(), -1), ("hosts", "host"))
+
+
+def _filled(mesh, shape: tuple[int, ...], dtype, value: float) -> jax.Array:
+    """An array of `value` split over every device along its first dim (built where each shard lives, so
+    it also works when other processes hold some of the devices)."""
+    sharding = NamedSharding(mesh, P(("hosts", "host")))
+    return jax.make_array_from_callback(shape, sharding, lambda index: np.full(
+        tuple(len(range(*i.indices(n))) for i, n in zip(index, shape)), value, dtype))
 
 
 def _matmul(mesh, m: int, k: int, n: int, dtype, dispatch: float, chain: int = 4) -> float:
     """Seconds of an (m, k) x (k, n) product on every device at once: `chain` of them inside one compiled
     loop (each on its own scaled input, so none is hoisted), as a step runs its kernels back to back."""
     both = P(("hosts", "host"))
-    x = jax.device_put(jnp.ones((mesh.size * m, k), dtype), NamedSharding(mesh, both))
-    w = jax.device_put(jnp.ones((mesh.size * k, n), dtype) * 0.01, NamedSharding(mesh, both))
+    x, w = _filled(mesh, (mesh.size * m, k), dtype, 1.0), _filled(mesh, (mesh.size * k, n), dtype, 0.01)
 
     def products(a, b):
         return jax.lax.fori_loop(0, chain, lambda i, acc: acc + (a * i.astype(a.dtype)) @ b,
@@ -111,7 +117,7 @@ def _matmul(mesh, m: int, k: int, n: int, dtype, dispatch: float, chain: int = 4
 
 def _alone(m: int, k: int, n: int, dtype, dispatch: float, chain: int = 4) -> float:
     """Seconds of the same product on the first device while the others are idle."""
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]
     x = jax.device_put(jnp.ones((m, k), dtype), device)
     w = jax.device_put(jnp.ones((k, n), dtype) * 0.01, device)
 
@@ -124,7 +130,7 @@ def _alone(m: int, k: int, n: int, dtype, dispatch: float, chain: int = 4) -> fl
 def _elementwise(mesh, elements: int, dtype, dispatch: float) -> tuple[int, float]:
     """(bytes read and written per device, seconds) of one fused elementwise pass."""
     both = P(("hosts", "host"))
-    x = jax.device_put(jnp.ones((mesh.size * elements,), dtype), NamedSharding(mesh, both))
+    x = _filled(mesh, (mesh.size * elements,), dtype, 1.0)
     scaled = jax.jit(jax.shard_map(lambda a: a * 1.0001 + 0.5, mesh=mesh, in_specs=both, out_specs=both))
     return 2 * elements * jnp.dtype(dtype).itemsize, timed(scaled, x, dispatch=dispatch)
 
@@ -132,7 +138,7 @@ def _elementwise(mesh, elements: int, dtype, dispatch: float) -> tuple[int, floa
 def _collective(mesh, kind: str, over: str, elements: int, dispatch: float) -> float:
     """Seconds of one all-gather or all-reduce of `elements` float32 per device over `over`."""
     both = P(("hosts", "host"))
-    x = jax.device_put(jnp.ones((mesh.size * elements,), jnp.float32), NamedSharding(mesh, both))
+    x = _filled(mesh, (mesh.size * elements,), jnp.float32, 1.0)
     if kind == "all-reduce":
         body = lambda a: jax.lax.psum(a, over)                              # noqa: E731
     else:
@@ -143,7 +149,7 @@ def _collective(mesh, kind: str, over: str, elements: int, dispatch: float) -> f
 def _attention(mesh, shape: tuple[int, int, int, int], dtype, dispatch: float) -> float:
     both = P(("hosts", "host"))
     b, t, h, d = shape
-    q = jax.device_put(jnp.ones((mesh.size * b, t, h, d), dtype) * 0.1, NamedSharding(mesh, both))
+    q = _filled(mesh, (mesh.size * b, t, h, d), dtype, 0.1)
     attend = jax.jit(jax.shard_map(lambda a: jax.nn.dot_product_attention(a, a, a, is_causal=False), mesh=mesh,
                                    in_specs=both, out_specs=both))
     return timed(attend, q, dispatch=dispatch)
@@ -171,7 +177,7 @@ def _link(points: list[tuple[int, float]], factor: float) -> tuple[float, float]
 
 
 def _memory_per_device(devices: int) -> int:
-    stats = getattr(jax.devices()[0], "memory_stats", lambda: None)()
+    stats = getattr(jax.local_devices()[0], "memory_stats", lambda: None)()
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
     import os
