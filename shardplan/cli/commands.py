@@ -263,8 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
         "calibrate", help="measure a device profile on the devices at hand and write it as a profile file",
         description="Time, with every device working at once, what the cost model turns work into time\n"
                     "with: matmuls over a transformer's shapes (rate and per-kernel overhead), an elementwise\n"
-                    "pass (memory bandwidth), all-gathers and all-reduces over the devices (and, under the\n"
-                    "launcher, the hosts) for bandwidth and latency, and attention. Writes a profile file for\n"
+                    "pass (memory bandwidth), all-gathers and all-reduces over the devices (and, one process\n"
+                    "per host with --coordinator, the hosts) for bandwidth and latency, and attention. Writes a profile file for\n"
                     "--profile of `auto` and `inspect` that says what was measured, how and when. Without an\n"
                     "accelerator it measures N simulated CPU devices (they share the cores).",
         epilog="example:\n  shardplan calibrate -o measured.yaml\n"
