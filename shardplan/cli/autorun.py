@@ -254,7 +254,11 @@ def _write_refit(console: Console, found: planner.Search, modelled_order: list[p
              + "; ".join(fitted.moved()),
              f"median |modelled / measured - 1| on those steps: {fitted.error_before:.0%} before, "
              f"{fitted.error_after:.0%} after (the same steps: check it on another workload)"]
-    _write_atomically(Path(path), profile_file_text(fitted.profile, lines))
+    try:
+        _write_atomically(Path(path), profile_file_text(fitted.profile, lines))
+    except OSError as exc:
+        print_wrapped(console, f"cannot write {path}: {exc.strerror or exc}")
+        return
     print_wrapped(console, f"wrote {path}: " + "; ".join(fitted.moved()) + f" (median error on the timed steps "
                            f"{fitted.error_before:.0%} -> {fitted.error_after:.0%})")
 

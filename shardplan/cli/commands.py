@@ -515,7 +515,10 @@ def _calibrate(args, console: Console) -> int:
         return EXIT_OK              # (every process measures; the first writes)
     from shardplan.cli.autorun import _write_atomically
     from pathlib import Path
-    _write_atomically(Path(args.output), profile_text(found, unmeasured=unmeasured))
+    try:
+        _write_atomically(Path(args.output), profile_text(found, unmeasured=unmeasured))
+    except OSError as exc:
+        raise UsageError(f"cannot write {args.output}: {exc.strerror or exc}") from None
     render_profiles(console, [found.profile])
     console.print(f"measured in {found.seconds:.0f} s; wrote {args.output}" +
                   "".join(f"\nnot measured: {what}" for what in unmeasured))
