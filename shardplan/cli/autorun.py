@@ -234,7 +234,7 @@ def _print_agreement(console: Console, modelled_order: list[planner.Ranked], mea
                            f"measured step {', '.join(f'{m / s:.2f}' for _, m, s in rows)} (in the model's order); "
                            f"{within} of {len(rows)} within 20%; the model's ranking against the measured one: "
                            f"Kendall tau {'-' if tau is None else f'{tau:.2f}'}; the written plan is the measured "
-                           "fastest")
+                           "fastest within the budget")
 
 
 def _write_refit(console: Console, found: planner.Search, modelled_order: list[planner.Ranked], measured: dict,
@@ -337,6 +337,11 @@ def _print_table(console: Console, found: planner.Search, measured: dict, top: i
                       "measured step (a compiled peak over the budget rejects)")
 
 
+def _evidence_json(found: planner.Search, item: planner.Ranked) -> dict:
+    mfu = model_flops_utilisation(found, item)
+    return {"mfu": mfu, "beyond_evidence": beyond_evidence(mfu, found.profile)}
+
+
 def _measured_json(got) -> dict:
     if got is None:
         return {}
@@ -357,7 +362,5 @@ def _json(found: planner.Search, measured: dict, top: int) -> dict:
                             "strategy": "ring" if r.candidate.ring else "all_gather"},
                         "compute": r.candidate.compute, "checked": r.plan is not None,
                         "estimate": r.estimate.to_json(), **_measured_json(measured.get(_key(r))),
-                        "mfu": model_flops_utilisation(found, r),
-                        "beyond_evidence": beyond_evidence(model_flops_utilisation(found, r), found.profile)}
-                       for r in found.ranked[:top]],
+                        **_evidence_json(found, r)} for r in found.ranked[:top]],
             "rejected": len(found.rejected)}
