@@ -376,7 +376,8 @@ def model_loss(model: nnx.Module, loss_of: Callable, targets, *args, **kwargs):
     """
     found = pipelined_layers(model)
     if found is None and accumulation(model) > 1:
-        return accumulated_loss(model, loss_of, targets, args, kwargs, accumulation(model))
+        return accumulated_loss(model, lambda output, part: loss_of(_split_over_rows_only(output), part), targets,
+                                args, kwargs, accumulation(model))
     if found is None or found[1].schedule not in SCHEDULES:
         return loss_of(_split_over_rows_only(model(*args, **kwargs)), targets)
     request = _LossRequest(model, loss_of, targets, args, kwargs)
