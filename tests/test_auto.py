@@ -257,8 +257,6 @@ def test_calibrate_writes_a_profile_of_what_it_measured(tmp_path, capsys):
     assert profile.source.endswith("(measured)") and profile.devices_per_host == 8
     assert 1e6 < profile.peak_flops < 1e13 and profile.memory_bandwidth > 1e6 and profile.intra_host_bandwidth > 1e5
     assert 0 < profile.attention_efficiency <= 1 and profile.matmul_efficiency == 1.0
-    curve = profile.matmul_curve            # each timed shape: FLOPs of one kernel, seconds, ascending
-    assert len(curve) >= 3 and list(curve) == sorted(curve) and all(t > 0 for _, t in curve)
     text = path.read_text()
     assert "calibration:" in text and "matmuls_rows_inner_columns_s" in text and "not measured: inter_host" in text
     assert main(["auto", "--model", "minigpt_model:MiniGPT", "--devices", "8", "--profile", str(path),

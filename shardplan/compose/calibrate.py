@@ -27,10 +27,9 @@ from shardplan.planner.profiles import Profile, profile_file_text
 
 # (rows, inner, columns) per device: rows are tokens; the others a layer's widths. Each list spans
 # the shapes its backend runs in the tests and benchmarks, small kernels to large.
-CPU_SHAPES = ((128, 128, 128), (128, 256, 256), (256, 256, 256), (512, 256, 512), (1024, 256, 256),
-              (1024, 256, 1024), (1024, 1024, 256), (4096, 256, 256), (2048, 256, 1024), (1024, 256, 4096),
-              (2048, 512, 512))
-GPU_SHAPES = ((128, 1024, 1024), (512, 1024, 1024), (2048, 1024, 4096), (4096, 4096, 4096), (8192, 4096, 4096),
+CPU_SHAPES = ((256, 256, 256), (1024, 256, 256), (1024, 256, 1024), (1024, 1024, 256), (4096, 256, 256),
+              (2048, 256, 1024), (1024, 256, 4096), (2048, 512, 512))
+GPU_SHAPES = ((512, 1024, 1024), (2048, 1024, 4096), (4096, 4096, 4096), (8192, 4096, 4096),
               (8192, 4096, 14336), (16384, 8192, 8192), (4096, 8192, 28672), (16384, 4096, 4096))
 
 
@@ -196,7 +195,7 @@ def calibrate(*, name: str = "measured", dtype: str | None = None, quick: bool =
     mesh = _mesh()
     devices, hosts = mesh.size, jax.process_count()
     shapes = CPU_SHAPES if backend == "cpu" else GPU_SHAPES
-    shapes = shapes[::3] if quick else shapes
+    shapes = shapes[:4] if quick else shapes
     dispatch = _dispatch(mesh)
     matmuls = []
     for i, (m, k, n) in enumerate(shapes):
@@ -242,25 +241,11 @@ def calibrate(*, name: str = "measured", dtype: str | None = None, quick: bool =
         intra_host_bandwidth=intra[0] if intra else bandwidth, inter_host_bandwidth=inter[0] if inter else
         (intra[0] if intra else bandwidth) / 4, collective_latency=latency, devices_per_host=mesh.shape["host"],
         peak_flops_by_dtype={dtype: rate}, matmul_efficiency=1.0, link_efficiency=1.0,
-        matmul_curve=_curve([(2.0 * m * k * n, s) for m, k, n, s in matmuls]),
         attention_efficiency=min(1.0, attention_rate / rate), matmul_overhead=min(overhead, 1.0),
         low_precision_native=backend != "cpu", overlap=backend != "cpu", shared_compute=shared, source="measured",
         attention="fused" if backend == "gpu" else "materialised")
     return Calibration(profile, tuple(matmuls), elementwise, tuple(collectives), (shape, attention_s), backend,
                        devices, hosts, dtype, when, alone, time.perf_counter() - started, dispatch)
-
-
-def _curve(points: list[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
-    """Ascending (FLOPs, seconds); shapes of equal FLOPs averaged, and no point slower than a larger one
-    (a kernel's time grows with its work: what timing noise says otherwise is smoothed out)."""
-    merged: dict[float, list[float]] = {}
-    for flops, seconds in points:
-        merged.setdefault(flops, []).append(seconds)
-    curve, slowest = [], 0.0
-    for flops in sorted(merged):
-        slowest = max(slowest, statistics.mean(merged[flops]))
-        curve.append((flops, slowest))
-    return tuple(curve)
 
 
 def _median_link(pairs: list[tuple[float, float]] | None) -> tuple[float, float] | None:
@@ -273,8 +258,7 @@ def profile_text(calibration: Calibration, *, unmeasured: list[str] = ()) -> str
     """The profile file: its figures, then what they came from (`calibration:`)."""
     head = [f"Measured by `shardplan calibrate` at {calibration.when} on {calibration.devices} "
             f"{calibration.backend} device(s), {calibration.processes} process(es), {calibration.dtype}.",
-            "matmul_curve holds each timed shape's FLOPs and seconds (the model reads a kernel's time off it);",
-            "peak_flops is the rate fitted through them (so matmul_efficiency is 1), matmul_overhead the fitted",
+            "peak_flops is the measured matmul rate (so matmul_efficiency is 1); matmul_overhead the fitted",
             "fixed cost per kernel; memory_bandwidth from one elementwise pass; link figures from all-gathers",
             "and all-reduces of a small and a large message. `calibration:` keeps the raw timings."]
     head += [f"not measured: {what}" for what in unmeasured]

@@ -78,7 +78,6 @@ def refit(profile: Profile, points: list[tuple[float, float, float]]) -> Refit:
         profile, peak_flops=profile.peak_flops * c,
         peak_flops_by_dtype={k: v * c for k, v in profile.peak_flops_by_dtype.items()},
         memory_bandwidth=profile.memory_bandwidth * c, matmul_overhead=profile.matmul_overhead / c,
-        matmul_curve=tuple((flops, seconds / c) for flops, seconds in profile.matmul_curve),
         intra_host_bandwidth=profile.intra_host_bandwidth * link,
         inter_host_bandwidth=profile.inter_host_bandwidth * link,
         collective_latency=profile.collective_latency / link,

@@ -315,9 +315,7 @@ class _Bounds:
         dtype = compute or (params[0].dtype.name if params else "float32")
         # the faster of the two rates keeps it a bound when attention runs at another efficiency
         efficiency = max(profile.matmul_efficiency, profile.attention_efficiency)
-        # (and the fastest point of a measured curve, which may beat the nominal peak)
-        fastest = max((flops / seconds for flops, seconds in profile.matmul_curve), default=0.0)
-        return cls(layer, other, max(profile.flops_for(dtype) * efficiency, fastest), devices, profile.shared_compute)
+        return cls(layer, other, profile.flops_for(dtype) * efficiency, devices, profile.shared_compute)
 
     def step(self, c: Candidate) -> float:
         # 1F1B and gpipe (but gpipe with a split sequence) run each stage's forward again in its backward

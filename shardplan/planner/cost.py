@@ -45,7 +45,7 @@ from shardplan.checks.layout import ParamLayout
 from shardplan.checks.validate import data_axes
 from shardplan.plan.schema import format_spec, spec_axes
 from shardplan.planner.overlap import exposure
-from shardplan.planner.profiles import Profile, curve_seconds
+from shardplan.planner.profiles import Profile
 from shardplan.checks.schedules import on_tables, padding_skipped, recomputes_stages
 from shardplan.checks.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR, ModelRoles, Role
 
@@ -349,16 +349,17 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
             gathered += math.prod(p.shard_shape) * fsdp * min(p.itemsize, itemsize)
         if p.opt_spec != p.spec:
             regathered += p.bytes_per_device * step.count(p.path)
-    weight_flops, attention_flops, kernels = _flops(held, roles, step)
-    expert_flops = experts.flops if experts else 0.0
-    matmul_flops = weight_flops + expert_flops
+    matmul_flops, attention_flops, kernels = _flops(held, roles, step)
+    matmul_flops += experts.flops if experts else 0.0
     flops = matmul_flops + attention_flops
     bubble = _bubble(step)
     # Elementwise work (norms, activations, softmax, residual adds) is bound by memory bandwidth:
     # each stored activation is written and read once forward and once as a gradient backward.
     elementwise_s = _traffic(kept, _scores(held, roles, step), step) / profile.memory_bandwidth
     peak = profile.flops_for(options.compute_dtype)
-    body_s = (_matmul_seconds(weight_flops, kernels, profile, peak) + expert_flops / (peak * profile.matmul_efficiency) +
+    # each matmul kernel also costs a fixed time (launch, prologue, the last partial wave of tiles):
+    # what makes small matmuls slower than large ones (`Profile.matmul_overhead`)
+    body_s = (matmul_flops / (peak * profile.matmul_efficiency) + kernels * profile.matmul_overhead +
               attention_flops / (peak * profile.attention_efficiency) + elementwise_s)
     ends_s = _ends_seconds(held, kept, roles, step, profile, peak)
     layer_s, stage_s = _stage_seconds(body_s, ends_s, step, stage_map if pipe else None)
@@ -410,19 +411,10 @@ def _ends_seconds(held, kept, roles: ModelRoles, step: _Step, profile: Profile, 
                 (p.path in roles.after_layers or p.path in roles.tied) == after]
         matmul, attention, kernels = _flops(mine, roles, step)
         stored = full.get("after" if after else None, 0.0)
-        out.append(_matmul_seconds(matmul, kernels, profile, peak) +
+        out.append(matmul / (peak * profile.matmul_efficiency) + kernels * profile.matmul_overhead +
                    attention / (peak * profile.attention_efficiency) +
                    step.tokens * ELEMENTWISE_PASSES * stored / profile.memory_bandwidth)
     return out[0], out[1]
-
-
-def _matmul_seconds(flops: float, kernels: dict, profile: Profile, peak: float) -> float:
-    """Seconds of the weight matmuls (`_flops`): on the profile's measured curve of a kernel's time by its
-    FLOPs where it has one (`shardplan calibrate`), else at `matmul_efficiency` of the peak plus a fixed
-    cost per kernel (launch, prologue, the last partial wave of tiles: what makes small matmuls slower)."""
-    if profile.matmul_curve:
-        return sum(count * curve_seconds(profile.matmul_curve, one) for one, count in kernels.items())
-    return flops / (peak * profile.matmul_efficiency) + sum(kernels.values()) * profile.matmul_overhead
 
 
 def _stage_seconds(body_s: float, ends_s: tuple[float, float], step: _Step,
@@ -992,13 +984,12 @@ def _traffic(kept: tuple[dict, dict, dict], scores: float, step: _Step) -> float
     return step.tokens * moved
 
 
-def _flops(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple[float, float, dict]:
+def _flops(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple[float, float, float]:
     """(weight matmul, attention) FLOPs per device per step: 2 per weight and token forward, 4
-    backward; a forward run again in the backward adds its 2. Third: the weight matmul kernels run, as
-    {FLOPs of one kernel: how many} (per pass, one forward, two backward, one more when the forward runs
-    again). A tied embedding's logits are a matmul too."""
-    total = attention_total = 0.0
-    kernels: dict = {}
+    backward; a forward run again in the backward adds its 2. Third: the weight matmul kernels run
+    (per pass, one forward, two backward, one more when the forward runs again). A tied embedding's
+    logits are a matmul too."""
+    total = attention_total = kernels = 0.0
     stands_for: dict = {}
     for p in held:
         role = roles.roles.get(p.path)
@@ -1010,8 +1001,7 @@ def _flops(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple[flo
         recompute = 8 / 6 if step.recomputes(p.stage is not None, layer is not None) else 1.0
         tensor = step.ways(_split_axes(p, tuple(range(len(p.shape))), step.batch_axes))
         total += WEIGHT_FLOPS * passes * tokens * math.prod(p.shape) / tensor * recompute * step.count(p.path)
-        one = 2 * tokens * math.prod(p.shape) / tensor
-        kernels[one] = kernels.get(one, 0) + passes * (4 if recompute > 1 else 3) * step.count(p.path)
+        kernels += passes * (4 if recompute > 1 else 3) * step.count(p.path)
     for attention in roles.attention:
         if attention.layer in stands_for:
             passes, tokens = step.passes(step.stage_axis is not None)

@@ -49,9 +49,6 @@ class Profile:
     attention: str = "materialised"  # "materialised": scores written to memory (XLA's attention); "fused": on chip
     low_precision_native: bool = True   # bf16 compute keeps activations and their collectives in 2 bytes
     overlap: bool = True    # collectives run asynchronously beside compute (see `shardplan.planner.overlap`)
-    # (FLOPs of one matmul kernel, its seconds), ascending: a measured curve (`shardplan calibrate`), used
-    # instead of matmul_efficiency and matmul_overhead where given
-    matmul_curve: tuple[tuple[float, float], ...] = ()
     # the devices share one pool of compute (simulated CPU devices on the host's cores): a device idle in a
     # pipeline's bubble lends its share to the others, so a step costs the devices' work added up
     shared_compute: bool = False
@@ -191,10 +188,6 @@ class ProfileFile(BaseModel):
         False, description="the devices share one pool of compute, as simulated CPU devices share the host's cores: "
                            "a device idle in a pipeline's bubble lends its share to the others (`calibrate` "
                            "measures it: one device alone against all at once)")
-    matmul_curve: list[tuple[Flops, Annotated[float, Field(gt=0, le=3600, allow_inf_nan=False)]]] = Field(
-        default_factory=list, description="measured (FLOPs of one matmul kernel, seconds) points, ascending "
-                                          "(`shardplan calibrate` writes them): the model reads a kernel's time "
-                                          "off this curve instead of matmul_efficiency and matmul_overhead")
     calibration: dict | None = Field(
         None, description="what `shardplan calibrate` measured to write this profile (kept for the record; the "
                           "cost model reads the figures above)")
@@ -219,29 +212,14 @@ def load_profile(path: str | Path) -> Profile:
     found = validate_mapping(ProfileFile, data, file=str(path), positions=positions)
     values = found.model_dump()
     calibrated = values.pop("calibration") is not None
-    values["matmul_curve"] = tuple(sorted((float(f), float(t)) for f, t in values["matmul_curve"]))
     values["memory_bytes"] = int(values["memory_bytes"])
     if values["attention_efficiency"] is None:
         values["attention_efficiency"] = values["matmul_efficiency"]
     left = [name for name, field in ProfileFile.model_fields.items()
             if not field.is_required() and name not in data
-            and name not in ("description", "peak_flops_by_dtype", "calibration", "matmul_curve")]
+            and name not in ("description", "peak_flops_by_dtype", "calibration")]
     defaults = tuple(f"{name}={values[name]}" for name in left)
     return Profile(**values, source=f"{path} (measured)" if calibrated else str(path), defaults=defaults)
-
-
-def curve_seconds(curve: tuple[tuple[float, float], ...], flops: float) -> float:
-    """A kernel's seconds off a measured (FLOPs, seconds) curve: straight lines between its points on
-    log-log axes; beyond its ends, at the rate of the nearest point."""
-    import bisect
-    import math
-    at = bisect.bisect_left(curve, (flops, 0.0))
-    if at == 0 or at == len(curve):
-        near_flops, near_s = curve[0] if at == 0 else curve[-1]
-        return near_s * flops / near_flops
-    (f0, t0), (f1, t1) = curve[at - 1], curve[at]
-    share = math.log(flops / f0) / math.log(f1 / f0) if f1 > f0 else 0.0
-    return math.exp(math.log(t0) + share * (math.log(t1) - math.log(t0)))
 
 
 def profile_file_text(profile: Profile, comments: list[str], record: dict | None = None) -> str:
@@ -261,8 +239,6 @@ def profile_file_text(profile: Profile, comments: list[str], record: dict | None
               "attention_efficiency": round(profile.attention_efficiency, 3),
               "matmul_overhead": figure(profile.matmul_overhead), "low_precision_native": profile.low_precision_native,
               "overlap": profile.overlap, "shared_compute": profile.shared_compute, "attention": profile.attention}
-    if profile.matmul_curve:
-        values["matmul_curve"] = [[figure(f), figure(t)] for f, t in profile.matmul_curve]
     if record is not None:
         values["calibration"] = record
     return "".join(f"# {line}\n" for line in comments) + yaml.safe_dump(values, sort_keys=False, width=100)
