@@ -82,7 +82,7 @@ class Transfer:
 _TRANSFER_FIELDS = tuple(f.name for f in dataclasses.fields(Transfer))     # (`dataclasses.asdict` is slow at 10^4 plans)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Estimate:
     param_bytes: int
     optimizer_bytes: int
@@ -373,16 +373,21 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
                           matmul_s=matmul_flops / (peak * profile.matmul_efficiency) * (1 - 1 / step.sequence_ways))
     exposed = overlapped.exposed_s
     update_s = _update_bytes(resting, step) / profile.memory_bandwidth
-    return Estimate(param_bytes, optimizer_bytes, 2 * step.tokens * TOKEN_BYTES, stored, remat,
-                    microbatch, microbatch_remat, tuple(transfers), flops, compute_s, communication_s, bubble,
-                    compute_s + exposed + update_s, compute_copy, early_grads, gathered, regathered, exposed,
-                    # after a pipeline XLA updates in place, parameter by parameter (measured on 1F1B
-                    # steps of two sizes); outside one it did not always
-                    max((p.opt_bytes_per_device for p in resting), default=0) if step.stage_axis else optimizer_bytes,
-                    options.caveats + _layout_caveats(held, roles, step) + (experts.caveats if experts else ()) +
-                    sequence.caveats, update_s, overlapped.hidden,
-                    tuple(t / (1.0 - bubble) for t in stage_s) if pipe else (), layer_s, ends_s,
-                    tuple(a + stored - loop_stored for a in stage_stored))
+    return Estimate(
+        param_bytes=param_bytes, optimizer_bytes=optimizer_bytes, input_bytes=2 * step.tokens * TOKEN_BYTES,
+        activation_bytes=stored, activation_bytes_remat=remat, microbatch_activation_bytes=microbatch,
+        microbatch_activation_bytes_remat=microbatch_remat, transfers=tuple(transfers), flops=flops,
+        compute_s=compute_s, communication_s=communication_s, bubble=bubble, step_s=compute_s + exposed + update_s,
+        compute_copy_bytes=compute_copy, early_grad_bytes=early_grads, gathered_bytes=gathered,
+        regathered_bytes=regathered, exposed_communication_s=exposed,
+        # after a pipeline XLA updates in place, parameter by parameter (measured on 1F1B steps of two
+        # sizes); outside one it did not always
+        updated_bytes=max((p.opt_bytes_per_device for p in resting), default=0) if step.stage_axis
+        else optimizer_bytes,
+        caveats=options.caveats + _layout_caveats(held, roles, step) + (experts.caveats if experts else ()) +
+        sequence.caveats, update_s=update_s, hidden=overlapped.hidden,
+        stage_compute_s=tuple(t / (1.0 - bubble) for t in stage_s) if pipe else (), layer_s=layer_s, ends_s=ends_s,
+        stage_activation_bytes=tuple(a + stored - loop_stored for a in stage_stored))
 
 
 def _stage_activations(kept, step: _Step, stage_map, stored: int) -> tuple[int, ...]:
