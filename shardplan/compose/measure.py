@@ -26,7 +26,7 @@ class Measured:
     output_bytes: int
     alias_bytes: int
     compile_s: float
-    step_s: float | None = None         # median wall seconds of a step (`steps` timed), None if not run
+    step_s: float | None = None         # seconds of a step as `time_interleaved` timed it; None if not run
 
     @property
     def peak_bytes(self) -> int:
@@ -130,14 +130,9 @@ def compile_step(plan, model: nnx.Module, batch: int, seq: int, *, input_name: s
 
 
 def measure(plan, model: nnx.Module, batch: int, seq: int, *, input_name: str | None = None,
-            arguments: Callable | None = None, steps: int = 0) -> Measured:
-    """`compile_step`'s figures; with `steps`, the step also run once to warm up and `steps` times
-    more, timed (the median)."""
-    ready = compile_step(plan, model, batch, seq, input_name=input_name, arguments=arguments)
-    if not steps:
-        return ready.figures
-    times = [ready.run() for _ in range(steps + 1)][1:]
-    return dataclasses.replace(ready.figures, step_s=float(np.median(times)))
+            arguments: Callable | None = None) -> Measured:
+    """`compile_step`'s figures (nothing is run)."""
+    return compile_step(plan, model, batch, seq, input_name=input_name, arguments=arguments).figures
 
 
 def time_interleaved(steps: list[ReadyStep], rounds: int, progress: Callable[[int], None] = lambda _: None) -> list:
