@@ -401,3 +401,16 @@ def test_a_plan_modelled_above_every_published_run_of_its_hardware_is_marked(tmp
     assert best_published(load_profile(datasheet)).hardware == "A100"
     assert beyond_evidence(0.5, load_profile(datasheet)) is None
     assert best_published(load_profile(REPO / "profiles" / "h100-80gb-sxm.yaml")).mfu == 0.47
+
+
+def test_a_candidate_that_fails_when_run_is_reported_and_the_others_are_timed():
+    """`time_interleaved`: a step whose run fails (here its input buffer is gone, as after a failed
+    allocation) gets its exception; the other candidates are timed in every round."""
+    from shardplan.compose.measure import compile_step, time_interleaved
+    plan = shardplan.parse_plan("version: 1\nmesh: {axes: {data: 8}}\ninputs: {tokens: [data, null]}\n"
+                                "params: [{match: '.*', spec: replicated}]\n")
+    steps = [compile_step(plan, minigpt_model.MiniGPT(**MINIGPT, rngs=nnx.Rngs(0)), 16, 16) for _ in range(2)]
+    steps[0].operands[2].delete()
+    seen = []
+    failed, timed = time_interleaved(steps, 2, progress=seen.append)
+    assert isinstance(failed, Exception) and isinstance(timed, float) and timed > 0 and seen == [0, 1, 2]
