@@ -380,8 +380,13 @@ def test_auto_splits_heads_first_attention_and_proposes_no_pipeline_it_cannot_ru
     from shardplan.run.abstract import abstract_with_roles
     out = tmp_path / "auto.yaml"
     assert main(["auto", "--model", "wild_models:GemmaLike", "--path", "tests", "--devices", "8", "--profile", "cpu",
-                 "--batch", "8", "--seq", "16", "--measure", "1", "-o", str(out)]) == 0
-    printed = " ".join(capsys.readouterr().out.split())
+                 "--batch", "8", "--seq", "16", "--measure", "1", "--calibrate", str(tmp_path / "refit.yaml"),
+                 "-o", str(out)]) == 0
+    captured = capsys.readouterr()
+    printed = " ".join(captured.out.split())
+    # nothing was timed: --calibrate says it wrote nothing instead of doing nothing quietly
+    assert "--calibrate: no candidate was timed" in " ".join(captured.err.split())
+    assert not (tmp_path / "refit.yaml").exists()
     # the forward needs positions and a mask: traced on token ids alone it fails, so no pipeline is proposed,
     # and the measurement says so instead of crashing
     assert "no pipeline candidates: the model cannot be called on the example inputs" in printed

@@ -18,6 +18,7 @@ from shardplan.plan.inert import inert
 from shardplan.planner import auto as planner
 from shardplan.planner.cost import Workload
 from shardplan.planner.evidence import best_published, beyond_evidence
+from shardplan.cli.terminal import consoles, print_wrapped
 
 EXIT_OK, EXIT_NOTHING_FITS = 0, 1
 
@@ -74,6 +75,8 @@ def run_auto(console: Console, *, factory: str, config: dict, devices: int, host
             _print_agreement(console, modelled_order, measured)
     if refit_to and measured:
         _write_refit(console, found, modelled_order, measured, refit_to)
+    elif refit_to:
+        print_wrapped(consoles()[1], f"--calibrate: no candidate was timed, so {refit_to} was not written")
     if not found.ranked:
         console.print(Text.assemble((f"no candidate fits {human_bytes(found.usable)} per device", "bold red"),
                                     f" (the budget {human_bytes(found.memory)} less the safety margin; "
@@ -224,7 +227,6 @@ def agreement(ranked: list[planner.Ranked], measured: dict) -> tuple[list[tuple]
 
 
 def _print_agreement(console: Console, modelled_order: list[planner.Ranked], measured: dict) -> None:
-    from shardplan.cli.terminal import print_wrapped
     rows, tau = agreement(modelled_order, measured)
     if not rows:
         return
@@ -240,7 +242,6 @@ def _print_agreement(console: Console, modelled_order: list[planner.Ranked], mea
 def _write_refit(console: Console, found: planner.Search, modelled_order: list[planner.Ranked], measured: dict,
                  path: str) -> None:
     """`--calibrate FILE`: the profile's rates refitted to the timed steps, written to FILE."""
-    from shardplan.cli.terminal import print_wrapped
     from shardplan.planner.agreement import refit
     from shardplan.planner.profiles import profile_file_text
     rows, _ = agreement(modelled_order, measured)
@@ -273,7 +274,7 @@ def model_flops_utilisation(found: planner.Search, item: planner.Ranked) -> floa
 
 
 def _print_table(console: Console, found: planner.Search, measured: dict, top: int) -> None:
-    from shardplan.cli.terminal import print_table, print_wrapped
+    from shardplan.cli.terminal import print_table
     title = (f"best {len(found.ranked)} of {found.fitting} plans that fit {human_bytes(found.usable)} per device "
              f"(budget less the safety margin; {found.profile.name}, batch {found.workload.batch} x "
              f"{found.workload.seq})")

@@ -250,8 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     auto.add_argument("--top", type=_count(1), default=8, metavar="K", help="candidates to show (default 8)")
     auto.add_argument("--measure", type=_count(0), default=0, metavar="K",
                       help="compile the top K candidates and time a few steps of each on the devices at hand "
-                           "(N simulated CPU devices without an accelerator; builds the model), print modelled "
-                           "against measured, and write the measured fastest")
+                           "(N simulated CPU devices without an accelerator; builds the model; the K candidates' "
+                           "states are held together, as their steps are timed in turn), print modelled against "
+                           "measured, and write the measured fastest")
     auto.add_argument("--calibrate", metavar="PROFILE", default=None,
                       help="with --measure: refit the profile's compute and link rates to the timed steps and "
                            "write the refitted profile to PROFILE (.yaml), saying what moved and by how much")
@@ -264,9 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time, with every device working at once, what the cost model turns work into time\n"
                     "with: matmuls over a transformer's shapes (rate and per-kernel overhead), an elementwise\n"
                     "pass (memory bandwidth), all-gathers and all-reduces over the devices (and, one process\n"
-                    "per host with --coordinator, the hosts) for bandwidth and latency, and attention. Writes a profile file for\n"
-                    "--profile of `auto` and `inspect` that says what was measured, how and when. Without an\n"
-                    "accelerator it measures N simulated CPU devices (they share the cores).",
+                    "per host with --coordinator, the hosts) for bandwidth and latency, and attention.\n"
+                    "Writes a profile file for --profile of `auto` and `inspect` that says what was measured,\n"
+                    "how and when. Without an accelerator it measures N simulated CPU devices (they share\n"
+                    "the cores).",
         epilog="example:\n  shardplan calibrate -o measured.yaml\n"
                "  shardplan auto --model minigpt_model:MiniGPT --devices 8 --profile measured.yaml --measure 8 "
                "-o auto.yaml", formatter_class=HelpFormatter)
@@ -277,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--name", default="measured", help="the profile's name (default measured)")
     calibrate.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                            help="dtype of the timed work (default: float32 on CPU, bfloat16 on accelerators)")
-    calibrate.add_argument("--quick", action="store_true", help="fewer and smaller shapes (about a quarter the time)")
+    calibrate.add_argument("--quick", action="store_true", help="fewer shapes (about half the time)")
     calibrate.add_argument("--coordinator", metavar="HOST:PORT",
                            help="one process per host: join the run whose process 0 listens at HOST:PORT (also read "
                                 "from JAX_COORDINATOR_ADDRESS; under SLURM or Open MPI all three are detected), "
