@@ -19,7 +19,7 @@ from shardplan.plan.schema import Plan
 
 __all__ = ["CODES", "Diagnostic", "Plan", "PlanError", "PlanWarning", "Report", "apply_plan", "check", "constrain", "dropped_rows",
            "init", "jit_step", "load_plan",
-           "make_mesh", "model_loss", "parse_plan", "performance_flags", "set_performance_flags", "shard_inputs",
+           "make_mesh", "model_loss", "parse_plan", "performance_flags", "plain_tree", "set_performance_flags", "shard_inputs",
            "shard_local_inputs", "shard_optimizer", "simulate_cpu_devices", "to_plain"]
 
 
@@ -43,7 +43,7 @@ def __getattr__(name: str):
     if name == "dropped_rows":
         from shardplan.experts.block import dropped_rows
         return dropped_rows
-    if name in ("model_loss", "to_plain"):
+    if name in ("model_loss", "to_plain", "plain_tree"):
         from shardplan.pipeline import pipelined
         return getattr(pipelined, name)
     raise AttributeError(f"module 'shardplan' has no attribute {name!r}")

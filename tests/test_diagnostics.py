@@ -247,7 +247,8 @@ def trigger(tmp_path: Path, code: str) -> list[shardplan.Diagnostic]:
 # test_tutorials.py.
 MODEL_CASES = {"pipeline-layer-call", "example-call-failed", "step-rule-unused", "activation-shape",
                "annotation-overridden", "experts-contract", "experts-fallback", "experts-capacity-drops", "context-no-attention",
-               "context-ring-attention", "context-positions", "precision-not-applied", "explicit-axes-unresolved"}
+               "context-ring-attention", "context-positions", "precision-not-applied", "precision-breaks-forward",
+               "explicit-axes-unresolved"}
 
 
 def test_every_code_has_a_case():

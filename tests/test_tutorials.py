@@ -294,16 +294,54 @@ def test_a_pipeline_that_names_no_list_says_which_lists_the_model_has():
     assert "encoder/layers/0/mlp/layers" not in text, text         # (a list inside a layer is no candidate)
 
 
-def test_a_pipeline_over_the_guides_vmap_stacked_layers_is_refused_naming_the_construct():
+GUIDE_PIPELINE = ("version: 1\nmesh: {axes: {stage: 2, data: 2, model: 2}}\ninputs: {x: [data]}\n"
+                  "pipeline: {axis: stage, layers: layers, microbatches: 2, schedule: SCHEDULE}\nparams:\n"
+                  "  - {match: 'layers/\\d+/dot1/kernel', spec: [null, model]}\n"
+                  "  - {match: 'layers/\\d+/w2', spec: [model, null]}\n")
+
+
+def guide_model_loss_step(model, optimizer, x, y):
+    """The guide's loss through `shardplan.model_loss` (what runs 1F1B's tables)."""
+    def loss_fn(model):
+        return shardplan.model_loss(model, lambda predicted, y: ((predicted - y) ** 2).mean(), y, x)
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_guides_vmap_stacked_layers_pipeline_and_train_like_one_device(schedule):
     """The flax guide's `MultiDotReluDot` builds its layers with `nnx.vmap` (one module, a leading layer
-    dimension) and runs them with `jax.lax.scan`: `check` says what it found and what would work."""
+    dimension) and runs them with `jax.lax.scan`; each layer constrains its activation to `P('data',
+    'model')`. `pipeline.layers: layers` pipelines the stack, the plan's rules name its layers as a list
+    (`layers/0/...`), and three steps match one device: the guide's own `jax.jit` step under gpipe, a step
+    through `model_loss` under 1F1B. `to_plain` gives the stacked module back."""
     ns = tutorial_code.gspmd()
-    plan = shardplan.parse_plan("version: 1\nmesh: {axes: {stage: 2, data: 4}}\ninputs: {x: [data]}\n"
-                                "pipeline: {axis: stage, layers: layers}\nparams:\n  - {match: '.*', spec: replicated}\n")
-    with nnx.use_eager_sharding(False):          # (its annotations name the guide's mesh axes)
-        model = nnx.eval_shape(lambda: ns["MultiDotReluDot"](16, 4, rngs=nnx.Rngs(0)))
-    found = [d for d in shardplan.check(plan, model).errors if d.code == "pipeline-no-layers"]
-    assert found
-    text = " ".join(found[0].format().split())
-    assert "one stacked module" in text and "leading dimension of 4 layers" in text and "nnx.vmap" in text, text
-    assert "nnx.List" in text, text
+    plan = shardplan.parse_plan(GUIDE_PIPELINE.replace("SCHEDULE", schedule))
+    mesh = shardplan.make_mesh(plan)
+    one = one_device_mesh(jax.sharding.AxisType.Auto)
+
+    def build():
+        return ns["MultiDotReluDot"](64, 4, rngs=nnx.Rngs(0))
+    with jax.set_mesh(one):
+        reference = build()
+        reference_optimizer = nnx.Optimizer(reference, optax.adam(1e-3), wrt=nnx.Param)
+    model = shardplan.init(plan, build, mesh)
+    assert type(model.layers).__name__ == "PipelinedLayers" and model.layers.dot1.kernel.shape == (2, 1, 2, 64, 64)
+    optimizer = shardplan.shard_optimizer(plan, model, optax.adam(1e-3), mesh)
+    if schedule == "gpipe":
+        want = guide_steps(ns, one, reference, reference_optimizer)
+        got = guide_steps(ns, mesh, model, optimizer)
+    else:
+        x, y = (np.asarray(jax.random.normal(jax.random.key(k), (8, 64))) for k in (3, 4))
+        step = nnx.jit(guide_model_loss_step)
+
+        def steps(mesh, model, optimizer):
+            with jax.set_mesh(mesh):
+                return [float(step(model, optimizer, x, y)) for _ in range(3)], params_of(model)
+        want = steps(one, reference, reference_optimizer)
+        got = steps(mesh, model, optimizer)
+    np.testing.assert_allclose(got[0], want[0], rtol=TOL)
+    assert_close(shardplan.plain_tree(model, got[1]), want[1], "parameters after three steps")
+    plain = shardplan.to_plain(model)
+    assert type(plain.layers).__name__ == "DotReluDot" and plain.layers.w2.shape == (4, 64, 64)

@@ -78,6 +78,7 @@ def record_calls(model, targets: dict[int, str], call: Callable, on_call=None) -
     """Trace `call(model)` abstractly (`nnx.eval_shape`: nothing is computed) and return the calls of the
     modules in `targets` (id -> name; found again in the traced copy by path), in order. `on_call(module,
     run, name)` may wrap each recorded call. Exceptions of the model's own code propagate."""
+    import jax
     from flax import nnx
 
     from shardplan.checks.paths import join_path
@@ -88,6 +89,16 @@ def record_calls(model, targets: dict[int, str], call: Callable, on_call=None) -
     def traced(model):
         index = {id(node): paths[join_path(path)] for path, node in nnx.iter_graph(model)
                  if join_path(path) in paths}
+        # A transform (nnx.scan over stacked layers) calls copies of the modules holding the same arrays
+        by_array = {id(leaves[0]): name for path, node in nnx.iter_graph(model) if join_path(path) in paths
+                    for name, leaves in [(paths[join_path(path)], jax.tree.leaves(nnx.state(node)))] if leaves}
+
+        def target(module):
+            found = index.get(id(module))
+            if found is None and by_array:
+                leaves = jax.tree.leaves(nnx.state(module))
+                found = by_array.get(id(leaves[0])) if leaves else None
+            return found
         originals = {}
         for node_type in {type(node) for _, node in nnx.iter_graph(model) if id(node) in index}:
             original = node_type.__dict__.get("__call__")
@@ -95,13 +106,14 @@ def record_calls(model, targets: dict[int, str], call: Callable, on_call=None) -
             inherited = node_type.__call__
 
             def recording(self, *args, __inherited=inherited, **kwargs):
-                if id(self) not in index:
+                name = target(self)
+                if name is None:
                     return __inherited(self, *args, **kwargs)
 
                 def run():
                     return __inherited(self, *args, **kwargs)
-                output = on_call(self, run, index[id(self)]) if on_call else run()
-                calls.append(_Call(index[id(self)], args, kwargs, output))
+                output = on_call(self, run, name) if on_call else run()
+                calls.append(_Call(name, args, kwargs, output))
                 return output
             node_type.__call__ = recording
         try:
@@ -138,6 +150,8 @@ def check_layer_calls(plan: Plan, model, call: Callable) -> list[Diagnostic]:
     layers = list(node_at(model, pipe.layers))
     try:
         calls = record_calls(model, {id(layer): i for i, layer in enumerate(layers)}, call, without_updates)
+    except PipelineCallError as error:     # (its scan over stacked layers does more than run them)
+        return problem("pipeline-layer-call", str(error), path=f"{pipe.layers}/0")
     except Exception as error:         # the model's own code failed on the example inputs
         return problem("example-call-failed",
                        f"the model cannot be called on the example inputs: {type(error).__name__}: "

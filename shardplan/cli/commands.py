@@ -884,8 +884,9 @@ def _deep_model(args, plan: Plan, order: list[str]):
 
 
 def _abstract_model(args, plan: Plan, order: list[str]):
+    from shardplan.pipeline.stacked import pipeline_layers_of
     factory, config = _factory_and_config(args, plan)
-    return _build(args, factory, config, order)
+    return pipeline_layers_of(plan, _build(args, factory, config, order), in_place=True)
 
 
 def _factory_and_config(args, plan: Plan) -> tuple[str, dict]:

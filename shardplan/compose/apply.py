@@ -46,6 +46,10 @@ def apply_plan(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh, *, exampl
     P(None, 'model')
     """
     report = _checked(plan, model, mesh, example, roles)
+    plain_graphdef = nnx.graphdef(model) if report.stage_map is not None else None
+    if report.stage_map is not None:         # layers stacked by nnx.vmap / nnx.scan become the list they stand for
+        from shardplan.pipeline.stacked import pipeline_layers_of
+        pipeline_layers_of(plan, model, in_place=True)
     if plan.tensor_overlap:
         from shardplan.run.flags import tensor_overlap_in_effect
         why = tensor_overlap_in_effect(mesh.devices.flat[0].platform)
@@ -59,19 +63,20 @@ def apply_plan(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh, *, exampl
         install_context(plan, model, mesh, roles)
     apply_step_options(plan, model, mesh)
     if report.stage_map is not None:
-        return _pipelined(plan, model, mesh, report, specs)
+        return _pipelined(plan, model, mesh, report, specs, plain_graphdef)
     for keys, variable in nnx.to_flat_state(nnx.state(model)):
         spec = specs.get(join_path(keys), ()) if isinstance(variable, nnx.Param) else ()
         _place(variable, NamedSharding(mesh, partition_spec(spec)))
     return model
 
 
-def _pipelined(plan: Plan, model: nnx.Module, mesh, report: Report, specs: dict):
+def _pipelined(plan: Plan, model: nnx.Module, mesh, report: Report, specs: dict, plain_graphdef):
     """Replace the layer list by the stacked, pipelined layers (stage-major); the rest of the model,
-    its code included, stays as it is and is placed as usual."""
+    its code included, stays as it is and is placed as usual. `plain_graphdef`: the model's own form
+    (its layers stacked by nnx.vmap, or a list), which `to_plain` returns to."""
     from shardplan.pipeline.pipelined import PipelinedLayers
+    from shardplan.pipeline.stacked import StackedList
     pipe, stage_map = plan.pipeline, report.stage_map
-    plain_graphdef = nnx.graphdef(model)
 
     def stacked_spec(path: str) -> tuple:      # a layer's leaf (its path inside the layer), stacked
         return ((pipe.axis,), None, None) + tuple(specs.get(f"{pipe.layers}/0/{path}", ()))
@@ -79,6 +84,7 @@ def _pipelined(plan: Plan, model: nnx.Module, mesh, report: Report, specs: dict)
                              virtual=stage_map.virtual, mesh=mesh, axis=pipe.axis, schedule=pipe.schedule,
                              microbatches=pipe.microbatches, batch_axes=_manual_batch_axes(plan, report, specs),
                              plain_graphdef=plain_graphdef, counts=stage_map.counts,
+                             restack=isinstance(node_at(model, pipe.layers), StackedList),
                              split_heads=_tensor_split_outside(plan, report, specs),
                              sharding_of=lambda path: NamedSharding(mesh, partition_spec(stacked_spec(path))),
                              data_axes=tuple(a for a in data_axes(plan, report.axes) if a != pipe.axis)

@@ -32,6 +32,8 @@ def check(plan: Plan, model, mesh=None, *, input_shapes: dict[str, tuple[int, ..
     import jax
 
     from shardplan.checks.paths import param_infos
+    from shardplan.pipeline.stacked import pipeline_layers_of
+    model = pipeline_layers_of(plan, model, in_place=False)      # (stacked layers as the list they stand for)
     device_ids = _device_ids(plan, mesh)
     report = check_params(plan, param_infos(model), device_ids, input_shapes=input_shapes,
                           processes=jax.process_count(), given_mesh=None if mesh is None else dict(mesh.shape),

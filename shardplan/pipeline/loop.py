@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardplan.checks.schedules import chunk_stage
 from shardplan.pipeline.residuals import LayerResiduals
+from shardplan.pipeline.constraints import pipelined_layer_code
 from shardplan.run.layer_call import LayerCall, fold_keys
 from shardplan.run.widen import narrowed, widened
 
@@ -112,7 +113,8 @@ class Layers:
             def run(layer_state, h, split, whole, keys):
                 layer = nnx.merge(graphdef, layer_state)
                 args, kwargs = self.call.arguments(h, split, whole, fold_keys(keys, index))
-                return self.call.activation(layer(*args, **kwargs))
+                with pipelined_layer_code():
+                    return self.call.activation(layer(*args, **kwargs))
             return run
         if len(self.kinds) == 1:
             return branch(self.kinds[0])(layer_state, h, split, whole, keys)

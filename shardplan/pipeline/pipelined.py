@@ -24,6 +24,8 @@ from shardplan.checks.schedules import SCHEDULES, on_tables
 from shardplan.pipeline.branch_probe import layers_permute_in_branches
 from shardplan.pipeline.loop import (Arrangement, Layers, circular_forward, cross_entropy, fit_microbatches, model_order,
                                      one_f_one_b_loss, sequential_forward, stack, stage_specs, to_plain_tree)
+from shardplan.pipeline.constraints import pipelined_layer_code
+from shardplan.pipeline.stacked import restacked, stack_returned
 from shardplan.pipeline.zero_bubble import zero_bubble_schedule
 from shardplan.pipeline.zero_bubble_v import zero_bubble_v_schedule
 from shardplan.plan.diagnostics import PlanWarning
@@ -54,9 +56,11 @@ class _LossRequest:
 class PipelinedLayers(nnx.Module):
     """The layer list of a pipelined model (see the module docstring)."""
 
+    runs_whole_stack = True         # a scan over it (layers stacked by nnx.vmap) runs it once: `stacked.py`
+
     def __init__(self, layers: list[nnx.Module], *, name: str, stages: int, virtual: int, mesh, axis: str,
                  schedule: str, microbatches: int, batch_axes: tuple[str, ...], plain_graphdef,
-                 counts: tuple[int, ...] | None = None, split_heads: tuple[str, ...] = (),
+                 counts: tuple[int, ...] | None = None, restack: bool = False, split_heads: tuple[str, ...] = (),
                  data_axes: tuple[str, ...], sharding_of: Callable | None = None, context_axis: str | None = None,
                  expert_axis: str | None = None, expert_weights: frozenset = frozenset()):
         graphdefs = [nnx.graphdef(layer) for layer in layers]
@@ -71,6 +75,7 @@ class PipelinedLayers(nnx.Module):
         self._pipeline_name, self._pipeline_mesh, self._pipeline_axis = name, mesh, axis
         self._pipeline_schedule, self._pipeline_microbatches = schedule, microbatches
         self._pipeline_batch_axes, self._pipeline_plain = tuple(batch_axes), plain_graphdef
+        self._pipeline_restack = restack        # the model's own form stacks the layers (`to_plain`)
         self._pipeline_data_axes = tuple(data_axes)      # every batch axis; `batch_axes`: those run manually
         self._pipeline_arrangement = arrangement
         self._pipeline_split_heads = frozenset(split_heads)    # weights after the layers 1F1B may keep split
@@ -116,6 +121,9 @@ class PipelinedLayers(nnx.Module):
         return described
 
     def __call__(self, *args, **kwargs):
+        return stack_returned(self._run(*args, **kwargs))
+
+    def _run(self, *args, **kwargs):
         replay = _REPLAY.get()
         if replay is not None:
             return replay(args[0])
@@ -199,8 +207,9 @@ class PipelinedLayers(nnx.Module):
             args, kwargs = model_call.rebuild(split, whole, keys)
             token = _REPLAY.set(layers_return)
             try:
-                return calling_without_updates(model, lambda: model(*args, **kwargs), "the model",
-                                               "under 1f1b (which replays its forward per microbatch) it")
+                with pipelined_layer_code():        # (it runs inside the stages too)
+                    return calling_without_updates(model, lambda: model(*args, **kwargs), "the model",
+                                                   "under 1f1b (which replays its forward per microbatch) it")
             finally:
                 _REPLAY.reset(token)
 
@@ -322,9 +331,29 @@ def to_plain(model: nnx.Module) -> nnx.Module:
     found = pipelined_layers(model)
     if found is None:
         return model
+    return nnx.merge(found[1]._pipeline_plain, plain_tree(model, nnx.to_pure_dict(nnx.state(model))))
+
+
+def plain_tree(model: nnx.Module, tree: dict) -> dict:
+    """A pure dict laid out as `model`'s state (its gradients, an optimizer moment) in the layout of the
+    model unpipelined: the layers a list again, or stacked again where the model stacks them (`nnx.vmap`);
+    any other model's as is.
+
+    >>> import jax, shardplan, minigpt_model
+    >>> from flax import nnx
+    >>> plan = shardplan.load_plan("plans/minigpt_pp4.yaml")
+    >>> model = minigpt_model.MiniGPT(vocab_size=512, num_transformer_blocks=8, rngs=nnx.Rngs(0))
+    >>> model = shardplan.apply_plan(plan, model, shardplan.make_mesh(plan))
+    >>> grads = jax.tree.map(jax.numpy.zeros_like, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    >>> shardplan.plain_tree(model, grads)["transformer_blocks"][7]["linear1"]["kernel"].shape
+    (256, 256)
+    """
+    found = pipelined_layers(model)
+    if found is None:
+        return tree
     name, layers = found
-    state = to_plain_tree(nnx.to_pure_dict(nnx.state(model)), name, layers.arrangement)
-    return nnx.merge(layers._pipeline_plain, state)
+    tree = to_plain_tree(tree, name, layers.arrangement)
+    return restacked(tree, name) if layers._pipeline_restack else tree
 
 
 def _differentiable(state) -> bool:
@@ -407,4 +436,4 @@ def _split_over_rows_only(output):
     return jax.tree.map(one, output)
 
 
-__all__ = ["PipelinedLayers", "pipelined_layers", "to_plain", "model_loss", "cross_entropy"]
+__all__ = ["PipelinedLayers", "pipelined_layers", "to_plain", "plain_tree", "model_loss", "cross_entropy"]

@@ -97,6 +97,7 @@ CODES: dict[str, str] = {
     "explicit-axes-section": "explicit mesh axes with a pipeline, experts or context section, which run parts of "
                              "the step by hand",
     "precision-not-applied": "a narrow `precision` that some of the model's matmuls do not take (its code casts wider)",
+    "precision-breaks-forward": "the model's forward fails with its parameters in the plan's narrow `precision`",
 }
 
 

@@ -76,6 +76,23 @@ def wide_matmuls(model, dtype, call: Callable) -> tuple[int, int, str]:
     return wide, total, first
 
 
+def _breaks_forward(plan, field: str, dtype, model, call: Callable, error: Exception, where: tuple) -> list:
+    """`precision-breaks-forward` when the forward fails in `dtype` but runs as the model is (a scan over
+    layers whose code widens the carry, a dtype the model's code checks); none when it fails either way
+    (other checks say why)."""
+    try:
+        nnx.eval_shape(call, model)
+    except Exception:
+        return []
+    reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+    return [Diagnostic(
+        "precision-breaks-forward", "error",
+        f"precision.{field} is {dtype.name}, and the model's forward, which runs in its own dtypes, fails with its "
+        f"parameters in {dtype.name}: {reason}", file=plan.file, line=where[0], column=where[1],
+        hint=f"make the model's code keep the dtype it is given (e.g. a layer run by a scan returns its input's "
+             f"dtype: `return y.astype(x.dtype)`), or leave precision.{field} out")]
+
+
 def floating(a) -> bool:
     return hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)
 
@@ -85,13 +102,13 @@ def precision_diagnostics(plan, model, call: Callable):
     narrow precision (none when it cannot be traced: other checks say why)."""
     field = "compute" if plan.precision.compute else "params"
     dtype = jnp.dtype(getattr(plan.precision, field))
+    line, column = plan.locate("precision", field)
     try:
         wide, total, first = wide_matmuls(model, dtype, call)
-    except Exception:
-        return []
+    except Exception as error:
+        return _breaks_forward(plan, field, dtype, model, call, error, (line, column))
     if not wide:
         return []
-    line, column = plan.locate("precision", field)
     return [Diagnostic(
         "precision-not-applied", "warning",
         f"precision.{field} is {dtype.name}, but {wide} of the forward's {total} matmuls get wider operands "

@@ -25,7 +25,8 @@ FAILURES = ("wrong", "failed", "abort", "hang", "not-refused", "refused-otherwis
 FOCUS = {"experts-in-stages": lambda case: "experts" in case["plan"] and "pipeline" in case["plan"],
          "bfloat16": lambda case: "bfloat16" in (case["plan"].get("precision") or {}).values(),
          "explicit-axes": lambda case: "types" in case["plan"]["mesh"],
-         "nested": lambda case: case["config"].get("nested", False)}
+         "nested": lambda case: case["config"].get("nested", False),
+         "stacked": lambda case: bool(case["config"].get("stacked"))}
 
 
 def cases(seed: int, count: int, schedule: str | None = None, only: str | None = None) -> list[dict]:

@@ -102,7 +102,17 @@ def draw(rng: random.Random, index: int, schedule: str | None = None) -> dict:
     if rng.random() < 0.25:
         _break(case, sizes, roles, rng)
     _nested(case)
+    _stacked(case)
     return case
+
+
+def _stacked(case: dict) -> None:
+    """A pipelined model's blocks built by `nnx.vmap` as one stacked module and run by `nnx.scan` or
+    `jax.lax.scan`, in about one pipeline case in four (dense models: stacking experts is not drawn)."""
+    own = random.Random(f"stacked:{case['id']}:{json.dumps(case['plan'], sort_keys=True)}")
+    if "pipeline" not in case["plan"] or case["kind"] == "moe" or own.random() >= 0.25:
+        return
+    case["config"]["stacked"] = own.choice(["nnx", "lax"])
 
 
 def _nested(case: dict) -> None:

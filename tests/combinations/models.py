@@ -3,7 +3,8 @@ a LLaMA-style one (hand-written einsum attention with grouped keys and values, R
 an untied head), a GPT-2-style one (`nnx.MultiHeadAttention`, LayerNorm, a GELU MLP with biases, the head
 tied to the token embedding) and a MoE decoder (LLaMA-style attention, a top-2 router and stacked
 experts, in the three forms docs/experts.md accepts). With `nested=True` the blocks sit at
-`decoder/blocks` instead of `blocks`. Each takes `(tokens, positions)`: positions come
+`decoder/blocks` instead of `blocks`; with `stacked="nnx"` or `"lax"` they are one module built by
+`nnx.vmap` (a leading layer dimension), run by `nnx.scan` or `jax.lax.scan`. Each takes `(tokens, positions)`: positions come
 from the inputs, so context parallelism's load balancing may reorder the sequence."""
 
 from __future__ import annotations
@@ -73,40 +74,66 @@ class LlamaBlock(nnx.Module):
         self.attn_norm, self.attn = RMSNorm(DIM), GroupedAttention(rngs=rngs)
         self.mlp_norm, self.mlp = RMSNorm(DIM), mlp or SwiGLU(rngs=rngs)
 
+    keep_dtype = False
+
     def __call__(self, x, positions):
-        x = x + self.attn(self.attn_norm(x), positions)
-        return x + self.mlp(self.mlp_norm(x))
+        y = x + self.attn(self.attn_norm(x), positions)
+        y = y + self.mlp(self.mlp_norm(y))
+        return y.astype(x.dtype) if self.keep_dtype else y
 
 
 class Decoder(nnx.Module):
     """Where a `nested` model keeps its blocks: at `decoder/blocks`, as most real models nest them."""
 
-    def __init__(self, blocks: list):
-        self.blocks = nnx.List(blocks)
+    def __init__(self, blocks):
+        self.blocks = blocks
 
 
-def _placed(model: nnx.Module, blocks: list, nested: bool) -> None:
+def _placed(model: nnx.Module, block, rngs: nnx.Rngs, nested: bool, stacked: str | None) -> None:
+    """The model's LAYERS blocks (`block(rngs)` each): a list, or one module stacked by `nnx.vmap` whose
+    blocks return their input's dtype (a scan's carry keeps its type; under a bfloat16 `precision` the
+    blocks' float32 rotary angles would widen it)."""
+    if stacked:
+        @nnx.split_rngs(splits=LAYERS)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            made = block(rngs)
+            made.keep_dtype = True
+            return made
+        blocks = make(rngs)
+    else:
+        blocks = nnx.List([block(rngs) for _ in range(LAYERS)])
+    model.stacked = stacked
     if nested:
         model.decoder = Decoder(blocks)
     else:
-        model.blocks = nnx.List(blocks)
+        model.blocks = blocks
 
 
-def _blocks(model: nnx.Module):
-    return model.decoder.blocks if hasattr(model, "decoder") else model.blocks
+def _run_blocks(model: nnx.Module, x, extra):
+    """Every block on `x` in order, each also given `extra`: a loop over the list, or a scan over the stack."""
+    blocks = model.decoder.blocks if hasattr(model, "decoder") else model.blocks
+    if model.stacked == "nnx":
+        @nnx.scan(in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry)
+        def run(x, block, extra):
+            return block(x, extra)
+        return run(x, blocks, extra)
+    if model.stacked == "lax":
+        return jax.lax.scan(lambda x, block: (block(x, extra), None), x, blocks)[0]
+    for block in blocks:
+        x = block(x, extra)
+    return x
 
 
 class Llama(nnx.Module):
-    def __init__(self, *, nested: bool = False, rngs: nnx.Rngs):
+    def __init__(self, *, nested: bool = False, stacked: str | None = None, rngs: nnx.Rngs):
         self.embed = nnx.Embed(VOCAB, DIM, rngs=rngs)
-        _placed(self, [LlamaBlock(rngs=rngs) for _ in range(LAYERS)], nested)
+        _placed(self, lambda rngs: LlamaBlock(rngs=rngs), rngs, nested, stacked)
         self.norm = RMSNorm(DIM)
         self.head = nnx.Linear(DIM, VOCAB, use_bias=False, rngs=rngs)
 
     def __call__(self, tokens, positions):
-        x = self.embed(tokens)                                                  # (B, T, D)
-        for block in _blocks(self):
-            x = block(x, positions)
+        x = _run_blocks(self, self.embed(tokens), positions)                    # (B, T, D)
         return self.head(self.norm(x))                                          # (B, T, V)
 
 
@@ -118,23 +145,25 @@ class GPT2Block(nnx.Module):
         self.fc = nnx.Linear(DIM, HIDDEN, rngs=rngs)
         self.proj = nnx.Linear(HIDDEN, DIM, rngs=rngs)
 
+    keep_dtype = False
+
     def __call__(self, x, mask):
-        x = x + self.attn(self.ln1(x), mask=mask)
-        return x + self.proj(nnx.gelu(self.fc(self.ln2(x))))
+        y = x + self.attn(self.ln1(x), mask=mask)
+        y = y + self.proj(nnx.gelu(self.fc(self.ln2(y))))
+        return y.astype(x.dtype) if self.keep_dtype else y
 
 
 class GPT2(nnx.Module):
-    def __init__(self, *, nested: bool = False, rngs: nnx.Rngs):
+    def __init__(self, *, nested: bool = False, stacked: str | None = None, rngs: nnx.Rngs):
         self.wte = nnx.Embed(VOCAB, DIM, rngs=rngs)
         self.wpe = nnx.Embed(SEQ, DIM, rngs=rngs)
-        _placed(self, [GPT2Block(rngs=rngs) for _ in range(LAYERS)], nested)
+        _placed(self, lambda rngs: GPT2Block(rngs=rngs), rngs, nested, stacked)
         self.ln_f = nnx.LayerNorm(DIM, rngs=rngs)
 
     def __call__(self, tokens, positions):
         x = self.wte(tokens) + self.wpe(positions)                              # (B, T, D)
         mask = (positions[:, None, :, None] >= positions[:, None, None, :])     # (B, 1, T, T)
-        for block in _blocks(self):
-            x = block(x, mask)
+        x = _run_blocks(self, x, mask)
         return self.wte.attend(self.ln_f(x))                                    # (B, T, V), tied
 
 
@@ -177,7 +206,7 @@ class Experts(nnx.Module):
 class MoEDecoder(nnx.Module):
     def __init__(self, *, experts: int = 8, form: str = "sorted", nested: bool = False, rngs: nnx.Rngs):
         self.embed = nnx.Embed(VOCAB, DIM, rngs=rngs)
-        _placed(self, [LlamaBlock(rngs=rngs, mlp=Experts(experts, form, rngs=rngs)) for _ in range(LAYERS)], nested)
+        _placed(self, lambda rngs: LlamaBlock(rngs=rngs, mlp=Experts(experts, form, rngs=rngs)), rngs, nested, None)
         self.norm = RMSNorm(DIM)
         self.head = nnx.Linear(DIM, VOCAB, use_bias=False, rngs=rngs)
 

@@ -124,11 +124,8 @@ def _plain(model, tree) -> dict:
     """A pure dict of the model's layout (stacked pipeline layers unstacked) as flat numpy leaves."""
     import jax
 
-    from shardplan.pipeline.loop import to_plain_tree
-    from shardplan.pipeline.pipelined import pipelined_layers
-    found = pipelined_layers(model)
-    if found is not None:
-        tree = to_plain_tree(tree, found[0], found[1].arrangement)
+    import shardplan
+    tree = shardplan.plain_tree(model, tree)
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {jax.tree_util.keystr(path): np.asarray(jax.device_get(leaf), np.float32) for path, leaf in flat}
 
