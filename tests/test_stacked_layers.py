@@ -134,3 +134,14 @@ def test_a_precision_the_models_forward_cannot_run_in_is_refused_by_check():
     assert error.line == 5 and "precision.compute is bfloat16" in error.message and "TypeError" in error.message
     assert "y.astype(x.dtype)" in error.hint
     assert shardplan.check(shardplan.parse_plan(text.replace("precision: {compute: bfloat16}\n", "")), model).ok
+
+
+def test_stacked_parameters_read_without_the_model_say_what_check_would_do():
+    """Only the parameter shapes (no model to follow): the stack is named, with what the model itself allows."""
+    from shardplan.checks.paths import param_infos
+    from shardplan.checks.report import check_params
+    params = param_infos(nnx.eval_shape(lambda: ScannedLlama(rngs=nnx.Rngs(0))))
+    (found,) = [d for d in check_params(_plan("gpipe"), params, list(range(8))).errors
+                if d.code == "pipeline-no-layers"]
+    assert "'layers' is one stacked module" in found.message and "leading dimension of 4 layers" in found.message
+    assert "shardplan.check(plan, model)" in found.hint

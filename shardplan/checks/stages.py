@@ -93,8 +93,9 @@ def _no_layers(pipe, params: list[ParamInfo]) -> str:
     if inside and len(leading) == 1 and None not in leading:
         return (f"pipeline.layers {pipe.layers!r} is one stacked module: its {len(inside)} parameters share a "
                 f"leading dimension of {leading.pop()} layers (as nnx.vmap or nnx.scan build them, e.g. "
-                f"{inside[0].path} {tuple(inside[0].shape)}), and pipelines run a list of layers for now (parameter "
-                f"paths {pipe.layers}/0/...)")
+                f"{inside[0].path} {tuple(inside[0].shape)}); shardplan.check and apply_plan pipeline it as the list "
+                f"it stands for (parameter paths {pipe.layers}/0/...), but these parameters were read "
+                "without the model")
     return (f"pipeline.layers {pipe.layers!r} requires a list of layers with parameters at that path (parameter "
             f"paths {pipe.layers}/0/...), but no parameter path has that form")
 
@@ -113,8 +114,8 @@ def plan_stages(plan: Plan, params: list[ParamInfo], sizes: dict[str, int],
     layers = layer_params(pipe.layers, params)
     if not layers:
         stacked = _no_layers(pipe, params)
-        hint = ("build the layers as a list the forward loops over (self.layers = nnx.List([Block(...) for _ in "
-                "range(n)]); for layer in self.layers: x = layer(x)), or leave the stacked layers out of the pipeline"
+        hint = ("check the plan against the model itself (shardplan.check(plan, model), shardplan check --model), "
+                "or build the layers as a list the forward loops over"
                 if "one stacked module" in stacked else _layer_lists_hint(pipe, params))
         return None, [where("pipeline-no-layers", ("pipeline", "layers"), stacked, hint=hint)]
     stages = sizes[pipe.axis]

@@ -872,7 +872,8 @@ def _deep_model(args, plan: Plan, order: list[str]):
     factory, config = _factory_and_config(args, plan)
 
     def build(probe_config: dict, probe_order: list[str]):
-        return _build(args, factory, probe_config, probe_order)
+        from shardplan.pipeline.stacked import pipeline_layers_of
+        return pipeline_layers_of(plan, _build(args, factory, probe_config, probe_order), in_place=True)
     from shardplan.run.models import ModelLoadError
     try:
         deep = read_deep(build, config)
