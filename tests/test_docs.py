@@ -114,7 +114,7 @@ def test_the_your_model_example_trains_every_plan_like_one_device_in_a_fresh_pro
     page = (REPO / "docs" / "your-model.md").read_text()
     for line in done.stdout.splitlines():           # the page shows what the file prints (its losses to 1e-5)
         name, *losses = line.rsplit(maxsplit=3) if line[:1] != "e" else (line,)
-        shown = next(l for l in page.splitlines() if l.startswith(name))
+        shown = next(line for line in page.splitlines() if line.startswith(name))
         np.testing.assert_allclose([float(x) for x in losses], [float(x) for x in shown.split()[-len(losses):]]
                                    if losses else [], rtol=1e-5)
 

@@ -239,7 +239,7 @@ def test_stack_unstack_round_trip_is_circular():
     assert stacked["w"].shape == (2, 2, 2, 2)
     assert stacked["w"][1, 0, :, 0].tolist() == [2.0, 3.0]      # chunk 1 (layers 2, 3) on stage 1
     assert stacked["w"][0, 1, :, 0].tolist() == [4.0, 5.0]      # chunk 2 back on stage 0
-    assert [float(l["w"][0]) for l in unstack(stacked)] == list(range(8))
+    assert [float(layer["w"][0]) for layer in unstack(stacked)] == list(range(8))
 
 
 def test_plain_and_stacked_trees_round_trip_at_a_nested_path_wherever_it_occurs():
@@ -268,7 +268,7 @@ def test_stack_unstack_round_trip_in_a_v():
     layers = [{"w": jnp.full((2,), i, jnp.float32)} for i in range(8)]
     stacked = stack(layers, stages=2, virtual=2, arrangement=v)
     assert stacked["w"][:, :, :, 0].tolist() == [[[0.0, 1.0], [6.0, 7.0]], [[2.0, 3.0], [4.0, 5.0]]]
-    assert [float(l["w"][0]) for l in unstack(stacked, v)] == list(range(8))
+    assert [float(layer["w"][0]) for layer in unstack(stacked, v)] == list(range(8))
     assert model_order(stacked["w"], v)[:, 0].tolist() == list(range(8))
 
 

@@ -66,7 +66,8 @@ def test_a_second_sigterm_tears_only_its_own_save_and_a_sigterm_saves_the_step_i
     args = [*train_args(out, 20), "--checkpoint-every", "10"]
     run = start_training(out, args, until_step=12)
     run.send_signal(signal.SIGTERM)
-    saving = lambda: any("tmp" in p.name for p in (out / "checkpoints").iterdir())   # orbax's unfinished step
+    def saving():       # orbax's unfinished step
+        return any("tmp" in p.name for p in (out / "checkpoints").iterdir())
     wait_for(saving, run, "the preemption save to start")
     run.send_signal(signal.SIGTERM)
     text, _ = run.communicate(timeout=60)
@@ -195,7 +196,8 @@ def test_ctrl_c_twice_during_a_save_ends_in_one_line_and_the_save_completes(tmp_
     line and exits 130; no traceback from shutdown, orbax's threads or `atexit`."""
     out = tmp_path / "run"
     run = start_training(out, [*train_args(out, 40), "--checkpoint-every", "4"], until_step=1)
-    saving = lambda: (out / "checkpoints").exists() and any("tmp" in p.name for p in (out / "checkpoints").iterdir())
+    def saving():
+        return (out / "checkpoints").exists() and any("tmp" in p.name for p in (out / "checkpoints").iterdir())
     wait_for(saving, run, "the first save to start")
     run.send_signal(signal.SIGINT)
     time.sleep(0.05)

@@ -203,7 +203,7 @@ def test_shipped_plans_with_explicit_axes_are_refused_before_anything_runs(name,
     if text is None:                      # TOML: the same table's key
         text = (PLANS / name).read_text().replace("axes = { data = -1 }",
                                                   "axes = { data = -1 }\ntypes = { data = \"explicit\" }")
-        line = next(i for i, l in enumerate(text.splitlines(), 1) if l.startswith("types"))
+        line = next(i for i, row in enumerate(text.splitlines(), 1) if row.startswith("types"))
     path = tmp_path / name
     path.write_text(text)
     plan = shardplan.load_plan(path)

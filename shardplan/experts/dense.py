@@ -131,7 +131,7 @@ def picked(eqn, stack, key, indices, origin) -> Picked:
 def expert_slice(params: dict, stack, key, aval) -> ExpertSlice:
     start, limit = params["start_indices"], params["limit_indices"]
     strides = params.get("strides") or (1,) * len(start)
-    if (limit[0] - start[0] == 1 and all(s == 0 and l == d for s, l, d in zip(start[1:], limit[1:], aval.shape[1:]))
+    if (limit[0] - start[0] == 1 and all(s == 0 and stop == d for s, stop, d in zip(start[1:], limit[1:], aval.shape[1:]))
             and all(s == 1 for s in strides)):
         return ExpertSlice(stack, key, int(start[0]), aval.shape[0], keepdim=True)
     raise DenseFormError("an expert weight is sliced other than as one whole expert `w[i]`")
@@ -146,8 +146,8 @@ def squeeze(x: ExpertSlice, dims) -> ExpertSlice:
 def _dot_labels(lhs: tuple, rhs: tuple, lc, rc, lb, rb) -> tuple:
     """Labels of a dot_general's output: batch dims (lhs order), lhs free dims, rhs free dims."""
     batch = tuple(lhs[d] for d in lb)
-    return batch + tuple(l for d, l in enumerate(lhs) if d not in lc and d not in lb) + \
-        tuple(l for d, l in enumerate(rhs) if d not in rc and d not in rb)
+    return batch + tuple(label for d, label in enumerate(lhs) if d not in lc and d not in lb) + \
+        tuple(label for d, label in enumerate(rhs) if d not in rc and d not in rb)
 
 
 def dot(eqn, lhs, rhs, ex):
@@ -270,7 +270,7 @@ def _matmul(x: Lazy, w, xc, wc, xb, wb, params, flip, ex):
     if batch == {e: 0} and set(pairs) == {f}:                   # expert by expert: still per pair
         return x.with_node(node, out_labels, width)
     if not batch and set(pairs) == {e, f} and pairs[e] == 0 and x.gate is not None:
-        summed = x.with_node(node, tuple(l for l in x.labels if l not in ("E", "F")) + ("F",), width)
+        summed = x.with_node(node, tuple(label for label in x.labels if label not in ("E", "F")) + ("F",), width)
         return _arranged(materialise(summed, ex), summed, out_labels)   # and summed over the experts
     raise DenseFormError("expert outputs summed over the experts before the router's weights apply")
 
@@ -293,7 +293,7 @@ def _gate_by_dot(x: Lazy, g, xc, gc, xb, gb, g_aval, flip, ex):
     if e in xb and not xc:
         return gated.with_node(gated.node, out_labels)
     if tuple(xc) == (e,):
-        summed = gated.with_node(gated.node, tuple(l for l in x.labels if l != "E"))
+        summed = gated.with_node(gated.node, tuple(label for label in x.labels if label != "E"))
         return _arranged(materialise(summed, ex), summed, out_labels)
     raise DenseFormError("expert outputs times the router's weights in a layout this form does not allow")
 
@@ -354,7 +354,7 @@ def reduce_experts(x: Lazy, axes, ex):
     """`sum over E` of gated expert outputs."""
     if x.gate is None or "E" not in x.labels or tuple(axes) != (x.labels.index("E"),):
         raise DenseFormError("expert outputs summed other than over the experts after the router's weights")
-    summed = x.with_node(x.node, tuple(l for l in x.labels if l != "E"))
+    summed = x.with_node(x.node, tuple(label for label in x.labels if label != "E"))
     return _arranged(materialise(summed, ex), summed, summed.labels)
 
 
@@ -413,7 +413,7 @@ def _tokens_per_expert(pairs, experts: int):
 def _arranged(out, x: Lazy, labels: tuple):
     """`materialise`'s (token dims..., F) in the dim order `labels` of the block's program."""
     produced = tuple(f"T{k}" for k in range(len(x.token_shape))) + ("F",)
-    return jnp.transpose(out, [produced.index(l) for l in labels]) if labels != produced else out
+    return jnp.transpose(out, [produced.index(label) for label in labels]) if labels != produced else out
 
 
 def materialise(x: Lazy, ex):
@@ -468,7 +468,7 @@ def reshaped(eqn, x: Lazy) -> Lazy:
     if name == "squeeze":
         dims = set(eqn.params["dimensions"])
         if all(x.labels[d] == "1" for d in dims):
-            return x.with_node(x.node, tuple(l for d, l in enumerate(x.labels) if d not in dims))
+            return x.with_node(x.node, tuple(label for d, label in enumerate(x.labels) if d not in dims))
     elif name == "broadcast_in_dim" and before == tuple(after[d] for d in eqn.params["broadcast_dimensions"]) and \
             all(after[d] == 1 for d in range(len(after)) if d not in eqn.params["broadcast_dimensions"]):
         labels = ["1"] * len(after)
@@ -477,7 +477,7 @@ def reshaped(eqn, x: Lazy) -> Lazy:
         return x.with_node(x.node, tuple(labels))
     elif name == "reshape" and eqn.params.get("dimensions") is None and \
             [d for d in before if d != 1] == [d for d in after if d != 1]:
-        known = iter(l for l, d in zip(x.labels, before) if d != 1)
+        known = iter(label for label, d in zip(x.labels, before) if d != 1)
         return x.with_node(x.node, tuple(next(known) if d != 1 else "1" for d in after))
     raise DenseFormError(f"expert outputs go into `{name}` other than to add or drop a dim of size one")
 

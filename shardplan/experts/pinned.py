@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-import jax
 from jax.extend import core
 
 from shardplan.experts.interpret import ROW_WISE

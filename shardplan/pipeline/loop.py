@@ -751,7 +751,7 @@ def _stacked_on_stages(leaves: list[list[jax.Array]], positions, leading: tuple[
     mesh, axis = shardings[0].mesh, shardings[0].spec[0]
     axis = axis[0] if isinstance(axis, tuple) else axis
     at = mesh.axis_names.index(axis)
-    slots = [(v, l) for v in range(leading[1]) for l in range(leading[2])]
+    slots = [(v, slot) for v in range(leading[1]) for slot in range(leading[2])]
     layer_specs = [P(*tuple(sharding.spec)[3:]) for sharding in shardings]
     pieces = [{} for _ in leaves]
     for stage in range(leading[0]):

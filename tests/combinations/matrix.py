@@ -106,7 +106,7 @@ def _cell(cell, legend: dict[str, str]) -> str:
 
 def parse(text: str) -> dict[tuple[str, str], str]:
     """A rendered table back to (feature, feature) -> cell text."""
-    lines = [l for l in text.splitlines() if l.startswith("| ")]
+    lines = [line for line in text.splitlines() if line.startswith("| ")]
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     table = {}
     for line in lines[1:]:

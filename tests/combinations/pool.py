@@ -75,9 +75,9 @@ class Worker:
                 if not line:            # the process died with the case
                     code = self.process.wait()
                     self._stderr += self.process.stderr.readlines()[-40:]
-                    tail = [l for l in self._stderr if l.strip() and not l.startswith("    @")][-6:]
+                    tail = [line for line in self._stderr if line.strip() and not line.startswith("    @")][-6:]
                     return {"status": "abort", "codes": [], "warnings": [],
-                            "detail": f"exit {code}: " + " | ".join(l.strip()[:300] for l in tail)}
+                            "detail": f"exit {code}: " + " | ".join(line.strip()[:300] for line in tail)}
                 if line.startswith(MARK):
                     self._stderr = []
                     return json.loads(line[len(MARK):])

@@ -32,7 +32,7 @@ def plan_text(case: dict) -> str:
     import yaml
     header = (f"# combination case {case['id']}: {case['kind']} on {case['devices']} devices, {case['rows']} rows"
               + (f"; must be refused with {case['expect']}" if case["expect"] else "") + "\n"
-              f"# repro: python -m tests.combinations --replay THIS_FILE\n")
+              "# repro: python -m tests.combinations --replay THIS_FILE\n")
     return header + yaml.safe_dump(case["plan"], sort_keys=False, default_flow_style=None, width=100)
 
 
