@@ -32,8 +32,14 @@ sys.path.insert(0, str(REPO))
 import shardplan  # noqa: E402
 from minigpt_model.model import MiniGPT  # noqa: E402
 
-PLANS = ["minigpt_dp.yaml", "minigpt_tp.yaml", "minigpt_dp_tp.yaml", "minigpt_fsdp.toml", "minigpt_3d.yaml",
-         "minigpt_pp4.yaml"]
+PLANS = [
+    "minigpt_dp.yaml",
+    "minigpt_tp.yaml",
+    "minigpt_dp_tp.yaml",
+    "minigpt_fsdp.toml",
+    "minigpt_3d.yaml",
+    "minigpt_pp4.yaml",
+]
 MODEL = dict(maxlen=16, vocab_size=128, embed_dim=64, num_heads=8, feed_forward_dim=128, dropout_rate=0.0)
 
 
@@ -65,13 +71,20 @@ def measure(name: str, layers: int, compiles: Compiles) -> dict:
     started = time.perf_counter()
     shardplan.shard_optimizer(plan, sharded, optax.adamw(1e-3), mesh)
     optimizer_s, (optimizer_n, _) = time.perf_counter() - started, compiles.take()
-    return {"plan": name, "apply_compiles": apply_n, "apply_s": round(apply_s, 3),
-            "optimizer_compiles": optimizer_n, "optimizer_s": round(optimizer_s, 3)}
+    return {
+        "plan": name,
+        "apply_compiles": apply_n,
+        "apply_s": round(apply_s, 3),
+        "optimizer_compiles": optimizer_n,
+        "optimizer_s": round(optimizer_s, 3),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=4, help="MiniGPT blocks (a multiple of 4: every plan splits them)")
+    parser.add_argument(
+        "--layers", type=int, default=4, help="MiniGPT blocks (a multiple of 4: every plan splits them)"
+    )
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     if args.layers < 4 or args.layers % 4:
@@ -80,8 +93,10 @@ def main() -> None:
     rows = [measure(name, args.layers, compiles) for name in PLANS]
     print(f"{'plan':<20} {'apply: programs':>15} {'s':>6} {'optimizer: programs':>19} {'s':>6}")
     for row in rows:
-        print(f"{row['plan']:<20} {row['apply_compiles']:>15} {row['apply_s']:>6.2f} "
-              f"{row['optimizer_compiles']:>19} {row['optimizer_s']:>6.2f}")
+        print(
+            f"{row['plan']:<20} {row['apply_compiles']:>15} {row['apply_s']:>6.2f} "
+            f"{row['optimizer_compiles']:>19} {row['optimizer_s']:>6.2f}"
+        )
     if args.json:
         args.json.write_text(json.dumps({"layers": args.layers, "rows": rows}, indent=2))
 

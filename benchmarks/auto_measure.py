@@ -41,11 +41,31 @@ BATCH, SEQ = 16, 128
 def _auto_top(profile_path: str, folder: Path) -> list[dict]:
     """`shardplan auto --measure 8 --json`, in this process: its ranking with the measured steps."""
     from shardplan.cli import main
+
     config = [arg for key, value in CONFIG.items() for arg in ("--config", f"{key}={value}")]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = main(["auto", "--model", FACTORY, *config, "--devices", "8", "--batch", str(BATCH), "--seq",
-                     str(SEQ), "--profile", profile_path, "--measure", "8", "--json", "-o", str(folder / "auto.yaml")])
+        code = main(
+            [
+                "auto",
+                "--model",
+                FACTORY,
+                *config,
+                "--devices",
+                "8",
+                "--batch",
+                str(BATCH),
+                "--seq",
+                str(SEQ),
+                "--profile",
+                profile_path,
+                "--measure",
+                "8",
+                "--json",
+                "-o",
+                str(folder / "auto.yaml"),
+            ]
+        )
     if code != 0:
         raise SystemExit(f"auto --measure failed ({code})")
     return json.loads(out.getvalue())["ranked"]
@@ -61,33 +81,53 @@ def _spread(profile, rounds: int) -> list[dict]:
     from shardplan.planner.kept import with_code
     from shardplan.planner.profiles import PROFILES
     from shardplan.run.models import build_model
+
     order: list[str] = []
     model = build_model(FACTORY, CONFIG, on_built=lambda m: order.extend(definition_order(m)))
     params = param_infos(model)
     roles = with_code(recognise(params, order), model, SEQ, input_name="tokens")
     workload = Workload(BATCH, SEQ)
-    found = planner.search(params, roles, devices=8, workload=workload, profile=profile, keep=10_000, check=0,
-                           model={"factory": FACTORY, "config": CONFIG})
+    found = planner.search(
+        params,
+        roles,
+        devices=8,
+        workload=workload,
+        profile=profile,
+        keep=10_000,
+        check=0,
+        model={"factory": FACTORY, "config": CONFIG},
+    )
     picks = [round(k * (len(found.ranked) - 1) / 7) for k in range(8)]
     chosen, ready = [], []
     for rank in picks:
         candidate = found.ranked[rank].candidate
-        checked = planner._checked(candidate, roles, params, 8, 1, workload, profile, "tokens",
-                                   {"factory": FACTORY, "config": CONFIG})
+        checked = planner._checked(
+            candidate, roles, params, 8, 1, workload, profile, "tokens", {"factory": FACTORY, "config": CONFIG}
+        )
         if checked.plan is None:
             print(f"  rank {rank + 1}: not checkable ({checked.rejected}); skipped")
             continue
-        builtin = planner._checked(candidate, roles, params, 8, 1, workload, PROFILES["cpu"], "tokens",
-                                   {"factory": FACTORY, "config": CONFIG})
-        print(f"  compiling rank {rank + 1} of {len(found.ranked)}: {candidate.label()}, {candidate.rules_label()}",
-              flush=True)
+        builtin = planner._checked(
+            candidate, roles, params, 8, 1, workload, PROFILES["cpu"], "tokens", {"factory": FACTORY, "config": CONFIG}
+        )
+        print(
+            f"  compiling rank {rank + 1} of {len(found.ranked)}: {candidate.label()}, {candidate.rules_label()}",
+            flush=True,
+        )
         started = time.perf_counter()
         ready.append(compile_step(checked.plan, build_model(FACTORY, CONFIG, abstract=False), BATCH, SEQ))
-        chosen.append({"rank": rank + 1, "mesh": candidate.label(), "rules": candidate.rules_label(),
-                       "modelled_s": checked.estimate.step_s, "modelled_builtin_cpu_s": builtin.estimate.step_s,
-                       "compile_s": round(time.perf_counter() - started, 1),
-                       "compiled_peak_bytes": ready[-1].figures.peak_bytes,
-                       "modelled_peak_bytes": checked.estimate.peak_bytes})
+        chosen.append(
+            {
+                "rank": rank + 1,
+                "mesh": candidate.label(),
+                "rules": candidate.rules_label(),
+                "modelled_s": checked.estimate.step_s,
+                "modelled_builtin_cpu_s": builtin.estimate.step_s,
+                "compile_s": round(time.perf_counter() - started, 1),
+                "compiled_peak_bytes": ready[-1].figures.peak_bytes,
+                "modelled_peak_bytes": checked.estimate.peak_bytes,
+            }
+        )
     print(f"  timing {len(ready)} candidates in {rounds} interleaved rounds", flush=True)
     for row, seconds in zip(chosen, time_interleaved(ready, rounds)):
         row["measured_s"] = None if isinstance(seconds, Exception) else seconds
@@ -96,10 +136,14 @@ def _spread(profile, rounds: int) -> list[dict]:
 
 def _judge(rows: list[tuple[str, float, float]]) -> dict:
     from shardplan.planner.agreement import kendall_tau
+
     ratios = [model / seen for _, model, seen in rows]
-    return {"within_20": sum(abs(r - 1) <= 0.2 for r in ratios), "count": len(rows),
-            "median_abs_error": sorted(abs(r - 1) for r in ratios)[len(ratios) // 2],
-            "kendall_tau": kendall_tau([m for _, m, _ in rows], [s for _, _, s in rows])}
+    return {
+        "within_20": sum(abs(r - 1) <= 0.2 for r in ratios),
+        "count": len(rows),
+        "median_abs_error": sorted(abs(r - 1) for r in ratios)[len(ratios) // 2],
+        "kendall_tau": kendall_tau([m for _, m, _ in rows], [s for _, _, s in rows]),
+    }
 
 
 def _print(title: str, rows: list[tuple[str, float, float]]) -> dict:
@@ -108,8 +152,10 @@ def _print(title: str, rows: list[tuple[str, float, float]]) -> dict:
     for name, model, seen in rows:
         print(f"  {name[:64]:64s} {model * 1e3:8.0f}ms {seen * 1e3:8.0f}ms {model / seen:6.2f}")
     judged = _judge(rows)
-    print(f"  within 20%: {judged['within_20']} of {judged['count']}; median |modelled/measured - 1| "
-          f"{judged['median_abs_error']:.1%}; Kendall tau {judged['kendall_tau']:.2f}")
+    print(
+        f"  within 20%: {judged['within_20']} of {judged['count']}; median |modelled/measured - 1| "
+        f"{judged['median_abs_error']:.1%}; Kendall tau {judged['kendall_tau']:.2f}"
+    )
     return judged
 
 
@@ -121,6 +167,7 @@ def main() -> None:
     shardplan.simulate_cpu_devices(8)
     from shardplan.compose.calibrate import calibrate, profile_text
     from shardplan.planner.profiles import load_profile
+
     started = time.perf_counter()
     print("calibrating 8 simulated CPU devices", flush=True)
     calibration = calibrate(progress=lambda what: print(f"  {what}", flush=True))
@@ -129,10 +176,12 @@ def main() -> None:
         path = folder / "measured.yaml"
         path.write_text(profile_text(calibration))
         profile = load_profile(path)
-        print(f"  {profile.peak_flops / 1e9:.1f} GFLOP/s per device, {profile.matmul_overhead * 1e6:.0f} us per "
-              f"kernel, memory {profile.memory_bandwidth / 1e9:.2f} GB/s, links {profile.intra_host_bandwidth / 1e9:.2f}"
-              f" GB/s, latency {profile.collective_latency * 1e6:.0f} us, attention at {profile.attention_efficiency:.0%}"
-              f", shared compute: {profile.shared_compute}")
+        print(
+            f"  {profile.peak_flops / 1e9:.1f} GFLOP/s per device, {profile.matmul_overhead * 1e6:.0f} us per "
+            f"kernel, memory {profile.memory_bandwidth / 1e9:.2f} GB/s, links {profile.intra_host_bandwidth / 1e9:.2f}"
+            f" GB/s, latency {profile.collective_latency * 1e6:.0f} us, attention at {profile.attention_efficiency:.0%}"
+            f", shared compute: {profile.shared_compute}"
+        )
         print(f"\nauto --measure 8 (MiniGPT {CONFIG}, batch {BATCH} x {SEQ})", flush=True)
         top = _auto_top(str(path), folder)
         timed = [r for r in top if "measured" in r]
@@ -146,15 +195,24 @@ def main() -> None:
         spread = _spread(profile, args.rounds)
     rows = [(f"#{r['rank']} {r['mesh']} {r['rules']}", r["modelled_s"], r["measured_s"]) for r in spread]
     spread_judged = _print("a spread across auto's ranking, calibrated profile", rows)
-    builtin_judged = _print("the same, built-in `cpu` profile",
-                            [(name, r["modelled_builtin_cpu_s"], seen) for (name, _, seen), r in zip(rows, spread)])
+    builtin_judged = _print(
+        "the same, built-in `cpu` profile",
+        [(name, r["modelled_builtin_cpu_s"], seen) for (name, _, seen), r in zip(rows, spread)],
+    )
     print(f"\ntook {time.perf_counter() - started:.0f} s")
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "model": {"factory": FACTORY, "config": CONFIG, "batch": BATCH, "seq": SEQ},
-            "calibration": calibration.record(), "top": {"rows": top_rows, **top_judged,
-                                                         "written_is_measured_fastest": written_is_fastest},
-            "spread": {"rows": spread, **spread_judged}, "spread_builtin_cpu": builtin_judged}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "model": {"factory": FACTORY, "config": CONFIG, "batch": BATCH, "seq": SEQ},
+                    "calibration": calibration.record(),
+                    "top": {"rows": top_rows, **top_judged, "written_is_measured_fastest": written_is_fastest},
+                    "spread": {"rows": spread, **spread_judged},
+                    "spread_builtin_cpu": builtin_judged,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SHAPE = dict(vocab=32000, dim=8192, heads=64, kv_heads=8, hidden=28672)      # LLaMA-2-70B's shape
+SHAPE = dict(vocab=32000, dim=8192, heads=64, kv_heads=8, hidden=28672)  # LLaMA-2-70B's shape
 
 
 def point(devices: int, layers: int, seq: int = 4096) -> dict:
@@ -41,31 +41,49 @@ def point(devices: int, layers: int, seq: int = 4096) -> dict:
 
     started = time.perf_counter()
     model, roles = abstract_with_roles(lambda: Llama(**SHAPE, layers=layers, rngs=nnx.Rngs(0)))
-    roles = with_code(roles, model, 4096)       # as `shardplan auto` does: one traced forward
+    roles = with_code(roles, model, 4096)  # as `shardplan auto` does: one traced forward
     params = param_infos(model)
     built = time.perf_counter()
     workload = Workload(max(64, 4 * devices), 4096) if seq == 4096 else Workload(max(8, devices // 64), seq)
     listed = sum(1 for _ in auto.candidates(roles, devices, max(1, devices // 8), workload, compute="bfloat16"))
-    found = auto.search(params, roles, devices=devices, workload=workload,
-                        profile=get_profile("h200"), hosts=max(1, devices // 8), compute="bfloat16")
+    found = auto.search(
+        params,
+        roles,
+        devices=devices,
+        workload=workload,
+        profile=get_profile("h200"),
+        hosts=max(1, devices // 8),
+        compute="bfloat16",
+    )
     done = time.perf_counter()
     best = found.best
-    return {"devices": devices, "layers": layers, "seq": seq, "batch": workload.batch, "params": len(params),
-            "build_s": built - started,
-            "search_s": done - built, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "candidates": listed, "pruned": found.pruned, "fitting": found.fitting,
-            "costed": listed - found.pruned,
-            "best": None if best is None else f"{best.candidate.label()}, {best.candidate.rules_label()}",
-            "best_step_s": None if best is None else best.estimate.step_s}
+    return {
+        "devices": devices,
+        "layers": layers,
+        "seq": seq,
+        "batch": workload.batch,
+        "params": len(params),
+        "build_s": built - started,
+        "search_s": done - built,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "candidates": listed,
+        "pruned": found.pruned,
+        "fitting": found.fitting,
+        "costed": listed - found.pruned,
+        "best": None if best is None else f"{best.candidate.label()}, {best.candidate.rules_label()}",
+        "best_step_s": None if best is None else best.estimate.step_s,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", type=int, nargs="*", default=[8, 64, 512, 4096, 16384, 131072])
-    parser.add_argument("--layers", type=int, nargs="*", default=[20, 40, 80, 160],
-                        help="depths to time at 512 devices")
-    parser.add_argument("--long", type=int, nargs="*", default=[1024, 16384, 131072],
-                        help="device counts to time at sequence 131,072")
+    parser.add_argument(
+        "--layers", type=int, nargs="*", default=[20, 40, 80, 160], help="depths to time at 512 devices"
+    )
+    parser.add_argument(
+        "--long", type=int, nargs="*", default=[1024, 16384, 131072], help="device counts to time at sequence 131,072"
+    )
     parser.add_argument("--json", metavar="FILE")
     parser.add_argument("--point", type=int, nargs=3, metavar=("DEVICES", "LAYERS", "SEQ"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -74,18 +92,30 @@ def main() -> None:
         return
     rows = []
     print(f"LLaMA {SHAPE}, batch 4 x devices (at least 64) x 4096 tokens, bf16 compute, h200 profile\n")
-    print(f"{'devices':>7} {'layers':>6} {'seq':>7} {'build s':>7} {'search s':>8} {'peak RSS':>9} {'candidates':>10} "
-          f"{'costed':>7} {'pruned':>7} {'fit':>6}  best")
-    points = [(d, 80, 4096) for d in args.devices] + [(512, n, 4096) for n in args.layers if n != 80] + \
-        [(d, 80, 131072) for d in args.long]
+    print(
+        f"{'devices':>7} {'layers':>6} {'seq':>7} {'build s':>7} {'search s':>8} {'peak RSS':>9} {'candidates':>10} "
+        f"{'costed':>7} {'pruned':>7} {'fit':>6}  best"
+    )
+    points = (
+        [(d, 80, 4096) for d in args.devices]
+        + [(512, n, 4096) for n in args.layers if n != 80]
+        + [(d, 80, 131072) for d in args.long]
+    )
     for devices, layers, seq in points:
-        out = subprocess.run([sys.executable, __file__, "--point", str(devices), str(layers), str(seq)],
-                             capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, __file__, "--point", str(devices), str(layers), str(seq)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         row = json.loads(out.stdout.strip().splitlines()[-1])
         rows.append(row)
-        print(f"{devices:>7} {layers:>6} {seq:>7} {row['build_s']:>7.1f} {row['search_s']:>8.1f} "
-              f"{row['peak_rss_bytes'] / 2**30:>7.2f} G {row['candidates']:>10,} {row['costed']:>7,} "
-              f"{row['pruned']:>7,} {row['fitting']:>6,}  {row['best'] or 'nothing fits'}", flush=True)
+        print(
+            f"{devices:>7} {layers:>6} {seq:>7} {row['build_s']:>7.1f} {row['search_s']:>8.1f} "
+            f"{row['peak_rss_bytes'] / 2**30:>7.2f} G {row['candidates']:>10,} {row['costed']:>7,} "
+            f"{row['pruned']:>7,} {row['fitting']:>6,}  {row['best'] or 'nothing fits'}",
+            flush=True,
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

@@ -39,9 +39,11 @@ SHAPE = dict(vocab=256, dim=64, heads=4, kv_heads=2, hidden=128, layers=1)
 
 def plan_text(cp: int, seq: int, strategy: str) -> str:
     context = f"context: {{axis: context, strategy: {strategy}}}\n" if cp > 1 else ""
-    return (f"version: 1\nmesh: {{axes: {{data: {8 // cp}, context: {cp}}}}}\n"
-            f"inputs: {{tokens: {{spec: [null, context], shape: [1, {seq}]}}}}\n{context}"
-            "params: [{match: '.*', spec: replicated}]\nunmatched: replicate\n")
+    return (
+        f"version: 1\nmesh: {{axes: {{data: {8 // cp}, context: {cp}}}}}\n"
+        f"inputs: {{tokens: {{spec: [null, context], shape: [1, {seq}]}}}}\n{context}"
+        "params: [{match: '.*', spec: replicated}]\nunmatched: replicate\n"
+    )
 
 
 def measure(cp: int, seq: int, strategy: str) -> dict:
@@ -53,10 +55,16 @@ def measure(cp: int, seq: int, strategy: str) -> dict:
     def loss(model, tokens):
         logits = model(tokens)
         return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
+
     compiled = nnx.jit(nnx.grad(loss)).lower(model, tokens).compile()
     stats = collective_stats(compiled.as_text(), executed=True)
-    return {"cp": cp, "seq": seq, "strategy": strategy, "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
-            "collectives": {kind: {"count": n, "bytes": stats.bytes.get(kind, 0)} for kind, n in stats.count.items() if n}}
+    return {
+        "cp": cp,
+        "seq": seq,
+        "strategy": strategy,
+        "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+        "collectives": {kind: {"count": n, "bytes": stats.bytes.get(kind, 0)} for kind, n in stats.count.items() if n},
+    }
 
 
 def main() -> None:
@@ -71,13 +79,18 @@ def main() -> None:
     for seq in seqs:
         base = None
         for cp in cps:
-            for strategy in (("all_gather", "ring") if cp > 1 else ("none",)):
+            for strategy in ("all_gather", "ring") if cp > 1 else ("none",):
                 row = measure(cp, seq, strategy)
                 base = base or row["temp_bytes"]
                 rows.append(row)
-                moved = ", ".join(f"{k} {v['count']}x {v['bytes'] / 2**20:.2f} MiB" for k, v in row["collectives"].items())
-                print(f"{seq:>6} {cp:>3} {strategy:>10} {row['temp_bytes'] / 2**20:>9.1f} "
-                      f"{base / row['temp_bytes']:>6.2f}x  {moved}", flush=True)
+                moved = ", ".join(
+                    f"{k} {v['count']}x {v['bytes'] / 2**20:.2f} MiB" for k, v in row["collectives"].items()
+                )
+                print(
+                    f"{seq:>6} {cp:>3} {strategy:>10} {row['temp_bytes'] / 2**20:>9.1f} "
+                    f"{base / row['temp_bytes']:>6.2f}x  {moved}",
+                    flush=True,
+                )
     if args.json:
         Path(args.json).write_text(json.dumps({"shape": SHAPE, "rows": rows}, indent=1))
 

@@ -30,30 +30,34 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-PEAK = 989e12           # dense bfloat16, the h200 profile's
+PEAK = 989e12  # dense bfloat16, the h200 profile's
 # (tokens, in, out): the layer matmuls of widths 1024 to 16384 at 1k to 32k tokens per device
-SHAPES = [(m, k, n) for m in (1024, 4096, 16384) for k, n in
-          ((1024, 1024), (1024, 4096), (2304, 2304), (4096, 4096), (4096, 16384), (8192, 8192), (12288, 12288))] + [
-    (32768, 8192, 8192), (8192, 16384, 16384), (512, 4096, 4096), (256, 4096, 4096), (128, 4096, 4096)]
+SHAPES = [
+    (m, k, n)
+    for m in (1024, 4096, 16384)
+    for k, n in ((1024, 1024), (1024, 4096), (2304, 2304), (4096, 4096), (4096, 16384), (8192, 8192), (12288, 12288))
+] + [(32768, 8192, 8192), (8192, 16384, 16384), (512, 4096, 4096), (256, 4096, 4096), (128, 4096, 4096)]
 
 
 def gemms() -> dict:
     import jax
     import jax.numpy as jnp
+
     rows = []
     for m, k, n in SHAPES:
         flops = 2 * m * k * n
         chain = max(2, min(64, int(0.02 / (flops / (0.7 * PEAK)))) // 2 * 2)
         key = jax.random.key(0)
         x = jax.random.normal(key, (m, k), jnp.bfloat16)
-        w1 = (jax.random.normal(key, (k, n), jnp.float32) / k ** 0.5).astype(jnp.bfloat16)
-        w2 = (jax.random.normal(key, (n, k), jnp.float32) / n ** 0.5).astype(jnp.bfloat16)
+        w1 = (jax.random.normal(key, (k, n), jnp.float32) / k**0.5).astype(jnp.bfloat16)
+        w2 = (jax.random.normal(key, (n, k), jnp.float32) / n**0.5).astype(jnp.bfloat16)
 
         @jax.jit
         def run(x, w1, w2):
-            for _ in range(chain // 2):       # dependent products: none can be hoisted or merged
+            for _ in range(chain // 2):  # dependent products: none can be hoisted or merged
                 x = (x @ w1) @ w2
             return x
+
         run(x, w1, w2).block_until_ready()
         run(x, w1, w2).block_until_ready()
         times = []
@@ -62,24 +66,37 @@ def gemms() -> dict:
             run(x, w1, w2).block_until_ready()
             times.append((time.perf_counter() - start) / chain)
         t = sorted(times)[len(times) // 2]
-        rows.append({"m": m, "k": k, "n": n, "seconds": t, "tflops": flops / t / 1e12,
-                     "efficiency": flops / t / PEAK})
-        print(f"  {m:>6} x {k:>6} x {n:>6}: {t * 1e6:9.1f} us  {flops / t / 1e12:6.1f} TFLOP/s  "
-              f"{flops / t / PEAK:5.1%} of peak", flush=True)
+        rows.append({"m": m, "k": k, "n": n, "seconds": t, "tflops": flops / t / 1e12, "efficiency": flops / t / PEAK})
+        print(
+            f"  {m:>6} x {k:>6} x {n:>6}: {t * 1e6:9.1f} us  {flops / t / 1e12:6.1f} TFLOP/s  "
+            f"{flops / t / PEAK:5.1%} of peak",
+            flush=True,
+        )
     # t = a f + b, least squares on relative error (weights 1/t)
     import numpy as np
+
     f = np.array([2.0 * r["m"] * r["k"] * r["n"] for r in rows])
     t = np.array([r["seconds"] for r in rows])
     a, b = np.linalg.lstsq(np.stack([f / t, 1 / t], axis=1), np.ones_like(t), rcond=None)[0]
     fitted = {"matmul_efficiency": 1 / (a * PEAK), "matmul_overhead": float(b)}
     worst = max(abs((a * fi + b) / ti - 1) for fi, ti in zip(f, t))
-    print(f"fit: matmul_efficiency {fitted['matmul_efficiency']:.3f}, matmul_overhead {b * 1e6:.1f} us "
-          f"(worst shape off by {worst:.0%}); the profile has 0.8 and 5 us", flush=True)
+    print(
+        f"fit: matmul_efficiency {fitted['matmul_efficiency']:.3f}, matmul_overhead {b * 1e6:.1f} us "
+        f"(worst shape off by {worst:.0%}); the profile has 0.8 and 5 us",
+        flush=True,
+    )
     return {"rows": rows, "fit": fitted, "worst_relative_error": float(worst), "device": str(jax.devices()[0])}
 
 
-CONFIG = dict(vocab_size=32768, maxlen=1024, embed_dim=1024, num_heads=16, feed_forward_dim=4096,
-              num_transformer_blocks=8, dropout_rate=0.0)
+CONFIG = dict(
+    vocab_size=32768,
+    maxlen=1024,
+    embed_dim=1024,
+    num_heads=16,
+    feed_forward_dim=4096,
+    num_transformer_blocks=8,
+    dropout_rate=0.0,
+)
 BATCH, SEQ = 8, 1024
 PLAN = "version: 1\nmesh: {axes: {data: 1}}\ninputs: {tokens: [data, null]}\nparams: [{match: '.*', spec: []}]\n"
 
@@ -88,9 +105,12 @@ def sequences() -> dict:
     """The same model and tokens a step (8,192) under `compute: bfloat16` at sequences of 256, 1,024 and
     4,096: where the measured step grows with the sequence faster than the modelled one, the attention
     is what the time model misses."""
-    return {f"{batch}x{seq}": precision(variants=(("bf16 compute", "precision: {compute: bfloat16}\n", True),),
-                                       batch=batch, seq=seq)
-            for batch, seq in ((32, 256), (8, 1024), (2, 4096))}
+    return {
+        f"{batch}x{seq}": precision(
+            variants=(("bf16 compute", "precision: {compute: bfloat16}\n", True),), batch=batch, seq=seq
+        )
+        for batch, seq in ((32, 256), (8, 1024), (2, 4096))
+    }
 
 
 def parts() -> dict:
@@ -103,6 +123,7 @@ def parts() -> dict:
     import minigpt_model
     import shardplan
     from shardplan.compose.measure import lm_loss, lm_train_step, prepare
+
     plan = shardplan.parse_plan(PLAN + "precision: {compute: bfloat16}\n")
     model = minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0))
     model, optimizer, tokens, targets = prepare(plan, model, BATCH, SEQ, vocab=CONFIG["vocab_size"])
@@ -114,7 +135,7 @@ def parts() -> dict:
 
     def backward(state, tokens, targets):
         model, _ = nnx.merge(graphdef, state)
-        return nnx.value_and_grad(lm_loss)(model, tokens, targets)     # the gradients too, or XLA drops them
+        return nnx.value_and_grad(lm_loss)(model, tokens, targets)  # the gradients too, or XLA drops them
 
     def step(state, tokens, targets):
         model, optimizer = nnx.merge(graphdef, state)
@@ -136,6 +157,7 @@ def parts() -> dict:
                 jax.block_until_ready(out)
             times.append(time.perf_counter() - start)
         return sorted(times[3:])[2]
+
     found = {}
     for name, function in (("forward", forward), ("forward and backward", backward)):
         jitted = jax.jit(function)
@@ -161,11 +183,14 @@ def precision(variants=None, batch: int = BATCH, seq: int = SEQ) -> dict:
     from shardplan.planner.cost import Workload, estimate
     from shardplan.planner.kept import with_code
     from shardplan.planner.profiles import get_profile
+
     results = {}
     followed = step_options.follow_plan_dtype
     for name, extra, follow in variants or (
-            ("float32", "", True), ("bf16 compute", "precision: {compute: bfloat16}\n", True),
-            ("bf16 compute, modules as built", "precision: {compute: bfloat16}\n", False)):
+        ("float32", "", True),
+        ("bf16 compute", "precision: {compute: bfloat16}\n", True),
+        ("bf16 compute, modules as built", "precision: {compute: bfloat16}\n", False),
+    ):
         try:
             step_options.follow_plan_dtype = followed if follow else (lambda model, dtype: [])
             plan = shardplan.parse_plan(PLAN + extra)
@@ -184,17 +209,30 @@ def precision(variants=None, batch: int = BATCH, seq: int = SEQ) -> dict:
                 lm_train_step(model, optimizer, tokens, targets).block_until_ready()
                 times.append(time.perf_counter() - start)
             step = sorted(times)[2]
-            peak = memory.argument_size_in_bytes + memory.temp_size_in_bytes + memory.output_size_in_bytes - \
-                memory.alias_size_in_bytes
-            row = {"temp_bytes": int(memory.temp_size_in_bytes), "argument_bytes": int(memory.argument_size_in_bytes),
-                   "peak_bytes": int(peak), "step_s": step, "tokens_per_s": batch * seq / step,
-                   "modelled_peak_bytes": cost.peak_bytes, "modelled_activation_bytes": cost.activation_bytes,
-                   "modelled_step_s": cost.step_s,
-                   "warnings": [d.code for d in report.diagnostics]}
+            peak = (
+                memory.argument_size_in_bytes
+                + memory.temp_size_in_bytes
+                + memory.output_size_in_bytes
+                - memory.alias_size_in_bytes
+            )
+            row = {
+                "temp_bytes": int(memory.temp_size_in_bytes),
+                "argument_bytes": int(memory.argument_size_in_bytes),
+                "peak_bytes": int(peak),
+                "step_s": step,
+                "tokens_per_s": batch * seq / step,
+                "modelled_peak_bytes": cost.peak_bytes,
+                "modelled_activation_bytes": cost.activation_bytes,
+                "modelled_step_s": cost.step_s,
+                "warnings": [d.code for d in report.diagnostics],
+            }
             results[name] = row
-            print(f"  {name:32} temp {row['temp_bytes'] / 2**30:6.2f} GiB, peak {peak / 2**30:6.2f} GiB "
-                  f"(modelled {cost.peak_bytes / 2**30:6.2f}), step {step * 1e3:7.1f} ms "
-                  f"(modelled {cost.step_s * 1e3:7.1f})", flush=True)
+            print(
+                f"  {name:32} temp {row['temp_bytes'] / 2**30:6.2f} GiB, peak {peak / 2**30:6.2f} GiB "
+                f"(modelled {cost.peak_bytes / 2**30:6.2f}), step {step * 1e3:7.1f} ms "
+                f"(modelled {cost.step_s * 1e3:7.1f})",
+                flush=True,
+            )
         except Exception:
             traceback.print_exc()
             results[name] = {"error": traceback.format_exc()[-2000:]}
@@ -213,6 +251,7 @@ def main() -> None:
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
     import jax
+
     print(f"jax {jax.__version__} on {jax.devices()[0]}", flush=True)
     out = {}
     if args.gemms:

@@ -40,8 +40,14 @@ def main() -> None:
         config = ["--config", f"num_transformer_blocks={depth}"]
         inspect_s, _ = timed(["inspect", "plans/minigpt_tp.yaml", *config])
         validate_s, peak = timed(["validate", "plans/minigpt_tp.yaml", *config])
-        rows.append({"blocks": depth, "inspect_s": round(inspect_s, 2), "validate_s": round(validate_s, 2),
-                     "peak_mib": round(peak)})
+        rows.append(
+            {
+                "blocks": depth,
+                "inspect_s": round(inspect_s, 2),
+                "validate_s": round(validate_s, 2),
+                "peak_mib": round(peak),
+            }
+        )
         print(f"{depth:>7} {inspect_s:>10.2f} {validate_s:>11.2f} {peak:>9.0f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")

@@ -45,15 +45,14 @@ from shardplan.checks.roles import recognise_module  # noqa: E402
 from shardplan.planner.cost import Workload, estimate  # noqa: E402
 from shardplan.planner.profiles import get_profile  # noqa: E402
 
-NOT_RUN = {"parameter", "tuple", "get-tuple-element", "bitcast", "constant", "after-all", "partition-id",
-           "replica-id"}
+NOT_RUN = {"parameter", "tuple", "get-tuple-element", "bitcast", "constant", "after-all", "partition-id", "replica-id"}
 BATCH, SEQ = 32, 128
 
 
 def ops(compiled) -> int:
     """Instructions of the compiled entry computation that run (a fusion counts once)."""
     text = compiled.as_text()
-    entry = text[text.index("ENTRY"):]
+    entry = text[text.index("ENTRY") :]
     return sum(1 for op in re.findall(r"^\s+\S+ = \S+ ([a-z-]+)\(", entry, re.M) if op not in NOT_RUN)
 
 
@@ -73,10 +72,12 @@ def op_cost() -> dict:
     w = jax.device_put(jnp.full((16, 16), 0.01), NamedSharding(mesh, PartitionSpec()))
     found = {}
     for n in (100, 400):
+
         def chain(x, w, n=n):
             for _ in range(n):
                 x = jnp.tanh(jnp.einsum("bij,jk->bik", x, w))
             return x
+
         compiled = jax.jit(chain).lower(x, w).compile()
         found[n] = (ops(compiled), best_of(lambda: compiled(x, w)))
     (ops_a, s_a), (ops_b, s_b) = found[100], found[400]
@@ -84,8 +85,15 @@ def op_cost() -> dict:
 
 
 def minigpt(blocks: int) -> dict:
-    config = dict(maxlen=SEQ, embed_dim=128, num_heads=8, feed_forward_dim=512, num_transformer_blocks=blocks,
-                  dropout_rate=0.0, vocab_size=320)
+    config = dict(
+        maxlen=SEQ,
+        embed_dim=128,
+        num_heads=8,
+        feed_forward_dim=512,
+        num_transformer_blocks=blocks,
+        dropout_rate=0.0,
+        vocab_size=320,
+    )
     plan = shardplan.load_plan(REPO / "plans" / "minigpt_dp.yaml")
     mesh = shardplan.make_mesh(plan)
     model = shardplan.apply_plan(plan, MiniGPT(**config, rngs=nnx.Rngs(0)), mesh)
@@ -118,20 +126,36 @@ def main() -> None:
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     args = parser.parse_args()
     cost = op_cost()
-    print(f"one op: {cost['per_op_s'] * 1e6:.1f} us ({cost['ops'][0]} ops {cost['seconds'][0] * 1e3:.2f} ms, "
-          f"{cost['ops'][1]} ops {cost['seconds'][1] * 1e3:.2f} ms; 8 devices at once)")
+    print(
+        f"one op: {cost['per_op_s'] * 1e6:.1f} us ({cost['ops'][0]} ops {cost['seconds'][0] * 1e3:.2f} ms, "
+        f"{cost['ops'][1]} ops {cost['seconds'][1] * 1e3:.2f} ms; 8 devices at once)"
+    )
     small, large = minigpt(2), minigpt(4)
-    per_layer = {key: (large[key] - small[key]) / 2 for key in ("backward_ops", "step_ops", "step_s",
-                                                                 "modelled_step_s")}
+    per_layer = {
+        key: (large[key] - small[key]) / 2 for key in ("backward_ops", "step_ops", "step_s", "modelled_step_s")
+    }
     kernels_s = per_layer["step_ops"] * cost["per_op_s"]
-    print(f"MiniGPT (embed 128, batch {BATCH} x {SEQ}, minigpt_dp), per layer: {per_layer['backward_ops']:.0f} ops "
-          f"forward and backward, {per_layer['step_ops']:.0f} with AdamW")
-    print(f"  step time per layer: measured {per_layer['step_s'] * 1e3:.1f} ms, modelled "
-          f"{per_layer['modelled_step_s'] * 1e3:.1f} ms; ops x cost per op {kernels_s * 1e3:.2f} ms "
-          f"({kernels_s / per_layer['step_s']:.1%} of the measured)")
+    print(
+        f"MiniGPT (embed 128, batch {BATCH} x {SEQ}, minigpt_dp), per layer: {per_layer['backward_ops']:.0f} ops "
+        f"forward and backward, {per_layer['step_ops']:.0f} with AdamW"
+    )
+    print(
+        f"  step time per layer: measured {per_layer['step_s'] * 1e3:.1f} ms, modelled "
+        f"{per_layer['modelled_step_s'] * 1e3:.1f} ms; ops x cost per op {kernels_s * 1e3:.2f} ms "
+        f"({kernels_s / per_layer['step_s']:.1%} of the measured)"
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({"op_cost": cost, "minigpt": {"2": small, "4": large},
-                                               "per_layer": per_layer, "kernels_s_per_layer": kernels_s}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "op_cost": cost,
+                    "minigpt": {"2": small, "4": large},
+                    "per_layer": per_layer,
+                    "kernels_s_per_layer": kernels_s,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import shardplan
+
     shardplan.simulate_cpu_devices(max(sizes))
     import jax
     import numpy as np
@@ -62,16 +63,25 @@ def main() -> None:
     import minigpt_model
     from shardplan.compose.measure import lm_train_step
 
-    config = dict(maxlen=64, vocab_size=4096, embed_dim=args.embed, num_heads=8, feed_forward_dim=4 * args.embed,
-                  num_transformer_blocks=args.blocks, dropout_rate=0.0)
+    config = dict(
+        maxlen=64,
+        vocab_size=4096,
+        embed_dim=args.embed,
+        num_heads=8,
+        feed_forward_dim=4 * args.embed,
+        num_transformer_blocks=args.blocks,
+        dropout_rate=0.0,
+    )
     print(f"MiniGPT {config}; ZeRO-1 over 'data'; argument bytes per parameter per device (expected)\n")
     print(f"{'storage':20}" + "".join(f"{'DP ' + str(dp):>16}" for dp in sizes) + "  gradients reduced in")
     rows = {}
     for name, (extra, expected) in STORAGES.items():
         cells, reduced = [], set()
         for dp in sizes:
-            plan = shardplan.parse_plan(f"version: 1\nmesh: {{axes: {{data: {dp}}}}}\ninputs: {{tokens: [data, null]}}\n"
-                                        f"params: [{{match: '.*', spec: []}}]\noptimizer: zero1\n{extra}")
+            plan = shardplan.parse_plan(
+                f"version: 1\nmesh: {{axes: {{data: {dp}}}}}\ninputs: {{tokens: [data, null]}}\n"
+                f"params: [{{match: '.*', spec: []}}]\noptimizer: zero1\n{extra}"
+            )
             mesh = shardplan.make_mesh(plan, devices=jax.devices()[:dp])
             model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0)), mesh)
             optimizer = shardplan.shard_optimizer(plan, model, optax.adamw(1e-3), mesh)

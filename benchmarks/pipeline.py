@@ -46,7 +46,7 @@ from shardplan.checks.schedules import article_bubble, bubble_fraction, max_in_f
 
 STAGES = 4
 MODEL = dict(maxlen=64, vocab_size=512, embed_dim=128, num_heads=8, feed_forward_dim=512, dropout_rate=0.0)
-ROWS_PER_MICROBATCH = 4          # global rows (2 per data shard)
+ROWS_PER_MICROBATCH = 4  # global rows (2 per data shard)
 
 
 def plan_for(schedule: str, microbatches: int, virtual: int = 1) -> shardplan.Plan:
@@ -77,39 +77,62 @@ def main() -> None:
     args = parser.parse_args()
     results: dict = {"bubble": [], "memory": [], "compile": []}
 
-    print(f"1. bubble fraction, S = {STAGES} (a backward counted as 2 forwards; zb-h1: B and W one each; zb-v: "
-          "R, B and W one each)")
-    print(f"{'M':>4} {'gpipe':>8} {'1f1b':>8} {'circular v=2':>13} {'1f1b v=2':>9} {'(S-1)/(vM+S-1)':>15} "
-          f"{'zb-h1':>7} {'(S-1)/(3M+S-1)':>15} {'zb-v':>7} {'article (S-1)/S':>16}")
+    print(
+        f"1. bubble fraction, S = {STAGES} (a backward counted as 2 forwards; zb-h1: B and W one each; zb-v: "
+        "R, B and W one each)"
+    )
+    print(
+        f"{'M':>4} {'gpipe':>8} {'1f1b':>8} {'circular v=2':>13} {'1f1b v=2':>9} {'(S-1)/(vM+S-1)':>15} "
+        f"{'zb-h1':>7} {'(S-1)/(3M+S-1)':>15} {'zb-v':>7} {'article (S-1)/S':>16}"
+    )
     for m in (4, 8, 16, 32):
-        row = {"microbatches": m, "gpipe": bubble_fraction(timeline("gpipe", STAGES, m)),
-               "1f1b": bubble_fraction(timeline("1f1b", STAGES, m)),
-               "interleaved_v2": bubble_fraction(timeline("interleaved", STAGES, m, 2)),
-               "1f1b_v2": bubble_fraction(timeline("1f1b", STAGES, m, 2)),
-               "formula_v2": (STAGES - 1) / (2 * m + STAGES - 1),
-               "zb-h1": bubble_fraction(timeline("zb-h1", STAGES, m)),
-               "formula_zb": (STAGES - 1) / (3 * m + STAGES - 1), "zb-v": bubble_fraction(timeline("zb-v", STAGES, m)),
-               "article": article_bubble(STAGES)}
+        row = {
+            "microbatches": m,
+            "gpipe": bubble_fraction(timeline("gpipe", STAGES, m)),
+            "1f1b": bubble_fraction(timeline("1f1b", STAGES, m)),
+            "interleaved_v2": bubble_fraction(timeline("interleaved", STAGES, m, 2)),
+            "1f1b_v2": bubble_fraction(timeline("1f1b", STAGES, m, 2)),
+            "formula_v2": (STAGES - 1) / (2 * m + STAGES - 1),
+            "zb-h1": bubble_fraction(timeline("zb-h1", STAGES, m)),
+            "formula_zb": (STAGES - 1) / (3 * m + STAGES - 1),
+            "zb-v": bubble_fraction(timeline("zb-v", STAGES, m)),
+            "article": article_bubble(STAGES),
+        }
         results["bubble"].append(row)
-        print(f"{m:>4} {row['gpipe']:>8.3f} {row['1f1b']:>8.3f} {row['interleaved_v2']:>13.3f} {row['1f1b_v2']:>9.3f} "
-              f"{row['formula_v2']:>15.3f} {row['zb-h1']:>7.3f} {row['formula_zb']:>15.3f} {row['zb-v']:>7.3f} "
-              f"{row['article']:>16.3f}")
+        print(
+            f"{m:>4} {row['gpipe']:>8.3f} {row['1f1b']:>8.3f} {row['interleaved_v2']:>13.3f} {row['1f1b_v2']:>9.3f} "
+            f"{row['formula_v2']:>15.3f} {row['zb-h1']:>7.3f} {row['formula_zb']:>15.3f} {row['zb-v']:>7.3f} "
+            f"{row['article']:>16.3f}"
+        )
 
-    print("\n   step length in forwards of a whole stage (each schedule's own work, recomputation included; "
-          "no bubble: 4M, zb-h1 3M)")
-    lengths = {"1f1b": ("1f1b", 1, {"F": 1, "B": 3}), "1f1b v=2": ("1f1b", 2, {"F": 0.5, "B": 1.5}),
-               "zb-h1": ("zb-h1", 1, {"F": 1, "B": 1, "W": 1}),
-               "zb-v": ("zb-v", 2, {"F": 0.5, "R": 0.5, "B": 0.5, "W": 0.5})}
+    print(
+        "\n   step length in forwards of a whole stage (each schedule's own work, recomputation included; "
+        "no bubble: 4M, zb-h1 3M)"
+    )
+    lengths = {
+        "1f1b": ("1f1b", 1, {"F": 1, "B": 3}),
+        "1f1b v=2": ("1f1b", 2, {"F": 0.5, "B": 1.5}),
+        "zb-h1": ("zb-h1", 1, {"F": 1, "B": 1, "W": 1}),
+        "zb-v": ("zb-v", 2, {"F": 0.5, "R": 0.5, "B": 0.5, "W": 0.5}),
+    }
     print("".join([f"{'M':>4}"] + [f"{name:>10}" for name in lengths]))
     for m, row in zip((4, 8, 16, 32), results["bubble"]):
         for name, (schedule, virtual, costs) in lengths.items():
             row[f"length {name}"] = step_length(timeline(schedule, STAGES, m, virtual), costs)
         print("".join([f"{m:>4}"] + [f"{row[f'length {name}']:>10.1f}" for name in lengths]))
 
-    print(f"\n2. temporary memory per device of one compiled step, minigpt_pp4 (4 stages x 2 data), 8 layers, "
-          f"{ROWS_PER_MICROBATCH} rows x {MODEL['maxlen']} tokens per microbatch")
-    variants = {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "circular v=2": ("interleaved", 2), "1f1b v=2": ("1f1b", 2),
-                "zb-h1": ("zb-h1", 1), "zb-v": ("zb-v", 2)}
+    print(
+        f"\n2. temporary memory per device of one compiled step, minigpt_pp4 (4 stages x 2 data), 8 layers, "
+        f"{ROWS_PER_MICROBATCH} rows x {MODEL['maxlen']} tokens per microbatch"
+    )
+    variants = {
+        "gpipe": ("gpipe", 1),
+        "1f1b": ("1f1b", 1),
+        "circular v=2": ("interleaved", 2),
+        "1f1b v=2": ("1f1b", 2),
+        "zb-h1": ("zb-h1", 1),
+        "zb-v": ("zb-v", 2),
+    }
     print("".join([f"{'M':>4}"] + [f"{name + ' MiB':>17}" for name in variants]) + "  in flight (chunk inputs)")
     for m in (4, 8, 16, 32):
         row = {"microbatches": m}
@@ -121,8 +144,11 @@ def main() -> None:
         print("".join([f"{m:>4}"] + [f"{row[name] / 2**20:>17.2f}" for name in variants]) + f"  {flight}")
     first, last = results["memory"][0], results["memory"][-1]
     print("   M 4 -> 32: " + ", ".join(f"{name} x{last[name] / first[name]:.2f}" for name in variants))
-    print("   zb-v / 1f1b: " + ", ".join(f"M {row['microbatches']} x{row['zb-v'] / row['1f1b']:.2f}"
-                                         for row in results["memory"]) + " (target <= 1.25x)")
+    print(
+        "   zb-v / 1f1b: "
+        + ", ".join(f"M {row['microbatches']} x{row['zb-v'] / row['1f1b']:.2f}" for row in results["memory"])
+        + " (target <= 1.25x)"
+    )
 
     print("\n3. compile time of one training step, gpipe, 8 microbatches")
     for layers in (8, 32):

@@ -42,7 +42,7 @@ import minigpt_model  # noqa: E402
 import shardplan  # noqa: E402
 from shardplan.compose.measure import measure, prepare  # noqa: E402
 
-MIB = 2 ** 20
+MIB = 2**20
 ENDS = ("embedding_layer/token_emb", "output_layer/")
 
 
@@ -51,7 +51,9 @@ def plans() -> dict[str, shardplan.Plan]:
     shipped = shardplan.parse_plan(yaml.safe_dump(document))
     for rule in document["params"]:
         if rule["match"].startswith(ENDS):
-            rule["spec"] = [None, ["model", "stage"]] if rule["match"] == "output_layer/kernel" else [["model", "stage"]]
+            rule["spec"] = (
+                [None, ["model", "stage"]] if rule["match"] == "output_layer/kernel" else [["model", "stage"]]
+            )
     document["params"].insert(-1, {"match": "embedding_layer/pos_emb/embedding", "spec": ["stage"]})
     return {"shipped": shipped, "ends on stages": shardplan.parse_plan(yaml.safe_dump(document))}
 
@@ -72,8 +74,9 @@ def held_bytes(plan, batch: int, seq: int) -> dict[str, int]:
     config = dict(plan.model.config) if plan.model else {}
     model = minigpt_model.MiniGPT(**config, dropout_rate=0.0, rngs=nnx.Rngs(0))
     model, optimizer, _, _ = prepare(plan.model_copy(update={"model": None}), model, batch, seq)
-    held = _on_device_0(nnx.state(model, nnx.Param)) | {f"opt/{k}": v for k, v in
-                                                        _on_device_0(nnx.state(optimizer, nnx.OptState)).items()}
+    held = _on_device_0(nnx.state(model, nnx.Param)) | {
+        f"opt/{k}": v for k, v in _on_device_0(nnx.state(optimizer, nnx.OptState)).items()
+    }
     parts = {"layers": 0, "first": 0, "last": 0}
     for key, nbytes in held.items():
         if "transformer_blocks" in key:
@@ -95,15 +98,26 @@ def main(argv=None) -> int:
     for name, plan in plans().items():
         parts = held_bytes(plan, args.batch, args.seq)
         config = dict(plan.model.config)
-        compiled = measure(plan.model_copy(update={"model": None}),
-                           minigpt_model.MiniGPT(**config, dropout_rate=0.0, rngs=nnx.Rngs(0)), args.batch, args.seq)
-        rows[name] = {"held_bytes": sum(parts.values()), "argument_bytes": compiled.argument_bytes,
-                      "peak_bytes": compiled.peak_bytes, **{f"{k}_bytes": v for k, v in parts.items()}}
+        compiled = measure(
+            plan.model_copy(update={"model": None}),
+            minigpt_model.MiniGPT(**config, dropout_rate=0.0, rngs=nnx.Rngs(0)),
+            args.batch,
+            args.seq,
+        )
+        rows[name] = {
+            "held_bytes": sum(parts.values()),
+            "argument_bytes": compiled.argument_bytes,
+            "peak_bytes": compiled.peak_bytes,
+            **{f"{k}_bytes": v for k, v in parts.items()},
+        }
         if name == "shipped":
             # one jit per stage: the first stage its layers and the embedding, the last its layers and the head
             stages = (parts["layers"] + parts["first"], parts["layers"] + parts["last"])
-            rows["per-stage programs"] = {"held_bytes": max(stages), "first_stage_bytes": stages[0],
-                                          "last_stage_bytes": stages[1]}
+            rows["per-stage programs"] = {
+                "held_bytes": max(stages),
+                "first_stage_bytes": stages[0],
+                "last_stage_bytes": stages[1],
+            }
     print(f"{'layout':<20} {'params+optimizer MiB/device':>28} {'step arguments MiB':>19} {'step peak MiB':>14}")
     for name, row in rows.items():
         arguments = f"{row['argument_bytes'] / MIB:.2f}" if "argument_bytes" in row else "-"

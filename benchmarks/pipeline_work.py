@@ -47,8 +47,15 @@ from shardplan.checks.schedules import OneFOneB  # noqa: E402
 from shardplan.pipeline.residuals import BACKWARD_SCOPE, FORWARD_SCOPE  # noqa: E402
 from shardplan.run.hlo import dot_flops  # noqa: E402
 
-MODEL = dict(maxlen=128, vocab_size=4096, embed_dim=256, num_heads=8, feed_forward_dim=256,
-             num_transformer_blocks=8, dropout_rate=0.0)
+MODEL = dict(
+    maxlen=128,
+    vocab_size=4096,
+    embed_dim=256,
+    num_heads=8,
+    feed_forward_dim=256,
+    num_transformer_blocks=8,
+    dropout_rate=0.0,
+)
 BATCH = 32
 MICROBATCHES = 4
 SELECTIVE = "dots_with_no_batch_dims_saveable"
@@ -57,21 +64,37 @@ SELECTIVE = "dots_with_no_batch_dims_saveable"
 def plan_text(schedule: str | None, remat: str = "none", virtual: int = 1) -> str:
     """Data parallel 8 (schedule None) or stage 2 x data 4, 4 microbatches; `remat` on every block."""
     mesh = "{data: 8}" if schedule is None else "{stage: 2, data: 4}"
-    lines = ["version: 1", "name: work", "model:", "  factory: minigpt_model:MiniGPT", f"mesh:\n  axes: {mesh}",
-             "inputs:\n  tokens: [data, null]\n  targets: [data, null]", "params:\n  - match: '.*'\n    spec: replicated"]
+    lines = [
+        "version: 1",
+        "name: work",
+        "model:",
+        "  factory: minigpt_model:MiniGPT",
+        f"mesh:\n  axes: {mesh}",
+        "inputs:\n  tokens: [data, null]\n  targets: [data, null]",
+        "params:\n  - match: '.*'\n    spec: replicated",
+    ]
     if schedule is not None:
-        lines.append(f"pipeline:\n  axis: stage\n  layers: transformer_blocks\n  stages: even\n  microbatches: {MICROBATCHES}\n"
-                     f"  schedule: {schedule}" + (f"\n  virtual_stages: {virtual}" if virtual > 1 else ""))
+        lines.append(
+            f"pipeline:\n  axis: stage\n  layers: transformer_blocks\n  stages: even\n  microbatches: {MICROBATCHES}\n"
+            f"  schedule: {schedule}" + (f"\n  virtual_stages: {virtual}" if virtual > 1 else "")
+        )
     if remat != "none":
         lines.append(f"remat:\n  - match: 'transformer_blocks/\\d+'\n    policy: {remat}")
     return "\n".join(lines) + "\n"
 
 
 VARIANTS = {
-    "dp": (None, "none", 1), "dp full": (None, "full", 1), "dp selective": (None, SELECTIVE, 1),
-    "gpipe": ("gpipe", "none", 1), "1f1b": ("1f1b", "none", 1), "1f1b v=2": ("1f1b", "none", 2),
-    "circular v=2": ("interleaved", "none", 2), "zb-h1": ("zb-h1", "none", 1), "zb-v": ("zb-v", "none", 2),
-    "1f1b selective": ("1f1b", SELECTIVE, 1), "1f1b full": ("1f1b", "full", 1),
+    "dp": (None, "none", 1),
+    "dp full": (None, "full", 1),
+    "dp selective": (None, SELECTIVE, 1),
+    "gpipe": ("gpipe", "none", 1),
+    "1f1b": ("1f1b", "none", 1),
+    "1f1b v=2": ("1f1b", "none", 2),
+    "circular v=2": ("interleaved", "none", 2),
+    "zb-h1": ("zb-h1", "none", 1),
+    "zb-v": ("zb-v", "none", 2),
+    "1f1b selective": ("1f1b", SELECTIVE, 1),
+    "1f1b full": ("1f1b", "full", 1),
 }
 
 
@@ -95,7 +118,7 @@ class Step:
         self.modelled = _modelled_flops(plan)
         self.temp = compiled.memory_analysis().temp_size_in_bytes
         self.times: list[tuple[float, float]] = []
-        self.run()                                          # warm: the first call compiles (or loads) it
+        self.run()  # warm: the first call compiles (or loads) it
 
     def run(self) -> tuple[float, float]:
         """(wall seconds, CPU seconds of this process) of one step."""
@@ -123,6 +146,7 @@ def _modelled_flops(plan: shardplan.Plan) -> float:
     from shardplan.planner.cost import Workload, estimate
     from shardplan.planner.kept import with_code
     from shardplan.planner.profiles import get_profile
+
     model = MiniGPT(**MODEL, rngs=nnx.Rngs(0))
     roles = with_code(recognise_module(model), model, MODEL["maxlen"])
     plain = plan.model_copy(update={"inputs": {k: v for k, v in plan.inputs.items() if k == "tokens"}})
@@ -143,24 +167,40 @@ def main() -> None:
         steps.append(Step(name, *VARIANTS[name]))
     for r in range(args.rounds):
         print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
-        for step in steps[r % len(steps):] + steps[:r % len(steps)]:     # each round starts one further on
+        for step in steps[r % len(steps) :] + steps[: r % len(steps)]:  # each round starts one further on
             step.times.append(step.run())
     base = steps[0]
     base_wall, base_cpu = (statistics.median(t[k] for t in base.times) for k in (0, 1))
-    print(f"MiniGPT {MODEL['num_transformer_blocks']} x {MODEL['embed_dim']}, batch {BATCH} x {MODEL['maxlen']}, "
-          f"AdamW, 8 simulated CPU devices; pipelines: stage 2 x data 4, 4 microbatches; medians of {args.rounds} "
-          "rounds (CPU: this process's CPU seconds, every device's work)")
-    print(f"{'step':<16}{'wall s':>8}{'x dp':>7}{'CPU s':>8}{'x dp':>7}{'temp MiB':>10}{'compile s':>11}"
-          f"{'GFLOP':>7}{'fwd':>6}{'bwd':>6}{'modelled':>9}")
+    print(
+        f"MiniGPT {MODEL['num_transformer_blocks']} x {MODEL['embed_dim']}, batch {BATCH} x {MODEL['maxlen']}, "
+        f"AdamW, 8 simulated CPU devices; pipelines: stage 2 x data 4, 4 microbatches; medians of {args.rounds} "
+        "rounds (CPU: this process's CPU seconds, every device's work)"
+    )
+    print(
+        f"{'step':<16}{'wall s':>8}{'x dp':>7}{'CPU s':>8}{'x dp':>7}{'temp MiB':>10}{'compile s':>11}"
+        f"{'GFLOP':>7}{'fwd':>6}{'bwd':>6}{'modelled':>9}"
+    )
     rows = []
     for step in steps:
         wall, cpu = (statistics.median(t[k] for t in step.times) for k in (0, 1))
-        rows.append({"step": step.name, "wall_s": wall, "wall_ratio": wall / base_wall, "cpu_s": cpu,
-                     "cpu_ratio": cpu / base_cpu, "temp_bytes": step.temp, "compile_s": step.compile_s,
-                     "matmul_flops": step.flops, "modelled_flops": step.modelled})
+        rows.append(
+            {
+                "step": step.name,
+                "wall_s": wall,
+                "wall_ratio": wall / base_wall,
+                "cpu_s": cpu,
+                "cpu_ratio": cpu / base_cpu,
+                "temp_bytes": step.temp,
+                "compile_s": step.compile_s,
+                "matmul_flops": step.flops,
+                "modelled_flops": step.modelled,
+            }
+        )
         flops = "".join(f"{f / 1e9:>{w}.2f}" for f, w in zip(step.flops, (7, 6, 6))) if step.flops else ""
-        print(f"{step.name:<16}{wall:>8.3f}{wall / base_wall:>7.2f}{cpu:>8.3f}{cpu / base_cpu:>7.2f}"
-              f"{step.temp / 2**20:>10.1f}{step.compile_s:>11.1f}{flops or ' ' * 19}{step.modelled / 1e9:>9.2f}")
+        print(
+            f"{step.name:<16}{wall:>8.3f}{wall / base_wall:>7.2f}{cpu:>8.3f}{cpu / base_cpu:>7.2f}"
+            f"{step.temp / 2**20:>10.1f}{step.compile_s:>11.1f}{flops or ' ' * 19}{step.modelled / 1e9:>9.2f}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

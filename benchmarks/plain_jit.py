@@ -50,6 +50,7 @@ def build():
 def step(model, optimizer, inputs, targets):
     def loss_fn(model):
         return optax.softmax_cross_entropy_with_integer_labels(model(inputs), targets).mean()
+
     loss, grads = nnx.value_and_grad(loss_fn)(model)
     optimizer.update(model, grads)
     return loss
@@ -57,7 +58,11 @@ def step(model, optimizer, inputs, targets):
 
 def by_shardplan(plan, mesh, batch):
     model = shardplan.apply_plan(plan, build(), mesh)
-    return model, shardplan.shard_optimizer(plan, model, optax.adamw(1e-3), mesh), shardplan.shard_inputs(plan, batch, mesh)
+    return (
+        model,
+        shardplan.shard_optimizer(plan, model, optax.adamw(1e-3), mesh),
+        shardplan.shard_inputs(plan, batch, mesh),
+    )
 
 
 def by_hand(plan, mesh, batch):
@@ -65,8 +70,12 @@ def by_hand(plan, mesh, batch):
     model = build()
     report = shardplan.check(plan, model, mesh)
     state = nnx.state(model, nnx.Param)
-    placed = {path: jax.device_put(value, NamedSharding(mesh, partition_spec(report.layout_of("/".join(map(str, path))).spec)))
-              for path, value in nnx.to_flat_state(state)}
+    placed = {
+        path: jax.device_put(
+            value, NamedSharding(mesh, partition_spec(report.layout_of("/".join(map(str, path))).spec))
+        )
+        for path, value in nnx.to_flat_state(state)
+    }
     nnx.update(model, nnx.from_flat_state(placed))
     optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
     rows = NamedSharding(mesh, partition_spec(normalize_spec(input_spec(plan.inputs["tokens"]))))
@@ -75,15 +84,26 @@ def by_hand(plan, mesh, batch):
 
 def measure(make, plan, mesh, batch) -> dict:
     model, optimizer, (inputs, targets) = make(plan, mesh, batch)
-    want = {path: (a.sharding, a.ndim) for path, a in jax.tree_util.tree_flatten_with_path(nnx.state((model, optimizer)))[0]}
+    want = {
+        path: (a.sharding, a.ndim) for path, a in jax.tree_util.tree_flatten_with_path(nnx.state((model, optimizer)))[0]
+    }
     compiled = step.lower(model, optimizer, inputs, targets).compile()
     stats = collective_stats(compiled.as_text())
     losses = [float(step(model, optimizer, inputs, targets)) for _ in range(3)]
     leaves = jax.tree_util.tree_flatten_with_path(nnx.state((model, optimizer)))[0]
-    off = [jax.tree_util.keystr(path) for path, a in leaves if not want[path][0].is_equivalent_to(a.sharding, want[path][1])]
-    return {"collectives": dict(sorted(stats.count.items())), "collective_bytes": stats.total_bytes,
-            "argument_bytes": compiled.memory_analysis().argument_size_in_bytes, "off_layout": len(off),
-            "off_examples": off[:3], "losses": losses}
+    off = [
+        jax.tree_util.keystr(path)
+        for path, a in leaves
+        if not want[path][0].is_equivalent_to(a.sharding, want[path][1])
+    ]
+    return {
+        "collectives": dict(sorted(stats.count.items())),
+        "collective_bytes": stats.total_bytes,
+        "argument_bytes": compiled.memory_analysis().argument_size_in_bytes,
+        "off_layout": len(off),
+        "off_examples": off[:3],
+        "losses": losses,
+    }
 
 
 def main() -> int:
@@ -101,13 +121,20 @@ def main() -> int:
             got = measure(make, plan, mesh, batch)
             results[f"{path} {side}"] = got
             kinds = ", ".join(f"{k} {n}" for k, n in got["collectives"].items())
-            print(f"{path:30} {side:10} {kinds:44} {got['collective_bytes'] / 2**20:9.2f} "
-                  f"{got['argument_bytes'] / 2**20:8.2f} {got['off_layout']:4d}")
+            print(
+                f"{path:30} {side:10} {kinds:44} {got['collective_bytes'] / 2**20:9.2f} "
+                f"{got['argument_bytes'] / 2**20:8.2f} {got['off_layout']:4d}"
+            )
         a, b = results[f"{path} shardplan"], results[f"{path} hand"]
-        same = a["collectives"] == b["collectives"] and a["collective_bytes"] == b["collective_bytes"] \
+        same = (
+            a["collectives"] == b["collectives"]
+            and a["collective_bytes"] == b["collective_bytes"]
             and a["argument_bytes"] == b["argument_bytes"]
-        print(f"{'':30} {'':10} {'same collectives and argument bytes' if same else 'DIFFERENT'}; "
-              f"losses equal to {max(abs(x - y) for x, y in zip(a['losses'], b['losses'])):.1e}")
+        )
+        print(
+            f"{'':30} {'':10} {'same collectives and argument bytes' if same else 'DIFFERENT'}; "
+            f"losses equal to {max(abs(x - y) for x, y in zip(a['losses'], b['losses'])):.1e}"
+        )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

@@ -36,8 +36,18 @@ from shardplan.run.models import build_model  # noqa: E402
 from shardplan.checks.paths import ParamInfo  # noqa: E402
 from shardplan.checks.report import check_params  # noqa: E402
 
-KINDS = ["attn/q/kernel", "attn/k/kernel", "attn/v/kernel", "attn/o/kernel", "mlp/up/kernel",
-         "mlp/gate/kernel", "mlp/down/kernel", "norm1/scale", "norm2/scale", "mlp/up/bias"]
+KINDS = [
+    "attn/q/kernel",
+    "attn/k/kernel",
+    "attn/v/kernel",
+    "attn/o/kernel",
+    "mlp/up/kernel",
+    "mlp/gate/kernel",
+    "mlp/down/kernel",
+    "norm1/scale",
+    "norm2/scale",
+    "mlp/up/bias",
+]
 
 
 def synthetic(layers: int, experts: int) -> list[ParamInfo]:
@@ -73,14 +83,17 @@ def main() -> None:
     start = time.perf_counter()
     report = check_params(plan, params, list(range(8)))
     validate_s = time.perf_counter() - start
-    print(f"match + validate: {len(params)} leaves x {len(plan.params)} rules -> {validate_s:.3f} s "
-          f"(target < 1 s); {len(report.errors)} errors, {len(report.warnings)} warnings")
+    print(
+        f"match + validate: {len(params)} leaves x {len(plan.params)} rules -> {validate_s:.3f} s "
+        f"(target < 1 s); {len(report.errors)} errors, {len(report.warnings)} warnings"
+    )
 
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
     big = shardplan.load_plan(REPO / "plans" / "minigpt_dp_tp.yaml")
-    config = dict(big.model.config, embed_dim=2048, num_heads=16, feed_forward_dim=8192, num_transformer_blocks=24,
-                  maxlen=2048)
+    config = dict(
+        big.model.config, embed_dim=2048, num_heads=16, feed_forward_dim=8192, num_transformer_blocks=24, maxlen=2048
+    )
     model = build_model(big.model.factory, config)
     inspect_report = shardplan.check(big, model)
     console = Console(file=io.StringIO(), width=160)
@@ -90,13 +103,25 @@ def main() -> None:
     inspect_s = time.perf_counter() - start
     rss_growth = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) * 1024
     n_params = sum(int(np.prod(p.shape)) for p in inspect_report.params)
-    print(f"inspect of an abstract MiniGPT with {n_params / 1e9:.2f}B parameters "
-          f"({sum(p.nbytes for p in inspect_report.params) / 2**30:.1f} GiB in float32): {inspect_s:.2f} s "
-          f"(target < 10 s); peak RSS grew {rss_growth / 2**20:.0f} MiB (nothing allocated)")
+    print(
+        f"inspect of an abstract MiniGPT with {n_params / 1e9:.2f}B parameters "
+        f"({sum(p.nbytes for p in inspect_report.params) / 2**30:.1f} GiB in float32): {inspect_s:.2f} s "
+        f"(target < 10 s); peak RSS grew {rss_growth / 2**20:.0f} MiB (nothing allocated)"
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({"leaves": len(params), "rules": len(plan.params),
-                                               "validate_s": validate_s, "inspect_params": n_params,
-                                               "inspect_s": inspect_s, "rss_growth_bytes": rss_growth}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "leaves": len(params),
+                    "rules": len(plan.params),
+                    "validate_s": validate_s,
+                    "inspect_params": n_params,
+                    "inspect_s": inspect_s,
+                    "rss_growth_bytes": rss_growth,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -72,30 +72,45 @@ from shardplan.checks.roles import definition_order, recognise  # noqa: E402
 from shardplan.run.models import build_model  # noqa: E402
 
 TARGET = 0.25
-DEVICE_MEMORY = 80 * 10**9      # every row ran on 80 GB devices
+DEVICE_MEMORY = 80 * 10**9  # every row ran on 80 GB devices
 # (billions of parameters, heads, hidden, layers, tensor, pipeline, GPUs, batch, teraFLOP/s per GPU)
-MEGATRON = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-            (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-            (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-            (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-            (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]
+MEGATRON = [
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
+    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
+    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+]
 # (name, hidden, heads, layers, GPUs, microbatch per GPU, gradient accumulation, activation checkpointing,
 #  tokens/s per GPU)
-MPT = [("7b", 4096, 32, 32, 8, 6, 1, False, 10643), ("13b", 5120, 40, 40, 64, 2, 1, False, 4800),
-       ("30b", 7168, 64, 48, 32, 14, 3, True, 2308), ("70b", 8192, 64, 80, 64, 8, 4, True, 1039)]
+MPT = [
+    ("7b", 4096, 32, 32, 8, 6, 1, False, 10643),
+    ("13b", 5120, 40, 40, 64, 2, 1, False, 4800),
+    ("30b", 7168, 64, 48, 32, 14, 3, True, 2308),
+    ("70b", 8192, 64, 80, 64, 8, 4, True, 1039),
+]
 
 # The same llm-foundry tables' other rows of these shapes, for `--scaling` (published configurations only,
 # not in the targets' count): (name, hidden, heads, layers, GPUs, microbatch, accumulation, checkpointing,
 # tokens/s per GPU). The 13B rows without checkpointing run at 4,767-4,811 tokens/s per GPU from 8 GPUs
 # (one node, NVLink only) to 64 (8 nodes); the large-scale table's rows checkpoint at microbatch 16.
-MPT_SCALING = [("13b", 5120, 40, 40, gpus, 2, 1, False, tokens) for gpus, tokens in
-               ((8, 4792), (16, 4767), (32, 4811), (64, 4800))] + [
-    ("7b", 4096, 32, 32, gpus, 6, 1, False, tokens) for gpus, tokens in ((8, 10643), (128, 10475), (512, 9670))] + [
-    ("13b", 5120, 40, 40, gpus, 16, 1, True, tokens) for gpus, tokens in ((128, 5080), (512, 4952))] + [
-    ("30b", 7168, 64, 48, gpus, 8, 1, True, tokens) for gpus, tokens in ((128, 2199), (512, 2115))]
+MPT_SCALING = (
+    [
+        ("13b", 5120, 40, 40, gpus, 2, 1, False, tokens)
+        for gpus, tokens in ((8, 4792), (16, 4767), (32, 4811), (64, 4800))
+    ]
+    + [("7b", 4096, 32, 32, gpus, 6, 1, False, tokens) for gpus, tokens in ((8, 10643), (128, 10475), (512, 9670))]
+    + [("13b", 5120, 40, 40, gpus, 16, 1, True, tokens) for gpus, tokens in ((128, 5080), (512, 4952))]
+    + [("30b", 7168, 64, 48, gpus, 8, 1, True, tokens) for gpus, tokens in ((128, 2199), (512, 2115))]
+)
 
 
-OVERRIDE: list = []     # --profile: the one profile every row is costed with
+OVERRIDE: list = []  # --profile: the one profile every row is costed with
 
 
 def _profile(name: str):
@@ -111,13 +126,37 @@ def megatron_rows():
         data = gpus // (tensor * pipeline)
         published = auto.Candidate(
             {name: n for name, n in (("stage", pipeline), ("data", data), ("model", tensor)) if n > 1},
-            _hosts(pipeline, data, gpus), tensor > 1, tensor > 1, False, False,
-            "1f1b" if pipeline > 1 else None, batch // data if pipeline > 1 else 1, 1, "full", False, "bfloat16",
-            master=True)
-        yield (f"GPT {billions:g}B", dict(vocab_size=vocab, maxlen=seq, embed_dim=hidden, num_heads=heads,
-                                          feed_forward_dim=4 * hidden, num_transformer_blocks=layers),
-               gpus, Workload(batch, seq), profile, published, tflops * 1e12 / per_token, megatron_2021,
-               pipeline == 1)
+            _hosts(pipeline, data, gpus),
+            tensor > 1,
+            tensor > 1,
+            False,
+            False,
+            "1f1b" if pipeline > 1 else None,
+            batch // data if pipeline > 1 else 1,
+            1,
+            "full",
+            False,
+            "bfloat16",
+            master=True,
+        )
+        yield (
+            f"GPT {billions:g}B",
+            dict(
+                vocab_size=vocab,
+                maxlen=seq,
+                embed_dim=hidden,
+                num_heads=heads,
+                feed_forward_dim=4 * hidden,
+                num_transformer_blocks=layers,
+            ),
+            gpus,
+            Workload(batch, seq),
+            profile,
+            published,
+            tflops * 1e12 / per_token,
+            megatron_2021,
+            pipeline == 1,
+        )
 
 
 # Smith et al. 2022, "Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B", section 2.4:
@@ -133,12 +172,38 @@ def mt_nlg_rows():
     for nodes, tflops in MT_NLG:
         gpus = nodes * 8
         data = gpus // (tensor * pipeline)
-        published = auto.Candidate({"stage": pipeline, "data": data, "model": tensor}, _hosts(pipeline, data, gpus),
-                                   True, True, False, False, "1f1b", batch // data, 1, "full", False, "bfloat16",
-                                   master=True)
-        yield (f"MT-NLG {gpus}", dict(vocab_size=vocab, maxlen=seq, embed_dim=hidden, num_heads=heads,
-                                      feed_forward_dim=4 * hidden, num_transformer_blocks=layers),
-               gpus, Workload(batch, seq), profile, published, tflops * 1e12 / per_token, megatron_2021)
+        published = auto.Candidate(
+            {"stage": pipeline, "data": data, "model": tensor},
+            _hosts(pipeline, data, gpus),
+            True,
+            True,
+            False,
+            False,
+            "1f1b",
+            batch // data,
+            1,
+            "full",
+            False,
+            "bfloat16",
+            master=True,
+        )
+        yield (
+            f"MT-NLG {gpus}",
+            dict(
+                vocab_size=vocab,
+                maxlen=seq,
+                embed_dim=hidden,
+                num_heads=heads,
+                feed_forward_dim=4 * hidden,
+                num_transformer_blocks=layers,
+            ),
+            gpus,
+            Workload(batch, seq),
+            profile,
+            published,
+            tflops * 1e12 / per_token,
+            megatron_2021,
+        )
 
 
 # Zhang et al. 2022, "OPT: Open Pre-trained Transformer Language Models", section 2.4 (and its logbook):
@@ -155,19 +220,45 @@ def opt_rows():
     per_token = 96 * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
     for gpus, tflops in OPT:
         data = gpus // tensor
-        published = auto.Candidate({"data": data, "model": tensor}, _hosts(1, data, gpus), True, True, True, False,
-                                   remat="full", compute="bfloat16", master=True)
-        yield ("OPT 175B", dict(vocab_size=vocab, maxlen=seq, embed_dim=hidden, num_heads=heads,
-                                 feed_forward_dim=4 * hidden, num_transformer_blocks=layers),
-               gpus, Workload(8 * data, seq), profile, published, tflops * 1e12 / per_token, fsdp_megatron)
+        published = auto.Candidate(
+            {"data": data, "model": tensor},
+            _hosts(1, data, gpus),
+            True,
+            True,
+            True,
+            False,
+            remat="full",
+            compute="bfloat16",
+            master=True,
+        )
+        yield (
+            "OPT 175B",
+            dict(
+                vocab_size=vocab,
+                maxlen=seq,
+                embed_dim=hidden,
+                num_heads=heads,
+                feed_forward_dim=4 * hidden,
+                num_transformer_blocks=layers,
+            ),
+            gpus,
+            Workload(8 * data, seq),
+            profile,
+            published,
+            tflops * 1e12 / per_token,
+            fsdp_megatron,
+        )
 
 
 # Korthikanti et al. 2022, Table 5 (see the module docstring): (billions, heads, hidden, layers, tensor,
 # pipeline, GPUs, batch, microbatch, seconds with full recomputation, seconds with sequence parallelism and
 # selective recomputation). TEST set.
-KORTHIKANTI = [(22, 64, 6144, 48, 8, 1, 8, 4, 4, 1.42, 1.10), (175, 96, 12288, 96, 8, 8, 64, 64, 1, 18.13, 13.75),
-               (530, 128, 20480, 105, 8, 35, 280, 280, 1, 49.05, 37.83),
-               (1000, 160, 25600, 128, 8, 64, 512, 512, 1, 94.42, 71.49)]
+KORTHIKANTI = [
+    (22, 64, 6144, 48, 8, 1, 8, 4, 4, 1.42, 1.10),
+    (175, 96, 12288, 96, 8, 8, 64, 64, 1, 18.13, 13.75),
+    (530, 128, 20480, 105, 8, 35, 280, 280, 1, 49.05, 37.83),
+    (1000, 160, 25600, 128, 8, 64, 512, 512, 1, 94.42, 71.49),
+]
 
 
 def korthikanti_rows():
@@ -175,16 +266,41 @@ def korthikanti_rows():
     seq, vocab = 2048, 51200
     for billions, heads, hidden, layers, tensor, pipeline, gpus, batch, micro, full_s, selective_s in KORTHIKANTI:
         data = gpus // (tensor * pipeline)
-        config = dict(vocab_size=vocab, maxlen=seq, embed_dim=hidden, num_heads=heads, feed_forward_dim=4 * hidden,
-                      num_transformer_blocks=layers)
+        config = dict(
+            vocab_size=vocab,
+            maxlen=seq,
+            embed_dim=hidden,
+            num_heads=heads,
+            feed_forward_dim=4 * hidden,
+            num_transformer_blocks=layers,
+        )
         for remat, sequence, seconds in (("full", False, full_s), ("dots", True, selective_s)):
             published = auto.Candidate(
                 {name: n for name, n in (("stage", pipeline), ("data", data), ("model", tensor)) if n > 1},
-                _hosts(pipeline, data, gpus), True, True, False, False, "1f1b" if pipeline > 1 else None,
-                batch // (data * micro) if pipeline > 1 else 1, 1, remat, sequence, "bfloat16",
-                accumulate=1 if pipeline > 1 else batch // (data * micro), master=True)
-            yield (f"GPT {billions}B {'sel' if sequence else 'full'}", config, gpus, Workload(batch, seq), profile,
-                   published, batch * seq / seconds / gpus, megatron_2022)
+                _hosts(pipeline, data, gpus),
+                True,
+                True,
+                False,
+                False,
+                "1f1b" if pipeline > 1 else None,
+                batch // (data * micro) if pipeline > 1 else 1,
+                1,
+                remat,
+                sequence,
+                "bfloat16",
+                accumulate=1 if pipeline > 1 else batch // (data * micro),
+                master=True,
+            )
+            yield (
+                f"GPT {billions}B {'sel' if sequence else 'full'}",
+                config,
+                gpus,
+                Workload(batch, seq),
+                profile,
+                published,
+                batch * seq / seconds / gpus,
+                megatron_2022,
+            )
 
 
 def megatron_2022(c: auto.Candidate) -> bool:
@@ -214,12 +330,34 @@ def fsdp_only(c: auto.Candidate) -> bool:
 def mpt_rows(table=MPT):
     profile = _profile("h100-80gb-sxm.yaml")
     for name, hidden, heads, layers, gpus, microbatch, accumulate, checkpointing, tokens in table:
-        published = auto.Candidate({"data": gpus}, _hosts(1, gpus, gpus), False, False, True, False,
-                                   remat="full" if checkpointing else "none", compute="bfloat16",
-                                   accumulate=accumulate)
-        yield (f"MPT {name}", dict(vocab_size=50368, maxlen=2048, embed_dim=hidden, num_heads=heads,
-                                   feed_forward_dim=4 * hidden, num_transformer_blocks=layers),
-               gpus, Workload(microbatch * accumulate * gpus, 2048), profile, published, float(tokens), fsdp_only)
+        published = auto.Candidate(
+            {"data": gpus},
+            _hosts(1, gpus, gpus),
+            False,
+            False,
+            True,
+            False,
+            remat="full" if checkpointing else "none",
+            compute="bfloat16",
+            accumulate=accumulate,
+        )
+        yield (
+            f"MPT {name}",
+            dict(
+                vocab_size=50368,
+                maxlen=2048,
+                embed_dim=hidden,
+                num_heads=heads,
+                feed_forward_dim=4 * hidden,
+                num_transformer_blocks=layers,
+            ),
+            gpus,
+            Workload(microbatch * accumulate * gpus, 2048),
+            profile,
+            published,
+            float(tokens),
+            fsdp_only,
+        )
 
 
 # The MoE runs as MiniGPT shapes: its experts are two matrices [E, D, F] and [E, F, D] with ReLU, so a
@@ -234,41 +372,138 @@ def mpt_rows(table=MPT):
 MOE_CAPACITY = 1.0
 # Megatron's MoE FLOP formula (megatron/training/training.py, num_floating_point_operations) per token:
 # 12 L h^2 [(1 + g/n + s/h) + (F/h) k 3/2 + V / (2 L h)] for SwiGLU experts of width F, g query groups of n heads.
-MIXTRAL = dict(layers=32, hidden=4096, heads=32, groups=8, ffn=14336, experts=8, top_k=2, vocab=32000, seq=4096,
-               gpus=64, tensor=1, expert=8, pipeline=4, virtual=8, microbatch=1, batch=256, tflops=438)
-DEEPSEEK_V3 = dict(layers=61, hidden=7168, heads=128, expert_ffn=2048, experts=256, top_k=8, shared=1,
-                   vocab=129280, seq=4096, gpus=2048, pipeline=16, expert=64, batch=15360, gpu_hours_per_t=180e3)
+MIXTRAL = dict(
+    layers=32,
+    hidden=4096,
+    heads=32,
+    groups=8,
+    ffn=14336,
+    experts=8,
+    top_k=2,
+    vocab=32000,
+    seq=4096,
+    gpus=64,
+    tensor=1,
+    expert=8,
+    pipeline=4,
+    virtual=8,
+    microbatch=1,
+    batch=256,
+    tflops=438,
+)
+DEEPSEEK_V3 = dict(
+    layers=61,
+    hidden=7168,
+    heads=128,
+    expert_ffn=2048,
+    experts=256,
+    top_k=8,
+    shared=1,
+    vocab=129280,
+    seq=4096,
+    gpus=2048,
+    pipeline=16,
+    expert=64,
+    batch=15360,
+    gpu_hours_per_t=180e3,
+)
 
 
 def moe_rows():
     m = MIXTRAL
-    per_token = 12 * m["layers"] * m["hidden"] ** 2 * (
-        1 + m["groups"] / m["heads"] + m["seq"] / m["hidden"] + m["ffn"] / m["hidden"] * m["top_k"] * 1.5
-        + m["vocab"] / (2 * m["layers"] * m["hidden"]))
+    per_token = (
+        12
+        * m["layers"]
+        * m["hidden"] ** 2
+        * (
+            1
+            + m["groups"] / m["heads"]
+            + m["seq"] / m["hidden"]
+            + m["ffn"] / m["hidden"] * m["top_k"] * 1.5
+            + m["vocab"] / (2 * m["layers"] * m["hidden"])
+        )
+    )
     data = m["gpus"] // (m["tensor"] * m["pipeline"] * m["expert"])
-    published = auto.Candidate({"stage": m["pipeline"], "data": data, "expert": m["expert"]},
-                               _hosts(m["pipeline"], data, m["gpus"]), False, False, False, True, "1f1b",
-                               m["batch"] // (data * m["expert"] * m["microbatch"]), m["virtual"], "none",
-                               compute="bfloat16", experts=True, capacity=MOE_CAPACITY, master=True)
-    yield ("Mixtral 8x7B", dict(vocab_size=m["vocab"], maxlen=m["seq"], embed_dim=m["hidden"], num_heads=m["heads"],
-                                feed_forward_dim=m["ffn"] * 3 // 2, num_transformer_blocks=m["layers"],
-                                num_experts=m["experts"], experts_per_token=m["top_k"]),
-           m["gpus"], Workload(m["batch"], m["seq"]), _profile("h100-80gb-sxm.yaml"), published,
-           m["tflops"] * 1e12 / per_token, expert_parallel, False, MOE_CAPACITY)
+    published = auto.Candidate(
+        {"stage": m["pipeline"], "data": data, "expert": m["expert"]},
+        _hosts(m["pipeline"], data, m["gpus"]),
+        False,
+        False,
+        False,
+        True,
+        "1f1b",
+        m["batch"] // (data * m["expert"] * m["microbatch"]),
+        m["virtual"],
+        "none",
+        compute="bfloat16",
+        experts=True,
+        capacity=MOE_CAPACITY,
+        master=True,
+    )
+    yield (
+        "Mixtral 8x7B",
+        dict(
+            vocab_size=m["vocab"],
+            maxlen=m["seq"],
+            embed_dim=m["hidden"],
+            num_heads=m["heads"],
+            feed_forward_dim=m["ffn"] * 3 // 2,
+            num_transformer_blocks=m["layers"],
+            num_experts=m["experts"],
+            experts_per_token=m["top_k"],
+        ),
+        m["gpus"],
+        Workload(m["batch"], m["seq"]),
+        _profile("h100-80gb-sxm.yaml"),
+        published,
+        m["tflops"] * 1e12 / per_token,
+        expert_parallel,
+        False,
+        MOE_CAPACITY,
+    )
     d = DEEPSEEK_V3
     data = d["gpus"] // d["pipeline"]
     # DualPipe (a bidirectional zero-bubble schedule keeping PP + 1 microbatches' activations, nothing
     # recomputed but norms and up-projections) written as zb-h1 with selective rematerialisation, one
     # sequence per microbatch; the expert-parallel group (64 of the 128 data ranks) written as all 128:
     # the same bytes per device cross InfiniBand either way
-    published = auto.Candidate({"stage": d["pipeline"], "data": data}, _hosts(d["pipeline"], data, d["gpus"]),
-                               False, False, False, True, "zb-h1", d["batch"] // data, 1, "dots",
-                               compute="bfloat16", experts=True, capacity=MOE_CAPACITY, master=True)
-    yield ("DeepSeek-V3", dict(vocab_size=d["vocab"], maxlen=d["seq"], embed_dim=d["hidden"], num_heads=d["heads"],
-                               feed_forward_dim=d["expert_ffn"] * 3 // 2, num_transformer_blocks=d["layers"],
-                               num_experts=d["experts"], experts_per_token=d["top_k"] + d["shared"]),
-           d["gpus"], Workload(d["batch"], d["seq"]), _profile("h800-sxm.yaml"), published,
-           1e12 / (d["gpu_hours_per_t"] * 3600), expert_parallel, False, MOE_CAPACITY)
+    published = auto.Candidate(
+        {"stage": d["pipeline"], "data": data},
+        _hosts(d["pipeline"], data, d["gpus"]),
+        False,
+        False,
+        False,
+        True,
+        "zb-h1",
+        d["batch"] // data,
+        1,
+        "dots",
+        compute="bfloat16",
+        experts=True,
+        capacity=MOE_CAPACITY,
+        master=True,
+    )
+    yield (
+        "DeepSeek-V3",
+        dict(
+            vocab_size=d["vocab"],
+            maxlen=d["seq"],
+            embed_dim=d["hidden"],
+            num_heads=d["heads"],
+            feed_forward_dim=d["expert_ffn"] * 3 // 2,
+            num_transformer_blocks=d["layers"],
+            num_experts=d["experts"],
+            experts_per_token=d["top_k"] + d["shared"],
+        ),
+        d["gpus"],
+        Workload(d["batch"], d["seq"]),
+        _profile("h800-sxm.yaml"),
+        published,
+        1e12 / (d["gpu_hours_per_t"] * 3600),
+        expert_parallel,
+        False,
+        MOE_CAPACITY,
+    )
 
 
 def expert_parallel(c: auto.Candidate) -> bool:
@@ -287,8 +522,9 @@ def _hosts(stage: int, data: int, gpus: int) -> dict:
     return {name: n for name, n in (("stage", on_stage), ("data", on_data)) if n > 1}
 
 
-def run_row(label, config, gpus, workload, profile, published, measured, toolbox=None, accumulates=False,
-            capacity=None):
+def run_row(
+    label, config, gpus, workload, profile, published, measured, toolbox=None, accumulates=False, capacity=None
+):
     """`accumulates`: the paper gives no microbatch size, and Megatron accumulates gradients over
     microbatches when a data rank's batch does not fit: the published layout is modelled at the
     fewest microbatches (dividing the rank's batch) at which it fits, as Megatron would run it.
@@ -298,7 +534,7 @@ def run_row(label, config, gpus, workload, profile, published, measured, toolbox
     model = build_model("minigpt_model:MiniGPT", config, on_built=lambda m: order.extend(definition_order(m)))
     params = param_infos(model)
     roles = recognise(params, order)
-    if capacity is not None:        # k experts per token, read off the code as `auto` reads it
+    if capacity is not None:  # k experts per token, read off the code as `auto` reads it
         roles = with_code(roles, model, workload.seq)
     rep = Representative.of(params, roles)
     unwritable, theirs = auto.sketch(published, roles, rep, workload, profile)
@@ -314,24 +550,52 @@ def run_row(label, config, gpus, workload, profile, published, measured, toolbox
     ceiling = profile.flops_for("bfloat16") * profile.matmul_efficiency
     flops = sum(model_flops(params, roles, workload, capacity=capacity or 1.0))
     achieved = flops / theirs.step_s / gpus if theirs else 0.0
-    row = {"model": label, "devices": gpus, "batch": workload.batch, "seq": workload.seq,
-           "published": {"tensor": published.axes.get("model", 1), "pipeline": published.axes.get("stage", 1),
-                         "rules": published.rules_label(), "experts": published.experts,
-                         "tokens_per_s_per_device": measured,
-                         # None where shardplan cannot write the published configuration as a plan
-                         "unwritable": unwritable,
-                         "modelled_tokens_per_s_per_device": tokens / theirs.step_s / gpus if theirs else None,
-                         "modelled_peak_bytes": theirs.peak_bytes if theirs else None,
-                         "modelled_flops_per_s_per_device": achieved, "matmul_ceiling": ceiling}}
+    row = {
+        "model": label,
+        "devices": gpus,
+        "batch": workload.batch,
+        "seq": workload.seq,
+        "published": {
+            "tensor": published.axes.get("model", 1),
+            "pipeline": published.axes.get("stage", 1),
+            "rules": published.rules_label(),
+            "experts": published.experts,
+            "tokens_per_s_per_device": measured,
+            # None where shardplan cannot write the published configuration as a plan
+            "unwritable": unwritable,
+            "modelled_tokens_per_s_per_device": tokens / theirs.step_s / gpus if theirs else None,
+            "modelled_peak_bytes": theirs.peak_bytes if theirs else None,
+            "modelled_flops_per_s_per_device": achieved,
+            "matmul_ceiling": ceiling,
+        },
+    }
     for key, only in (("auto", toolbox), ("auto_any", None)):
-        found = auto.search(params, roles, devices=gpus, workload=workload, profile=profile, memory=DEVICE_MEMORY,
-                            hosts=max(1, gpus // 8), compute="bfloat16", only=only, capacity=capacity)
+        found = auto.search(
+            params,
+            roles,
+            devices=gpus,
+            workload=workload,
+            profile=profile,
+            memory=DEVICE_MEMORY,
+            hosts=max(1, gpus // 8),
+            compute="bfloat16",
+            only=only,
+            capacity=capacity,
+        )
         best = found.best
-        row[key] = None if best is None else {
-            "tensor": best.candidate.axes.get("model", 1), "pipeline": best.candidate.axes.get("stage", 1),
-            "mesh": best.candidate.label(), "rules": best.candidate.rules_label(), "experts": best.candidate.experts,
-            "modelled_tokens_per_s_per_device": tokens / best.estimate.step_s / gpus,
-            "modelled_peak_bytes": best.estimate.peak_bytes}
+        row[key] = (
+            None
+            if best is None
+            else {
+                "tensor": best.candidate.axes.get("model", 1),
+                "pipeline": best.candidate.axes.get("stage", 1),
+                "mesh": best.candidate.label(),
+                "rules": best.candidate.rules_label(),
+                "experts": best.candidate.experts,
+                "modelled_tokens_per_s_per_device": tokens / best.estimate.step_s / gpus,
+                "modelled_peak_bytes": best.estimate.peak_bytes,
+            }
+        )
     row["seconds"] = time.perf_counter() - started
     return row
 
@@ -340,8 +604,10 @@ def scaling() -> None:
     """The MPT rows of `MPT_SCALING`, the published configuration alone: where the model's error moves
     with the number of nodes, the network is what it misses; where it does not, the per-GPU execution."""
     print("serial: the same step with every collective on the critical path (none overlapped)\n")
-    print(f"{'model':6} {'GPUs':>5} {'micro':>5} {'ckpt':>5}  {'measured':>8} {'modelled':>8} {'err':>5} "
-          f"{'serial':>7} {'err':>5} {'comm/compute':>12} {'peak GB':>7}")
+    print(
+        f"{'model':6} {'GPUs':>5} {'micro':>5} {'ckpt':>5}  {'measured':>8} {'modelled':>8} {'err':>5} "
+        f"{'serial':>7} {'err':>5} {'comm/compute':>12} {'peak GB':>7}"
+    )
     for label, config, gpus, workload, profile, published, measured, _ in mpt_rows(MPT_SCALING):
         order: list[str] = []
         model = build_model("minigpt_model:MiniGPT", config, on_built=lambda m: order.extend(definition_order(m)))
@@ -352,9 +618,12 @@ def scaling() -> None:
         modelled = tokens / est.step_s
         serial = tokens / (est.step_s + est.communication_s - est.exposed_communication_s)
         micro = workload.batch // gpus // published.accumulate
-        print(f"{label:6} {gpus:>5} {micro:>5} {published.remat != 'none'!s:>5}  {measured:>8.0f} {modelled:>8.0f} "
-              f"{modelled / measured - 1:>+5.0%} {serial:>7.0f} {serial / measured - 1:>+5.0%} "
-              f"{est.communication_s / est.compute_s:>12.2f} {est.peak_bytes / 1e9:>7.1f}", flush=True)
+        print(
+            f"{label:6} {gpus:>5} {micro:>5} {published.remat != 'none'!s:>5}  {measured:>8.0f} {modelled:>8.0f} "
+            f"{modelled / measured - 1:>+5.0%} {serial:>7.0f} {serial / measured - 1:>+5.0%} "
+            f"{est.communication_s / est.compute_s:>12.2f} {est.peak_bytes / 1e9:>7.1f}",
+            flush=True,
+        )
 
 
 def verdict(row) -> str:
@@ -384,16 +653,24 @@ def verdict(row) -> str:
 def summary(kind: str, rows: list[dict]) -> str:
     """One line on a set of rows: how many meet every target, the median and worst throughput error of the
     published configurations, and how many of them are modelled as fitting their devices."""
-    errors = sorted(abs(r["published"]["modelled_tokens_per_s_per_device"] / r["published"]["tokens_per_s_per_device"]
-                        - 1) for r in rows if r["published"]["modelled_tokens_per_s_per_device"])
+    errors = sorted(
+        abs(r["published"]["modelled_tokens_per_s_per_device"] / r["published"]["tokens_per_s_per_device"] - 1)
+        for r in rows
+        if r["published"]["modelled_tokens_per_s_per_device"]
+    )
     median = (errors[len(errors) // 2] + errors[(len(errors) - 1) // 2]) / 2 if errors else 0.0
-    fitting = sum(1 for r in rows if r["published"]["modelled_peak_bytes"] is not None
-                  and r["published"]["modelled_peak_bytes"] <= DEVICE_MEMORY)
+    fitting = sum(
+        1
+        for r in rows
+        if r["published"]["modelled_peak_bytes"] is not None and r["published"]["modelled_peak_bytes"] <= DEVICE_MEMORY
+    )
     ok = sum(verdict(r) == "ok" for r in rows)
-    return (f"{kind} set ({'constants chosen on these' if kind == 'fit' else 'never looked at while choosing'}): "
-            f"{ok} of {len(rows)} rows meet every target; throughput error of the published configurations: median "
-            f"{median:.0%}, worst {errors[-1] if errors else 0:.0%}, {sum(e <= 0.35 for e in errors)} of {len(errors)} "
-            f"within 35%; {fitting} of {len(rows)} modelled as fitting {DEVICE_MEMORY / 1e9:.0f} GB")
+    return (
+        f"{kind} set ({'constants chosen on these' if kind == 'fit' else 'never looked at while choosing'}): "
+        f"{ok} of {len(rows)} rows meet every target; throughput error of the published configurations: median "
+        f"{median:.0%}, worst {errors[-1] if errors else 0:.0%}, {sum(e <= 0.35 for e in errors)} of {len(errors)} "
+        f"within 35%; {fitting} of {len(rows)} modelled as fitting {DEVICE_MEMORY / 1e9:.0f} GB"
+    )
 
 
 def _shape(pick) -> str:
@@ -404,10 +681,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=["megatron", "mt-nlg", "mpt", "opt", "moe", "korthikanti"])
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
-    parser.add_argument("--profile", metavar="FILE", help="cost every row with this profile file instead of its "
-                                                          "cluster's (e.g. one written from a datasheet alone)")
-    parser.add_argument("--scaling", action="store_true", help="11 MPT rows of the same tables (8 to 512 "
-                                                                   "GPUs), published configurations only")
+    parser.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="cost every row with this profile file instead of its cluster's (e.g. one written from a datasheet alone)",
+    )
+    parser.add_argument(
+        "--scaling",
+        action="store_true",
+        help="11 MPT rows of the same tables (8 to 512 GPUs), published configurations only",
+    )
     args = parser.parse_args()
     if args.profile:
         try:
@@ -417,13 +700,23 @@ def main() -> None:
         print(OVERRIDE[0].defaults_line() or f"profile {OVERRIDE[0].name!r} sets every field", "\n")
     if args.scaling:
         return scaling()
-    sources = [("megatron", megatron_rows, "fit"), ("mt-nlg", mt_nlg_rows, "fit"), ("mpt", mpt_rows, "fit"),
-               ("opt", opt_rows, "fit"), ("moe", moe_rows, "fit"), ("korthikanti", korthikanti_rows, "test")]
+    sources = [
+        ("megatron", megatron_rows, "fit"),
+        ("mt-nlg", mt_nlg_rows, "fit"),
+        ("mpt", mpt_rows, "fit"),
+        ("opt", opt_rows, "fit"),
+        ("moe", moe_rows, "fit"),
+        ("korthikanti", korthikanti_rows, "test"),
+    ]
     rows = []
-    print("tokens/s per GPU: measured, modelled for the published configuration, modelled for auto's picks "
-          "(with the run's own options / with every option); TP/PP: tensor and pipeline degrees\n")
-    print(f"{'model':10} {'GPUs':>5} {'TP/PP':>6} {'auto':>6} {'any':>6}  {'measured':>8} {'modelled':>8} {'err':>5} "
-          f"{'peak GB':>7} {'auto':>7} {'any':>7} {'s':>5}  verdict; auto's plan with any option")
+    print(
+        "tokens/s per GPU: measured, modelled for the published configuration, modelled for auto's picks "
+        "(with the run's own options / with every option); TP/PP: tensor and pipeline degrees\n"
+    )
+    print(
+        f"{'model':10} {'GPUs':>5} {'TP/PP':>6} {'auto':>6} {'any':>6}  {'measured':>8} {'modelled':>8} {'err':>5} "
+        f"{'peak GB':>7} {'auto':>7} {'any':>7} {'s':>5}  verdict; auto's plan with any option"
+    )
     for name, source, kind in sources:
         if args.only and args.only != name:
             continue
@@ -435,12 +728,18 @@ def main() -> None:
             measured = theirs["tokens_per_s_per_device"]
             modelled = theirs["modelled_tokens_per_s_per_device"]
             picks = [f"{p['modelled_tokens_per_s_per_device']:>7.0f}" if p else f"{'-':>7}" for p in (mine, other)]
-            of_theirs = (f"{modelled:>8.0f} {modelled / measured - 1:>+5.0%} {theirs['modelled_peak_bytes'] / 1e9:>7.1f}"
-                         if modelled else f"{'-':>8} {'-':>5} {'-':>7}")
-            print(f"{row['model']:10} {row['devices']:>5} {_shape(theirs):>6} {_shape(mine):>6} {_shape(other):>6}  "
-                  f"{measured:>8.0f} {of_theirs} {picks[0]} {picks[1]} "
-                  f"{row['seconds']:>5.1f}  {verdict(row)}; "
-                  f"{other['mesh'] + ', ' + other['rules'] if other else ''}", flush=True)
+            of_theirs = (
+                f"{modelled:>8.0f} {modelled / measured - 1:>+5.0%} {theirs['modelled_peak_bytes'] / 1e9:>7.1f}"
+                if modelled
+                else f"{'-':>8} {'-':>5} {'-':>7}"
+            )
+            print(
+                f"{row['model']:10} {row['devices']:>5} {_shape(theirs):>6} {_shape(mine):>6} {_shape(other):>6}  "
+                f"{measured:>8.0f} {of_theirs} {picks[0]} {picks[1]} "
+                f"{row['seconds']:>5.1f}  {verdict(row)}; "
+                f"{other['mesh'] + ', ' + other['rules'] if other else ''}",
+                flush=True,
+            )
     print()
     for kind in ("fit", "test"):
         chosen = [r for r in rows if r["set"] == kind]

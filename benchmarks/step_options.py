@@ -36,8 +36,10 @@ import minigpt_model  # noqa: E402
 import shardplan  # noqa: E402
 from shardplan.compose.measure import measure  # noqa: E402
 
-SP = ("activations:\n  - {match: 'embedding_layer', spec: [data, model, null]}\n"
-      "  - {match: 'transformer_blocks/\\d+/layer_norm\\d', spec: [data, model, null]}\n")
+SP = (
+    "activations:\n  - {match: 'embedding_layer', spec: [data, model, null]}\n"
+    "  - {match: 'transformer_blocks/\\d+/layer_norm\\d', spec: [data, model, null]}\n"
+)
 REMAT = "remat: [{match: 'transformer_blocks/\\d+', policy: %s}]\n"
 # (plan, extra plan text); None: the shipped minigpt_dp_tp_sp as it is
 VARIANTS = {
@@ -63,10 +65,19 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     args = parser.parse_args()
-    config = dict(maxlen=args.seq, vocab_size=8192, embed_dim=256, num_heads=8, feed_forward_dim=1024,
-                  num_transformer_blocks=args.blocks, dropout_rate=0.0)
-    print(f"MiniGPT {config}, batch {args.batch} x {args.seq}, data 4 x model 2 on 8 simulated CPU devices; "
-          "MiB per device\n")
+    config = dict(
+        maxlen=args.seq,
+        vocab_size=8192,
+        embed_dim=256,
+        num_heads=8,
+        feed_forward_dim=1024,
+        num_transformer_blocks=args.blocks,
+        dropout_rate=0.0,
+    )
+    print(
+        f"MiniGPT {config}, batch {args.batch} x {args.seq}, data 4 x model 2 on 8 simulated CPU devices; "
+        "MiB per device\n"
+    )
     print(f"{'variant':40} {'arguments':>10} {'temp':>10} {'temp vs baseline':>17}")
     rows = {}
     for name, (base, extra) in VARIANTS.items():
@@ -75,13 +86,16 @@ def main() -> None:
         rows[name] = {"argument_bytes": got.argument_bytes, "temp_bytes": got.temp_bytes}
         reference = rows["pp4 gpipe baseline" if name.startswith("pp4") else "baseline (f32, no remat, no SP)"]
         ratio = got.temp_bytes / reference["temp_bytes"]
-        print(f"{name:40} {got.argument_bytes / 2**20:>10.1f} {got.temp_bytes / 2**20:>10.1f} {ratio:>16.2f}x",
-              flush=True)
+        print(
+            f"{name:40} {got.argument_bytes / 2**20:>10.1f} {got.temp_bytes / 2**20:>10.1f} {ratio:>16.2f}x", flush=True
+        )
     # what sequence parallelism splits, from the shapes: each block saves its two layer-norm outputs
     rows_per_device = args.batch // 4
     per_block = 2 * rows_per_device * args.seq * config["embed_dim"] * 4
-    print(f"\nlayer-norm outputs kept per block: {per_block / 2**20:.2f} MiB without SP, "
-          f"{per_block / 2 / 2**20:.2f} MiB with SP over model (2)")
+    print(
+        f"\nlayer-norm outputs kept per block: {per_block / 2**20:.2f} MiB without SP, "
+        f"{per_block / 2 / 2**20:.2f} MiB with SP over model (2)"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps({"config": config, "batch": args.batch, "rows": rows}, indent=2))
 

@@ -61,11 +61,15 @@ def setup(blocks: int, config: TrainConfig):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", shardplan.PlanWarning)
         model = shardplan.init(plan, lambda: MiniGPT(**model_config, rngs=nnx.Rngs(0)), mesh)
-    tx = make_optimizer(lr=config.lr, steps=config.steps, warmup_steps=config.warmup_steps,
-                        weight_decay=config.weight_decay, clip_norm=config.clip_norm)
+    tx = make_optimizer(
+        lr=config.lr,
+        steps=config.steps,
+        warmup_steps=config.warmup_steps,
+        weight_decay=config.weight_decay,
+        clip_norm=config.clip_norm,
+    )
     optimizer = shardplan.shard_optimizer(plan, model, tx, mesh)
-    rows = np.asarray(jax.random.randint(jax.random.key(1), (BATCH, TINY["maxlen"] + 1), 0,
-                                         model_config["vocab_size"]))
+    rows = np.asarray(jax.random.randint(jax.random.key(1), (BATCH, TINY["maxlen"] + 1), 0, model_config["vocab_size"]))
     tokens, targets = shardplan.shard_inputs(plan, (rows[:, :-1], rows[:, 1:]), mesh)
     return model, optimizer, tokens, targets
 
@@ -85,19 +89,32 @@ def loops(model, optimizer, tokens, targets) -> dict:
     def limit():
         loss, held["state"] = pure(held["state"], tokens, targets, key)
         return float(loss)
+
     # (the other two loops train their own copy of the model and optimizer)
     nodes = nnx.clone((model, optimizer))
     documented = shardplan.jit_step(train_update, *nodes)
     walked = nnx.jit(train_update)
     other = nnx.clone((model, optimizer))
-    return {"limit": limit, "jit_step": lambda: float(documented(tokens, targets, key)),
-            "nnx.jit": lambda: float(walked(*other, tokens, targets, key))}
+    return {
+        "limit": limit,
+        "jit_step": lambda: float(documented(tokens, targets, key)),
+        "nnx.jit": lambda: float(walked(*other, tokens, targets, key)),
+    }
 
 
 def trainer_median(blocks: int, steps: int, out: Path) -> float:
-    config = TrainConfig(plan=PLAN, steps=steps, batch_size=BATCH, eval_every=steps, checkpoint_every=steps,
-                         out=str(out), sample_tokens=0, model={**TINY, "num_transformer_blocks": blocks})
+    config = TrainConfig(
+        plan=PLAN,
+        steps=steps,
+        batch_size=BATCH,
+        eval_every=steps,
+        checkpoint_every=steps,
+        out=str(out),
+        sample_tokens=0,
+        model={**TINY, "num_transformer_blocks": blocks},
+    )
     from rich.console import Console
+
     train(config, console=Console(quiet=True))
     times = [json.loads(line)["time"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     # (step 1 compiles; the last step's record follows the evaluation and checkpoint at the end)
@@ -109,7 +126,7 @@ def measure(blocks: int, rounds: int, steps: int) -> dict:
     model, optimizer, tokens, targets = setup(blocks, config)
     arrays = len(jax.tree.leaves(nnx.state((model, optimizer))))
     run = loops(model, optimizer, tokens, targets)
-    for step in run.values():                   # compile, and a step to settle
+    for step in run.values():  # compile, and a step to settle
         step(), step()
     times = {name: [] for name in run}
 
@@ -120,6 +137,7 @@ def measure(blocks: int, rounds: int, steps: int) -> dict:
                     start = time.perf_counter()
                     step()
                     times[name].append(time.perf_counter() - start)
+
     # (the trainer runs between two halves of the loops' turns, so that the limit brackets it in time)
     turns(rounds // 2)
     with tempfile.TemporaryDirectory() as folder:
@@ -138,14 +156,18 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     results = {}
-    print(f"{'blocks':>6} {'arrays':>6} {'limit ms':>9} {'jit_step':>9} {'nnx.jit':>9} {'minigpt train':>14}   (x the limit)")
+    print(
+        f"{'blocks':>6} {'arrays':>6} {'limit ms':>9} {'jit_step':>9} {'nnx.jit':>9} {'minigpt train':>14}   (x the limit)"
+    )
     for blocks in args.blocks:
         got = measure(blocks, args.rounds, args.steps)
         results[blocks] = got
         s, r = got["seconds"], got["ratio"]
-        print(f"{blocks:>6} {got['arrays']:>6} {s['limit'] * 1e3:9.1f} {r['jit_step']:8.2f}x {r['nnx.jit']:8.2f}x "
-              f"{r['minigpt train']:13.2f}x   ({s['jit_step'] * 1e3:.1f}, {s['nnx.jit'] * 1e3:.1f}, "
-              f"{s['minigpt train'] * 1e3:.1f} ms)")
+        print(
+            f"{blocks:>6} {got['arrays']:>6} {s['limit'] * 1e3:9.1f} {r['jit_step']:8.2f}x {r['nnx.jit']:8.2f}x "
+            f"{r['minigpt train']:13.2f}x   ({s['jit_step'] * 1e3:.1f}, {s['nnx.jit'] * 1e3:.1f}, "
+            f"{s['minigpt train'] * 1e3:.1f} ms)"
+        )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

@@ -37,8 +37,14 @@ from shardplan.planner.cost import Workload, estimate  # noqa: E402
 from shardplan.planner.profiles import get_profile  # noqa: E402
 from shardplan.checks.roles import recognise_module  # noqa: E402
 
-PLANS = ["minigpt_dp.yaml", "minigpt_tp.yaml", "minigpt_dp_tp.yaml", "minigpt_fsdp.toml", "minigpt_3d.yaml",
-         "minigpt_pp4.yaml"]
+PLANS = [
+    "minigpt_dp.yaml",
+    "minigpt_tp.yaml",
+    "minigpt_dp_tp.yaml",
+    "minigpt_fsdp.toml",
+    "minigpt_3d.yaml",
+    "minigpt_pp4.yaml",
+]
 
 
 def modelled_step_s(plan_file: str, model_config: dict, config: TrainConfig) -> float:
@@ -52,12 +58,14 @@ def modelled_step_s(plan_file: str, model_config: dict, config: TrainConfig) -> 
 
 def rank_correlation(xs: list[float], ys: list[float]) -> float:
     """Spearman's rho (no ties expected)."""
+
     def ranks(values):
         order = sorted(range(len(values)), key=values.__getitem__)
         out = [0] * len(values)
         for rank, index in enumerate(order):
             out[index] = rank
         return out
+
     rx, ry, n = ranks(xs), ranks(ys), len(xs)
     return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
 
@@ -76,7 +84,7 @@ def tokens_per_second(plan_file: str, devices, dataset, model_config: dict, conf
         targets = jax.device_put(batch[:, 1:], tokens.sharding)
         return train_step(model, optimizer, tokens, targets, jax.random.fold_in(key, i))
 
-    step(0).block_until_ready()                       # compile outside the timing
+    step(0).block_until_ready()  # compile outside the timing
     start = time.perf_counter()
     for i in range(1, steps + 1):
         loss = step(i)
@@ -92,10 +100,13 @@ def main() -> None:
     config = TrainConfig()
     tokenizer = ByteTokenizer()
     model_config = {**DEFAULT_MODEL, "vocab_size": tokenizer.vocab_size}
-    dataset = build_dataset(read_documents(None), tokenizer, seq_len=model_config["maxlen"],
-                            batch_size=config.batch_size, seed=0)
-    print(f"default MiniGPT {model_config}, global batch {config.batch_size} x {model_config['maxlen']}, "
-          f"{args.steps} timed steps each\n")
+    dataset = build_dataset(
+        read_documents(None), tokenizer, seq_len=model_config["maxlen"], batch_size=config.batch_size, seed=0
+    )
+    print(
+        f"default MiniGPT {model_config}, global batch {config.batch_size} x {model_config['maxlen']}, "
+        f"{args.steps} timed steps each\n"
+    )
     single = tokens_per_second("minigpt_dp.yaml", jax.devices()[:1], dataset, model_config, config, args.steps)
     rows = {"one device": single}
     for plan_file in PLANS:
@@ -108,11 +119,17 @@ def main() -> None:
         print(f"{name:22} {rate:>10,.0f} {rate / single:>13.2f}x {tokens / rate * 1e3:>9.1f} {model_ms}")
     rho = rank_correlation([modelled[n] for n in PLANS], [tokens / rows[n] for n in PLANS])
     print(f"\nrank correlation of modelled and measured step times over the {len(PLANS)} plans: {rho:+.2f}")
-    print("(8 simulated devices share this machine's cores: the ratio is the plan's overhead, not a speed-up;\n"
-          " the modelled time is a roofline for the `cpu` profile, so only its ranking is comparable.)")
+    print(
+        "(8 simulated devices share this machine's cores: the ratio is the plan's overhead, not a speed-up;\n"
+        " the modelled time is a roofline for the `cpu` profile, so only its ranking is comparable.)"
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": model_config, "tokens_per_s": rows,
-                                               "modelled_step_s": modelled, "rank_correlation": rho}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {"model": model_config, "tokens_per_s": rows, "modelled_step_s": modelled, "rank_correlation": rho},
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

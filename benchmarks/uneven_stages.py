@@ -57,7 +57,7 @@ def timed_step(layers: int, steps: int, batch: int, seq: int) -> tuple[float, tu
     model = minigpt_model.MiniGPT(**CONFIG, num_transformer_blocks=layers, rngs=nnx.Rngs(0))
     counts = shardplan.check(plan, model).stage_map.counts
     model, optimizer, tokens, targets = prepare(plan, model, batch, seq, vocab=CONFIG["vocab_size"])
-    jax.block_until_ready(lm_train_step(model, optimizer, tokens, targets))        # compile and warm up
+    jax.block_until_ready(lm_train_step(model, optimizer, tokens, targets))  # compile and warm up
     times = []
     for _ in range(steps):
         started = time.perf_counter()
@@ -79,7 +79,8 @@ def main() -> None:
     skipping = loop.run_chunk
 
     def computing(layers, chunk_state, h, split, whole, keys, first_layer, size=None, when=None):
-        return skipping(layers, chunk_state, h, split, whole, keys, first_layer, size)      # (no branch per slot)
+        return skipping(layers, chunk_state, h, split, whole, keys, first_layer, size)  # (no branch per slot)
+
     loop.run_chunk = computing
     try:
         rows["6 layers, padding computed"] = timed_step(6, args.steps, args.batch, args.seq)
@@ -91,8 +92,15 @@ def main() -> None:
     for name, (seconds, counts) in rows.items():
         print(f"{name:<28}{'/'.join(map(str, counts)):>18}{seconds * 1e3:>10.1f}{seconds / base:>13.2f}")
     if args.json:
-        args.json.write_text(json.dumps({name: {"seconds": s, "layers_per_stage": list(c), "vs_even": s / base}
-                                         for name, (s, c) in rows.items()}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    name: {"seconds": s, "layers_per_stage": list(c), "vs_even": s / base}
+                    for name, (s, c) in rows.items()
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

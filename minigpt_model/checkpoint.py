@@ -58,17 +58,19 @@ def verify(step_dir: Path) -> str | None:
     if not step_dir.is_dir():
         return "its directory is missing"
     special = [p for p in step_dir.rglob("*") if not (p.is_file() or p.is_dir()) or p.is_symlink()]
-    if special:     # a FIFO would block the restore forever, a device or a link would read elsewhere
+    if special:  # a FIFO would block the restore forever, a device or a link would read elsewhere
         return f"it holds {special[0].relative_to(step_dir)}, which is not a regular file"
     if not manifest.exists():
         return None
-    if not manifest.is_file():          # (a FIFO or a directory in its place: never opened, never waited on)
+    if not manifest.is_file():  # (a FIFO or a directory in its place: never opened, never waited on)
         return f"its {CHECKSUMS} is not a regular file"
     try:
         expected = json.loads(manifest.read_text())
     except (OSError, ValueError) as exc:
         return f"its {CHECKSUMS} is unreadable ({exc})"
-    if not isinstance(expected, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in expected.items()):
+    if not isinstance(expected, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in expected.items()
+    ):
         return f"its {CHECKSUMS} is not a map of file names to digests"
     found = _file_digests(step_dir)
     changed = sorted(name for name in expected if found.get(name) != expected[name])
@@ -94,8 +96,11 @@ def _meta_problem(meta) -> str | None:
 def is_disk_full(exc: BaseException) -> bool:
     """ENOSPC/EDQUOT, directly or as orbax/tensorstore report it (RESOURCE_EXHAUSTED)."""
     text = str(exc)
-    return (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) or \
-        "RESOURCE_EXHAUSTED" in text or "No space left" in text
+    return (
+        (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT))
+        or "RESOURCE_EXHAUSTED" in text
+        or "No space left" in text
+    )
 
 
 def _pure(node) -> dict:
@@ -121,8 +126,10 @@ def _abstract(tree: dict) -> dict:
 class Checkpoints:
     def __init__(self, directory: str | Path, *, keep: int = 3):
         self.directory = Path(directory).absolute()
-        self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=False))
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False),
+        )
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -133,11 +140,16 @@ class Checkpoints:
     def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer, meta: dict) -> None:
         layers = _layers_of(model)
         try:
-            with interrupts_deferred(), _writer_noise_held_back():      # a Ctrl-C during it waits for the save
-                self._manager.save(step, args=ocp.args.Composite(
-                    model=ocp.args.StandardSave(_plain(_pure(model), layers)),
-                    optimizer=ocp.args.StandardSave(_plain(plain_state(optimizer), layers)),
-                    meta=ocp.args.JsonSave(meta)), force=True)
+            with interrupts_deferred(), _writer_noise_held_back():  # a Ctrl-C during it waits for the save
+                self._manager.save(
+                    step,
+                    args=ocp.args.Composite(
+                        model=ocp.args.StandardSave(_plain(_pure(model), layers)),
+                        optimizer=ocp.args.StandardSave(_plain(plain_state(optimizer), layers)),
+                        meta=ocp.args.JsonSave(meta),
+                    ),
+                    force=True,
+                )
                 self._manager.wait_until_finished()
                 if jax.process_index() == 0:
                     step_dir = self.directory / str(step)
@@ -146,21 +158,25 @@ class Checkpoints:
             if not is_disk_full(exc):
                 raise
             intact = [s for s in self._manager.all_steps() if s != step]
-            raise DiskFull(f"the disk is full: checkpoint step {step} could not be written to {self.directory} "
-                           f"({'the last intact one is step ' + str(max(intact)) if intact else 'no earlier one'}); "
-                           "free space, then continue with --resume") from None
+            raise DiskFull(
+                f"the disk is full: checkpoint step {step} could not be written to {self.directory} "
+                f"({'the last intact one is step ' + str(max(intact)) if intact else 'no earlier one'}); "
+                "free space, then continue with --resume"
+            ) from None
 
     def meta(self, step: int | None = None) -> dict:
         step = self._step(step)
         try:
             meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        except Exception as exc:      # garbage, a missing item or an empty step directory
-            raise CheckpointError(f"checkpoint step {step} in {self.directory} cannot be read: "
-                                  f"{type(exc).__name__}: {exc}") from None
+        except Exception as exc:  # garbage, a missing item or an empty step directory
+            raise CheckpointError(
+                f"checkpoint step {step} in {self.directory} cannot be read: {type(exc).__name__}: {exc}"
+            ) from None
         problem = _meta_problem(meta)
         if problem:
-            raise CheckpointError(f"checkpoint step {step} in {self.directory} has metadata that is not a run's: "
-                                  f"{problem}")
+            raise CheckpointError(
+                f"checkpoint step {step} in {self.directory} has metadata that is not a run's: {problem}"
+            )
         return meta
 
     def intact_steps(self, warn=None):
@@ -207,9 +223,11 @@ class Checkpoints:
         items = {name: ocp.args.StandardRestore(_plain(tree, layers)) for name, tree in current.items()}
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(), **items))
-        except Exception as exc:      # a different shape, or files damaged without checksums to tell
-            raise CheckpointError(f"checkpoint {self.directory / str(step)} cannot be restored into this model: "
-                                  f"{type(exc).__name__}: {exc}") from None
+        except Exception as exc:  # a different shape, or files damaged without checksums to tell
+            raise CheckpointError(
+                f"checkpoint {self.directory / str(step)} cannot be restored into this model: "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
         for name, node in nodes.items():
             tree = restored[name]
             tree = to_stacked_tree(tree, current[name], *layers) if layers else tree
@@ -285,6 +303,7 @@ def restore_for_inference(run_dir: str | Path, *, warn=None):
     tokenizer; `warn(message)` hears about newer steps skipped as damaged."""
     from minigpt_model.model import MiniGPT
     from minigpt_model.tokenizer import get_tokenizer
+
     checkpoints_dir = Path(run_dir) / "checkpoints"
     if not checkpoints_dir.is_dir():
         raise CheckpointError(f"{run_dir} holds no checkpoints (expected {checkpoints_dir})")

@@ -31,6 +31,7 @@ def read_documents(paths: list[str] | None, *, separator: str = END_OF_TEXT, see
         text = default_corpus(seed=seed)
     else:
         from shardplan.plan.loader import FileTooLarge, read_bounded
+
         parts = []
         for path in paths:
             try:
@@ -67,7 +68,7 @@ class Windows:
 
     def take(self, indices: np.ndarray) -> np.ndarray:
         starts = np.asarray(indices, dtype=np.int64)[:, None] * self.seq_len
-        return self.stream[starts + np.arange(self.seq_len + 1)]              # (B, T+1)
+        return self.stream[starts + np.arange(self.seq_len + 1)]  # (B, T+1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,16 +90,20 @@ class Dataset:
         """
         epoch, index = divmod(step, self.steps_per_epoch)
         order = _epoch_order(self.seed, epoch, len(self.train))
-        rows = order[index * self.batch_size:(index + 1) * self.batch_size]
+        rows = order[index * self.batch_size : (index + 1) * self.batch_size]
         share = self.batch_size // processes
-        return self.train.take(rows[process * share:(process + 1) * share])
+        return self.train.take(rows[process * share : (process + 1) * share])
 
     def eval_batches(self, count: int, *, process: int = 0, processes: int = 1) -> list[np.ndarray]:
         """The first `count` held-out batches (fixed, so evaluations are comparable)."""
         count = min(count, len(self.valid) // self.batch_size)
         share = self.batch_size // processes
-        return [self.valid.take(np.arange(i * self.batch_size, (i + 1) * self.batch_size)
-                                [process * share:(process + 1) * share]) for i in range(count)]
+        return [
+            self.valid.take(
+                np.arange(i * self.batch_size, (i + 1) * self.batch_size)[process * share : (process + 1) * share]
+            )
+            for i in range(count)
+        ]
 
 
 @functools.lru_cache(maxsize=2)
@@ -110,16 +115,20 @@ def _epoch_order(seed: int, epoch: int, windows: int) -> np.ndarray:
     return order
 
 
-def build_dataset(documents: list[str], tokenizer, *, seq_len: int, batch_size: int, seed: int,
-                  valid_fraction: float = 0.05) -> Dataset:
+def build_dataset(
+    documents: list[str], tokenizer, *, seq_len: int, batch_size: int, seed: int, valid_fraction: float = 0.05
+) -> Dataset:
     order = np.random.default_rng(seed).permutation(len(documents))
     held_out = max(1, int(len(documents) * valid_fraction)) if len(documents) > 1 else 0
     valid_docs = [documents[i] for i in order[:held_out]]
     train_docs = [documents[i] for i in order[held_out:]] or valid_docs
-    dataset = Dataset(Windows(pack(train_docs, tokenizer), seq_len), Windows(pack(valid_docs, tokenizer), seq_len),
-                      batch_size, seed)
+    dataset = Dataset(
+        Windows(pack(train_docs, tokenizer), seq_len), Windows(pack(valid_docs, tokenizer), seq_len), batch_size, seed
+    )
     if len(dataset.train) < batch_size:
-        raise DataError(f"a batch needs {batch_size} windows of {seq_len + 1} tokens ({batch_size * seq_len + 1} "
-                        f"tokens), but the training split holds only {len(dataset.train.stream)} tokens; "
-                        "use more text, a smaller --batch-size or a shorter --config maxlen")
+        raise DataError(
+            f"a batch needs {batch_size} windows of {seq_len + 1} tokens ({batch_size * seq_len + 1} "
+            f"tokens), but the training split holds only {len(dataset.train.stream)} tokens; "
+            "use more text, a smaller --batch-size or a shorter --config maxlen"
+        )
     return dataset

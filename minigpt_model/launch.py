@@ -31,10 +31,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train_command(train_args: list[str], *, coordinator: str, processes: int, index: int,
-                  devices: int | None) -> list[str]:
-    command = [sys.executable, "-m", "minigpt_model.cli", *train_args, "--coordinator", coordinator,
-               "--num-processes", str(processes), "--process-id", str(index)]
+def train_command(
+    train_args: list[str], *, coordinator: str, processes: int, index: int, devices: int | None
+) -> list[str]:
+    command = [
+        sys.executable,
+        "-m",
+        "minigpt_model.cli",
+        *train_args,
+        "--coordinator",
+        coordinator,
+        "--num-processes",
+        str(processes),
+        "--process-id",
+        str(index),
+    ]
     return command + (["--devices", str(devices)] if devices else [])
 
 
@@ -73,9 +84,9 @@ def _die_with_launcher(launcher: int) -> None:
     PR_SET_PDEATHSIG = 1
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, LAUNCHER_GONE)
-    except (OSError, AttributeError):       # not Linux: workers end with their heartbeat instead
+    except (OSError, AttributeError):  # not Linux: workers end with their heartbeat instead
         return
-    if os.getppid() != launcher:            # it died before the request took effect
+    if os.getppid() != launcher:  # it died before the request took effect
         os._exit(1)
 
 
@@ -83,17 +94,25 @@ def follow_launcher() -> None:
     """In a launched worker: when the launcher dies, its output pipe is gone with it, so print nowhere
     from then on, and stop as on a preemption notice (SIGTERM: the step in flight is saved, exit 75),
     which frees the run for `--resume` within seconds instead of holding it until a heartbeat times out."""
+
     def launcher_gone(signum, frame):
         nowhere = os.open(os.devnull, os.O_WRONLY)
         os.dup2(nowhere, 1)
         os.dup2(nowhere, 2)
         os.kill(os.getpid(), signal.SIGTERM)
+
     if threading.current_thread() is threading.main_thread():
         signal.signal(LAUNCHER_GONE, launcher_gone)
 
 
-def launch_local(count: int, train_args: list[str], *, devices_per_process: int | None,
-                 out: TextIO | None = None, verbose: bool = False) -> int:
+def launch_local(
+    count: int,
+    train_args: list[str],
+    *,
+    devices_per_process: int | None,
+    out: TextIO | None = None,
+    verbose: bool = False,
+) -> int:
     """Run `count` processes on this machine; 0 if all succeed, else 1 (the failed process is named)."""
     out = out or sys.stdout
     if not train_args or train_args[0] != "train":
@@ -101,18 +120,25 @@ def launch_local(count: int, train_args: list[str], *, devices_per_process: int 
         return 2
     coordinator = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    procs = [subprocess.Popen(train_command(train_args, coordinator=coordinator, processes=count, index=i,
-                                            devices=devices_per_process),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                              preexec_fn=functools.partial(_die_with_launcher, os.getpid())
-                              if sys.platform == "linux" else None)
-             for i in range(count)]
+    procs = [
+        subprocess.Popen(
+            train_command(train_args, coordinator=coordinator, processes=count, index=i, devices=devices_per_process),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            preexec_fn=functools.partial(_die_with_launcher, os.getpid()) if sys.platform == "linux" else None,
+        )
+        for i in range(count)
+    ]
     for i, proc in enumerate(procs):
         out.write(f"[launch] process {i}: pid {proc.pid}, coordinator {coordinator}\n")
     out.flush()
-    stopping = threading.Event()       # set once a process failed: the others' native dumps are held back
-    pumps = [threading.Thread(target=_pump, args=(proc.stdout, f"[p{i}] ", out, verbose, stopping), daemon=True)
-             for i, proc in enumerate(procs)]
+    stopping = threading.Event()  # set once a process failed: the others' native dumps are held back
+    pumps = [
+        threading.Thread(target=_pump, args=(proc.stdout, f"[p{i}] ", out, verbose, stopping), daemon=True)
+        for i, proc in enumerate(procs)
+    ]
     for pump in pumps:
         pump.start()
     with forwarding_sigterm(lambda: [proc.send_signal(signal.SIGTERM) for proc in procs if proc.poll() is None]):
@@ -131,8 +157,10 @@ def outcome(failed: tuple[int, int] | None, codes: list[int], out: TextIO, plura
                 out.write(f"[launch] {singular} {other} stopped with it ({describe_exit(code).replace('was ', '')})\n")
         return 1
     if EXIT_PREEMPTED in codes:
-        out.write(f"[launch] preempted: all {len(codes)} {plural} saved the same step; continue with the same "
-                  "command and --resume\n")
+        out.write(
+            f"[launch] preempted: all {len(codes)} {plural} saved the same step; continue with the same "
+            "command and --resume\n"
+        )
         return EXIT_PREEMPTED
     out.write(f"[launch] all {len(codes)} {plural} finished\n")
     return 0
@@ -151,8 +179,11 @@ def forwarding_sigterm(forward: Callable[[], object]):
         signal.signal(signal.SIGTERM, previous)
 
 
-def watch(polls: list[Callable[[], int | None]], kills: list[Callable[[], None]],
-          on_failure: Callable[[], object] = lambda: None) -> tuple[int, int] | None:
+def watch(
+    polls: list[Callable[[], int | None]],
+    kills: list[Callable[[], None]],
+    on_failure: Callable[[], object] = lambda: None,
+) -> tuple[int, int] | None:
     """Wait for all workers; after the first failure (`on_failure` is called), kill the rest once the grace
     period is over. Returns (index, exit code) of the first failure, or None; exiting 75 (preempted,
     saved) is no failure."""

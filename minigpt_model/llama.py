@@ -31,7 +31,7 @@ class GroupedQueryAttention(nnx.Module):
         repeat = self.heads // self.kv_heads
         k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
         mask = jnp.tril(jnp.ones((t, t), bool))
-        out = jax.nn.dot_product_attention(q, k, v, mask=mask)            # (B, T, H, D)
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask)  # (B, T, H, D)
         return self.wo(out.reshape(b, t, -1))
 
 

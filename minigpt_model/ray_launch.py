@@ -19,7 +19,7 @@ from shardplan.run.preemption import EXIT_PREEMPTED
 def _worker_class():
     import ray
 
-    @ray.remote(num_cpus=0.01, max_concurrency=2)     # `terminate` runs while `run` streams
+    @ray.remote(num_cpus=0.01, max_concurrency=2)  # `terminate` runs while `run` streams
     class TrainWorker:
         proc = None
 
@@ -30,6 +30,7 @@ def _worker_class():
             """Pass the preemption notice on: the training process saves and exits 75."""
             if self.proc is not None and self.proc.poll() is None:
                 import signal
+
                 self.proc.send_signal(signal.SIGTERM)
 
         def run(self, index: int, command: list[str], cwd: str, verbose: bool = False) -> int:
@@ -37,8 +38,15 @@ def _worker_class():
 
             from minigpt_model.launch import is_noise
             from shardplan.plan.inert import inert
-            self.proc = proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+            self.proc = proc = subprocess.Popen(
+                command,
+                cwd=cwd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
             for line in proc.stdout:
                 if verbose or not is_noise(line):
                     print(f"[w{index}] {inert(line)}", end="", flush=True)
@@ -47,8 +55,14 @@ def _worker_class():
     return TrainWorker
 
 
-def launch_ray(workers: int, train_args: list[str], *, devices_per_process: int | None,
-               address: str | None = None, verbose: bool = False) -> int:
+def launch_ray(
+    workers: int,
+    train_args: list[str],
+    *,
+    devices_per_process: int | None,
+    address: str | None = None,
+    verbose: bool = False,
+) -> int:
     try:
         import ray
         from ray.util.placement_group import placement_group
@@ -62,19 +76,37 @@ def launch_ray(workers: int, train_args: list[str], *, devices_per_process: int 
     # Ray colours the workers' relayed prefixes whatever the output is; the launcher's output is escaped
     # text (see shardplan.cli.terminal), so colour codes would show as literal `\x1b[36m`.
     os.environ["RAY_COLOR_PREFIX"] = "0"
-    ray.init(address=address, include_dashboard=False, log_to_driver=True,
-             runtime_env={"env_vars": {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "")}})
+    ray.init(
+        address=address,
+        include_dashboard=False,
+        log_to_driver=True,
+        runtime_env={"env_vars": {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "")}},
+    )
     try:
         group = placement_group([{"CPU": 0.01}] * workers, strategy="SPREAD")
         ray.get(group.ready(), timeout=120)
         worker_class = _worker_class()
-        actors = [worker_class.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=group, placement_group_bundle_index=i)).remote() for i in range(workers)]
+        actors = [
+            worker_class.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=group, placement_group_bundle_index=i
+                )
+            ).remote()
+            for i in range(workers)
+        ]
         coordinator = ray.get(actors[0].coordinator.remote())
         print(f"[launch] {workers} Ray workers, coordinator {coordinator} (on worker 0)", flush=True)
-        runs = [actor.run.remote(i, train_command(train_args, coordinator=coordinator, processes=workers, index=i,
-                                                  devices=devices_per_process), os.getcwd(), verbose)
-                for i, actor in enumerate(actors)]
+        runs = [
+            actor.run.remote(
+                i,
+                train_command(
+                    train_args, coordinator=coordinator, processes=workers, index=i, devices=devices_per_process
+                ),
+                os.getcwd(),
+                verbose,
+            )
+            for i, actor in enumerate(actors)
+        ]
         with forwarding_sigterm(lambda: [actor.terminate.remote() for actor in actors]):
             failure, codes = _wait(ray, runs, actors)
     finally:

@@ -25,7 +25,7 @@ def _generate(graphdef, state, buffer, length, key, temperature, *, max_tokens: 
         full = cursor >= window
         buffer = jnp.where(full, jnp.roll(buffer, -1, axis=1), buffer)
         cursor = jnp.minimum(cursor, window - 1)
-        logits = model(buffer)[0, cursor - 1] / temperature                      # (V,)
+        logits = model(buffer)[0, cursor - 1] / temperature  # (V,)
         if top_k:
             kth = jax.lax.top_k(logits, top_k)[0][-1]
             logits = jnp.where(logits < kth, -jnp.inf, logits)
@@ -38,14 +38,31 @@ def _generate(graphdef, state, buffer, length, key, temperature, *, max_tokens: 
     return jax.lax.fori_loop(0, max_tokens, body, (buffer, length, key, out))[3]
 
 
-def generate(model: nnx.Module, prompt_ids: list[int], *, maxlen: int, max_tokens: int = 200,
-             temperature: float = 1.0, top_k: int = 0, seed: int = 0) -> list[int]:
+def generate(
+    model: nnx.Module,
+    prompt_ids: list[int],
+    *,
+    maxlen: int,
+    max_tokens: int = 200,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+) -> list[int]:
     """Continue `prompt_ids` by `max_tokens` tokens (temperature 0: greedy; top_k 0: no cut)."""
     prompt = list(prompt_ids)[-maxlen:] or [0]
     buffer = np.zeros((1, maxlen), np.int32)
-    buffer[0, :len(prompt)] = prompt
+    buffer[0, : len(prompt)] = prompt
     graphdef, state = nnx.split(model)
     greedy = temperature <= 0
-    out = _generate(graphdef, state, jnp.asarray(buffer), jnp.int32(len(prompt)), jax.random.key(seed),
-                    jnp.float32(1.0 if greedy else temperature), max_tokens=max_tokens, top_k=top_k, greedy=greedy)
+    out = _generate(
+        graphdef,
+        state,
+        jnp.asarray(buffer),
+        jnp.int32(len(prompt)),
+        jax.random.key(seed),
+        jnp.float32(1.0 if greedy else temperature),
+        max_tokens=max_tokens,
+        top_k=top_k,
+        greedy=greedy,
+    )
     return [int(t) for t in np.asarray(out)]

@@ -37,21 +37,27 @@ class GPT2Tokenizer:
     """GPT-2 BPE (50257 tokens, padded to 50304) via tiktoken, only from files already on disk."""
 
     name = "gpt2"
-    _FILES = ("https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
-              "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json")
+    _FILES = (
+        "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
+        "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
+    )
 
     def __init__(self):
         try:
             import tiktoken
         except ImportError:
             raise TokenizerUnavailable("--tokenizer gpt2 needs tiktoken: pip install -e '.[bpe]'") from None
-        cache = Path(os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
-                     or Path(tempfile.gettempdir()) / "data-gym-cache")
+        cache = Path(
+            os.environ.get("TIKTOKEN_CACHE_DIR")
+            or os.environ.get("DATA_GYM_CACHE_DIR")
+            or Path(tempfile.gettempdir()) / "data-gym-cache"
+        )
         missing = [url for url in self._FILES if not (cache / hashlib.sha1(url.encode()).hexdigest()).exists()]
         if missing:
             raise TokenizerUnavailable(
                 f"the GPT-2 BPE files are not in tiktoken's cache ({cache}) and are never downloaded at run time; "
-                "copy them there (or set TIKTOKEN_CACHE_DIR), or use --tokenizer bytes")
+                "copy them there (or set TIKTOKEN_CACHE_DIR), or use --tokenizer bytes"
+            )
         self._encoding = tiktoken.get_encoding("gpt2")
         self.eot = self._encoding.eot_token
         self.vocab_size = pad_vocab(self._encoding.n_vocab)

@@ -37,8 +37,9 @@ from shardplan.run.abstract import eval_shape
 
 # Small enough that the default run finishes in minutes on two CPU cores with 8 simulated
 # devices, large enough to learn the built-in stories; heads and widths divide 2, 4 and 8.
-DEFAULT_MODEL = dict(maxlen=128, embed_dim=128, num_heads=8, feed_forward_dim=512, num_transformer_blocks=4,
-                     dropout_rate=0.1)
+DEFAULT_MODEL = dict(
+    maxlen=128, embed_dim=128, num_heads=8, feed_forward_dim=512, num_transformer_blocks=4, dropout_rate=0.1
+)
 # Model settings a plan's `model.config` chooses for the trainer: what the plan is written for.
 MODEL_KIND = ("num_experts", "experts_per_token", "moe_every")
 
@@ -74,10 +75,10 @@ class TrainConfig:
     tokenizer: str = "bytes"
     out: str = "runs/minigpt"
     resume: bool = False
-    model: dict = dataclasses.field(default_factory=dict)     # overrides of DEFAULT_MODEL
+    model: dict = dataclasses.field(default_factory=dict)  # overrides of DEFAULT_MODEL
     sample_prompt: str = "Once upon a time"
     sample_tokens: int = 200
-    preemption_grace: float = 25.0      # seconds from a SIGTERM to the saved checkpoint before giving up
+    preemption_grace: float = 25.0  # seconds from a SIGTERM to the saved checkpoint before giving up
 
     def model_config(self, vocab_size: int, plan: shardplan.Plan | None = None) -> dict[str, Any]:
         """DEFAULT_MODEL, then the kind of MiniGPT a MiniGPT plan's model config names (its experts; the
@@ -98,14 +99,15 @@ class TrainConfig:
 
 @dataclasses.dataclass
 class RunResult:
-    losses: dict[int, float]              # step (1-based, completed) -> training loss
+    losses: dict[int, float]  # step (1-based, completed) -> training loss
     eval_losses: dict[int, float]
     sample: str
     out: Path
 
 
-def train(config: TrainConfig, *, console: Console | None = None, devices=None,
-          stop_after: int | None = None) -> RunResult:
+def train(
+    config: TrainConfig, *, console: Console | None = None, devices=None, stop_after: int | None = None
+) -> RunResult:
     """Run (or resume) a training run; `stop_after` ends early after that many steps (tests).
 
     In a multi-process run every process calls this; each reads its own rows of every batch,
@@ -118,24 +120,25 @@ def train(config: TrainConfig, *, console: Console | None = None, devices=None,
     tokenizer = get_tokenizer(config.tokenizer)
     model_config = config.model_config(tokenizer.vocab_size, plan)
     report = shardplan.check(plan, _abstract_model(model_config), mesh)
-    if report.errors:                   # the command prints them, once
+    if report.errors:  # the command prints them, once
         raise shardplan.PlanError(report.diagnostics)
     render_summary(console, report)
     documents = read_documents(list(config.data), separator=config.separator, seed=config.seed)
-    dataset = build_dataset(documents, tokenizer, seq_len=model_config["maxlen"], batch_size=config.batch_size,
-                            seed=config.seed)
+    dataset = build_dataset(
+        documents, tokenizer, seq_len=model_config["maxlen"], batch_size=config.batch_size, seed=config.seed
+    )
     out = Path(config.out)
     lock = None
     if lead:
         lock = RunLock.acquire(out)
-        try:    # only once nothing else can refuse the run
+        try:  # only once nothing else can refuse the run
             _claim_directory(out, config, model_config, data_digest(documents))
         except BaseException:
             lock.release()
             raise
     try:
         _all_processes_reach("run directory claimed")
-        with jax.set_mesh(mesh):        # bare PartitionSpecs (explicit axes, a model's own constraints) resolve on it
+        with jax.set_mesh(mesh):  # bare PartitionSpecs (explicit axes, a model's own constraints) resolve on it
             return _run(config, plan, mesh, model_config, tokenizer, dataset, out, lead, stop_after, console)
     finally:
         if lock is not None:
@@ -145,45 +148,81 @@ def train(config: TrainConfig, *, console: Console | None = None, devices=None,
 def _run(config, plan, mesh, model_config, tokenizer, dataset, out, lead, stop_after, console) -> RunResult:
     """The run proper, in a directory this process has claimed."""
     # built on its shards: no device holds a parameter the plan splits (a model larger than one device fits)
-    with warnings.catch_warnings():      # the summary above showed the plan's warnings
+    with warnings.catch_warnings():  # the summary above showed the plan's warnings
         warnings.simplefilter("ignore", shardplan.PlanWarning)
-        model = shardplan.init(plan, lambda: MiniGPT(**model_config, rngs=nnx.Rngs(config.seed)), mesh,
-                               key=("MiniGPT", tuple(sorted(model_config.items())), config.seed))
-    tx = make_optimizer(lr=config.lr, steps=config.steps, warmup_steps=config.warmup_steps,
-                        weight_decay=config.weight_decay, clip_norm=config.clip_norm)
+        model = shardplan.init(
+            plan,
+            lambda: MiniGPT(**model_config, rngs=nnx.Rngs(config.seed)),
+            mesh,
+            key=("MiniGPT", tuple(sorted(model_config.items())), config.seed),
+        )
+    tx = make_optimizer(
+        lr=config.lr,
+        steps=config.steps,
+        warmup_steps=config.warmup_steps,
+        weight_decay=config.weight_decay,
+        clip_norm=config.clip_norm,
+    )
     optimizer = shardplan.shard_optimizer(plan, model, tx, mesh)
     checkpoints = Checkpoints(out / "checkpoints")
     start = _resume(checkpoints, model, optimizer, model_config, config, console, out)
     metrics = _Metrics(out / "metrics.jsonl", keep_until=start, write=lead, warn=lambda m: _warn(console, m))
     watch = _preemption_watch(config, checkpoints, console)
     try:
-        losses, evals = _loop(config, plan, mesh, dataset, model, optimizer, checkpoints, metrics, model_config,
-                              tokenizer, start, stop_after, console, watch)
+        losses, evals = _loop(
+            config,
+            plan,
+            mesh,
+            dataset,
+            model,
+            optimizer,
+            checkpoints,
+            metrics,
+            model_config,
+            tokenizer,
+            start,
+            stop_after,
+            console,
+            watch,
+        )
     except OSError as exc:
         last = checkpoints.latest_step()
         if is_disk_full(exc):
-            raise DiskFull(f"the disk is full writing to {out} ({exc.strerror or exc}); checkpoints up to step "
-                           f"{last} are intact: free space, then continue with --resume") from None
-        raise RunError(f"cannot write {exc.filename or out}: {_why(exc)}; checkpoints up to step {last} are "
-                       "intact: fix it, then continue with --resume") from None
+            raise DiskFull(
+                f"the disk is full writing to {out} ({exc.strerror or exc}); checkpoints up to step "
+                f"{last} are intact: free space, then continue with --resume"
+            ) from None
+        raise RunError(
+            f"cannot write {exc.filename or out}: {_why(exc)}; checkpoints up to step {last} are "
+            "intact: fix it, then continue with --resume"
+        ) from None
     finally:
         watch.close()
         checkpoints.close()
     if lead:
         try:
-            title = (f"{plan.name or Path(plan.file or 'plan').name}: mesh "
-                     + " x ".join(f"{a}={n}" for a, n in dict(mesh.shape).items())
-                     + f", {config.steps} steps, batch {config.batch_size}, lr {config.lr:g}")
+            title = (
+                f"{plan.name or Path(plan.file or 'plan').name}: mesh "
+                + " x ".join(f"{a}={n}" for a, n in dict(mesh.shape).items())
+                + f", {config.steps} steps, batch {config.batch_size}, lr {config.lr:g}"
+            )
             if _plot(out, metrics.records(), title):
                 console.print(f"drew {out / 'loss.png'}")
             else:
                 console.print("loss.png not drawn: matplotlib is not installed (pip install -e '.[plot]')")
-        except OSError as exc:      # the picture is a convenience; the run itself is saved
+        except OSError as exc:  # the picture is a convenience; the run itself is saved
             _warn(console, f"loss.png not drawn: {exc.strerror or exc}")
     sample = ""
     if stop_after is None and config.sample_tokens and jax.process_count() == 1:
-        ids = generate(model, tokenizer.encode(config.sample_prompt), maxlen=model_config["maxlen"],
-                       max_tokens=config.sample_tokens, temperature=0.8, top_k=20, seed=config.seed)
+        ids = generate(
+            model,
+            tokenizer.encode(config.sample_prompt),
+            maxlen=model_config["maxlen"],
+            max_tokens=config.sample_tokens,
+            temperature=0.8,
+            top_k=20,
+            seed=config.seed,
+        )
         sample = config.sample_prompt + tokenizer.decode(ids).split(END_OF_TEXT)[0]
         console.print(Text.assemble(("sample:", "bold"), " ", sample))
     return RunResult(losses, evals, sample, out)
@@ -195,17 +234,38 @@ def _preemption_watch(config: TrainConfig, checkpoints: Checkpoints, console) ->
         return f"checkpoint step {step} is intact" if step is not None else "no checkpoint was written yet"
 
     def notice() -> None:
-        print_wrapped(console, f"preemption notice: finishing the step in flight, then saving (within "
-                               f"{config.preemption_grace:g} s; a second signal stops at once and {intact()})")
+        print_wrapped(
+            console,
+            f"preemption notice: finishing the step in flight, then saving (within "
+            f"{config.preemption_grace:g} s; a second signal stops at once and {intact()})",
+        )
 
     def give_up() -> None:
-        print_wrapped(console, f"preempted: the save did not finish within --preemption-grace "
-                               f"{config.preemption_grace:g} s; {intact()}; continue with --resume")
+        print_wrapped(
+            console,
+            f"preempted: the save did not finish within --preemption-grace "
+            f"{config.preemption_grace:g} s; {intact()}; continue with --resume",
+        )
+
     return PreemptionWatch(grace_s=config.preemption_grace, give_up=give_up, notice=notice)
 
 
-def _loop(config, plan, mesh, dataset: Dataset, model, optimizer, checkpoints, metrics, model_config, tokenizer,
-          start, stop_after, console, watch: PreemptionWatch):
+def _loop(
+    config,
+    plan,
+    mesh,
+    dataset: Dataset,
+    model,
+    optimizer,
+    checkpoints,
+    metrics,
+    model_config,
+    tokenizer,
+    start,
+    stop_after,
+    console,
+    watch: PreemptionWatch,
+):
     losses, evals = {}, {}
     base_key = jax.random.key(config.seed + 1)
     tokens_per_step = config.batch_size * model_config["maxlen"]
@@ -215,8 +275,16 @@ def _loop(config, plan, mesh, dataset: Dataset, model, optimizer, checkpoints, m
     # compiled once over the model's and optimizer's state: no graph walk on every call (as nnx.jit does)
     step_fn = shardplan.jit_step(train_update_at, model, optimizer)
     # A bar redraws in place, which a log file cannot show: without a terminal, a line every 5% instead.
-    progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                        TimeRemainingColumn(), console=console, transient=False, disable=not console.is_terminal)
+    progress = Progress(
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+        disable=not console.is_terminal,
+    )
     report_every = 0 if console.is_terminal else max(1, config.steps // 20)
     clock = {"since": time.perf_counter(), "counted": 0, "started": time.perf_counter()}
 
@@ -226,20 +294,22 @@ def _loop(config, plan, mesh, dataset: Dataset, model, optimizer, checkpoints, m
         losses[done] = loss
         if not math.isfinite(loss):
             raise RunError(f"the loss became {loss} at step {done}; lower --lr (now {config.lr})")
-        if done == start + 1:   # the first step includes compilation; rate the steady state
+        if done == start + 1:  # the first step includes compilation; rate the steady state
             clock["since"], clock["counted"] = time.perf_counter(), 0
         else:
             clock["counted"] += 1
         rate = clock["counted"] * tokens_per_step / max(time.perf_counter() - clock["since"], 1e-9)
         progress.update(task, completed=done, info=f"loss {loss:.3f}  {rate:,.0f} tok/s")
         if report_every and (done % report_every == 0 or done == last):
-            console.print(f"train {done}/{config.steps}: loss {loss:.3f}, {rate:,.0f} tok/s, "
-                          f"{time.perf_counter() - clock['started']:,.0f} s")
+            console.print(
+                f"train {done}/{config.steps}: loss {loss:.3f}, {rate:,.0f} tok/s, "
+                f"{time.perf_counter() - clock['started']:,.0f} s"
+            )
         return {"step": done, "loss": loss, "tokens_per_s": round(rate, 1), "time": time.time()}
 
     with progress:
         task = progress.add_task("train", total=config.steps, completed=start, info="compiling the step...")
-        pending = None                        # the step dispatched last, its loss not read yet
+        pending = None  # the step dispatched last, its loss not read yet
         batch = _place(plan, mesh, dataset.batch(start, **share)) if start < last else None
         for step in range(start, last):
             done = step + 1
@@ -260,12 +330,25 @@ def _loop(config, plan, mesh, dataset: Dataset, model, optimizer, checkpoints, m
                 progress.console.print(f"step {done}: train loss {record['loss']:.4f}, eval loss {evals[done]:.4f}")
             metrics.append(record)
             if save:
-                checkpoints.save(done, model, optimizer, {"step": done, "data_step": done, "seed": config.seed,
-                                                          "model": model_config, "tokenizer": tokenizer.name,
-                                                          "plan": config.plan})
+                checkpoints.save(
+                    done,
+                    model,
+                    optimizer,
+                    {
+                        "step": done,
+                        "data_step": done,
+                        "seed": config.seed,
+                        "model": model_config,
+                        "tokenizer": tokenizer.name,
+                        "plan": config.plan,
+                    },
+                )
             if stop:
-                raise Preempted(f"preempted: saved step {done} to {checkpoints.directory}; continue with the same "
-                                "command and --resume", done)
+                raise Preempted(
+                    f"preempted: saved step {done} to {checkpoints.directory}; continue with the same "
+                    "command and --resume",
+                    done,
+                )
     return losses, evals
 
 
@@ -286,6 +369,7 @@ def _place(plan, mesh, rows: np.ndarray):
 def _all_processes_reach(name: str) -> None:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
+
         multihost_utils.sync_global_devices(name)
 
 
@@ -335,14 +419,18 @@ class RunLock:
             handle.seek(0)
             holder = handle.read().strip() or "another process"
             handle.close()
-            raise RunError(f"{out} is in use by another trainer ({holder}); wait for it to finish or stop it, "
-                           "or choose another --out") from None
+            raise RunError(
+                f"{out} is in use by another trainer ({holder}); wait for it to finish or stop it, "
+                "or choose another --out"
+            ) from None
         try:
             handle.seek(0)
             handle.truncate()
-            handle.write(f"pid {os.getpid()} on host {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            handle.write(
+                f"pid {os.getpid()} on host {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+            )
             handle.flush()
-        except OSError as exc:       # a full disk (closing flushes the unwritten note again: that fails too)
+        except OSError as exc:  # a full disk (closing flushes the unwritten note again: that fails too)
             with contextlib.suppress(OSError):
                 handle.close()
             raise RunError(f"cannot use --out {out}: {_why(exc)}; free space or choose another --out") from None
@@ -357,30 +445,48 @@ class RunLock:
 def _claim_directory(out: Path, config: TrainConfig, model_config: dict, digest: str) -> None:
     """Refuse a directory that holds another run; record this run's identity atomically."""
     run_file = out / "run.json"
-    wanted = {"config": {**config.identity(), "data_sha256": digest}, "model": model_config,
-              "settings": {"plan": config.plan, "steps": config.steps, "data": list(config.data)}}
+    wanted = {
+        "config": {**config.identity(), "data_sha256": digest},
+        "model": model_config,
+        "settings": {"plan": config.plan, "steps": config.steps, "data": list(config.data)},
+    }
     if run_file.exists():
         try:
             held = json.loads(run_file.read_text()) if run_file.is_file() else None
         except (OSError, ValueError):
             held = None
-        if not (isinstance(held, dict) and isinstance(held.get("config"), dict) and isinstance(held.get("model"), dict)
-                and isinstance(held.get("settings", {}), dict)):
-            raise RunError(f"{run_file} is damaged (not a run record: JSON with config, model and settings); "
-                           "restore it or choose another --out")
+        if not (
+            isinstance(held, dict)
+            and isinstance(held.get("config"), dict)
+            and isinstance(held.get("model"), dict)
+            and isinstance(held.get("settings", {}), dict)
+        ):
+            raise RunError(
+                f"{run_file} is damaged (not a run record: JSON with config, model and settings); "
+                "restore it or choose another --out"
+            )
         settings = held.get("settings", {})
         if not config.resume:
-            raise RunError(f"{out} already holds a run (plan {settings.get('plan', '?')}, "
-                           f"{settings.get('steps', '?')} steps); pass --resume to continue it or choose another --out")
+            raise RunError(
+                f"{out} already holds a run (plan {settings.get('plan', '?')}, "
+                f"{settings.get('steps', '?')} steps); pass --resume to continue it or choose another --out"
+            )
         if held["model"] != model_config:
-            raise RunError(f"--resume: the run in {out} has model {held['model']}, but this one asks for "
-                           f"{model_config}; a checkpoint from a different model shape cannot be continued")
-        changed = [f"{key} {held['config'][key]!r} -> {value!r}" for key, value in wanted["config"].items()
-                   if key in held["config"] and held["config"][key] != value]
+            raise RunError(
+                f"--resume: the run in {out} has model {held['model']}, but this one asks for "
+                f"{model_config}; a checkpoint from a different model shape cannot be continued"
+            )
+        changed = [
+            f"{key} {held['config'][key]!r} -> {value!r}"
+            for key, value in wanted["config"].items()
+            if key in held["config"] and held["config"][key] != value
+        ]
         if changed:
-            raise RunError(f"--resume: this is not the run in {out}: {'; '.join(changed)}. Resuming continues the "
-                           f"same run exactly, so {', '.join(IDENTITY)} and the data must match (the plan, --steps "
-                           "and the evaluation and checkpoint intervals may change); start a new run with another --out")
+            raise RunError(
+                f"--resume: this is not the run in {out}: {'; '.join(changed)}. Resuming continues the "
+                f"same run exactly, so {', '.join(IDENTITY)} and the data must match (the plan, --steps "
+                "and the evaluation and checkpoint intervals may change); start a new run with another --out"
+            )
         record = {**held, "settings": wanted["settings"]}
     elif any(p for p in out.iterdir() if p.name not in ("run.json", LOCK)):
         raise RunError(f"{out} is not empty and holds no run; choose another --out")
@@ -389,8 +495,10 @@ def _claim_directory(out: Path, config: TrainConfig, model_config: dict, digest:
     try:
         _write_atomic(run_file, json.dumps(record, indent=2))
     except OSError as exc:
-        raise RunError(f"cannot write {run_file}: {_why(exc)}; nothing else was changed (free space, or make "
-                       f"{out} writable, then run again)") from None
+        raise RunError(
+            f"cannot write {run_file}: {_why(exc)}; nothing else was changed (free space, or make "
+            f"{out} writable, then run again)"
+        ) from None
 
 
 def _warn(console, message: str) -> None:
@@ -405,8 +513,9 @@ def _resume(checkpoints: Checkpoints, model, optimizer, model_config, config: Tr
         return _resume_agreed(checkpoints, model, optimizer, model_config, console, out)
     for step, meta in checkpoints.intact_steps(warn=lambda m: _warn(console, m)):
         if meta["model"] != model_config:
-            raise CheckpointError(f"the checkpoint in {checkpoints.directory} is of model {meta['model']}, not "
-                                  f"{model_config}")
+            raise CheckpointError(
+                f"the checkpoint in {checkpoints.directory} is of model {meta['model']}, not {model_config}"
+            )
         try:
             meta = checkpoints.restore(model, optimizer, step=step)
         except CheckpointError as exc:
@@ -415,8 +524,10 @@ def _resume(checkpoints: Checkpoints, model, optimizer, model_config, config: Tr
         _set_aside_newer(checkpoints, step, out, console)
         console.print(f"resumed from step {meta['step']} ({checkpoints.directory})")
         return int(meta["data_step"])
-    raise CheckpointError(f"no checkpoint in {checkpoints.directory} can be restored (see the warnings above); "
-                          f"move {checkpoints.directory} away to start the run over")
+    raise CheckpointError(
+        f"no checkpoint in {checkpoints.directory} can be restored (see the warnings above); "
+        f"move {checkpoints.directory} away to start the run over"
+    )
 
 
 def _resume_agreed(checkpoints: Checkpoints, model, optimizer, model_config, console, out: Path) -> int:
@@ -424,10 +535,11 @@ def _resume_agreed(checkpoints: Checkpoints, model, optimizer, model_config, con
     process reads the metadata of each candidate (orbax reads collectively), the first step all can
     read is restored by all, and process 0 sets the damaged newer ones aside for everyone."""
     from jax.experimental import multihost_utils
+
     lead, warn = jax.process_index() == 0, (lambda m: _warn(console, m))
     listed = np.full(64, -1, np.int32)
     steps = sorted(checkpoints.all_steps(), reverse=True)[:64]
-    listed[:len(steps)] = steps
+    listed[: len(steps)] = steps
     for step in (int(s) for s in multihost_utils.broadcast_one_to_all(listed) if s >= 0):
         problem = verify(checkpoints.directory / str(step)) if lead else None
         if int(multihost_utils.broadcast_one_to_all(np.int32(problem is None))):
@@ -437,20 +549,28 @@ def _resume_agreed(checkpoints: Checkpoints, model, optimizer, model_config, con
                 problem = str(exc)
             if multihost_utils.process_allgather(np.int32(problem is None)).all():
                 break
-        warn(f"checkpoint step {step} in {checkpoints.directory} is damaged: {problem or 'unreadable on another process'}")
+        warn(
+            f"checkpoint step {step} in {checkpoints.directory} is damaged: {problem or 'unreadable on another process'}"
+        )
     else:
-        raise CheckpointError(f"no checkpoint in {checkpoints.directory} can be restored (see the warnings above); "
-                              f"move {checkpoints.directory} away to start the run over")
+        raise CheckpointError(
+            f"no checkpoint in {checkpoints.directory} can be restored (see the warnings above); "
+            f"move {checkpoints.directory} away to start the run over"
+        )
     if meta["model"] != model_config:
-        raise CheckpointError(f"the checkpoint in {checkpoints.directory} is of model {meta['model']}, not {model_config}")
+        raise CheckpointError(
+            f"the checkpoint in {checkpoints.directory} is of model {meta['model']}, not {model_config}"
+        )
     checkpoints.restore(model, optimizer, step=step)
     _all_processes_reach("checkpoint restored")
     if lead:
         _set_aside_newer(checkpoints, step, out, console)
     _all_processes_reach("damaged checkpoints set aside")
     checkpoints.reload()
-    print_wrapped(console, f"resumed from step {meta['step']} ({checkpoints.directory}), agreed by all "
-                           f"{jax.process_count()} processes")
+    print_wrapped(
+        console,
+        f"resumed from step {meta['step']} ({checkpoints.directory}), agreed by all {jax.process_count()} processes",
+    )
     return int(meta["data_step"])
 
 
@@ -466,7 +586,7 @@ class _Metrics:
 
     def __init__(self, path: Path, *, keep_until: int, write: bool = True, warn=None):
         self.path, self.write, self.warn = path, write, warn
-        if path.exists() and not path.is_file():     # read as it is, a FIFO would block and a folder fail
+        if path.exists() and not path.is_file():  # read as it is, a FIFO would block and a folder fail
             raise RunError(f"{path} is not a file ({_kind(path)}); move it away, then run again")
         if write:
             kept = [r for r in self.records() if r["step"] <= keep_until]
@@ -513,6 +633,7 @@ def _plot(out: Path, records: list[dict], title: str = "") -> bool:
     False when matplotlib (the `plot` extra) is not installed."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -535,5 +656,14 @@ def _plot(out: Path, records: list[dict], title: str = "") -> bool:
     return True
 
 
-__all__ = ["TrainConfig", "RunResult", "RunError", "DataError", "CheckpointError", "ModelConfigError", "Preempted",
-           "train", "DEFAULT_MODEL"]
+__all__ = [
+    "TrainConfig",
+    "RunResult",
+    "RunError",
+    "DataError",
+    "CheckpointError",
+    "ModelConfigError",
+    "Preempted",
+    "train",
+    "DEFAULT_MODEL",
+]

@@ -26,13 +26,18 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # the whole suite 43 min of CPU, 21. The HLO, its collectives and buffers stay the same; only the last
 # bit of a float may differ between a fused program and the same ops run one by one (see the sharded
 # init test).
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_llvm_disable_expensive_passes=true",
-                                    "--xla_backend_optimization_level=0",
-                                    "--xla_cpu_use_fusion_emitters=false"]).strip()
+os.environ["XLA_FLAGS"] = " ".join(
+    [
+        os.environ.get("XLA_FLAGS", ""),
+        "--xla_llvm_disable_expensive_passes=true",
+        "--xla_backend_optimization_level=0",
+        "--xla_cpu_use_fusion_emitters=false",
+    ]
+).strip()
 
 from shardplan.run.devices import simulate_cpu_devices  # noqa: E402
 
-simulate_cpu_devices(8)       # as a user's program does: 8 devices, and threads for their collectives
+simulate_cpu_devices(8)  # as a user's program does: 8 devices, and threads for their collectives
 
 import gc  # noqa: E402
 
@@ -49,8 +54,15 @@ REPO = Path(__file__).resolve().parents[1]
 PLANS = REPO / "plans"
 
 # Small enough to compile in seconds, shaped so every shipped plan divides it on 8 devices.
-TINY_MINIGPT = dict(maxlen=16, vocab_size=128, embed_dim=64, num_heads=8, feed_forward_dim=128,
-                    num_transformer_blocks=2, dropout_rate=0.0)
+TINY_MINIGPT = dict(
+    maxlen=16,
+    vocab_size=128,
+    embed_dim=64,
+    num_heads=8,
+    feed_forward_dim=128,
+    num_transformer_blocks=2,
+    dropout_rate=0.0,
+)
 
 
 # Tests that start several JAX processes of their own (each compiling the step) run one after another on
@@ -76,7 +88,7 @@ def full(*values):
     return pytest.param(*values, marks=() if FULL else _FULL_ONLY)
 
 
-@pytest.hookimpl(tryfirst=True)     # before xdist's own hook reads the groups off the marks
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups off the marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in _PROCESS_FILES:
@@ -92,8 +104,10 @@ def _repo_cwd(monkeypatch):
 @pytest.fixture
 def write_plan(tmp_path):
     """Write plan text to a file and return its path (suffix picks the format)."""
+
     def write(text: str, name: str = "plan.yaml") -> Path:
         path = tmp_path / name
         path.write_text(text)
         return path
+
     return write

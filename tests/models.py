@@ -7,10 +7,12 @@ class ConvClassifier(nnx.Module):
     """A non-transformer: convolution stages held in a dict, batch norm, an MLP head."""
 
     def __init__(self, channels=16, classes=8, *, rngs: nnx.Rngs):
-        self.stages = nnx.Dict({
-            "stem": nnx.Conv(3, channels, (3, 3), rngs=rngs),
-            "body": nnx.Conv(channels, 2 * channels, (3, 3), rngs=rngs),
-        })
+        self.stages = nnx.Dict(
+            {
+                "stem": nnx.Conv(3, channels, (3, 3), rngs=rngs),
+                "body": nnx.Conv(channels, 2 * channels, (3, 3), rngs=rngs),
+            }
+        )
         self.norm = nnx.BatchNorm(2 * channels, use_running_average=True, rngs=rngs)
         self.head = nnx.List([nnx.Linear(2 * channels, 32, rngs=rngs), nnx.Linear(32, classes, rngs=rngs)])
 
@@ -46,7 +48,7 @@ class PositionedDecoder(nnx.Module):
         self.head = nnx.Linear(dim, vocab, rngs=rngs)
 
     def __call__(self, tokens, positions):
-        mask = (positions[:, None, :, None] >= positions[:, None, None, :])        # (B, 1, T, T)
+        mask = positions[:, None, :, None] >= positions[:, None, None, :]  # (B, 1, T, T)
         x = self.tokens(tokens) + self.places(positions)
         for layer in self.layers:
             x = layer(x, mask)

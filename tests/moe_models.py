@@ -51,7 +51,9 @@ class SortedMoE(nnx.Module):
         x = x.reshape(-1, shape[-1])
         weights, chosen = _top_k(jax.nn.softmax(self.router(x)), self.top_k)
         rows, order, sizes = _sorted_rows(x, chosen, self.experts)
-        h = jax.nn.silu(jax.lax.ragged_dot(rows, self.w_gate[...], sizes)) * jax.lax.ragged_dot(rows, self.w_up[...], sizes)
+        h = jax.nn.silu(jax.lax.ragged_dot(rows, self.w_gate[...], sizes)) * jax.lax.ragged_dot(
+            rows, self.w_up[...], sizes
+        )
         y = jax.lax.ragged_dot(h, self.w_down[...], sizes)
         y = jnp.zeros_like(y).at[order].set(y).reshape(-1, self.top_k, shape[-1])
         return (y * weights[..., None]).sum(1).reshape(shape)
@@ -71,12 +73,13 @@ class SigmoidSharedMoE(nnx.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         scores = jax.nn.sigmoid(x @ self.gate[...])
-        _, chosen = jax.lax.top_k(scores + self.score_bias[...], self.k)      # the bias picks, it does not weigh
+        _, chosen = jax.lax.top_k(scores + self.score_bias[...], self.k)  # the bias picks, it does not weigh
         weights = jnp.take_along_axis(scores, chosen, axis=-1)
         weights = self.scale * weights / weights.sum(-1, keepdims=True)
         rows, order, sizes = _sorted_rows(x, chosen, self.count)
-        y = jax.lax.ragged_dot(jax.nn.gelu(jax.lax.ragged_dot(rows, self.experts_in[...], sizes)),
-                               self.experts_out[...], sizes)
+        y = jax.lax.ragged_dot(
+            jax.nn.gelu(jax.lax.ragged_dot(rows, self.experts_in[...], sizes)), self.experts_out[...], sizes
+        )
         y = jnp.zeros_like(y).at[order].set(y).reshape(-1, self.k, shape[-1])
         routed = (y * weights[..., None]).sum(1)
         shared = self.shared_out(jax.nn.gelu(self.shared_in(x)))
@@ -111,7 +114,7 @@ class DenseMoE(nnx.Module):
 
     def __call__(self, x):
         weights, chosen = _top_k(jax.nn.softmax(self.router(x)), self.top_k)
-        dense = jnp.sum(jax.nn.one_hot(chosen, self.up.shape[0]) * weights[..., None], axis=-2)   # (..., E)
+        dense = jnp.sum(jax.nn.one_hot(chosen, self.up.shape[0]) * weights[..., None], axis=-2)  # (..., E)
         h = jax.nn.gelu(jnp.einsum("bsd,edf->bsef", x, self.up[...]))
         return jnp.einsum("bsef,efd,bse->bsd", h, self.down[...], dense)
 
@@ -146,11 +149,11 @@ class MoELayer(nnx.Module):
 class MoEDecoder(nnx.Module):
     """Token embedding, layers of attention + MoE, a head; returns (logits, balance loss)."""
 
-    def __init__(self, kind=SortedMoE, *, vocab=64, dim=16, hidden=32, heads=2, layers=2, experts=8, top_k=2,
-                 rngs):
+    def __init__(self, kind=SortedMoE, *, vocab=64, dim=16, hidden=32, heads=2, layers=2, experts=8, top_k=2, rngs):
         self.embed = nnx.Embed(vocab, dim, rngs=rngs)
-        self.layers = nnx.List([MoELayer(dim, heads, kind(dim, hidden, experts, top_k, rngs=rngs), rngs=rngs)
-                                for _ in range(layers)])
+        self.layers = nnx.List(
+            [MoELayer(dim, heads, kind(dim, hidden, experts, top_k, rngs=rngs), rngs=rngs) for _ in range(layers)]
+        )
         self.head = nnx.Linear(dim, vocab, use_bias=False, rngs=rngs)
 
     def __call__(self, tokens):
@@ -169,8 +172,12 @@ class MoEStack(nnx.Module):
 
     def __init__(self, kind=SortedMoE, *, vocab=64, dim=16, hidden=32, heads=2, layers=4, experts=4, top_k=2, rngs):
         self.embed = nnx.Embed(vocab, dim, rngs=rngs)
-        self.layers = nnx.List([OutputOnly(MoELayer(dim, heads, kind(dim, hidden, experts, top_k, rngs=rngs),
-                                                    rngs=rngs)) for _ in range(layers)])
+        self.layers = nnx.List(
+            [
+                OutputOnly(MoELayer(dim, heads, kind(dim, hidden, experts, top_k, rngs=rngs), rngs=rngs))
+                for _ in range(layers)
+            ]
+        )
         self.head = nnx.Linear(dim, vocab, use_bias=False, rngs=rngs)
 
     def __call__(self, tokens):

@@ -28,12 +28,14 @@ DIM, HIDDEN, EXPERTS, TOP_K, VOCAB, LAYERS = 16, 32, 8, 2, 64, 2
 
 def _stand_ins() -> None:
     """Modules the Qwen3 file imports for things other than its MoE layer."""
+
     def module(name, **attrs):
         if name not in sys.modules:
             m = types.ModuleType(name)
             m.__dict__.update(attrs)
             sys.modules[name] = m
         return sys.modules[name]
+
     try:
         import jaxtyping  # noqa: F401
     except ImportError:
@@ -54,12 +56,23 @@ def public_module(name: str):
 
 def _qwen3(rngs):
     m = public_module("tunix_qwen3_model")
-    config = m.ModelConfig(num_layers=LAYERS, vocab_size=VOCAB, embed_dim=DIM, hidden_dim=HIDDEN, num_heads=2,
-                           head_dim=8, num_kv_heads=2, rope_theta=10_000, norm_eps=1e-6, num_experts=EXPERTS,
-                           num_experts_per_tok=TOP_K)
+    config = m.ModelConfig(
+        num_layers=LAYERS,
+        vocab_size=VOCAB,
+        embed_dim=DIM,
+        hidden_dim=HIDDEN,
+        num_heads=2,
+        head_dim=8,
+        num_kv_heads=2,
+        rope_theta=10_000,
+        norm_eps=1e-6,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+    )
     # tunix turns flax's eager sharding of annotated variables off for the whole process at import; here
     # only while its layer is made (its annotations name tunix's own mesh axes)
     import flax
+
     before = flax.config.flax_always_shard_variable
     flax.config.update("flax_always_shard_variable", False)
     try:
@@ -77,7 +90,8 @@ class _Gemma4Config:
     param_dtype: object = jnp.float32
     dtype: object = jnp.float32
     shd_config: object = dataclasses.field(
-        default_factory=lambda: types.SimpleNamespace(exp_weight_edf=None, exp_weight_efd=None))
+        default_factory=lambda: types.SimpleNamespace(exp_weight_edf=None, exp_weight_efd=None)
+    )
 
 
 def _gemma4(rngs):
@@ -90,8 +104,15 @@ def _gemma4(rngs):
 
 def _gpt_oss(rngs):
     m = public_module("bonsai_gpt_oss_modeling")
-    config = m.GptOssConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=HIDDEN, num_hidden_layers=LAYERS,
-                            num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, num_attention_heads=2)
+    config = m.GptOssConfig(
+        vocab_size=VOCAB,
+        hidden_size=DIM,
+        intermediate_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_local_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        num_attention_heads=2,
+    )
     block = m.GptOssMLP(config, rngs=rngs)
     # its experts start at zero (weights are loaded from a checkpoint); give them values
     for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
@@ -110,7 +131,7 @@ class Layer(nnx.Module):
 
     def __call__(self, x):
         out = self.moe(self.norm(x))
-        out = out[0] if isinstance(out, tuple) else out       # GPT-OSS's block also returns its router scores
+        out = out[0] if isinstance(out, tuple) else out  # GPT-OSS's block also returns its router scores
         return x + out
 
 

@@ -13,7 +13,7 @@ from minigpt_model.steps import loss_fn
 
 from conftest import PLANS, TINY_MINIGPT
 
-TOL = 1e-5          # float32, microbatch sums in another order than the whole batch's
+TOL = 1e-5  # float32, microbatch sums in another order than the whole batch's
 
 
 def _tokens(rows: int = 16):
@@ -23,7 +23,7 @@ def _tokens(rows: int = 16):
 
 def _with_accumulate(name: str, count: int) -> shardplan.Plan:
     text = (PLANS / name).read_text()
-    if name.endswith(".toml"):          # a top-level key goes before the first table
+    if name.endswith(".toml"):  # a top-level key goes before the first table
         return shardplan.parse_plan(f"accumulate = {count}\n" + text, file=name, fmt="toml")
     return shardplan.parse_plan(text + f"accumulate: {count}\n", file=name)
 
@@ -39,8 +39,10 @@ def one_device():
 
 def _relative(grads, reference) -> float:
     scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(reference))
-    return max(float(np.abs(np.asarray(a) - b).max()) for a, b in
-               zip(jax.tree.leaves(grads), jax.tree.leaves(reference))) / scale
+    return (
+        max(float(np.abs(np.asarray(a) - b).max()) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(reference)))
+        / scale
+    )
 
 
 @pytest.mark.parametrize("name,count", [("minigpt_dp_tp.yaml", 4), ("minigpt_fsdp.toml", 2), ("minigpt_dp.yaml", 2)])
@@ -85,8 +87,7 @@ def _mse(out, targets):
 
 
 def test_gradients_reach_float_inputs_and_targets_and_model_rng_state_advances(write_plan):
-    text = ("version: 1\nmesh: {axes: {data: 8}}\ninputs: {x: [data]}\n"
-            "params: [{match: '.*', spec: replicated}]\n")
+    text = "version: 1\nmesh: {axes: {data: 8}}\ninputs: {x: [data]}\nparams: [{match: '.*', spec: replicated}]\n"
     rng = np.random.default_rng(1)
     x, mask, targets = rng.normal(size=(32, 8)), rng.random(32) > 0.2, rng.normal(size=(32, 2))
     x, mask, targets = x.astype(np.float32), mask.astype(np.float32), targets.astype(np.float32)
@@ -97,6 +98,7 @@ def test_gradients_reach_float_inputs_and_targets_and_model_rng_state_advances(w
 
         def loss(model, x, targets):
             return shardplan.model_loss(model, _mse, targets, x, mask, deterministic=deterministic)
+
         value, grads = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1, 2)))(model, x, targets)
         return float(value), grads, model
 
@@ -105,7 +107,7 @@ def test_gradients_reach_float_inputs_and_targets_and_model_rng_state_advances(w
     assert accumulated == pytest.approx(whole, rel=TOL)
     for a, b in zip(jax.tree.leaves(grads_accumulated), jax.tree.leaves(grads_whole)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-    assert float(np.abs(grads_accumulated[1]).max()) > 0          # the input's gradient is not dropped
+    assert float(np.abs(grads_accumulated[1]).max()) > 0  # the input's gradient is not dropped
     # with dropout on, each microbatch draws its own mask from the model's stream, which advances
     _, _, model = run("accumulate: 4\n", False)
     assert int(model.dropout.rngs.count.get_value()) == 4
@@ -113,11 +115,12 @@ def test_gradients_reach_float_inputs_and_targets_and_model_rng_state_advances(w
 
 def test_inspect_shows_accumulation_and_refuses_a_batch_it_cannot_split(tmp_path, capsys):
     from shardplan.cli import main
+
     plan = tmp_path / "accumulate.yaml"
     plan.write_text((PLANS / "minigpt_dp_tp.yaml").read_text() + "accumulate: 4\n")
     assert main(["inspect", str(plan)]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "gradient accumulation: 4 microbatches in turn" in out
-    assert main(["inspect", str(plan), "--batch", "8"]) == 1         # 2 rows per data shard
+    assert main(["inspect", str(plan), "--batch", "8"]) == 1  # 2 rows per data shard
     out = " ".join(capsys.readouterr().out.split())
     assert "accumulate-microbatches" in out and "multiple of 16" in out and "Cost estimate" not in out

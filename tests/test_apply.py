@@ -113,7 +113,8 @@ def test_apply_plan_on_abstract_model_carries_shardings():
 
 def test_shard_inputs_takes_the_tutorials_tuple_a_single_array_and_says_what_it_expects():
     import numpy as np
-    plan = shardplan.load_plan("plans/minigpt_dp_tp.yaml")             # one input: tokens [data, null]
+
+    plan = shardplan.load_plan("plans/minigpt_dp_tp.yaml")  # one input: tokens [data, null]
     mesh = shardplan.make_mesh(plan)
     inputs, targets = np.zeros((8, 16), np.int32), np.ones((8, 16), np.int32)
     placed = shardplan.shard_inputs(plan, (inputs, targets), mesh)
@@ -124,9 +125,11 @@ def test_shard_inputs_takes_the_tutorials_tuple_a_single_array_and_says_what_it_
     assert single.sharding.spec == jax.sharding.PartitionSpec("data", None)
     listed = shardplan.shard_inputs(plan, [inputs], mesh)
     assert isinstance(listed, list) and listed[0].sharding.spec == jax.sharding.PartitionSpec("data", None)
-    with pytest.raises(TypeError, match="takes a dict of input names to arrays, a tuple or list of arrays, or one array"):
+    with pytest.raises(
+        TypeError, match="takes a dict of input names to arrays, a tuple or list of arrays, or one array"
+    ):
         shardplan.shard_inputs(plan, "tokens", mesh)
-    with pytest.raises(shardplan.PlanError):                           # targets checked like their inputs
+    with pytest.raises(shardplan.PlanError):  # targets checked like their inputs
         shardplan.shard_inputs(plan, (inputs, np.ones((7, 16), np.int32)), mesh)
 
 
@@ -141,6 +144,7 @@ def test_a_plain_nnx_jit_step_keeps_the_plan_without_constrain():
     def step(model, optimizer, inputs, targets):
         def loss_fn(model):
             return optax.softmax_cross_entropy_with_integer_labels(model(inputs), targets).mean()
+
         loss, grads = nnx.value_and_grad(loss_fn)(model)
         optimizer.update(model, grads)
         return loss
@@ -152,19 +156,24 @@ def test_a_plain_nnx_jit_step_keeps_the_plan_without_constrain():
         optimizer = shardplan.shard_optimizer(plan, model, optax.adamw(1e-3), mesh)
         if plain_optimizer:
             optimizer.__class__ = nnx.Optimizer
-        planned = {path: (a.sharding, a.ndim) for path, a in jax.tree_util.tree_flatten_with_path(
-            nnx.state((model, optimizer)))[0]}
+        planned = {
+            path: (a.sharding, a.ndim)
+            for path, a in jax.tree_util.tree_flatten_with_path(nnx.state((model, optimizer)))[0]
+        }
         inputs, targets = shardplan.shard_inputs(plan, (rows[:, :-1], rows[:, 1:]), mesh)
         losses = [float(step(model, optimizer, inputs, targets)) for _ in range(3)]
-        off = [jax.tree_util.keystr(path) for path, a in jax.tree_util.tree_flatten_with_path(
-            nnx.state((model, optimizer)))[0] if not planned[path][0].is_equivalent_to(a.sharding, planned[path][1])]
+        off = [
+            jax.tree_util.keystr(path)
+            for path, a in jax.tree_util.tree_flatten_with_path(nnx.state((model, optimizer)))[0]
+            if not planned[path][0].is_equivalent_to(a.sharding, planned[path][1])
+        ]
         return losses, off
 
     losses, off = train(plain_optimizer=False)
     assert off == []
     _, drifted = train(plain_optimizer=True)
     assert any("output_layer']['bias']" in path for path in drifted), drifted
-    model = minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0))        # one device, nothing placed
+    model = minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0))  # one device, nothing placed
     optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
     single = [float(step(model, optimizer, rows[:, :-1], rows[:, 1:])) for _ in range(3)]
     np.testing.assert_allclose(losses, single, rtol=2e-5)
@@ -173,11 +182,14 @@ def test_a_plain_nnx_jit_step_keeps_the_plan_without_constrain():
 def test_a_python_user_sees_the_plans_warnings_once():
     """`apply_plan` and `init` show a plan's warnings through the `warnings` module (a rule matching nothing)."""
     import warnings
-    plan = shardplan.parse_plan("version: 1\nmesh: {axes: {data: 8}}\ninputs: {x: [data]}\nparams:\n"
-                                "  - {match: 'nothing/here', spec: [data]}\n  - {match: '.*', spec: replicated}\n")
+
+    plan = shardplan.parse_plan(
+        "version: 1\nmesh: {axes: {data: 8}}\ninputs: {x: [data]}\nparams:\n"
+        "  - {match: 'nothing/here', spec: [data]}\n  - {match: '.*', spec: replicated}\n"
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         shardplan.apply_plan(plan, nnx.Linear(4, 4, rngs=nnx.Rngs(0)), shardplan.make_mesh(plan))
     found = [w for w in caught if issubclass(w.category, shardplan.PlanWarning)]
     assert len(found) == 1 and "unused-rule" in str(found[0].message) and "nothing/here" in str(found[0].message)
-    assert found[0].filename == __file__            # pointed at the caller's line
+    assert found[0].filename == __file__  # pointed at the caller's line

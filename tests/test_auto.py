@@ -26,13 +26,28 @@ from minigpt_model.llama import Llama
 from test_other_models import LLAMA_PLAN
 
 REPO = Path(__file__).resolve().parents[1]
-MINIGPT = dict(maxlen=16, vocab_size=256, embed_dim=64, num_heads=8, feed_forward_dim=128,
-               num_transformer_blocks=4, dropout_rate=0.0)
+MINIGPT = dict(
+    maxlen=16,
+    vocab_size=256,
+    embed_dim=64,
+    num_heads=8,
+    feed_forward_dim=128,
+    num_transformer_blocks=4,
+    dropout_rate=0.0,
+)
 LLAMA = dict(vocab=128, dim=64, heads=8, kv_heads=2, hidden=128, layers=2)
 BATCH, SEQ = 16, 16
-SHIPPED = ["minigpt_dp.yaml", "minigpt_tp.yaml", "minigpt_dp_tp.yaml", "minigpt_fsdp.toml", "minigpt_3d.yaml",
-           "minigpt_pp4.yaml"]
-LLAMA_DP = "version: 1\nmesh: {axes: {data: 8}}\ninputs: {tokens: [data, null]}\nparams: [{match: '.*', spec: replicated}]\n"
+SHIPPED = [
+    "minigpt_dp.yaml",
+    "minigpt_tp.yaml",
+    "minigpt_dp_tp.yaml",
+    "minigpt_fsdp.toml",
+    "minigpt_3d.yaml",
+    "minigpt_pp4.yaml",
+]
+LLAMA_DP = (
+    "version: 1\nmesh: {axes: {data: 8}}\ninputs: {tokens: [data, null]}\nparams: [{match: '.*', spec: replicated}]\n"
+)
 
 
 def _search(build, **options):
@@ -82,15 +97,19 @@ def _compiled_bytes(plan, build) -> int:
 @pytest.mark.parametrize("name", ["minigpt", "llama"])
 def test_auto_plan_validates_trains_like_one_device_and_moves_no_more_than_hand_written(name, tmp_path):
     if name == "minigpt":
+
         def build():
             return minigpt_model.MiniGPT(**MINIGPT, rngs=nnx.Rngs(0))
+
         hand_written = []
         for file in SHIPPED:
             plan = shardplan.load_plan(REPO / "plans" / file)
             hand_written.append(plan.model_copy(update={"model": None}))
     else:
+
         def build():
             return Llama(**LLAMA, rngs=nnx.Rngs(0))
+
         hand_written = [shardplan.parse_plan(LLAMA_PLAN), shardplan.parse_plan(LLAMA_DP)]
     found, _, _ = _search(build)
     plan = _written(found, tmp_path)
@@ -105,15 +124,17 @@ def test_auto_plan_validates_trains_like_one_device_and_moves_no_more_than_hand_
 
 
 def test_memory_budget_that_excludes_data_parallelism_is_met_by_the_compiled_step(tmp_path):
-    def build():                            # a large vocabulary: weights outweigh this batch's activations
+    def build():  # a large vocabulary: weights outweigh this batch's activations
         return minigpt_model.MiniGPT(**{**MINIGPT, "vocab_size": 8192}, rngs=nnx.Rngs(0))
+
     params = param_infos(nnx.eval_shape(build))
     weights = sum(p.nbytes for p in params)
-    budget = int(2.5 * weights)             # parameters plus AdamW's two moments need 3x: no pure DP
+    budget = int(2.5 * weights)  # parameters plus AdamW's two moments need 3x: no pure DP
     found, _, _ = _search(build, memory=budget)
     assert found.best is not None
-    assert all(r.candidate.tensor or r.candidate.fsdp or r.candidate.zero1 or r.candidate.schedule
-               for r in found.ranked)
+    assert all(
+        r.candidate.tensor or r.candidate.fsdp or r.candidate.zero1 or r.candidate.schedule for r in found.ranked
+    )
     plan = _written(found, tmp_path)
     compiled = measure(plan, build(), BATCH, SEQ)
     assert compiled.peak_bytes <= budget, (found.best.candidate.rules_label(), compiled.peak_bytes, budget)
@@ -168,30 +189,100 @@ def test_sizes_parse_and_refuse():
 
 def test_cli_auto_writes_a_plan_that_validate_accepts(tmp_path, capsys, monkeypatch):
     from shardplan.cli import main
-    monkeypatch.setenv("COLUMNS", "1000")        # (the closing hint is read back as a command: unwrapped)
+
+    monkeypatch.setenv("COLUMNS", "1000")  # (the closing hint is read back as a command: unwrapped)
     out = tmp_path / "auto.yaml"
     config = [arg for key, value in MINIGPT.items() for arg in ("--config", f"{key}={value}")]
-    assert main(["auto", "--model", "minigpt_model:MiniGPT", *config, "--devices", "8", "--profile", "cpu",
-                 "--batch", "16", "--seq", "16", "-o", str(out)]) == 0
+    assert (
+        main(
+            [
+                "auto",
+                "--model",
+                "minigpt_model:MiniGPT",
+                *config,
+                "--devices",
+                "8",
+                "--profile",
+                "cpu",
+                "--batch",
+                "16",
+                "--seq",
+                "16",
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "chosen" in printed and f"wrote {out}" in printed.replace("\n", "")
-    assert "plain transformer's" not in printed         # MiniGPT's forward was traced
+    assert "plain transformer's" not in printed  # MiniGPT's forward was traced
     assert main(["validate", str(out)]) == 0
-    assert main(["auto", "--model", "minigpt_model:MiniGPT", *config, "--devices", "8", "--memory-per-device",
-                 "1KiB", "-o", str(tmp_path / "none.yaml")]) == 1
+    assert (
+        main(
+            [
+                "auto",
+                "--model",
+                "minigpt_model:MiniGPT",
+                *config,
+                "--devices",
+                "8",
+                "--memory-per-device",
+                "1KiB",
+                "-o",
+                str(tmp_path / "none.yaml"),
+            ]
+        )
+        == 1
+    )
     assert "no candidate fits" in capsys.readouterr().out.replace("\n", " ")
     assert not (tmp_path / "none.yaml").exists()
-    assert main(["auto", "--model", "minigpt_model:MiniGPT", "--devices", "8", "--memory-per-device", "lots",
-                 "-o", str(out)]) == 2
+    assert (
+        main(
+            [
+                "auto",
+                "--model",
+                "minigpt_model:MiniGPT",
+                "--devices",
+                "8",
+                "--memory-per-device",
+                "lots",
+                "-o",
+                str(out),
+            ]
+        )
+        == 2
+    )
     capsys.readouterr()
     # a forward that needs positions and a mask from its caller cannot be traced on the tokens alone
-    assert main(["auto", "--model", "wild_models:GemmaLike", "--path", str(REPO / "tests"), "--devices", "8",
-                 "--profile", "cpu", "--batch", "16", "--seq", "32", "-o", str(tmp_path / "gemma.yaml")]) == 0
+    assert (
+        main(
+            [
+                "auto",
+                "--model",
+                "wild_models:GemmaLike",
+                "--path",
+                str(REPO / "tests"),
+                "--devices",
+                "8",
+                "--profile",
+                "cpu",
+                "--batch",
+                "16",
+                "--seq",
+                "32",
+                "-o",
+                str(tmp_path / "gemma.yaml"),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out.replace("\n", " ")
     assert "activations counted as a plain transformer's" in out
     # its closing hint is a command that works for the model it searched
     import re
     import shlex
+
     hint = re.search(r"check it with `shardplan ([^`]*)`", " ".join(out.split())).group(1)
     assert main(shlex.split(hint)) == 0, capsys.readouterr()
 
@@ -203,7 +294,7 @@ def test_a_full_ranking_checks_the_first_in_full_and_costs_the_rest_the_same():
     found, params, roles = _search(build, keep=10_000, check=3)
     assert len(found.ranked) == found.fitting > 20
     assert [item.plan is not None for item in found.ranked[:4]] == [True, True, True, False]
-    for item in found.ranked[3::7]:         # a sample of the unchecked: checked now, the same figures
+    for item in found.ranked[3::7]:  # a sample of the unchecked: checked now, the same figures
         checked = auto._checked(item.candidate, roles, params, 8, 1, found.workload, found.profile, "tokens", None)
         assert checked.rejected is None
         assert checked.estimate.step_s == pytest.approx(item.estimate.step_s, rel=1e-9)
@@ -215,6 +306,7 @@ def test_a_full_ranking_checks_the_first_in_full_and_costs_the_rest_the_same():
 def test_inspect_json_carries_the_estimate(capsys):
     from shardplan.cli import main
     import json
+
     assert main(["inspect", str(REPO / "plans" / "minigpt_dp_tp.yaml"), "--json", "--batch", "16"]) == 0
     estimate_json = json.loads(capsys.readouterr().out)["estimate"]
     assert estimate_json["batch"] == 16 and estimate_json["collective_bytes"] > 0
@@ -226,14 +318,31 @@ def test_measure_times_the_top_candidates_and_writes_the_measured_fastest(tmp_pa
 
     from shardplan.cli import main
     from shardplan.planner.profiles import load_profile
+
     out, refitted = tmp_path / "measured.yaml", tmp_path / "refit.yaml"
     config = [arg for key, value in MINIGPT.items() for arg in ("--config", f"{key}={value}")]
-    argv = ["auto", "--model", "minigpt_model:MiniGPT", *config, "--devices", "8", "--profile", "cpu",
-            "--batch", "16", "--seq", "16", "--measure", "3", "-o", str(out)]
+    argv = [
+        "auto",
+        "--model",
+        "minigpt_model:MiniGPT",
+        *config,
+        "--devices",
+        "8",
+        "--profile",
+        "cpu",
+        "--batch",
+        "16",
+        "--seq",
+        "16",
+        "--measure",
+        "3",
+        "-o",
+        str(out),
+    ]
     assert main(argv + ["--json"]) == 0
     ranked = json.loads(capsys.readouterr().out)["ranked"]
     timed = [r for r in ranked if "measured" in r]
-    assert len(timed) == 3 and ranked[:3] == timed           # the timed ones first, fastest measured first
+    assert len(timed) == 3 and ranked[:3] == timed  # the timed ones first, fastest measured first
     steps = [r["measured"]["step_s"] for r in timed]
     assert steps == sorted(steps) and all(s > 0 for s in steps)
     written = out.read_text()
@@ -251,6 +360,7 @@ def test_measure_times_the_top_candidates_and_writes_the_measured_fastest(tmp_pa
 def test_calibrate_writes_a_profile_of_what_it_measured(tmp_path, capsys):
     from shardplan.cli import main
     from shardplan.planner.profiles import load_profile
+
     path = tmp_path / "measured.yaml"
     assert main(["calibrate", "-o", str(path), "--quick"]) == 0
     profile = load_profile(path)
@@ -259,15 +369,35 @@ def test_calibrate_writes_a_profile_of_what_it_measured(tmp_path, capsys):
     assert 0 < profile.attention_efficiency <= 1 and profile.matmul_efficiency == 1.0
     text = path.read_text()
     assert "calibration:" in text and "matmuls_rows_inner_columns_s" in text and "not measured: inter_host" in text
-    assert main(["auto", "--model", "minigpt_model:MiniGPT", "--devices", "8", "--profile", str(path),
-                 "--batch", "16", "--seq", "16", "-o", str(tmp_path / "plan.yaml")]) == 0
+    assert (
+        main(
+            [
+                "auto",
+                "--model",
+                "minigpt_model:MiniGPT",
+                "--devices",
+                "8",
+                "--profile",
+                str(path),
+                "--batch",
+                "16",
+                "--seq",
+                "16",
+                "-o",
+                str(tmp_path / "plan.yaml"),
+            ]
+        )
+        == 0
+    )
 
 
 @pytest.mark.parametrize("name", ["minigpt_3d.yaml", "minigpt_pp4.yaml", "minigpt_fsdp.toml"])
 def test_cost_model_matches_the_compiled_step(name):
     """Collective bytes as executed (pipelines reduce gradients once, after their loop) and argument bytes."""
+
     def build():
         return minigpt_model.MiniGPT(**MINIGPT, rngs=nnx.Rngs(0))
+
     model = build()
     roles = recognise_module(model)
     plan = shardplan.load_plan(REPO / "plans" / name).model_copy(update={"model": None})
@@ -280,11 +410,13 @@ def test_cost_model_matches_the_compiled_step(name):
 
 def test_conv_classifier_gets_a_valid_plan_and_no_idle_axis():
     from models import ConvClassifier
-    found, params, _ = _search(lambda: ConvClassifier(rngs=nnx.Rngs(0)), input_name="images",
-                               workload=Workload(BATCH, 1))
+
+    found, params, _ = _search(
+        lambda: ConvClassifier(rngs=nnx.Rngs(0)), input_name="images", workload=Workload(BATCH, 1)
+    )
     assert found.best is not None
     assert any(r.rejected and "splits nothing" in r.rejected for r in found.rejected)
-    for ranked in found.ranked:             # every mesh axis of every candidate splits something
+    for ranked in found.ranked:  # every mesh axis of every candidate splits something
         used = {axis for p in ranked.report.params for axis in spec_axes(p.spec)} | {"data", "stage"}
         assert set(ranked.candidate.axes) <= used
     assert shardplan.check(found.best.plan, ConvClassifier(rngs=nnx.Rngs(0))).ok
@@ -292,8 +424,10 @@ def test_conv_classifier_gets_a_valid_plan_and_no_idle_axis():
 
 def test_auto_proposes_expert_parallelism_for_a_moe_model_and_its_plan_trains_like_one_device(tmp_path):
     def build():
-        return minigpt_model.MiniGPT(**{**MINIGPT, "feed_forward_dim": 512}, num_experts=8, experts_per_token=2,
-                                     rngs=nnx.Rngs(0))
+        return minigpt_model.MiniGPT(
+            **{**MINIGPT, "feed_forward_dim": 512}, num_experts=8, experts_per_token=2, rngs=nnx.Rngs(0)
+        )
+
     found, _, _ = _search(build)
     assert found.best.candidate.experts, found.best.candidate.rules_label()
     plan = _written(found, tmp_path)
@@ -310,18 +444,30 @@ def test_auto_with_a_capacity_factor_writes_capacity_dispatch_and_counts_the_rou
     from shardplan.planner.kept import with_code
 
     def build(k):
-        return lambda: minigpt_model.MiniGPT(**{**MINIGPT, "feed_forward_dim": 512}, num_experts=8,
-                                             experts_per_token=k, rngs=nnx.Rngs(0))
+        return lambda: minigpt_model.MiniGPT(
+            **{**MINIGPT, "feed_forward_dim": 512}, num_experts=8, experts_per_token=k, rngs=nnx.Rngs(0)
+        )
+
     flops = {}
     for k in (2, 4):
         model, roles = abstract_with_roles(build(k))
         roles = with_code(roles, model, SEQ)
         assert roles.code.top_k == k
         params = param_infos(model)
-        found = auto.search(params, roles, devices=8, workload=Workload(BATCH, SEQ), profile=get_profile("cpu"),
-                            capacity=1.0, pipelines=False)
-        ep = next(r for r in found.ranked if r.candidate.experts and r.candidate.axes == {"data": 8}
-                  and not r.candidate.fsdp and r.plan is not None)
+        found = auto.search(
+            params,
+            roles,
+            devices=8,
+            workload=Workload(BATCH, SEQ),
+            profile=get_profile("cpu"),
+            capacity=1.0,
+            pipelines=False,
+        )
+        ep = next(
+            r
+            for r in found.ranked
+            if r.candidate.experts and r.candidate.axes == {"data": 8} and not r.candidate.fsdp and r.plan is not None
+        )
         assert ep.candidate.capacity == 1.0 and "ep capacity 1" in ep.candidate.rules_label()
         path = tmp_path / f"k{k}.yaml"
         path.write_text(auto.plan_text(ep, found, command="test"))
@@ -333,8 +479,8 @@ def test_auto_with_a_capacity_factor_writes_capacity_dispatch_and_counts_the_rou
         every = dataclasses.replace(roles, code=dataclasses.replace(roles.code, top_k=8))
         expert_weights = 2 * MINIGPT["embed_dim"] * 512 * 8 * MINIGPT["num_transformer_blocks"]
         assert sum(auto.model_flops(params, every, Workload(BATCH, SEQ))) - sum(
-            auto.model_flops(params, roles, Workload(BATCH, SEQ))) == pytest.approx(
-            6 * BATCH * SEQ * expert_weights * (8 - k) / 8)
+            auto.model_flops(params, roles, Workload(BATCH, SEQ))
+        ) == pytest.approx(6 * BATCH * SEQ * expert_weights * (8 - k) / 8)
     # each device's expert rows: 8 experts x ceil(k x 128 tokens / 8) slots, through both expert matrices,
     # forward and backward: doubling k adds that many rows' FLOPs, exactly
     tokens = BATCH * SEQ // 8
@@ -352,15 +498,29 @@ def test_auto_gives_the_end_stages_fewer_layers_where_the_head_outweighs_a_layer
 
     def build():
         return minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0))
+
     # (devices with compute of their own: simulated ones share the cores, and there evening out gains nothing)
     own = dataclasses.replace(get_profile("cpu"), shared_compute=False)
-    found, _, roles = _search(build, profile=own, only=lambda c: c.axes == {"stage": 4, "data": 2} and
-                              c.schedule == "1f1b" and not (c.zero1 or c.fsdp or c.ends) and c.remat == "none" and
-                              c.microbatches == 8)
+    found, _, roles = _search(
+        build,
+        profile=own,
+        only=lambda c: (
+            c.axes == {"stage": 4, "data": 2}
+            and c.schedule == "1f1b"
+            and not (c.zero1 or c.fsdp or c.ends)
+            and c.remat == "none"
+            and c.microbatches == 8
+        ),
+    )
     best = found.best
     assert best.candidate.split is not None and best.candidate.split[-1] < min(best.candidate.split[1:-1])
-    even = auto.sketch(dataclasses.replace(best.candidate, split=None), roles, auto.Representative.of(found.params, roles),
-                       found.workload, found.profile)[1]
+    even = auto.sketch(
+        dataclasses.replace(best.candidate, split=None),
+        roles,
+        auto.Representative.of(found.params, roles),
+        found.workload,
+        found.profile,
+    )[1]
     assert max(best.estimate.stage_compute_s) < max(even.stage_compute_s) == even.compute_s
     # the stages' work is within one layer of each other, where the even split left the last a head behind
     spread = max(best.estimate.stage_compute_s) - min(best.estimate.stage_compute_s)
@@ -368,8 +528,9 @@ def test_auto_gives_the_end_stages_fewer_layers_where_the_head_outweighs_a_layer
     assert max(even.stage_compute_s) - min(even.stage_compute_s) > spread
     plan = _written(found, tmp_path)
     report = shardplan.check(plan, build(), input_shapes={"tokens": (BATCH, SEQ)})
-    assert report.diagnostics == [] and report.stage_map.counts == best.candidate.split, \
-        [d.format() for d in report.diagnostics]
+    assert report.diagnostics == [] and report.stage_map.counts == best.candidate.split, [
+        d.format() for d in report.diagnostics
+    ]
     np.testing.assert_allclose(_losses(plan, build, steps=2), _single_device_losses(build, steps=2), rtol=1e-5)
 
 
@@ -381,12 +542,37 @@ def test_a_plan_modelled_above_every_published_run_of_its_hardware_is_marked(tmp
     from shardplan.cli import main
     from shardplan.planner.evidence import best_published, beyond_evidence
     from shardplan.planner.profiles import load_profile
+
     out = tmp_path / "plan.yaml"
-    argv = ["auto", "--model", "minigpt_model:MiniGPT", "--config", "vocab_size=8192", "--config", "maxlen=2048",
-            "--config", "embed_dim=4096", "--config", "num_heads=32", "--config", "feed_forward_dim=16384",
-            "--config", "num_transformer_blocks=4", "--devices", "8", "--batch", "16", "--seq", "2048",
-            "--profile", str(REPO / "profiles" / "a100-80gb-selene.yaml"), "--compute-dtype", "bfloat16",
-            "-o", str(out)]
+    argv = [
+        "auto",
+        "--model",
+        "minigpt_model:MiniGPT",
+        "--config",
+        "vocab_size=8192",
+        "--config",
+        "maxlen=2048",
+        "--config",
+        "embed_dim=4096",
+        "--config",
+        "num_heads=32",
+        "--config",
+        "feed_forward_dim=16384",
+        "--config",
+        "num_transformer_blocks=4",
+        "--devices",
+        "8",
+        "--batch",
+        "16",
+        "--seq",
+        "2048",
+        "--profile",
+        str(REPO / "profiles" / "a100-80gb-selene.yaml"),
+        "--compute-dtype",
+        "bfloat16",
+        "-o",
+        str(out),
+    ]
     assert main(argv + ["--json"]) == 0
     ranked = json.loads(capsys.readouterr().out)["ranked"]
     assert all((r["mfu"] > 0.563) == bool(r["beyond_evidence"]) for r in ranked)
@@ -396,8 +582,10 @@ def test_a_plan_modelled_above_every_published_run_of_its_hardware_is_marked(tmp
     printed = " ".join(capsys.readouterr().out.split())
     assert "(!)" in printed and "MFU above the best published run on A100 (56%" in printed
     datasheet = tmp_path / "a100.yaml"
-    datasheet.write_text("name: my-a100\npeak_flops: 312e12\nmemory_bytes: 80GB\nmemory_bandwidth: 2.0e12\n"
-                         "intra_host_bandwidth: 300e9\ninter_host_bandwidth: 25e9\ndevices_per_host: 8\n")
+    datasheet.write_text(
+        "name: my-a100\npeak_flops: 312e12\nmemory_bytes: 80GB\nmemory_bandwidth: 2.0e12\n"
+        "intra_host_bandwidth: 300e9\ninter_host_bandwidth: 25e9\ndevices_per_host: 8\n"
+    )
     assert best_published(load_profile(datasheet)).hardware == "A100"
     assert beyond_evidence(0.5, load_profile(datasheet)) is None
     assert best_published(load_profile(REPO / "profiles" / "h100-80gb-sxm.yaml")).mfu == 0.47
@@ -407,8 +595,11 @@ def test_a_candidate_that_fails_when_run_is_reported_and_the_others_are_timed():
     """`time_interleaved`: a step whose run fails (here its input buffer is gone, as after a failed
     allocation) gets its exception; the other candidates are timed in every round."""
     from shardplan.compose.measure import compile_step, time_interleaved
-    plan = shardplan.parse_plan("version: 1\nmesh: {axes: {data: 8}}\ninputs: {tokens: [data, null]}\n"
-                                "params: [{match: '.*', spec: replicated}]\n")
+
+    plan = shardplan.parse_plan(
+        "version: 1\nmesh: {axes: {data: 8}}\ninputs: {tokens: [data, null]}\n"
+        "params: [{match: '.*', spec: replicated}]\n"
+    )
     steps = [compile_step(plan, minigpt_model.MiniGPT(**MINIGPT, rngs=nnx.Rngs(0)), 16, 16) for _ in range(2)]
     steps[0].operands[2].delete()
     seen = []

@@ -19,10 +19,10 @@ from wild_models import GemmaConfig, GemmaLike, QwenLike
 TOL = 1e-5
 
 
-def _plan(mesh: str, inputs: str, context: str, params: str = "  - {match: '.*', spec: replicated}\n",
-          extra: str = ""):
-    return shardplan.parse_plan(f"version: 1\nmesh: {{axes: {{{mesh}}}}}\ninputs:\n{inputs}context: {{{context}}}\n"
-                                f"{extra}params:\n{params}")
+def _plan(mesh: str, inputs: str, context: str, params: str = "  - {match: '.*', spec: replicated}\n", extra: str = ""):
+    return shardplan.parse_plan(
+        f"version: 1\nmesh: {{axes: {{{mesh}}}}}\ninputs:\n{inputs}context: {{{context}}}\n{extra}params:\n{params}"
+    )
 
 
 def _llama():
@@ -44,31 +44,38 @@ def _assert_close(expected, got):
     np.testing.assert_allclose(float(l1), float(l0), rtol=TOL)
     g0, g1 = nnx.to_pure_dict(g0), nnx.to_pure_dict(g1)
     largest = max(float(jnp.max(jnp.abs(a))) for a in jax.tree.leaves(g0))
-    worst = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))) / max(float(jnp.max(jnp.abs(a))),
-                                                                             1e-2 * largest), g0, g1)
+    worst = jax.tree.map(
+        lambda a, b: float(jnp.max(jnp.abs(a - b))) / max(float(jnp.max(jnp.abs(a))), 1e-2 * largest), g0, g1
+    )
     assert max(jax.tree.leaves(worst)) < TOL, worst
 
 
 def _sharded(plan, build, loss, inputs: dict):
     mesh = shardplan.make_mesh(plan)
     model = shardplan.apply_plan(plan, build(), mesh)
-    batch = list(shardplan.shard_inputs(plan, inputs, mesh).values())     # in the loss's order
+    batch = list(shardplan.shard_inputs(plan, inputs, mesh).values())  # in the loss's order
     step = nnx.jit(lambda m, batch: nnx.value_and_grad(loss)(m, *batch))
     return step, model, batch
 
 
 TOKENS = np.random.default_rng(0).integers(0, 64, (4, 16), dtype=np.int32)
-TENSOR = ("  - {match: '.*attn/w[qkv]/kernel', spec: [null, model]}\n  - {match: '.*attn/wo/kernel', spec: [model]}\n"
-          "  - {match: '.*', spec: replicated}\n")
+TENSOR = (
+    "  - {match: '.*attn/w[qkv]/kernel', spec: [null, model]}\n  - {match: '.*attn/wo/kernel', spec: [model]}\n"
+    "  - {match: '.*', spec: replicated}\n"
+)
 
 
 @pytest.mark.parametrize("strategy", ["all_gather", "ring"])
 def test_llama_on_data_context_tensor_equals_one_device(strategy):
     """data 2 x context 2 x model 2 on a grouped-query decoder: loss and gradients to 1e-5; the compiled
     step moves keys and values as the strategy says (ring: collective permutes; all-gather: gathers)."""
-    plan = _plan("data: 2, context: 2, model: 2", "  tokens: {spec: [data, context], shape: [4, 16]}\n",
-                 f"axis: context, strategy: {strategy}", TENSOR)
-    loss = lambda m, t: _next_token(m(t), t)       # noqa: E731
+    plan = _plan(
+        "data: 2, context: 2, model: 2",
+        "  tokens: {spec: [data, context], shape: [4, 16]}\n",
+        f"axis: context, strategy: {strategy}",
+        TENSOR,
+    )
+    loss = lambda m, t: _next_token(m(t), t)  # noqa: E731
     step, model, batch = _sharded(plan, _llama, loss, {"tokens": TOKENS})
     _assert_close(_reference(_llama, loss, TOKENS), step(model, batch))
     hlo = step.lower(model, batch).compile().as_text()
@@ -82,8 +89,11 @@ def test_gemma_style_einsum_attention_all_gather():
     key/value einsum, soft-capped scores, local and global layers, positions and mask from the
     caller): all-gather context parallelism is derived from its parameters' roles."""
     config = GemmaConfig(vocab=64, embed=32, heads=4, kv_heads=2, head_dim=8, hidden=64, layers=2, window=4)
-    plan = _plan("data: 2, context: 4", "  tokens: [data, context]\n  positions: [data, context]\n"
-                 "  attn_mask: [data, context, null]\n", "axis: context")
+    plan = _plan(
+        "data: 2, context: 4",
+        "  tokens: [data, context]\n  positions: [data, context]\n  attn_mask: [data, context, null]\n",
+        "axis: context",
+    )
     tokens = TOKENS[:2]
     positions = np.broadcast_to(np.arange(16, dtype=np.int32), (2, 16))
     mask = np.broadcast_to(np.tril(np.ones((16, 16), bool)), (2, 16, 16))
@@ -93,6 +103,7 @@ def test_gemma_style_einsum_attention_all_gather():
 
     def loss(m, t, p, mask):
         return _next_token(m(t, p, None, mask)[0], t)
+
     step, model, batch = _sharded(plan, build, loss, {"tokens": tokens, "positions": positions, "attn_mask": mask})
     _assert_close(_reference(build, loss, tokens, positions, mask), step(model, batch))
 
@@ -101,9 +112,12 @@ def test_gemma_style_einsum_attention_all_gather():
 def test_multi_head_attention_model_with_and_without_load_balance(strategy, balanced):
     """nnx.MultiHeadAttention with positions and the causal mask from the caller, on data 2 x context 4;
     balanced, each device holds a head and a tail chunk of every sequence."""
-    plan = _plan("data: 2, context: 4", "  tokens: {spec: [data, context], shape: [4, 32]}\n"
-                 "  positions: {spec: [data, context], shape: [4, 32]}\n  targets: [data, context]\n",
-                 f"axis: context, strategy: {strategy}, load_balance: {str(balanced).lower()}")
+    plan = _plan(
+        "data: 2, context: 4",
+        "  tokens: {spec: [data, context], shape: [4, 32]}\n"
+        "  positions: {spec: [data, context], shape: [4, 32]}\n  targets: [data, context]\n",
+        f"axis: context, strategy: {strategy}, load_balance: {str(balanced).lower()}",
+    )
     rng = np.random.default_rng(1)
     tokens, targets = rng.integers(0, 64, (2, 4, 32), dtype=np.int32)
     positions = np.broadcast_to(np.arange(32, dtype=np.int32), (4, 32))
@@ -113,6 +127,7 @@ def test_multi_head_attention_model_with_and_without_load_balance(strategy, bala
 
     def loss(m, t, p, y):
         return optax.softmax_cross_entropy_with_integer_labels(m(t, p), y).mean()
+
     assert shardplan.check(plan, build(), shardplan.make_mesh(plan)).diagnostics == []
     step, model, batch = _sharded(plan, build, loss, {"tokens": tokens, "positions": positions, "targets": targets})
     laid = np.asarray(batch[1])[0]
@@ -124,13 +139,17 @@ def test_multi_head_attention_model_with_and_without_load_balance(strategy, bala
 def test_composed_with_a_pipeline(strategy, schedule):
     """stage 2 x data 2 x context 2: the sequence stays split inside every stage; under 1F1B no part of
     the schedule runs in a branch (the context axis's collectives need every device)."""
-    plan = _plan("stage: 2, data: 2, context: 2", "  tokens: {spec: [data, context], shape: [8, 16]}\n",
-                 f"axis: context, strategy: {strategy}",
-                 extra=f"pipeline: {{axis: stage, layers: layers, microbatches: 2, schedule: {schedule}}}\n")
+    plan = _plan(
+        "stage: 2, data: 2, context: 2",
+        "  tokens: {spec: [data, context], shape: [8, 16]}\n",
+        f"axis: context, strategy: {strategy}",
+        extra=f"pipeline: {{axis: stage, layers: layers, microbatches: 2, schedule: {schedule}}}\n",
+    )
     tokens = np.random.default_rng(2).integers(0, 64, (8, 16), dtype=np.int32)
     expected = _reference(_llama, lambda m, t: _next_token(m(t), t), tokens)
-    step, model, batch = _sharded(plan, _llama, lambda m, t: shardplan.model_loss(m, _next_token, t, t),
-                                  {"tokens": tokens})
+    step, model, batch = _sharded(
+        plan, _llama, lambda m, t: shardplan.model_loss(m, _next_token, t, t), {"tokens": tokens}
+    )
     loss, grads = step(model, batch)
     _assert_close(expected, (loss, _plain_grads(model, grads)))
 
@@ -142,8 +161,12 @@ def _plain_grads(model, grads):
 
 
 def test_balanced_layout_reorders_every_sequence_dim():
-    assert balanced_order(16, 4).reshape(4, 4).tolist() == [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11],
-                                                            [6, 7, 8, 9]]
+    assert balanced_order(16, 4).reshape(4, 4).tolist() == [
+        [0, 1, 14, 15],
+        [2, 3, 12, 13],
+        [4, 5, 10, 11],
+        [6, 7, 8, 9],
+    ]
     mask = np.tril(np.ones((8, 8), bool))[None]
     laid = laid_out(mask, 8, 2)
     order = balanced_order(8, 2)
@@ -154,35 +177,46 @@ def test_balanced_layout_reorders_every_sequence_dim():
 
 # ------------------------------------------------------------------------------------------ checks
 
+
 def _diagnostics(plan, build):
     return shardplan.check(plan, build(), shardplan.make_mesh(plan)).diagnostics
 
 
 def test_ring_on_einsum_attention_is_refused_naming_the_layers():
     config = GemmaConfig(vocab=64, embed=32, heads=4, kv_heads=2, head_dim=8, hidden=64, layers=2, window=4)
-    plan = _plan("data: 2, context: 4", "  tokens: {spec: [data, context], shape: [2, 16]}\n"
-                 "  positions: {spec: [data, context], shape: [2, 16]}\n"
-                 "  attn_mask: {spec: [data, context, null], shape: [2, 16, 16], dtype: bool}\n",
-                 "axis: context, strategy: ring")
+    plan = _plan(
+        "data: 2, context: 4",
+        "  tokens: {spec: [data, context], shape: [2, 16]}\n"
+        "  positions: {spec: [data, context], shape: [2, 16]}\n"
+        "  attn_mask: {spec: [data, context, null], shape: [2, 16, 16], dtype: bool}\n",
+        "axis: context, strategy: ring",
+    )
     (found,) = _diagnostics(plan, lambda: GemmaLike(config, rngs=nnx.Rngs(0)))
     assert found.code == "context-ring-attention" and "0 of the 2 attention layers" in found.message
     assert "all_gather" in found.hint and found.line == 7
 
 
-@pytest.mark.parametrize("name,build,where", [
-    ("llama", _llama, "llama.py:33"),                                   # jnp.tril mask inside
-    ("qwen", lambda: QwenLike(layers=2, rngs=nnx.Rngs(0)), "QwenLike.__call__"),   # cumsum of ones
-])
+@pytest.mark.parametrize(
+    "name,build,where",
+    [
+        ("llama", _llama, "llama.py:33"),  # jnp.tril mask inside
+        ("qwen", lambda: QwenLike(layers=2, rngs=nnx.Rngs(0)), "QwenLike.__call__"),  # cumsum of ones
+    ],
+)
 def test_load_balance_refused_where_the_model_computes_from_the_order(name, build, where):
     extra = "  segment_ids: {spec: [data, context], shape: [2, 16]}\n" if name == "qwen" else ""
-    plan = _plan("data: 2, context: 4", "  tokens: {spec: [data, context], shape: [2, 16]}\n" + extra,
-                 "axis: context, load_balance: true")
+    plan = _plan(
+        "data: 2, context: 4",
+        "  tokens: {spec: [data, context], shape: [2, 16]}\n" + extra,
+        "axis: context, load_balance: true",
+    )
     (found,) = _diagnostics(plan, build)
     assert found.code == "context-positions" and where in found.message, found.message
 
 
 def test_all_gather_needs_an_attention():
     from models import ConvClassifier
+
     plan = _plan("data: 2, context: 4", "  images: {spec: [data, context], shape: [2, 8, 8, 3]}\n", "axis: context")
     found = [d for d in _diagnostics(plan, lambda: ConvClassifier(rngs=nnx.Rngs(0))) if d.code.startswith("context")]
     assert [d.code for d in found] == ["context-no-attention"]
@@ -195,6 +229,7 @@ def test_ring_kernel_equals_dense_attention(causal):
     from jax.sharding import PartitionSpec as P
 
     from shardplan.context.ring import ring_attention
+
     mesh = jax.make_mesh((4, 2), ("context", "data"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     rng = np.random.default_rng(3)
     q, k, v = (jnp.asarray(rng.normal(size=(2, 32, heads, 8)), jnp.float32) for heads in (4, 2, 2))
@@ -211,10 +246,27 @@ def test_ring_kernel_equals_dense_attention(causal):
 
     def ring(q, k, v):
         def local(q, k, v, bias, keep):
-            return ring_attention(q, k, v, bias=bias, mask=keep, positions=jnp.asarray(order) if causal else None,
-                                  axis="context", size=4, part=4)
-        return jax.shard_map(local, mesh=mesh, in_specs=(P(None, "context"),) * 3 + (P(None, None, "context"), P()),
-                             out_specs=P(None, "context"), axis_names={"context"}, check_vma=False)(q, k, v, bias, keep)
+            return ring_attention(
+                q,
+                k,
+                v,
+                bias=bias,
+                mask=keep,
+                positions=jnp.asarray(order) if causal else None,
+                axis="context",
+                size=4,
+                part=4,
+            )
+
+        return jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(P(None, "context"),) * 3 + (P(None, None, "context"), P()),
+            out_specs=P(None, "context"),
+            axis_names={"context"},
+            check_vma=False,
+        )(q, k, v, bias, keep)
+
     np.testing.assert_allclose(jax.jit(ring)(q, k, v), dense(q, k, v), atol=TOL)
     grads = [jax.grad(lambda *a, f=f: (f(*a) ** 2).sum(), argnums=(0, 1, 2))(q, k, v) for f in (dense, jax.jit(ring))]
     for a, b in zip(*grads):
@@ -225,13 +277,14 @@ def test_init_builds_the_context_parallel_model_on_its_shards():
     """`shardplan.init` of an all-gather plan: the abstract build's projections are read in definition
     order (its state is sorted by name), so the queries' projection is wrapped as the live model's is,
     and the step equals one device's."""
-    plan = _plan("data: 2, context: 2, model: 2", "  tokens: {spec: [data, context], shape: [4, 16]}\n",
-                 "axis: context", TENSOR)
+    plan = _plan(
+        "data: 2, context: 2, model: 2", "  tokens: {spec: [data, context], shape: [4, 16]}\n", "axis: context", TENSOR
+    )
     mesh = shardplan.make_mesh(plan)
     model = shardplan.init(plan, _llama, mesh)
     assert type(model.layers[0].attn.wq)._shardplan_context.split
     assert not type(model.layers[0].attn.wk)._shardplan_context.split
-    loss = lambda m, t: _next_token(m(t), t)       # noqa: E731
+    loss = lambda m, t: _next_token(m(t), t)  # noqa: E731
     batch = list(shardplan.shard_inputs(plan, {"tokens": TOKENS}, mesh).values())
     _assert_close(_reference(_llama, loss, TOKENS), nnx.jit(lambda m, b: nnx.value_and_grad(loss)(m, *b))(model, batch))
 
@@ -264,22 +317,26 @@ class _CausalDecoder(nnx.Module):
 
 
 def test_ring_makes_is_causal_a_mask_from_global_positions():
-    plan = _plan("data: 2, context: 4", "  tokens: {spec: [data, context], shape: [4, 16]}\n",
-                 "axis: context, strategy: ring")
-    build = lambda: _CausalDecoder(rngs=nnx.Rngs(0))      # noqa: E731
-    loss = lambda m, t: _next_token(m(t), t)              # noqa: E731
+    plan = _plan(
+        "data: 2, context: 4", "  tokens: {spec: [data, context], shape: [4, 16]}\n", "axis: context, strategy: ring"
+    )
+    build = lambda: _CausalDecoder(rngs=nnx.Rngs(0))  # noqa: E731
+    loss = lambda m, t: _next_token(m(t), t)  # noqa: E731
     step, model, batch = _sharded(plan, build, loss, {"tokens": TOKENS})
     _assert_close(_reference(build, loss, TOKENS), step(model, batch))
 
 
 def test_composed_with_fsdp():
     """data 2 x context 2 x model 2 with every matrix also split over data (FSDP)."""
-    fsdp = ("  - {match: '.*attn/w[qkv]/kernel', spec: [data, model]}\n  - {match: '.*attn/wo/kernel', spec: [model, data]}\n"
-            "  - {match: '.*mlp/(gate|up)/kernel', spec: [data]}\n  - {match: '.*mlp/down/kernel', spec: [null, data]}\n"
-            "  - {match: '.*', spec: replicated}\n")
-    plan = _plan("data: 2, context: 2, model: 2", "  tokens: {spec: [data, context], shape: [4, 16]}\n",
-                 "axis: context", fsdp)
-    loss = lambda m, t: _next_token(m(t), t)       # noqa: E731
+    fsdp = (
+        "  - {match: '.*attn/w[qkv]/kernel', spec: [data, model]}\n  - {match: '.*attn/wo/kernel', spec: [model, data]}\n"
+        "  - {match: '.*mlp/(gate|up)/kernel', spec: [data]}\n  - {match: '.*mlp/down/kernel', spec: [null, data]}\n"
+        "  - {match: '.*', spec: replicated}\n"
+    )
+    plan = _plan(
+        "data: 2, context: 2, model: 2", "  tokens: {spec: [data, context], shape: [4, 16]}\n", "axis: context", fsdp
+    )
+    loss = lambda m, t: _next_token(m(t), t)  # noqa: E731
     step, model, batch = _sharded(plan, _llama, loss, {"tokens": TOKENS})
     _assert_close(_reference(_llama, loss, TOKENS), step(model, batch))
 
@@ -287,8 +344,11 @@ def test_composed_with_fsdp():
 def test_ring_refuses_attention_dropout_before_training():
     """Dropout on attention weights only runs in training, so the traced check would not meet it:
     the layers' own rate is read instead."""
-    plan = _plan("data: 2, context: 4", "  tokens: [data, context]\n  positions: [data, context]\n",
-                 "axis: context, strategy: ring")
+    plan = _plan(
+        "data: 2, context: 4",
+        "  tokens: [data, context]\n  positions: [data, context]\n",
+        "axis: context, strategy: ring",
+    )
     model = PositionedDecoder(rngs=nnx.Rngs(0))
     model.layers[1].attention.dropout_rate = 0.1
     (found,) = _diagnostics(plan, lambda: model)

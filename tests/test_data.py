@@ -37,7 +37,7 @@ def test_packing_and_shifted_windows():
     data = build_dataset(["abcdefgh"] * 40, tok, seq_len=4, batch_size=2, seed=0)
     window = data.train.take(np.array([0]))[0]
     assert window.shape == (5,) and window[:4].tolist() == data.train.stream[:4].tolist()
-    assert data.train.take(np.array([1]))[0][0] == window[-1]      # consecutive windows share one token
+    assert data.train.take(np.array([1]))[0][0] == window[-1]  # consecutive windows share one token
 
 
 def test_batches_are_deterministic_and_split_between_processes():
@@ -59,6 +59,7 @@ def test_held_out_documents_are_disjoint_from_training():
     def documents_of(stream):
         parts = np.split(stream, np.flatnonzero(stream == tok.eot) + 1)
         return {tok.decode(part) for part in parts if len(part) > 1}
+
     valid = {d.rstrip() for d in documents_of(data.valid.stream)}
     train = {d.rstrip() for d in documents_of(data.train.stream)}
     assert len(valid) == 5 and not valid & train and valid | train == set(docs)

@@ -13,10 +13,28 @@ import pytest
 
 from conftest import REPO
 
-MODULES = ["shardplan.plan.schema", "shardplan.checks.layout", "shardplan.checks.mesh", "shardplan.run.hlo", "shardplan.checks.paths",
-           "shardplan.plan.loader", "shardplan.compose.check", "shardplan.compose.apply", "shardplan.run.specs", "shardplan.checks.roles", "shardplan.planner.auto",
-           "shardplan.plan.matching", "shardplan.planner.profiles", "shardplan.plan.inert", "shardplan.run.models", "shardplan.pipeline.loop", "shardplan.checks.diff",
-           "shardplan.planner.overlap", "shardplan.pipeline.pipelined", "shardplan.run.flags"]
+MODULES = [
+    "shardplan.plan.schema",
+    "shardplan.checks.layout",
+    "shardplan.checks.mesh",
+    "shardplan.run.hlo",
+    "shardplan.checks.paths",
+    "shardplan.plan.loader",
+    "shardplan.compose.check",
+    "shardplan.compose.apply",
+    "shardplan.run.specs",
+    "shardplan.checks.roles",
+    "shardplan.planner.auto",
+    "shardplan.plan.matching",
+    "shardplan.planner.profiles",
+    "shardplan.plan.inert",
+    "shardplan.run.models",
+    "shardplan.pipeline.loop",
+    "shardplan.checks.diff",
+    "shardplan.planner.overlap",
+    "shardplan.pipeline.pipelined",
+    "shardplan.run.flags",
+]
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -34,17 +52,27 @@ def api_reference() -> str:
     import inspect
 
     import shardplan
-    lines = ["# API reference", "",
-             "Every name `import shardplan` exports, with its signature and docstring. Generated from the code "
-             "(`SHARDPLAN_UPDATE_GOLDEN=1 python -m pytest tests/test_docs.py -k api`; a test keeps it equal), and "
-             "every `>>>` example below runs in the test suite on 8 simulated CPU devices. The plan file itself is "
-             "described in [plan-format.md](plan-format.md), the step options in [step.md](step.md), a worked "
-             "example with your own model and loop in [your-model.md](your-model.md).", ""]
+
+    lines = [
+        "# API reference",
+        "",
+        "Every name `import shardplan` exports, with its signature and docstring. Generated from the code "
+        "(`SHARDPLAN_UPDATE_GOLDEN=1 python -m pytest tests/test_docs.py -k api`; a test keeps it equal), and "
+        "every `>>>` example below runs in the test suite on 8 simulated CPU devices. The plan file itself is "
+        "described in [plan-format.md](plan-format.md), the step options in [step.md](step.md), a worked "
+        "example with your own model and loop in [your-model.md](your-model.md).",
+        "",
+    ]
     for name in shardplan.__all__:
         obj = getattr(shardplan, name)
         if isinstance(obj, dict):
-            lines += [f"## `shardplan.{name}`", "", f"A dict of the {len(obj)} diagnostic codes, each to its one-line "
-                      "meaning (the table in [diagnostics.md](diagnostics.md) says more).", ""]
+            lines += [
+                f"## `shardplan.{name}`",
+                "",
+                f"A dict of the {len(obj)} diagnostic codes, each to its one-line "
+                "meaning (the table in [diagnostics.md](diagnostics.md) says more).",
+                "",
+            ]
             continue
         kind = "class " if inspect.isclass(obj) else ""
         signature = "" if inspect.isclass(obj) else str(inspect.signature(obj)).replace("'", "")
@@ -68,15 +96,28 @@ def _members(cls) -> list[str]:
     """A class's fields (dataclass or plan sections) and its public methods and properties, one line each."""
     import dataclasses
     import inspect
-    fields = (list(cls.model_fields) if hasattr(cls, "model_fields") else
-              [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else [])
+
+    fields = (
+        list(cls.model_fields)
+        if hasattr(cls, "model_fields")
+        else [f.name for f in dataclasses.fields(cls)]
+        if dataclasses.is_dataclass(cls)
+        else []
+    )
     rows = [f"- `{name}`" for name in fields if not name.startswith("_")]
     for name, member in vars(cls).items():
-        if name.startswith(("_", "model_")) or name in fields or not (inspect.isfunction(member) or isinstance(member, property)):
+        if (
+            name.startswith(("_", "model_"))
+            or name in fields
+            or not (inspect.isfunction(member) or isinstance(member, property))
+        ):
             continue
         doc = (inspect.getdoc(member) or "").split("\n\n")[0].replace("\n", " ")
-        call = "" if isinstance(member, property) else str(inspect.signature(member)).replace("(self, ", "(").replace(
-            "(self)", "()").replace("'", "")
+        call = (
+            ""
+            if isinstance(member, property)
+            else str(inspect.signature(member)).replace("(self, ", "(").replace("(self)", "()").replace("'", "")
+        )
         rows.append(f"- `{name}{call}`" + (f": {doc}" if doc else ""))
     return ([("Fields and members:" if fields else "Members:"), "", *rows, ""]) if rows else []
 
@@ -97,8 +138,14 @@ def test_the_readme_python_example_runs_as_written_in_a_fresh_process(tmp_path):
     script = tmp_path / "example.py"
     script.write_text(example)
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    done = subprocess.run([sys.executable, str(script)], cwd=REPO, env={**env, "PYTHONPATH": str(REPO)},
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=REPO,
+        env={**env, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     ok, loss = done.stdout.splitlines()[:2]
     assert ok.startswith("True") and float(loss) > 0, done.stdout
@@ -107,24 +154,34 @@ def test_the_readme_python_example_runs_as_written_in_a_fresh_process(tmp_path):
 def test_the_your_model_example_trains_every_plan_like_one_device_in_a_fresh_process():
     """docs/your-model.md's file, run as the page says: its own assertions compare each plan with one device."""
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    done = subprocess.run([sys.executable, "docs/examples/your_model.py"], cwd=REPO,
-                          env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "docs/examples/your_model.py"],
+        cwd=REPO,
+        env={**env, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines()[-1] == "every plan trains like one device", done.stdout
     page = (REPO / "docs" / "your-model.md").read_text()
-    for line in done.stdout.splitlines():           # the page shows what the file prints (its losses to 1e-5)
+    for line in done.stdout.splitlines():  # the page shows what the file prints (its losses to 1e-5)
         name, *losses = line.rsplit(maxsplit=3) if line[:1] != "e" else (line,)
         shown = next(line for line in page.splitlines() if line.startswith(name))
-        np.testing.assert_allclose([float(x) for x in losses], [float(x) for x in shown.split()[-len(losses):]]
-                                   if losses else [], rtol=1e-5)
+        np.testing.assert_allclose(
+            [float(x) for x in losses], [float(x) for x in shown.split()[-len(losses) :]] if losses else [], rtol=1e-5
+        )
 
 
 def _commands() -> list[tuple[str, str]]:
     found = []
     for path in DOCS:
         for block in _blocks(path, "console"):
-            found += [(path.name, line[2:].split("  #")[0].strip()) for line in block.splitlines()
-                      if line.startswith("$ shardplan ")]
+            found += [
+                (path.name, line[2:].split("  #")[0].strip())
+                for line in block.splitlines()
+                if line.startswith("$ shardplan ")
+            ]
     return found
 
 
@@ -132,6 +189,7 @@ def _commands() -> list[tuple[str, str]]:
 def test_every_shardplan_command_the_docs_show_runs(page, command, tmp_path, capsys):
     """Exit 0 (or 1 where the page shows the plan refused); never 2, a file or option the page invents."""
     from shardplan.cli import main
+
     argv = shlex.split(command.split(" > ")[0])[1:]
     for flag in ("-o", "--svg"):
         if flag in argv:
@@ -146,6 +204,7 @@ def test_every_yaml_example_in_the_docs_reads_and_every_whole_plan_validates():
 
     import shardplan
     from shardplan.checks.report import check_plan_only
+
     examples = [(path.name, block) for path in DOCS for block in _blocks(path, "yaml")]
     assert len(examples) >= 5
     for page, block in examples:
@@ -164,10 +223,17 @@ def test_the_shipped_plans_and_the_docs_whole_plans_validate_with_their_model_in
         block = re.search(r"```yaml\n(.*?)```", (REPO / "docs" / page).read_text(), re.S).group(1)
         (tmp_path / f"{page}.yaml").write_text(block)
         files.append(str(tmp_path / f"{page}.yaml"))
-    script = ("import sys; from shardplan.cli import main\n"
-              "sys.exit(max(main(['validate', '--strict', f]) for f in sys.argv[1:]))")
-    result = subprocess.run([sys.executable, "-c", script, *files], cwd=REPO, capture_output=True, text=True,
-                            timeout=600, env={**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu",
-                                              "XLA_FLAGS": ""})
+    script = (
+        "import sys; from shardplan.cli import main\n"
+        "sys.exit(max(main(['validate', '--strict', f]) for f in sys.argv[1:]))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, *files],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""},
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("valid: 0 warning(s)") == len(files), result.stdout[-3000:]

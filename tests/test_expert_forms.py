@@ -21,9 +21,14 @@ ACTIVATIONS = {"relu": jax.nn.relu, "gelu": jax.nn.gelu, "silu": jax.nn.silu}
 def draw(seed: int) -> dict:
     r = random.Random(seed)
     form = r.choice(["loop", "loop_stacked", "einsum", "expert_major", "gather"])
-    return {"form": form, "masked": form in ("loop", "loop_stacked") and r.random() < 0.6,
-            "swiglu": r.random() < 0.5, "activation": r.choice(sorted(ACTIVATIONS)),
-            "bias": r.random() < 0.3, "scale": r.choice([1.0, 2.5])}
+    return {
+        "form": form,
+        "masked": form in ("loop", "loop_stacked") and r.random() < 0.6,
+        "swiglu": r.random() < 0.5,
+        "activation": r.choice(sorted(ACTIVATIONS)),
+        "bias": r.random() < 0.3,
+        "scale": r.choice([1.0, 2.5]),
+    }
 
 
 class RandomMoE(nnx.Module):
@@ -48,44 +53,51 @@ class RandomMoE(nnx.Module):
         x = x.reshape(-1, shape[-1])
         weights, chosen = jax.lax.top_k(jax.nn.softmax(self.router(x)), TOP_K)
         weights = weights / weights.sum(-1, keepdims=True)
-        gates = jnp.sum(jax.nn.one_hot(chosen, EXPERTS) * weights[..., None], axis=1)        # [N, E]
+        gates = jnp.sum(jax.nn.one_hot(chosen, EXPERTS) * weights[..., None], axis=1)  # [N, E]
         swiglu, bias = recipe["swiglu"], recipe["bias"]
         if recipe["form"] in ("loop", "loop_stacked"):
             outs = []
             out = jnp.zeros_like(x)
             for i in range(EXPERTS):
                 x_i = jnp.where(jnp.any(chosen == i, -1, keepdims=True), x, 0.0) if recipe["masked"] else x
-                h = self._hidden(x_i @ self.w_up[i], x_i @ self.w_gate[i] if swiglu else None,
-                                 self.up_bias[i] if bias else None)
+                h = self._hidden(
+                    x_i @ self.w_up[i], x_i @ self.w_gate[i] if swiglu else None, self.up_bias[i] if bias else None
+                )
                 y = h @ self.w_down[i]
                 if recipe["form"] == "loop":
-                    out = out + gates[:, i:i + 1] * y
+                    out = out + gates[:, i : i + 1] * y
                 outs.append(y)
             if recipe["form"] == "loop_stacked":
                 out = jnp.einsum("ned,ne->nd", jnp.stack(outs, axis=1), gates)
         elif recipe["form"] in ("einsum", "expert_major"):
-            h = self._hidden(jnp.einsum("nd,edf->nef", x, self.w_up[...]),
-                             jnp.einsum("nd,edf->nef", x, self.w_gate[...]) if swiglu else None,
-                             self.up_bias[...][None] if bias else None)
+            h = self._hidden(
+                jnp.einsum("nd,edf->nef", x, self.w_up[...]),
+                jnp.einsum("nd,edf->nef", x, self.w_gate[...]) if swiglu else None,
+                self.up_bias[...][None] if bias else None,
+            )
             if recipe["form"] == "einsum":
                 y = jnp.einsum("nef,efd->ned", h, self.w_down[...])
             else:
                 y = jnp.transpose(jnp.einsum("nef,efd->end", h, self.w_down[...]), (1, 0, 2))
             out = jnp.einsum("ned,ne->nd", y, gates)
         else:
-            up = jnp.take(self.w_up[...], chosen, axis=0)                                    # [N, k, D, F]
-            h = self._hidden(jnp.einsum("nd,nkdf->nkf", x, up),
-                             jnp.einsum("nd,nkdf->nkf", x, jnp.take(self.w_gate[...], chosen, axis=0)) if swiglu else None,
-                             jnp.take(self.up_bias[...], chosen, axis=0) if bias else None)
+            up = jnp.take(self.w_up[...], chosen, axis=0)  # [N, k, D, F]
+            h = self._hidden(
+                jnp.einsum("nd,nkdf->nkf", x, up),
+                jnp.einsum("nd,nkdf->nkf", x, jnp.take(self.w_gate[...], chosen, axis=0)) if swiglu else None,
+                jnp.take(self.up_bias[...], chosen, axis=0) if bias else None,
+            )
             y = jnp.einsum("nkf,nkfd->nkd", h, jnp.take(self.w_down[...], chosen, axis=0))
             out = jnp.einsum("nkd,nk->nd", y, weights)
         return (recipe["scale"] * out).reshape(shape)
 
 
-PLAN = ("version: 1\nmesh: {axes: {data: 2, expert: 4}}\ninputs: {tokens: {spec: [[data, expert], null], shape: [8, 8]}}\n"
-        "experts: {blocks: 'layers/\\d+/moe', axis: expert}\nparams:\n"
-        "  - {match: 'layers/\\d+/moe/w_\\w+', spec: [expert, null, null]}\n"
-        "  - {match: 'layers/\\d+/moe/up_bias', spec: [expert, null]}\n  - {match: '.*', spec: replicated}\n")
+PLAN = (
+    "version: 1\nmesh: {axes: {data: 2, expert: 4}}\ninputs: {tokens: {spec: [[data, expert], null], shape: [8, 8]}}\n"
+    "experts: {blocks: 'layers/\\d+/moe', axis: expert}\nparams:\n"
+    "  - {match: 'layers/\\d+/moe/w_\\w+', spec: [expert, null, null]}\n"
+    "  - {match: 'layers/\\d+/moe/up_bias', spec: [expert, null]}\n  - {match: '.*', spec: replicated}\n"
+)
 TOKENS = np.asarray(jax.random.randint(jax.random.key(1), (8, 8), 0, 64))
 # The wrong-numbers form of a past release (every expert on its own masked tokens, summed in the loop)
 # is always among the cases; the rest are drawn.
@@ -94,19 +106,23 @@ SEEDS = [None] + list(range(4))
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_a_random_moe_block_computes_one_devices_numbers(seed):
-    recipe = draw(seed) if seed is not None else {"form": "loop", "masked": True, "swiglu": False,
-                                                   "activation": "relu", "bias": False, "scale": 1.0}
+    recipe = (
+        draw(seed)
+        if seed is not None
+        else {"form": "loop", "masked": True, "swiglu": False, "activation": "relu", "bias": False, "scale": 1.0}
+    )
     model = MoEBlockDecoder(lambda rngs: RandomMoE(recipe, rngs=rngs), rngs=nnx.Rngs(0))
     want = nnx.jit(lambda m, t: m(t))(model, TOKENS)
     plan = shardplan.parse_plan(PLAN)
     report = shardplan.check(plan, model)
     assert not report.errors, [d.format() for d in report.errors]
     mesh = shardplan.make_mesh(plan)
-    sharded = shardplan.apply_plan(plan, MoEBlockDecoder(lambda rngs: RandomMoE(recipe, rngs=rngs), rngs=nnx.Rngs(0)),
-                                   mesh)
+    sharded = shardplan.apply_plan(
+        plan, MoEBlockDecoder(lambda rngs: RandomMoE(recipe, rngs=rngs), rngs=nnx.Rngs(0)), mesh
+    )
     tokens = shardplan.shard_inputs(plan, {"tokens": TOKENS}, mesh)["tokens"]
     got = nnx.jit(lambda m, t: m(t))(sharded, tokens)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=str(recipe))
     fallback = any(d.code == "experts-fallback" for d in report.diagnostics)
-    if not recipe["bias"]:                  # every form but a per-expert bias takes the sparse path
+    if not recipe["bias"]:  # every form but a per-expert bias takes the sparse path
         assert not fallback, (recipe, [d.format() for d in report.diagnostics])

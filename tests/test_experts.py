@@ -15,28 +15,52 @@ import shardplan
 from conftest import full
 from moe_models import DenseMoE, GateFirstDenseMoE, LoopMoE, MoEDecoder, MoEStack, SigmoidSharedMoE, SortedMoE
 
-TP_RULES = ("  - {match: '.*attn/(query|key|value)/kernel', spec: [null, model, null]}\n"
-            "  - {match: '.*attn/out/kernel', spec: [model, null, null]}\n")
+TP_RULES = (
+    "  - {match: '.*attn/(query|key|value)/kernel', spec: [null, model, null]}\n"
+    "  - {match: '.*attn/out/kernel', spec: [model, null, null]}\n"
+)
 # name -> (mesh axes, token spec, expert axis, expert weight spec, other rules)
 LAYOUTS = {
     "ep4": ("{data: 2, expert: 4}", "[[data, expert], null]", "expert", "[expert, null, null]", ""),
     "folded": ("{data: 8}", "[data, null]", "data", "[data, null, null]", ""),
-    "ep_fsdp_tp": ("{data: 2, expert: 2, model: 2}", "[[data, expert], null]", "expert", "[expert, data, null]",
-                   TP_RULES),
+    "ep_fsdp_tp": (
+        "{data: 2, expert: 2, model: 2}",
+        "[[data, expert], null]",
+        "expert",
+        "[expert, data, null]",
+        TP_RULES,
+    ),
     # Megatron inside each expert: the up projections' outputs and the down projection's inputs over `model`
-    "ep_tp_experts": ("{data: 2, expert: 2, model: 2}", "[[data, expert], null]", "expert", "[expert, null, null]",
-                      "  - {match: 'layers/\\d+/moe/(w_gate|w_up|w1|up|experts_in)', spec: [expert, null, model]}\n"
-                      "  - {match: 'layers/\\d+/moe/(w_down|w2|down|experts_out)', spec: [expert, model, null]}\n"),
+    "ep_tp_experts": (
+        "{data: 2, expert: 2, model: 2}",
+        "[[data, expert], null]",
+        "expert",
+        "[expert, null, null]",
+        "  - {match: 'layers/\\d+/moe/(w_gate|w_up|w1|up|experts_in)', spec: [expert, null, model]}\n"
+        "  - {match: 'layers/\\d+/moe/(w_down|w2|down|experts_out)', spec: [expert, model, null]}\n",
+    ),
 }
-MODELS = {"sorted": SortedMoE, "sigmoid_shared": SigmoidSharedMoE, "loop": LoopMoE, "dense": DenseMoE,
-          "dense_gate_first": GateFirstDenseMoE}
+MODELS = {
+    "sorted": SortedMoE,
+    "sigmoid_shared": SigmoidSharedMoE,
+    "loop": LoopMoE,
+    "dense": DenseMoE,
+    "dense_gate_first": GateFirstDenseMoE,
+}
 # Every way of writing the block under EP, each layout that adds to it on one of them by default (the
 # loop and the sigmoid-gated block with a shared expert under the layouts that add tensor parallelism),
 # every way under plain EP and each layout on two in the full matrix.
-CASES = [("ep4", m) if m in ("dense", "sorted") else full("ep4", m) for m in sorted(MODELS) if m != "dense_gate_first"] + [
-    full("folded", "sorted"), full("folded", "loop"), ("folded", "dense_gate_first"),
-    ("ep_fsdp_tp", "sigmoid_shared"), full("ep_fsdp_tp", "dense"),
-    full("ep_tp_experts", "sorted"), ("ep_tp_experts", "loop")]
+CASES = [
+    ("ep4", m) if m in ("dense", "sorted") else full("ep4", m) for m in sorted(MODELS) if m != "dense_gate_first"
+] + [
+    full("folded", "sorted"),
+    full("folded", "loop"),
+    ("folded", "dense_gate_first"),
+    ("ep_fsdp_tp", "sigmoid_shared"),
+    full("ep_fsdp_tp", "dense"),
+    full("ep_tp_experts", "sorted"),
+    ("ep_tp_experts", "loop"),
+]
 
 
 def moe_plan(layout: str, dispatch: str = "") -> shardplan.Plan:
@@ -46,10 +70,12 @@ def moe_plan(layout: str, dispatch: str = "") -> shardplan.Plan:
 def plan_text(layout: str, dispatch: str = "", shape: bool = False) -> str:
     mesh, tokens, axis, spec, extra = LAYOUTS[layout]
     tokens = f"{{spec: {tokens}, shape: [16, 16]}}" if shape else tokens
-    return (f"version: 1\nmesh: {{axes: {mesh}}}\ninputs: {{tokens: {tokens}}}\n"
-            f"experts: {{blocks: 'layers/\\d+/moe', axis: {axis}{dispatch}}}\n"
-            f"params:\n{extra}  - match: 'layers/\\d+/moe/(w_.*|experts_.*|w1|w2|up|down)'\n    spec: {spec}\n"
-            "  - match: '.*'\n    spec: replicated\n")
+    return (
+        f"version: 1\nmesh: {{axes: {mesh}}}\ninputs: {{tokens: {tokens}}}\n"
+        f"experts: {{blocks: 'layers/\\d+/moe', axis: {axis}{dispatch}}}\n"
+        f"params:\n{extra}  - match: 'layers/\\d+/moe/(w_.*|experts_.*|w1|w2|up|down)'\n    spec: {spec}\n"
+        "  - match: '.*'\n    spec: replicated\n"
+    )
 
 
 def loss_of(model, tokens):
@@ -76,8 +102,7 @@ def one_device(kind):
         optimizer = nnx.Optimizer(model, optax.adamw(1e-3, eps=1e-6), wrt=nnx.Param)
         flops = train_step.lower(model, optimizer, TOKENS).compile().cost_analysis()["flops"]
         loss, logits, grads = train_step(model, optimizer, TOKENS)
-        _REFERENCE[kind] = (loss, logits, nnx.to_pure_dict(nnx.state(grads)), nnx.to_pure_dict(nnx.state(model)),
-                            flops)
+        _REFERENCE[kind] = (loss, logits, nnx.to_pure_dict(nnx.state(grads)), nnx.to_pure_dict(nnx.state(model)), flops)
     return _REFERENCE[kind]
 
 
@@ -117,7 +142,7 @@ def test_expert_parallel_step_equals_one_device_and_moves_only_tokens(layout, mo
     assert_equal_runs(got, one_device(kind))
 
     ops = collectives(compiled.as_text())
-    assert len(ops.get("all-to-all", [])) >= 4, ops.keys()         # per MoE layer: dispatch and combine
+    assert len(ops.get("all-to-all", [])) >= 4, ops.keys()  # per MoE layer: dispatch and combine
     assert "collective-permute" not in ops
     size = shardplan.make_mesh(plan).shape[plan.experts.axis]
     weights = [v for _, v in nnx.to_flat_state(nnx.state(sharded.layers[0].moe, nnx.Param)) if v.get_value().ndim == 3]
@@ -128,7 +153,7 @@ def test_expert_parallel_step_equals_one_device_and_moves_only_tokens(layout, mo
     shards = {tuple(w.get_value().sharding.shard_shape(w.get_value().shape)) for w in weights}
     for line in ops.get("all-gather", []):
         assert not any(f"[{','.join(map(str, s))}]" in line for s in shards), line
-    if layout != "ep_fsdp_tp" and model != "sigmoid_shared":    # (its balance loss over all tokens gathers scores)
+    if layout != "ep_fsdp_tp" and model != "sigmoid_shared":  # (its balance loss over all tokens gathers scores)
         assert "all-gather" not in ops
     # Each device computes its experts on the rows routed to them: about one device's FLOPs over the
     # expert-parallel degree (the routing's sorts and gathers aside; one device's ragged_dot is lowered
@@ -137,7 +162,7 @@ def test_expert_parallel_step_equals_one_device_and_moves_only_tokens(layout, mo
 
 
 def test_capacity_dispatch_equals_one_device_when_nothing_drops_and_warns_when_it_would():
-    roomy = moe_plan("ep4", ", dispatch: capacity, capacity_factor: 4.0")   # 4x the uniform share = every token
+    roomy = moe_plan("ep4", ", dispatch: capacity, capacity_factor: 4.0")  # 4x the uniform share = every token
     assert shardplan.check(roomy, MoEDecoder(SortedMoE, rngs=nnx.Rngs(0))).diagnostics == []
     _, _, got = sharded_step(roomy, SortedMoE)
     assert_equal_runs(got, one_device(SortedMoE))
@@ -151,27 +176,41 @@ def test_capacity_dispatch_equals_one_device_when_nothing_drops_and_warns_when_i
     model = shardplan.apply_plan(tight, MoEDecoder(SortedMoE, rngs=nnx.Rngs(0)), mesh)
     dropped = shardplan.dropped_rows(model, tokens)
     assert set(dropped) == {"layers/0/moe", "layers/1/moe"} and all(0 < n < 16 * 16 * 2 for n in dropped.values())
-    np.testing.assert_raises(AssertionError, np.testing.assert_allclose, model(tokens)[0], one_device(SortedMoE)[1],
-                             rtol=1e-5)
-    found = [d for d in shardplan.check(tight, MoEDecoder(SortedMoE, rngs=nnx.Rngs(0))).diagnostics
-             if d.code == "experts-capacity-drops"]
+    np.testing.assert_raises(
+        AssertionError, np.testing.assert_allclose, model(tokens)[0], one_device(SortedMoE)[1], rtol=1e-5
+    )
+    found = [
+        d
+        for d in shardplan.check(tight, MoEDecoder(SortedMoE, rngs=nnx.Rngs(0))).diagnostics
+        if d.code == "experts-capacity-drops"
+    ]
     assert found and found[0].severity == "warning"
     text = found[0].format()
-    for needle in ("layers/0/moe", "capacity_factor 1.0", "8 slots per (device, expert)", "32 tokens per device",
-                   "choosing 2 of 8 experts", "drops about 12.1%"):
+    for needle in (
+        "layers/0/moe",
+        "capacity_factor 1.0",
+        "8 slots per (device, expert)",
+        "32 tokens per device",
+        "choosing 2 of 8 experts",
+        "drops about 12.1%",
+    ):
         assert needle in text, text
     assert "example batch" not in text
     # without shapes in the plan the count comes from a made-up call of the blocks, and the warning says so
     shapeless = shardplan.parse_plan(plan_text("ep4", ", dispatch: capacity, capacity_factor: 1.0"))
-    found = [d.format() for d in shardplan.check(shapeless, MoEDecoder(SortedMoE, rngs=nnx.Rngs(0))).diagnostics
-             if d.code == "experts-capacity-drops"]
+    found = [
+        d.format()
+        for d in shardplan.check(shapeless, MoEDecoder(SortedMoE, rngs=nnx.Rngs(0))).diagnostics
+        if d.code == "experts-capacity-drops"
+    ]
     assert found and all("on an example batch: the plan's inputs give no shapes" in t for t in found), found
 
 
 def test_expected_drop_share_matches_a_simulated_uniform_router():
     from shardplan.checks.experts import expected_drop_share
+
     rng = np.random.default_rng(0)
-    picks = np.argsort(rng.random((20000, 32, 8)), axis=-1)[..., :2]          # 32 tokens pick 2 of 8 experts
+    picks = np.argsort(rng.random((20000, 32, 8)), axis=-1)[..., :2]  # 32 tokens pick 2 of 8 experts
     per_expert = np.stack([(picks == e).sum(axis=(1, 2)) for e in range(8)], 1)
     simulated = np.maximum(per_expert - 8, 0).sum() / per_expert.sum()
     assert expected_drop_share(32, 8, 2, 8) == pytest.approx(simulated, rel=0.03)
@@ -191,8 +230,12 @@ def test_a_block_that_reads_its_expert_weights_otherwise_is_refused_before_anyth
     found = [d for d in shardplan.check(plan, model).diagnostics if d.code == "experts-contract"]
     assert found and found[0].severity == "error"
     text = found[0].format()
-    for needle in ("layers/0/moe, layers/1/moe", "output 2 of the block (shape ())", "not one row per token",
-                   "test_experts.py:"):
+    for needle in (
+        "layers/0/moe, layers/1/moe",
+        "output 2 of the block (shape ())",
+        "not one row per token",
+        "test_experts.py:",
+    ):
         assert needle in text, text
     with pytest.raises(shardplan.PlanError, match="experts-contract"):
         shardplan.apply_plan(plan, model, shardplan.make_mesh(plan))
@@ -202,11 +245,28 @@ def test_moe_minigpt_trains_under_the_shipped_plan_as_on_one_device_sample_inclu
     """What users run: `minigpt train --plan plans/minigpt_moe_ep.yaml`, its sample at the end (tiny sizes)."""
     from minigpt_model.trainer import train
     from test_training import TINY, tiny_config
-    result = train(tiny_config(tmp_path / "ep", plan="plans/minigpt_moe_ep.yaml", steps=8, checkpoint_every=8,
-                               eval_every=8, sample_tokens=24))
-    single = train(tiny_config(tmp_path / "one", plan="plans/minigpt_dp.yaml", steps=8, checkpoint_every=8,
-                               eval_every=100, model={**TINY, "num_experts": 8, "experts_per_token": 2}),
-                   devices=jax.devices()[:1])
+
+    result = train(
+        tiny_config(
+            tmp_path / "ep",
+            plan="plans/minigpt_moe_ep.yaml",
+            steps=8,
+            checkpoint_every=8,
+            eval_every=8,
+            sample_tokens=24,
+        )
+    )
+    single = train(
+        tiny_config(
+            tmp_path / "one",
+            plan="plans/minigpt_dp.yaml",
+            steps=8,
+            checkpoint_every=8,
+            eval_every=100,
+            model={**TINY, "num_experts": 8, "experts_per_token": 2},
+        ),
+        devices=jax.devices()[:1],
+    )
     losses = [result.losses[s] for s in range(1, 9)]
     np.testing.assert_allclose(losses, [single.losses[s] for s in range(1, 9)], rtol=2e-4)
     assert losses[-1] < losses[0] and result.sample
@@ -214,22 +274,44 @@ def test_moe_minigpt_trains_under_the_shipped_plan_as_on_one_device_sample_inclu
 
 def test_inspect_shows_experts_per_device_and_the_exchange_and_explain_says_why_a_weight_is_stacked(capsys):
     from shardplan.cli import main
+
     assert main(["inspect", "plans/minigpt_moe_ep.yaml"]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    for needle in ("Experts over axis 'expert' (4 devices), dispatch dropless", "transformer_blocks/{0..7}/moe",
-                   "expert 0: 0-1, expert 1: 2-3, expert 2: 4-5, expert 3: 6-7", "w_in, w_out",
-                   "32 all-to-alls over 'expert', 128.00 MiB per device"):
+    for needle in (
+        "Experts over axis 'expert' (4 devices), dispatch dropless",
+        "transformer_blocks/{0..7}/moe",
+        "expert 0: 0-1, expert 1: 2-3, expert 2: 4-5, expert 3: 6-7",
+        "w_in, w_out",
+        "32 all-to-alls over 'expert', 128.00 MiB per device",
+    ):
         assert needle in text, text[:2000]
-    assert main(["explain", "plans/minigpt_moe_ep.yaml", "transformer_blocks/3/moe/w_out", "--model",
-                 "minigpt_model:MiniGPT", "--config", "num_experts=8"]) == 0
+    assert (
+        main(
+            [
+                "explain",
+                "plans/minigpt_moe_ep.yaml",
+                "transformer_blocks/3/moe/w_out",
+                "--model",
+                "minigpt_model:MiniGPT",
+                "--config",
+                "num_experts=8",
+            ]
+        )
+        == 0
+    )
     text = " ".join(capsys.readouterr().out.split())
-    for needle in ("expert-stacked: dim 0 of (8, 256, 256) is the 8 experts of MoE block 'transformer_blocks/3/moe'",
-                   "router transformer_blocks/3/moe/router/kernel (256, 8)", "gives each device 2 of them"):
+    for needle in (
+        "expert-stacked: dim 0 of (8, 256, 256) is the 8 experts of MoE block 'transformer_blocks/3/moe'",
+        "router transformer_blocks/3/moe/router/kernel (256, 8)",
+        "gives each device 2 of them",
+    ):
         assert needle in text, text
 
 
-STEP_OPTIONS = {"remat and accumulation": ("remat: [{match: 'layers/\\d+', policy: full}]\naccumulate: 2\n", 1e-5),
-                "bf16 compute": ("precision: {compute: bfloat16}\n", 2e-2)}
+STEP_OPTIONS = {
+    "remat and accumulation": ("remat: [{match: 'layers/\\d+', policy: full}]\naccumulate: 2\n", 1e-5),
+    "bf16 compute": ("precision: {compute: bfloat16}\n", 2e-2),
+}
 
 
 @pytest.mark.parametrize("options", sorted(STEP_OPTIONS))
@@ -238,8 +320,10 @@ def test_step_options_wrap_the_exchange_as_any_module(options):
     parallelism with the same options (EP itself equals one device above)."""
     text, tol = STEP_OPTIONS[options]
     ep = shardplan.parse_plan(plan_text("ep4") + text)
-    dp = shardplan.parse_plan("version: 1\nmesh: {axes: {data: 8}}\ninputs: {tokens: [data, null]}\n"
-                              "params: [{match: '.*', spec: replicated}]\n" + text)
+    dp = shardplan.parse_plan(
+        "version: 1\nmesh: {axes: {data: 8}}\ninputs: {tokens: [data, null]}\n"
+        "params: [{match: '.*', spec: replicated}]\n" + text
+    )
 
     def step(plan):
         mesh = shardplan.make_mesh(plan)
@@ -247,30 +331,48 @@ def test_step_options_wrap_the_exchange_as_any_module(options):
         tokens = shardplan.shard_inputs(plan, {"tokens": TOKENS}, mesh)["tokens"]
 
         def loss(model):
-            return shardplan.model_loss(model, lambda out, t: optax.softmax_cross_entropy_with_integer_labels(
-                out[0][:, :-1], t[:, 1:]).mean(), tokens, tokens)
+            return shardplan.model_loss(
+                model,
+                lambda out, t: optax.softmax_cross_entropy_with_integer_labels(out[0][:, :-1], t[:, 1:]).mean(),
+                tokens,
+                tokens,
+            )
+
         value, grads = nnx.jit(nnx.value_and_grad(loss))(model)
         return float(value), nnx.to_pure_dict(nnx.state(grads))
+
     (a, ga), (b, gb) = step(ep), step(dp)
     np.testing.assert_allclose(a, b, rtol=tol)
-    worst = max(jax.tree.leaves(jax.tree.map(lambda x, y: float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) + 1e-9)),
-                                             ga, gb)))
+    worst = max(
+        jax.tree.leaves(jax.tree.map(lambda x, y: float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) + 1e-9)), ga, gb))
+    )
     assert worst < tol * 10, worst
 
 
-
-MOE_MINIGPT = dict(maxlen=16, vocab_size=128, embed_dim=64, num_heads=8, feed_forward_dim=128, num_transformer_blocks=4,
-                   dropout_rate=0.0, num_experts=4, experts_per_token=2)
-MINIGPT_EP_RULES = ("params:\n  - {match: 'transformer_blocks/\\d+/moe/w_(in|out)', spec: [expert, null, null]}\n"
-                    "  - {match: 'transformer_blocks/\\d+/mha/(query|key|value)/kernel', spec: [null, model, null]}\n"
-                    "  - {match: 'transformer_blocks/\\d+/mha/out/kernel', spec: [model, null, null]}\n"
-                    "  - {match: '.*', spec: replicated}\n")
+MOE_MINIGPT = dict(
+    maxlen=16,
+    vocab_size=128,
+    embed_dim=64,
+    num_heads=8,
+    feed_forward_dim=128,
+    num_transformer_blocks=4,
+    dropout_rate=0.0,
+    num_experts=4,
+    experts_per_token=2,
+)
+MINIGPT_EP_RULES = (
+    "params:\n  - {match: 'transformer_blocks/\\d+/moe/w_(in|out)', spec: [expert, null, null]}\n"
+    "  - {match: 'transformer_blocks/\\d+/mha/(query|key|value)/kernel', spec: [null, model, null]}\n"
+    "  - {match: 'transformer_blocks/\\d+/mha/out/kernel', spec: [model, null, null]}\n"
+    "  - {match: '.*', spec: replicated}\n"
+)
 
 
 def three_minigpt_steps(plan, config):
     """(one device's losses, the plan's losses, the plan's model, its compiled step's collectives)."""
     import minigpt_model
     from minigpt_model.steps import train_step as minigpt_step
+
     tokens = TOKENS[:8] % 128
     reference = minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(reference, optax.adamw(1e-3), wrt=nnx.Param)
@@ -285,13 +387,15 @@ def three_minigpt_steps(plan, config):
 
 
 def test_blocks_alternating_dense_and_moe_train_like_one_device():
-    plan = shardplan.parse_plan("version: 1\nmesh: {axes: {data: 2, expert: 2, model: 2}}\n"
-                                "inputs: {tokens: [[data, expert], null]}\n"
-                                "experts: {blocks: 'transformer_blocks/\\d+/moe', axis: expert}\n" + MINIGPT_EP_RULES)
+    plan = shardplan.parse_plan(
+        "version: 1\nmesh: {axes: {data: 2, expert: 2, model: 2}}\n"
+        "inputs: {tokens: [[data, expert], null]}\n"
+        "experts: {blocks: 'transformer_blocks/\\d+/moe', axis: expert}\n" + MINIGPT_EP_RULES
+    )
     want, got, model, ops = three_minigpt_steps(plan, {**MOE_MINIGPT, "moe_every": 2})
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert not hasattr(model.transformer_blocks[0], "moe") and hasattr(model.transformer_blocks[1], "moe")
-    assert len(ops.get("all-to-all", [])) == 8          # 2 MoE blocks: dispatch and combine, forward and backward
+    assert len(ops.get("all-to-all", [])) == 8  # 2 MoE blocks: dispatch and combine, forward and backward
 
 
 def test_experts_inside_pipeline_stages_with_tensor_parallelism_train_like_one_device():
@@ -299,14 +403,14 @@ def test_experts_inside_pipeline_stages_with_tensor_parallelism_train_like_one_d
     plan = shardplan.parse_plan(
         "version: 1\nmesh: {axes: {stage: 2, expert: 2, model: 2}}\ninputs: {tokens: [expert, null]}\n"
         "experts: {blocks: 'transformer_blocks/\\d+/moe', axis: expert}\n"
-        "pipeline: {axis: stage, layers: transformer_blocks, microbatches: 2, schedule: 1f1b}\n" + MINIGPT_EP_RULES)
+        "pipeline: {axis: stage, layers: transformer_blocks, microbatches: 2, schedule: 1f1b}\n" + MINIGPT_EP_RULES
+    )
     want, got, model, ops = three_minigpt_steps(plan, MOE_MINIGPT)
     np.testing.assert_allclose(got, want, rtol=1e-5)
-    w_in = model.transformer_blocks.moe.w_in.get_value()        # stacked (stage, chunk, layer, E, D, F)
+    w_in = model.transformer_blocks.moe.w_in.get_value()  # stacked (stage, chunk, layer, E, D, F)
     assert w_in.sharding.shard_shape(w_in.shape)[3] == 2
     shard = ",".join(map(str, w_in.sharding.shard_shape(w_in.shape)[3:]))
     assert not any(f"[{shard}]" in line for line in ops.get("all-gather", []) + ops.get("collective-permute", []))
-
 
 
 def test_experts_in_stages_keep_their_split_while_other_weights_on_the_same_axis_enter_gathered():
@@ -319,11 +423,13 @@ def test_experts_in_stages_keep_their_split_while_other_weights_on_the_same_axis
         "pipeline: {axis: stage, layers: transformer_blocks, microbatches: 2, schedule: 1f1b}\nparams:\n"
         "  - {match: 'transformer_blocks/\\d+/moe/w_(in|out)', spec: [expert, null, null]}\n"
         "  - {match: 'transformer_blocks/\\d+/mha/query/kernel', spec: [expert, null, null]}\n"
-        "  - {match: '.*', spec: replicated}\n")
+        "  - {match: '.*', spec: replicated}\n"
+    )
     import minigpt_model
+
     report = shardplan.check(plan, minigpt_model.MiniGPT(**MOE_MINIGPT, rngs=nnx.Rngs(0)))
     (warning,) = [d for d in report.warnings if d.code == "pipeline-fsdp-gathered"]
-    assert warning.path.endswith("mha/query/kernel")      # (one per block: no expert weight among them)
+    assert warning.path.endswith("mha/query/kernel")  # (one per block: no expert weight among them)
     assert f"{MOE_MINIGPT['num_transformer_blocks']} layer weight(s)" in warning.message
     want, got, model, ops = three_minigpt_steps(plan, MOE_MINIGPT)
     np.testing.assert_allclose(got, want, rtol=1e-5)
@@ -343,12 +449,14 @@ def test_pipelined_moe_layers_step_like_one_device(model):
         "pipeline: {axis: stage, layers: layers, microbatches: 2, schedule: gpipe}\nparams:\n"
         "  - {match: 'layers/\\d+/layer/moe/(w1|w2|experts_in|experts_out)', spec: [expert, null, null]}\n"
         "  - {match: 'layers/\\d+/layer/attn/(query|key|value)/kernel', spec: [null, model, null]}\n"
-        "  - {match: '.*', spec: replicated}\n")
+        "  - {match: '.*', spec: replicated}\n"
+    )
     kind, tokens = MODELS[model], TOKENS[:8]
 
     def loss(m, t):
-        return shardplan.model_loss(m, lambda out, y: optax.softmax_cross_entropy_with_integer_labels(
-            out[:, :-1], y[:, 1:]).mean(), t, t)
+        return shardplan.model_loss(
+            m, lambda out, y: optax.softmax_cross_entropy_with_integer_labels(out[:, :-1], y[:, 1:]).mean(), t, t
+        )
 
     @nnx.jit
     def step(m, opt, t):
@@ -365,6 +473,7 @@ def test_pipelined_moe_layers_step_like_one_device(model):
     got = float(step(sharded, optimizer, shardplan.shard_inputs(plan, {"tokens": tokens}, mesh)["tokens"]))
     np.testing.assert_allclose(got, want, rtol=1e-5)
     after = nnx.to_pure_dict(nnx.state(shardplan.to_plain(sharded)))
-    diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))), after,
-                         nnx.to_pure_dict(nnx.state(reference)))
+    diffs = jax.tree.map(
+        lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))), after, nnx.to_pure_dict(nnx.state(reference))
+    )
     assert max(jax.tree.leaves(diffs)) < 1e-5, diffs

@@ -13,7 +13,7 @@ def test_nothing_is_set_without_a_gpu(monkeypatch):
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     assert shardplan.performance_flags("cpu") == [] and shardplan.performance_flags("tpu") == []
-    assert shardplan.set_performance_flags() == []          # this machine has no GPU plugin
+    assert shardplan.set_performance_flags() == []  # this machine has no GPU plugin
     assert "XLA_FLAGS" not in __import__("os").environ
 
 
@@ -21,22 +21,24 @@ def test_nothing_is_set_without_a_gpu(monkeypatch):
 def gpu_plugin(monkeypatch):
     """As if a CUDA plugin were installed (only its presence is looked up) and no platform asked for."""
     real = importlib.util.find_spec
-    monkeypatch.setattr(flags.importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "jax_cuda12_plugin" else real(name, *a))
+    monkeypatch.setattr(
+        flags.importlib.util, "find_spec", lambda name, *a: object() if name == "jax_cuda12_plugin" else real(name, *a)
+    )
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
 
 
 def test_gpu_flags_added_once_keeping_the_users_own(monkeypatch, gpu_plugin):
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_latency_hiding_scheduler=false")
     added = shardplan.set_performance_flags()
-    assert "--xla_gpu_enable_latency_hiding_scheduler=true" not in added       # the user's choice stands
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" not in added  # the user's choice stands
     assert "--xla_gpu_enable_pipelined_all_gather=true" in added
     import os
+
     assert os.environ["XLA_FLAGS"].count("latency_hiding") == 1
-    assert shardplan.set_performance_flags() == []                             # idempotent
+    assert shardplan.set_performance_flags() == []  # idempotent
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("XLA_FLAGS", "")
-    assert shardplan.set_performance_flags() == []                             # CPU asked for: nothing
+    assert shardplan.set_performance_flags() == []  # CPU asked for: nothing
 
 
 def test_a_plans_tensor_overlap_adds_the_collective_matmul_flags(monkeypatch, gpu_plugin):
@@ -45,8 +47,10 @@ def test_a_plans_tensor_overlap_adds_the_collective_matmul_flags(monkeypatch, gp
     assert "--xla_gpu_threshold_for_windowed_einsum_mib=0" not in shardplan.set_performance_flags()
     monkeypatch.setenv("XLA_FLAGS", "")
     added = shardplan.set_performance_flags(plan)
-    assert added[-2:] == ["--xla_gpu_threshold_for_windowed_einsum_mib=0",
-                          "--xla_gpu_multi_streamed_windowed_einsum=true"]
+    assert added[-2:] == [
+        "--xla_gpu_threshold_for_windowed_einsum_mib=0",
+        "--xla_gpu_multi_streamed_windowed_einsum=true",
+    ]
     assert flags.tensor_overlap_in_effect("gpu") is None
     assert "GPUs only" in flags.tensor_overlap_in_effect("cpu")
     monkeypatch.setenv("XLA_FLAGS", "")
@@ -95,13 +99,24 @@ def test_the_overlap_flags_are_this_jaxs_own_and_do_nothing_on_cpu(tmp_path):
     import os
     import subprocess
     import sys
+
     repo = Path(__file__).resolve().parents[1]
 
     def compiled(xla_flags: str):
-        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(repo),
-                   XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {xla_flags}")
-        return subprocess.run([sys.executable, "-c", _COMPILE, OVERLAP_PLAN], env=env, capture_output=True,
-                              text=True, timeout=600, cwd=tmp_path)
+        env = dict(
+            os.environ,
+            JAX_PLATFORMS="cpu",
+            PYTHONPATH=str(repo),
+            XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {xla_flags}",
+        )
+        return subprocess.run(
+            [sys.executable, "-c", _COMPILE, OVERLAP_PLAN],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=tmp_path,
+        )
 
     plain = compiled("")
     with_flags = compiled(" ".join(shardplan.performance_flags("gpu", tensor_overlap=True)))
@@ -111,4 +126,3 @@ def test_the_overlap_flags_are_this_jaxs_own_and_do_nothing_on_cpu(tmp_path):
     assert any("GPUs only" in w for w in with_flags["warnings"])
     unknown = compiled("--xla_gpu_threshold_for_windowed_einsum_mib_typo=0")
     assert unknown.returncode != 0 and "Unknown flag" in unknown.stderr
-

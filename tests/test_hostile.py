@@ -24,8 +24,20 @@ from conftest import PLANS, REPO, full
 
 TINY = dict(maxlen=32, embed_dim=64, num_heads=8, feed_forward_dim=128, num_transformer_blocks=2, dropout_rate=0.0)
 TINY_ARGS = [f"--config={k}={v}" for k, v in TINY.items()]
-MINIGPT_TINY = ["--config", "vocab_size=64", "--config", "embed_dim=32", "--config", "num_heads=4",
-                "--config", "feed_forward_dim=64", "--config", "num_transformer_blocks=2", "--config", "maxlen=16"]
+MINIGPT_TINY = [
+    "--config",
+    "vocab_size=64",
+    "--config",
+    "embed_dim=32",
+    "--config",
+    "num_heads=4",
+    "--config",
+    "feed_forward_dim=64",
+    "--config",
+    "num_transformer_blocks=2",
+    "--config",
+    "maxlen=16",
+]
 GOOD_PARAMS = "params:\n  - {match: '.*', spec: replicated}\n"
 
 
@@ -45,13 +57,15 @@ def no_bug(code: int, text: str) -> None:
 
 # ------------------------------------------------------------------------------------------ consent
 
+
 def _factory_module(directory: Path) -> str:
     """A module in `directory` that leaves a file behind when it is imported and when its factory is called."""
     name = f"factory_{uuid.uuid4().hex[:8]}"
     (directory / f"{name}.py").write_text(
         "from pathlib import Path\nPath('imported.txt').write_text('x')\n"
         "def build(**config):\n    Path('called.txt').write_text('x')\n"
-        "    from flax import nnx\n    return nnx.Linear(8, 8, rngs=nnx.Rngs(0))\n")
+        "    from flax import nnx\n    return nnx.Linear(8, 8, rngs=nnx.Rngs(0))\n"
+    )
     return name
 
 
@@ -59,13 +73,17 @@ def test_validate_and_inspect_never_run_a_plans_factory(tmp_path, capsys, monkey
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("SHARDPLAN_TRUST_PLAN", raising=False)
     local = _factory_module(tmp_path)
-    factories = {"os:system": {"command": "touch pwned.txt"},
-                 "subprocess:run": {"args": ["touch", "pwned.txt"]},
-                 f"{local}:build": {}}
+    factories = {
+        "os:system": {"command": "touch pwned.txt"},
+        "subprocess:run": {"args": ["touch", "pwned.txt"]},
+        f"{local}:build": {},
+    }
     for factory, config in factories.items():
         plan = tmp_path / "plan.yaml"
-        plan.write_text(f"version: 1\nmodel: {{factory: '{factory}', config: {json.dumps(config)}}}\n"
-                        f"mesh: {{axes: {{data: 8}}}}\n{GOOD_PARAMS}")
+        plan.write_text(
+            f"version: 1\nmodel: {{factory: '{factory}', config: {json.dumps(config)}}}\n"
+            f"mesh: {{axes: {{data: 8}}}}\n{GOOD_PARAMS}"
+        )
         for command in ("validate", "inspect"):
             code, text = call(shardplan_cli.main, capsys, command, plan)
             assert code == 2, text
@@ -76,8 +94,10 @@ def test_validate_and_inspect_never_run_a_plans_factory(tmp_path, capsys, monkey
         assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"{local}.py", "plan.yaml"])
 
     # A plan mistake found without the model is still reported (exit 1), and still nothing runs.
-    plan.write_text("version: 1\nmodel: {factory: 'os:system', config: {command: 'touch pwned.txt'}}\n"
-                    "mesh: {axes: {data: 8}}\nparams:\n  - {match: '.*', spec: [modle]}\n")
+    plan.write_text(
+        "version: 1\nmodel: {factory: 'os:system', config: {command: 'touch pwned.txt'}}\n"
+        "mesh: {axes: {data: 8}}\nparams:\n  - {match: '.*', spec: [modle]}\n"
+    )
     code, text = call(shardplan_cli.main, capsys, "validate", plan)
     assert code == 1 and "unknown-axis" in text and not (tmp_path / "pwned.txt").exists()
 
@@ -97,24 +117,31 @@ def test_validate_and_inspect_never_run_a_plans_factory(tmp_path, capsys, monkey
 def test_a_refused_factory_is_never_suggested_to_the_user(capsys):
     code, text = call(shardplan_cli.main, capsys, "validate", REPO / "docs" / "examples" / "untrusted.yaml")
     assert code == 2 and "nothing was run" in text and "--trust-plan" in text, text
-    assert "os:system" not in text.split("is code")[1], text      # named once, as what was refused
+    assert "os:system" not in text.split("is code")[1], text  # named once, as what was refused
 
 
 def test_the_shipped_model_and_typed_models_need_no_flag(capsys):
     code, text = call(shardplan_cli.main, capsys, "validate", PLANS / "minigpt_dp_tp.yaml")
     assert code == 0, text
-    code, text = call(shardplan_cli.main, capsys, "validate", PLANS / "minigpt_dp.yaml", "--model",
-                      "tests.models:ConvClassifier")
+    code, text = call(
+        shardplan_cli.main, capsys, "validate", PLANS / "minigpt_dp.yaml", "--model", "tests.models:ConvClassifier"
+    )
     assert code == 0, text
 
 
-@pytest.mark.parametrize("factory_source, needle", [
-    ("def build(**config):\n    raise ValueError('heads must divide the width')\n", "ValueError: heads must divide"),
-    ("def build(**config):\n    return 42\n", "returned a int, not a flax.nnx.Module"),
-    ("import sys\ndef build(**config):\n    sys.exit(0)\n", "called sys.exit(0)"),
-    ("raise RuntimeError('broken at import')\n", "RuntimeError: broken at import"),
-    ("build = 7\n", "is a int, not a class or function"),
-])
+@pytest.mark.parametrize(
+    "factory_source, needle",
+    [
+        (
+            "def build(**config):\n    raise ValueError('heads must divide the width')\n",
+            "ValueError: heads must divide",
+        ),
+        ("def build(**config):\n    return 42\n", "returned a int, not a flax.nnx.Module"),
+        ("import sys\ndef build(**config):\n    sys.exit(0)\n", "called sys.exit(0)"),
+        ("raise RuntimeError('broken at import')\n", "RuntimeError: broken at import"),
+        ("build = 7\n", "is a int, not a class or function"),
+    ],
+)
 def test_a_factory_that_misbehaves_is_a_usage_error(tmp_path, capsys, monkeypatch, factory_source, needle):
     monkeypatch.chdir(tmp_path)
     name = f"bad_{uuid.uuid4().hex[:8]}"
@@ -126,20 +153,25 @@ def test_a_factory_that_misbehaves_is_a_usage_error(tmp_path, capsys, monkeypatc
 
 # ---------------------------------------------------------------------------------- bounded reading
 
+
 def test_bombs_and_deep_nesting_are_refused_quickly(tmp_path, capsys):
     bomb = "version: 1\na: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
-        f"{b}: &{b} [{', '.join(['*' + a] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi"))
+        f"{b}: &{b} [{', '.join(['*' + a] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi")
+    )
     cases = {
         "bomb.yaml": (bomb, 2, "plan-too-large"),
         "deep.yaml": ("version: 1\nmesh: " + "[" * 5000 + "]" * 5000 + "\n", 2, "plan-too-large"),
         "deep.toml": ("version = 1\nmesh = " + "[" * 5000 + "]" * 5000 + "\n", 2, "plan-too-large"),
-        "spec.yaml": ("version: 1\nmesh: {axes: {data: 8}}\nparams:\n  - {match: '.*', spec: "
-                      + "[" * 40 + "]" * 40 + "}\n", 2, "plan-too-large"),
+        "spec.yaml": (
+            "version: 1\nmesh: {axes: {data: 8}}\nparams:\n  - {match: '.*', spec: " + "[" * 40 + "]" * 40 + "}\n",
+            2,
+            "plan-too-large",
+        ),
     }
     for name, (text, expected, code_name) in cases.items():
         path = tmp_path / name
         path.write_text(text)
-        code, out = call(shardplan_cli.main, capsys, "validate", path)      # refused before anything expands
+        code, out = call(shardplan_cli.main, capsys, "validate", path)  # refused before anything expands
         assert code == expected and code_name in out, (name, out)
         no_bug(code, out)
 
@@ -152,16 +184,25 @@ CATASTROPHIC = [r"(a|a)*b", r"(a|aa)+b", r"(a+)+b", r"(\w+/?)*x", r"(.*a){12}c",
 def test_patterns_that_backtrack_catastrophically_cannot_stall_any_command(tmp_path, capsys):
     rules = "".join(f"  - {{match: '{p}', spec: replicated}}\n" for p in CATASTROPHIC)
     plan = tmp_path / "redos.yaml"
-    plan.write_text("version: 1\nmodel: {factory: 'minigpt_model:MiniGPT'}\nmesh: {axes: {stage: 2, data: 4}}\n"
-                    f"params:\n{rules}  - {{match: '.*', spec: replicated}}\n"
-                    "pipeline: {axis: stage, layers: transformer_blocks, microbatches: 2, stages: "
-                    f"[{{match: '{CATASTROPHIC[3]}', stage: 0}}, {{match: '.*', stage: 1}}]}}\n")
+    plan.write_text(
+        "version: 1\nmodel: {factory: 'minigpt_model:MiniGPT'}\nmesh: {axes: {stage: 2, data: 4}}\n"
+        f"params:\n{rules}  - {{match: '.*', spec: replicated}}\n"
+        "pipeline: {axis: stage, layers: transformer_blocks, microbatches: 2, stages: "
+        f"[{{match: '{CATASTROPHIC[3]}', stage: 0}}, {{match: '.*', stage: 1}}]}}\n"
+    )
     long_path = "a" * 5000
-    commands = [["validate", plan, *MINIGPT_TINY], ["inspect", plan, *MINIGPT_TINY], ["explain", plan, long_path],
-                ["explain", plan, "transformer_blocks/" + "a/" * 400 + "kernel"], ["diff", plan, plan, *MINIGPT_TINY],
-                ["export", plan], ["params", "--plan", plan, "--model", "minigpt_model:MiniGPT", *MINIGPT_TINY[2:]]]
+    commands = [
+        ["validate", plan, *MINIGPT_TINY],
+        ["inspect", plan, *MINIGPT_TINY],
+        ["explain", plan, long_path],
+        ["explain", plan, "transformer_blocks/" + "a/" * 400 + "kernel"],
+        ["diff", plan, plan, *MINIGPT_TINY],
+        ["export", plan],
+        ["params", "--plan", plan, "--model", "minigpt_model:MiniGPT", *MINIGPT_TINY[2:]],
+    ]
     # The bound on the work: every plan pattern is compiled by RE2, whose matching is linear in the path.
     from shardplan.plan.matching import compile_pattern
+
     assert all(type(compile_pattern(p)).__module__.startswith("re2") for p in CATASTROPHIC)
     for argv in commands:
         code, text = call(shardplan_cli.main, capsys, *argv)
@@ -169,14 +210,25 @@ def test_patterns_that_backtrack_catastrophically_cannot_stall_any_command(tmp_p
         assert "regex-too-slow" not in text and "invalid-regex" not in text, text
 
 
-@pytest.mark.parametrize("pattern, construct", [(r"(a)\1b", "a backreference"), (r"(?P<x>a)(?P=x)", "a backreference"),
-                                                (r"(?=a)a", "lookahead"), (r"(?<!a)b", "lookahead or lookbehind"),
-                                                (r"a++", "possessive"), (r"(?>a)", "atomic group"),
-                                                (r"(a)?(?(1)b|c)", "conditional group"), (r"a\Z", "RE2")])
+@pytest.mark.parametrize(
+    "pattern, construct",
+    [
+        (r"(a)\1b", "a backreference"),
+        (r"(?P<x>a)(?P=x)", "a backreference"),
+        (r"(?=a)a", "lookahead"),
+        (r"(?<!a)b", "lookahead or lookbehind"),
+        (r"a++", "possessive"),
+        (r"(?>a)", "atomic group"),
+        (r"(a)?(?(1)b|c)", "conditional group"),
+        (r"a\Z", "RE2"),
+    ],
+)
 def test_patterns_only_backtracking_can_match_are_refused_naming_the_construct(tmp_path, capsys, pattern, construct):
     plan = tmp_path / "plan.yaml"
-    plan.write_text(f"version: 1\nmesh: {{axes: {{data: 8}}}}\nparams:\n  - {{match: '{pattern}', spec: []}}\n"
-                    "  - {match: '.*', spec: replicated}\n")
+    plan.write_text(
+        f"version: 1\nmesh: {{axes: {{data: 8}}}}\nparams:\n  - {{match: '{pattern}', spec: []}}\n"
+        "  - {match: '.*', spec: replicated}\n"
+    )
     code, text = call(shardplan_cli.main, capsys, "validate", plan, "--plan-only")
     assert code == 1 and "regex-too-slow" in text and construct in text and "rule #1" in text, text
 
@@ -187,8 +239,12 @@ def test_special_and_oversized_files_are_refused_without_reading_them(tmp_path, 
     large = tmp_path / "large.yaml"
     large.write_text("# " + "x" * (2 << 20) + "\n")
     (tmp_path / "dir.yaml").mkdir()
-    for path, needle in ((fifo, "not a regular file"), ("/dev/zero", "not a regular file"),
-                         (large, "the limit is 1,048,576"), (tmp_path / "dir.yaml", "is a directory")):
+    for path, needle in (
+        (fifo, "not a regular file"),
+        ("/dev/zero", "not a regular file"),
+        (large, "the limit is 1,048,576"),
+        (tmp_path / "dir.yaml", "is a directory"),
+    ):
         code, text = call(shardplan_cli.main, capsys, "validate", path)
         assert code == 2 and needle in text, text
     out = tmp_path / "run"
@@ -198,9 +254,14 @@ def test_special_and_oversized_files_are_refused_without_reading_them(tmp_path, 
 
 
 def test_sizes_are_bounded_before_jax_is_touched(tmp_path, capsys):
-    for axes, needle in (("{data: 200000}", "from 1 to 131072"), ("{data: 100000000000}", "from 1 to 131072"),
-                         ("{data: 1e11}", "valid integer"), ("{data: 1024, model: 1024}", "mesh-too-large"),
-                         ("{data: true}", "valid integer"), ("{_: 8}", "should match pattern")):
+    for axes, needle in (
+        ("{data: 200000}", "from 1 to 131072"),
+        ("{data: 100000000000}", "from 1 to 131072"),
+        ("{data: 1e11}", "valid integer"),
+        ("{data: 1024, model: 1024}", "mesh-too-large"),
+        ("{data: true}", "valid integer"),
+        ("{_: 8}", "should match pattern"),
+    ):
         plan = tmp_path / "plan.yaml"
         plan.write_text(f"version: 1\nmesh: {{axes: {axes}}}\n{GOOD_PARAMS}")
         code, text = call(shardplan_cli.main, capsys, "validate", plan, "--model", "minigpt_model:MiniGPT")
@@ -208,23 +269,32 @@ def test_sizes_are_bounded_before_jax_is_touched(tmp_path, capsys):
     plan.write_text(f"version: true\nmesh: {{axes: {{data: 8}}}}\n{GOOD_PARAMS}")
     code, text = call(shardplan_cli.main, capsys, "validate", plan)
     assert code == 1 and "version must be the integer 1" in text
-    for argv, needle in ((["validate", PLANS / "minigpt_dp.yaml", "--devices", "200000"], "from 1 to 131,072"),
-                         (["auto", "--model", "minigpt_model:MiniGPT", "--devices", "200000", "-o", tmp_path / "a.yaml"],
-                          "from 1 to 131,072"),
-                         (["auto", "--model", "minigpt_model:MiniGPT", "--devices", "1e11", "-o", tmp_path / "a.yaml"],
-                          "requires an integer")):
+    for argv, needle in (
+        (["validate", PLANS / "minigpt_dp.yaml", "--devices", "200000"], "from 1 to 131,072"),
+        (
+            ["auto", "--model", "minigpt_model:MiniGPT", "--devices", "200000", "-o", tmp_path / "a.yaml"],
+            "from 1 to 131,072",
+        ),
+        (
+            ["auto", "--model", "minigpt_model:MiniGPT", "--devices", "1e11", "-o", tmp_path / "a.yaml"],
+            "requires an integer",
+        ),
+    ):
         code, text = call(shardplan_cli.main, capsys, *argv)
         assert code == 2 and needle in text, text
 
 
 # ------------------------------------------------------------------------------------- text is text
 
+
 def test_plan_text_and_hints_are_printed_verbatim(tmp_path, capsys):
     plan = tmp_path / "plan.yaml"
-    plan.write_text("version: 1\nmodel: {factory: 'minigpt_model:MiniGPT'}\nmesh: {axes: {data: 8}}\nparams:\n"
-                    "  - {match: 'output_layer[/]kernel', spec: [null, data]}\n"
-                    "  - {match: '[a-z_]+/kernel', spec: replicated}\n  - {match: '[bold]x[/]', spec: []}\n"
-                    "  - {match: '.*', spec: replicated}\n")
+    plan.write_text(
+        "version: 1\nmodel: {factory: 'minigpt_model:MiniGPT'}\nmesh: {axes: {data: 8}}\nparams:\n"
+        "  - {match: 'output_layer[/]kernel', spec: [null, data]}\n"
+        "  - {match: '[a-z_]+/kernel', spec: replicated}\n  - {match: '[bold]x[/]', spec: []}\n"
+        "  - {match: '.*', spec: replicated}\n"
+    )
     code, text = call(shardplan_cli.main, capsys, "explain", plan, "output_layer/kernel")
     assert code == 0 and "rule #1 'output_layer[/]kernel'" in text, text
     code, text = call(shardplan_cli.main, capsys, "validate", plan)
@@ -235,10 +305,14 @@ def test_plan_text_and_hints_are_printed_verbatim(tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- the mesh given is checked
 
+
 def test_the_mesh_given_is_the_mesh_checked():
     from flax import nnx
-    plan = shardplan.parse_plan("version: 1\nmesh: {axes: {data: 4, model: 2}}\n"
-                                "params:\n  - {match: 'kernel', spec: [null, model]}\n  - {match: '.*', spec: []}\n")
+
+    plan = shardplan.parse_plan(
+        "version: 1\nmesh: {axes: {data: 4, model: 2}}\n"
+        "params:\n  - {match: 'kernel', spec: [null, model]}\n  - {match: '.*', spec: []}\n"
+    )
     model = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
     auto = (jax.sharding.AxisType.Auto,) * 2
     for shape, names in (((2, 4), ("data", "model")), ((4, 2), ("x", "y")), ((2, 4), ("model", "data"))):
@@ -254,41 +328,64 @@ def test_the_mesh_given_is_the_mesh_checked():
 
 # ------------------------------------------------------------------------------ usage mistakes: never 3
 
-@pytest.mark.parametrize("argv, expected, needle", [
-    (["inspect", "plans/minigpt_dp.yaml", "--seq", "-5"], 2, "--seq: requires an integer from 1 to 1,048,576"),
-    (["inspect", "plans/minigpt_dp.yaml", "--batch", "0"], 2, "--batch: requires an integer from 1 to 16,777,216"),
-    (["inspect", "plans/minigpt_dp.yaml", "--seq", "10000000000"], 2, "--seq: requires an integer from 1 to"),
-    (["inspect", "plans/minigpt_dp.yaml", "--batch", "100000000000000000000000"], 2, "--batch: requires an integer"),
-    (["auto", "--model", "minigpt_model:MiniGPT", "--devices", "8", "--memory-per-device", "99999999999999999999PiB",
-      "-o", "x.yaml"],
-     2, "size"),
-    (["validate", "plans/minigpt_dp.yaml", "--config", "num_heads=0"], 2, "num_heads"),
-    (["validate", "plans/minigpt_dp.yaml", "--config", "num_heads=3"], 2, "failed"),
-    (["validate", "plans/minigpt_dp.yaml", "--config", "embed_dim=[1,"], 2, "not a YAML value"),
-    (["validate", "plans/minigpt_dp.yaml", "--config", "=4"], 2, "key=value"),
-    (["validate", "plans/minigpt_dp.yaml", "--model", "nope"], 2, "module:callable"),
-    (["auto", "--model", "minigpt_model:MiniGPT", "--devices", "8", "--seq", "0", "-o", "x.yaml"], 2, "--seq"),
-    (["auto", "--model", "minigpt_model:MiniGPT", "--devices", "8", "-o", "x.toml"], 2, "name the output .yaml"),
-    (["auto", "--model", "minigpt_model:MiniGPT", "--devices", "8", "--hosts", "3", "-o", "x.yaml"], 2, "--hosts"),
-])
+
+@pytest.mark.parametrize(
+    "argv, expected, needle",
+    [
+        (["inspect", "plans/minigpt_dp.yaml", "--seq", "-5"], 2, "--seq: requires an integer from 1 to 1,048,576"),
+        (["inspect", "plans/minigpt_dp.yaml", "--batch", "0"], 2, "--batch: requires an integer from 1 to 16,777,216"),
+        (["inspect", "plans/minigpt_dp.yaml", "--seq", "10000000000"], 2, "--seq: requires an integer from 1 to"),
+        (
+            ["inspect", "plans/minigpt_dp.yaml", "--batch", "100000000000000000000000"],
+            2,
+            "--batch: requires an integer",
+        ),
+        (
+            [
+                "auto",
+                "--model",
+                "minigpt_model:MiniGPT",
+                "--devices",
+                "8",
+                "--memory-per-device",
+                "99999999999999999999PiB",
+                "-o",
+                "x.yaml",
+            ],
+            2,
+            "size",
+        ),
+        (["validate", "plans/minigpt_dp.yaml", "--config", "num_heads=0"], 2, "num_heads"),
+        (["validate", "plans/minigpt_dp.yaml", "--config", "num_heads=3"], 2, "failed"),
+        (["validate", "plans/minigpt_dp.yaml", "--config", "embed_dim=[1,"], 2, "not a YAML value"),
+        (["validate", "plans/minigpt_dp.yaml", "--config", "=4"], 2, "key=value"),
+        (["validate", "plans/minigpt_dp.yaml", "--model", "nope"], 2, "module:callable"),
+        (["auto", "--model", "minigpt_model:MiniGPT", "--devices", "8", "--seq", "0", "-o", "x.yaml"], 2, "--seq"),
+        (["auto", "--model", "minigpt_model:MiniGPT", "--devices", "8", "-o", "x.toml"], 2, "name the output .yaml"),
+        (["auto", "--model", "minigpt_model:MiniGPT", "--devices", "8", "--hosts", "3", "-o", "x.yaml"], 2, "--hosts"),
+    ],
+)
 def test_shardplan_usage_mistakes(capsys, argv, expected, needle):
     code, text = call(shardplan_cli.main, capsys, *argv)
     assert code == expected and needle in text, text
     no_bug(code, text)
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--checkpoint-every", "0"], "--checkpoint-every: requires a value >= 1"),
-    (["--eval-every", "0"], "--eval-every"),
-    (["--batch-size", "0"], "--batch-size"),
-    (["--steps", "-5"], "--steps"),
-    (["--devices", "0"], "--devices"),
-    (["--lr", "nan"], "--lr"),
-    (["--config", "num_heads=3"], "cannot build MiniGPT"),
-    (["--config", "num_heads=0"], "cannot build MiniGPT"),
-    (["--config", "embed_dim=[1,"], "not a YAML value"),
-    (["--config", "no_such_setting=1"], "no_such_setting"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--checkpoint-every", "0"], "--checkpoint-every: requires a value >= 1"),
+        (["--eval-every", "0"], "--eval-every"),
+        (["--batch-size", "0"], "--batch-size"),
+        (["--steps", "-5"], "--steps"),
+        (["--devices", "0"], "--devices"),
+        (["--lr", "nan"], "--lr"),
+        (["--config", "num_heads=3"], "cannot build MiniGPT"),
+        (["--config", "num_heads=0"], "cannot build MiniGPT"),
+        (["--config", "embed_dim=[1,"], "not a YAML value"),
+        (["--config", "no_such_setting=1"], "no_such_setting"),
+    ],
+)
 def test_minigpt_train_usage_mistakes_write_nothing(tmp_path, capsys, argv, needle):
     out = tmp_path / "run"
     code, text = call(minigpt_cli.main, capsys, "train", "--out", out, "--steps", "2", *TINY_ARGS, *argv)
@@ -300,10 +397,15 @@ def test_out_that_cannot_be_written_is_refused_before_training(tmp_path, capsys)
     afile = tmp_path / "afile"
     afile.write_text("keep me")
     outs = [afile, afile / "run"]
-    readonly = tmp_path / "readonly"     # root ignores permission bits; a read-only mount stops it too
+    readonly = tmp_path / "readonly"  # root ignores permission bits; a read-only mount stops it too
     readonly.mkdir()
-    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs",
-                                                    str(readonly)], capture_output=True).returncode == 0
+    mounted = (
+        os.geteuid() == 0
+        and subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(readonly)], capture_output=True
+        ).returncode
+        == 0
+    )
     if not mounted:
         readonly.chmod(0o500)
     if mounted or os.geteuid() != 0:
@@ -324,8 +426,11 @@ def test_interrupts_and_real_bugs_have_their_own_exit_statuses(capsys, monkeypat
 
     def broken(args, console):
         raise RuntimeError("a bug of ours")
-    for main, module, handler in ((shardplan_cli.main, shardplan_cli, "_schema"),
-                                  (minigpt_cli.main, minigpt_cli, "_launch")):
+
+    for main, module, handler in (
+        (shardplan_cli.main, shardplan_cli, "_schema"),
+        (minigpt_cli.main, minigpt_cli, "_launch"),
+    ):
         argv = ["schema"] if module is shardplan_cli else ["launch", "--local", "2", "--", "train"]
         monkeypatch.setattr(module, handler, interrupted)
         code, text = call(main, capsys, *argv)
@@ -338,9 +443,20 @@ def test_interrupts_and_real_bugs_have_their_own_exit_statuses(capsys, monkeypat
 
 # ------------------------------------------------------------------------- runs: same run, lock, damage
 
+
 def tiny_config(out, **changes) -> TrainConfig:
-    settings_ = dict(out=str(out), steps=6, batch_size=16, lr=3e-3, warmup_steps=2, eval_every=100, eval_batches=1,
-                     checkpoint_every=2, model=TINY, sample_tokens=0)
+    settings_ = dict(
+        out=str(out),
+        steps=6,
+        batch_size=16,
+        lr=3e-3,
+        warmup_steps=2,
+        eval_every=100,
+        eval_batches=1,
+        checkpoint_every=2,
+        model=TINY,
+        sample_tokens=0,
+    )
     return TrainConfig(**{**settings_, **changes})
 
 
@@ -366,8 +482,23 @@ def test_resume_of_another_run_is_refused_with_the_differences(finished_run, tmp
     assert "seed 0 -> 1" in message and "lr 0.003 -> 0.01" in message and "batch_size 16 -> 8" in message
     data = tmp_path / "other.txt"
     data.write_text("Another story entirely. " * 400)
-    code, text = call(minigpt_cli.main, capsys, "train", "--out", out, "--resume", "--data", data, "--steps", "6",
-                      "--batch-size", "16", "--warmup-steps", "2", *TINY_ARGS)
+    code, text = call(
+        minigpt_cli.main,
+        capsys,
+        "train",
+        "--out",
+        out,
+        "--resume",
+        "--data",
+        data,
+        "--steps",
+        "6",
+        "--batch-size",
+        "16",
+        "--warmup-steps",
+        "2",
+        *TINY_ARGS,
+    )
     assert code == 1 and "data_sha256" in text and "start a new run with another --out" in text, text
     # What may change: the plan, the length, the intervals.
     more = train(tiny_config(out, resume=True, steps=8, plan=str(PLANS / "minigpt_fsdp.toml"), checkpoint_every=8))
@@ -377,19 +508,41 @@ def test_resume_of_another_run_is_refused_with_the_differences(finished_run, tmp
 def test_a_second_trainer_is_refused_and_a_dead_holders_lock_is_not(finished_run, tmp_path, capsys):
     out = copy_run(finished_run, tmp_path)
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; from minigpt_model.trainer import RunLock;"
-                               "lock = RunLock.acquire(Path(sys.argv[1])); print('locked', flush=True); time.sleep(600)",
-         str(out)], cwd=REPO, stdout=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; from minigpt_model.trainer import RunLock;"
+            "lock = RunLock.acquire(Path(sys.argv[1])); print('locked', flush=True); time.sleep(600)",
+            str(out),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
-        code, text = call(minigpt_cli.main, capsys, "train", "--out", out, "--resume", "--steps", "6", "--batch-size",
-                          "16", "--warmup-steps", "2", *TINY_ARGS)
+        code, text = call(
+            minigpt_cli.main,
+            capsys,
+            "train",
+            "--out",
+            out,
+            "--resume",
+            "--steps",
+            "6",
+            "--batch-size",
+            "16",
+            "--warmup-steps",
+            "2",
+            *TINY_ARGS,
+        )
         assert code == 1 and f"in use by another trainer (pid {holder.pid} on host" in text, text
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
-    assert f"pid {holder.pid}" in (out / ".lock").read_text()     # the dead holder's note is still there...
-    result = train(tiny_config(out, resume=True, steps=7, checkpoint_every=7))   # ...but the lock is free
+    assert f"pid {holder.pid}" in (out / ".lock").read_text()  # the dead holder's note is still there...
+    result = train(tiny_config(out, resume=True, steps=7, checkpoint_every=7))  # ...but the lock is free
     assert sorted(result.losses) == [7]
 
 
@@ -403,8 +556,10 @@ def _empty(step_dir: Path) -> None:
 
 
 def _flip_bits(step_dir: Path) -> None:
-    target = max((p for p in (step_dir / "model").rglob("*") if p.is_file() and p.parent.name == "d"),
-                 key=lambda p: p.stat().st_size)
+    target = max(
+        (p for p in (step_dir / "model").rglob("*") if p.is_file() and p.parent.name == "d"),
+        key=lambda p: p.stat().st_size,
+    )
     data = bytearray(target.read_bytes())
     data[len(data) // 2] ^= 0x10
     target.write_bytes(bytes(data))
@@ -425,6 +580,7 @@ def _checksums_not_a_map(step_dir: Path) -> None:
 def _data_step_not_a_count(step_dir: Path) -> None:
     """Metadata rewritten by hand, its checksums recomputed to match."""
     from minigpt_model.checkpoint import CHECKSUMS, _file_digests
+
     meta_file = step_dir / "meta" / "metadata"
     meta = json.loads(meta_file.read_text())
     meta["data_step"] = "abc"
@@ -433,24 +589,43 @@ def _data_step_not_a_count(step_dir: Path) -> None:
 
 
 # (a damaged metadata file is caught by the same checksums as flipped bits; an emptied step has none)
-@pytest.mark.parametrize("damage", [full(_damage_meta), _empty, _flip_bits, _fifo_in_place, full(_checksums_not_a_map),
-                                    full(_data_step_not_a_count)])
+@pytest.mark.parametrize(
+    "damage",
+    [full(_damage_meta), _empty, _flip_bits, _fifo_in_place, full(_checksums_not_a_map), full(_data_step_not_a_count)],
+)
 def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_redone_exactly(finished_run, tmp_path, capsys, damage):
     out = copy_run(finished_run, tmp_path)
     damage(out / "checkpoints" / "6")
     if damage is _flip_bits:
         assert verify(out / "checkpoints" / "6") and "differ from what was saved" in verify(out / "checkpoints" / "6")
-        with (out / "metrics.jsonl").open("a") as handle:     # and a line torn by a crash mid-write
+        with (out / "metrics.jsonl").open("a") as handle:  # and a line torn by a crash mid-write
             handle.write('{"step": 7, "lo')
     code, text = call(minigpt_cli.main, capsys, "sample", "--checkpoint", out, "--max-tokens", "5")
     assert code == 0 and "checkpoint step 6" in text and "damaged" in text, text
-    code, text = call(minigpt_cli.main, capsys, "train", "--out", out, "--resume", "--steps", "6", "--batch-size",
-                      "16", "--warmup-steps", "2", "--checkpoint-every", "2", "--eval-every", "100", *TINY_ARGS)
+    code, text = call(
+        minigpt_cli.main,
+        capsys,
+        "train",
+        "--out",
+        out,
+        "--resume",
+        "--steps",
+        "6",
+        "--batch-size",
+        "16",
+        "--warmup-steps",
+        "2",
+        "--checkpoint-every",
+        "2",
+        "--eval-every",
+        "100",
+        *TINY_ARGS,
+    )
     assert code == 0 and "checkpoint step 6" in text and "resumed from step 4" in text, text
     no_bug(code, text)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
-    assert records[-1]["loss"] == finished_run[1][6]                  # the same run, exactly
+    assert records[-1]["loss"] == finished_run[1][6]  # the same run, exactly
     assert len(list((out / "damaged").iterdir())) == 1 and verify(out / "checkpoints" / "6") is None
 
 
@@ -490,18 +665,43 @@ def test_a_full_disk_ends_with_one_message_and_loses_nothing(tmp_path):
     at the third save."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4500k", "tmpfs", str(disk)],
-                                                   capture_output=True).returncode == 0
+    mounted = (
+        os.geteuid() == 0
+        and subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=4500k", "tmpfs", str(disk)], capture_output=True
+        ).returncode
+        == 0
+    )
     out = disk / "run"
-    argv = ["train", "--out", str(out), "--steps", "12", "--batch-size", "16", "--warmup-steps", "2",
-            "--checkpoint-every", "2", "--eval-every", "100", "--devices", "8", *TINY_ARGS]
-    command = [sys.executable, "-m", "minigpt_model.cli", *argv] if mounted else [sys.executable, "-c",
-                                                                                   FULL_DISK_SCRIPT, *argv]
+    argv = [
+        "train",
+        "--out",
+        str(out),
+        "--steps",
+        "12",
+        "--batch-size",
+        "16",
+        "--warmup-steps",
+        "2",
+        "--checkpoint-every",
+        "2",
+        "--eval-every",
+        "100",
+        "--devices",
+        "8",
+        *TINY_ARGS,
+    ]
+    command = (
+        [sys.executable, "-m", "minigpt_model.cli", *argv]
+        if mounted
+        else [sys.executable, "-c", FULL_DISK_SCRIPT, *argv]
+    )
     try:
-        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
-                                env={**os.environ, "PYTHONPATH": str(REPO)})
+        result = subprocess.run(
+            command, cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)}
+        )
         assert result.returncode == 1, result.stderr
-        lines = result.stderr.strip().splitlines()       # one message, wrapped at the width: continuations indented
+        lines = result.stderr.strip().splitlines()  # one message, wrapped at the width: continuations indented
         assert lines[0].startswith("error: ") and all(line.startswith("    ") for line in lines[1:]), result.stderr
         assert "the disk is full" in result.stderr, result.stderr
         assert "Traceback" not in result.stdout + result.stderr
@@ -519,8 +719,33 @@ def test_a_full_disk_ends_with_one_message_and_loses_nothing(tmp_path):
 # ------------------------------------------------------------------------------ property-based CLI run
 
 SHIPPED_TEXT = [(PLANS / name).read_text() for name in ("minigpt_dp.yaml", "minigpt_tp.yaml", "minigpt_3d.yaml")]
-WORDS = ["data", "model", "stage", "-1", "0", "100000", "null", "[", "]", "{", "}", ":", "'", "*a", "&a", "\n",
-         "replicated", "1f1b", "interleaved", "'.*'", "'(a+)+'", "[data, data]", "true", "1e11", "!!python/name:os.system"]
+WORDS = [
+    "data",
+    "model",
+    "stage",
+    "-1",
+    "0",
+    "100000",
+    "null",
+    "[",
+    "]",
+    "{",
+    "}",
+    ":",
+    "'",
+    "*a",
+    "&a",
+    "\n",
+    "replicated",
+    "1f1b",
+    "interleaved",
+    "'.*'",
+    "'(a+)+'",
+    "[data, data]",
+    "true",
+    "1e11",
+    "!!python/name:os.system",
+]
 
 
 @st.composite
@@ -531,35 +756,67 @@ def mutated_plan(draw):
     for _ in range(draw(st.integers(1, 4))):
         at = draw(st.integers(0, len(text)))
         cut = draw(st.integers(0, 12))
-        text = text[:at] + draw(st.sampled_from(WORDS)) + text[at + cut:]
+        text = text[:at] + draw(st.sampled_from(WORDS)) + text[at + cut :]
     return text
 
 
-OPTIONS = st.lists(st.sampled_from([
-    ["--devices", "8"], ["--devices", "4"], ["--devices", "0"], ["--devices", "-3"], ["--seq", "-5"], ["--seq", "16"],
-    ["--batch", "0"], ["--batch", "8"], ["--device", "3"], ["--device", "99"], ["--json"], ["--plan-only"],
-    ["--config", "num_heads=0"], ["--config", "num_heads=3"], ["--config", "embed_dim=[1,"], ["--trust-plan"],
-    ["--model", "minigpt_model:MiniGPT", *MINIGPT_TINY], ["--model", "os:system"], ["--profile", "nope"],
-    ["--all-params"]]), max_size=4)
+OPTIONS = st.lists(
+    st.sampled_from(
+        [
+            ["--devices", "8"],
+            ["--devices", "4"],
+            ["--devices", "0"],
+            ["--devices", "-3"],
+            ["--seq", "-5"],
+            ["--seq", "16"],
+            ["--batch", "0"],
+            ["--batch", "8"],
+            ["--device", "3"],
+            ["--device", "99"],
+            ["--json"],
+            ["--plan-only"],
+            ["--config", "num_heads=0"],
+            ["--config", "num_heads=3"],
+            ["--config", "embed_dim=[1,"],
+            ["--trust-plan"],
+            ["--model", "minigpt_model:MiniGPT", *MINIGPT_TINY],
+            ["--model", "os:system"],
+            ["--profile", "nope"],
+            ["--all-params"],
+        ]
+    ),
+    max_size=4,
+)
 
 
 @pytest.mark.parametrize("command", ["validate", "inspect", "explain", "diff", "params"])
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
-@given(plan=mutated_plan(), options=OPTIONS,
-       path=st.sampled_from(["output_layer/kernel", "transformer_blocks/99/x", "[", ""]))
+@given(
+    plan=mutated_plan(),
+    options=OPTIONS,
+    path=st.sampled_from(["output_layer/kernel", "transformer_blocks/99/x", "[", ""]),
+)
 def test_random_arguments_and_mutated_plans_never_crash(tmp_path_factory, capsys, command, plan, options, path):
     folder = tmp_path_factory.mktemp("fuzz")
     plan_file = folder / "plan.yaml"
     plan_file.write_text(plan)
     flat = [a for option in options for a in option]
     if command == "explain":
-        argv = ["explain", plan_file, path] + (["--model", "minigpt_model:MiniGPT", *MINIGPT_TINY] if "--json" in flat
-                                               else [])
+        argv = ["explain", plan_file, path] + (
+            ["--model", "minigpt_model:MiniGPT", *MINIGPT_TINY] if "--json" in flat else []
+        )
     elif command == "diff":
         argv = ["diff", plan_file, PLANS / "minigpt_dp.yaml", *[a for a in flat if a not in ("--device", "--seq")]]
     elif command == "params":
-        argv = ["params", "--model", "minigpt_model:MiniGPT", *MINIGPT_TINY, "--plan", plan_file,
-                *[a for a in flat if a in ("--json", "--all-params")]]
+        argv = [
+            "params",
+            "--model",
+            "minigpt_model:MiniGPT",
+            *MINIGPT_TINY,
+            "--plan",
+            plan_file,
+            *[a for a in flat if a in ("--json", "--all-params")],
+        ]
     else:
         argv = [command, plan_file, *flat]
     code, text = call(shardplan_cli.main, capsys, *argv)
@@ -570,12 +827,38 @@ def test_random_arguments_and_mutated_plans_never_crash(tmp_path_factory, capsys
 
 
 # `auto` reads no plan: each of its odd arguments once (drawn at random, 25 runs repeated these ten)
-@pytest.mark.parametrize("extra", [[], ["--json"], ["--config", "num_heads=3"], ["--seq", "0"], ["--top", "0"],
-                                   ["--memory-per-device", "1KiB"], ["--memory-per-device", "lots"], ["--hosts", "3"],
-                                   ["--profile", "tpu-v9"], ["--batch", "7"]], ids=lambda e: " ".join(e) or "none")
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        ["--json"],
+        ["--config", "num_heads=3"],
+        ["--seq", "0"],
+        ["--top", "0"],
+        ["--memory-per-device", "1KiB"],
+        ["--memory-per-device", "lots"],
+        ["--hosts", "3"],
+        ["--profile", "tpu-v9"],
+        ["--batch", "7"],
+    ],
+    ids=lambda e: " ".join(e) or "none",
+)
 def test_auto_with_odd_arguments_never_crashes(tmp_path, capsys, extra):
-    code, text = call(shardplan_cli.main, capsys, "auto", "--model", "minigpt_model:MiniGPT", *MINIGPT_TINY,
-                      "--devices", "8", "--profile", "cpu", "-o", tmp_path / "auto.yaml", *extra)
+    code, text = call(
+        shardplan_cli.main,
+        capsys,
+        "auto",
+        "--model",
+        "minigpt_model:MiniGPT",
+        *MINIGPT_TINY,
+        "--devices",
+        "8",
+        "--profile",
+        "cpu",
+        "-o",
+        tmp_path / "auto.yaml",
+        *extra,
+    )
     assert code in (0, 1, 2), (extra, text)
     no_bug(code, text)
 
@@ -584,17 +867,24 @@ def test_auto_with_odd_arguments_never_crashes(tmp_path, capsys, extra):
 _WRONG_COUNT_DEFAULT = {"minigpt_3d.yaml", "minigpt_pp4.yaml", "minigpt_moe_ep.yaml", "llama_logical.yaml"}
 
 
-@pytest.mark.parametrize("name", [name if name in _WRONG_COUNT_DEFAULT else full(name) for name in
-                                  sorted(p.name for p in PLANS.iterdir() if p.suffix in (".yaml", ".toml"))])
+@pytest.mark.parametrize(
+    "name",
+    [
+        name if name in _WRONG_COUNT_DEFAULT else full(name)
+        for name in sorted(p.name for p in PLANS.iterdir() if p.suffix in (".yaml", ".toml"))
+    ],
+)
 def test_every_shipped_plan_on_the_wrong_device_count_is_an_error_not_a_crash(name, tmp_path, capsys):
     """Found by the fuzzing above: a pipeline plan inspected on too few devices crashed the stage table."""
-    trust = [] if "minigpt" in (PLANS / name).read_text().split("factory:", 1)[-1].split("\n")[0] else \
-        ["--trust-plan", "--path", "tests"]          # a plan for a test model
+    trust = (
+        []
+        if "minigpt" in (PLANS / name).read_text().split("factory:", 1)[-1].split("\n")[0]
+        else ["--trust-plan", "--path", "tests"]
+    )  # a plan for a test model
     outputs = ([], ["--json", "--device", "1"], ["--svg", tmp_path / "plan.svg", "--device", "1"])
-    for devices, extras in (("4", outputs), ("16", outputs[:1])):       # too few (the crash), too many
+    for devices, extras in (("4", outputs), ("16", outputs[:1])):  # too few (the crash), too many
         for extra in extras:
-            code, text = call(shardplan_cli.main, capsys, "inspect", PLANS / name, "--devices", devices, *extra,
-                              *trust)
+            code, text = call(shardplan_cli.main, capsys, "inspect", PLANS / name, "--devices", devices, *extra, *trust)
             assert code in (0, 1), (devices, extra, text)
             no_bug(code, text)
 
@@ -608,13 +898,19 @@ def mutated_profile(draw):
     for _ in range(draw(st.integers(1, 4))):
         at = draw(st.integers(0, len(text)))
         cut = draw(st.integers(0, 12))
-        text = text[:at] + draw(st.sampled_from(WORDS + ["-1", "1.5", "80GiB", "lots", "1e400", "nan"])) + text[at + cut:]
+        text = (
+            text[:at] + draw(st.sampled_from(WORDS + ["-1", "1.5", "80GiB", "lots", "1e400", "nan"])) + text[at + cut :]
+        )
     return text
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
-@given(profile=mutated_profile(), extra=st.sampled_from([[], ["--compute-dtype", "bfloat16"],
-                                                         ["--memory-margin", "1.5"], ["--memory-margin", "0.5"]]))
+@given(
+    profile=mutated_profile(),
+    extra=st.sampled_from(
+        [[], ["--compute-dtype", "bfloat16"], ["--memory-margin", "1.5"], ["--memory-margin", "0.5"]]
+    ),
+)
 def test_mutated_profile_files_are_diagnostics_never_crashes(tmp_path_factory, capsys, profile, extra):
     folder = tmp_path_factory.mktemp("profile")
     path = folder / "profile.yaml"
@@ -622,32 +918,67 @@ def test_mutated_profile_files_are_diagnostics_never_crashes(tmp_path_factory, c
     code, text = call(shardplan_cli.main, capsys, "profiles", path)
     assert code in (0, 1, 2), text
     no_bug(code, text)
-    code, text = call(shardplan_cli.main, capsys, "auto", "--model", "minigpt_model:MiniGPT", *MINIGPT_TINY,
-                      "--devices", "8", "--profile", path, "-o", folder / "auto.yaml", *extra)
+    code, text = call(
+        shardplan_cli.main,
+        capsys,
+        "auto",
+        "--model",
+        "minigpt_model:MiniGPT",
+        *MINIGPT_TINY,
+        "--devices",
+        "8",
+        "--profile",
+        path,
+        "-o",
+        folder / "auto.yaml",
+        *extra,
+    )
     assert code in (0, 1, 2), text
     no_bug(code, text)
 
 
 def test_output_paths_that_cannot_be_written_are_usage_errors_before_any_work(tmp_path, capsys):
     (tmp_path / "dir.yaml").mkdir()
-    bad = [(tmp_path / "missing" / "plan.yaml", "there is no folder"), (tmp_path / "dir.yaml", "it is a directory"),
-           ("/dev/full", "No space left on device")]
+    bad = [
+        (tmp_path / "missing" / "plan.yaml", "there is no folder"),
+        (tmp_path / "dir.yaml", "it is a directory"),
+        ("/dev/full", "No space left on device"),
+    ]
     for output, needle in bad:
-        code, text = call(shardplan_cli.main, capsys, "convert", REPO / "docs" / "examples" / "partition_rules.py",
-                          "--mesh", "dp=4,mp=2", "-o", output)
+        code, text = call(
+            shardplan_cli.main,
+            capsys,
+            "convert",
+            REPO / "docs" / "examples" / "partition_rules.py",
+            "--mesh",
+            "dp=4,mp=2",
+            "-o",
+            output,
+        )
         assert code == 2 and needle in text, text
         no_bug(code, text)
     # auto refuses before its search; nothing is left behind
-    code, text = call(shardplan_cli.main, capsys, "auto", "--model", "minigpt_model:MiniGPT", "--devices", "8",
-                      "-o", tmp_path / "dir.yaml")
+    code, text = call(
+        shardplan_cli.main,
+        capsys,
+        "auto",
+        "--model",
+        "minigpt_model:MiniGPT",
+        "--devices",
+        "8",
+        "-o",
+        tmp_path / "dir.yaml",
+    )
     assert code == 2 and "it is a directory" in text and "candidates" not in text, text
     assert not list(tmp_path.glob(".*.tmp")) and not list((tmp_path / "dir.yaml").iterdir())
 
 
 def test_minigpt_train_refuses_an_empty_separator_and_a_seed_out_of_range(tmp_path, capsys):
-    for argv, needle in ((["--separator", ""], "--separator: requires a non-empty text"),
-                         (["--preemption-grace", "1e300"], "--preemption-grace: requires a value from 0.0 to 86400.0"),
-                         (["--seed", "9223372036854775807"], "--seed: requires a value from 0 to 4294967295")):
+    for argv, needle in (
+        (["--separator", ""], "--separator: requires a non-empty text"),
+        (["--preemption-grace", "1e300"], "--preemption-grace: requires a value from 0.0 to 86400.0"),
+        (["--seed", "9223372036854775807"], "--seed: requires a value from 0 to 4294967295"),
+    ):
         code, text = call(minigpt_cli.main, capsys, "train", "--out", tmp_path / "run", *argv)
         assert code == 2 and needle in text, text
         no_bug(code, text)
@@ -657,15 +988,20 @@ def test_a_plan_of_thousands_of_rules_is_checked_in_bounded_work(tmp_path, capsy
     """5,000 rules matching nothing: the fuzzy "paths look like" search runs for the first few only, and the
     output shows 20 warnings of a kind and counts the rest."""
     import difflib
+
     calls = []
     real = difflib.get_close_matches
     monkeypatch.setattr(difflib, "get_close_matches", lambda *a, **k: calls.append(1) or real(*a, **k))
     rules = "".join(f"  - {{match: 'transformer_blocks/{i}/x{i}', spec: replicated}}\n" for i in range(5000))
     plan = tmp_path / "many.yaml"
-    plan.write_text(f"version: 1\nmesh: {{axes: {{data: 8}}}}\ninputs: {{tokens: [data, null]}}\nparams:\n{rules}"
-                    "  - {match: '.*', spec: replicated}\n")
+    plan.write_text(
+        f"version: 1\nmesh: {{axes: {{data: 8}}}}\ninputs: {{tokens: [data, null]}}\nparams:\n{rules}"
+        "  - {match: '.*', spec: replicated}\n"
+    )
     code, text = call(shardplan_cli.main, capsys, "validate", plan, "--model", "minigpt_model:MiniGPT", *MINIGPT_TINY)
-    assert code == 0 and "valid: 5000 warning(s)" in text and "… and 4980 more warning[unused-rule]" in text, text[-500:]
+    assert code == 0 and "valid: 5000 warning(s)" in text and "… and 4980 more warning[unused-rule]" in text, text[
+        -500:
+    ]
     assert len(calls) <= 20 and text.count("warning[unused-rule] rule #") == 20
 
 
@@ -673,8 +1009,10 @@ def test_a_depth_past_what_can_be_laid_out_is_refused_not_expanded(tmp_path, cap
     """The built-in factory is trusted, so a contributed plan may name it with any depth: 10**8 blocks are
     refused from the shallow probes' count, before a parameter list of 1.6 billion entries is made."""
     plan = tmp_path / "deep.yaml"
-    plan.write_text("version: 1\nmodel: {factory: 'minigpt_model:MiniGPT', config: {num_transformer_blocks: 100000000}}\n"
-                    f"mesh: {{axes: {{data: 8}}}}\n{GOOD_PARAMS}")
+    plan.write_text(
+        "version: 1\nmodel: {factory: 'minigpt_model:MiniGPT', config: {num_transformer_blocks: 100000000}}\n"
+        f"mesh: {{axes: {{data: 8}}}}\n{GOOD_PARAMS}"
+    )
     for command in ("validate", "inspect"):
         code, text = call(shardplan_cli.main, capsys, command, plan)
         assert code == 2 and "1,600,000,000 parameter arrays" in text and "at most 1,000,000" in text, text
@@ -682,9 +1020,14 @@ def test_a_depth_past_what_can_be_laid_out_is_refused_not_expanded(tmp_path, cap
 
 def test_an_input_shape_whose_product_overflows_is_refused_not_aborted(tmp_path, capsys):
     plan = tmp_path / "big.yaml"
-    plan.write_text("version: 1\nmesh: {axes: {data: 8}}\ninputs: {tokens: {spec: [data, null], shape: "
-                    f"[2147483648, 2147483648, 2147483648]}}}}\n{GOOD_PARAMS}")
-    for argv in (["validate", plan, "--plan-only"], ["inspect", plan, "--model", "minigpt_model:MiniGPT", *MINIGPT_TINY]):
+    plan.write_text(
+        "version: 1\nmesh: {axes: {data: 8}}\ninputs: {tokens: {spec: [data, null], shape: "
+        f"[2147483648, 2147483648, 2147483648]}}}}\n{GOOD_PARAMS}"
+    )
+    for argv in (
+        ["validate", plan, "--plan-only"],
+        ["inspect", plan, "--model", "minigpt_model:MiniGPT", *MINIGPT_TINY],
+    ):
         code, text = call(shardplan_cli.main, capsys, *argv)
         assert code == 1 and "at most 1,099,511,627,776 (2**40) per input" in text, text
 
@@ -693,16 +1036,43 @@ def test_an_input_shape_whose_product_overflows_is_refused_not_aborted(tmp_path,
 def test_a_run_record_that_is_not_one_is_a_clear_error(finished_run, tmp_path, capsys, content):
     out = copy_run(finished_run, tmp_path)
     (out / "run.json").write_text(content)
-    code, text = call(minigpt_cli.main, capsys, "train", "--out", out, "--resume", "--steps", "6", "--batch-size",
-                      "16", "--warmup-steps", "2", "--checkpoint-every", "2", "--eval-every", "100", *TINY_ARGS)
+    code, text = call(
+        minigpt_cli.main,
+        capsys,
+        "train",
+        "--out",
+        out,
+        "--resume",
+        "--steps",
+        "6",
+        "--batch-size",
+        "16",
+        "--warmup-steps",
+        "2",
+        "--checkpoint-every",
+        "2",
+        "--eval-every",
+        "100",
+        *TINY_ARGS,
+    )
     assert code == 1 and "run.json is damaged" in text, text
     no_bug(code, text)
 
 
 # ------------------------------------------------------------------------------ the environment, mid-run
 
-RESUME_ARGS = ["--resume", "--batch-size", "16", "--warmup-steps", "2", "--checkpoint-every", "2", "--eval-every",
-               "100", *TINY_ARGS]
+RESUME_ARGS = [
+    "--resume",
+    "--batch-size",
+    "16",
+    "--warmup-steps",
+    "2",
+    "--checkpoint-every",
+    "2",
+    "--eval-every",
+    "100",
+    *TINY_ARGS,
+]
 
 
 @pytest.mark.parametrize("kind", ["directory", "fifo"])
@@ -720,15 +1090,20 @@ def small_disk(tmp_path):
     """A 16 MiB tmpfs (a real ENOSPC and EROFS from the kernel), when this runs as root."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)],
-                                           capture_output=True).returncode != 0:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("needs root to mount a small tmpfs (a full and a read-only file system)")
     yield disk
     subprocess.run(["umount", "-l", str(disk)], check=True)
 
 
 def _fill(disk: Path) -> None:
-    with open(disk / "filler", "wb", buffering=0) as filler:     # unbuffered: closing flushes nothing
+    with open(disk / "filler", "wb", buffering=0) as filler:  # unbuffered: closing flushes nothing
         try:
             while True:
                 filler.write(b"\0" * 4096)
@@ -746,7 +1121,7 @@ def test_a_full_disk_at_the_start_or_resume_is_one_message(finished_run, small_d
     code, text = call(minigpt_cli.main, capsys, "train", "--out", resumed, "--steps", "8", *RESUME_ARGS)
     assert code == 1 and "the disk is full" in text, text
     no_bug(code, text)
-    assert json.loads((resumed / "run.json").read_text())["settings"]["steps"] == 6      # the record is whole
+    assert json.loads((resumed / "run.json").read_text())["settings"]["steps"] == 6  # the record is whole
 
 
 def test_read_only_checkpoints_at_the_first_save_after_a_resume_is_one_message(finished_run, small_disk, capsys):
@@ -769,11 +1144,28 @@ def test_running_out_of_memory_says_so_not_a_bug(tmp_path):
     is reported as running out of memory, with what to change."""
     limit = 6 * 2**30
     result = subprocess.run(
-        [sys.executable, "-c", "import resource, sys; resource.setrlimit(resource.RLIMIT_AS, "
-                               f"({limit}, {limit})); from minigpt_model.cli import main; sys.exit(main(sys.argv[1:]))",
-         "train", "--out", str(tmp_path / "run"), "--steps", "2", "--devices", "8", *TINY_ARGS,
-         "--config=embed_dim=65536", "--config=feed_forward_dim=65536"],
-        cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+        [
+            sys.executable,
+            "-c",
+            "import resource, sys; resource.setrlimit(resource.RLIMIT_AS, "
+            f"({limit}, {limit})); from minigpt_model.cli import main; sys.exit(main(sys.argv[1:]))",
+            "train",
+            "--out",
+            str(tmp_path / "run"),
+            "--steps",
+            "2",
+            "--devices",
+            "8",
+            *TINY_ARGS,
+            "--config=embed_dim=65536",
+            "--config=feed_forward_dim=65536",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
     assert "out of memory" in result.stderr and "--config" in result.stderr, result.stderr[-2000:]
     assert "internal error" not in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]

@@ -47,7 +47,7 @@ def test_jit_step_takes_values_set_between_calls_and_compiles_once_per_static_va
     saved = jax.tree.map(lambda x: x, nnx.state((model, optimizer)))
     step = shardplan.jit_step(train_update, model, optimizer, static_argnames=("training",))
     first = float(step(tokens, targets, jax.random.key(0), training=False))
-    nnx.update((model, optimizer), saved)                    # as restoring a checkpoint does
+    nnx.update((model, optimizer), saved)  # as restoring a checkpoint does
     assert float(step(tokens, targets, jax.random.key(0), training=False)) == first
     step(tokens, targets, jax.random.key(0), training=True)
     assert len(step._compiled) == 2
@@ -59,6 +59,7 @@ def test_a_step_that_adds_a_variable_is_refused_with_a_clear_error():
     def grows(model, x):
         model.extra = nnx.Param(x.sum())
         return model(x).sum()
+
     with pytest.raises(ValueError, match="changed the structure of its model"):
         shardplan.jit_step(grows, model)(np.ones((1, 2), np.float32))
 
@@ -72,6 +73,7 @@ def test_a_donating_step_trains_the_same_and_frees_the_old_state():
         loss, grads = nnx.value_and_grad(lambda m: (m(x) ** 2).mean())(model)
         optimizer.update(model, grads)
         return loss
+
     x = np.ones((4, 2), np.float32)
     kept, donated = shardplan.jit_step(loss_step, *fresh()), shardplan.jit_step(loss_step, *fresh(), donate=True)
     old = donated._variables[0].get_raw_value()

@@ -69,25 +69,56 @@ def test_shipped_toml_and_yaml_forms_agree():
     assert toml_plan.locate("params", 2, "match")[0] > toml_plan.locate("params", 1, "match")[0]
 
 
-@pytest.mark.parametrize("text, code, line, needle", [
-    ("version: 1\nmesh:\n  axs: {data: 8}\nparams: [{match: '.*', spec: replicated}]\n",
-     "unknown-key", 3, "did you mean 'axes'"),
-    ("version: 1\nmesh: {axes: {data: 8}}\nparams:\n  - {match: '.*', spec: replicated, rule: 2}\n",
-     "unknown-key", 4, "params[0].rule"),
-    ("version: 1\nmesh: {axes: {data: 8}}\n", "missing-key", None, "'params'"),
-    ("version: 1\nmesh: {axes: {data: 8}}\nparams: [{match: '.*', spec: replicated}]\nunmatched: eror\n",
-     "invalid-value", 4, "did you mean 'error'"),
-    ("version: 1\nmesh: {axes: {data: 8}}\nparams:\n  - match: x\n    spec: [null, 3]\n",
-     "invalid-value", 5, "got 3"),
-    ("version: 1\nmesh: {axes: {data: -1, model: -1}}\nparams: [{match: '.*', spec: replicated}]\n",
-     "invalid-value", 2, "at most one mesh axis"),
-    ("version: 2\nmesh: {axes: {data: 8}}\nparams: [{match: '.*', spec: replicated}]\n",
-     "invalid-value", 1, "version"),
-    ("version: 1\nmesh: {axes: {data: 8}}\nmesh: {axes: {data: 4}}\nparams: [{match: '.*', spec: []}]\n",
-     "duplicate-key", 3, "'mesh'"),
-    ("version: 1\nmesh: {axes: {data: 8}\nparams: []\n", "syntax-error", 3, "invalid YAML"),
-    ("- just\n- a list\n", "invalid-value", 1, "mapping"),
-])
+@pytest.mark.parametrize(
+    "text, code, line, needle",
+    [
+        (
+            "version: 1\nmesh:\n  axs: {data: 8}\nparams: [{match: '.*', spec: replicated}]\n",
+            "unknown-key",
+            3,
+            "did you mean 'axes'",
+        ),
+        (
+            "version: 1\nmesh: {axes: {data: 8}}\nparams:\n  - {match: '.*', spec: replicated, rule: 2}\n",
+            "unknown-key",
+            4,
+            "params[0].rule",
+        ),
+        ("version: 1\nmesh: {axes: {data: 8}}\n", "missing-key", None, "'params'"),
+        (
+            "version: 1\nmesh: {axes: {data: 8}}\nparams: [{match: '.*', spec: replicated}]\nunmatched: eror\n",
+            "invalid-value",
+            4,
+            "did you mean 'error'",
+        ),
+        (
+            "version: 1\nmesh: {axes: {data: 8}}\nparams:\n  - match: x\n    spec: [null, 3]\n",
+            "invalid-value",
+            5,
+            "got 3",
+        ),
+        (
+            "version: 1\nmesh: {axes: {data: -1, model: -1}}\nparams: [{match: '.*', spec: replicated}]\n",
+            "invalid-value",
+            2,
+            "at most one mesh axis",
+        ),
+        (
+            "version: 2\nmesh: {axes: {data: 8}}\nparams: [{match: '.*', spec: replicated}]\n",
+            "invalid-value",
+            1,
+            "version",
+        ),
+        (
+            "version: 1\nmesh: {axes: {data: 8}}\nmesh: {axes: {data: 4}}\nparams: [{match: '.*', spec: []}]\n",
+            "duplicate-key",
+            3,
+            "'mesh'",
+        ),
+        ("version: 1\nmesh: {axes: {data: 8}\nparams: []\n", "syntax-error", 3, "invalid YAML"),
+        ("- just\n- a list\n", "invalid-value", 1, "mapping"),
+    ],
+)
 def test_structural_mistakes_give_code_line_and_culprit(write_plan, text, code, line, needle):
     with pytest.raises(shardplan.PlanError) as exc:
         shardplan.load_plan(write_plan(text))
@@ -142,14 +173,26 @@ def test_schema_is_json_with_descriptions():
 
 # ---------------------------------------------------------------- property-based: only PlanError escapes
 
-_scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 10), st.text(max_size=8),
-                     st.sampled_from(["data", "model", ".*", "replicated", "_", "(", "[0-", "even"]))
-_values = st.recursive(_scalars, lambda inner: st.one_of(
-    st.lists(inner, max_size=4),
-    st.dictionaries(st.sampled_from(["match", "spec", "axes", "data", "model", "tokens", "stage", "x"]), inner,
-                    max_size=4)), max_leaves=12)
-_keys = st.sampled_from(["version", "name", "model", "mesh", "inputs", "params", "unmatched", "optimizer",
-                         "pipeline", "paramz"])
+_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 10),
+    st.text(max_size=8),
+    st.sampled_from(["data", "model", ".*", "replicated", "_", "(", "[0-", "even"]),
+)
+_values = st.recursive(
+    _scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.dictionaries(
+            st.sampled_from(["match", "spec", "axes", "data", "model", "tokens", "stage", "x"]), inner, max_size=4
+        ),
+    ),
+    max_leaves=12,
+)
+_keys = st.sampled_from(
+    ["version", "name", "model", "mesh", "inputs", "params", "unmatched", "optimizer", "pipeline", "paramz"]
+)
 
 
 def _mutations(base: dict):

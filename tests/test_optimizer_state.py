@@ -24,8 +24,10 @@ MASTER = "precision: {params: bfloat16, master: float32}"
 
 
 def _params(model) -> dict:
-    return {jax.tree_util.keystr(k): np.asarray(v, np.float32)
-            for k, v in jax.tree.leaves_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))}
+    return {
+        jax.tree_util.keystr(k): np.asarray(v, np.float32)
+        for k, v in jax.tree.leaves_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    }
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +43,20 @@ def test_zero1_on_a_data_size_dividing_no_dim_splits_every_state_and_matches_one
     assert state_split(optimizer) == []
     reference, reference_losses = one_device
     np.testing.assert_allclose(losses, reference_losses, rtol=1e-5)
-    for path, value in _params(model).items():          # after 3 AdamW steps
-        if "['key']['bias']" not in path:   # softmax ignores it: its gradient is rounding noise, which Adam scales up
+    for path, value in _params(model).items():  # after 3 AdamW steps
+        if "['key']['bias']" not in path:  # softmax ignores it: its gradient is rounding noise, which Adam scales up
             np.testing.assert_allclose(value, reference[path], atol=1e-5, err_msg=path)
 
 
 def test_zero1_on_twelve_data_ranks_in_a_process_of_its_own(one_device):
-    run = subprocess.run([sys.executable, str(REPO / "tests" / "zero_runs.py"), "12"], capture_output=True,
-                         text=True, cwd=REPO, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO / "tests")})
+    run = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "zero_runs.py"), "12"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO / "tests")},
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     found = json.loads(run.stdout.strip().splitlines()[-1])
     assert found["whole"] == []
@@ -63,8 +71,13 @@ def test_the_report_counts_what_each_device_holds_under_master_weights_and_zero1
     report = shardplan.check(plan, model, mesh)
 
     def held(node, device):
-        return sum(shard.data.nbytes for _, v in nnx.to_flat_state(nnx.state(node))
-                   for shard in v.get_value().addressable_shards if shard.device == device and v.get_value().ndim)
+        return sum(
+            shard.data.nbytes
+            for _, v in nnx.to_flat_state(nnx.state(node))
+            for shard in v.get_value().addressable_shards
+            if shard.device == device and v.get_value().ndim
+        )
+
     device = mesh.devices.flat[0]
     assert held(nnx.state(model, nnx.Param), device) == report.devices[0].param_bytes
     assert held(optimizer.opt_state, device) == report.devices[0].opt_bytes
@@ -93,19 +106,20 @@ def test_master_weights_keep_what_bfloat16_parameters_round_away():
         np.testing.assert_array_equal(np.asarray(stored), np.asarray(kept.astype(stored.dtype)))
 
     def moved(extra):
-        tx = optax.adam(1e-4)                      # below half a bfloat16 step for weights above 0.03
+        tx = optax.adam(1e-4)  # below half a bfloat16 step for weights above 0.03
         _, model, _ = build(zero1_plan(4, extra), jax.devices()[:4], tx)
         before = np.asarray(model.output_layer.kernel.get_value(), np.float32)
         model, _, _ = train(zero1_plan(4, extra), jax.devices()[:4], batches(steps=5), tx)
         return (np.asarray(model.output_layer.kernel.get_value(), np.float32) != before).mean()
+
     without, with_masters = moved("precision: {params: bfloat16}"), moved(MASTER)
-    assert with_masters > 2 * without          # measured: 47% of the weights against 17%
+    assert with_masters > 2 * without  # measured: 47% of the weights against 17%
 
 
 def test_padded_state_and_masters_checkpoint_and_restore_on_other_data_sizes(tmp_path):
     model, optimizer, _ = train(zero1_plan(6, MASTER), jax.devices()[:6])
     saved = plain_state(optimizer)
-    assert saved["opt_state"]["inner"][0]["mu"]["output_layer"]["kernel"].shape == (64, 128)   # unpadded
+    assert saved["opt_state"]["inner"][0]["mu"]["output_layer"]["kernel"].shape == (64, 128)  # unpadded
     checkpoints = Checkpoints(tmp_path / "checkpoints")
     checkpoints.save(3, model, optimizer, {"step": 3})
     for data, padded in ((4, 128), (3, 129)):
@@ -120,7 +134,10 @@ def test_padded_state_and_masters_checkpoint_and_restore_on_other_data_sizes(tmp
 
 def test_master_weights_over_float32_parameters_are_refused_with_the_line():
     with pytest.raises(shardplan.PlanError) as exc:
-        shardplan.parse_plan("version: 1\nmesh: {axes: {data: 8}}\ninputs: {tokens: [data, null]}\n"
-                             "params: [{match: '.*', spec: []}]\nprecision: {master: float32}\n", file="m.yaml")
+        shardplan.parse_plan(
+            "version: 1\nmesh: {axes: {data: 8}}\ninputs: {tokens: [data, null]}\n"
+            "params: [{match: '.*', spec: []}]\nprecision: {master: float32}\n",
+            file="m.yaml",
+        )
     found = exc.value.errors[0]
     assert found.code == "invalid-value" and found.line == 5 and "set `params` to bfloat16" in found.message

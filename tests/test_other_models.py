@@ -43,6 +43,7 @@ def _losses(model, optimizer, batches, loss_of, place):
         optimizer.update(model, grads)
         shardplan.constrain(model, optimizer)
         return loss
+
     step = nnx.jit(step)
     return np.array([float(step(model, optimizer, place(x, "x"), place(y, "y"))) for x, y in batches])
 
@@ -60,6 +61,7 @@ def _compare(plan_text, build, batches, loss_of, input_name, write_plan):
 
     def place(array, _):
         return jax.device_put(array, jax.sharding.NamedSharding(mesh, data))
+
     got = _losses(model, optimizer, batches, loss_of, place)
     np.testing.assert_allclose(got, expected, rtol=1e-5)
     return plan, mesh, model
@@ -71,6 +73,7 @@ def test_llama_style_decoder_trains_like_single_device(write_plan):
 
     def loss_of(model, x, y):
         return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
     plan, mesh, model = _compare(LLAMA_PLAN, lambda: Llama(rngs=nnx.Rngs(0)), batches, loss_of, "tokens", write_plan)
     assert model.layers[1].attn.wk.kernel.get_value().sharding.spec == partition_spec((None, ("model",)))
     assert model.layers[0].mlp.down.kernel.get_value().sharding.spec == partition_spec((("model",),))
@@ -81,13 +84,17 @@ def test_llama_style_decoder_trains_like_single_device(write_plan):
 
 def test_conv_classifier_with_dict_and_batchnorm(write_plan):
     rng = np.random.default_rng(2)
-    batches = [(rng.normal(size=(8, 8, 8, 3)).astype(np.float32), rng.integers(0, 8, size=(8,)).astype(np.int32))
-               for _ in range(3)]
+    batches = [
+        (rng.normal(size=(8, 8, 8, 3)).astype(np.float32), rng.integers(0, 8, size=(8,)).astype(np.int32))
+        for _ in range(3)
+    ]
 
     def loss_of(model, x, y):
         return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
-    plan, mesh, model = _compare(CONV_PLAN, lambda: ConvClassifier(rngs=nnx.Rngs(0)), batches, loss_of, "images",
-                                 write_plan)
+
+    plan, mesh, model = _compare(
+        CONV_PLAN, lambda: ConvClassifier(rngs=nnx.Rngs(0)), batches, loss_of, "images", write_plan
+    )
     assert model.stages["body"].kernel.get_value().sharding.spec == partition_spec((None, None, None, ("data",)))
     # Non-parameter state (batch statistics) is replicated on the same mesh.
     assert model.norm.mean.get_value().sharding.is_fully_replicated

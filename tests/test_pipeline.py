@@ -17,20 +17,27 @@ import minigpt_model
 import shardplan
 from minigpt_model.steps import loss_fn, train_step
 from shardplan.pipeline.loop import stack, unstack
-from shardplan.checks.schedules import (OneFOneB, article_bubble, bubble_fraction, in_flight, max_in_flight,
-                                       timeline)
+from shardplan.checks.schedules import OneFOneB, article_bubble, bubble_fraction, in_flight, max_in_flight, timeline
 
 from conftest import PLANS, full
 
-CONFIG = dict(maxlen=16, vocab_size=128, embed_dim=64, num_heads=8, feed_forward_dim=128, num_transformer_blocks=8,
-              dropout_rate=0.0)
-GRAD_TOL = 1e-5     # absolute, float32; measured errors are ~1e-7
+CONFIG = dict(
+    maxlen=16,
+    vocab_size=128,
+    embed_dim=64,
+    num_heads=8,
+    feed_forward_dim=128,
+    num_transformer_blocks=8,
+    dropout_rate=0.0,
+)
+GRAD_TOL = 1e-5  # absolute, float32; measured errors are ~1e-7
 # AdamW turns summation-order noise in gradients that are truly zero (the attention key bias
 # cannot change a softmax) into full-size steps, so losses after 5 steps agree to ~1e-4, not 1e-7.
 ADAMW_RTOL = 2e-4
 
 
 # ------------------------------------------------------------------------------ schedules (pure)
+
 
 @pytest.mark.parametrize("microbatches", [4, 8, 16, 32])
 def test_bubbles_and_in_flight(microbatches):
@@ -41,21 +48,26 @@ def test_bubbles_and_in_flight(microbatches):
     assert bubble_fraction(one_f) == pytest.approx(bubble_fraction(gpipe))
     assert bubble_fraction(inter) == pytest.approx((stages - 1) / (2 * microbatches + stages - 1))
     assert bubble_fraction(inter) < bubble_fraction(gpipe) < article_bubble(stages)
-    assert max_in_flight(gpipe) == microbatches                 # GPipe keeps every microbatch
-    assert max_in_flight(one_f) <= 2 * stages - 1               # 1F1B: bounded by stages, not microbatches
+    assert max_in_flight(gpipe) == microbatches  # GPipe keeps every microbatch
+    assert max_in_flight(one_f) <= 2 * stages - 1  # 1F1B: bounded by stages, not microbatches
     # between ticks 1F1B's stage s keeps 2(S-1-s) microbatches (the last: none; at most M), GPipe's all M
     assert in_flight(one_f) == [min(microbatches, 2 * (stages - 1 - s)) for s in range(stages)]
     assert in_flight(gpipe) == [microbatches] * stages
     # the tables the training step runs (under `model_loss`) are these timelines, with a stash slot per
     # microbatch in flight; GPipe's last stage keeps each loss gradient until its backward
-    tables, circular = OneFOneB.of(stages, microbatches, 1, "gpipe"), OneFOneB.of(stages, microbatches, 2, "interleaved")
+    tables, circular = (
+        OneFOneB.of(stages, microbatches, 1, "gpipe"),
+        OneFOneB.of(stages, microbatches, 2, "interleaved"),
+    )
     for grid, table in ((gpipe, tables), (one_f, OneFOneB.of(stages, microbatches)), (inter, circular)):
         assert len(grid) == table.ticks and max_in_flight(grid) <= table.slots <= max_in_flight(grid) + 1
         for t, tick in enumerate(grid):
             for s, works in enumerate(tick):
                 assert {(w.kind, w.microbatch, w.chunk) for w in works} == {
-                    (kind, *row[s][t]) for kind, row in (("F", table.forward), ("B", table.backward))
-                    if row[s][t] is not None}
+                    (kind, *row[s][t])
+                    for kind, row in (("F", table.forward), ("B", table.backward))
+                    if row[s][t] is not None
+                }
     assert tables.head_waits and not OneFOneB.of(stages, microbatches).head_waits
     # the cost model's closed form of them
     assert (tables.ticks, tables.slots) == (2 * (microbatches + stages - 1), microbatches)
@@ -63,13 +75,16 @@ def test_bubbles_and_in_flight(microbatches):
     # the circular schedule's chunk-to-chunk arrivals: every microbatch once each way per chunk boundary,
     # none before its sender ran it, none after its receiver needs it
     arrive_f, arrive_b = circular.looped()
-    for arrivals, sender, receiver, chunk_of in ((arrive_f, circular.forward[-1], circular.forward[0], 1),
-                                                 (arrive_b, circular.backward[0], circular.backward[-1], -1)):
+    for arrivals, sender, receiver, chunk_of in (
+        (arrive_f, circular.forward[-1], circular.forward[0], 1),
+        (arrive_b, circular.backward[0], circular.backward[-1], -1),
+    ):
         assert sorted(m for m in arrivals if m >= 0) == list(range(microbatches))
         for t, m in enumerate(arrivals):
             if m >= 0:
-                sent, = (work for work in sender[:t] if work is not None and work[0] == m and
-                         0 <= work[1] + chunk_of < 2)
+                (sent,) = (
+                    work for work in sender[:t] if work is not None and work[0] == m and 0 <= work[1] + chunk_of < 2
+                )
                 due = receiver.index((m, sent[1] + chunk_of))
                 assert sender.index(sent) == t - 1 and due >= t
     assert circular.loops and not tables.loops
@@ -94,18 +109,22 @@ def test_zero_bubble_tables(stages, microbatches):
     after its neighbour sent it), the formula's bubble, at most S microbatches in flight, and buffer
     slots never overwritten before they are read."""
     from shardplan.checks.schedules import ZeroBubble
+
     S, M = stages, microbatches
     table = ZeroBubble.of(S, M)
     grid = timeline("zb-h1", S, M)
     at = _tick_of_each_op(grid, lambda s, w: s)
     assert len(at) == 3 * S * M
     for (kind, s, m), t in at.items():
-        reads = {"F": [("F", s - 1, m)] if s else [], "W": [("B", s, m)],
-                 "B": [("F", s, m)] + ([("B", s + 1, m)] if s < S - 1 else [])}[kind]
+        reads = {
+            "F": [("F", s - 1, m)] if s else [],
+            "W": [("B", s, m)],
+            "B": [("F", s, m)] + ([("B", s + 1, m)] if s < S - 1 else []),
+        }[kind]
         assert all(at[r] < t for r in reads), (kind, s, m)
     if M >= S:
         assert table.ticks == 3 * M + S - 1
-        assert bubble_fraction(grid) == pytest.approx((S - 1) / (3 * M + S - 1))    # (S-1)(F+B-W), F=B=W
+        assert bubble_fraction(grid) == pytest.approx((S - 1) / (3 * M + S - 1))  # (S-1)(F+B-W), F=B=W
         assert bubble_fraction(grid) < bubble_fraction(timeline("1f1b", S, M)) or S == 1
     assert max_in_flight(grid) <= S
     # buffers: each slot written, then read by the same microbatch before it is written again
@@ -136,6 +155,7 @@ def test_zero_bubble_v_tables(stages, microbatches):
     is overwritten before it is read; the bubble is below 1F1B's, and a device holds at most FOR_B sets for B
     and FOR_W for W."""
     from shardplan.checks.schedules import ZeroBubbleV, chunk_stage
+
     S, M = stages, microbatches
     table = ZeroBubbleV.of(S, M)
     grid = timeline("zb-v", S, M)
@@ -144,23 +164,31 @@ def test_zero_bubble_v_tables(stages, microbatches):
         k = w.chunk * S + (d if w.chunk == 0 else S - 1 - d)
         assert chunk_stage(k, S, v_shape=True) == d
         return k
+
     at = _tick_of_each_op(grid, model_chunk)
     assert len(at) == 8 * S * M
     for (kind, k, m), t in at.items():
-        reads = {"F": [("F", k - 1, m)] if k else [], "R": [("F", k, m)] + ([("B", k + 1, m)] if k < 2 * S - 1 else []),
-                 "B": [("R", k, m)], "W": [("B", k, m)]}[kind]
+        reads = {
+            "F": [("F", k - 1, m)] if k else [],
+            "R": [("F", k, m)] + ([("B", k + 1, m)] if k < 2 * S - 1 else []),
+            "B": [("R", k, m)],
+            "W": [("B", k, m)],
+        }[kind]
         assert all(at[r] < t for r in reads), (kind, k, m)
     # the tables run on symbols: (what, chunk, microbatch)
     names = ("box", "stash", "keep", "until_b", "crossed")
     buffers = [{name: {} for name in names} for _ in range(S)]
-    sent = [(None, None)] * S                   # (up, down) of each device on the tick before
+    sent = [(None, None)] * S  # (up, down) of each device on the tick before
     own = [None] * S
     for t in range(table.ticks):
         now_sent, now_own = [], []
         for d in range(S):
             box = buffers[d]["box"]
-            for column, value in (("take_up", sent[d - 1][0] if d else None),
-                                  ("take_down", sent[d + 1][1] if d < S - 1 else None), ("take_local", own[d])):
+            for column, value in (
+                ("take_up", sent[d - 1][0] if d else None),
+                ("take_down", sent[d + 1][1] if d < S - 1 else None),
+                ("take_local", own[d]),
+            ):
                 slot = getattr(table, column)[d][t]
                 if slot >= 0:
                     assert value is not None and slot not in box and slot < table.slots[0], (t, d, column)
@@ -168,29 +196,29 @@ def test_zero_bubble_v_tables(stages, microbatches):
             op, c, m = table.op[d][t], table.chunk[d][t], table.micro[d][t]
             k = c * S + (d if c == 0 else S - 1 - d)
             out = None
-            if op == 1:                                                         # F
+            if op == 1:  # F
                 got = ("entering", 0, m) if k == 0 else box.pop(table.read[d][t])
                 assert got == (("entering", 0, m) if k == 0 else ("activation", k - 1, m)), (t, d)
                 assert table.stash[d][t] not in buffers[d]["stash"]
                 buffers[d]["stash"][table.stash[d][t]] = ("input", k, m)
                 out = ("activation", k, m)
-                if k == 2 * S - 1:                                              # the loss, on device 0
+                if k == 2 * S - 1:  # the loss, on device 0
                     assert d == 0 and table.loss_to[d][t] not in box
                     box[table.loss_to[d][t]] = ("gradient", k, m)
-            elif op == 2:                                                       # R
+            elif op == 2:  # R
                 assert buffers[d]["stash"].pop(table.stash[d][t]) == ("input", k, m)
                 for name in ("keep", "until_b"):
                     slot = getattr(table, name)[d][t]
                     assert slot not in buffers[d][name] and slot < table.slots[names.index(name)]
                     buffers[d][name][slot] = ("residuals", k, m)
-            elif op == 3:                                                       # B
+            elif op == 3:  # B
                 assert box.pop(table.read[d][t]) == ("gradient", k, m)
                 assert buffers[d]["until_b"].pop(table.until_b[d][t]) == ("residuals", k, m)
                 assert buffers[d]["keep"][table.keep[d][t]] == ("residuals", k, m)
                 assert table.crossed[d][t] not in buffers[d]["crossed"] and table.crossed[d][t] < table.slots[4]
                 buffers[d]["crossed"][table.crossed[d][t]] = ("handed", k, m)
                 out = ("gradient", k - 1, m) if k else None
-            elif op == 4:                                                       # W
+            elif op == 4:  # W
                 assert buffers[d]["keep"].pop(table.keep[d][t]) == ("residuals", k, m)
                 assert buffers[d]["crossed"].pop(table.crossed[d][t]) == ("handed", k, m)
             up = op == 1 and c == 0 or op == 3 and c == 1
@@ -205,22 +233,31 @@ def test_zero_bubble_v_tables(stages, microbatches):
 
 def test_the_cost_models_closed_form_bubbles_are_the_timelines():
     from shardplan.planner.cost import schedule_bubble
-    for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("1f1b", 2), ("interleaved", 2), ("interleaved", 3),
-                              ("zb-h1", 1)):
+
+    for schedule, virtual in (
+        ("gpipe", 1),
+        ("1f1b", 1),
+        ("1f1b", 2),
+        ("interleaved", 2),
+        ("interleaved", 3),
+        ("zb-h1", 1),
+    ):
         for stages, microbatches in ((2, 4), (4, 4), (4, 8), (4, 12), (8, 16), (3, 9)):
             if schedule == "1f1b" and virtual > 1 and microbatches % stages:
                 continue
             grid = timeline(schedule, stages, microbatches, virtual)
             assert schedule_bubble.__wrapped__(schedule, stages, microbatches, virtual) == pytest.approx(
-                bubble_fraction(grid)), (schedule, virtual, stages, microbatches)
+                bubble_fraction(grid)
+            ), (schedule, virtual, stages, microbatches)
 
 
 def test_the_circular_schedule_needs_a_microbatch_per_stage():
     """Refused by the tables, and by `check` with no batch given (as `shardplan validate` runs it)."""
     with pytest.raises(ValueError, match="at least as many microbatches as stages"):
         OneFOneB.of(4, 3, 2, "interleaved")
-    plan = shardplan.parse_plan(_plan("minigpt_pp4.yaml", "interleaved", 2).model_dump_json().replace(
-        '"microbatches":8', '"microbatches":2'))
+    plan = shardplan.parse_plan(
+        _plan("minigpt_pp4.yaml", "interleaved", 2).model_dump_json().replace('"microbatches":8', '"microbatches":2')
+    )
     report = shardplan.check(plan, nnx.eval_shape(lambda: minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0))))
     found = [d for d in report.errors if d.code == "pipeline-microbatches"]
     assert found and "at least as many microbatches as stages (4)" in found[0].message and "got 2" in found[0].message
@@ -237,8 +274,8 @@ def test_stack_unstack_round_trip_is_circular():
     layers = [{"w": jnp.full((2,), i, jnp.float32)} for i in range(8)]
     stacked = stack(layers, stages=2, virtual=2)
     assert stacked["w"].shape == (2, 2, 2, 2)
-    assert stacked["w"][1, 0, :, 0].tolist() == [2.0, 3.0]      # chunk 1 (layers 2, 3) on stage 1
-    assert stacked["w"][0, 1, :, 0].tolist() == [4.0, 5.0]      # chunk 2 back on stage 0
+    assert stacked["w"][1, 0, :, 0].tolist() == [2.0, 3.0]  # chunk 1 (layers 2, 3) on stage 1
+    assert stacked["w"][0, 1, :, 0].tolist() == [4.0, 5.0]  # chunk 2 back on stage 0
     assert [float(layer["w"][0]) for layer in unstack(stacked)] == list(range(8))
 
 
@@ -246,6 +283,7 @@ def test_plain_and_stacked_trees_round_trip_at_a_nested_path_wherever_it_occurs(
     """Checkpoints keep the unpipelined layout of the model and of the optimizer state, where the model's
     tree sits deeper (`opt_state/0/mu/...`): a nested layer path converts at every depth, and back."""
     from shardplan.pipeline.loop import to_plain_tree, to_stacked_tree
+
     layers = [{"w": jnp.full((3,), float(i))} for i in range(4)]
     stacked = stack(layers, 2, 1)
     model = {"inner": {"blocks": stacked, "head": jnp.ones(2)}, "embed": jnp.zeros(3)}
@@ -264,6 +302,7 @@ def test_plain_and_stacked_trees_round_trip_at_a_nested_path_wherever_it_occurs(
 def test_stack_unstack_round_trip_in_a_v():
     """zb-v: chunks 0 and 3 on stage 0, 1 and 2 on stage 1, in place and as shape structs."""
     from shardplan.pipeline.loop import Arrangement, model_order
+
     v = Arrangement(v_shape=True)
     layers = [{"w": jnp.full((2,), i, jnp.float32)} for i in range(8)]
     stacked = stack(layers, stages=2, virtual=2, arrangement=v)
@@ -273,6 +312,7 @@ def test_stack_unstack_round_trip_in_a_v():
 
 
 # ------------------------------------------------------------------------------ numerics
+
 
 def _plan(base: str, schedule: str, virtual: int = 1):
     text = (PLANS / base).read_text()
@@ -304,17 +344,24 @@ def _adamw_steps(plan, config: dict, batches):
     got = []
     for b in batches:
         tokens = shardplan.shard_inputs(plan, {"tokens": b[:, :-1]}, mesh)["tokens"]
-        got.append(float(train_step(model, optimizer, tokens, jax.device_put(b[:, 1:], tokens.sharding),
-                                    training=False)))
+        got.append(
+            float(train_step(model, optimizer, tokens, jax.device_put(b[:, 1:], tokens.sharding), training=False))
+        )
     np.testing.assert_allclose(got, expected, rtol=ADAMW_RTOL)
     return reference, model, optimizer, mesh
 
 
 # (the circular schedule trains like one device on the Gemma-style model in test_wild_models.py by default)
-@pytest.mark.parametrize("base, schedule, virtual", [("minigpt_3d.yaml", "1f1b", 1), ("minigpt_pp4.yaml", "gpipe", 1),
-                                                     full("minigpt_pp4.yaml", "interleaved", 2),
-                                                     ("minigpt_pp4.yaml", "1f1b", 2),      # interleaved 1F1B
-                                                     full("minigpt_pp4.yaml", "zb-v", 2)])
+@pytest.mark.parametrize(
+    "base, schedule, virtual",
+    [
+        ("minigpt_3d.yaml", "1f1b", 1),
+        ("minigpt_pp4.yaml", "gpipe", 1),
+        full("minigpt_pp4.yaml", "interleaved", 2),
+        ("minigpt_pp4.yaml", "1f1b", 2),  # interleaved 1F1B
+        full("minigpt_pp4.yaml", "zb-v", 2),
+    ],
+)
 def test_five_adamw_steps_match_one_device(base, schedule, virtual):
     batches = np.random.default_rng(1).integers(0, 128, size=(5, 16, 17), dtype=np.int32)
     plan = _plan(base, schedule, virtual)
@@ -326,17 +373,22 @@ def test_five_adamw_steps_match_one_device(base, schedule, virtual):
     plain = shardplan.to_plain(model)
     assert isinstance(plain, minigpt_model.MiniGPT)
     tokens = batches[0][:, :-1]
-    np.testing.assert_allclose(plain(tokens), model(shardplan.shard_inputs(plan, {"tokens": tokens}, mesh)["tokens"]),
-                               atol=1e-4)
+    np.testing.assert_allclose(
+        plain(tokens), model(shardplan.shard_inputs(plan, {"tokens": tokens}, mesh)["tokens"]), atol=1e-4
+    )
 
 
 def test_pipeline_for_a_llama_style_model(write_plan):
     """before-modules -> layers -> after-modules also fits the LLaMA-style test model."""
     from minigpt_model.llama import Llama
-    plan = shardplan.load_plan(write_plan(
-        "version: 1\nmesh: {axes: {stage: 2, data: 4}}\ninputs: {tokens: [data, null]}\n"
-        "pipeline: {axis: stage, layers: layers, microbatches: 2, schedule: gpipe}\n"
-        "params: [{match: '.*', spec: replicated}]\n"))
+
+    plan = shardplan.load_plan(
+        write_plan(
+            "version: 1\nmesh: {axes: {stage: 2, data: 4}}\ninputs: {tokens: [data, null]}\n"
+            "pipeline: {axis: stage, layers: layers, microbatches: 2, schedule: gpipe}\n"
+            "params: [{match: '.*', spec: replicated}]\n"
+        )
+    )
     tokens = np.random.default_rng(3).integers(0, 128, size=(8, 8), dtype=np.int32)
     reference = Llama(layers=4, rngs=nnx.Rngs(0))
     expected = reference(tokens)
@@ -354,20 +406,25 @@ def test_one_f_one_b_head_split_over_a_batch_axis_enters_whole(schedule, write_p
     loss and gradients, and the training step compiles."""
     from minigpt_model.llama import Llama
     from shardplan.pipeline.loop import cross_entropy
-    LARGER = dict(vocab=1024, dim=128, hidden=256, layers=4)       # (smaller, XLA did not abort)
-    plan = shardplan.load_plan(write_plan(
-        "version: 1\nmesh: {axes: {stage: 2, data: 2, model: 2}}\ninputs: {tokens: [data, null]}\n"
-        f"pipeline: {{axis: stage, layers: layers, microbatches: 4, schedule: {schedule}}}\nparams:\n"
-        "  - {match: 'embed/embedding', spec: [model]}\n"
-        "  - {match: 'layers/\\d+/(attn/w(q|k|v)|mlp/(gate|up))/kernel', spec: [data, model]}\n"
-        "  - {match: 'layers/\\d+/(attn/wo|mlp/down)/kernel', spec: [model, data]}\n"
-        "  - {match: 'lm_head/kernel', spec: [data, model]}\n  - {match: '.*', spec: []}\n"))
+
+    LARGER = dict(vocab=1024, dim=128, hidden=256, layers=4)  # (smaller, XLA did not abort)
+    plan = shardplan.load_plan(
+        write_plan(
+            "version: 1\nmesh: {axes: {stage: 2, data: 2, model: 2}}\ninputs: {tokens: [data, null]}\n"
+            f"pipeline: {{axis: stage, layers: layers, microbatches: 4, schedule: {schedule}}}\nparams:\n"
+            "  - {match: 'embed/embedding', spec: [model]}\n"
+            "  - {match: 'layers/\\d+/(attn/w(q|k|v)|mlp/(gate|up))/kernel', spec: [data, model]}\n"
+            "  - {match: 'layers/\\d+/(attn/wo|mlp/down)/kernel', spec: [model, data]}\n"
+            "  - {match: 'lm_head/kernel', spec: [data, model]}\n  - {match: '.*', spec: []}\n"
+        )
+    )
     tokens = np.random.default_rng(4).integers(0, 1024, size=(16, 33), dtype=np.int32)
     x, y = tokens[:, :-1], tokens[:, 1:]
 
     def loss_and_grads(model, x):
         loss, grads = nnx.value_and_grad(lambda m: shardplan.model_loss(m, cross_entropy, y, x))(model)
         return loss, nnx.to_pure_dict(grads)
+
     expected, expected_grads = nnx.jit(loss_and_grads)(Llama(**LARGER, rngs=nnx.Rngs(0)), x)
     mesh = shardplan.make_mesh(plan)
     model = shardplan.apply_plan(plan, Llama(**LARGER, rngs=nnx.Rngs(0)), mesh)
@@ -376,15 +433,20 @@ def test_one_f_one_b_head_split_over_a_batch_axis_enters_whole(schedule, write_p
     np.testing.assert_allclose(grads["lm_head"]["kernel"], expected_grads["lm_head"]["kernel"], atol=GRAD_TOL)
     np.testing.assert_allclose(grads["embed"]["embedding"], expected_grads["embed"]["embedding"], atol=GRAD_TOL)
     layer = grads["layers"]["mlp"]["up"]["kernel"]
-    np.testing.assert_allclose(layer.reshape(-1, *layer.shape[3:]), np.stack(
-        [expected_grads["layers"][i]["mlp"]["up"]["kernel"] for i in range(4)]), atol=GRAD_TOL)
+    np.testing.assert_allclose(
+        layer.reshape(-1, *layer.shape[3:]),
+        np.stack([expected_grads["layers"][i]["mlp"]["up"]["kernel"] for i in range(4)]),
+        atol=GRAD_TOL,
+    )
     # the whole training step compiles too (the abort came from it: AdamW and the sharded update)
     from shardplan.compose.measure import measure
+
     assert measure(plan, Llama(**LARGER, rngs=nnx.Rngs(0)), 16, 32).peak_bytes > 0
 
 
 def test_inspect_shows_stage_map_and_timeline(capsys):
     from shardplan.cli import main
+
     assert main(["inspect", "plans/minigpt_pp4.yaml"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "Pipeline over axis 'stage': gpipe, 8 microbatches" in out
@@ -400,12 +462,15 @@ def test_fewer_rows_than_microbatches_give_the_plain_models_result(base, schedul
     plain = minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0))
     model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0)), mesh)
     tokens = np.random.default_rng(5).integers(0, 128, size=(6, 16), dtype=np.int32)
-    forward = nnx.jit(lambda m, x: m(x))      # (one program per shape, not one per op: the suite's time)
+    forward = nnx.jit(lambda m, x: m(x))  # (one program per shape, not one per op: the suite's time)
     for rows in (1, 2, 6):
         np.testing.assert_allclose(model(tokens[:rows]), forward(plain, tokens[:rows]), atol=GRAD_TOL)
     targets = np.roll(tokens, -1, axis=1)
-    np.testing.assert_allclose(float(nnx.jit(loss_fn)(model, tokens[:2], targets[:2])),
-                               float(loss_fn(plain, tokens[:2], targets[:2])), rtol=1e-6)
+    np.testing.assert_allclose(
+        float(nnx.jit(loss_fn)(model, tokens[:2], targets[:2])),
+        float(loss_fn(plain, tokens[:2], targets[:2])),
+        rtol=1e-6,
+    )
 
 
 class _WindowedBlock(nnx.Module):
@@ -432,9 +497,12 @@ class _Alternating(nnx.Module):
 
 def test_layers_that_differ_in_a_non_array_attribute_run_each_with_its_own_settings(write_plan):
     """Stacked layers once all ran layer 0's settings (a silent wrong result); each now runs its own."""
-    plan = shardplan.load_plan(write_plan(
-        "version: 1\nmesh: {axes: {stage: 2, data: 4}}\ninputs: {x: [data, null]}\n"
-        "pipeline: {axis: stage, layers: layers, microbatches: 2}\nparams: [{match: '.*', spec: replicated}]\n"))
+    plan = shardplan.load_plan(
+        write_plan(
+            "version: 1\nmesh: {axes: {stage: 2, data: 4}}\ninputs: {x: [data, null]}\n"
+            "pipeline: {axis: stage, layers: layers, microbatches: 2}\nparams: [{match: '.*', spec: replicated}]\n"
+        )
+    )
     assert shardplan.check(plan, _Alternating(rngs=nnx.Rngs(0))).ok
     x = np.random.default_rng(0).normal(size=(8, 8)).astype(np.float32)
     model = shardplan.apply_plan(plan, _Alternating(rngs=nnx.Rngs(0)), shardplan.make_mesh(plan))
@@ -442,11 +510,12 @@ def test_layers_that_differ_in_a_non_array_attribute_run_each_with_its_own_setti
     assert [layer.window for layer in shardplan.to_plain(model).layers] == [4, None, 4, None]
 
 
-@pytest.mark.parametrize("schedule", [full("gpipe"), "1f1b"])     # (padding is the same under every schedule)
+@pytest.mark.parametrize("schedule", [full("gpipe"), "1f1b"])  # (padding is the same under every schedule)
 def test_uneven_stages_train_like_one_device_checkpoint_and_go_back_to_plain(schedule, tmp_path):
     """6 layers on 4 stages: 2, 2, 1, 1, each stage padded to 2 slots; the padding passes activations
     through, holds zeros and never leaves the model (to_plain, checkpoints)."""
     from minigpt_model.checkpoint import Checkpoints
+
     config = dict(CONFIG, num_transformer_blocks=6)
     batches = np.random.default_rng(2).integers(0, 128, size=(3, 16, 17), dtype=np.int32)
     plan = _plan("minigpt_pp4.yaml", schedule)
@@ -454,16 +523,17 @@ def test_uneven_stages_train_like_one_device_checkpoint_and_go_back_to_plain(sch
     assert report.ok and report.stage_map.counts == (2, 2, 1, 1), [d.format() for d in report.diagnostics]
     reference, model, optimizer, mesh = _adamw_steps(plan, config, batches)
     stacked = np.asarray(model.transformer_blocks.linear1.kernel.get_value())
-    assert stacked.shape == (4, 1, 2, 64, 128) and not stacked[2:, 0, 1].any()     # padding stays zero
+    assert stacked.shape == (4, 1, 2, 64, 128) and not stacked[2:, 0, 1].any()  # padding stays zero
     plain = shardplan.to_plain(model)
     assert len(plain.transformer_blocks) == 6
     for mine, theirs in zip(plain.transformer_blocks, reference.transformer_blocks):
         np.testing.assert_allclose(mine.linear1.kernel.get_value(), theirs.linear1.kernel.get_value(), atol=1e-5)
     tokens = batches[0][:, :-1]
-    np.testing.assert_allclose(plain(tokens), model(shardplan.shard_inputs(plan, {"tokens": tokens}, mesh)["tokens"]),
-                               atol=1e-4)
+    np.testing.assert_allclose(
+        plain(tokens), model(shardplan.shard_inputs(plan, {"tokens": tokens}, mesh)["tokens"]), atol=1e-4
+    )
     if schedule == "gpipe":
-        return                      # (checkpoints do not depend on the schedule: 1f1b checks them)
+        return  # (checkpoints do not depend on the schedule: 1f1b checks them)
     # a checkpoint holds the six layers, and restores into the same plan
     checkpoints = Checkpoints(tmp_path / "ckpt")
     checkpoints.save(1, model, optimizer, {"step": 1})
@@ -477,14 +547,16 @@ def _saved_for_backward(loss, state) -> list[tuple[int, ...]]:
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         jax.ad_checkpoint.print_saved_residuals(loss, state)
-    return [tuple(int(n) for n in dims.split(",") if n) for dims in re.findall(r"^\w+\[([\d,]*)\]", printed.getvalue(),
-                                                                            re.M)]
+    return [
+        tuple(int(n) for n in dims.split(",") if n)
+        for dims in re.findall(r"^\w+\[([\d,]*)\]", printed.getvalue(), re.M)
+    ]
 
 
 def _weights_per_tick(saved: list[tuple[int, ...]], stacked: list, ticks: int) -> list[tuple[int, ...]]:
     """Saved values shaped like a chunk's matrix (layers in the chunk, matrix) with a tick dimension in front."""
     matrices = {tuple(a.shape[2:]) for a in stacked if a.ndim >= 5}
-    return [s for s in saved for m in matrices if len(s) > len(m) and s[-len(m):] == m and s[0] >= ticks]
+    return [s for s in saved for m in matrices if len(s) > len(m) and s[-len(m) :] == m and s[0] >= ticks]
 
 
 @pytest.mark.parametrize("case", ["interleaved", "layers of two kinds"])
@@ -495,14 +567,22 @@ def test_the_loop_keeps_no_weights_per_tick(case, write_plan):
     fell from 82 to 71 MiB, of the Gemma-style gpipe step from 199 to 172 MiB."""
     from shardplan.pipeline.loop import cross_entropy
     from shardplan.pipeline.pipelined import pipelined_layers
+
     if case == "interleaved":
-        plan, model, rows = _plan("minigpt_3d.yaml", "interleaved", 2), minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0)), 16
+        plan, model, rows = (
+            _plan("minigpt_3d.yaml", "interleaved", 2),
+            minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0)),
+            16,
+        )
         inputs = np.zeros((rows, 16), np.int32)
         microbatches, stages, virtual = plan.pipeline.microbatches, 2, 2
     else:
-        plan = shardplan.load_plan(write_plan(
-            "version: 1\nmesh: {axes: {stage: 2, data: 4}}\ninputs: {x: [data, null]}\n"
-            "pipeline: {axis: stage, layers: layers, microbatches: 2}\nparams: [{match: '.*', spec: replicated}]\n"))
+        plan = shardplan.load_plan(
+            write_plan(
+                "version: 1\nmesh: {axes: {stage: 2, data: 4}}\ninputs: {x: [data, null]}\n"
+                "pipeline: {axis: stage, layers: layers, microbatches: 2}\nparams: [{match: '.*', spec: replicated}]\n"
+            )
+        )
         model, inputs = _Alternating(rngs=nnx.Rngs(0)), np.ones((8, 8), np.float32)
         microbatches, stages, virtual = 2, 2, 1
     mesh = shardplan.make_mesh(plan)
@@ -514,6 +594,7 @@ def test_the_loop_keeps_no_weights_per_tick(case, write_plan):
     def loss(state):
         out = nnx.merge(graphdef, state)(x)
         return cross_entropy(out, jnp.zeros(out.shape[:-1], jnp.int32)) if case == "interleaved" else out.sum()
+
     saved = _saved_for_backward(loss, state)
     stacked = jax.tree.leaves(nnx.state(pipelined_layers(model)[1]))
     assert saved and not _weights_per_tick(saved, stacked, virtual * microbatches + stages - 1)
@@ -523,13 +604,15 @@ def test_interleaved_one_f_one_b_needs_whole_groups_of_microbatches():
     """Megatron's interleaved 1F1B runs microbatches in groups of the stages: 6 on 4 stages is refused,
     naming the setting and the stages; 8 is a plan whose timeline has the formula's bubble."""
     from shardplan.checks.schedules import OneFOneB, bubble_fraction, timeline
-    plan = shardplan.parse_plan(_plan("minigpt_pp4.yaml", "1f1b", 2).model_dump_json().replace(
-        '"microbatches":8', '"microbatches":6'))
+
+    plan = shardplan.parse_plan(
+        _plan("minigpt_pp4.yaml", "1f1b", 2).model_dump_json().replace('"microbatches":8', '"microbatches":6')
+    )
     report = shardplan.check(plan, nnx.eval_shape(lambda: minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0))))
     found = [d for d in report.errors if d.code == "pipeline-microbatches"]
     assert found and "groups of the stages (4)" in found[0].message and "6 microbatches" in found[0].message
     assert abs(bubble_fraction(timeline("1f1b", 4, 8, 2)) - 3 / (2 * 8 + 3)) < 1e-9
-    assert OneFOneB.of(4, 32, 2).slots == OneFOneB.of(4, 8, 2).slots == 11      # whatever M
+    assert OneFOneB.of(4, 32, 2).slots == OneFOneB.of(4, 8, 2).slots == 11  # whatever M
 
 
 def test_interleaved_one_f_one_b_on_a_batch_of_too_few_microbatches_gives_the_plain_loss():
@@ -537,6 +620,7 @@ def test_interleaved_one_f_one_b_on_a_batch_of_too_few_microbatches_gives_the_pl
     microbatches, not whole groups of 4 stages: `model_loss` runs the circular forward and the model's
     own loss, equal to the unpipelined model's."""
     from shardplan.pipeline.loop import cross_entropy
+
     plan = _plan("minigpt_pp4.yaml", "1f1b", 2)
     mesh = shardplan.make_mesh(plan)
     model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0)), mesh)
@@ -559,8 +643,13 @@ def test_the_3d_plan_with_an_fsdp_rule_trains_like_one_device():
     """`plans/minigpt_3d.yaml` plus one FSDP rule aborted the process inside XLA's partitioner (the data axis
     was left automatic in the loop). The layer weight now enters the loop gathered over `data`, `check`
     warns so (`pipeline-fsdp-gathered`), and three AdamW steps give one device's losses."""
-    text = (PLANS / "minigpt_3d.yaml").read_text().replace(
-        "params:\n", "params:\n  - {match: 'transformer_blocks/\\d+/linear2/kernel', spec: [model, data]}\n", 1)
+    text = (
+        (PLANS / "minigpt_3d.yaml")
+        .read_text()
+        .replace(
+            "params:\n", "params:\n  - {match: 'transformer_blocks/\\d+/linear2/kernel', spec: [model, data]}\n", 1
+        )
+    )
     plan = shardplan.parse_plan(text)
     config = dict(CONFIG, num_transformer_blocks=2)
     mesh = shardplan.make_mesh(plan)
@@ -569,11 +658,14 @@ def test_the_3d_plan_with_an_fsdp_rule_trains_like_one_device():
     batches = np.random.default_rng(7).integers(0, 128, size=(3, 16, 17), dtype=np.int32)
 
     def losses(model, optimizer, place):
-        return [float(train_step(model, optimizer, place(b[:, :-1]), place(b[:, 1:]), training=False))
-                for b in batches]
+        return [float(train_step(model, optimizer, place(b[:, :-1]), place(b[:, 1:]), training=False)) for b in batches]
+
     model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0)), mesh)
-    got = losses(model, shardplan.shard_optimizer(plan, model, optax.adamw(1e-2), mesh),
-                 lambda x: shardplan.shard_inputs(plan, {"tokens": x}, mesh)["tokens"])
+    got = losses(
+        model,
+        shardplan.shard_optimizer(plan, model, optax.adamw(1e-2), mesh),
+        lambda x: shardplan.shard_inputs(plan, {"tokens": x}, mesh)["tokens"],
+    )
     plain = minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0))
     want = losses(plain, nnx.Optimizer(plain, optax.adamw(1e-2), wrt=nnx.Param), lambda x: x)
     np.testing.assert_allclose(got, want, rtol=1e-5)
@@ -585,6 +677,7 @@ def test_a_one_f_one_b_plan_called_outside_model_loss_says_what_runs_instead():
     import warnings
 
     from shardplan.pipeline.pipelined import _warn_without_model_loss
+
     _warn_without_model_loss.cache_clear()
     plan = _plan("minigpt_3d.yaml", "1f1b")
     model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0)), shardplan.make_mesh(plan))
@@ -600,6 +693,7 @@ def test_a_one_f_one_b_plan_called_outside_model_loss_says_what_runs_instead():
 
 # ------------------------------------------------------------------------------ nested lists, residuals, remat
 
+
 class _Wrapped(nnx.Module):
     """MiniGPT one level down: its blocks at `inner/transformer_blocks`, as most models nest theirs."""
 
@@ -611,9 +705,11 @@ class _Wrapped(nnx.Module):
 
 
 def _nested_plan(schedule: str, remat: str = "none") -> shardplan.Plan:
-    text = ("version: 1\nmesh: {axes: {stage: 2, data: 4}}\ninputs: {tokens: [data, null]}\n"
-            f"pipeline: {{axis: stage, layers: inner/transformer_blocks, microbatches: 4, schedule: {schedule}}}\n"
-            "params:\n  - {match: '.*', spec: replicated}\n")
+    text = (
+        "version: 1\nmesh: {axes: {stage: 2, data: 4}}\ninputs: {tokens: [data, null]}\n"
+        f"pipeline: {{axis: stage, layers: inner/transformer_blocks, microbatches: 4, schedule: {schedule}}}\n"
+        "params:\n  - {match: '.*', spec: replicated}\n"
+    )
     if remat != "none":
         text += f"remat:\n  - {{match: 'inner/transformer_blocks/\\d+', policy: {remat}}}\n"
     return shardplan.parse_plan(text, file=f"nested-{schedule}-{remat}.yaml")
@@ -621,13 +717,20 @@ def _nested_plan(schedule: str, remat: str = "none") -> shardplan.Plan:
 
 def _nested_loss_and_grads(model, tokens):
     def loss(model):
-        return shardplan.model_loss(model, lambda logits, t: optax.softmax_cross_entropy_with_integer_labels(
-            logits, t).mean(), tokens[:, 1:], tokens[:, :-1])
+        return shardplan.model_loss(
+            model,
+            lambda logits, t: optax.softmax_cross_entropy_with_integer_labels(logits, t).mean(),
+            tokens[:, 1:],
+            tokens[:, :-1],
+        )
+
     return nnx.jit(nnx.value_and_grad(loss))(model)
 
 
-@pytest.mark.parametrize("schedule, remat", [("1f1b", "none"), ("1f1b", "dots_with_no_batch_dims_saveable"),
-                                             full("gpipe", "none"), full("1f1b", "full")])
+@pytest.mark.parametrize(
+    "schedule, remat",
+    [("1f1b", "none"), ("1f1b", "dots_with_no_batch_dims_saveable"), full("gpipe", "none"), full("1f1b", "full")],
+)
 def test_a_nested_layer_list_pipelines_and_matches_one_device(schedule, remat):
     """`pipeline.layers: inner/transformer_blocks`: loss and gradients equal one device's, with the plan's
     remat policy in effect inside the stages, and back to the plain model."""
@@ -649,6 +752,7 @@ def test_a_nested_layer_list_pipelines_and_matches_one_device(schedule, remat):
 def _plain_grads(model, grads):
     from shardplan.pipeline.loop import to_plain_tree
     from shardplan.pipeline.pipelined import pipelined_layers
+
     path, layers = pipelined_layers(model)
     assert path == "inner/transformer_blocks"
     return to_plain_tree(nnx.to_pure_dict(grads), path, layers.arrangement)
@@ -661,8 +765,9 @@ def test_a_selective_remat_policy_inside_1f1b_recomputes_only_what_it_does_not_s
     from shardplan.checks.schedules import OneFOneB
     from shardplan.pipeline.residuals import BACKWARD_SCOPE, FORWARD_SCOPE
     from shardplan.run.hlo import dot_flops
+
     tokens = np.zeros((32, 65), np.int32)
-    share = 4 / OneFOneB.of(2, 4, 1, "1f1b").ticks          # a tick's work branch runs on 4 of the ticks
+    share = 4 / OneFOneB.of(2, 4, 1, "1f1b").ticks  # a tick's work branch runs on 4 of the ticks
     found = {}
     for remat in ("none", "dots_with_no_batch_dims_saveable", "full"):
         plan = _nested_plan("1f1b", remat)
@@ -672,8 +777,13 @@ def test_a_selective_remat_policy_inside_1f1b_recomputes_only_what_it_does_not_s
         sharded = shardplan.shard_inputs(plan, {"tokens": tokens}, mesh)["tokens"]
 
         def loss(model):
-            return shardplan.model_loss(model, lambda logits, t: optax.softmax_cross_entropy_with_integer_labels(
-                logits, t).mean(), sharded[:, 1:], sharded[:, :-1])
+            return shardplan.model_loss(
+                model,
+                lambda logits, t: optax.softmax_cross_entropy_with_integer_labels(logits, t).mean(),
+                sharded[:, 1:],
+                sharded[:, :-1],
+            )
+
         hlo = nnx.jit(nnx.value_and_grad(loss)).lower(model).compile().as_text()
         found[remat] = [dot_flops(hlo, branch_share=share, scope=scope) for scope in (FORWARD_SCOPE, BACKWARD_SCOPE)]
     forward = found["none"][0]

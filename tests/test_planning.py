@@ -38,8 +38,7 @@ BUILD = {
     # wide enough that FSDP splits the layers' matrices too (at least FSDP_MIN_BYTES)
     "wide llama": lambda: Llama(vocab=512, dim=128, heads=8, kv_heads=2, hidden=256, layers=4, rngs=nnx.Rngs(0)),
     # three layers: two, four and eight stages hold them unequally (padded)
-    "three-layer llama": lambda: Llama(vocab=512, dim=128, heads=8, kv_heads=2, hidden=256, layers=3,
-                                       rngs=nnx.Rngs(0)),
+    "three-layer llama": lambda: Llama(vocab=512, dim=128, heads=8, kv_heads=2, hidden=256, layers=3, rngs=nnx.Rngs(0)),
 }
 
 
@@ -56,23 +55,33 @@ def compiled_model():
     return model, with_code(recognise_module(model), model, 64)
 
 
-@pytest.mark.parametrize("changes", [
-    {"remat": [{"match": r"transformer_blocks/\d+", "policy": "full"}]},
-    {"remat": [{"match": r"transformer_blocks/\d+", "policy": "full"}],
-     "precision": {"params": "float32", "compute": "bfloat16"}},
-], ids=["remat-full", "bf16-remat"])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"remat": [{"match": r"transformer_blocks/\d+", "policy": "full"}]},
+        {
+            "remat": [{"match": r"transformer_blocks/\d+", "policy": "full"}],
+            "precision": {"params": "float32", "compute": "bfloat16"},
+        },
+    ],
+    ids=["remat-full", "bf16-remat"],
+)
 def test_cost_model_on_step_options_matches_the_compiled_step(changes, compiled_model):
     """Collective bytes within 2% (the recomputed forward repeats its all-reduces), peak within 15%."""
     model, roles = compiled_model
     plan = _variant(changes)
     report = shardplan.check(plan, model, input_shapes={"tokens": (BATCH, 64)})
     cost = estimate(report, roles, Workload(BATCH, 64), get_profile("cpu"))
-    plain = estimate(shardplan.check(_variant({}), model, input_shapes={"tokens": (BATCH, 64)}), roles,
-                     Workload(BATCH, 64), get_profile("cpu"))
+    plain = estimate(
+        shardplan.check(_variant({}), model, input_shapes={"tokens": (BATCH, 64)}),
+        roles,
+        Workload(BATCH, 64),
+        get_profile("cpu"),
+    )
     compiled = measure(plan, minigpt_model.MiniGPT(**COMPILED, rngs=nnx.Rngs(0)), BATCH, 64)
     assert cost.collective_bytes == pytest.approx(compiled.collectives.total_bytes, rel=0.02)
     assert cost.peak_bytes == pytest.approx(compiled.peak_bytes, rel=0.15)
-    assert plain.flops < cost.flops < plain.flops * 8 / 6     # the layers' forward again, not the head's
+    assert plain.flops < cost.flops < plain.flops * 8 / 6  # the layers' forward again, not the head's
     assert cost.activation_bytes < plain.activation_bytes and not cost.caveats
 
 
@@ -81,8 +90,15 @@ def test_cost_model_on_gradient_accumulation_matches_the_compiled_step(compiled_
     a quarter of the activations, the same FLOPs; collective bytes within 2%, peak within 15%."""
     model, roles = compiled_model
     plan, plain_plan = _variant({"accumulate": 4}), _variant({})
-    cost, plain = (estimate(shardplan.check(p, model, input_shapes={"tokens": (BATCH, 64)}), roles,
-                            Workload(BATCH, 64), get_profile("cpu")) for p in (plan, plain_plan))
+    cost, plain = (
+        estimate(
+            shardplan.check(p, model, input_shapes={"tokens": (BATCH, 64)}),
+            roles,
+            Workload(BATCH, 64),
+            get_profile("cpu"),
+        )
+        for p in (plan, plain_plan)
+    )
     compiled = measure(plan, minigpt_model.MiniGPT(**COMPILED, rngs=nnx.Rngs(0)), BATCH, 64)
     assert cost.collective_bytes == pytest.approx(compiled.collectives.total_bytes, rel=0.02)
     assert cost.peak_bytes == pytest.approx(compiled.peak_bytes, rel=0.15)
@@ -111,7 +127,9 @@ def test_cost_model_on_one_f_one_b_matches_the_compiled_step(ends_on_stages, com
         document.pop("model")
         for rule in document["params"]:
             if rule["match"].startswith(("embedding_layer/token_emb", "output_layer/")):
-                rule["spec"] = [None, ["model", "stage"]] if rule["match"] == "output_layer/kernel" else [["model", "stage"]]
+                rule["spec"] = (
+                    [None, ["model", "stage"]] if rule["match"] == "output_layer/kernel" else [["model", "stage"]]
+                )
         plan = shardplan.parse_plan(yaml.safe_dump(document))
     report = shardplan.check(plan, model, input_shapes={"tokens": (BATCH, 64)})
     assert report.ok and not report.warnings
@@ -124,8 +142,12 @@ def test_cost_model_on_one_f_one_b_matches_the_compiled_step(ends_on_stages, com
     assert cost.peak_bytes == pytest.approx(compiled.peak_bytes, rel=0.10) and not cost.caveats
     if ends_on_stages:
         assert cost.argument_bytes == pytest.approx(compiled.argument_bytes, rel=1e-6)
-        before = estimate(shardplan.check(shipped, model, input_shapes={"tokens": (BATCH, 64)}), roles,
-                          Workload(BATCH, 64), get_profile("cpu"))
+        before = estimate(
+            shardplan.check(shipped, model, input_shapes={"tokens": (BATCH, 64)}),
+            roles,
+            Workload(BATCH, 64),
+            get_profile("cpu"),
+        )
         assert cost.argument_bytes < before.argument_bytes
 
 
@@ -151,22 +173,36 @@ params:
 """
 
 
-@pytest.mark.parametrize("dispatch, k", [("dispatch: capacity, capacity_factor: 1.0", 4), ("dispatch: dropless", 2)],
-                         ids=["capacity-top4", "dropless-top2"])
+@pytest.mark.parametrize(
+    "dispatch, k",
+    [("dispatch: capacity, capacity_factor: 1.0", 4), ("dispatch: dropless", 2)],
+    ids=["capacity-top4", "dropless-top2"],
+)
 def test_cost_model_on_expert_parallelism_matches_the_compiled_step(dispatch, k):
     """MiniGPT's MoE (4 blocks of 8 experts, k read off its code) on data 4 x expert 2: each block keeps
     its exchange's slots, every matmul's output and what XLA keeps per routed row (measured on other
     sizes: `shardplan.experts.cost`), so the modelled peak is within 15% of the compiled step's
     (measured +6.6% and -2.6%; counting the kept slots alone it was -22% on 8 blocks), the all-to-all
     bytes exact."""
-    config = dict(maxlen=128, vocab_size=256, embed_dim=128, num_heads=4, feed_forward_dim=512,
-                  num_transformer_blocks=4, num_experts=8, experts_per_token=k)
-    roles, cost, compiled = _against_compiler(config, lambda roles, params: shardplan.parse_plan(EP_PLAN % dispatch),
-                                              32, 128)
+    config = dict(
+        maxlen=128,
+        vocab_size=256,
+        embed_dim=128,
+        num_heads=4,
+        feed_forward_dim=512,
+        num_transformer_blocks=4,
+        num_experts=8,
+        experts_per_token=k,
+    )
+    roles, cost, compiled = _against_compiler(
+        config, lambda roles, params: shardplan.parse_plan(EP_PLAN % dispatch), 32, 128
+    )
     assert roles.code.top_k == k
     assert cost.peak_bytes == pytest.approx(compiled.peak_bytes, rel=0.15)
-    assert sum(t.bytes * t.count for t in cost.transfers if t.kind == "all-to-all") == \
-        compiled.collectives.bytes["all-to-all"]
+    assert (
+        sum(t.bytes * t.count for t in cost.transfers if t.kind == "all-to-all")
+        == compiled.collectives.bytes["all-to-all"]
+    )
 
 
 EP_PIPELINE_PLAN = """version: 1
@@ -189,20 +225,32 @@ def test_cost_model_on_expert_parallelism_inside_a_pipeline_matches_the_compiled
     weights' over data alone): at most three all-reduces a step, the bytes of every collective exact
     but the loss's few. With the axis left to XLA, folded, 27 all-reduces and 12 all-gathers moved
     8.7 MB where 1.7 MB do."""
-    config = dict(maxlen=128, vocab_size=256, embed_dim=128, num_heads=4, feed_forward_dim=512,
-                  num_transformer_blocks=8, num_experts=8, experts_per_token=2)
+    config = dict(
+        maxlen=128,
+        vocab_size=256,
+        embed_dim=128,
+        num_heads=4,
+        feed_forward_dim=512,
+        num_transformer_blocks=8,
+        num_experts=8,
+        experts_per_token=2,
+    )
     if layout == "folded":
-        candidate = auto.Candidate({"stage": 2, "data": 4}, {}, False, False, False, False, "1f1b", 4, 1,
-                                   experts=True, capacity=1.0)
+        candidate = auto.Candidate(
+            {"stage": 2, "data": 4}, {}, False, False, False, False, "1f1b", 4, 1, experts=True, capacity=1.0
+        )
         plan_of = functools.partial(auto.build_plan, candidate)
     else:
+
         def plan_of(roles, params):
             return shardplan.parse_plan(EP_PIPELINE_PLAN)
+
     _, cost, compiled = _against_compiler(config, plan_of, 32, 128)
     assert cost.peak_bytes == pytest.approx(compiled.peak_bytes, rel=0.15)
     assert compiled.collectives.count["all-reduce"] <= 3 and "all-gather" not in compiled.collectives.count
-    assert {kind: nbytes for kind, (_, nbytes) in cost.by_kind().items()} == pytest.approx(compiled.collectives.bytes,
-                                                                                        abs=16)
+    assert {kind: nbytes for kind, (_, nbytes) in cost.by_kind().items()} == pytest.approx(
+        compiled.collectives.bytes, abs=16
+    )
 
 
 FSDP_PIPELINE_PLAN = """version: 1
@@ -222,13 +270,16 @@ def test_cost_model_on_fsdp_inside_a_pipeline_matches_the_compiled_step(schedule
     sums), and their gradients are reduced once after it. Counted per microbatch, the model had 96
     all-gathers of 25.2 MB and 10.1 MB of all-reduces where the compiled step moves 2.1 MB and 3.8 MB,
     and its peak was -18%; now the bytes are exact and the peak -5.6% (zb-h1 -1.0%)."""
-    config = dict(maxlen=128, vocab_size=256, embed_dim=128, num_heads=4, feed_forward_dim=512,
-                  num_transformer_blocks=8)
-    _, cost, compiled = _against_compiler(config, lambda roles, params: shardplan.parse_plan(
-        FSDP_PIPELINE_PLAN % schedule), 32, 128)
+    config = dict(
+        maxlen=128, vocab_size=256, embed_dim=128, num_heads=4, feed_forward_dim=512, num_transformer_blocks=8
+    )
+    _, cost, compiled = _against_compiler(
+        config, lambda roles, params: shardplan.parse_plan(FSDP_PIPELINE_PLAN % schedule), 32, 128
+    )
     assert cost.peak_bytes == pytest.approx(compiled.peak_bytes, rel=0.1)
-    assert {kind: nbytes for kind, (_, nbytes) in cost.by_kind().items()} == pytest.approx(compiled.collectives.bytes,
-                                                                                        abs=16)
+    assert {kind: nbytes for kind, (_, nbytes) in cost.by_kind().items()} == pytest.approx(
+        compiled.collectives.bytes, abs=16
+    )
     assert not cost.caveats
 
 
@@ -239,8 +290,9 @@ def test_cost_model_on_the_zero_bubble_schedule_matches_the_compiled_step(remat)
     gradients wait beside them, and the loop copies the set it reads and the one it writes); with
     `shardplan.planner.cost`'s measured copies the peak is within 15% on this held-out size (measured
     +1.3% without rematerialisation, -11.7% with `dots`; the S sets alone were -38% and -26%)."""
-    config = dict(MINIGPT, maxlen=64, vocab_size=512, embed_dim=96, num_heads=4, feed_forward_dim=384,
-                  num_transformer_blocks=6)
+    config = dict(
+        MINIGPT, maxlen=64, vocab_size=512, embed_dim=96, num_heads=4, feed_forward_dim=384, num_transformer_blocks=6
+    )
     candidate = auto.Candidate({"stage": 2, "data": 4}, {}, False, False, False, False, "zb-h1", 4, 1, remat)
     _, cost, compiled = _against_compiler(config, functools.partial(auto.build_plan, candidate), 32, 64)
     assert cost.peak_bytes == pytest.approx(compiled.peak_bytes, rel=0.15)
@@ -251,21 +303,35 @@ def test_cost_model_on_shorter_end_stages_matches_the_compiled_step():
     longest stage's slots and room for what any stage keeps, so the peak is the even split's (both
     measured 29.88 MiB, modelled -4.4%), the collectives exact but for the loss's 12 bytes; the last stage's compute is its one
     layer and the head."""
-    config = dict(maxlen=64, vocab_size=2048, embed_dim=128, num_heads=4, feed_forward_dim=512,
-                  num_transformer_blocks=10, dropout_rate=0.0)
+    config = dict(
+        maxlen=64,
+        vocab_size=2048,
+        embed_dim=128,
+        num_heads=4,
+        feed_forward_dim=512,
+        num_transformer_blocks=10,
+        dropout_rate=0.0,
+    )
     candidate = auto.Candidate({"stage": 4, "data": 2}, {}, False, False, False, False, "1f1b", 8, split=(3, 3, 3, 1))
     _, cost, compiled = _against_compiler(config, functools.partial(auto.build_plan, candidate), 32, 64)
     assert cost.peak_bytes == pytest.approx(compiled.peak_bytes, rel=0.1)
-    assert cost.collective_bytes == pytest.approx(compiled.collectives.total_bytes, abs=16)     # (the loss: 12 bytes)
+    assert cost.collective_bytes == pytest.approx(compiled.collectives.total_bytes, abs=16)  # (the loss: 12 bytes)
     times = cost.stage_compute_s
     assert times[0] == pytest.approx(times[2], rel=0.01) and times[3] < times[2]
     # the simulated devices share the cores: a step costs the stages' work added up, without the bubble;
     # devices of their own wait for the slowest stage, over the bubble
     assert cost.compute_s == pytest.approx(sum(times) / len(times) * (1 - cost.bubble))
-    report = shardplan.check(auto.build_plan(candidate, *_roles_and_params(config)),
-                             minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0)), input_shapes={"tokens": (32, 64)})
-    own = estimate(report, _roles_and_params(config)[0], Workload(32, 64),
-                   dataclasses.replace(get_profile("cpu"), shared_compute=False))
+    report = shardplan.check(
+        auto.build_plan(candidate, *_roles_and_params(config)),
+        minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0)),
+        input_shapes={"tokens": (32, 64)},
+    )
+    own = estimate(
+        report,
+        _roles_and_params(config)[0],
+        Workload(32, 64),
+        dataclasses.replace(get_profile("cpu"), shared_compute=False),
+    )
     assert own.compute_s == pytest.approx(max(own.stage_compute_s)) and own.compute_s > cost.compute_s
 
 
@@ -286,7 +352,7 @@ def test_what_the_code_keeps_is_read_from_one_traced_forward():
     gemma = GemmaConfig(vocab=512, embed=64, heads=4, kv_heads=2, head_dim=16, hidden=128, layers=2, window=8)
     model, roles = abstract_with_roles(lambda: GemmaLike(gemma, rngs=nnx.Rngs(0)))
     assert with_code(roles, model, SEQ, arguments=_gemma_arguments).code == CodeCopies(2.0, 2.0, 1.0, traced=True)
-    assert with_code(roles, model, SEQ).code == CodeCopies()     # tokens alone: no positions, no mask
+    assert with_code(roles, model, SEQ).code == CodeCopies()  # tokens alone: no positions, no mask
     model, roles = abstract_with_roles(BUILD["wide llama"])
     assert with_code(roles, model, SEQ).code == CodeCopies(heads=4.0, traced=True)
     model, roles = abstract_with_roles(BUILD["minigpt"])
@@ -299,8 +365,9 @@ def test_cost_model_counts_what_soft_capped_code_keeps():
     config = GemmaConfig(vocab=2048, embed=64, heads=4, kv_heads=2, head_dim=16, hidden=128, layers=2, window=32)
     model, roles = abstract_with_roles(lambda: GemmaLike(config, rngs=nnx.Rngs(0)))
     coded = with_code(roles, model, 128, arguments=_gemma_arguments)
-    plan = shardplan.parse_plan("version: 1\nmesh: {axes: {data: 8}}\ninputs: {tokens: [data, _]}\n"
-                                "params: [{match: '.*', spec: replicated}]\n")
+    plan = shardplan.parse_plan(
+        "version: 1\nmesh: {axes: {data: 8}}\ninputs: {tokens: [data, _]}\nparams: [{match: '.*', spec: replicated}]\n"
+    )
     report = shardplan.check(plan, model, input_shapes={"tokens": (16, 128)})
     plain, cost = (estimate(report, r, Workload(16, 128), get_profile("cpu")) for r in (roles, coded))
     compiled = measure(plan, GemmaLike(config, rngs=nnx.Rngs(0)), 16, 128, arguments=_gemma_arguments)
@@ -331,9 +398,10 @@ def test_cost_model_on_fsdp_layers_matches_the_compiled_step(remat):
     again (collectives within 2%: they were -31%), and its peak says approximate (XLA's CPU
     scheduler gathers early: measured 1.95x the modelled one here)."""
     rules = "remat: [{match: 'layers/\\d+', policy: full}]\n" if remat else ""
-    plan = shardplan.parse_plan("version: 1\nmesh: {axes: {data: 8}}\ninputs: {tokens: [data, _]}\nparams: "
-                                "[{match: 'layers/\\d+/.*kernel', spec: [data]}, {match: '.*', spec: replicated}]\n"
-                                + rules)
+    plan = shardplan.parse_plan(
+        "version: 1\nmesh: {axes: {data: 8}}\ninputs: {tokens: [data, _]}\nparams: "
+        "[{match: 'layers/\\d+/.*kernel', spec: [data]}, {match: '.*', spec: replicated}]\n" + rules
+    )
     model = BUILD["wide llama"]()
     report = shardplan.check(plan, model, input_shapes={"tokens": (16, 64)})
     cost = estimate(report, with_code(recognise_module(model), model, 64), Workload(16, 64), get_profile("cpu"))
@@ -348,8 +416,14 @@ def test_cost_model_on_fsdp_layers_matches_the_compiled_step(remat):
 def test_layouts_outside_the_model_say_so(compiled_model):
     model, roles = compiled_model
     sp = shardplan.load_plan(REPO / "plans" / "minigpt_dp_tp_sp.yaml").model_copy(update={"model": None})
-    embed_2d = _variant({"params": [{"match": "embedding_layer/token_emb/embedding", "spec": ["model", "data"]},
-                                    {"match": ".*", "spec": "replicated"}]})
+    embed_2d = _variant(
+        {
+            "params": [
+                {"match": "embedding_layer/token_emb/embedding", "spec": ["model", "data"]},
+                {"match": ".*", "spec": "replicated"},
+            ]
+        }
+    )
     for plan, words in ((sp, "sequence parallelism"), (embed_2d, "both dims")):
         cost = estimate(shardplan.check(plan, model), roles, Workload(BATCH, 64), get_profile("cpu"))
         assert any(words in caveat for caveat in cost.caveats), cost.caveats
@@ -359,8 +433,11 @@ def test_collectives_hide_behind_compute_by_kind_only_where_the_device_overlaps(
     model, roles = compiled_model
     gpu, workload = get_profile("h200"), Workload(64, 64)
     waits = dataclasses.replace(gpu, overlap=False)
-    for plan_file, lanes in (("minigpt_fsdp.toml", {"prefetch", "backward"}), ("minigpt_dp_tp.yaml", {"backward"}),
-                             ("minigpt_3d.yaml", set())):
+    for plan_file, lanes in (
+        ("minigpt_fsdp.toml", {"prefetch", "backward"}),
+        ("minigpt_dp_tp.yaml", {"backward"}),
+        ("minigpt_3d.yaml", set()),
+    ):
         report = shardplan.check(shardplan.load_plan(REPO / "plans" / plan_file), model)
         cost, waiting = estimate(report, roles, workload, gpu), estimate(report, roles, workload, waits)
         assert waiting.exposed_communication_s == pytest.approx(waiting.communication_s) and not waiting.hidden
@@ -386,11 +463,17 @@ def test_tensor_overlap_hides_the_layers_sequence_parallel_collectives_behind_th
     gpu, workload = get_profile("h200"), Workload(64, 64)
     sequence = {"activations": [{"match": r"transformer_blocks/\d+/layer_norm[12]", "spec": ["data", "model", None]}]}
     costs = {}
-    for name, changes in (("sp", sequence), ("sp+overlap", {**sequence, "tensor_overlap": True}),
-                          ("plain", {}), ("overlap", {"tensor_overlap": True})):
+    for name, changes in (
+        ("sp", sequence),
+        ("sp+overlap", {**sequence, "tensor_overlap": True}),
+        ("plain", {}),
+        ("overlap", {"tensor_overlap": True}),
+    ):
         report = shardplan.check(_variant(changes), model)
-        costs[name] = estimate(report, roles, workload, gpu), estimate(report, roles, workload,
-                                                                        dataclasses.replace(gpu, overlap=False))
+        costs[name] = (
+            estimate(report, roles, workload, gpu),
+            estimate(report, roles, workload, dataclasses.replace(gpu, overlap=False)),
+        )
     overlapped, sp = costs["sp+overlap"][0], costs["sp"][0]
     hidden = dict(overlapped.hidden)
     tensor = [t for t in overlapped.transfers if t.overlap == "tensor"]
@@ -399,8 +482,8 @@ def test_tensor_overlap_hides_the_layers_sequence_parallel_collectives_behind_th
     assert 0 < hidden["tensor"] <= overlapped.flops / (gpu.peak_flops * gpu.matmul_efficiency)
     assert overlapped.step_s == pytest.approx(sp.step_s - hidden["tensor"])
     assert overlapped.communication_s == pytest.approx(sp.communication_s)
-    assert costs["overlap"][0].step_s == pytest.approx(costs["plain"][0].step_s)       # no sequence split
-    assert costs["sp+overlap"][1].step_s == pytest.approx(costs["sp"][1].step_s)       # the device waits anyway
+    assert costs["overlap"][0].step_s == pytest.approx(costs["plain"][0].step_s)  # no sequence split
+    assert costs["sp+overlap"][1].step_s == pytest.approx(costs["sp"][1].step_s)  # the device waits anyway
 
 
 @pytest.mark.parametrize("name", ["minigpt", "wide llama", "three-layer llama"])
@@ -453,18 +536,22 @@ def test_auto_offers_interleaved_one_f_one_b_the_v_schedule_and_float32_masters_
             assert (precision.params, precision.master) == ("bfloat16", "float32")
             # the masters split with the moments (2 + 12/DP bytes against 4 + 8/DP: equal at DP 2), and
             # no compute copy of float32 parameters is made
-            plain = auto._checked(dataclasses.replace(candidate, master=False), roles, params, 8, 1, workload,
-                                  profile, "tokens", None)
+            plain = auto._checked(
+                dataclasses.replace(candidate, master=False), roles, params, 8, 1, workload, profile, "tokens", None
+            )
             assert full.estimate.argument_bytes <= plain.estimate.argument_bytes
             assert full.estimate.peak_bytes < plain.estimate.peak_bytes
 
 
 def test_layers_that_differ_are_all_laid_out():
     from shardplan.checks.paths import ParamInfo
+
     model, roles = abstract_with_roles(BUILD["llama"])
     params = param_infos(model)
-    changed = [ParamInfo(p.path, (p.shape[0], 2 * p.shape[1]), p.dtype) if p.path == "layers/1/mlp/up/kernel" else p
-               for p in params]
+    changed = [
+        ParamInfo(p.path, (p.shape[0], 2 * p.shape[1]), p.dtype) if p.path == "layers/1/mlp/up/kernel" else p
+        for p in params
+    ]
     assert Representative.of(changed, roles).params == changed
 
 
@@ -482,8 +569,14 @@ def _written_and_trained(found, build, tmp_path) -> shardplan.Plan:
 def test_auto_plans_with_remat_and_sequence_parallelism_validate_and_train_like_one_device(name, tmp_path):
     build = BUILD[name]
     model, roles = abstract_with_roles(build)
-    found = auto.search(param_infos(model), roles, devices=8, workload=Workload(BATCH, SEQ),
-                        profile=get_profile("cpu"), only=lambda c: c.remat == "full" and c.sequence)
+    found = auto.search(
+        param_infos(model),
+        roles,
+        devices=8,
+        workload=Workload(BATCH, SEQ),
+        profile=get_profile("cpu"),
+        only=lambda c: c.remat == "full" and c.sequence,
+    )
     plan = _written_and_trained(found, build, tmp_path)
     assert plan.remat and plan.activations, (tmp_path / "auto.yaml").read_text()
 
@@ -495,8 +588,9 @@ def test_auto_accumulates_gradients_only_where_memory_needs_it(tmp_path):
     roomy = auto.search(params, roles, devices=8, workload=workload, profile=get_profile("cpu"), pipelines=False)
     assert all(r.candidate.accumulate == 1 for r in roomy.ranked)
     assert any((r.rejected or "").startswith("accumulation not needed") for r in roomy.rejected)
-    found = auto.search(params, roles, devices=8, workload=workload, profile=get_profile("cpu"),
-                        only=lambda c: c.accumulate > 1)
+    found = auto.search(
+        params, roles, devices=8, workload=workload, profile=get_profile("cpu"), only=lambda c: c.accumulate > 1
+    )
     plan = _written_and_trained(found, build, tmp_path)
     assert plan.accumulate > 1, (tmp_path / "auto.yaml").read_text()
 
@@ -504,8 +598,14 @@ def test_auto_accumulates_gradients_only_where_memory_needs_it(tmp_path):
 def test_auto_pipelines_layers_the_stages_do_not_divide_and_trains_like_one_device(tmp_path):
     build = BUILD["three-layer llama"]
     model, roles = abstract_with_roles(build)
-    found = auto.search(param_infos(model), roles, devices=8, workload=Workload(BATCH, SEQ),
-                        profile=get_profile("cpu"), only=lambda c: c.axes.get("stage") == 2)
+    found = auto.search(
+        param_infos(model),
+        roles,
+        devices=8,
+        workload=Workload(BATCH, SEQ),
+        profile=get_profile("cpu"),
+        only=lambda c: c.axes.get("stage") == 2,
+    )
     plan = _written_and_trained(found, build, tmp_path)
     assert "1 or 2 (the first stages one longer" in (tmp_path / "auto.yaml").read_text()
     assert shardplan.check(plan, build()).stage_map.counts == (2, 1)
@@ -516,33 +616,62 @@ def test_auto_offers_the_embedding_and_head_on_the_stages_where_they_fit_nowhere
     split over the stages, kept only where the twin holding it whole does not fit; the plan written
     checks clean and trains like one device."""
     config = dict(MINIGPT, vocab_size=1024)
-    build = lambda: minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0))     # noqa: E731
+    build = lambda: minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0))  # noqa: E731
     model, roles = abstract_with_roles(build)
     params = param_infos(model)
     assert auto._heavy_ends(params, roles)
-    found = auto.search(params, roles, devices=8, workload=Workload(BATCH, SEQ), profile=get_profile("cpu"),
-                        only=lambda c: c.axes == {"stage": 2, "data": 4} and c.schedule == "1f1b" and
-                        c.microbatches == 4 and c.virtual == 1 and c.remat == "none" and not c.sequence and
-                        not (c.fsdp or c.zero1 or c.tensor) and c.split is None)
+    found = auto.search(
+        params,
+        roles,
+        devices=8,
+        workload=Workload(BATCH, SEQ),
+        profile=get_profile("cpu"),
+        only=lambda c: (
+            c.axes == {"stage": 2, "data": 4}
+            and c.schedule == "1f1b"
+            and c.microbatches == 4
+            and c.virtual == 1
+            and c.remat == "none"
+            and not c.sequence
+            and not (c.fsdp or c.zero1 or c.tensor)
+            and c.split is None
+        ),
+    )
     (ends,) = [r for r in found.rejected if r.candidate.ends]
     assert "not needed: they fit whole" in ends.rejected
     (twin,) = [r for r in found.ranked if r.candidate == dataclasses.replace(ends.candidate, ends=False)]
     assert ends.estimate.argument_bytes < twin.estimate.argument_bytes
     assert ends.estimate.peak_bytes < twin.estimate.peak_bytes
     budget = int(ends.estimate.peak_bytes / (1 - auto.MEMORY_MARGIN)) + 1
-    whole = auto.search(params, roles, devices=8, workload=Workload(BATCH, SEQ), profile=get_profile("cpu"),
-                        memory=budget, only=lambda c: c in (ends.candidate, twin.candidate))
-    assert [r.candidate.ends for r in whole.ranked] == [True]        # its twin holding them whole does not fit
-    assert all("stage" in spec_axes(p.spec) for p in whole.best.report.params
-               if p.path.startswith(("embedding_layer/token_emb", "output_layer/kernel")))
+    whole = auto.search(
+        params,
+        roles,
+        devices=8,
+        workload=Workload(BATCH, SEQ),
+        profile=get_profile("cpu"),
+        memory=budget,
+        only=lambda c: c in (ends.candidate, twin.candidate),
+    )
+    assert [r.candidate.ends for r in whole.ranked] == [True]  # its twin holding them whole does not fit
+    assert all(
+        "stage" in spec_axes(p.spec)
+        for p in whole.best.report.params
+        if p.path.startswith(("embedding_layer/token_emb", "output_layer/kernel"))
+    )
     _written_and_trained(whole, build, tmp_path)
 
 
 def test_auto_with_bf16_compute_writes_precision_and_stays_close(tmp_path):
     build = BUILD["minigpt"]
     model, roles = abstract_with_roles(build)
-    found = auto.search(param_infos(model), roles, devices=8, workload=Workload(BATCH, SEQ),
-                        profile=get_profile("cpu"), compute="bfloat16")
+    found = auto.search(
+        param_infos(model),
+        roles,
+        devices=8,
+        workload=Workload(BATCH, SEQ),
+        profile=get_profile("cpu"),
+        compute="bfloat16",
+    )
     plan = _written(found, tmp_path)
     assert plan.precision.compute == "bfloat16"
     # bf16 keeps 8 significant bits: the loss within 1e-2 relative over three steps
@@ -553,10 +682,18 @@ def test_search_is_bounded_and_answers_large_clusters_quickly():
     """A 70B-class width (20 of its 80 layers, to bound the suite's work) on 16,384 devices: candidates
     costed on one layer, the best checked in full (`benchmarks/auto_scale.py` times every size up to
     131,072 devices, all 80 layers)."""
-    model, roles = abstract_with_roles(lambda: Llama(vocab=32000, dim=8192, heads=64, kv_heads=8, hidden=28672,
-                                                     layers=20, rngs=nnx.Rngs(0)))
-    found = auto.search(param_infos(model), roles, devices=16384, workload=Workload(4 * 16384, 4096),
-                        profile=get_profile("h200"), hosts=2048, compute="bfloat16")
+    model, roles = abstract_with_roles(
+        lambda: Llama(vocab=32000, dim=8192, heads=64, kv_heads=8, hidden=28672, layers=20, rngs=nnx.Rngs(0))
+    )
+    found = auto.search(
+        param_infos(model),
+        roles,
+        devices=16384,
+        workload=Workload(4 * 16384, 4096),
+        profile=get_profile("h200"),
+        hosts=2048,
+        compute="bfloat16",
+    )
     assert found.best is not None and found.best.report.ok
     assert found.best.estimate.peak_bytes <= found.usable < found.memory
     # the bound on the work (the benchmark reports the time): only the best few checked in full, and
@@ -569,19 +706,29 @@ def test_search_is_bounded_and_answers_large_clusters_quickly():
 def test_long_sequences_get_context_parallelism_and_the_written_plan_checks():
     """At 65,536 tokens a 2B-class decoder on 64 H200s does not fit without splitting the sequence: auto
     picks a context axis, and its plan passes the checks, the model's attention calls included."""
-    build = lambda: Llama(vocab=32000, dim=2048, heads=16, kv_heads=8, hidden=5632, layers=8,  # noqa: E731
-                          rngs=nnx.Rngs(0))
+
+    def build():
+        return Llama(vocab=32000, dim=2048, heads=16, kv_heads=8, hidden=5632, layers=8, rngs=nnx.Rngs(0))
+
     model, roles = abstract_with_roles(build)
-    found = auto.search(param_infos(model), roles, devices=64, workload=Workload(8, 65536),
-                        profile=get_profile("h200"), hosts=8, compute="bfloat16")
+    found = auto.search(
+        param_infos(model),
+        roles,
+        devices=64,
+        workload=Workload(8, 65536),
+        profile=get_profile("h200"),
+        hosts=8,
+        compute="bfloat16",
+    )
     best = found.best
     assert best.plan.context is not None and best.candidate.axes["context"] > 1, best.candidate.label()
     assert best.plan.inputs["tokens"][1] == "context"
     axes = {"data": 2, "context": 2, "model": 2} if "model" in best.candidate.axes else {"data": 2, "context": 4}
     small = best.plan.model_copy(update={"mesh": best.plan.mesh.model_copy(update={"axes": axes, "hosts": {}})})
     tiny = lambda: Llama(vocab=64, dim=32, heads=4, kv_heads=2, hidden=64, layers=2, rngs=nnx.Rngs(0))  # noqa: E731
-    report = shardplan.check(small, tiny(), input_shapes={"tokens": (2, 32)},
-                             example=lambda m: m(jnp.zeros((2, 32), jnp.int32)))
+    report = shardplan.check(
+        small, tiny(), input_shapes={"tokens": (2, 32)}, example=lambda m: m(jnp.zeros((2, 32), jnp.int32))
+    )
     assert report.ok, [d.format() for d in report.errors]
 
 
@@ -595,7 +742,9 @@ def test_rematerialised_layers_keep_their_inputs_split_by_sequence_parallelism()
     roles = with_code(recognise_module(model), model, SEQ)
     full = [{"match": r"transformer_blocks/\d+", "policy": "full"}]
     sequence = [{"match": r"transformer_blocks/\d+/layer_norm[12]", "spec": ["data", "model", None]}]
-    kept = {name: estimate(shardplan.check(_variant(changes), model), roles, Workload(BATCH, SEQ), get_profile("h200"))
-            for name, changes in (("remat", {"remat": full}), ("remat+sp", {"remat": full, "activations": sequence}))}
-    inputs = BATCH * SEQ // 4 * config["embed_dim"] * 4 * 16       # minigpt_dp_tp: data 4 x model 2, float32
+    kept = {
+        name: estimate(shardplan.check(_variant(changes), model), roles, Workload(BATCH, SEQ), get_profile("h200"))
+        for name, changes in (("remat", {"remat": full}), ("remat+sp", {"remat": full, "activations": sequence}))
+    }
+    inputs = BATCH * SEQ // 4 * config["embed_dim"] * 4 * 16  # minigpt_dp_tp: data 4 x model 2, float32
     assert kept["remat"].activation_bytes - kept["remat+sp"].activation_bytes >= inputs / 2

@@ -32,6 +32,7 @@ def test_plan_has_header_comment(name):
 def test_shipped_plan_validates_as_the_readme_shows_it(name, capsys):
     """`shardplan validate plans/X` on a fresh clone: no flag a newcomer would have to guess."""
     from shardplan.cli import main
+
     code = main(["validate", f"plans/{name}"])
     out = capsys.readouterr()
     assert code == 0 and "valid: 0 warning(s)" in out.out + out.err, out
@@ -67,8 +68,11 @@ INSPECT_GOLDEN = GOLDEN / "inspect"
 def test_inspect_text_matches_golden_at_80_and_120_columns(name, width, capsys, monkeypatch):
     """What a person reads: nothing cut (specs, shapes and bytes whole), nothing wider than the console."""
     from shardplan.cli import main
+
     monkeypatch.setenv("COLUMNS", str(width))
-    argv = ["inspect", f"plans/{name}"] + (["--device", "5"] if name in ("minigpt_3d.yaml", "minigpt_dp_tp.yaml") else [])
+    argv = ["inspect", f"plans/{name}"] + (
+        ["--device", "5"] if name in ("minigpt_3d.yaml", "minigpt_dp_tp.yaml") else []
+    )
     main(argv)
     text = capsys.readouterr().out
     table_lines = [line for line in text.splitlines() if not line.startswith(("plans/", "  hint:", "    ", "       |"))]
@@ -86,6 +90,7 @@ def test_inspect_at_scale_folds_hosts_and_devices_at_80_columns(capsys, monkeypa
     stage's devices folded into runs; nothing wider than 80 columns; as many lines at 16,384 devices
     (2,048 hosts); frozen as a golden file."""
     from shardplan.cli import main
+
     monkeypatch.setenv("COLUMNS", "80")
     plan = GOLDEN / "llama_1024_devices.yaml"
     assert main(["inspect", str(plan.relative_to(REPO)), "--devices", "1024", "--trust-plan"]) == 0
@@ -96,9 +101,11 @@ def test_inspect_at_scale_folds_hosts_and_devices_at_80_columns(capsys, monkeypa
     larger = tmp_path / "llama_16384_devices.yaml"
     larger.write_text(plan.read_text().replace("data: 32", "data: 512"))
     assert main(["inspect", str(larger), "--devices", "16384", "--trust-plan"]) == 0
-    def layout_lines(out):       # (not the diagnostics after it: they start with the file's path, which wraps)
+
+    def layout_lines(out):  # (not the diagnostics after it: they start with the file's path, which wraps)
         lines = out.splitlines()
         return next(k for k, line in enumerate(lines + ["/"]) if line.startswith(("/", "tests/")))
+
     assert layout_lines(capsys.readouterr().out) == layout_lines(text)
     golden = INSPECT_GOLDEN / "llama_1024_devices.80.txt"
     if os.environ.get("SHARDPLAN_UPDATE_GOLDEN"):

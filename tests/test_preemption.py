@@ -33,8 +33,9 @@ def wait_for(condition, process, what: str, timeout: float = 240.0) -> None:
 
 def start_training(out, args, *, until_step: int):
     """The run of `args` in its own process, once it has finished `until_step`."""
-    run = subprocess.Popen([*TRAIN, *args], cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True)
+    run = subprocess.Popen(
+        [*TRAIN, *args], cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     wait_for(lambda: steps_done(out) >= until_step, run, f"step {until_step}")
     return run
 
@@ -66,14 +67,16 @@ def test_a_second_sigterm_tears_only_its_own_save_and_a_sigterm_saves_the_step_i
     args = [*train_args(out, 20), "--checkpoint-every", "10"]
     run = start_training(out, args, until_step=12)
     run.send_signal(signal.SIGTERM)
-    def saving():       # orbax's unfinished step
+
+    def saving():  # orbax's unfinished step
         return any("tmp" in p.name for p in (out / "checkpoints").iterdir())
+
     wait_for(saving, run, "the preemption save to start")
     run.send_signal(signal.SIGTERM)
     text, _ = run.communicate(timeout=60)
     assert run.returncode == -signal.SIGTERM, f"the second signal did not stop the save: {text[-2000:]}"
     assert saved_steps(out) == [10] and "preemption notice" in text
-    checkpoints = Checkpoints(out / "checkpoints")     # the torn save is no step; the one before is intact
+    checkpoints = Checkpoints(out / "checkpoints")  # the torn save is no step; the one before is intact
     try:
         step, meta = next(checkpoints.intact_steps())
     finally:
@@ -88,12 +91,13 @@ def test_a_second_sigterm_tears_only_its_own_save_and_a_sigterm_saves_the_step_i
     assert run.returncode == EXIT_PREEMPTED, text[-3000:]
     assert "resumed from step 10" in text
     last = max(losses_of(out))
-    assert 13 <= last < 20 and saved_steps(out)[-1] == last, (last, saved_steps(out))     # no finished step lost
+    assert 13 <= last < 20 and saved_steps(out)[-1] == last, (last, saved_steps(out))  # no finished step lost
     assert said(f"preempted: saved step {last} to {out / 'checkpoints'}") in said(text)
     assert "--resume" in text
 
-    resumed = subprocess.run([*TRAIN, *args, "--resume"], cwd=REPO, env=env(), capture_output=True, text=True,
-                             timeout=300)
+    resumed = subprocess.run(
+        [*TRAIN, *args, "--resume"], cwd=REPO, env=env(), capture_output=True, text=True, timeout=300
+    )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resumed from step {last}" in resumed.stdout
     final, expected = losses_of(out), uninterrupted(tmp_path, 20)
@@ -108,8 +112,14 @@ def test_through_the_launcher_a_kill_a_sigterm_and_a_damaged_step_each_end_in_an
     workers with it, the step in flight saved and the run free again."""
     out = tmp_path / "run"
     args = [*train_args(out, 20), "--checkpoint-every", "10"]
-    launcher = subprocess.Popen([*LAUNCH, "--local", "2", "--", *args], cwd=REPO, env=env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+    launcher = subprocess.Popen(
+        [*LAUNCH, "--local", "2", "--", *args],
+        cwd=REPO,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     pids = {}
     while len(pids) < 2:
         line = launcher.stdout.readline()
@@ -132,39 +142,58 @@ def test_through_the_launcher_a_kill_a_sigterm_and_a_damaged_step_each_end_in_an
 
     # resumed from step 10 (past records dropped, so wait for more than the first run wrote), then preempted
     until = max(12, steps_done(out) + 1)
-    launcher = subprocess.Popen([*LAUNCH, "--local", "2", "--", *args, "--resume"], cwd=REPO, env=env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launcher = subprocess.Popen(
+        [*LAUNCH, "--local", "2", "--", *args, "--resume"],
+        cwd=REPO,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     wait_for(lambda: steps_done(out) >= until, launcher, f"step {until}")
     launcher.send_signal(signal.SIGTERM)
     text, _ = launcher.communicate(timeout=120)
     assert launcher.returncode == EXIT_PREEMPTED, text[-3000:]
     assert "[launch] preempted: all 2 processes saved the same step" in text
-    assert "[p0] " in text and "[launch] process 1: pid" in text and "[Gloo]" not in text     # gloo chatter hidden
-    assert "8 device(s)" in text                                # one global mesh over both processes
+    assert "[p0] " in text and "[launch] process 1: pid" in text and "[Gloo]" not in text  # gloo chatter hidden
+    assert "8 device(s)" in text  # one global mesh over both processes
     last = max(losses_of(out))
     assert 12 <= last < 20 and saved_steps(out)[-1] == last, (last, saved_steps(out))
-    expected = uninterrupted(tmp_path, 20)          # 2 processes x 4 devices compute what 1 x 8 does
-    np.testing.assert_allclose([losses_of(out)[s] for s in range(1, last + 1)],
-                               [expected[s] for s in range(1, last + 1)], rtol=1e-5)
+    expected = uninterrupted(tmp_path, 20)  # 2 processes x 4 devices compute what 1 x 8 does
+    np.testing.assert_allclose(
+        [losses_of(out)[s] for s in range(1, last + 1)], [expected[s] for s in range(1, last + 1)], rtol=1e-5
+    )
 
-    newest = out / "checkpoints" / str(last)     # flip bytes of one recorded file of the step just saved
+    newest = out / "checkpoints" / str(last)  # flip bytes of one recorded file of the step just saved
     victim = newest / sorted(json.loads((newest / CHECKSUMS).read_text()))[0]
     victim.write_bytes(bytes(b ^ 0xFF for b in victim.read_bytes()))
-    resumed = subprocess.run([*LAUNCH, "--local", "2", "--", *args, "--resume"], cwd=REPO, env=env(),
-                             capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        [*LAUNCH, "--local", "2", "--", *args, "--resume"],
+        cwd=REPO,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     printed = said(resumed.stdout)
     assert said(f"checkpoint step {last}") in printed and said("is damaged") in printed
     assert said("resumed from step 10") in printed and said("agreed by all 2 processes") in printed
     assert any(p.name.startswith(f"step-{last}-") for p in (out / "damaged").iterdir())
     assert "all 2 processes finished" in resumed.stdout
-    np.testing.assert_allclose([losses_of(out)[s] for s in range(1, 21)], [expected[s] for s in range(1, 21)],
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        [losses_of(out)[s] for s in range(1, 21)], [expected[s] for s in range(1, 21)], rtol=1e-5
+    )
 
     # the launcher itself killed: its workers get SIGTERM from the kernel, save the step and free the run
-    launcher = subprocess.Popen([*LAUNCH, "--local", "2", "--", *train_args(out, 40), "--checkpoint-every", "10",
-                                 "--resume"], cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
+    launcher = subprocess.Popen(
+        [*LAUNCH, "--local", "2", "--", *train_args(out, 40), "--checkpoint-every", "10", "--resume"],
+        cwd=REPO,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     workers = []
     while len(workers) < 2:
         found = re.match(r"\[launch\] process \d: pid (\d+)", launcher.stdout.readline())
@@ -173,13 +202,13 @@ def test_through_the_launcher_a_kill_a_sigterm_and_a_damaged_step_each_end_in_an
     wait_for(lambda: steps_done(out) >= 22, launcher, "step 22")
     launcher.kill()
     launcher.wait()
-    deadline = time.monotonic() + 180      # far above the save's time: a bound on hanging, not a timing
+    deadline = time.monotonic() + 180  # far above the save's time: a bound on hanging, not a timing
     while any(_running(pid) for pid in workers):
         assert time.monotonic() < deadline, "the workers outlived their launcher"
         time.sleep(0.1)
-    RunLock.acquire(out).release()          # free: no worker holds the run
+    RunLock.acquire(out).release()  # free: no worker holds the run
     last = max(losses_of(out))
-    assert 22 <= last < 40 and saved_steps(out)[-1] == last, (last, saved_steps(out))     # the step was saved
+    assert 22 <= last < 40 and saved_steps(out)[-1] == last, (last, saved_steps(out))  # the step was saved
 
 
 def _running(pid: int) -> bool:
@@ -196,8 +225,10 @@ def test_ctrl_c_twice_during_a_save_ends_in_one_line_and_the_save_completes(tmp_
     line and exits 130; no traceback from shutdown, orbax's threads or `atexit`."""
     out = tmp_path / "run"
     run = start_training(out, [*train_args(out, 40), "--checkpoint-every", "4"], until_step=1)
+
     def saving():
         return (out / "checkpoints").exists() and any("tmp" in p.name for p in (out / "checkpoints").iterdir())
+
     wait_for(saving, run, "the first save to start")
     run.send_signal(signal.SIGINT)
     time.sleep(0.05)
@@ -207,4 +238,4 @@ def test_ctrl_c_twice_during_a_save_ends_in_one_line_and_the_save_completes(tmp_
     assert said("interrupted; the last checkpoint is intact") in said(text) and text.count("interrupted") == 1, text
     for noise in ("Traceback", "Exception ignored", "Event loop is closed", "ERROR"):
         assert noise not in text, text[-3000:]
-    assert saved_steps(out) == [4]          # the save in flight was finished, not torn
+    assert saved_steps(out) == [4]  # the save in flight was finished, not torn

@@ -27,14 +27,16 @@ def test_a_minimal_profile_file_loads_with_the_documented_defaults(tmp_path):
     assert profile.peak_flops == 312e12 and profile.memory_bytes == 80 * 2**30
     assert profile.matmul_efficiency == 0.8 and profile.link_efficiency == 0.8
     assert profile.collective_latency == 10e-6 and profile.attention == "materialised"
-    assert profile.flops_for("float32") == 312e12          # no per-dtype figure: the peak
+    assert profile.flops_for("float32") == 312e12  # no per-dtype figure: the peak
 
 
 def test_toml_profile_and_per_dtype_peaks(tmp_path):
     path = tmp_path / "mine.toml"
-    path.write_text('name = "t"\npeak_flops = "989e12"\nmemory_bytes = 80e9\nmemory_bandwidth = 3.35e12\n'
-                    'intra_host_bandwidth = 450e9\ninter_host_bandwidth = 50e9\ndevices_per_host = 8\n'
-                    'peak_flops_by_dtype = {float32 = 494e12}\n')
+    path.write_text(
+        'name = "t"\npeak_flops = "989e12"\nmemory_bytes = 80e9\nmemory_bandwidth = 3.35e12\n'
+        "intra_host_bandwidth = 450e9\ninter_host_bandwidth = 50e9\ndevices_per_host = 8\n"
+        "peak_flops_by_dtype = {float32 = 494e12}\n"
+    )
     profile = load_profile(path)
     assert profile.flops_for("float32") == 494e12 and profile.flops_for("bfloat16") == 989e12
 
@@ -45,14 +47,17 @@ def test_shipped_profile_files_load(name):
     assert profile.source.endswith(name) and profile.devices_per_host == 8
 
 
-@pytest.mark.parametrize("edit, code, where", [
-    (("peak_flops: 312e12", "peak_flops: lots"), "invalid-value", (2, "peak_flops")),
-    (("peak_flops: 312e12", "peak_flops: 1e400"), "invalid-value", (2, "peak_flops")),     # infinite
-    (("memory_bandwidth:", "memory_bandwith:"), "unknown-key", (4, "memory_bandwith")),
-    (("devices_per_host: 8", "devices_per_host: 0"), "invalid-value", (7, "devices_per_host")),
-    (("devices_per_host: 8", "devices_per_host: 8\nlink_efficiency: 1.5"), "invalid-value", (8, "link_efficiency")),
-    (("inter_host_bandwidth: 25e9\n", ""), "missing-key", (None, "inter_host_bandwidth")),
-])
+@pytest.mark.parametrize(
+    "edit, code, where",
+    [
+        (("peak_flops: 312e12", "peak_flops: lots"), "invalid-value", (2, "peak_flops")),
+        (("peak_flops: 312e12", "peak_flops: 1e400"), "invalid-value", (2, "peak_flops")),  # infinite
+        (("memory_bandwidth:", "memory_bandwith:"), "unknown-key", (4, "memory_bandwith")),
+        (("devices_per_host: 8", "devices_per_host: 0"), "invalid-value", (7, "devices_per_host")),
+        (("devices_per_host: 8", "devices_per_host: 8\nlink_efficiency: 1.5"), "invalid-value", (8, "link_efficiency")),
+        (("inter_host_bandwidth: 25e9\n", ""), "missing-key", (None, "inter_host_bandwidth")),
+    ],
+)
 def test_bad_profiles_are_diagnostics_at_their_lines(tmp_path, edit, code, where):
     path = tmp_path / "bad.yaml"
     path.write_text(MINIMAL.replace(*edit))
@@ -72,16 +77,45 @@ def test_cli_lists_profiles_and_rejects_a_bad_file(tmp_path, capsys):
     path.write_text(MINIMAL.replace("peak_flops: 312e12", "peak_flops: -1"))
     assert main(["profiles", str(path)]) == 1
     assert "peak_flops" in capsys.readouterr().err
-    assert main(["auto", "--model", "minigpt_model:MiniGPT", "--devices", "8", "--profile", "nope.txt",
-                 "-o", str(tmp_path / "a.yaml")]) == 2
+    assert (
+        main(
+            [
+                "auto",
+                "--model",
+                "minigpt_model:MiniGPT",
+                "--devices",
+                "8",
+                "--profile",
+                "nope.txt",
+                "-o",
+                str(tmp_path / "a.yaml"),
+            ]
+        )
+        == 2
+    )
 
 
-@pytest.mark.parametrize("field, value", [("peak_flops", "1e-300"), ("memory_bandwidth", "1e-320"),
-                                          ("collective_latency", "1e308"), ("memory_bytes", "1e400")])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("peak_flops", "1e-300"),
+        ("memory_bandwidth", "1e-320"),
+        ("collective_latency", "1e308"),
+        ("memory_bytes", "1e400"),
+    ],
+)
 def test_a_profile_figure_no_device_has_is_refused(tmp_path, field, value):
     from shardplan.planner.profiles import load_profile
-    figures = {"name": "x", "peak_flops": "1e14", "memory_bytes": "80GiB", "memory_bandwidth": "1e12",
-               "intra_host_bandwidth": "1e11", "inter_host_bandwidth": "1e10", "devices_per_host": "8"}
+
+    figures = {
+        "name": "x",
+        "peak_flops": "1e14",
+        "memory_bytes": "80GiB",
+        "memory_bandwidth": "1e12",
+        "intra_host_bandwidth": "1e11",
+        "inter_host_bandwidth": "1e10",
+        "devices_per_host": "8",
+    }
     figures[field] = value
     path = tmp_path / "profile.yaml"
     path.write_text("".join(f"{k}: {v}\n" for k, v in figures.items()))
@@ -92,9 +126,12 @@ def test_a_profile_figure_no_device_has_is_refused(tmp_path, field, value):
 
 def test_a_profile_file_says_which_settings_it_left_to_the_defaults(tmp_path):
     from shardplan.planner.profiles import load_profile
+
     path = tmp_path / "a100.yaml"
-    path.write_text("name: a100\npeak_flops: 312e12\nmemory_bytes: 80GB\nmemory_bandwidth: 2.0e12\n"
-                    "intra_host_bandwidth: 300e9\ninter_host_bandwidth: 25e9\ndevices_per_host: 8\n")
+    path.write_text(
+        "name: a100\npeak_flops: 312e12\nmemory_bytes: 80GB\nmemory_bandwidth: 2.0e12\n"
+        "intra_host_bandwidth: 300e9\ninter_host_bandwidth: 25e9\ndevices_per_host: 8\n"
+    )
     line = load_profile(path).defaults_line()
     for setting in ("attention=materialised", "overlap=True", "matmul_efficiency=0.8", "collective_latency=1e-05"):
         assert setting in line, line

@@ -17,8 +17,13 @@ from moe_forms import CapacityMoE, ExpertMajorMoE, FusedSplitMoE, GatherMoE, Mas
 from public_moe_models import BLOCKS, DIM, EXPERTS, HIDDEN, TOP_K, MoEBlockDecoder
 from test_experts import assert_equal_runs, collectives
 
-OWN_FORMS = {"masked_loop": MaskedLoopMoE, "expert_major": ExpertMajorMoE, "capacity_vmap": CapacityMoE,
-             "gather_top_k": GatherMoE, "fused_split": FusedSplitMoE}
+OWN_FORMS = {
+    "masked_loop": MaskedLoopMoE,
+    "expert_major": ExpertMajorMoE,
+    "capacity_vmap": CapacityMoE,
+    "gather_top_k": GatherMoE,
+    "fused_split": FusedSplitMoE,
+}
 
 
 def decoder(kind):
@@ -26,21 +31,39 @@ def decoder(kind):
         return MoEBlockDecoder(BLOCKS[kind], rngs=nnx.Rngs(0))
     return MoEBlockDecoder(lambda rngs: OWN_FORMS[kind](DIM, HIDDEN, EXPERTS, TOP_K, rngs=rngs), rngs=nnx.Rngs(0))
 
+
 # per model: (parameter regex, spec with E for the expert axis)
-RULES = {"qwen3": [(r"layers/\d+/moe/(gate|up|down)_proj", "[E, null, null]")],
-         "gemma4": [(r"layers/\d+/moe/gating_einsum", "[E, null, null, null]"), (r"layers/\d+/moe/linear", "[E, null, null]")],
-         "gpt_oss": [(r".*experts/(gate_up|down)_proj", "[E, null, null]"), (r".*experts/.*_bias", "[E, null]")],
-         "masked_loop": [(r"layers/\d+/moe/w\d", "[E, null, null]")],
-         "expert_major": [(r"layers/\d+/moe/w_\w+", "[E, null, null]")],
-         "capacity_vmap": [(r"layers/\d+/moe/experts/\w+/kernel", "[E, null, null]"),
-                           (r"layers/\d+/moe/experts/\w+/bias", "[E, null]")],
-         "gather_top_k": [(r"layers/\d+/moe/w_\w+", "[E, null, null]")],
-         "fused_split": [(r"layers/\d+/moe/w_\w+", "[E, null, null]")]}
-LAYOUTS = {"ep4": ("{data: 2, expert: 4}", "[[data, expert], null]", "expert"),
-           "folded": ("{data: 8}", "[data, null]", "data")}
+RULES = {
+    "qwen3": [(r"layers/\d+/moe/(gate|up|down)_proj", "[E, null, null]")],
+    "gemma4": [
+        (r"layers/\d+/moe/gating_einsum", "[E, null, null, null]"),
+        (r"layers/\d+/moe/linear", "[E, null, null]"),
+    ],
+    "gpt_oss": [(r".*experts/(gate_up|down)_proj", "[E, null, null]"), (r".*experts/.*_bias", "[E, null]")],
+    "masked_loop": [(r"layers/\d+/moe/w\d", "[E, null, null]")],
+    "expert_major": [(r"layers/\d+/moe/w_\w+", "[E, null, null]")],
+    "capacity_vmap": [
+        (r"layers/\d+/moe/experts/\w+/kernel", "[E, null, null]"),
+        (r"layers/\d+/moe/experts/\w+/bias", "[E, null]"),
+    ],
+    "gather_top_k": [(r"layers/\d+/moe/w_\w+", "[E, null, null]")],
+    "fused_split": [(r"layers/\d+/moe/w_\w+", "[E, null, null]")],
+}
+LAYOUTS = {
+    "ep4": ("{data: 2, expert: 4}", "[[data, expert], null]", "expert"),
+    "folded": ("{data: 8}", "[data, null]", "data"),
+}
 # How each layer runs: the sparse path (tokens by all-to-all) or the dense fallback, said plainly.
-SPARSE = {"qwen3": True, "gemma4": True, "gpt_oss": False, "masked_loop": True, "expert_major": True,
-          "capacity_vmap": False, "gather_top_k": True, "fused_split": False}
+SPARSE = {
+    "qwen3": True,
+    "gemma4": True,
+    "gpt_oss": False,
+    "masked_loop": True,
+    "expert_major": True,
+    "capacity_vmap": False,
+    "gather_top_k": True,
+    "fused_split": False,
+}
 TOKENS = np.asarray(jax.random.randint(jax.random.key(0), (16, 16), 0, 64))
 
 
@@ -48,8 +71,10 @@ def plan_text(kind: str, layout: str, shape: bool = True) -> str:
     mesh, tokens, axis = LAYOUTS[layout]
     tokens = f"{{spec: {tokens}, shape: [16, 16]}}" if shape else tokens
     rules = "".join(f"  - match: '{m}'\n    spec: {s.replace('E', axis)}\n" for m, s in RULES[kind])
-    return (f"version: 1\nmesh: {{axes: {mesh}}}\ninputs: {{tokens: {tokens}}}\n"
-            f"experts: {{blocks: 'layers/\\d+/moe', axis: {axis}}}\nparams:\n{rules}  - match: '.*'\n    spec: replicated\n")
+    return (
+        f"version: 1\nmesh: {{axes: {mesh}}}\ninputs: {{tokens: {tokens}}}\n"
+        f"experts: {{blocks: 'layers/\\d+/moe', axis: {axis}}}\nparams:\n{rules}  - match: '.*'\n    spec: replicated\n"
+    )
 
 
 def loss_of(model, tokens):
@@ -73,8 +98,13 @@ def one_device(kind):
         optimizer = nnx.Optimizer(model, optax.adamw(1e-3, eps=1e-6), wrt=nnx.Param)
         compiled = train_step.lower(model, optimizer, TOKENS).compile()
         loss, logits, grads = train_step(model, optimizer, TOKENS)
-        _REFERENCE[kind] = (loss, logits, nnx.to_pure_dict(nnx.state(grads)), nnx.to_pure_dict(nnx.state(model)),
-                            expert_flops(compiled.as_text()))
+        _REFERENCE[kind] = (
+            loss,
+            logits,
+            nnx.to_pure_dict(nnx.state(grads)),
+            nnx.to_pure_dict(nnx.state(model)),
+            expert_flops(compiled.as_text()),
+        )
     return _REFERENCE[kind]
 
 
@@ -95,9 +125,19 @@ def expert_flops(hlo: str) -> float:
 
 # Every public layer on data x expert and, in the full matrix, folded onto data; our own forms once each
 # (the masked loop, the expert-major einsum and the gather also run in tests/test_expert_forms.py).
-CASES = [("qwen3", "ep4"), ("gemma4", "ep4"), ("gpt_oss", "ep4"), full("qwen3", "folded"), ("gemma4", "folded"),
-         full("gpt_oss", "folded"), full("masked_loop", "ep4"), full("expert_major", "folded"), ("capacity_vmap", "ep4"),
-         ("gather_top_k", "ep4"), ("fused_split", "ep4")]
+CASES = [
+    ("qwen3", "ep4"),
+    ("gemma4", "ep4"),
+    ("gpt_oss", "ep4"),
+    full("qwen3", "folded"),
+    ("gemma4", "folded"),
+    full("gpt_oss", "folded"),
+    full("masked_loop", "ep4"),
+    full("expert_major", "folded"),
+    ("capacity_vmap", "ep4"),
+    ("gather_top_k", "ep4"),
+    ("fused_split", "ep4"),
+]
 
 
 @pytest.mark.parametrize("kind, layout", CASES)
@@ -118,8 +158,11 @@ def test_a_public_moe_layer_is_expert_parallel_and_trains_like_one_device(kind, 
     assert_equal_runs((loss, logits, nnx.to_pure_dict(nnx.state(grads)), nnx.to_pure_dict(nnx.state(model))), want)
 
     size = mesh.shape[plan.experts.axis]
-    stacks = [v.get_value() for path, v in nnx.to_flat_state(nnx.state(model.layers[0].moe, nnx.Param))
-              if "layers/0/moe/" + "/".join(map(str, path)) in report.experts[0].experts]
+    stacks = [
+        v.get_value()
+        for path, v in nnx.to_flat_state(nnx.state(model.layers[0].moe, nnx.Param))
+        if "layers/0/moe/" + "/".join(map(str, path)) in report.experts[0].experts
+    ]
     assert len(stacks) == len(report.experts[0].experts)
     shards = set()
     for w in stacks:
@@ -143,9 +186,11 @@ def test_a_public_moe_layer_is_expert_parallel_and_trains_like_one_device(kind, 
 def test_check_says_the_same_without_input_shapes(kind):
     """The docs' own plans give inputs no shapes: the blocks' code is checked all the same, on a call of
     the blocks alone."""
+
     def findings(shape):
         report = shardplan.check(shardplan.parse_plan(plan_text(kind, "ep4", shape=shape)), decoder(kind))
         return sorted((d.code, d.severity, d.message) for d in report.diagnostics)
+
     assert findings(False) == findings(True)
     assert any(code == "experts-fallback" for code, *_ in findings(False)) == (not SPARSE[kind])
 
@@ -153,7 +198,8 @@ def test_check_says_the_same_without_input_shapes(kind):
 def test_a_block_refused_before_anything_runs_also_without_input_shapes():
     from moe_models import MoEDecoder
     from test_experts import PenalisedMoE, plan_text as experts_plan
-    plan = shardplan.parse_plan(experts_plan("ep4"))             # inputs without shapes
+
+    plan = shardplan.parse_plan(experts_plan("ep4"))  # inputs without shapes
     model = MoEDecoder(PenalisedMoE, rngs=nnx.Rngs(0))
     found = [d for d in shardplan.check(plan, model).diagnostics if d.code == "experts-contract"]
     assert found and found[0].severity == "error" and "not one row per token" in found[0].message
@@ -168,14 +214,17 @@ def test_the_plan_can_name_the_router_and_the_expert_weights():
     named = text.replace("axis: expert}", "axis: expert, router: 'router/linear/kernel', weights: 'experts/.*'}")
     report = shardplan.check(shardplan.parse_plan(named), decoder("gpt_oss"))
     assert not report.errors and report.experts == default
-    assert set(report.experts[0].experts) == {f"layers/0/moe/experts/{n}" for n in
-                                              ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}
-    wrong = shardplan.check(shardplan.parse_plan(text.replace("axis: expert}", "axis: expert, weights: 'nothing'}")),
-                            decoder("gpt_oss"))
+    assert set(report.experts[0].experts) == {
+        f"layers/0/moe/experts/{n}" for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+    }
+    wrong = shardplan.check(
+        shardplan.parse_plan(text.replace("axis: expert}", "axis: expert, weights: 'nothing'}")), decoder("gpt_oss")
+    )
     assert [d.code for d in wrong.errors] == ["experts-no-router", "experts-no-router"]
     assert "matching experts.router / experts.weights" in wrong.errors[0].message
-    bad = shardplan.check(shardplan.parse_plan(text.replace("axis: expert}", "axis: expert, router: '('}")),
-                          decoder("gpt_oss"))
+    bad = shardplan.check(
+        shardplan.parse_plan(text.replace("axis: expert}", "axis: expert, router: '('}")), decoder("gpt_oss")
+    )
     assert [d.code for d in bad.errors] == ["experts-invalid-regex"] and "experts.router" in bad.errors[0].message
 
 
@@ -185,6 +234,7 @@ def test_the_cost_model_reads_how_many_experts_a_token_takes_off_the_public_code
     import public_moe_models
     from shardplan.planner.kept import with_code
     from shardplan.run.abstract import abstract_with_roles
+
     monkeypatch.setattr(public_moe_models, "TOP_K", 3)
     model, roles = abstract_with_roles(lambda: MoEBlockDecoder(BLOCKS[kind], rngs=nnx.Rngs(0)))
     assert with_code(roles, model, 16).code.top_k == 3
@@ -203,6 +253,6 @@ def test_check_says_where_a_public_layer_computes_wider_than_the_plan(kind):
         assert not found
         return
     (warning,) = found
-    assert warning.severity == "warning" and warning.line == len(text.splitlines())     # the precision line
+    assert warning.severity == "warning" and warning.line == len(text.splitlines())  # the precision line
     assert "precision.compute is bfloat16, but 8 of the forward's 9 matmuls" in warning.message
     assert "float32[8,16,64]" in warning.message

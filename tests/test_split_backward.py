@@ -23,14 +23,14 @@ def _dots(jaxpr) -> int:
 
 
 @jax.jit
-def _gelu_dense(x, w):          # a call (jit) inside the layer: inlined before the split
+def _gelu_dense(x, w):  # a call (jit) inside the layer: inlined before the split
     return jax.nn.gelu(x @ w)
 
 
 def _layer(h, weights, shared):
     a = _gelu_dense(h, weights["up"])
-    a = jax.checkpoint(lambda a: jnp.tanh(a) * a)(a)            # remat inside the layer
-    return h + a @ weights["down"] + h @ shared                   # `shared`: a scan constant, summed as a carry
+    a = jax.checkpoint(lambda a: jnp.tanh(a) * a)(a)  # remat inside the layer
+    return h + a @ weights["down"] + h @ shared  # `shared`: a scan constant, summed as a carry
 
 
 def _stage(weights, shared, x):
@@ -40,15 +40,17 @@ def _stage(weights, shared, x):
 @pytest.mark.parametrize("layers", [1, 3])
 def test_b_and_w_give_the_gradients_and_w_holds_the_weight_matmuls(layers):
     keys = jax.random.split(jax.random.key(0), 4)
-    weights = {"up": jax.random.normal(keys[0], (layers, 8, 16)) * 0.3,
-               "down": jax.random.normal(keys[1], (layers, 16, 8)) * 0.3}
+    weights = {
+        "up": jax.random.normal(keys[0], (layers, 8, 16)) * 0.3,
+        "down": jax.random.normal(keys[1], (layers, 16, 8)) * 0.3,
+    }
     shared = jax.random.normal(keys[2], (8, 8)) * 0.3
     x = jax.random.normal(keys[3], (4, 8))
     y, vjp = jax.vjp(_stage, weights, shared, x)
     residuals, tree = jax.tree.flatten(vjp)
     ct = jnp.cos(y)
     backward = jax.make_jaxpr(lambda res, ct: tree.unflatten(res)(ct))(residuals, ct)
-    n_weights = 3                  # down, up, shared; then the input's gradient
+    n_weights = 3  # down, up, shared; then the input's gradient
     split = split_backward(backward, [True] * n_weights + [False], w_may_read=[True] * len(residuals) + [False])
 
     out = core.eval_jaxpr(split.b.jaxpr, split.b.consts, *residuals, ct)

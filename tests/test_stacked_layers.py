@@ -25,6 +25,7 @@ class ScannedLlama(nnx.Module):
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def make(rngs):
             return LlamaBlock(64, 8, 2, 128, rngs=rngs)
+
         self.layers = make(rngs)
         self.norm = RMSNorm(64, rngs=rngs)
         self.lm_head = nnx.Linear(64, 128, use_bias=False, rngs=rngs)
@@ -32,28 +33,39 @@ class ScannedLlama(nnx.Module):
 
     def __call__(self, tokens):
         if self.body == "per-layer outputs":
-            x, _ = nnx.scan(lambda x, layer: ((y := layer(x)), y), in_axes=(nnx.Carry, 0),
-                            out_axes=(nnx.Carry, 0))(self.embed(tokens), self.layers)
+            x, _ = nnx.scan(lambda x, layer: ((y := layer(x)), y), in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))(
+                self.embed(tokens), self.layers
+            )
         else:
+
             @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
             def run(x, layer):
                 return layer(x) if self.body == "call" else 2 * layer(x)
+
             x = run(self.embed(tokens), self.layers)
         return self.lm_head(self.norm(x))
 
 
 def _plan(schedule: str) -> shardplan.Plan:
-    return shardplan.parse_plan("version: 1\nmesh: {axes: {stage: 2, data: 4}}\n"
-                                "inputs: {tokens: {spec: [data, null], shape: [16, 16]}}\n"
-                                f"pipeline: {{axis: stage, layers: layers, microbatches: 4, schedule: {schedule}}}\n"
-                                "params:\n  - {match: 'layers/\\d+/attn/w[qkv]/kernel', spec: [null, null]}\n"
-                                "  - {match: '.*', spec: replicated}\n", file=f"scanned-{schedule}.yaml")
+    return shardplan.parse_plan(
+        "version: 1\nmesh: {axes: {stage: 2, data: 4}}\n"
+        "inputs: {tokens: {spec: [data, null], shape: [16, 16]}}\n"
+        f"pipeline: {{axis: stage, layers: layers, microbatches: 4, schedule: {schedule}}}\n"
+        "params:\n  - {match: 'layers/\\d+/attn/w[qkv]/kernel', spec: [null, null]}\n"
+        "  - {match: '.*', spec: replicated}\n",
+        file=f"scanned-{schedule}.yaml",
+    )
 
 
 def _step(model, optimizer, tokens):
     def loss(model):
-        return shardplan.model_loss(model, lambda logits, t: optax.softmax_cross_entropy_with_integer_labels(
-            logits, t).mean(), tokens[:, 1:], tokens[:, :-1])
+        return shardplan.model_loss(
+            model,
+            lambda logits, t: optax.softmax_cross_entropy_with_integer_labels(logits, t).mean(),
+            tokens[:, 1:],
+            tokens[:, :-1],
+        )
+
     value, grads = nnx.value_and_grad(loss)(model)
     optimizer.update(model, grads)
     return value, grads
@@ -70,8 +82,9 @@ def _train(model, optimizer, batches, place):
 
 
 def _worst(got, want) -> float:
-    return max(jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
-                                            got, want)))
+    return max(
+        jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))), got, want))
+    )
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -86,7 +99,7 @@ def test_nnx_scan_stacked_layers_pipeline_and_train_like_one_device(schedule):
     assert shardplan.check(plan, nnx.eval_shape(lambda: ScannedLlama(rngs=nnx.Rngs(0))), mesh).ok
     model = shardplan.apply_plan(plan, ScannedLlama(rngs=nnx.Rngs(0)), mesh)
     assert type(model.layers).__name__ == "PipelinedLayers"
-    assert model.layers.attn.wq.kernel.shape == (2, 1, 2, 64, 64)          # (stage, chunk, layer, ...)
+    assert model.layers.attn.wq.kernel.shape == (2, 1, 2, 64, 64)  # (stage, chunk, layer, ...)
     optimizer = shardplan.shard_optimizer(plan, model, optax.sgd(0.1), mesh)
     got = _train(model, optimizer, batches, lambda t: shardplan.shard_inputs(plan, {"tokens": t}, mesh)["tokens"])
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
@@ -94,13 +107,18 @@ def test_nnx_scan_stacked_layers_pipeline_and_train_like_one_device(schedule):
     assert _worst(shardplan.plain_tree(model, got[2]), want[2]) < GRAD_TOL
     plain = shardplan.to_plain(model)
     assert type(plain.layers).__name__ == "LlamaBlock" and plain.layers.attn.wq.kernel.shape == (4, 64, 64)
-    np.testing.assert_allclose(np.asarray(plain(batches[0, :, :-1])), np.asarray(reference(batches[0, :, :-1])),
-                               atol=1e-4)
+    np.testing.assert_allclose(
+        np.asarray(plain(batches[0, :, :-1])), np.asarray(reference(batches[0, :, :-1])), atol=1e-4
+    )
 
 
-@pytest.mark.parametrize("body, said", [
-    ("twice", "does more than call the layer on the carry and return its output (it changes the output"),
-    ("per-layer outputs", "returns a value per layer besides the carry")])
+@pytest.mark.parametrize(
+    "body, said",
+    [
+        ("twice", "does more than call the layer on the carry and return its output (it changes the output"),
+        ("per-layer outputs", "returns a value per layer besides the carry"),
+    ],
+)
 def test_a_scan_body_that_does_more_than_run_the_layer_is_refused_by_check(body, said):
     """A pipeline runs the stacked layers back to back: a body that changes the layer's output, or hands out
     a value per layer, cannot be followed, and `check` says so before anything runs."""
@@ -121,13 +139,14 @@ class WidensItsCarry(nnx.Module):
         self.layers = nnx.vmap(lambda r: nnx.Linear(64, 64, rngs=r), in_axes=0, out_axes=0)(rngs.fork(split=2))
 
     def __call__(self, tokens):
-        return jax.lax.scan(lambda x, layer: (layer(x).astype(jnp.float32), None), self.embed(tokens),
-                            self.layers)[0]
+        return jax.lax.scan(lambda x, layer: (layer(x).astype(jnp.float32), None), self.embed(tokens), self.layers)[0]
 
 
 def test_a_precision_the_models_forward_cannot_run_in_is_refused_by_check():
-    text = ("version: 1\nmesh: {axes: {data: 8}}\ninputs: {tokens: [data, null]}\n"
-            "params: [{match: '.*', spec: replicated}]\nprecision: {compute: bfloat16}\n")
+    text = (
+        "version: 1\nmesh: {axes: {data: 8}}\ninputs: {tokens: [data, null]}\n"
+        "params: [{match: '.*', spec: replicated}]\nprecision: {compute: bfloat16}\n"
+    )
     plan = shardplan.parse_plan(text, file="widens.yaml")
     model = nnx.eval_shape(lambda: WidensItsCarry(rngs=nnx.Rngs(0)))
     (error,) = [d for d in shardplan.check(plan, model).errors if d.code == "precision-breaks-forward"]
@@ -140,8 +159,10 @@ def test_stacked_parameters_read_without_the_model_say_what_check_would_do():
     """Only the parameter shapes (no model to follow): the stack is named, with what the model itself allows."""
     from shardplan.checks.paths import param_infos
     from shardplan.checks.report import check_params
+
     params = param_infos(nnx.eval_shape(lambda: ScannedLlama(rngs=nnx.Rngs(0))))
-    (found,) = [d for d in check_params(_plan("gpipe"), params, list(range(8))).errors
-                if d.code == "pipeline-no-layers"]
+    (found,) = [
+        d for d in check_params(_plan("gpipe"), params, list(range(8))).errors if d.code == "pipeline-no-layers"
+    ]
     assert "'layers' is one stacked module" in found.message and "leading dimension of 4 layers" in found.message
     assert "shardplan.check(plan, model)" in found.hint

@@ -18,10 +18,19 @@ from shardplan.pipeline.loop import unstack
 
 from conftest import PLANS
 
-CONFIG = dict(maxlen=16, vocab_size=128, embed_dim=64, num_heads=8, feed_forward_dim=128, num_transformer_blocks=4,
-              dropout_rate=0.0)
-SP = ("activations:\n  - {match: 'embedding_layer', spec: [data, model, null]}\n"
-      "  - {match: 'transformer_blocks/\\d+/layer_norm\\d', spec: [data, model, null]}\n")
+CONFIG = dict(
+    maxlen=16,
+    vocab_size=128,
+    embed_dim=64,
+    num_heads=8,
+    feed_forward_dim=128,
+    num_transformer_blocks=4,
+    dropout_rate=0.0,
+)
+SP = (
+    "activations:\n  - {match: 'embedding_layer', spec: [data, model, null]}\n"
+    "  - {match: 'transformer_blocks/\\d+/layer_norm\\d', spec: [data, model, null]}\n"
+)
 REMAT = "remat: [{match: 'transformer_blocks/\\d+', policy: %s}]\n"
 BF16 = "precision: {compute: bfloat16}\n"
 
@@ -39,7 +48,7 @@ def _loss_and_grads(plan_text: str, base: str = "minigpt_dp_tp.yaml"):
     x = shardplan.shard_inputs(plan, {"tokens": x}, mesh)["tokens"]
     loss, grads = nnx.jit(lambda m, x, y: nnx.value_and_grad(loss_fn)(m, x, y))(model, x, jax.device_put(y, x.sharding))
     grads = nnx.to_pure_dict(grads)
-    if "mha" in grads["transformer_blocks"]:               # pipelined: back to one entry per layer
+    if "mha" in grads["transformer_blocks"]:  # pipelined: back to one entry per layer
         grads["transformer_blocks"] = dict(enumerate(unstack(grads["transformer_blocks"])))
     return float(loss), grads
 
@@ -52,8 +61,13 @@ def plain():
 def _relative(grads, reference) -> float:
     """Largest gradient difference relative to the largest gradient."""
     scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(reference))
-    return max(float(np.abs(np.asarray(a, np.float32) - b).max()) for a, b in
-               zip(jax.tree.leaves(grads), jax.tree.leaves(reference))) / scale
+    return (
+        max(
+            float(np.abs(np.asarray(a, np.float32) - b).max())
+            for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(reference))
+        )
+        / scale
+    )
 
 
 @pytest.mark.parametrize("policy", ["full", "dots_saveable"])
@@ -66,7 +80,7 @@ def test_remat_equals_no_remat(policy, plain):
 def test_remat_inside_a_pipeline_equals_no_remat(plain):
     loss, grads = _loss_and_grads(REMAT % "dots_saveable", "minigpt_pp4.yaml")
     assert loss == pytest.approx(plain[0], rel=1e-6)
-    assert _relative(grads, plain[1]) <= 1e-5           # the pipeline sums in another order
+    assert _relative(grads, plain[1]) <= 1e-5  # the pipeline sums in another order
 
 
 def test_sequence_parallel_activations_equal_none(plain):
@@ -98,16 +112,19 @@ def test_bfloat16_compute_under_1f1b_tracks_float32(plain):
 
 def test_bfloat16_compute_on_a_llama_style_model(write_plan):
     from minigpt_model.llama import Llama
-    text = ("version: 1\nmesh: {axes: {data: 4, model: 2}}\ninputs: {tokens: [data, null]}\n"
-            "params:\n  - {match: 'layers/\\d+/attn/w(q|k|v)/kernel', spec: [null, model]}\n"
-            "  - {match: 'layers/\\d+/attn/wo/kernel', spec: [model]}\n  - {match: '.*', spec: []}\n")
+
+    text = (
+        "version: 1\nmesh: {axes: {data: 4, model: 2}}\ninputs: {tokens: [data, null]}\n"
+        "params:\n  - {match: 'layers/\\d+/attn/w(q|k|v)/kernel', spec: [null, model]}\n"
+        "  - {match: 'layers/\\d+/attn/wo/kernel', spec: [model]}\n  - {match: '.*', spec: []}\n"
+    )
     tokens = np.random.default_rng(1).integers(0, 128, size=(8, 16), dtype=np.int32)
     outputs = []
     for extra in ("", BF16):
         plan = shardplan.load_plan(write_plan(text + extra))
         model = shardplan.apply_plan(plan, Llama(layers=2, rngs=nnx.Rngs(0)), shardplan.make_mesh(plan))
         outputs.append(np.asarray(nnx.jit(lambda m, t: m(t))(model, tokens)))
-    assert outputs[1].dtype == np.float32                          # outputs come back in the parameters' dtype
+    assert outputs[1].dtype == np.float32  # outputs come back in the parameters' dtype
     scale = np.abs(outputs[0]).max()
     assert np.abs(outputs[1] - outputs[0]).max() <= 0.05 * scale
 
@@ -119,14 +136,24 @@ def _matmul_operands(plan_text: str, base: str) -> collections.Counter:
     model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0)), mesh)
     x, y = _tokens()
     x = shardplan.shard_inputs(plan, {"tokens": x}, mesh)["tokens"]
-    text = nnx.jit(lambda m, x, y: nnx.value_and_grad(loss_fn)(m, x, y)).lower(model, x, jax.device_put(y, x.sharding)).as_text()
+    text = (
+        nnx.jit(lambda m, x, y: nnx.value_and_grad(loss_fn)(m, x, y))
+        .lower(model, x, jax.device_put(y, x.sharding))
+        .as_text()
+    )
     pairs = re.findall(r"stablehlo\.dot_general[^\n]*: \(tensor<[^>]*x(\w+)>, tensor<[^>]*x(\w+)>\)", text)
     return collections.Counter(pairs)
 
 
-@pytest.mark.parametrize("plan_text, base", [(BF16, "minigpt_dp_tp.yaml"), ("precision: {params: bfloat16}\n",
-                                                                             "minigpt_dp_tp.yaml"),
-                                             (BF16, "minigpt_3d.yaml")], ids=["compute", "params", "compute-1f1b"])
+@pytest.mark.parametrize(
+    "plan_text, base",
+    [
+        (BF16, "minigpt_dp_tp.yaml"),
+        ("precision: {params: bfloat16}\n", "minigpt_dp_tp.yaml"),
+        (BF16, "minigpt_3d.yaml"),
+    ],
+    ids=["compute", "params", "compute-1f1b"],
+)
 def test_narrow_precision_runs_the_matmuls_narrow(plan_text, base):
     """flax's `nnx.Embed` fixes the dtype it computes in to its table's when built (float32), so the
     embedding turned the cast parameters back into float32 and every layer after it promoted to float32:
@@ -152,11 +179,14 @@ class CastsWider(nnx.Module):
 
 @pytest.mark.parametrize("field", ["compute", "params"])
 def test_check_says_when_the_model_computes_wider_than_the_plan(field):
-    text = ("version: 1\nmesh: {axes: {data: 8}}\ninputs: {tokens: [data, null]}\n"
-            f"params: [{{match: '.*', spec: replicated}}]\nprecision: {{{field}: bfloat16}}\n")
+    text = (
+        "version: 1\nmesh: {axes: {data: 8}}\ninputs: {tokens: [data, null]}\n"
+        f"params: [{{match: '.*', spec: replicated}}]\nprecision: {{{field}: bfloat16}}\n"
+    )
     plan = shardplan.parse_plan(text, file="wide.yaml")
-    (warning,) = [d for d in shardplan.check(plan, CastsWider(nnx.Rngs(0))).diagnostics
-                  if d.code == "precision-not-applied"]
+    (warning,) = [
+        d for d in shardplan.check(plan, CastsWider(nnx.Rngs(0))).diagnostics if d.code == "precision-not-applied"
+    ]
     assert (warning.severity, warning.line) == ("warning", 5)
     assert f"precision.{field} is bfloat16, but 1 of the forward's 1 matmuls" in warning.message
     assert "float32[1,8,64] × float32[64,128]" in warning.message and "bfloat16" in warning.hint
@@ -172,10 +202,12 @@ def test_parameter_dtype_is_stored(plain):
 
 # ------------------------------------------------------------------------------ diagnostics
 
+
 def _check(text: str, example=None):
     plan = shardplan.parse_plan((PLANS / "minigpt_dp_tp.yaml").read_text() + text, file="step.yaml")
-    return shardplan.check(plan, minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0)), shardplan.make_mesh(plan),
-                           example=example)
+    return shardplan.check(
+        plan, minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0)), shardplan.make_mesh(plan), example=example
+    )
 
 
 def _found(report, code):
@@ -185,8 +217,10 @@ def _found(report, code):
 
 
 def test_activation_spec_with_an_unknown_axis():
-    text = _found(_check("activations: [{match: 'transformer_blocks/\\d+/layer_norm1', spec: [data, modle]}]\n"),
-                  "activation-unknown-axis")
+    text = _found(
+        _check("activations: [{match: 'transformer_blocks/\\d+/layer_norm1', spec: [data, modle]}]\n"),
+        "activation-unknown-axis",
+    )
     assert "activations rule #1" in text and "'modle'" in text and "did you mean 'model'" in text
     assert "step.yaml:" in text
 
@@ -199,19 +233,25 @@ def test_rule_matching_no_module_is_a_warning_naming_module_paths():
 
 
 def test_activation_spec_that_does_not_fit_the_traced_output():
-    tokens = jnp.zeros((16, 15), jnp.int32)            # 15 positions do not split over model (2)
+    tokens = jnp.zeros((16, 15), jnp.int32)  # 15 positions do not split over model (2)
     text = _found(_check(SP, example=lambda m: m(tokens)), "activation-shape")
     assert "activations rule #1 gives the output (16, 15, 64) of embedding_layer" in text
     assert "dim 1 (15) is not divisible by 2" in text
-    text = _found(_check("activations: [{match: 'embedding_layer', spec: [data, null, null, model]}]\n",
-                         example=lambda m: m(tokens)), "activation-shape")
+    text = _found(
+        _check(
+            "activations: [{match: 'embedding_layer', spec: [data, null, null, model]}]\n", example=lambda m: m(tokens)
+        ),
+        "activation-shape",
+    )
     assert "rank 3 and the spec 4 entries" in text
 
 
 # ------------------------------------------------------------------------------ mesh axis types
 
-EMBEDDINGS = ("activations:\n  - {match: 'embedding_layer/token_emb', spec: [data]}\n"
-              "  - {match: 'embedding_layer/pos_emb', spec: []}\n")
+EMBEDDINGS = (
+    "activations:\n  - {match: 'embedding_layer/token_emb', spec: [data]}\n"
+    "  - {match: 'embedding_layer/pos_emb', spec: []}\n"
+)
 
 
 def _explicit(text: str) -> str:
@@ -229,8 +269,9 @@ def test_explicit_data_axis_equals_auto(plain):
     with jax.set_mesh(mesh):
         model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0)), mesh)
         x = shardplan.shard_inputs(plan, {"tokens": x}, mesh)["tokens"]
-        loss, grads = nnx.jit(lambda m, x, y: nnx.value_and_grad(loss_fn)(m, x, y))(model, x,
-                                                                                   jax.device_put(y, x.sharding))
+        loss, grads = nnx.jit(lambda m, x, y: nnx.value_and_grad(loss_fn)(m, x, y))(
+            model, x, jax.device_put(y, x.sharding)
+        )
     assert float(loss) == pytest.approx(plain[0], rel=1e-5)
     assert _relative(nnx.to_pure_dict(grads), plain[1]) <= 1e-5
 
@@ -247,8 +288,10 @@ class _Constrained(nnx.Module):
 
 
 def test_a_model_with_its_own_constraints_runs_under_an_explicit_plan_mesh(write_plan):
-    text = "version: 1\nmesh:\n  axes: {data: 8}\n  types: {data: explicit}\ninputs: {x: [data]}\n" \
-           "params: [{match: '.*', spec: []}]\n"
+    text = (
+        "version: 1\nmesh:\n  axes: {data: 8}\n  types: {data: explicit}\ninputs: {x: [data]}\n"
+        "params: [{match: '.*', spec: []}]\n"
+    )
     x = np.ones((8, 16), np.float32)
     auto = shardplan.load_plan(write_plan(text.replace("  types: {data: explicit}\n", ""), "auto.yaml"))
     with jax.set_mesh(shardplan.make_mesh(auto)), pytest.raises(Exception, match="Auto"):
@@ -271,27 +314,63 @@ def test_a_mesh_of_other_axis_types_is_a_mismatch():
 
 def test_explicit_plan_trains_with_the_trainer(tmp_path, capsys):
     from minigpt_model.cli import main
+
     plan = tmp_path / "explicit.yaml"
     plan.write_text(_explicit((PLANS / "minigpt_dp_tp.yaml").read_text()) + EMBEDDINGS)
-    code = main(["train", "--plan", str(plan), "--out", str(tmp_path / "run"), "--steps", "2", "--batch-size", "8",
-                 "--eval-every", "2", "--checkpoint-every", "2", "--config=num_transformer_blocks=2",
-                 "--config=embed_dim=64", "--config=maxlen=32", "--config=feed_forward_dim=128", "--config=num_heads=8"])
+    code = main(
+        [
+            "train",
+            "--plan",
+            str(plan),
+            "--out",
+            str(tmp_path / "run"),
+            "--steps",
+            "2",
+            "--batch-size",
+            "8",
+            "--eval-every",
+            "2",
+            "--checkpoint-every",
+            "2",
+            "--config=num_transformer_blocks=2",
+            "--config=embed_dim=64",
+            "--config=maxlen=32",
+            "--config=feed_forward_dim=128",
+            "--config=num_heads=8",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0 and "done: step 2" in out and "sample:" in out
     # the same plan without the embeddings' rules: a plan error that says what to add, not an internal error
     plan.write_text(_explicit((PLANS / "minigpt_dp_tp.yaml").read_text()))
-    code = main(["train", "--plan", str(plan), "--out", str(tmp_path / "run2"), "--steps", "2", "--batch-size", "8",
-                 "--config=num_transformer_blocks=2", "--config=embed_dim=64", "--config=maxlen=32",
-                 "--config=feed_forward_dim=128", "--config=num_heads=8"])
-    err = " ".join(capsys.readouterr().err.split())          # (as wrapped at the console's width)
+    code = main(
+        [
+            "train",
+            "--plan",
+            str(plan),
+            "--out",
+            str(tmp_path / "run2"),
+            "--steps",
+            "2",
+            "--batch-size",
+            "8",
+            "--config=num_transformer_blocks=2",
+            "--config=embed_dim=64",
+            "--config=maxlen=32",
+            "--config=feed_forward_dim=128",
+            "--config=num_heads=8",
+        ]
+    )
+    err = " ".join(capsys.readouterr().err.split())  # (as wrapped at the console's width)
     assert code == 1 and "explicit mesh axes" in err and "activations" in err and "internal error" not in err
-    assert "explicit-axes-unresolved" in err and "embedding_layer/token_emb" in err     # refused by check
+    assert "explicit-axes-unresolved" in err and "embedding_layer/token_emb" in err  # refused by check
 
 
 # ------------------------------------------------------------------------------ sharded initialisation
 
-LLAMA_PP4 = (PLANS / "llama_logical.yaml").read_text().replace("axes: {data: 4, model: 2}", "axes: {stage: 4, data: 1, model: 2}") \
-    .replace("layers: 2}", "layers: 8}") + "pipeline: {axis: stage, layers: layers, microbatches: 4, schedule: 1f1b}\n"
+LLAMA_PP4 = (PLANS / "llama_logical.yaml").read_text().replace(
+    "axes: {data: 4, model: 2}", "axes: {stage: 4, data: 1, model: 2}"
+).replace("layers: 2}", "layers: 8}") + "pipeline: {axis: stage, layers: layers, microbatches: 4, schedule: 1f1b}\n"
 
 
 @pytest.mark.parametrize("name", ["minigpt_fsdp.toml", "minigpt_3d.yaml", "llama 4 stages"])
@@ -301,6 +380,7 @@ def test_init_builds_every_parameter_on_its_shards(name):
     from minigpt_model.llama import Llama
     from shardplan.checks.paths import param_infos
     from shardplan.compose.apply import init_program
+
     plan = shardplan.parse_plan(LLAMA_PP4) if name.startswith("llama") else shardplan.load_plan(PLANS / name)
     mesh = shardplan.make_mesh(plan)
 
@@ -308,6 +388,7 @@ def test_init_builds_every_parameter_on_its_shards(name):
         if name.startswith("llama"):
             return Llama(**plan.model.config, rngs=nnx.Rngs(3))
         return minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(3))
+
     graphdef, program = init_program(plan, factory, mesh)
     compiled = program.lower().compile()
     report = shardplan.check(plan, nnx.eval_shape(factory), mesh)
@@ -321,15 +402,17 @@ def test_init_builds_every_parameter_on_its_shards(name):
         abstract = shardplan.apply_plan(plan, nnx.eval_shape(factory), mesh)
         wanted = [s.sharding for s in jax.tree.leaves(nnx.state(abstract))]
         got = jax.tree.leaves(compiled.output_shardings)
-        assert len(got) == len(wanted) and all(g.is_equivalent_to(w, len(s.shape)) for g, w, s in
-                                               zip(got, wanted, jax.tree.leaves(nnx.state(abstract))))
+        assert len(got) == len(wanted) and all(
+            g.is_equivalent_to(w, len(s.shape)) for g, w, s in zip(got, wanted, jax.tree.leaves(nnx.state(abstract)))
+        )
     assert memory.output_size_in_bytes <= planned * 1.01 + 4096
     peak = memory.output_size_in_bytes + memory.temp_size_in_bytes
     assert peak <= 3 * planned < whole, (peak, planned, whole)
     model = shardplan.init(plan, factory, mesh)
     reference = shardplan.apply_plan(plan, factory(), mesh)
-    for (path, got), (_, want) in zip(nnx.to_flat_state(nnx.state(model, nnx.Param)),
-                                      nnx.to_flat_state(nnx.state(reference, nnx.Param))):
+    for (path, got), (_, want) in zip(
+        nnx.to_flat_state(nnx.state(model, nnx.Param)), nnx.to_flat_state(nnx.state(reference, nnx.Param))
+    ):
         assert got.get_value().sharding.spec == want.get_value().sharding.spec, path
         # bit for bit at optimisation level 1 (measured); at the suite's level 0 (conftest.py) a fused
         # initialiser rounds otherwise than the same ops run one by one (minigpt_3d's attention output

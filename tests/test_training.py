@@ -21,12 +21,22 @@ from conftest import PLANS, full
 # Heads, widths and the 320-token byte vocabulary all divide 8, so every shipped plan applies.
 TINY = dict(maxlen=32, embed_dim=64, num_heads=8, feed_forward_dim=128, num_transformer_blocks=2, dropout_rate=0.0)
 TINY_ARGS = [f"--config={k}={v}" for k, v in TINY.items()]
-REL_TOL = 2e-4      # 20 AdamW steps in float32 with different reduction orders per plan
+REL_TOL = 2e-4  # 20 AdamW steps in float32 with different reduction orders per plan
 
 
 def tiny_config(out, **changes) -> TrainConfig:
-    settings = dict(out=str(out), steps=20, batch_size=16, lr=3e-3, warmup_steps=5, eval_every=10, eval_batches=2,
-                    checkpoint_every=10, model=TINY, sample_tokens=0)
+    settings = dict(
+        out=str(out),
+        steps=20,
+        batch_size=16,
+        lr=3e-3,
+        warmup_steps=5,
+        eval_every=10,
+        eval_batches=2,
+        checkpoint_every=10,
+        model=TINY,
+        sample_tokens=0,
+    )
     return TrainConfig(**{**settings, **changes})
 
 
@@ -39,13 +49,14 @@ def one_device_losses(tmp_path_factory):
 
 # Each shipped plan's steps equal one device's in test_apply.py; here the trainer runs on them (FSDP by
 # default, the others and accumulation over data x tensor below).
-@pytest.mark.parametrize("plan", [full("minigpt_dp.yaml"), full("minigpt_tp.yaml"), full("minigpt_dp_tp.yaml"),
-                                  "minigpt_fsdp.toml"])
+@pytest.mark.parametrize(
+    "plan", [full("minigpt_dp.yaml"), full("minigpt_tp.yaml"), full("minigpt_dp_tp.yaml"), "minigpt_fsdp.toml"]
+)
 def test_twenty_steps_match_one_device(tmp_path, plan, one_device_losses):
     result = train(tiny_config(tmp_path / "run", plan=str(PLANS / plan)))
     losses = np.array([result.losses[s] for s in range(1, 21)])
     np.testing.assert_allclose(losses, one_device_losses, rtol=REL_TOL)
-    assert losses[-1] < losses[0] - 1.0          # it learns
+    assert losses[-1] < losses[0] - 1.0  # it learns
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 21)) and "eval_loss" in records[9]
 
@@ -84,8 +95,7 @@ def test_checkpoint_restores_under_another_plan_and_on_one_device(tmp_path):
             np.testing.assert_array_equal(got[key], value)
     saved.close()
     # Training continues under FSDP from step 10.
-    more = train(tiny_config(run, plan=str(PLANS / "minigpt_fsdp.toml"), steps=14, resume=True,
-                             checkpoint_every=14))
+    more = train(tiny_config(run, plan=str(PLANS / "minigpt_fsdp.toml"), steps=14, resume=True, checkpoint_every=14))
     assert sorted(more.losses) == [11, 12, 13, 14] and all(np.isfinite(list(more.losses.values())))
     assert max(first.losses) == 10
 
@@ -106,7 +116,7 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path):
 def run_cli(capsys, *argv):
     code = cli.main(list(argv))
     out, err = capsys.readouterr()
-    return code, out, " ".join(err.split())      # rich wraps long messages
+    return code, out, " ".join(err.split())  # rich wraps long messages
 
 
 def test_bad_input_gets_clear_message_and_nothing_half_written(capsys, tmp_path):
@@ -136,15 +146,17 @@ def test_sampling_compiles_once_and_continues_the_prompt(capsys, tmp_path):
     before = _generate._cache_size()
     a = generate(model, list(b"Once upon"), maxlen=32, max_tokens=40, temperature=0.0)
     b = generate(model, list(b"A much longer prompt than that one"), maxlen=32, max_tokens=40, temperature=0.0)
-    assert len(a) == len(b) == 40 and a == generate(model, list(b"Once upon"), maxlen=32, max_tokens=40,
-                                                   temperature=0.0)
-    assert _generate._cache_size() == before + 1          # one program for every prompt length
+    assert len(a) == len(b) == 40 and a == generate(
+        model, list(b"Once upon"), maxlen=32, max_tokens=40, temperature=0.0
+    )
+    assert _generate._cache_size() == before + 1  # one program for every prompt length
 
     run = tmp_path / "run"
     train(tiny_config(run, steps=5, checkpoint_every=5))
     capsys.readouterr()
-    code, out, _ = run_cli(capsys, "sample", "--checkpoint", str(run), "--prompt", "Once upon a time",
-                           "--max-tokens", "20")
+    code, out, _ = run_cli(
+        capsys, "sample", "--checkpoint", str(run), "--prompt", "Once upon a time", "--max-tokens", "20"
+    )
     assert code == 0 and out.startswith("Once upon a time")
     code, _, err = run_cli(capsys, "sample", "--checkpoint", str(tmp_path / "nothing"))
     assert code == 1 and "no checkpoints" in err
@@ -162,7 +174,7 @@ def test_pipelined_plan_trains_checkpoints_and_resumes(tmp_path, one_device_loss
     assert rest.sample.startswith("Once upon a time") and len(rest.sample) > len("Once upon a time")
     got = {**first.losses, **rest.losses}
     np.testing.assert_allclose([got[s] for s in range(1, 21)], one_device_losses, rtol=REL_TOL)
-    model, _, _ = restore_for_inference(run)          # checkpoints hold the unpipelined layout
+    model, _, _ = restore_for_inference(run)  # checkpoints hold the unpipelined layout
     assert isinstance(model, MiniGPT)
 
 
@@ -170,9 +182,24 @@ def test_pipelined_plan_trains_checkpoints_and_resumes(tmp_path, one_device_loss
 @pytest.mark.parametrize("plan", [full("minigpt_3d.yaml"), full("minigpt_pp4.yaml"), full("minigpt_dp_tp_sp.yaml")])
 def test_shipped_pipeline_and_step_plans_train_to_the_end_sample_included(tmp_path, capsys, plan):
     """What users run: `minigpt train --plan ...` with its default sample at the end (it once crashed there)."""
-    code, out, err = run_cli(capsys, "train", "--plan", f"plans/{plan}", "--out", str(tmp_path / "run"), "--steps", "4",
-                             "--batch-size", "16", "--eval-every", "4", "--checkpoint-every", "4", *TINY_ARGS,
-                             "--config=num_transformer_blocks=4")
+    code, out, err = run_cli(
+        capsys,
+        "train",
+        "--plan",
+        f"plans/{plan}",
+        "--out",
+        str(tmp_path / "run"),
+        "--steps",
+        "4",
+        "--batch-size",
+        "16",
+        "--eval-every",
+        "4",
+        "--checkpoint-every",
+        "4",
+        *TINY_ARGS,
+        "--config=num_transformer_blocks=4",
+    )
     assert code == 0, err
     assert "sample: Once upon a time" in out and "done: step 4" in out
     code, out, err = run_cli(capsys, "sample", "--checkpoint", str(tmp_path / "run"), "--max-tokens", "8")

@@ -22,16 +22,17 @@ TOL = 2e-5
 
 VIT_PLANS = {
     "data": "mesh: {axes: {data: 8}}\ninputs: {image: [data], label: [data]}\nparams:\n"
-            "  - {match: '.*', spec: replicated}\n",
+    "  - {match: '.*', spec: replicated}\n",
     "fsdp-tp": "mesh: {axes: {data: 4, model: 2}}\ninputs: {image: [data], label: [data]}\nparams:\n"
-               "  - {match: 'encoder/layers/\\d+/attn/(query|key|value)/kernel', spec: [data, model]}\n"
-               "  - {match: 'encoder/layers/\\d+/attn/out/kernel', spec: [model, null, data]}\n"
-               "  - {match: 'encoder/layers/\\d+/mlp/layers/0/kernel', spec: [data, model]}\n"
-               "  - {match: 'encoder/layers/\\d+/mlp/layers/3/kernel', spec: [model, data]}\n"
-               "  - {match: '.*', spec: replicated}\n",
+    "  - {match: 'encoder/layers/\\d+/attn/(query|key|value)/kernel', spec: [data, model]}\n"
+    "  - {match: 'encoder/layers/\\d+/attn/out/kernel', spec: [model, null, data]}\n"
+    "  - {match: 'encoder/layers/\\d+/mlp/layers/0/kernel', spec: [data, model]}\n"
+    "  - {match: 'encoder/layers/\\d+/mlp/layers/3/kernel', spec: [model, data]}\n"
+    "  - {match: '.*', spec: replicated}\n",
 }
-VIT_CONFIG = dict(num_classes=10, img_size=16, patch_size=8, num_layers=2, num_heads=2, mlp_dim=32,
-                  hidden_size=16, dropout_rate=0.0)
+VIT_CONFIG = dict(
+    num_classes=10, img_size=16, patch_size=8, num_layers=2, num_heads=2, mlp_dim=32, hidden_size=16, dropout_rate=0.0
+)
 
 
 def vit_batch():
@@ -44,8 +45,9 @@ def params_of(model):
 
 
 def assert_close(got, want, what):
-    worst = max(jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
-                                             got, want)))
+    worst = max(
+        jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))), got, want))
+    )
     assert worst < TOL, f"{what} differ by {worst}"
 
 
@@ -83,8 +85,9 @@ def test_the_translation_tutorials_own_model_and_optimizer_trains_a_placed_model
     batch = {"encoder_inputs": rows[0], "decoder_inputs": rows[1], "target_output": rows[2]}
 
     def run(model, place=lambda b: b):
-        optimizer = nnx.ModelAndOptimizer(model, optax.adamw(1e-3, eps=1e-6))   # (a key bias gets no gradient)
+        optimizer = nnx.ModelAndOptimizer(model, optax.adamw(1e-3, eps=1e-6))  # (a key bias gets no gradient)
         return [float(ns["train_step"](model, optimizer, place(batch))) for _ in range(2)], params_of(model)
+
     want_losses, want_params = run(ns["TransformerModel"](**config, rngs=nnx.Rngs(0)))
     plan = shardplan.parse_plan(
         "version: 1\nmesh: {axes: {data: 4, model: 2}}\n"
@@ -92,7 +95,8 @@ def test_the_translation_tutorials_own_model_and_optimizer_trains_a_placed_model
         "  - {match: '.*attention_\\d/(query|key|value)/kernel|encoder/attention/(query|key|value)/kernel',"
         " spec: [null, model]}\n"
         "  - {match: '.*dense_proj/layers/0/kernel', spec: [null, model]}\n"
-        "  - {match: '.*', spec: replicated}\n")
+        "  - {match: '.*', spec: replicated}\n"
+    )
     mesh = shardplan.make_mesh(plan)
     model = shardplan.apply_plan(plan, ns["TransformerModel"](**config, rngs=nnx.Rngs(0)), mesh)
     losses, params = run(model, lambda b: shardplan.shard_inputs(plan, b, mesh))
@@ -100,8 +104,10 @@ def test_the_translation_tutorials_own_model_and_optimizer_trains_a_placed_model
     assert_close(params, want_params, "parameters after two steps")
 
 
-GSPMD_PLAN = ("version: 1\nmesh: {axes: {data: 2, model: 4}}\ninputs: {x: [data]}\nparams:\n"
-              "  - {match: 'dot1/kernel', spec: [null, model]}\n  - {match: 'w2', spec: [model, null]}\n")
+GSPMD_PLAN = (
+    "version: 1\nmesh: {axes: {data: 2, model: 4}}\ninputs: {x: [data]}\nparams:\n"
+    "  - {match: 'dot1/kernel', spec: [null, model]}\n  - {match: 'w2', spec: [model, null]}\n"
+)
 
 
 @pytest.mark.parametrize("eager", [True, False])
@@ -126,7 +132,7 @@ def test_the_flax_guides_jax_jit_step_trains_like_one_device_under_shard_optimiz
     """The guide's `jax.jit` step (`optimizer.update(model, grads)`, the model returned), under its mesh."""
     ns = tutorial_code.gspmd()
     one = one_device_mesh(jax.sharding.AxisType.Auto)
-    with jax.set_mesh(one):                  # (the guide builds its model and optimizer under its mesh)
+    with jax.set_mesh(one):  # (the guide builds its model and optimizer under its mesh)
         reference = ns["DotReluDot"](64, rngs=nnx.Rngs(0))
         optimizer = nnx.Optimizer(reference, optax.adam(1e-3), wrt=nnx.Param)
     want = guide_steps(ns, one, reference, optimizer)
@@ -153,9 +159,11 @@ def guide_steps(ns, mesh, model, optimizer):
     return losses, params_of(model)
 
 
-EXPLICIT_PLAN = ("version: 1\nmesh:\n  axes: {data: 2, model: 4}\n  types: {data: explicit, model: explicit}\n"
-                 "inputs: {x: [data]}\nparams:\n  - {match: 'dot1/kernel', spec: [null, model]}\n"
-                 "  - {match: 'w2', spec: [model, null]}\n  - {match: 'b2', spec: replicated}\n")
+EXPLICIT_PLAN = (
+    "version: 1\nmesh:\n  axes: {data: 2, model: 4}\n  types: {data: explicit, model: explicit}\n"
+    "inputs: {x: [data]}\nparams:\n  - {match: 'dot1/kernel', spec: [null, model]}\n"
+    "  - {match: 'w2', spec: [model, null]}\n  - {match: 'b2', spec: replicated}\n"
+)
 
 
 def test_explicit_axes_train_a_model_written_for_them_like_one_device():
@@ -183,26 +191,43 @@ def with_explicit_types(text: str, axes) -> str:
     """The plan's text with `types:` making every mesh axis explicit, on the line after `axes:`."""
     lines = text.splitlines()
     at = next(i for i, line in enumerate(lines) if line.strip().startswith("axes:"))
-    indent = lines[at][:len(lines[at]) - len(lines[at].lstrip())]
+    indent = lines[at][: len(lines[at]) - len(lines[at].lstrip())]
     lines.insert(at + 1, f"{indent}types: {{{', '.join(f'{a}: explicit' for a in axes)}}}")
     return "\n".join(lines) + "\n", at + 2
 
 
-@pytest.mark.parametrize("name", ["minigpt_dp.yaml", "minigpt_dp_tp.yaml", "minigpt_fsdp.toml",
-                                  "minigpt_dp_tp_sp.yaml", "minigpt_cp.yaml", "llama_logical.yaml",
-                                  "minigpt_3d.yaml", "minigpt_pp4.yaml", "minigpt_moe_ep.yaml", "minigpt_tp.yaml"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "minigpt_dp.yaml",
+        "minigpt_dp_tp.yaml",
+        "minigpt_fsdp.toml",
+        "minigpt_dp_tp_sp.yaml",
+        "minigpt_cp.yaml",
+        "llama_logical.yaml",
+        "minigpt_3d.yaml",
+        "minigpt_pp4.yaml",
+        "minigpt_moe_ep.yaml",
+        "minigpt_tp.yaml",
+    ],
+)
 def test_shipped_plans_with_explicit_axes_are_refused_before_anything_runs(name, tmp_path):
     """MiniGPT's embedding gather cannot resolve its output's sharding under explicit axes: its first step
     would raise JAX's ShardingTypeError; `check` says so first, at the plan's `types` line. Pipelines,
     experts and context run parts of the step by hand, which explicit axes refuse."""
     from minigpt_model.llama import Llama
     from minigpt_model.model import MiniGPT
+
     plan = shardplan.load_plan(PLANS / name)
-    text, line = with_explicit_types((PLANS / name).read_text(), plan.mesh.axes) if name.endswith("yaml") else \
-        (None, None)
-    if text is None:                      # TOML: the same table's key
-        text = (PLANS / name).read_text().replace("axes = { data = -1 }",
-                                                  "axes = { data = -1 }\ntypes = { data = \"explicit\" }")
+    text, line = (
+        with_explicit_types((PLANS / name).read_text(), plan.mesh.axes) if name.endswith("yaml") else (None, None)
+    )
+    if text is None:  # TOML: the same table's key
+        text = (
+            (PLANS / name)
+            .read_text()
+            .replace("axes = { data = -1 }", 'axes = { data = -1 }\ntypes = { data = "explicit" }')
+        )
         line = next(i for i, row in enumerate(text.splitlines(), 1) if row.startswith("types"))
     path = tmp_path / name
     path.write_text(text)
@@ -220,22 +245,47 @@ def test_shipped_plans_with_explicit_axes_are_refused_before_anything_runs(name,
         assert "shard_map" in text and "drop mesh.types" in text, text
         return
     assert "explicit" in text and "out_sharding" in text and found[0].path in text, text
-    assert found[0].path.endswith("embedding") or "sp" in name, text    # with the embeddings' activations rules
-                                                                         # (sequence parallel) the next product
+    assert found[0].path.endswith("embedding") or "sp" in name, text  # with the embeddings' activations rules
+    # (sequence parallel) the next product
 
 
 def test_validate_builds_a_tutorial_block_that_owns_its_rngs_eagerly_and_says_so(tmp_path):
     """The UNETR tutorial's `UnetrBasicBlock` builds its `UnetResBlock` with that block's default
     `nnx.Rngs(0)`: it cannot be built under `nnx.eval_shape`. The CLI builds it on the CPU and says so."""
     plan = tmp_path / "dp.yaml"
-    plan.write_text("version: 1\nmesh: {axes: {data: 8}}\ninputs: {x: [data]}\nparams:\n"
-                    "  - {match: '.*', spec: replicated}\n")
-    config = ["--config", "in_channels=4", "--config", "out_channels=8", "--config", "kernel_size=3",
-              "--config", "stride=1"]
+    plan.write_text(
+        "version: 1\nmesh: {axes: {data: 8}}\ninputs: {x: [data]}\nparams:\n  - {match: '.*', spec: replicated}\n"
+    )
+    config = [
+        "--config",
+        "in_channels=4",
+        "--config",
+        "out_channels=8",
+        "--config",
+        "kernel_size=3",
+        "--config",
+        "stride=1",
+    ]
     for extra in ([], ["--eager"]):
-        done = subprocess.run([sys.executable, "-m", "shardplan", "inspect", str(plan), "--model",
-                               "tutorial_code:UnetrBasicBlock", "--path", str(REPO / "tests"), *config, *extra],
-                              capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "shardplan",
+                "inspect",
+                str(plan),
+                "--model",
+                "tutorial_code:UnetrBasicBlock",
+                "--path",
+                str(REPO / "tests"),
+                *config,
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=tmp_path,
+        )
         assert done.returncode == 0, done.stderr
         assert "Traceback" not in done.stderr
         assert "layer/conv_norm_act1/layers/0/kernel" in done.stdout and "(3, 3, 4, 8)" in done.stdout
@@ -244,15 +294,24 @@ def test_validate_builds_a_tutorial_block_that_owns_its_rngs_eagerly_and_says_so
         assert noted == (not extra), done.stderr
 
 
-VIT_PIPELINE = ("version: 1\n" + VIT_PLANS["data"].replace("{data: 8}", "{stage: 2, data: 4}")
-                + "pipeline: {axis: stage, layers: encoder/layers, microbatches: 2, schedule: SCHEDULE}\n")
+VIT_PIPELINE = (
+    "version: 1\n"
+    + VIT_PLANS["data"].replace("{data: 8}", "{stage: 2, data: 4}")
+    + "pipeline: {axis: stage, layers: encoder/layers, microbatches: 2, schedule: SCHEDULE}\n"
+)
 
 
 def vit_model_loss_step(model, optimizer, batch):
     """The tutorial's step with its loss through `shardplan.model_loss` (what runs 1F1B's tables)."""
+
     def loss_fn(model):
-        return shardplan.model_loss(model, lambda logits, labels: optax.softmax_cross_entropy_with_integer_labels(
-            logits, labels).mean(), batch["label"], batch["image"])
+        return shardplan.model_loss(
+            model,
+            lambda logits, labels: optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(),
+            batch["label"],
+            batch["image"],
+        )
+
     loss, grads = nnx.value_and_grad(loss_fn)(model)
     optimizer.update(grads)
     return loss
@@ -290,20 +349,24 @@ def test_a_pipeline_that_names_no_list_says_which_lists_the_model_has():
     assert found
     text = " ".join(found[0].format().split())
     assert "'encoder/blocks'" in text and "no parameter path has that form" in text, text
-    assert "this model has encoder/layers" in text, text           # the closest list first
-    assert "encoder/layers/0/mlp/layers" not in text, text         # (a list inside a layer is no candidate)
+    assert "this model has encoder/layers" in text, text  # the closest list first
+    assert "encoder/layers/0/mlp/layers" not in text, text  # (a list inside a layer is no candidate)
 
 
-GUIDE_PIPELINE = ("version: 1\nmesh: {axes: {stage: 2, data: 2, model: 2}}\ninputs: {x: [data]}\n"
-                  "pipeline: {axis: stage, layers: layers, microbatches: 2, schedule: SCHEDULE}\nparams:\n"
-                  "  - {match: 'layers/\\d+/dot1/kernel', spec: [null, model]}\n"
-                  "  - {match: 'layers/\\d+/w2', spec: [model, null]}\n")
+GUIDE_PIPELINE = (
+    "version: 1\nmesh: {axes: {stage: 2, data: 2, model: 2}}\ninputs: {x: [data]}\n"
+    "pipeline: {axis: stage, layers: layers, microbatches: 2, schedule: SCHEDULE}\nparams:\n"
+    "  - {match: 'layers/\\d+/dot1/kernel', spec: [null, model]}\n"
+    "  - {match: 'layers/\\d+/w2', spec: [model, null]}\n"
+)
 
 
 def guide_model_loss_step(model, optimizer, x, y):
     """The guide's loss through `shardplan.model_loss` (what runs 1F1B's tables)."""
+
     def loss_fn(model):
         return shardplan.model_loss(model, lambda predicted, y: ((predicted - y) ** 2).mean(), y, x)
+
     loss, grads = nnx.value_and_grad(loss_fn)(model)
     optimizer.update(model, grads)
     return loss
@@ -323,6 +386,7 @@ def test_the_guides_vmap_stacked_layers_pipeline_and_train_like_one_device(sched
 
     def build():
         return ns["MultiDotReluDot"](64, 4, rngs=nnx.Rngs(0))
+
     with jax.set_mesh(one):
         reference = build()
         reference_optimizer = nnx.Optimizer(reference, optax.adam(1e-3), wrt=nnx.Param)
@@ -339,6 +403,7 @@ def test_the_guides_vmap_stacked_layers_pipeline_and_train_like_one_device(sched
         def steps(mesh, model, optimizer):
             with jax.set_mesh(mesh):
                 return [float(step(model, optimizer, x, y)) for _ in range(3)], params_of(model)
+
         want = steps(one, reference, reference_optimizer)
         got = steps(mesh, model, optimizer)
     np.testing.assert_allclose(got[0], want[0], rtol=TOL)

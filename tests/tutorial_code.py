@@ -28,25 +28,35 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 HERE = Path(__file__).parent / "tutorials"
-IMPORTS = dict(jax=jax, jnp=jnp, np=np, nnx=nnx, optax=optax, partial=partial, P=P, NamedSharding=NamedSharding,
-               AxisType=AxisType, Callable=Callable)
+IMPORTS = dict(
+    jax=jax,
+    jnp=jnp,
+    np=np,
+    nnx=nnx,
+    optax=optax,
+    partial=partial,
+    P=P,
+    NamedSharding=NamedSharding,
+    AxisType=AxisType,
+    Callable=Callable,
+)
 
 
 def definitions(notebook: str, names: list[str]) -> dict:
     """A namespace holding `names`, defined by the notebook's own source text, in the order given."""
     found = {}
     for cell in re.findall(r"```\{code-cell\}[^\n]*\n(.*?)```", (HERE / notebook).read_text(), re.S):
-        if cell.startswith("---\n"):                 # a cell's own metadata block
+        if cell.startswith("---\n"):  # a cell's own metadata block
             cell = cell.split("\n---\n", 1)[1]
         try:
             tree = ast.parse(cell)
-        except SyntaxError:                          # a cell of notebook magics (%%timeit)
+        except SyntaxError:  # a cell of notebook magics (%%timeit)
             continue
         lines = cell.splitlines()
         for node in tree.body:
             if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name in names:
                 start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
-                found[node.name] = "\n".join(lines[start - 1:node.end_lineno])
+                found[node.name] = "\n".join(lines[start - 1 : node.end_lineno])
     missing = set(names) - set(found)
     assert not missing, f"{notebook} no longer defines {sorted(missing)}"
     namespace = dict(IMPORTS)
@@ -56,23 +66,35 @@ def definitions(notebook: str, names: list[str]) -> dict:
 
 
 def vit() -> dict:
-    return definitions("JAX_Vision_transformer.md",
-                       ["TransformerEncoder", "VisionTransformer", "compute_losses_and_logits", "train_step"])
+    return definitions(
+        "JAX_Vision_transformer.md",
+        ["TransformerEncoder", "VisionTransformer", "compute_losses_and_logits", "train_step"],
+    )
 
 
 def translation() -> dict:
-    return definitions("JAX_machine_translation.md",
-                       ["TransformerEncoder", "PositionalEmbedding", "TransformerDecoder", "TransformerModel",
-                        "compute_loss", "train_step"])
+    return definitions(
+        "JAX_machine_translation.md",
+        [
+            "TransformerEncoder",
+            "PositionalEmbedding",
+            "TransformerDecoder",
+            "TransformerModel",
+            "compute_loss",
+            "train_step",
+        ],
+    )
 
 
 def segmentation() -> dict:
-    return definitions("JAX_examples_image_segmentation.md",
-                       ["Conv2dNormActivation", "InstanceNorm", "UnetResBlock", "UnetrBasicBlock"])
+    return definitions(
+        "JAX_examples_image_segmentation.md",
+        ["Conv2dNormActivation", "InstanceNorm", "UnetResBlock", "UnetrBasicBlock"],
+    )
 
 
 def gspmd() -> dict:
     return definitions("flax_gspmd.md", ["DotReluDot", "MultiDotReluDot", "ExplicitDotReluDot", "train_step"])
 
 
-UnetrBasicBlock = segmentation()["UnetrBasicBlock"]     # for `--model tutorial_code:UnetrBasicBlock`
+UnetrBasicBlock = segmentation()["UnetrBasicBlock"]  # for `--model tutorial_code:UnetrBasicBlock`

@@ -32,7 +32,7 @@ def _rope(x, positions, base=10_000.0):
     """Rotary embedding of x (B, T, H, D) at integer positions (B, T)."""
     half = x.shape[-1] // 2
     freq = 1.0 / base ** (jnp.arange(half) / half)
-    angle = positions[..., None, None].astype(jnp.float32) * freq                    # (B, T, 1, half)
+    angle = positions[..., None, None].astype(jnp.float32) * freq  # (B, T, 1, half)
     x1, x2 = x[..., :half], x[..., half:]
     return jnp.concatenate([x1 * jnp.cos(angle) - x2 * jnp.sin(angle), x2 * jnp.cos(angle) + x1 * jnp.sin(angle)], -1)
 
@@ -46,6 +46,7 @@ class Norm(nnx.Module):
 
 
 # ------------------------------------------------------------------------------------------ Gemma-2-like
+
 
 @dataclasses.dataclass(frozen=True)
 class GemmaConfig:
@@ -72,8 +73,8 @@ class Einsum(nnx.Module):
 class GemmaAttention(nnx.Module):
     def __init__(self, c: GemmaConfig, kind: AttentionKind, *, rngs):
         self.kind, self.window, self.softcap = kind, c.window, c.attn_softcap
-        self.q = Einsum((c.heads, c.embed, c.head_dim), rngs=rngs)              # heads first
-        self.kv = Einsum((2, c.kv_heads, c.embed, c.head_dim), rngs=rngs)       # fused key/value
+        self.q = Einsum((c.heads, c.embed, c.head_dim), rngs=rngs)  # heads first
+        self.kv = Einsum((2, c.kv_heads, c.embed, c.head_dim), rngs=rngs)  # fused key/value
         self.out = Einsum((c.heads, c.head_dim, c.embed), rngs=rngs)
 
     def __call__(self, x, positions, cache, attn_mask):
@@ -84,7 +85,7 @@ class GemmaAttention(nnx.Module):
         k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
         logits = jnp.einsum("bthk,bshk->bhts", q, k) * q.shape[-1] ** -0.5
         logits = jnp.tanh(logits / self.softcap) * self.softcap
-        mask = attn_mask[:, None]                                               # (B, 1, T, S)
+        mask = attn_mask[:, None]  # (B, 1, T, S)
         if self.kind is AttentionKind.LOCAL:
             t = jnp.arange(x.shape[1])
             mask = mask & (t[:, None] - t[None, :] < self.window)
@@ -126,7 +127,7 @@ class GemmaLike(nnx.Module):
             layer_cache, x = layer(x, positions, cache[name] if cache else None, attn_mask)
             if cache is not None:
                 new_cache[name] = layer_cache
-        logits = self.embedder.attend(self.final_norm(x))                     # tied embedding head
+        logits = self.embedder.attend(self.final_norm(x))  # tied embedding head
         logits = jnp.tanh(logits / self.config.final_softcap) * self.config.final_softcap
         return logits, (new_cache if cache is not None else None)
 
@@ -143,6 +144,7 @@ def gemma_logits(model, tokens):
 
 
 # ------------------------------------------------------------------------------------------ Qwen3-like
+
 
 class QwenAttention(nnx.Module):
     def __init__(self, dim, heads, kv_heads, head_dim, *, rngs):
@@ -206,11 +208,12 @@ class QwenLike(nnx.Module):
 
 
 def qwen_inputs(tokens):
-    segments = (jnp.arange(tokens.shape[1]) >= tokens.shape[1] // 2).astype(jnp.int32)   # two packed documents
+    segments = (jnp.arange(tokens.shape[1]) >= tokens.shape[1] // 2).astype(jnp.int32)  # two packed documents
     return tokens, jnp.broadcast_to(segments, tokens.shape)
 
 
 # ------------------------------------------------------------------------------------------ ViT-like
+
 
 class PatchEmbeddings(nnx.Module):
     def __init__(self, patch, channels, dim, patches, *, rngs):
@@ -251,4 +254,4 @@ class VitLike(nnx.Module):
         x = self.embeddings(images, rngs=rngs, deterministic=deterministic)
         for layer in self.encoder:
             x = layer(x, rngs=rngs, deterministic=deterministic)
-        return self.classifier(self.layernorm(x)[:, 0])                       # cls pooling
+        return self.classifier(self.layernorm(x)[:, 0])  # cls pooling

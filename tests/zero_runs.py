@@ -10,8 +10,15 @@ import minigpt_model
 import shardplan
 from minigpt_model.steps import train_step
 
-TINY_MINIGPT = dict(maxlen=16, vocab_size=128, embed_dim=64, num_heads=8, feed_forward_dim=128,
-                    num_transformer_blocks=2, dropout_rate=0.0)
+TINY_MINIGPT = dict(
+    maxlen=16,
+    vocab_size=128,
+    embed_dim=64,
+    num_heads=8,
+    feed_forward_dim=128,
+    num_transformer_blocks=2,
+    dropout_rate=0.0,
+)
 STEPS = 3
 
 
@@ -42,8 +49,9 @@ def train(plan, devices, data=None, tx=None):
     mesh, model, optimizer = build(plan, devices, tx)
     losses = []
     for batch in batches() if data is None else data:
-        tokens, targets = [shardplan.shard_inputs(plan, {"tokens": x}, mesh)["tokens"]
-                           for x in (batch[:, :-1], batch[:, 1:])]
+        tokens, targets = [
+            shardplan.shard_inputs(plan, {"tokens": x}, mesh)["tokens"] for x in (batch[:, :-1], batch[:, 1:])
+        ]
         losses.append(float(train_step(model, optimizer, tokens, targets, training=False)))
     return model, optimizer, np.array(losses)
 
@@ -59,9 +67,10 @@ def state_split(optimizer, data_axes=("data",)) -> list[str]:
     return whole
 
 
-if __name__ == "__main__":          # python tests/zero_runs.py DATA: losses and unsplit leaves as JSON
+if __name__ == "__main__":  # python tests/zero_runs.py DATA: losses and unsplit leaves as JSON
     import json
     import sys
+
     data = int(sys.argv[1])
     shardplan.simulate_cpu_devices(data)
     _, optimizer, losses = train(zero1_plan(data), jax.devices()[:data])

@@ -32,8 +32,9 @@ class Block(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    def __init__(self, vocab: int = 128, dim: int = 64, heads: int = 4, hidden: int = 128, depth: int = 4, *,
-                 rngs: nnx.Rngs):
+    def __init__(
+        self, vocab: int = 128, dim: int = 64, heads: int = 4, hidden: int = 128, depth: int = 4, *, rngs: nnx.Rngs
+    ):
         self.embed = nnx.Embed(vocab, dim, rngs=rngs)
         self.blocks = nnx.List([Block(dim, heads, hidden, rngs=rngs) for _ in range(depth)])
         self.norm = nnx.RMSNorm(dim, rngs=rngs)
@@ -92,23 +93,23 @@ def loss_fn(model, tokens, targets):
 
 def train_step(model, optimizer, tokens, targets):
     loss, grads = nnx.value_and_grad(loss_fn)(model, tokens, targets)
-    optimizer.update(model, grads)      # shard_optimizer's update keeps every array on the plan's layout
+    optimizer.update(model, grads)  # shard_optimizer's update keeps every array on the plan's layout
     return loss
 
 
 def train(plan_text: str | None, steps: int = 3) -> list[float]:
     build = lambda: Decoder(rngs=nnx.Rngs(0))  # noqa: E731
     rows = np.asarray(jax.random.randint(jax.random.key(1), (16, 33), 0, 128))
-    if plan_text is None:                      # one device, as you would run it without shardplan
+    if plan_text is None:  # one device, as you would run it without shardplan
         model = build()
         optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
         tokens, targets = rows[:, :-1], rows[:, 1:]
     else:
         plan = shardplan.parse_plan(plan_text)
         mesh = shardplan.make_mesh(plan)
-        report = shardplan.check(plan, nnx.eval_shape(build), mesh)     # never raises: read the diagnostics
+        report = shardplan.check(plan, nnx.eval_shape(build), mesh)  # never raises: read the diagnostics
         assert report.ok, [d.format() for d in report.diagnostics]
-        model = shardplan.init(plan, build, mesh)                     # built on its shards
+        model = shardplan.init(plan, build, mesh)  # built on its shards
         optimizer = shardplan.shard_optimizer(plan, model, optax.adamw(1e-3), mesh)
         tokens, targets = shardplan.shard_inputs(plan, (rows[:, :-1], rows[:, 1:]), mesh)
     # compiled once over the model's and optimizer's state; each call updates them in place
@@ -117,7 +118,7 @@ def train(plan_text: str | None, steps: int = 3) -> list[float]:
 
 
 if __name__ == "__main__":
-    shardplan.simulate_cpu_devices(8)       # before anything starts JAX; with accelerators, leave this out
+    shardplan.simulate_cpu_devices(8)  # before anything starts JAX; with accelerators, leave this out
     reference = train(None)
     print("one device     ", " ".join(f"{loss:.6f}" for loss in reference))
     for name, text in (("data x tensor", DP_TP), ("FSDP", FSDP), ("1F1B pipeline", PIPELINE)):

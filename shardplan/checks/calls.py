@@ -17,8 +17,10 @@ from shardplan.checks.paths import node_at
 from shardplan.plan.diagnostics import Diagnostic
 from shardplan.plan.schema import Plan
 
-FIX = ("pass per-layer values as arrays the layers index themselves, or pipeline a model whose layers all get the "
-       "same arguments")
+FIX = (
+    "pass per-layer values as arrays the layers index themselves, or pipeline a model whose layers all get the "
+    "same arguments"
+)
 
 
 @dataclasses.dataclass
@@ -36,6 +38,7 @@ def example_call(plan: Plan, model) -> Callable | None:
     import jax.numpy as jnp
 
     from shardplan.plan.schema import input_example
+
     examples = {name: input_example(raw) for name, raw in plan.inputs.items()}
     examples = {name: found for name, found in examples.items() if found is not None}
     if not examples:
@@ -82,16 +85,25 @@ def record_calls(model, targets: dict[int, str], call: Callable, on_call=None) -
     from flax import nnx
 
     from shardplan.checks.paths import join_path
+
     calls: list[_Call] = []
-    paths = {join_path(path): name for path, node in nnx.iter_graph(model) if id(node) in targets
-             for name in [targets[id(node)]]}
+    paths = {
+        join_path(path): name
+        for path, node in nnx.iter_graph(model)
+        if id(node) in targets
+        for name in [targets[id(node)]]
+    }
 
     def traced(model):
-        index = {id(node): paths[join_path(path)] for path, node in nnx.iter_graph(model)
-                 if join_path(path) in paths}
+        index = {id(node): paths[join_path(path)] for path, node in nnx.iter_graph(model) if join_path(path) in paths}
         # A transform (nnx.scan over stacked layers) calls copies of the modules holding the same arrays
-        by_array = {id(leaves[0]): name for path, node in nnx.iter_graph(model) if join_path(path) in paths
-                    for name, leaves in [(paths[join_path(path)], jax.tree.leaves(nnx.state(node)))] if leaves}
+        by_array = {
+            id(leaves[0]): name
+            for path, node in nnx.iter_graph(model)
+            if join_path(path) in paths
+            for name, leaves in [(paths[join_path(path)], jax.tree.leaves(nnx.state(node)))]
+            if leaves
+        }
 
         def target(module):
             found = index.get(id(module))
@@ -99,6 +111,7 @@ def record_calls(model, targets: dict[int, str], call: Callable, on_call=None) -
                 leaves = jax.tree.leaves(nnx.state(module))
                 found = by_array.get(id(leaves[0])) if leaves else None
             return found
+
         originals = {}
         for node_type in {type(node) for _, node in nnx.iter_graph(model) if id(node) in index}:
             original = node_type.__dict__.get("__call__")
@@ -112,9 +125,11 @@ def record_calls(model, targets: dict[int, str], call: Callable, on_call=None) -
 
                 def run():
                     return __inherited(self, *args, **kwargs)
+
                 output = on_call(self, run, name) if on_call else run()
                 calls.append(_Call(name, args, kwargs, output))
                 return output
+
             node_type.__call__ = recording
         try:
             return call(model)
@@ -132,6 +147,7 @@ def record_calls(model, targets: dict[int, str], call: Callable, on_call=None) -
 def check_layer_calls(plan: Plan, model, call: Callable) -> list[Diagnostic]:
     """Trace `call(model)` abstractly and check the pipeline can run the layers as the model calls them."""
     from shardplan.checks.layer_contract import PipelineCallError, calling_without_updates
+
     pipe = plan.pipeline
     line, column = plan.locate("pipeline", "layers")
 
@@ -150,14 +166,15 @@ def check_layer_calls(plan: Plan, model, call: Callable) -> list[Diagnostic]:
     layers = list(node_at(model, pipe.layers))
     try:
         calls = record_calls(model, {id(layer): i for i, layer in enumerate(layers)}, call, without_updates)
-    except PipelineCallError as error:     # (its scan over stacked layers does more than run them)
+    except PipelineCallError as error:  # (its scan over stacked layers does more than run them)
         return problem("pipeline-layer-call", str(error), path=f"{pipe.layers}/0")
-    except Exception as error:         # the model's own code failed on the example inputs
-        return problem("example-call-failed",
-                       f"the model cannot be called on the example inputs: {type(error).__name__}: "
-                       f"{_first_line(error)}",
-                       hint="give each input the shape and dtype the model expects (inputs: {name: {spec: [...], "
-                            "shape: [...], dtype: ...}}), or pass example= to shardplan.check")
+    except Exception as error:  # the model's own code failed on the example inputs
+        return problem(
+            "example-call-failed",
+            f"the model cannot be called on the example inputs: {type(error).__name__}: {_first_line(error)}",
+            hint="give each input the shape and dtype the model expects (inputs: {name: {spec: [...], "
+            "shape: [...], dtype: ...}}), or pass example= to shardplan.check",
+        )
     if updates:
         return problem("pipeline-layer-call", updates[0], path=f"{pipe.layers}/0")
     return _analyse(pipe.layers, calls, len(layers), problem)
@@ -168,52 +185,75 @@ def _analyse(name: str, calls: list[_Call], count: int, problem) -> list[Diagnos
     from flax import nnx
 
     from shardplan.checks.layer_contract import PipelineCallError, describe_value, is_array
+
     order = [c.layer for c in calls]
     if order != list(range(count)):
         shown = order[:12] + (["..."] if len(order) > 12 else [])
-        return problem("pipeline-layer-call",
-                       f"a pipeline runs every layer of {name} once, in order, but the model's forward calls "
-                       f"{name} layers {shown} (expected 0..{count - 1})", path=f"{name}/0",
-                       hint="pipeline a list the forward loops over once (for layer in self.layers: x = layer(x, ...))")
+        return problem(
+            "pipeline-layer-call",
+            f"a pipeline runs every layer of {name} once, in order, but the model's forward calls "
+            f"{name} layers {shown} (expected 0..{count - 1})",
+            path=f"{name}/0",
+            hint="pipeline a list the forward loops over once (for layer in self.layers: x = layer(x, ...))",
+        )
     first = calls[0]
     if not first.args or not is_array(first.args[0]) or first.args[0].ndim < 1:
-        return problem("pipeline-layer-call",
-                       f"{name}/0 is called with {describe_value(first.args[0]) if first.args else 'no positional argument'} "
-                       "first; a pipeline needs the activation (an array whose leading dim is the batch) as the first "
-                       "positional argument", path=f"{name}/0")
+        return problem(
+            "pipeline-layer-call",
+            f"{name}/0 is called with {describe_value(first.args[0]) if first.args else 'no positional argument'} "
+            "first; a pipeline needs the activation (an array whose leading dim is the batch) as the first "
+            "positional argument",
+            path=f"{name}/0",
+        )
 
     def rest(c: _Call):
         return jax.tree.flatten((c.args[1:], c.kwargs), is_leaf=lambda v: isinstance(v, nnx.Rngs))
+
     leaves0, tree0 = rest(first)
     for previous, c in zip(calls, calls[1:]):
         out = [leaf for leaf in jax.tree.leaves(previous.output) if is_array(leaf)]
         if len(out) != 1:
-            break                  # reported below with the output check
+            break  # reported below with the output check
         if not c.args or c.args[0] is not out[0]:
-            return problem("pipeline-layer-call",
-                           f"the model's forward changes the activation between {name}/{previous.layer} and "
-                           f"{name}/{c.layer} (or passes {name}/{c.layer} another first argument); a pipeline hands "
-                           "each layer's output straight to the next", path=f"{name}/{c.layer}",
-                           hint="move that code into the layer, or before or after the loop")
+            return problem(
+                "pipeline-layer-call",
+                f"the model's forward changes the activation between {name}/{previous.layer} and "
+                f"{name}/{c.layer} (or passes {name}/{c.layer} another first argument); a pipeline hands "
+                "each layer's output straight to the next",
+                path=f"{name}/{c.layer}",
+                hint="move that code into the layer, or before or after the loop",
+            )
         leaves, tree = rest(c)
         if tree != tree0:
-            return problem("pipeline-layer-call",
-                           f"{name}/{c.layer} is called with other arguments than {name}/0 ({tree} vs {tree0}); a "
-                           "pipeline runs every layer with the same arguments", path=f"{name}/{c.layer}", hint=FIX)
+            return problem(
+                "pipeline-layer-call",
+                f"{name}/{c.layer} is called with other arguments than {name}/0 ({tree} vs {tree0}); a "
+                "pipeline runs every layer with the same arguments",
+                path=f"{name}/{c.layer}",
+                hint=FIX,
+            )
         for position, (got, want) in enumerate(zip(leaves, leaves0)):
             same = got is want if (is_array(want) or isinstance(want, nnx.Rngs)) else _equal(got, want)
             if not same:
-                return problem("pipeline-layer-call",
-                               f"{name}/{c.layer} gets {describe_value(got)} where {name}/0 gets {describe_value(want)} (argument "
-                               f"leaf {position + 1} after the activation); per-layer arguments such as cache[i] "
-                               "cannot be pipelined: every layer runs with the same arguments", path=f"{name}/{c.layer}",
-                               hint=FIX)
+                return problem(
+                    "pipeline-layer-call",
+                    f"{name}/{c.layer} gets {describe_value(got)} where {name}/0 gets {describe_value(want)} (argument "
+                    f"leaf {position + 1} after the activation); per-layer arguments such as cache[i] "
+                    "cannot be pipelined: every layer runs with the same arguments",
+                    path=f"{name}/{c.layer}",
+                    hint=FIX,
+                )
     try:
         from shardplan.checks.layer_contract import check_output
+
         check_output(first.output, first.args[0], f"{name}/0")
     except PipelineCallError as error:
-        return problem("pipeline-layer-call", str(error), path=f"{name}/0",
-                       hint="call the model without a cache, or pipeline layers that return only the activation")
+        return problem(
+            "pipeline-layer-call",
+            str(error),
+            path=f"{name}/0",
+            hint="call the model without a cache, or pipeline layers that return only the activation",
+        )
     return []
 
 

@@ -19,7 +19,7 @@ class ParamChange:
     path: str
     spec_a: tuple
     spec_b: tuple
-    param_bytes_moved: int       # summed over devices
+    param_bytes_moved: int  # summed over devices
     opt_bytes_moved: int
 
 
@@ -40,8 +40,9 @@ def _overlap(first, second) -> int:
     return math.prod(max(0, min(b1, b2) - max(a1, a2)) for (a1, b1), (a2, b2) in zip(first, second))
 
 
-def _moved(a: ParamLayout, b: ParamLayout, spec_a, spec_b, report_a: Report, report_b: Report,
-           coords: list[tuple[dict, dict]]) -> int:
+def _moved(
+    a: ParamLayout, b: ParamLayout, spec_a, spec_b, report_a: Report, report_b: Report, coords: list[tuple[dict, dict]]
+) -> int:
     """Elements every device must receive to go from layout a to layout b, summed over devices."""
     total = 0
     for coords_a, coords_b in coords:
@@ -68,18 +69,27 @@ def layout_diff(report_a: Report, report_b: Report) -> list[ParamChange]:
     128
     """
     if len(report_a.device_ids) != len(report_b.device_ids):
-        raise ValueError(f"the plans lay out {len(report_a.device_ids)} and {len(report_b.device_ids)} devices; "
-                         "a diff compares layouts on the same devices")
+        raise ValueError(
+            f"the plans lay out {len(report_a.device_ids)} and {len(report_b.device_ids)} devices; "
+            "a diff compares layouts on the same devices"
+        )
     by_path = {p.path: p for p in report_a.params}
-    coords = [(device_coords(report_a.axes, k), device_coords(report_b.axes, k)) for k in range(len(report_b.device_ids))]
+    coords = [
+        (device_coords(report_a.axes, k), device_coords(report_b.axes, k)) for k in range(len(report_b.device_ids))
+    ]
     changes = []
     for b in report_b.params:
         a = by_path.get(b.path)
         if a is None:
             continue
         itemsize = b.itemsize
-        changes.append(ParamChange(
-            b.path, a.spec, b.spec,
-            _moved(a, b, a.spec, b.spec, report_a, report_b, coords) * itemsize,
-            _moved(a, b, a.opt_spec, b.opt_spec, report_a, report_b, coords) * b.state_itemsize))
+        changes.append(
+            ParamChange(
+                b.path,
+                a.spec,
+                b.spec,
+                _moved(a, b, a.spec, b.spec, report_a, report_b, coords) * itemsize,
+                _moved(a, b, a.opt_spec, b.opt_spec, report_a, report_b, coords) * b.state_itemsize,
+            )
+        )
     return changes

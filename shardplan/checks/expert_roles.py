@@ -16,10 +16,10 @@ from shardplan.checks.paths import ParamInfo
 
 @dataclasses.dataclass(frozen=True)
 class BlockRoles:
-    block: str                      # module path
-    router: str | None              # parameter path
-    experts: tuple[str, ...]        # parameter paths, stacked on dim 0
-    count: int | None               # E
+    block: str  # module path
+    router: str | None  # parameter path
+    experts: tuple[str, ...]  # parameter paths, stacked on dim 0
+    count: int | None  # E
 
 
 def _leaf(path: str) -> str:
@@ -46,18 +46,24 @@ def block_roles(block: str, params: list[ParamInfo], router=None, weights=None) 
     (compiled patterns, full match on the path within the block) say it where shapes leave it ambiguous."""
     prefix = block + "/" if block else ""
     inside = [p for p in params if p.path.startswith(prefix)]
-    local = {p.path: p.path[len(prefix):] for p in inside}
+    local = {p.path: p.path[len(prefix) :] for p in inside}
     if weights is not None:
         chosen = [p for p in inside if weights.fullmatch(local[p.path]) and p.shape]
         counts = {p.shape[0] for p in chosen}
-        routers = [p for p in inside if len(p.shape) == 2 and (router.fullmatch(local[p.path]) if router else
-                                                               counts & set(p.shape) and not _is_bias(p.path))]
+        routers = [
+            p
+            for p in inside
+            if len(p.shape) == 2
+            and (router.fullmatch(local[p.path]) if router else counts & set(p.shape) and not _is_bias(p.path))
+        ]
         if len(counts) == 1 and routers:
             width = counts.pop()
             return BlockRoles(block, routers[0].path, tuple(sorted(p.path for p in chosen)), width)
         return BlockRoles(block, None, (), None)
     stacks = [p for p in inside if len(p.shape) >= 3]
-    routers = [p for p in inside if len(p.shape) == 2 and not _is_bias(p.path) and _leaf(p.path) not in ("scale", "embedding")]
+    routers = [
+        p for p in inside if len(p.shape) == 2 and not _is_bias(p.path) and _leaf(p.path) not in ("scale", "embedding")
+    ]
     if router is not None:
         routers = [p for p in routers if router.fullmatch(local[p.path])]
     for width_dim in (1, 0):

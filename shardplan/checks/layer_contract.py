@@ -22,6 +22,7 @@ def calling_without_updates(module, call, where: str, what: str = "its layers"):
     counter, a cache) during the call: a pipeline runs each layer on every microbatch and keeps no
     per-layer state between them, so such updates would be lost."""
     from flax import nnx
+
     before = nnx.to_flat_state(nnx.state(module, nnx.Not(nnx.Param)))
     values = [variable.get_value() for _, variable in before]
     out = call()
@@ -32,7 +33,8 @@ def calling_without_updates(module, call, where: str, what: str = "its layers"):
             f"{where} updates its state during the call ({path}{f' and {len(changed) - 1} more' if len(changed) > 1 else ''}: "
             f"batch statistics, a stored RNG stream or a cache); a pipeline keeps no per-layer state between "
             f"microbatches, so {what} must not change their variables: pass `rngs=` to the call instead of storing "
-            "a stream, use normalisation without running statistics, or run without a pipeline")
+            "a stream, use normalisation without running statistics, or run without a pipeline"
+        )
     return out
 
 
@@ -46,11 +48,14 @@ def check_output(out, x, where: str):
         raise PipelineCallError(
             f"{where} returns {describe_value(out)}; a pipeline carries only the activation from layer to layer, so a "
             "layer must return it alone or as the only array of its output (e.g. (None, x)). Per-layer outputs "
-            "such as caches or auxiliary losses cannot leave a pipeline: call the model without a cache")
+            "such as caches or auxiliary losses cannot leave a pipeline: call the model without a cache"
+        )
     (y,) = arrays
     if y.shape != x.shape or (y.dtype != x.dtype and carried_dtype(x.dtype, y.dtype) is None):
-        raise PipelineCallError(f"{where} maps the activation {tuple(x.shape)} {x.dtype} to {tuple(y.shape)} "
-                                f"{y.dtype}; pipelined layers must keep its shape and dtype")
+        raise PipelineCallError(
+            f"{where} maps the activation {tuple(x.shape)} {x.dtype} to {tuple(y.shape)} "
+            f"{y.dtype}; pipelined layers must keep its shape and dtype"
+        )
     return out_treedef
 
 
@@ -68,8 +73,12 @@ def carried_dtype(given, returned):
     """The dtype a pipeline carries a layer's activation in when the layer, given `given`, returns
     `returned`: the wider of two float dtypes (the model's own code promotes), else None (not carried)."""
     import jax.numpy as jnp
+
     given, returned = jnp.dtype(given), jnp.dtype(returned)
-    if jnp.issubdtype(given, jnp.floating) and jnp.issubdtype(returned, jnp.floating) and \
-            returned.itemsize > given.itemsize:
+    if (
+        jnp.issubdtype(given, jnp.floating)
+        and jnp.issubdtype(returned, jnp.floating)
+        and returned.itemsize > given.itemsize
+    ):
         return returned
     return None

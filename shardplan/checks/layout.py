@@ -36,8 +36,9 @@ def device_coords(sizes: dict[str, int], position: int) -> dict[str, int]:
     return {axis: int(c) for axis, c in zip(sizes, coords)}
 
 
-def index_ranges(shape: tuple[int, ...], spec: NormalSpec, sizes: dict[str, int],
-                 coords: dict[str, int]) -> tuple[tuple[int, int], ...]:
+def index_ranges(
+    shape: tuple[int, ...], spec: NormalSpec, sizes: dict[str, int], coords: dict[str, int]
+) -> tuple[tuple[int, int], ...]:
     """[start, stop) per dim of the shard held by the device at `coords`.
 
     An entry listing several axes splits the dim over their product, the first axis major.
@@ -56,8 +57,7 @@ def index_ranges(shape: tuple[int, ...], spec: NormalSpec, sizes: dict[str, int]
     return tuple(ranges)
 
 
-def zero1_spec(shape: tuple[int, ...], spec: NormalSpec, sizes: dict[str, int],
-               data: tuple[str, ...]) -> NormalSpec:
+def zero1_spec(shape: tuple[int, ...], spec: NormalSpec, sizes: dict[str, int], data: tuple[str, ...]) -> NormalSpec:
     """The spec of a parameter's optimizer state under ZeRO-1: also split over the data axes.
 
     The data axes go on the first unsharded dim they divide, else on the first sharded dim whose
@@ -79,8 +79,9 @@ def zero1_spec(shape: tuple[int, ...], spec: NormalSpec, sizes: dict[str, int],
     return spec
 
 
-def zero1_layout(shape: tuple[int, ...], spec: NormalSpec, sizes: dict[str, int],
-                 data: tuple[str, ...]) -> tuple[tuple[int, ...], NormalSpec]:
+def zero1_layout(
+    shape: tuple[int, ...], spec: NormalSpec, sizes: dict[str, int], data: tuple[str, ...]
+) -> tuple[tuple[int, ...], NormalSpec]:
     """(shape, spec) of a parameter's optimizer state under ZeRO-1: `zero1_spec` where a dim divides;
     else the last dim padded to a multiple of its shards x the data ways and split over the data axes
     too (as Megatron pads its flat buffer), so any data size splits every non-scalar state.
@@ -124,12 +125,12 @@ class ParamLayout:
     itemsize: int
     spec: NormalSpec
     opt_spec: NormalSpec
-    rule: int | None            # 0-based index of the winning rule; None: unmatched
+    rule: int | None  # 0-based index of the winning rule; None: unmatched
     rule_line: int | None
     shard_shape: tuple[int, ...]
     opt_shard_shape: tuple[int, ...]
-    stage: int | None = None    # pipeline stage holding it; None: every stage
-    state_itemsize: int = ADAM_MOMENTS * 4      # optimizer-state bytes per element (moments, master weights)
+    stage: int | None = None  # pipeline stage holding it; None: every stage
+    state_itemsize: int = ADAM_MOMENTS * 4  # optimizer-state bytes per element (moments, master weights)
 
     @property
     def nbytes(self) -> int:
@@ -144,21 +145,45 @@ class ParamLayout:
         return math.prod(self.opt_shard_shape) * self.state_itemsize
 
 
-def param_layout(path: str, shape: tuple[int, ...], dtype: np.dtype, spec: NormalSpec, sizes: dict[str, int],
-                 data: tuple[str, ...], precision, rule: int | None = None, rule_line: int | None = None,
-                 stage: int | None = None) -> ParamLayout:
+def param_layout(
+    path: str,
+    shape: tuple[int, ...],
+    dtype: np.dtype,
+    spec: NormalSpec,
+    sizes: dict[str, int],
+    data: tuple[str, ...],
+    precision,
+    rule: int | None = None,
+    rule_line: int | None = None,
+    stage: int | None = None,
+) -> ParamLayout:
     """A parameter's layout under the plan: stored in `precision.params` (if floating), its optimizer
     state (AdamW's two moments, and float32 master weights under `precision.master`) split over the
     `data` axes too under ZeRO-1, padded where no dim divides."""
     name, itemsize = _dtype_facts(dtype)
-    floating = "float" in name                  # bfloat16 (from ml_dtypes) is no np.floating
+    floating = "float" in name  # bfloat16 (from ml_dtypes) is no np.floating
     if precision.params and floating:
         name, itemsize = _dtype_facts(precision.params)
     opt_shape, opt_spec = zero1_layout(shape, spec, sizes, data)
-    state = (ADAM_MOMENTS + 1) * _dtype_facts(precision.master)[1] if precision.master and floating else \
-        ADAM_MOMENTS * itemsize
-    return ParamLayout(path, shape, name, itemsize, spec, opt_spec, rule, rule_line,
-                       shard_shape(shape, spec, sizes), shard_shape(opt_shape, opt_spec, sizes), stage, state)
+    state = (
+        (ADAM_MOMENTS + 1) * _dtype_facts(precision.master)[1]
+        if precision.master and floating
+        else ADAM_MOMENTS * itemsize
+    )
+    return ParamLayout(
+        path,
+        shape,
+        name,
+        itemsize,
+        spec,
+        opt_spec,
+        rule,
+        rule_line,
+        shard_shape(shape, spec, sizes),
+        shard_shape(opt_shape, opt_spec, sizes),
+        stage,
+        state,
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -171,7 +196,7 @@ def _dtype_facts(dtype) -> tuple[str, int]:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class DeviceTotals:
-    position: int               # flat position in the mesh
+    position: int  # flat position in the mesh
     device_id: int
     coords: dict[str, int]
     param_bytes: int
@@ -182,8 +207,13 @@ class DeviceTotals:
         return self.param_bytes + self.opt_bytes
 
 
-def device_totals(params: list[ParamLayout], sizes: dict[str, int], device_ids: list[int],
-                  stage_axis: str | None = None, stage_counts: tuple[int, ...] = ()) -> list[DeviceTotals]:
+def device_totals(
+    params: list[ParamLayout],
+    sizes: dict[str, int],
+    device_ids: list[int],
+    stage_axis: str | None = None,
+    stage_counts: tuple[int, ...] = (),
+) -> list[DeviceTotals]:
     """Bytes each device holds; a staged parameter counts only on devices of its stage. Stages holding
     fewer layers than the longest (`stage_counts`, layers per stage) are padded to it with zero-filled
     layers, which take the same bytes as real ones."""
@@ -197,10 +227,12 @@ def device_totals(params: list[ParamLayout], sizes: dict[str, int], device_ids: 
             per_stage[stage] = (sum(p.bytes_per_device for p in held), sum(p.opt_bytes_per_device for p in held))
             most = max(stage_counts, default=0)
             if stage is not None and stage_counts and stage_counts[stage] < most:
-                layers = [p for p in params if p.stage == stage_counts.index(most)]     # the longest stage's
+                layers = [p for p in params if p.stage == stage_counts.index(most)]  # the longest stage's
                 padding = most - stage_counts[stage]
-                per_stage[stage] = (per_stage[stage][0] + padding * sum(p.bytes_per_device for p in layers) // most,
-                                    per_stage[stage][1] + padding * sum(p.opt_bytes_per_device for p in layers) // most)
+                per_stage[stage] = (
+                    per_stage[stage][0] + padding * sum(p.bytes_per_device for p in layers) // most,
+                    per_stage[stage][1] + padding * sum(p.opt_bytes_per_device for p in layers) // most,
+                )
         totals.append(DeviceTotals(k, device_id, coords, *per_stage[stage]))
     return totals
 

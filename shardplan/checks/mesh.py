@@ -23,35 +23,55 @@ def resolve_axes(plan: Plan, device_count: int) -> tuple[dict[str, int], list[Di
     line, col = plan.locate("mesh", "axes")
     fixed = math.prod(size for size in axes.values() if size != -1)
     if fixed > MAX_MESH_DEVICES or device_count > MAX_MESH_DEVICES:
-        return {n: (1 if s == -1 else s) for n, s in axes.items()}, [Diagnostic(
-            "mesh-too-large", "error",
-            f"mesh {_shape(axes)} over {max(fixed, device_count):,} devices is more than the {MAX_MESH_DEVICES:,} "
-            "shardplan lays out", file=plan.file, line=line, column=col,
-            hint="check the axis sizes for a typo")]
+        return {n: (1 if s == -1 else s) for n, s in axes.items()}, [
+            Diagnostic(
+                "mesh-too-large",
+                "error",
+                f"mesh {_shape(axes)} over {max(fixed, device_count):,} devices is more than the {MAX_MESH_DEVICES:,} "
+                "shardplan lays out",
+                file=plan.file,
+                line=line,
+                column=col,
+                hint="check the axis sizes for a typo",
+            )
+        ]
     fill = [name for name, size in axes.items() if size == -1]
     if fill:
         if device_count % fixed:
-            return {n: (1 if s == -1 else s) for n, s in axes.items()}, [Diagnostic(
-                "mesh-fill-impossible", "error",
-                f"mesh axis {fill[0]!r} = -1 requires the {device_count} devices to be divisible by the other axes' "
-                f"product {fixed} ({_shape(axes)}), but {device_count} % {fixed} = {device_count % fixed}",
-                file=plan.file, line=line, column=col,
-                hint=f"run on a multiple of {fixed} devices or change the other axes' sizes")]
+            return {n: (1 if s == -1 else s) for n, s in axes.items()}, [
+                Diagnostic(
+                    "mesh-fill-impossible",
+                    "error",
+                    f"mesh axis {fill[0]!r} = -1 requires the {device_count} devices to be divisible by the other axes' "
+                    f"product {fixed} ({_shape(axes)}), but {device_count} % {fixed} = {device_count % fixed}",
+                    file=plan.file,
+                    line=line,
+                    column=col,
+                    hint=f"run on a multiple of {fixed} devices or change the other axes' sizes",
+                )
+            ]
         axes[fill[0]] = device_count // fixed
         return axes, []
     if fixed != device_count:
-        return axes, [Diagnostic(
-            "mesh-size-mismatch", "error",
-            f"mesh {_shape(axes)} requires {fixed} devices, but {device_count} are available",
-            file=plan.file, line=line, column=col,
-            hint=f"make the sizes multiply to {device_count}, use -1 on one axis to fill, or get {fixed} CPU devices: "
-                 f"--devices {fixed} on the command line, shardplan.simulate_cpu_devices({fixed}) in Python before "
-                 "anything starts JAX")]
+        return axes, [
+            Diagnostic(
+                "mesh-size-mismatch",
+                "error",
+                f"mesh {_shape(axes)} requires {fixed} devices, but {device_count} are available",
+                file=plan.file,
+                line=line,
+                column=col,
+                hint=f"make the sizes multiply to {device_count}, use -1 on one axis to fill, or get {fixed} CPU devices: "
+                f"--devices {fixed} on the command line, shardplan.simulate_cpu_devices({fixed}) in Python before "
+                "anything starts JAX",
+            )
+        ]
     return axes, []
 
 
-def check_given_mesh(plan: Plan, planned: dict[str, int], given: dict[str, int],
-                     given_types: dict[str, str] | None = None) -> list[Diagnostic]:
+def check_given_mesh(
+    plan: Plan, planned: dict[str, int], given: dict[str, int], given_types: dict[str, str] | None = None
+) -> list[Diagnostic]:
     """A mesh built elsewhere must be the plan's mesh: same axes, in the same order, of the same sizes
     and (when `given_types` says, axis -> 'auto' | 'explicit' | 'manual') of the same types.
 
@@ -66,15 +86,36 @@ def check_given_mesh(plan: Plan, planned: dict[str, int], given: dict[str, int],
         if given_types is None or given_types == wanted:
             return []
         differ = [axis for axis in planned if given_types.get(axis) != wanted[axis]]
-        return [Diagnostic("mesh-mismatch", "error", f"the mesh given has axis {differ[0]!r} of type "
-                           f"{given_types.get(differ[0])}, but the plan's is {wanted[differ[0]]}", file=plan.file,
-                           line=line, column=col, hint=f"pass shardplan.make_mesh(plan), or set mesh.types: "
-                           f"{{{differ[0]}: {given_types.get(differ[0])}}} in the plan")]
+        return [
+            Diagnostic(
+                "mesh-mismatch",
+                "error",
+                f"the mesh given has axis {differ[0]!r} of type "
+                f"{given_types.get(differ[0])}, but the plan's is {wanted[differ[0]]}",
+                file=plan.file,
+                line=line,
+                column=col,
+                hint=f"pass shardplan.make_mesh(plan), or set mesh.types: "
+                f"{{{differ[0]}: {given_types.get(differ[0])}}} in the plan",
+            )
+        ]
     same_names = set(given) == set(planned)
-    hint = ("build the mesh with shardplan.make_mesh(plan), or change the plan's mesh.axes to match" if not same_names
-            else "pass shardplan.make_mesh(plan), or make the plan's axis sizes and order those of the mesh")
-    return [Diagnostic("mesh-mismatch", "error", f"the mesh given is {_shape(given)}, but the plan's mesh is "
-                       f"{_shape(planned)}", file=plan.file, line=line, column=col, hint=hint)]
+    hint = (
+        "build the mesh with shardplan.make_mesh(plan), or change the plan's mesh.axes to match"
+        if not same_names
+        else "pass shardplan.make_mesh(plan), or make the plan's axis sizes and order those of the mesh"
+    )
+    return [
+        Diagnostic(
+            "mesh-mismatch",
+            "error",
+            f"the mesh given is {_shape(given)}, but the plan's mesh is {_shape(planned)}",
+            file=plan.file,
+            line=line,
+            column=col,
+            hint=hint,
+        )
+    ]
 
 
 def check_hosts(plan: Plan, sizes: dict[str, int], processes: int) -> list[Diagnostic]:
@@ -86,31 +127,61 @@ def check_hosts(plan: Plan, sizes: dict[str, int], processes: int) -> list[Diagn
         if axis not in sizes:
             line, col = plan.locate("mesh", "types", axis)
             close = difflib.get_close_matches(axis, list(sizes), n=1)
-            found.append(Diagnostic("mesh-types-unknown-axis", "error",
-                                    f"mesh.types names axis {axis!r}, but the mesh has only {list(sizes)}",
-                                    file=plan.file, line=line, column=col,
-                                    hint=f"did you mean {close[0]!r}?" if close else None))
+            found.append(
+                Diagnostic(
+                    "mesh-types-unknown-axis",
+                    "error",
+                    f"mesh.types names axis {axis!r}, but the mesh has only {list(sizes)}",
+                    file=plan.file,
+                    line=line,
+                    column=col,
+                    hint=f"did you mean {close[0]!r}?" if close else None,
+                )
+            )
     for axis, count in hosts.items():
         line, col = plan.locate("mesh", "hosts", axis)
         if axis not in sizes:
             close = difflib.get_close_matches(axis, list(sizes), n=1)
-            found.append(Diagnostic("mesh-hosts-unknown-axis", "error",
-                                    f"mesh.hosts names axis {axis!r}, but the mesh has only {list(sizes)}",
-                                    file=plan.file, line=line, column=col,
-                                    hint=f"did you mean {close[0]!r}?" if close else None))
+            found.append(
+                Diagnostic(
+                    "mesh-hosts-unknown-axis",
+                    "error",
+                    f"mesh.hosts names axis {axis!r}, but the mesh has only {list(sizes)}",
+                    file=plan.file,
+                    line=line,
+                    column=col,
+                    hint=f"did you mean {close[0]!r}?" if close else None,
+                )
+            )
         elif count < 1 or sizes[axis] % count:
-            found.append(Diagnostic("mesh-hosts-indivisible", "error",
-                                    f"mesh.hosts splits axis {axis!r} of size {sizes[axis]} over {count} hosts, "
-                                    f"which does not divide it", file=plan.file, line=line, column=col,
-                                    hint=f"use a host count that divides {sizes[axis]}"))
+            found.append(
+                Diagnostic(
+                    "mesh-hosts-indivisible",
+                    "error",
+                    f"mesh.hosts splits axis {axis!r} of size {sizes[axis]} over {count} hosts, "
+                    f"which does not divide it",
+                    file=plan.file,
+                    line=line,
+                    column=col,
+                    hint=f"use a host count that divides {sizes[axis]}",
+                )
+            )
     total = math.prod(hosts.values()) if hosts else 1
     if found or not hosts:
         return found
     line, col = plan.locate("mesh", "hosts")
     if processes > 1 and total != processes:
-        found.append(Diagnostic("mesh-hosts-mismatch", "error",
-                                f"mesh.hosts spans {total} hosts, but the run has {processes} processes",
-                                file=plan.file, line=line, column=col, hint="run one process per host"))
+        found.append(
+            Diagnostic(
+                "mesh-hosts-mismatch",
+                "error",
+                f"mesh.hosts spans {total} hosts, but the run has {processes} processes",
+                file=plan.file,
+                line=line,
+                column=col,
+                hint="run one process per host",
+            )
+        )
     return found
 
 
@@ -172,9 +243,11 @@ def tracing_mesh(plan: Plan, sizes: dict[str, int]):
     import jax
 
     from shardplan.plan.diagnostics import PlanError
+
     try:
         return make_mesh(plan)
     except PlanError:
         kinds = {"auto": jax.sharding.AxisType.Auto, "explicit": jax.sharding.AxisType.Explicit}
-        return jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes),
-                                         axis_types=tuple(kinds[plan.mesh.types.get(a, "auto")] for a in sizes))
+        return jax.sharding.AbstractMesh(
+            tuple(sizes.values()), tuple(sizes), axis_types=tuple(kinds[plan.mesh.types.get(a, "auto")] for a in sizes)
+        )

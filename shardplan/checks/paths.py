@@ -13,7 +13,7 @@ class ParamInfo:
     path: str
     shape: tuple[int, ...]
     dtype: np.dtype
-    annotation: tuple | None = None     # the model's own spec (`nnx.with_partitioning`), entries as written
+    annotation: tuple | None = None  # the model's own spec (`nnx.with_partitioning`), entries as written
 
     @property
     def nbytes(self) -> int:
@@ -45,13 +45,16 @@ def param_infos(model) -> list[ParamInfo]:
     >>> [p.path for p in param_infos(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))]
     ['bias', 'kernel']
     """
-    from flax import nnx      # here, not at the top: plan-only commands never start JAX
+    from flax import nnx  # here, not at the top: plan-only commands never start JAX
+
     state = nnx.state(model, nnx.Param) if isinstance(model, nnx.Module) else model
     infos = []
     for keys, variable in nnx.to_flat_state(state):
         value = variable.get_value() if isinstance(variable, nnx.Variable) else variable
         annotated = variable.get_metadata().get("out_sharding") if isinstance(variable, nnx.Variable) else None
-        infos.append(ParamInfo(join_path(keys), tuple(value.shape), np.dtype(value.dtype), annotation_entries(annotated)))
+        infos.append(
+            ParamInfo(join_path(keys), tuple(value.shape), np.dtype(value.dtype), annotation_entries(annotated))
+        )
     return sorted(infos, key=lambda info: info.path)
 
 
@@ -60,7 +63,8 @@ def annotation_entries(annotated) -> tuple | None:
     logical names, a `PartitionSpec`, or a `NamedSharding` (the seed article's `nnx.with_partitioning(init,
     NamedSharding(mesh, P(...)))`, whose spec is taken); None for anything else."""
     from jax.sharding import PartitionSpec
-    annotated = getattr(annotated, "spec", annotated)          # a NamedSharding's PartitionSpec
+
+    annotated = getattr(annotated, "spec", annotated)  # a NamedSharding's PartitionSpec
     if isinstance(annotated, (tuple, list, PartitionSpec)):
         return tuple(annotated)
     return None
@@ -69,4 +73,5 @@ def annotation_entries(annotated) -> tuple | None:
 def module_paths(model) -> list[tuple[str, object]]:
     """(path, module) of every module in the model graph, the root as ''."""
     from flax import nnx
+
     return [(join_path(path), node) for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)]

@@ -9,10 +9,23 @@ from shardplan.checks.mesh import check_given_mesh, check_hosts, resolve_axes
 from shardplan.checks.paths import ParamInfo
 from shardplan.checks.stages import StageMap, check_microbatches, plan_stages
 from shardplan.checks.step import check_step_axes
-from shardplan.checks.validate import (Placement, data_axes, idle_axes, rule_level, unmapped_logical_names,
-                                       validate_inputs, validate_optimizer, validate_params)
-from shardplan.checks.combinations import (degenerate_sections, explicit_with_sections, pipeline_fsdp,
-                                            remat_recomputed_anyway, tensor_overlap_without_effect)
+from shardplan.checks.validate import (
+    Placement,
+    data_axes,
+    idle_axes,
+    rule_level,
+    unmapped_logical_names,
+    validate_inputs,
+    validate_optimizer,
+    validate_params,
+)
+from shardplan.checks.combinations import (
+    degenerate_sections,
+    explicit_with_sections,
+    pipeline_fsdp,
+    remat_recomputed_anyway,
+    tensor_overlap_without_effect,
+)
 from shardplan.checks.context import check_context
 from shardplan.checks.experts import check_experts, expert_blocks
 from shardplan.plan.diagnostics import Diagnostic
@@ -31,7 +44,7 @@ class Report:
     params: list[ParamLayout]
     devices: list[DeviceTotals]
     stage_map: StageMap | None = None
-    experts: tuple = ()                 # BlockRoles of the plan's MoE blocks
+    experts: tuple = ()  # BlockRoles of the plan's MoE blocks
 
     @property
     def errors(self) -> list[Diagnostic]:
@@ -55,8 +68,16 @@ class Report:
             "plan": {"name": self.plan.name, "file": self.plan.file},
             "mesh": {"axes": self.axes, "device_ids": self.device_ids, "hosts": self.plan.mesh.hosts},
             "params": [_param_json(p) for p in self.params],
-            "devices": [{"position": d.position, "device_id": d.device_id, "coords": d.coords,
-                         "param_bytes": d.param_bytes, "opt_bytes": d.opt_bytes} for d in self.devices],
+            "devices": [
+                {
+                    "position": d.position,
+                    "device_id": d.device_id,
+                    "coords": d.coords,
+                    "param_bytes": d.param_bytes,
+                    "opt_bytes": d.opt_bytes,
+                }
+                for d in self.devices
+            ],
             "imbalance": imbalance(self.devices) if self.devices else 1.0,
             "pipeline": _pipeline_json(self),
             "diagnostics": [d.to_dict() for d in self.diagnostics],
@@ -67,11 +88,18 @@ def _pipeline_json(report: "Report") -> dict | None:
     if report.stage_map is None:
         return None
     from shardplan.checks.schedules import bubble_fraction, timeline
+
     pipe, stage_map = report.plan.pipeline, report.stage_map
     grid = timeline(pipe.schedule, stage_map.stages, pipe.microbatches, stage_map.virtual)
-    return {"axis": pipe.axis, "schedule": pipe.schedule, "microbatches": pipe.microbatches,
-            "virtual_stages": stage_map.virtual, "stage_of_layer": list(stage_map.stage_of),
-            "ticks": len(grid), "bubble": bubble_fraction(grid)}
+    return {
+        "axis": pipe.axis,
+        "schedule": pipe.schedule,
+        "microbatches": pipe.microbatches,
+        "virtual_stages": stage_map.virtual,
+        "stage_of_layer": list(stage_map.stage_of),
+        "ticks": len(grid),
+        "bubble": bubble_fraction(grid),
+    }
 
 
 # 2: specs are lists in the plan's own notation ([null, "model"], [["data", "model"]]), no longer strings.
@@ -88,16 +116,32 @@ def spec_json(spec) -> list:
 
 
 def _param_json(p: ParamLayout) -> dict:
-    return {"path": p.path, "shape": list(p.shape), "dtype": p.dtype, "spec": spec_json(p.spec),
-            "shard_shape": list(p.shard_shape), "bytes_per_device": p.bytes_per_device,
-            "opt_spec": spec_json(p.opt_spec), "opt_bytes_per_device": p.opt_bytes_per_device,
-            "rule": None if p.rule is None else p.rule + 1, "rule_line": p.rule_line, "stage": p.stage}
+    return {
+        "path": p.path,
+        "shape": list(p.shape),
+        "dtype": p.dtype,
+        "spec": spec_json(p.spec),
+        "shard_shape": list(p.shard_shape),
+        "bytes_per_device": p.bytes_per_device,
+        "opt_spec": spec_json(p.opt_spec),
+        "opt_bytes_per_device": p.opt_bytes_per_device,
+        "rule": None if p.rule is None else p.rule + 1,
+        "rule_line": p.rule_line,
+        "stage": p.stage,
+    }
 
 
-def check_params(plan: Plan, params: list[ParamInfo], device_ids: list[int], *,
-                 input_shapes: dict[str, tuple[int, ...]] | None = None, modules: list[str] | None = None,
-                 processes: int = 1, given_mesh: dict[str, int] | None = None,
-                 given_types: dict[str, str] | None = None) -> Report:
+def check_params(
+    plan: Plan,
+    params: list[ParamInfo],
+    device_ids: list[int],
+    *,
+    input_shapes: dict[str, tuple[int, ...]] | None = None,
+    modules: list[str] | None = None,
+    processes: int = 1,
+    given_mesh: dict[str, int] | None = None,
+    given_types: dict[str, str] | None = None,
+) -> Report:
     """`check` on parameter infos and device ids: pure, no JAX devices needed.
 
     `given_mesh` (axis -> size) is a mesh the caller built: it must be the plan's.
@@ -127,8 +171,13 @@ def check_params(plan: Plan, params: list[ParamInfo], device_ids: list[int], *,
         expert_roles = []
     if not mesh_diagnostics:
         found += check_experts(plan, expert_roles, {p.param.path: p for p in placements}, sizes)
-        found += pipeline_fsdp(plan, specs, sizes, data_axes(plan, sizes),
-                               frozenset(path for block in expert_roles for path in block.experts))
+        found += pipeline_fsdp(
+            plan,
+            specs,
+            sizes,
+            data_axes(plan, sizes),
+            frozenset(path for block in expert_roles for path in block.experts),
+        )
     diagnostics += found
     diagnostics += check_context(plan, sizes, input_shapes) if not mesh_diagnostics else []
     if input_shapes:
@@ -137,16 +186,24 @@ def check_params(plan: Plan, params: list[ParamInfo], device_ids: list[int], *,
     data = data_axes(plan, sizes) if plan.optimizer == "zero1" else ()
     layouts = [_layout(p, sizes, data, stage_map, plan.precision) for p in placements]
     axis = plan.pipeline.axis if stage_map else None
-    devices = device_totals(layouts, sizes, device_ids, axis, stage_map.counts if stage_map else ()) \
-        if not mesh_diagnostics else []
+    devices = (
+        device_totals(layouts, sizes, device_ids, axis, stage_map.counts if stage_map else ())
+        if not mesh_diagnostics
+        else []
+    )
     return Report(plan, sizes, device_ids, diagnostics, layouts, devices, stage_map, tuple(expert_roles))
 
 
 def _layer_modules(plan: Plan, params: list[ParamInfo]) -> list[str]:
     """Module paths inside the pipelined layers (`blocks/0`, `blocks/0/attn`, ...), from the parameters'."""
     prefix = plan.pipeline.layers + "/"
-    paths = {"/".join(parts[:n]) for p in params if p.path.startswith(prefix)
-             for parts in [p.path.split("/")] for n in range(prefix.count("/") + 1, len(parts))}
+    paths = {
+        "/".join(parts[:n])
+        for p in params
+        if p.path.startswith(prefix)
+        for parts in [p.path.split("/")]
+        for n in range(prefix.count("/") + 1, len(parts))
+    }
     return sorted(paths)
 
 
@@ -165,23 +222,44 @@ def check_plan_only(plan: Plan, device_count: int) -> list[Diagnostic]:
         diagnostics += [d for d in staging if d.code != "pipeline-no-layers"]
         for k, rule in enumerate(plan.pipeline.stages if plan.pipeline.stages != "even" else []):
             line, col = plan.locate("pipeline", "stages", k, "match")
-            _, problem = checked_pattern(rule.match, f"stage rule #{k + 1}", invalid_code="stage-invalid-regex",
-                                         file=plan.file, line=line, column=col)
+            _, problem = checked_pattern(
+                rule.match,
+                f"stage rule #{k + 1}",
+                invalid_code="stage-invalid-regex",
+                file=plan.file,
+                line=line,
+                column=col,
+            )
             diagnostics += [problem] if problem else []
     diagnostics += check_context(plan, sizes, plan.example_shapes()) if not mesh_diagnostics else []
     if plan.experts is not None:
         diagnostics += check_experts(plan, [], {}, sizes) if not mesh_diagnostics else []
         line, col = plan.locate("experts", "blocks")
-        _, problem = checked_pattern(plan.experts.blocks, "experts.blocks", invalid_code="experts-invalid-regex",
-                                     file=plan.file, line=line, column=col)
+        _, problem = checked_pattern(
+            plan.experts.blocks,
+            "experts.blocks",
+            invalid_code="experts-invalid-regex",
+            file=plan.file,
+            line=line,
+            column=col,
+        )
         diagnostics += [problem] if problem else []
     return sorted(diagnostics, key=lambda d: (d.line or 0, d.column or 0))
 
 
-def _layout(placement: Placement, sizes: dict[str, int], data: tuple[str, ...], stage_map: StageMap | None,
-            precision) -> ParamLayout:
+def _layout(
+    placement: Placement, sizes: dict[str, int], data: tuple[str, ...], stage_map: StageMap | None, precision
+) -> ParamLayout:
     param = placement.param
-    return param_layout(param.path, param.shape, param.dtype, placement.spec, sizes, data if placement.valid else (),
-                        precision, placement.rule.index if placement.rule else None,
-                        placement.rule.line if placement.rule else None,
-                        stage_map.stage_of_path(param.path) if stage_map else None)
+    return param_layout(
+        param.path,
+        param.shape,
+        param.dtype,
+        placement.spec,
+        sizes,
+        data if placement.valid else (),
+        precision,
+        placement.rule.index if placement.rule else None,
+        placement.rule.line if placement.rule else None,
+        stage_map.stage_of_path(param.path) if stage_map else None,
+    )

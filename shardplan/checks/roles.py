@@ -27,13 +27,13 @@ ASSUMED_HEAD_DIM = 64
 @dataclasses.dataclass(frozen=True, slots=True)
 class Role:
     path: str
-    kind: str                   # one of EMBEDDING, COLUMN, ROW, MATMUL (other matrices), BIAS, VECTOR
-    in_dims: tuple[int, ...]    # dims contracted with the incoming activation (matrices only)
-    out_dims: tuple[int, ...]   # dims of the produced activation, the one to split first first (matrices;
+    kind: str  # one of EMBEDDING, COLUMN, ROW, MATMUL (other matrices), BIAS, VECTOR
+    in_dims: tuple[int, ...]  # dims contracted with the incoming activation (matrices only)
+    out_dims: tuple[int, ...]  # dims of the produced activation, the one to split first first (matrices;
     #                             a bias: its own dims)
-    owner: str | None = None    # a bias: the path of its matrix
-    closes: bool = False        # a column matrix whose group a row matrix closes (False: e.g. the output head)
-    group: int | None = None    # column and row matrices of one tensor-parallel group share it
+    owner: str | None = None  # a bias: the path of its matrix
+    closes: bool = False  # a column matrix whose group a row matrix closes (False: e.g. the output head)
+    group: int | None = None  # column and row matrices of one tensor-parallel group share it
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -41,9 +41,9 @@ class Attention:
     """A group of three or more column matrices reading one input: queries, keys, values."""
 
     layer: int | None
-    width: int                  # query output size (heads x head size)
+    width: int  # query output size (heads x head size)
     heads: int
-    members: tuple[str, ...] = ()   # the matrices' paths: the queries' first, then keys and values
+    members: tuple[str, ...] = ()  # the matrices' paths: the queries' first, then keys and values
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -51,25 +51,25 @@ class CodeCopies:
     """What the model's code keeps for the backward beyond a plain transformer's, which the parameters
     do not show (`shardplan.planner.kept.traced_copies`; never fewer: the plain constants stay a floor)."""
 
-    scores: float = 0.0         # of each attention layer's float32 scores
-    logits: float = 0.0         # of the float32 logits
-    head_weights: float = 0.0   # of the output head's weights (a tied head's transpose)
-    heads: float = 1.0          # the scores' heads per head `Attention` counts (which guesses flattened ones)
-    top_k: int = 0              # experts each token's rows go to in the MoE blocks (0: none seen)
-    traced: bool = False        # read from the code (False: a plain transformer's assumed)
+    scores: float = 0.0  # of each attention layer's float32 scores
+    logits: float = 0.0  # of the float32 logits
+    head_weights: float = 0.0  # of the output head's weights (a tied head's transpose)
+    heads: float = 1.0  # the scores' heads per head `Attention` counts (which guesses flattened ones)
+    top_k: int = 0  # experts each token's rows go to in the MoE blocks (0: none seen)
+    traced: bool = False  # read from the code (False: a plain transformer's assumed)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ModelRoles:
-    width: int                          # residual-stream width
+    width: int  # residual-stream width
     roles: dict[str, Role]
-    order: tuple[str, ...]              # parameter paths in definition order
-    layers: str | None                  # top-level attribute holding the repeated layers, if any
+    order: tuple[str, ...]  # parameter paths in definition order
+    layers: str | None  # top-level attribute holding the repeated layers, if any
     layer_count: int
     attention: tuple[Attention, ...]
-    after_layers: frozenset[str]        # parameters defined after the repeated layers (the 1F1B head)
+    after_layers: frozenset[str]  # parameters defined after the repeated layers (the 1F1B head)
     tied: frozenset[str] = frozenset()  # embeddings that are also the output head (no head matrix of its own)
-    code: CodeCopies = CodeCopies()     # read from the model's code, not its parameters (default: a plain one's)
+    code: CodeCopies = CodeCopies()  # read from the model's code, not its parameters (default: a plain one's)
 
     @property
     def modules(self) -> list[str]:
@@ -88,6 +88,7 @@ def definition_order(module) -> list[str]:
     (The state of an abstract model from `nnx.eval_shape` is sorted by name instead.)
     """
     from flax import nnx
+
     paths: list[str] = []
 
     def walk(node, prefix: str) -> None:
@@ -160,7 +161,7 @@ def recognise(params: list[ParamInfo], order: list[str] | None = None) -> ModelR
     # A square matrix closes a group only as the last matrix among its siblings (wq, wk, wv, wo).
     last_sibling = {_parent(_parent(path)): path for path in matrices}
     roles: dict[str, Role] = {}
-    open_group: list[str] = []              # column matrices waiting for their row matrix
+    open_group: list[str] = []  # column matrices waiting for their row matrix
     open_parent = None
     groups = 0
     for path in order:
@@ -193,7 +194,7 @@ def recognise(params: list[ParamInfo], order: list[str] | None = None) -> ModelR
         else:
             kind, group = MATMUL, None
         roles[path] = Role(path, kind, in_dims, out_dims, group=group)
-    owners: dict[str, list[str]] = {}       # a module's matrices, in definition order
+    owners: dict[str, list[str]] = {}  # a module's matrices, in definition order
     for other, role in roles.items():
         if role.kind in (COLUMN, ROW, MATMUL):
             owners.setdefault(_parent(other), []).append(other)
@@ -210,14 +211,18 @@ def recognise(params: list[ParamInfo], order: list[str] | None = None) -> ModelR
     # A language model without a head matrix (a column matrix that no row matrix closes) computes its
     # logits from its embedding: the embedding is used twice, and its gradient reduced twice.
     has_head = any(r.kind == COLUMN and not r.closes for r in roles.values())
-    tied = frozenset() if has_head else frozenset(p for p, r in roles.items() if r.kind == EMBEDDING and
-                                                  by_path[p].shape[0] > width)
+    tied = (
+        frozenset()
+        if has_head
+        else frozenset(p for p, r in roles.items() if r.kind == EMBEDDING and by_path[p].shape[0] > width)
+    )
     return ModelRoles(width, roles, tuple(order), layers, layer_count, attention, _after(order, layers), tied)
 
 
 def recognise_module(module) -> ModelRoles:
     """`recognise` for a live module (its definition order is still there)."""
     from shardplan.checks.paths import param_infos
+
     return recognise(param_infos(module), definition_order(module))
 
 
@@ -230,7 +235,7 @@ def _after(order: list[str], layers: str | None) -> frozenset[str]:
     if layers is None:
         return frozenset()
     last = max((i for i, path in enumerate(order) if _layer_index(layers, path) is not None), default=len(order))
-    return frozenset(order[last + 1:])
+    return frozenset(order[last + 1 :])
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -252,8 +257,9 @@ def _layer_prefix(path: str, layers: str | None) -> str:
     return found.group(1) if found else ""
 
 
-def _bias_owner(path: str, info: ParamInfo, roles: dict[str, Role], by_path: dict[str, ParamInfo],
-                siblings: list[str]) -> str | None:
+def _bias_owner(
+    path: str, info: ParamInfo, roles: dict[str, Role], by_path: dict[str, ParamInfo], siblings: list[str]
+) -> str | None:
     """The matrix in the same module (`siblings`) whose output dims this parameter's shape equals."""
     for other in siblings:
         if tuple(by_path[other].shape[d] for d in roles[other].out_dims) == info.shape:
@@ -271,8 +277,12 @@ def _repeated_layers(order: list[str], by_path: dict[str, ParamInfo]) -> tuple[s
     best, count = None, 0
     for name, children in structure.items():
         shapes = list(children.values())
-        if len(children) >= 2 and sorted(children) == list(range(len(children))) and \
-                all(s == shapes[0] for s in shapes) and len(children) > count:
+        if (
+            len(children) >= 2
+            and sorted(children) == list(range(len(children)))
+            and all(s == shapes[0] for s in shapes)
+            and len(children) > count
+        ):
             best, count = name, len(children)
     return best, count
 

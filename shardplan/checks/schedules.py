@@ -18,9 +18,9 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Work:
-    kind: str          # "F", "B", "W" (zero-bubble: B the input gradient, W the weight gradients), "R" (zb-v)
+    kind: str  # "F", "B", "W" (zero-bubble: B the input gradient, W the weight gradients), "R" (zb-v)
     microbatch: int
-    chunk: int = 0     # which of the device's chunks (interleaved); 0 otherwise
+    chunk: int = 0  # which of the device's chunks (interleaved); 0 otherwise
 
 
 def on_tables(schedule: str | None, sequence_split: bool = False) -> bool:
@@ -68,7 +68,7 @@ def timeline(schedule: str, stages: int, microbatches: int, virtual: int = 1) ->
             for s in range(stages):
                 t = forward_tick(s, m, repeat, microbatches)
                 grid[t][s].append(Work("F", m, repeat))
-                grid[2 * forward_ticks - 1 - t][s].append(Work("B", m, repeat))   # the mirrored backward
+                grid[2 * forward_ticks - 1 - t][s].append(Work("B", m, repeat))  # the mirrored backward
     return grid
 
 
@@ -114,13 +114,13 @@ class OneFOneB:
     microbatches: int
     virtual: int
     ticks: int
-    forward: tuple          # [stage][tick] -> (microbatch, chunk) or None
+    forward: tuple  # [stage][tick] -> (microbatch, chunk) or None
     backward: tuple
-    forward_slot: tuple     # [stage][tick] -> stash slot of that forward's input (0 when idle)
+    forward_slot: tuple  # [stage][tick] -> stash slot of that forward's input (0 when idle)
     backward_slot: tuple
-    slots: int              # stash slots a stage needs: most forwards in flight at once
-    head_waits: bool = False    # the last stage's backward of a microbatch comes after its forward's tick
-    loops: bool = False         # chunk to chunk, activations and gradients wait in a buffer (circular)
+    slots: int  # stash slots a stage needs: most forwards in flight at once
+    head_waits: bool = False  # the last stage's backward of a microbatch comes after its forward's tick
+    loops: bool = False  # chunk to chunk, activations and gradients wait in a buffer (circular)
 
     @staticmethod
     @functools.lru_cache(maxsize=64)
@@ -148,7 +148,7 @@ class OneFOneB:
             for j, work in enumerate(backward_order):
                 ends[work] = j + offset - s
                 b_row[ends[work]] = work
-            free, busy = [], []          # slots by the tick they are freed
+            free, busy = [], []  # slots by the tick they are freed
             for i, work in enumerate(order):
                 start = i + s
                 f_row[start] = work
@@ -158,7 +158,7 @@ class OneFOneB:
                 if free:
                     slot = min(free)
                     free.remove(slot)
-                else:           # every slot so far is busy: a new one
+                else:  # every slot so far is busy: a new one
                     slot = len(busy)
                 busy.append((ends[work], slot))
                 fs_row[start], bs_row[ends[work]] = slot, slot
@@ -169,8 +169,19 @@ class OneFOneB:
             b_slot.append(tuple(bs_row))
         last = forward[S - 1]
         waits = any(work is not None and work[1] == V - 1 and backward[S - 1][t] != work for t, work in enumerate(last))
-        return OneFOneB(S, M, V, ticks, tuple(forward), tuple(backward), tuple(f_slot), tuple(b_slot), most, waits,
-                        schedule == "interleaved" and V > 1)
+        return OneFOneB(
+            S,
+            M,
+            V,
+            ticks,
+            tuple(forward),
+            tuple(backward),
+            tuple(f_slot),
+            tuple(b_slot),
+            most,
+            waits,
+            schedule == "interleaved" and V > 1,
+        )
 
     def looped(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Per tick, the microbatch whose activation arrives at the first stage from the last for its next
@@ -206,15 +217,15 @@ class ZeroBubble:
     stages: int
     microbatches: int
     ticks: int
-    op: tuple           # [stage][tick] -> 0 idle, 1 F, 2 B, 3 W
-    micro: tuple        # [stage][tick] -> microbatch (0 when idle)
-    keep: tuple         # [stage][tick] -> slot of `keep` (F writes, B writes what W reads, W reads)
-    until_b: tuple      # [stage][tick] -> slot of `until_b` (F writes, B reads)
-    inbox: tuple        # [stage][tick] -> slot F reads its input from
-    cot: tuple          # [stage][tick] -> slot B reads its output gradient from (last stage: F writes it)
-    take_in: tuple      # [stage][tick] -> slot of `inbox` the activation arriving now goes to, -1
-    take_cot: tuple     # [stage][tick] -> slot of `cot` the gradient arriving now goes to, -1
-    slots: tuple        # (keep, until_b, inbox, cot) slot counts, most over stages
+    op: tuple  # [stage][tick] -> 0 idle, 1 F, 2 B, 3 W
+    micro: tuple  # [stage][tick] -> microbatch (0 when idle)
+    keep: tuple  # [stage][tick] -> slot of `keep` (F writes, B writes what W reads, W reads)
+    until_b: tuple  # [stage][tick] -> slot of `until_b` (F writes, B reads)
+    inbox: tuple  # [stage][tick] -> slot F reads its input from
+    cot: tuple  # [stage][tick] -> slot B reads its output gradient from (last stage: F writes it)
+    take_in: tuple  # [stage][tick] -> slot of `inbox` the activation arriving now goes to, -1
+    take_cot: tuple  # [stage][tick] -> slot of `cot` the gradient arriving now goes to, -1
+    slots: tuple  # (keep, until_b, inbox, cot) slot counts, most over stages
 
     @staticmethod
     @functools.lru_cache(maxsize=64)
@@ -258,12 +269,14 @@ class ZeroBubble:
         tables = {name: [[-1 if name.startswith("take") else 0] * ticks for _ in range(S)] for name in names}
         counts = [0, 0, 0, 0]
         for s in range(S):
-            spans = {   # buffer -> [(start, end, microbatch)]: written at start, last read at end
+            spans = {  # buffer -> [(start, end, microbatch)]: written at start, last read at end
                 "keep": [(done[("F", s, m)], done[("W", s, m)], m) for m in range(M)],
                 "until_b": [(done[("F", s, m)], done[("B", s, m)], m) for m in range(M)],
                 "inbox": [(done[("F", s - 1, m)] + 1, done[("F", s, m)], m) for m in range(M)] if s else [],
-                "cot": [(done[("B", s + 1, m)] + 1 if s < S - 1 else done[("F", s, m)], done[("B", s, m)], m)
-                        for m in range(M)],
+                "cot": [
+                    (done[("B", s + 1, m)] + 1 if s < S - 1 else done[("F", s, m)], done[("B", s, m)], m)
+                    for m in range(M)
+                ],
             }
             for k, (name, found) in enumerate(spans.items()):
                 slot_of = _allocate(found)
@@ -277,7 +290,7 @@ class ZeroBubble:
                         tables["take_in"][s][start], tables["inbox"][s][end] = slot_of[m], slot_of[m]
                     elif s < S - 1:
                         tables["take_cot"][s][start], tables["cot"][s][end] = slot_of[m], slot_of[m]
-                    else:           # the last stage's forward writes the loss gradient itself
+                    else:  # the last stage's forward writes the loss gradient itself
                         tables["cot"][s][start], tables["cot"][s][end] = slot_of[m], slot_of[m]
         op = tuple(tuple(0 if w is None else " FBW".index(w[0]) for w in row) for row in rows)
         micro = tuple(tuple(0 if w is None else w[1] for w in row) for row in rows)
@@ -285,8 +298,10 @@ class ZeroBubble:
         return ZeroBubble(S, M, ticks, op, micro, slots=tuple(counts), **frozen)
 
     def grid(self) -> list[list[list[Work]]]:
-        return [[[Work(" FBW"[self.op[s][t]], self.micro[s][t])] if self.op[s][t] else [] for s in range(self.stages)]
-                for t in range(self.ticks)]
+        return [
+            [[Work(" FBW"[self.op[s][t]], self.micro[s][t])] if self.op[s][t] else [] for s in range(self.stages)]
+            for t in range(self.ticks)
+        ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,22 +342,22 @@ class ZeroBubbleV:
     stages: int
     microbatches: int
     ticks: int
-    op: tuple           # [device][tick] -> 0 idle, 1 F, 2 R, 3 B, 4 W
-    chunk: tuple        # [device][tick] -> 0 or 1
-    micro: tuple        # [device][tick] -> microbatch (0 when idle)
-    read: tuple         # [device][tick] -> box slot F reads its input from / B its output gradient from
-    stash: tuple        # [device][tick] -> stash slot F writes, R reads
-    keep: tuple         # [device][tick] -> keep slot R writes, B and W read
-    until_b: tuple      # [device][tick] -> until_b slot R writes, B reads
-    crossed: tuple      # [device][tick] -> crossed slot B writes, W reads
-    loss_to: tuple      # [device][tick] -> box slot device 0's chunk-1 forward writes the loss gradient to
-    take_up: tuple      # [device][tick] -> box slot of the arrival from the device below, -1
-    take_down: tuple    # [device][tick] -> box slot of the arrival from the device above, -1
-    take_local: tuple   # [device][tick] -> box slot of the device's own output of the tick before, -1
-    slots: tuple        # (box, stash, keep, until_b, crossed) slot counts, most over devices
+    op: tuple  # [device][tick] -> 0 idle, 1 F, 2 R, 3 B, 4 W
+    chunk: tuple  # [device][tick] -> 0 or 1
+    micro: tuple  # [device][tick] -> microbatch (0 when idle)
+    read: tuple  # [device][tick] -> box slot F reads its input from / B its output gradient from
+    stash: tuple  # [device][tick] -> stash slot F writes, R reads
+    keep: tuple  # [device][tick] -> keep slot R writes, B and W read
+    until_b: tuple  # [device][tick] -> until_b slot R writes, B reads
+    crossed: tuple  # [device][tick] -> crossed slot B writes, W reads
+    loss_to: tuple  # [device][tick] -> box slot device 0's chunk-1 forward writes the loss gradient to
+    take_up: tuple  # [device][tick] -> box slot of the arrival from the device below, -1
+    take_down: tuple  # [device][tick] -> box slot of the arrival from the device above, -1
+    take_local: tuple  # [device][tick] -> box slot of the device's own output of the tick before, -1
+    slots: tuple  # (box, stash, keep, until_b, crossed) slot counts, most over devices
 
-    FOR_B = 1           # sets a device holds from R until B
-    FOR_W = 1           # and from B until W (2: 1.4x the memory of 1F1B on benchmarks/pipeline.py, for 2% fewer ticks)
+    FOR_B = 1  # sets a device holds from R until B
+    FOR_W = 1  # and from B until W (2: 1.4x the memory of 1F1B on benchmarks/pipeline.py, for 2% fewer ticks)
 
     @staticmethod
     @functools.lru_cache(maxsize=64)
@@ -355,8 +370,20 @@ class ZeroBubbleV:
 
     @staticmethod
     def _with_slots(S, M, ticks, done) -> "ZeroBubbleV":
-        names = ("op", "chunk", "micro", "read", "stash", "keep", "until_b", "crossed", "loss_to", "take_up",
-                 "take_down", "take_local")
+        names = (
+            "op",
+            "chunk",
+            "micro",
+            "read",
+            "stash",
+            "keep",
+            "until_b",
+            "crossed",
+            "loss_to",
+            "take_up",
+            "take_down",
+            "take_local",
+        )
         empty = {name: -1 if name in ("loss_to", "take_up", "take_down", "take_local") else 0 for name in names}
         tables = {name: [[empty[name]] * ticks for _ in range(S)] for name in names}
         for (kind, k, m), t in done.items():
@@ -364,7 +391,7 @@ class ZeroBubbleV:
             tables["op"][d][t], tables["chunk"][d][t], tables["micro"][d][t] = " FRBW".index(kind), c, m
         counts = [0] * 5
         for d in range(S):
-            spans: dict = {"box": [], "stash": [], "keep": [], "until_b": [], "crossed": []}   # (start, end, id)
+            spans: dict = {"box": [], "stash": [], "keep": [], "until_b": [], "crossed": []}  # (start, end, id)
             arrivals = {}
             for k in (d, 2 * S - 1 - d):
                 for m in range(M):
@@ -373,20 +400,20 @@ class ZeroBubbleV:
                     spans["keep"].append((r, w, (k, m)))
                     spans["until_b"].append((r, b, (k, m)))
                     spans["crossed"].append((b, w, (k, m)))
-                    if k > 0:                   # the input, from chunk k - 1
+                    if k > 0:  # the input, from chunk k - 1
                         spans["box"].append((done[("F", k - 1, m)] + 1, f, ("F", k, m)))
                         arrivals[("F", k, m)] = chunk_stage(k - 1, S, v_shape=True)
-                    if k < 2 * S - 1:           # the output gradient, from chunk k + 1's B
+                    if k < 2 * S - 1:  # the output gradient, from chunk k + 1's B
                         spans["box"].append((done[("B", k + 1, m)] + 1, b, ("B", k, m)))
                         arrivals[("B", k, m)] = chunk_stage(k + 1, S, v_shape=True)
-                    else:                       # the loss gradient, written by the forward itself
+                    else:  # the loss gradient, written by the forward itself
                         spans["box"].append((f, b, ("B", k, m)))
             for n, (name, found) in enumerate(spans.items()):
                 slot_of = _allocate(found)
                 counts[n] = max(counts[n], max(slot_of.values(), default=-1) + 1)
                 for start, end, key in found:
                     slot = slot_of[key]
-                    if name != "box":           # (written at start, read at end; B reads R's `keep` too)
+                    if name != "box":  # (written at start, read at end; B reads R's `keep` too)
                         tables[name][d][start] = tables[name][d][end] = slot
                         if name == "keep":
                             tables[name][d][done[("B", *key)]] = slot
@@ -402,8 +429,13 @@ class ZeroBubbleV:
         return ZeroBubbleV(S, M, ticks, slots=tuple(counts), **frozen)
 
     def grid(self) -> list[list[list[Work]]]:
-        return [[[Work(" FRBW"[self.op[d][t]], self.micro[d][t], self.chunk[d][t])] if self.op[d][t] else []
-                 for d in range(self.stages)] for t in range(self.ticks)]
+        return [
+            [
+                [Work(" FRBW"[self.op[d][t]], self.micro[d][t], self.chunk[d][t])] if self.op[d][t] else []
+                for d in range(self.stages)
+            ]
+            for t in range(self.ticks)
+        ]
 
 
 def chunk_stage(chunk: int, stages: int, v_shape: bool = False) -> int:
@@ -419,8 +451,14 @@ def chunk_stage(chunk: int, stages: int, v_shape: bool = False) -> int:
 # (forwards kept per device, as a multiple of S; forwards by microbatch first or by later chunk first;
 # a W before an F whenever one is due): together, the best of 32 such orders on every (S, M) of
 # 1..8 x 1..32 tried, within 1% (one order alone was up to 6% longer)
-_POLICIES = ((1, "microbatch", False), (2, "microbatch", False), (3, "chunk", True), (3, "microbatch", True),
-             (4, "microbatch", False), (4, "chunk", False))
+_POLICIES = (
+    (1, "microbatch", False),
+    (2, "microbatch", False),
+    (3, "chunk", True),
+    (3, "microbatch", True),
+    (4, "microbatch", False),
+    (4, "chunk", False),
+)
 
 
 def _v_greedy(S: int, M: int, forwards: int, first: str, w_first: bool) -> tuple[int, dict]:
@@ -428,7 +466,7 @@ def _v_greedy(S: int, M: int, forwards: int, first: str, w_first: bool) -> tuple
     where it deadlocks."""
     done: dict = {}
     next_of = {(kind, k): 0 for kind in "FRBW" for k in range(2 * S)}
-    stashed, for_b, for_w = [0] * S, [0] * S, [0] * S     # inputs kept; sets held for B, for W
+    stashed, for_b, for_w = [0] * S, [0] * S, [0] * S  # inputs kept; sets held for B, for W
     t = 0
     total = 8 * S * M
 
@@ -443,7 +481,7 @@ def _v_greedy(S: int, M: int, forwards: int, first: str, w_first: bool) -> tuple
                 continue
             if kind == "F":
                 ok = k == 0 or before(("F", k - 1, m))
-            elif kind == "R":       # once the gradient has arrived: R then B (R earlier holds more for B)
+            elif kind == "R":  # once the gradient has arrived: R then B (R earlier holds more for B)
                 ok = before(("F", k, m)) and (k == 2 * S - 1 or before(("B", k + 1, m)))
             elif kind == "B":
                 ok = before(("R", k, m))
@@ -462,7 +500,7 @@ def _v_greedy(S: int, M: int, forwards: int, first: str, w_first: bool) -> tuple
             r = r if for_b[d] < ZeroBubbleV.FOR_B else []
             order = (b, r, w, f) if w_first or for_w[d] >= ZeroBubbleV.FOR_W else (b, r, f, w)
             now.append(next((found[0] for found in order if found), None))
-        if not any(now):        # nothing ran, so nothing more can: the kept forwards wait on each other
+        if not any(now):  # nothing ran, so nothing more can: the kept forwards wait on each other
             return math.inf, {}
         for d, work in enumerate(now):
             if work is not None:
@@ -479,7 +517,7 @@ def _ready(work, s: int, S: int, t: int, done: dict) -> bool:
     """Whether `work` of stage s may run at tick t: what it reads was made on an earlier tick (a
     neighbour's output arrives one tick after it was sent)."""
     kind, m = work
-    before = lambda key: key in done and done[key] < t          # noqa: E731
+    before = lambda key: key in done and done[key] < t  # noqa: E731
     if kind == "F":
         return s == 0 or before(("F", s - 1, m))
     if kind == "B":
@@ -490,7 +528,7 @@ def _ready(work, s: int, S: int, t: int, done: dict) -> bool:
 def _allocate(spans: list[tuple]) -> dict:
     """Microbatch (or any key) -> slot for buffers held over [start, end] (inclusive): a slot is reused once its
     last read is on an earlier tick than the next write."""
-    slot_of, busy = {}, []      # (end, slot)
+    slot_of, busy = {}, []  # (end, slot)
     free: list[int] = []
     for start, end, m in sorted(spans):
         for held in sorted(busy):
@@ -514,6 +552,7 @@ def bubble_fraction(grid: list[list[list[Work]]], backward_cost: float = 2.0) ->
 
     def cost(works):
         return sum(costs[w.kind] for w in works)
+
     total = sum(max(cost(cell) for cell in tick) for tick in grid) * len(grid[0])
     busy = sum(cost(cell) for tick in grid for cell in tick)
     return 1.0 - busy / total if total else 0.0
@@ -554,13 +593,17 @@ def render_timeline(grid: list[list[list[Work]]], *, width: int = 120) -> str:
     for s in range(len(grid[0])):
         row = []
         for tick in grid:
-            row.append("+".join(f"{w.kind if w.kind == 'F' else w.kind.lower()}{w.microbatch}" +
-                                (f"'{w.chunk}" if w.chunk else "")
-                                for w in tick[s]) or ".")
+            row.append(
+                "+".join(
+                    f"{w.kind if w.kind == 'F' else w.kind.lower()}{w.microbatch}" + (f"'{w.chunk}" if w.chunk else "")
+                    for w in tick[s]
+                )
+                or "."
+            )
         cells.append(row)
     size = max(len(c) for row in cells for c in row)
     lines = [f"stage {s}: " + " ".join(c.rjust(size) for c in row) for s, row in enumerate(cells)]
     if len(lines[0]) > width:
         keep = (width - 12) // (size + 1)
-        lines = [line[:9 + keep * (size + 1)] + " ..." for line in lines]
+        lines = [line[: 9 + keep * (size + 1)] + " ..." for line in lines]
     return "\n".join(lines)

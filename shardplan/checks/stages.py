@@ -24,12 +24,12 @@ class StageMap:
     stage_of: tuple[int, ...]
     stages: int
     virtual: int
-    v_shape: bool = False       # zb-v: chunk c < S on stage c, chunk c >= S on stage 2S - 1 - c
+    v_shape: bool = False  # zb-v: chunk c < S on stage c, chunk c >= S on stage 2S - 1 - c
 
     @property
     def counts(self) -> tuple[int, ...]:
         """Layers per stage."""
-        found = Counter(self.stage_of)       # (auto asks for it of thousands of candidates)
+        found = Counter(self.stage_of)  # (auto asks for it of thousands of candidates)
         return tuple(found[s] for s in range(self.stages))
 
     @property
@@ -70,7 +70,7 @@ def layer_lists(params: list[ParamInfo]) -> list[str]:
     found: dict[str, None] = {}
     for p in params:
         for m in re.finditer(r"/\d+/", p.path):
-            found.setdefault(p.path[:m.start()], None)
+            found.setdefault(p.path[: m.start()], None)
     return list(found)
 
 
@@ -81,7 +81,7 @@ def _layer_lists_hint(pipe, params: list[ParamInfo]) -> str:
     if not lists:
         return "this model has no list of numbered layers with parameters to pipeline"
     closest = difflib.get_close_matches(pipe.layers, lists, n=4, cutoff=0.3)
-    shown = closest + [path for path in lists if path not in closest][:max(0, 4 - len(closest))]
+    shown = closest + [path for path in lists if path not in closest][: max(0, 4 - len(closest))]
     return f"name the path of the list that holds the repeated layers: this model has {', '.join(shown)}"
 
 
@@ -91,52 +91,79 @@ def _no_layers(pipe, params: list[ParamInfo]) -> str:
     inside = [p for p in params if p.path.startswith(pipe.layers + "/")]
     leading = {p.shape[0] if p.shape else None for p in inside}
     if inside and len(leading) == 1 and None not in leading:
-        return (f"pipeline.layers {pipe.layers!r} is one stacked module: its {len(inside)} parameters share a "
-                f"leading dimension of {leading.pop()} layers (as nnx.vmap or nnx.scan build them, e.g. "
-                f"{inside[0].path} {tuple(inside[0].shape)}); shardplan.check and apply_plan pipeline it as the list "
-                f"it stands for (parameter paths {pipe.layers}/0/...), but these parameters were read "
-                "without the model")
-    return (f"pipeline.layers {pipe.layers!r} requires a list of layers with parameters at that path (parameter "
-            f"paths {pipe.layers}/0/...), but no parameter path has that form")
+        return (
+            f"pipeline.layers {pipe.layers!r} is one stacked module: its {len(inside)} parameters share a "
+            f"leading dimension of {leading.pop()} layers (as nnx.vmap or nnx.scan build them, e.g. "
+            f"{inside[0].path} {tuple(inside[0].shape)}); shardplan.check and apply_plan pipeline it as the list "
+            f"it stands for (parameter paths {pipe.layers}/0/...), but these parameters were read "
+            "without the model"
+        )
+    return (
+        f"pipeline.layers {pipe.layers!r} requires a list of layers with parameters at that path (parameter "
+        f"paths {pipe.layers}/0/...), but no parameter path has that form"
+    )
 
 
-def plan_stages(plan: Plan, params: list[ParamInfo], sizes: dict[str, int],
-                specs: dict[str, tuple]) -> tuple[StageMap | None, list[Diagnostic]]:
+def plan_stages(
+    plan: Plan, params: list[ParamInfo], sizes: dict[str, int], specs: dict[str, tuple]
+) -> tuple[StageMap | None, list[Diagnostic]]:
     """Assign every layer to a stage and check the pipeline section (`specs`: the planned parameter specs)."""
     pipe = plan.pipeline
     if pipe is None:
         return None, []
     where = _locator(plan)
     if pipe.axis not in sizes:
-        return None, [where("pipeline-no-axis", ("pipeline", "axis"),
-                            f"pipeline.axis {pipe.axis!r} requires a mesh axis of that name, but the mesh has "
-                            f"{list(sizes)}", hint=f"add {pipe.axis}: N to mesh.axes (e.g. {{{pipe.axis}: 2, ...}})")]
+        return None, [
+            where(
+                "pipeline-no-axis",
+                ("pipeline", "axis"),
+                f"pipeline.axis {pipe.axis!r} requires a mesh axis of that name, but the mesh has {list(sizes)}",
+                hint=f"add {pipe.axis}: N to mesh.axes (e.g. {{{pipe.axis}: 2, ...}})",
+            )
+        ]
     layers = layer_params(pipe.layers, params)
     if not layers:
         stacked = _no_layers(pipe, params)
-        hint = ("check the plan against the model itself (shardplan.check(plan, model), shardplan check --model), "
-                "or build the layers as a list the forward loops over"
-                if "one stacked module" in stacked else _layer_lists_hint(pipe, params))
+        hint = (
+            "check the plan against the model itself (shardplan.check(plan, model), shardplan check --model), "
+            "or build the layers as a list the forward loops over"
+            if "one stacked module" in stacked
+            else _layer_lists_hint(pipe, params)
+        )
         return None, [where("pipeline-no-layers", ("pipeline", "layers"), stacked, hint=hint)]
     stages = sizes[pipe.axis]
     virtual = 2 if pipe.schedule == "zb-v" else pipe.virtual_stages if pipe.schedule in ("interleaved", "1f1b") else 1
     found = _axis_in_layer_specs(plan, pipe.axis, specs, where) + _layers_differ(pipe.layers, layers, specs, where)
     if pipe.schedule == "1f1b" and virtual > 1 and pipe.microbatches % stages:
-        found.append(where("pipeline-microbatches", ("pipeline", "microbatches"),
-                           f"interleaved 1F1B (1f1b with virtual_stages {virtual}) runs microbatches in groups of "
-                           f"the stages ({stages}), but got {pipe.microbatches} microbatches",
-                           hint=f"set microbatches to a multiple of {stages}"))
-    if pipe.schedule == "interleaved" and virtual > 1 and pipe.microbatches < stages:     # (whatever the batch)
-        found.append(where("pipeline-microbatches", ("pipeline", "microbatches"),
-                           f"interleaved needs at least as many microbatches as stages ({stages}), but got "
-                           f"{pipe.microbatches}", hint=f"set microbatches: {stages} or more"))
+        found.append(
+            where(
+                "pipeline-microbatches",
+                ("pipeline", "microbatches"),
+                f"interleaved 1F1B (1f1b with virtual_stages {virtual}) runs microbatches in groups of "
+                f"the stages ({stages}), but got {pipe.microbatches} microbatches",
+                hint=f"set microbatches to a multiple of {stages}",
+            )
+        )
+    if pipe.schedule == "interleaved" and virtual > 1 and pipe.microbatches < stages:  # (whatever the batch)
+        found.append(
+            where(
+                "pipeline-microbatches",
+                ("pipeline", "microbatches"),
+                f"interleaved needs at least as many microbatches as stages ({stages}), but got {pipe.microbatches}",
+                hint=f"set microbatches: {stages} or more",
+            )
+        )
     if pipe.schedule in ("zb-h1", "zb-v") and plan.context is not None and sizes.get(plan.context.axis, 1) > 1:
-        found.append(where("pipeline-schedule-context", ("pipeline", "schedule"),
-                           f"{pipe.schedule} runs its stages' parts in branches, one per device and tick, but the sequence is "
-                           f"split over the context axis {plan.context.axis!r} ({sizes[plan.context.axis]} devices), "
-                           "whose collectives every device must join on every tick",
-                           hint="use schedule 1f1b (its stages then run every part on every tick), or drop the "
-                                "context split"))
+        found.append(
+            where(
+                "pipeline-schedule-context",
+                ("pipeline", "schedule"),
+                f"{pipe.schedule} runs its stages' parts in branches, one per device and tick, but the sequence is "
+                f"split over the context axis {plan.context.axis!r} ({sizes[plan.context.axis]} devices), "
+                "whose collectives every device must join on every tick",
+                hint="use schedule 1f1b (its stages then run every part on every tick), or drop the context split",
+            )
+        )
     stage_of, assign_found = _assign(plan, sorted(layers), stages, virtual, where)
     found += assign_found
     if stage_of is None:
@@ -151,6 +178,7 @@ def _locator(plan: Plan):
     def where(code, keys, message, hint=None, path=None, severity="error"):
         line, col = plan.locate(*keys)
         return Diagnostic(code, severity, message, file=plan.file, line=line, column=col, hint=hint, path=path)
+
     return where
 
 
@@ -160,15 +188,22 @@ def _axis_in_layer_specs(plan, axis, specs, where) -> list[Diagnostic]:
     state at rest, and the step gathers them over the stages (docs/pipelines.md, "The code around the
     layers")."""
     prefix = plan.pipeline.layers + "/"
-    used = [path for path, spec in specs.items()
-            if path.startswith(prefix) and any(axis in (entry or ()) for entry in spec)]
+    used = [
+        path for path, spec in specs.items() if path.startswith(prefix) and any(axis in (entry or ()) for entry in spec)
+    ]
     if not used:
         return _stage_axis_not_last(axis, specs, where)
-    return [where("pipeline-axis-in-spec", ("params",),
-                  f"layer parameter {used[0]} (and {len(used) - 1} more) is sharded over the stage axis {axis!r}, "
-                  "which the pipeline uses to place the layers on stages", path=used[0],
-                  hint=f"remove {axis!r} from the layers' specs (the parameters around the layers — embedding, "
-                       "head — may use it)")]
+    return [
+        where(
+            "pipeline-axis-in-spec",
+            ("params",),
+            f"layer parameter {used[0]} (and {len(used) - 1} more) is sharded over the stage axis {axis!r}, "
+            "which the pipeline uses to place the layers on stages",
+            path=used[0],
+            hint=f"remove {axis!r} from the layers' specs (the parameters around the layers — embedding, "
+            "head — may use it)",
+        )
+    ]
 
 
 def _stage_axis_not_last(axis, specs, where) -> list[Diagnostic]:
@@ -177,19 +212,27 @@ def _stage_axis_not_last(axis, specs, where) -> list[Diagnostic]:
     Before another axis, a device's piece of the gathered dim lies on other devices' stage groups, and
     XLA gathers the whole dim over every axis and slices it (measured on minigpt_3d's embedding and head,
     [[stage, model]] against [[model, stage]]: 6x the all-gather bytes, the peak 74.4 MB against 47.1)."""
-    first = [(path, entry) for path, spec in specs.items() for entry in spec
-             if entry and axis in entry and entry[-1] != axis]
+    first = [
+        (path, entry) for path, spec in specs.items() for entry in spec if entry and axis in entry and entry[-1] != axis
+    ]
     if not first:
         return []
     path, entry = first[0]
     better = [a for a in entry if a != axis] + [axis]
-    return [where("pipeline-axis-order", ("params",),
-                  f"{path} splits one dim over {list(entry)}, the stage axis {axis!r} before {entry[-1]!r}"
-                  + (f" (and {len(first) - 1} more such)" if len(first) > 1 else "") +
-                  ": the step gathers it over the stages, which "
-                  "with the stage axis last is one all-gather per stage group; this order makes XLA gather the "
-                  "whole dim over every axis", path=path, severity="warning",
-                  hint=f"write {better} (the stage axis last)")]
+    return [
+        where(
+            "pipeline-axis-order",
+            ("params",),
+            f"{path} splits one dim over {list(entry)}, the stage axis {axis!r} before {entry[-1]!r}"
+            + (f" (and {len(first) - 1} more such)" if len(first) > 1 else "")
+            + ": the step gathers it over the stages, which "
+            "with the stage axis last is one all-gather per stage group; this order makes XLA gather the "
+            "whole dim over every axis",
+            path=path,
+            severity="warning",
+            hint=f"write {better} (the stage axis last)",
+        )
+    ]
 
 
 def _layers_differ(layers_name, layers, specs, where) -> list[Diagnostic]:
@@ -198,20 +241,38 @@ def _layers_differ(layers_name, layers, specs, where) -> list[Diagnostic]:
     for index, params in layers.items():
         if set(params) != set(first):
             extra = sorted(set(params) ^ set(first))[0]
-            return [where("stage-layers-differ", ("pipeline", "layers"),
-                          f"layers must have the same parameters to be stacked, but {layers_name}/{index} and "
-                          f"{layers_name}/{first_index} differ at {extra!r}", path=f"{layers_name}/{index}/{extra}")]
+            return [
+                where(
+                    "stage-layers-differ",
+                    ("pipeline", "layers"),
+                    f"layers must have the same parameters to be stacked, but {layers_name}/{index} and "
+                    f"{layers_name}/{first_index} differ at {extra!r}",
+                    path=f"{layers_name}/{index}/{extra}",
+                )
+            ]
         for rel, info in params.items():
             ref = first[rel]
             if info.shape != ref.shape or info.dtype != ref.dtype:
-                return [where("stage-layers-differ", ("pipeline", "layers"),
-                              f"layers must be identically shaped to be stacked, but {info.path} is {info.shape} "
-                              f"{info.dtype} and {ref.path} is {ref.shape} {ref.dtype}", path=info.path)]
+                return [
+                    where(
+                        "stage-layers-differ",
+                        ("pipeline", "layers"),
+                        f"layers must be identically shaped to be stacked, but {info.path} is {info.shape} "
+                        f"{info.dtype} and {ref.path} is {ref.shape} {ref.dtype}",
+                        path=info.path,
+                    )
+                ]
             if specs.get(info.path) != specs.get(ref.path):
-                return [where("stage-layers-differ", ("pipeline", "layers"),
-                              f"stacked layers share one spec per parameter, but {info.path} and {ref.path} get "
-                              "different specs from the rules", path=info.path,
-                              hint="give the same rule to every layer (match all indices with \\d+)")]
+                return [
+                    where(
+                        "stage-layers-differ",
+                        ("pipeline", "layers"),
+                        f"stacked layers share one spec per parameter, but {info.path} and {ref.path} get "
+                        "different specs from the rules",
+                        path=info.path,
+                        hint="give the same rule to every layer (match all indices with \\d+)",
+                    )
+                ]
     return []
 
 
@@ -219,16 +280,26 @@ def _assign(plan, indices: list[int], stages: int, virtual: int, where) -> tuple
     pipe = plan.pipeline
     count = len(indices)
     if indices != list(range(count)):
-        return None, [where("pipeline-no-layers", ("pipeline", "layers"),
-                            f"layer indices must run 0..{count - 1}, but got {indices[:8]}")]
+        return None, [
+            where(
+                "pipeline-no-layers",
+                ("pipeline", "layers"),
+                f"layer indices must run 0..{count - 1}, but got {indices[:8]}",
+            )
+        ]
     if count % (stages * virtual) and (virtual > 1 or count < stages):
         need = stages * virtual
         below = count - count % need
-        counts = " or ".join(str(c) for c in (below, below + need) if c)      # (no "4 or 4" below one group)
-        return None, [where("stage-unbalanced", ("pipeline", "stages"),
-                            f"{count} layers cannot be split evenly over {stages} stages x {virtual} chunk(s) = {need}"
-                            + ("" if virtual > 1 else " (every stage needs a layer)"),
-                            hint=f"use a layer count divisible by {need} (e.g. {counts}) or another stage count")]
+        counts = " or ".join(str(c) for c in (below, below + need) if c)  # (no "4 or 4" below one group)
+        return None, [
+            where(
+                "stage-unbalanced",
+                ("pipeline", "stages"),
+                f"{count} layers cannot be split evenly over {stages} stages x {virtual} chunk(s) = {need}"
+                + ("" if virtual > 1 else " (every stage needs a layer)"),
+                hint=f"use a layer count divisible by {need} (e.g. {counts}) or another stage count",
+            )
+        ]
     if pipe.stages == "even":
         if count % stages and virtual == 1:
             return balanced_stages(count, stages), []
@@ -237,8 +308,14 @@ def _assign(plan, indices: list[int], stages: int, virtual: int, where) -> tuple
     compiled = []
     for k, rule in enumerate(pipe.stages):
         line, col = plan.locate("pipeline", "stages", k, "match")
-        pattern, problem = checked_pattern(rule.match, f"stage rule #{k + 1}", invalid_code="stage-invalid-regex",
-                                           file=plan.file, line=line, column=col)
+        pattern, problem = checked_pattern(
+            rule.match,
+            f"stage rule #{k + 1}",
+            invalid_code="stage-invalid-regex",
+            file=plan.file,
+            line=line,
+            column=col,
+        )
         if problem:
             return None, [problem]
         compiled.append((k, pattern, rule.stage))
@@ -247,15 +324,28 @@ def _assign(plan, indices: list[int], stages: int, virtual: int, where) -> tuple
         path = f"{pipe.layers}/{i}"
         hit = next(((k, stage) for k, pattern, stage in compiled if pattern.fullmatch(path)), None)
         if hit is None:
-            found.append(where("stage-unassigned", ("pipeline", "stages"), f"layer {path} matches no stage rule",
-                               path=path, hint=f"add a stage rule whose match covers {path!r}"))
+            found.append(
+                where(
+                    "stage-unassigned",
+                    ("pipeline", "stages"),
+                    f"layer {path} matches no stage rule",
+                    path=path,
+                    hint=f"add a stage rule whose match covers {path!r}",
+                )
+            )
             stage_of.append(0)
             continue
         k, stage = hit
         if stage >= stages:
-            found.append(where("stage-out-of-range", ("pipeline", "stages", k, "stage"),
-                               f"stage rule #{k + 1} puts {path} on stage {stage}, but the {pipe.axis!r} axis has "
-                               f"{stages} stages (0..{stages - 1})", path=path))
+            found.append(
+                where(
+                    "stage-out-of-range",
+                    ("pipeline", "stages", k, "stage"),
+                    f"stage rule #{k + 1} puts {path} on stage {stage}, but the {pipe.axis!r} axis has "
+                    f"{stages} stages (0..{stages - 1})",
+                    path=path,
+                )
+            )
         stage_of.append(stage)
     return (None if found else stage_of), found
 
@@ -288,46 +378,83 @@ def _check_layout(plan, stage_map: StageMap, where, skips_padding: bool) -> list
         fewest = count // stage_map.stages
         even = f"{fewest} layers" if count % stage_map.stages == 0 else f"{fewest} or {fewest + 1} layers"
         if stage_map.virtual > 1 or min(counts) == 0:
-            problem = "an interleaved schedule needs equal chunks" if stage_map.virtual > 1 else "a stage holds no layer"
-            return [where("stage-unbalanced", ("pipeline", "stages"),
-                          f"stages hold unequal numbers of layers {dict(enumerate(counts))}; {problem}",
-                          hint=f"give each stage {even} (or use stages: even)")]
+            problem = (
+                "an interleaved schedule needs equal chunks" if stage_map.virtual > 1 else "a stage holds no layer"
+            )
+            return [
+                where(
+                    "stage-unbalanced",
+                    ("pipeline", "stages"),
+                    f"stages hold unequal numbers of layers {dict(enumerate(counts))}; {problem}",
+                    hint=f"give each stage {even} (or use stages: even)",
+                )
+            ]
         if max(counts) > fewest + (count % stage_map.stages > 0) and not _shorter_at_the_ends(counts):
             # runnable (stages are padded to the largest), but slower than it need be
-            found.append(where("stage-unbalanced", ("pipeline", "stages"),
-                               f"stages hold unequal numbers of layers {dict(enumerate(counts))}; every stage runs "
-                               f"in lockstep, so the largest ({max(counts)} layers) sets the pace where {even} "
-                               "would do", hint=f"give each stage {even} (or use stages: even)", severity="warning"))
+            found.append(
+                where(
+                    "stage-unbalanced",
+                    ("pipeline", "stages"),
+                    f"stages hold unequal numbers of layers {dict(enumerate(counts))}; every stage runs "
+                    f"in lockstep, so the largest ({max(counts)} layers) sets the pace where {even} "
+                    "would do",
+                    hint=f"give each stage {even} (or use stages: even)",
+                    severity="warning",
+                )
+            )
         elif max(counts) > fewest + (count % stage_map.stages > 0) and not skips_padding:
             # the end stages' share of the head and embedding is what a shorter stage makes room for; here it
             # computes its padding slots anyway
-            found.append(where("stage-unbalanced", ("pipeline", "stages"),
-                               f"stages hold unequal numbers of layers {dict(enumerate(counts))} to make room at the "
-                               f"ends, but under this schedule every stage computes the longest stage's "
-                               f"{max(counts)} slots, the shorter ones on zero-filled padding, so they save no time "
-                               f"where {even} would do", severity="warning",
-                               hint="use schedule gpipe, 1f1b or zb-h1 without a split sequence (a shorter stage "
-                                    "skips its padding there), or stages: even"))
+            found.append(
+                where(
+                    "stage-unbalanced",
+                    ("pipeline", "stages"),
+                    f"stages hold unequal numbers of layers {dict(enumerate(counts))} to make room at the "
+                    f"ends, but under this schedule every stage computes the longest stage's "
+                    f"{max(counts)} slots, the shorter ones on zero-filled padding, so they save no time "
+                    f"where {even} would do",
+                    severity="warning",
+                    hint="use schedule gpipe, 1f1b or zb-h1 without a split sequence (a shorter stage "
+                    "skips its padding there), or stages: even",
+                )
+            )
     if stage_map.virtual == 1:
-        expected = sorted(stage_map.stage_of)      # consecutive runs in stage order
+        expected = sorted(stage_map.stage_of)  # consecutive runs in stage order
     else:
-        expected = [chunk_stage(i // stage_map.per_chunk, stage_map.stages, stage_map.v_shape)
-                    for i in range(len(stage_map.stage_of))]
+        expected = [
+            chunk_stage(i // stage_map.per_chunk, stage_map.stages, stage_map.v_shape)
+            for i in range(len(stage_map.stage_of))
+        ]
     if list(stage_map.stage_of) != expected:
         first = next(i for i, (a, b) in enumerate(zip(stage_map.stage_of, expected)) if a != b)
         if stage_map.virtual == 1:
-            return [where("stage-noncontiguous", ("pipeline", "stages"),
-                          f"{pipe.schedule} needs each stage to hold consecutive layers in stage order, but "
-                          f"{pipe.layers}/{first} is on stage {stage_map.stage_of[first]}, expected {expected[first]}",
-                          path=f"{pipe.layers}/{first}", hint="assign layers 0.. to stage 0, the next ones to stage 1, ...")]
-        placed = (f"zb-v needs chunk c (of {stage_map.per_chunk} layers) on stage c for c < {stage_map.stages}, "
-                  f"on stage {2 * stage_map.stages - 1} - c after" if stage_map.v_shape else
-                  f"{pipe.schedule} with {stage_map.virtual} chunks per stage needs chunk c (of {stage_map.per_chunk} "
-                  f"layers) on stage c mod {stage_map.stages}")
-        return [where("stage-not-circular", ("pipeline", "stages"),
-                      f"{placed}, but {pipe.layers}/{first} is on stage {stage_map.stage_of[first]}, expected "
-                      f"{expected[first]}", path=f"{pipe.layers}/{first}",
-                      hint="use stages: even, which places the chunks so")]
+            return [
+                where(
+                    "stage-noncontiguous",
+                    ("pipeline", "stages"),
+                    f"{pipe.schedule} needs each stage to hold consecutive layers in stage order, but "
+                    f"{pipe.layers}/{first} is on stage {stage_map.stage_of[first]}, expected {expected[first]}",
+                    path=f"{pipe.layers}/{first}",
+                    hint="assign layers 0.. to stage 0, the next ones to stage 1, ...",
+                )
+            ]
+        placed = (
+            f"zb-v needs chunk c (of {stage_map.per_chunk} layers) on stage c for c < {stage_map.stages}, "
+            f"on stage {2 * stage_map.stages - 1} - c after"
+            if stage_map.v_shape
+            else f"{pipe.schedule} with {stage_map.virtual} chunks per stage needs chunk c (of {stage_map.per_chunk} "
+            f"layers) on stage c mod {stage_map.stages}"
+        )
+        return [
+            where(
+                "stage-not-circular",
+                ("pipeline", "stages"),
+                f"{placed}, but {pipe.layers}/{first} is on stage {stage_map.stage_of[first]}, expected "
+                f"{expected[first]}",
+                path=f"{pipe.layers}/{first}",
+                hint="use stages: even, which places the chunks so",
+            )
+        ]
     return found
 
 
@@ -342,12 +469,20 @@ def check_microbatches(plan: Plan, batch: int, sizes: dict[str, int], data: tupl
     per_shard = batch // shards if batch % shards == 0 else None
     found = []
     where = _locator(plan)
-    count, code, keys = ((pipe.microbatches, "pipeline-microbatches", ("pipeline", "microbatches")) if pipe else
-                         (plan.accumulate, "accumulate-microbatches", ("accumulate",)))
+    count, code, keys = (
+        (pipe.microbatches, "pipeline-microbatches", ("pipeline", "microbatches"))
+        if pipe
+        else (plan.accumulate, "accumulate-microbatches", ("accumulate",))
+    )
     if per_shard is None or per_shard % count:
         what = "microbatches" if pipe else "accumulated microbatches (accumulate)"
-        found.append(where(code, keys,
-                           f"{count} {what} must divide each data shard's batch, but a batch of "
-                           f"{batch} over {shards} data shard(s) gives {batch / shards:g} rows per shard",
-                           hint=f"use a batch that is a multiple of {shards * count}"))
+        found.append(
+            where(
+                code,
+                keys,
+                f"{count} {what} must divide each data shard's batch, but a batch of "
+                f"{batch} over {shards} data shard(s) gives {batch / shards:g} rows per shard",
+                hint=f"use a batch that is a multiple of {shards * count}",
+            )
+        )
     return found

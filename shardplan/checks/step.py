@@ -19,8 +19,9 @@ def check_step_axes(plan: Plan, sizes: dict[str, int]) -> list[Diagnostic]:
     for kind, rules in (("activations", plan.activations), ("remat", plan.remat)):
         for k, rule in enumerate(rules):
             line, column = plan.locate(kind, k, "match")
-            _, problem = checked_pattern(rule.match, f"{kind} rule #{k + 1}", file=plan.file, line=line,
-                                         column=column, rule=k)
+            _, problem = checked_pattern(
+                rule.match, f"{kind} rule #{k + 1}", file=plan.file, line=line, column=column, rule=k
+            )
             found += [problem] if problem else []
     for k, rule in enumerate(plan.activations):
         spec, (line, column) = normalize_spec(rule.spec), plan.locate("activations", k, "spec")
@@ -28,16 +29,33 @@ def check_step_axes(plan: Plan, sizes: dict[str, int]) -> list[Diagnostic]:
         for axis in dict.fromkeys(axes):
             if axis not in sizes:
                 close = difflib.get_close_matches(axis, list(sizes), n=1, cutoff=0.5)
-                found.append(Diagnostic(
-                    "activation-unknown-axis", "error", f"activations rule #{k + 1} ({rule.match!r}) spec "
-                    f"{format_spec(spec)} names mesh axis {axis!r}, but the mesh has only {list(sizes)}",
-                    file=plan.file, line=line, column=column, rule=k,
-                    hint=f"did you mean {close[0]!r}?" if close else f"mesh axes are {', '.join(sizes)}"))
+                found.append(
+                    Diagnostic(
+                        "activation-unknown-axis",
+                        "error",
+                        f"activations rule #{k + 1} ({rule.match!r}) spec "
+                        f"{format_spec(spec)} names mesh axis {axis!r}, but the mesh has only {list(sizes)}",
+                        file=plan.file,
+                        line=line,
+                        column=column,
+                        rule=k,
+                        hint=f"did you mean {close[0]!r}?" if close else f"mesh axes are {', '.join(sizes)}",
+                    )
+                )
         for axis in [a for a in dict.fromkeys(axes) if axes.count(a) > 1 and a in sizes]:
-            found.append(Diagnostic("activation-shape", "error",
-                                    f"activations rule #{k + 1} ({rule.match!r}) spec {format_spec(spec)} uses mesh "
-                                    f"axis {axis!r} twice", file=plan.file, line=line, column=column, rule=k,
-                                    hint="an axis can split at most one dim"))
+            found.append(
+                Diagnostic(
+                    "activation-shape",
+                    "error",
+                    f"activations rule #{k + 1} ({rule.match!r}) spec {format_spec(spec)} uses mesh "
+                    f"axis {axis!r} twice",
+                    file=plan.file,
+                    line=line,
+                    column=column,
+                    rule=k,
+                    hint="an axis can split at most one dim",
+                )
+            )
     return found
 
 
@@ -51,11 +69,19 @@ def check_step_modules(plan: Plan, paths: list[str]) -> list[Diagnostic]:
                 continue
             line, column = plan.locate(kind, k, "match")
             close = difflib.get_close_matches(rule.match.replace("\\d+", "0"), paths, n=1, cutoff=0.5)
-            found.append(Diagnostic(
-                "step-rule-unused", "warning", f"{kind} rule #{k + 1} ({rule.match!r}) matches no module of the model, "
-                "so it does nothing", file=plan.file, line=line, column=column, rule=k,
-                hint="module paths are the attribute paths of the model's submodules, like "
-                     f"{close[0] if close else paths[min(1, len(paths) - 1)]!r}"))
+            found.append(
+                Diagnostic(
+                    "step-rule-unused",
+                    "warning",
+                    f"{kind} rule #{k + 1} ({rule.match!r}) matches no module of the model, so it does nothing",
+                    file=plan.file,
+                    line=line,
+                    column=column,
+                    rule=k,
+                    hint="module paths are the attribute paths of the model's submodules, like "
+                    f"{close[0] if close else paths[min(1, len(paths) - 1)]!r}",
+                )
+            )
     return found
 
 
@@ -67,6 +93,7 @@ def check_step_shapes(plan: Plan, model, sizes: dict[str, int], call: Callable) 
     from shardplan.checks.calls import record_calls
     from shardplan.checks.paths import join_path
     from shardplan.plan.matching import first_module_rule
+
     if not plan.activations:
         return []
     targets = {}
@@ -77,7 +104,7 @@ def check_step_shapes(plan: Plan, model, sizes: dict[str, int], call: Callable) 
     try:
         calls = record_calls(model, targets, call)
     except Exception:
-        return []          # reported by the pipeline's call check, or by the step itself
+        return []  # reported by the pipeline's call check, or by the step itself
     found, seen = [], set()
     for recorded in calls:
         rule = first_module_rule(plan.activations, recorded.layer)
@@ -89,11 +116,20 @@ def check_step_shapes(plan: Plan, model, sizes: dict[str, int], call: Callable) 
             if problem and (k, problem) not in seen:
                 seen.add((k, problem))
                 line, column = plan.locate("activations", k, "spec")
-                found.append(Diagnostic("activation-shape", "error",
-                                        f"activations rule #{k + 1} gives the output {shape} of {recorded.layer} the "
-                                        f"spec {format_spec(spec)}, but {problem}", file=plan.file, line=line,
-                                        column=column, rule=k, path=recorded.layer,
-                                        hint="one spec entry per leading dim of the output, each dividing it"))
+                found.append(
+                    Diagnostic(
+                        "activation-shape",
+                        "error",
+                        f"activations rule #{k + 1} gives the output {shape} of {recorded.layer} the "
+                        f"spec {format_spec(spec)}, but {problem}",
+                        file=plan.file,
+                        line=line,
+                        column=column,
+                        rule=k,
+                        path=recorded.layer,
+                        hint="one spec entry per leading dim of the output, each dividing it",
+                    )
+                )
     return found
 
 

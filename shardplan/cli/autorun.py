@@ -23,14 +23,35 @@ from shardplan.cli.terminal import consoles, print_wrapped
 EXIT_OK, EXIT_NOTHING_FITS = 0, 1
 
 
-def run_auto(console: Console, *, factory: str, config: dict, devices: int, hosts: int, memory: int | None,
-             batch: int, seq: int, profile, input_name: str, output: str, top: int, measure: int,
-             as_json: bool, command: str, usage_error, paths: tuple[str, ...] = (), compute: str | None = None,
-             margin: float | None = None, capacity: float | None = None, refit_to: str | None = None) -> int:
+def run_auto(
+    console: Console,
+    *,
+    factory: str,
+    config: dict,
+    devices: int,
+    hosts: int,
+    memory: int | None,
+    batch: int,
+    seq: int,
+    profile,
+    input_name: str,
+    output: str,
+    top: int,
+    measure: int,
+    as_json: bool,
+    command: str,
+    usage_error,
+    paths: tuple[str, ...] = (),
+    compute: str | None = None,
+    margin: float | None = None,
+    capacity: float | None = None,
+    refit_to: str | None = None,
+) -> int:
     from shardplan.run.models import ModelLoadError, build_model
     from shardplan.checks.paths import param_infos
     from shardplan.planner.kept import with_code
     from shardplan.checks.roles import definition_order, recognise
+
     order: list[str] = []
     with console.status("building the model abstractly (nothing is allocated)"):
         try:
@@ -42,26 +63,52 @@ def run_auto(console: Console, *, factory: str, config: dict, devices: int, host
     with console.status("reading what the model's code keeps for the backward (one traced forward)"):
         roles = with_code(recognise(params, order), model, seq, input_name=input_name)
     if not roles.code.traced:
-        console.print(Text.assemble(("activations counted as a plain transformer's: ", "bold"),
-                                    f"the forward could not be traced with `{input_name}` alone"))
+        console.print(
+            Text.assemble(
+                ("activations counted as a plain transformer's: ", "bold"),
+                f"the forward could not be traced with `{input_name}` alone",
+            )
+        )
     if capacity is not None:
         from shardplan.checks.expert_roles import find_blocks
+
         if not find_blocks(params):
-            console.print(Text.assemble(("--capacity-factor changes nothing: ", "bold"), "the model has no MoE "
-                                        "blocks (a router whose experts are stacked weights) to make expert-parallel"))
+            console.print(
+                Text.assemble(
+                    ("--capacity-factor changes nothing: ", "bold"),
+                    "the model has no MoE blocks (a router whose experts are stacked weights) to make expert-parallel",
+                )
+            )
             capacity = None
     refusal = _pipeline_refusal(model, roles.layers, input_name, workload)
     if refusal:
         console.print(Text.assemble(("no pipeline candidates: ", "bold"), refusal))
     with console.status(f"costing candidate plans for {devices} devices") as status:
+
         def progress(done: int, total: int) -> None:
-            status.update(f"costing candidate plans for {devices} devices: {done:,} of {total:,} (bounded: the "
-                          "rest may not need costing)")
-        found = planner.search(params, roles, devices=devices, workload=workload, profile=profile, memory=memory,
-                               hosts=hosts, input_name=input_name, model={"factory": factory, "config": config},
-                               pipelines=refusal is None, compute=compute, progress=progress,
-                               keep=max(planner.KEEP, top, measure), check=max(planner.KEEP, measure),
-                               margin=planner.MEMORY_MARGIN if margin is None else margin, capacity=capacity)
+            status.update(
+                f"costing candidate plans for {devices} devices: {done:,} of {total:,} (bounded: the "
+                "rest may not need costing)"
+            )
+
+        found = planner.search(
+            params,
+            roles,
+            devices=devices,
+            workload=workload,
+            profile=profile,
+            memory=memory,
+            hosts=hosts,
+            input_name=input_name,
+            model={"factory": factory, "config": config},
+            pipelines=refusal is None,
+            compute=compute,
+            progress=progress,
+            keep=max(planner.KEEP, top, measure),
+            check=max(planner.KEEP, measure),
+            margin=planner.MEMORY_MARGIN if margin is None else margin,
+            capacity=capacity,
+        )
     measured = {}
     if measure and found.ranked:
         measured = _measure(console, found, factory, config, measure, paths, input_name)
@@ -78,10 +125,14 @@ def run_auto(console: Console, *, factory: str, config: dict, devices: int, host
     elif refit_to:
         print_wrapped(consoles()[1], f"--calibrate: no candidate was timed, so {refit_to} was not written")
     if not found.ranked:
-        console.print(Text.assemble((f"no candidate fits {human_bytes(found.usable)} per device", "bold red"),
-                                    f" (the budget {human_bytes(found.memory)} less the safety margin; "
-                                    f"{len(found.rejected)} tried); raise --memory-per-device, add devices, "
-                                    "lower --batch/--seq or try --compute-dtype bfloat16"))
+        console.print(
+            Text.assemble(
+                (f"no candidate fits {human_bytes(found.usable)} per device", "bold red"),
+                f" (the budget {human_bytes(found.memory)} less the safety margin; "
+                f"{len(found.rejected)} tried); raise --memory-per-device, add devices, "
+                "lower --batch/--seq or try --compute-dtype bfloat16",
+            )
+        )
         return EXIT_NOTHING_FITS
     claim = beyond_evidence(model_flops_utilisation(found, found.best), found.profile)
     note = " ".join(filter(None, [_measured_line(found, measured), claim and f"Note: {claim}."]))
@@ -93,10 +144,25 @@ def run_auto(console: Console, *, factory: str, config: dict, devices: int, host
         raise usage_error(f"cannot write {output}: {exc.strerror or exc}") from None
     if not as_json:
         import shlex
-        check = " ".join(["shardplan validate", shlex.quote(str(output)), "--model", shlex.quote(factory),
-                          "--devices", str(devices), *(f"--path {shlex.quote(p)}" for p in paths)])
-        console.print(Text.assemble("wrote ", (output, "bold"), f": {found.best.candidate.label()}, "
-                                    f"{found.best.candidate.rules_label()}; check it with `{check}`"))
+
+        check = " ".join(
+            [
+                "shardplan validate",
+                shlex.quote(str(output)),
+                "--model",
+                shlex.quote(factory),
+                "--devices",
+                str(devices),
+                *(f"--path {shlex.quote(p)}" for p in paths),
+            ]
+        )
+        console.print(
+            Text.assemble(
+                "wrote ",
+                (output, "bold"),
+                f": {found.best.candidate.label()}, {found.best.candidate.rules_label()}; check it with `{check}`",
+            )
+        )
     return EXIT_OK
 
 
@@ -104,10 +170,15 @@ def _check_written(text: str, found: planner.Search, *, devices: int, hosts: int
     """The written text must validate like any hand-written plan; a failure here is a bug of ours."""
     from shardplan.plan.loader import parse_plan
     from shardplan.checks.report import check_params
+
     workload = found.workload
-    report = check_params(parse_plan(text, file="auto"), found.params, list(range(devices)),
-                          input_shapes={input_name: (workload.batch, workload.seq)}, 
-                          processes=hosts)
+    report = check_params(
+        parse_plan(text, file="auto"),
+        found.params,
+        list(range(devices)),
+        input_shapes={input_name: (workload.batch, workload.seq)},
+        processes=hosts,
+    )
     if not report.ok:
         raise AssertionError(f"auto wrote a plan that does not validate: {[d.message for d in report.errors]}")
 
@@ -121,8 +192,15 @@ def _pipeline_refusal(model, layers: str | None, input_name: str, workload: Work
 
     from shardplan.checks.calls import call_with, check_layer_calls
     from shardplan.plan.schema import Plan
-    plan = Plan.model_validate({"version": 1, "mesh": {"axes": {"stage": 2}}, "params": [{"match": ".*", "spec": []}],
-                                "pipeline": {"axis": "stage", "layers": layers}})
+
+    plan = Plan.model_validate(
+        {
+            "version": 1,
+            "mesh": {"axes": {"stage": 2}},
+            "params": [{"match": ".*", "spec": []}],
+            "pipeline": {"axis": "stage", "layers": layers},
+        }
+    )
     tokens = jnp.zeros((workload.batch, workload.seq), jnp.int32)
     found = check_layer_calls(plan, model, call_with(model, {input_name: tokens}))
     return found[0].message if found else None
@@ -146,37 +224,55 @@ def _key(item: planner.Ranked) -> tuple[str, str]:
     return item.candidate.label(), item.candidate.rules_label()
 
 
-MEASURED_ROUNDS = 7     # rounds of one timed step per candidate, after one round to warm up
+MEASURED_ROUNDS = 7  # rounds of one timed step per candidate, after one round to warm up
 
 
-def _measure(console: Console, found: planner.Search, factory: str, config: dict, k: int,
-             paths: tuple[str, ...] = (), input_name: str = "tokens") -> dict:
+def _measure(
+    console: Console,
+    found: planner.Search,
+    factory: str,
+    config: dict,
+    k: int,
+    paths: tuple[str, ...] = (),
+    input_name: str = "tokens",
+) -> dict:
     """Compile the top k candidates, then time them in `MEASURED_ROUNDS` interleaved rounds (the fastest);
     {candidate key: Measured}. A candidate whose step cannot be built or run (the model's forward needs
     more than token ids, the compiler fails, memory runs out) is reported and skipped: the search goes on."""
     import jax
     from shardplan.compose.measure import compile_step, time_interleaved
     from shardplan.run.models import build_model
+
     ready = {}
     for index, ranked in enumerate(found.ranked[:k]):
         needed = planner.total_devices(ranked.candidate.axes)
         if needed > jax.device_count():
-            console.print(f"skipping measurement of {ranked.candidate.label()}: needs {needed} devices, "
-                          f"{jax.device_count()} present")
+            console.print(
+                f"skipping measurement of {ranked.candidate.label()}: needs {needed} devices, "
+                f"{jax.device_count()} present"
+            )
             continue
-        with console.status(f"compiling candidate {index + 1}/{min(k, len(found.ranked))}: "
-                            f"{ranked.candidate.label()}, {ranked.candidate.rules_label()}"):
+        with console.status(
+            f"compiling candidate {index + 1}/{min(k, len(found.ranked))}: "
+            f"{ranked.candidate.label()}, {ranked.candidate.rules_label()}"
+        ):
             try:
                 model = build_model(factory, config, abstract=False, paths=paths)
-                ready[_key(ranked)] = compile_step(ranked.plan, model, found.workload.batch, found.workload.seq,
-                                                   input_name=input_name)
-            except Exception as error:      # the model's own code on token ids, the compiler, memory
+                ready[_key(ranked)] = compile_step(
+                    ranked.plan, model, found.workload.batch, found.workload.seq, input_name=input_name
+                )
+            except Exception as error:  # the model's own code on token ids, the compiler, memory
                 _skipped(console, ranked, error)
     keys = list(ready)
     with console.status("timing") as status:
-        seconds = time_interleaved([ready[key] for key in keys], MEASURED_ROUNDS, progress=lambda r: status.update(
-            f"timing {len(keys)} candidates, one step each in turn: round {r} of {MEASURED_ROUNDS}"
-            + (" (warm-up)" if r == 0 else "")))
+        seconds = time_interleaved(
+            [ready[key] for key in keys],
+            MEASURED_ROUNDS,
+            progress=lambda r: status.update(
+                f"timing {len(keys)} candidates, one step each in turn: round {r} of {MEASURED_ROUNDS}"
+                + (" (warm-up)" if r == 0 else "")
+            ),
+        )
     results = {}
     for key, got in zip(keys, seconds):
         if isinstance(got, Exception):
@@ -187,17 +283,21 @@ def _measure(console: Console, found: planner.Search, factory: str, config: dict
 
 
 def _skipped(console: Console, ranked: planner.Ranked, error: Exception) -> None:
-    console.print(f"could not measure {ranked.candidate.label()}, {ranked.candidate.rules_label()} (skipped): "
-                  f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}")
+    console.print(
+        f"could not measure {ranked.candidate.label()}, {ranked.candidate.rules_label()} (skipped): "
+        f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+    )
 
 
 def _measured_line(found: planner.Search, measured: dict) -> str:
     got = measured.get(_key(found.best)) if found.best is not None else None
     if got is None or got.step_s is None:
         return ""
-    return (f"Chosen by measurement: the fastest of the {len(measured)} best candidates compiled and timed on "
-            f"the devices at hand, {planner.seconds(got.step_s)} a step (modelled "
-            f"{planner.seconds(found.best.estimate.step_s)}), compiled peak {human_bytes(got.peak_bytes)}.")
+    return (
+        f"Chosen by measurement: the fastest of the {len(measured)} best candidates compiled and timed on "
+        f"the devices at hand, {planner.seconds(got.step_s)} a step (modelled "
+        f"{planner.seconds(found.best.estimate.step_s)}), compiled peak {human_bytes(got.peak_bytes)}."
+    )
 
 
 def _rerank(found: planner.Search, measured: dict) -> planner.Search:
@@ -220,8 +320,12 @@ def agreement(ranked: list[planner.Ranked], measured: dict) -> tuple[list[tuple]
     """[(candidate, modelled s, measured s)] of the timed candidates in the model's order, and Kendall's
     tau between the two orders (None under two)."""
     from shardplan.planner.agreement import kendall_tau
-    rows = [(item, item.estimate.step_s, measured[_key(item)].step_s) for item in ranked
-            if _key(item) in measured and measured[_key(item)].step_s is not None]
+
+    rows = [
+        (item, item.estimate.step_s, measured[_key(item)].step_s)
+        for item in ranked
+        if _key(item) in measured and measured[_key(item)].step_s is not None
+    ]
     tau = kendall_tau([r[1] for r in rows], [r[2] for r in rows]) if len(rows) >= 2 else None
     return rows, tau
 
@@ -232,42 +336,55 @@ def _print_agreement(console: Console, modelled_order: list[planner.Ranked], mea
         return
     ratios = sorted(abs(model / seen - 1) for _, model, seen in rows)
     within = sum(r <= 0.2 for r in ratios)
-    print_wrapped(console, f"measured {len(rows)} candidates (the fastest of {MEASURED_ROUNDS} interleaved steps): modelled / "
-                           f"measured step {', '.join(f'{m / s:.2f}' for _, m, s in rows)} (in the model's order); "
-                           f"{within} of {len(rows)} within 20%; the model's ranking against the measured one: "
-                           f"Kendall tau {'-' if tau is None else f'{tau:.2f}'}; the written plan is the measured "
-                           "fastest within the budget")
+    print_wrapped(
+        console,
+        f"measured {len(rows)} candidates (the fastest of {MEASURED_ROUNDS} interleaved steps): modelled / "
+        f"measured step {', '.join(f'{m / s:.2f}' for _, m, s in rows)} (in the model's order); "
+        f"{within} of {len(rows)} within 20%; the model's ranking against the measured one: "
+        f"Kendall tau {'-' if tau is None else f'{tau:.2f}'}; the written plan is the measured "
+        "fastest within the budget",
+    )
 
 
-def _write_refit(console: Console, found: planner.Search, modelled_order: list[planner.Ranked], measured: dict,
-                 path: str) -> None:
+def _write_refit(
+    console: Console, found: planner.Search, modelled_order: list[planner.Ranked], measured: dict, path: str
+) -> None:
     """`--calibrate FILE`: the profile's rates refitted to the timed steps, written to FILE."""
     from shardplan.planner.agreement import refit
     from shardplan.planner.profiles import profile_file_text
+
     rows, _ = agreement(modelled_order, measured)
-    points = [(item.estimate.compute_s + item.estimate.update_s, item.estimate.exposed_communication_s, seen)
-              for item, _, seen in rows]
+    points = [
+        (item.estimate.compute_s + item.estimate.update_s, item.estimate.exposed_communication_s, seen)
+        for item, _, seen in rows
+    ]
     if not points:
         return
     fitted = refit(found.profile, points)
-    lines = [f"{found.profile.name} ({found.profile.source}) refitted by `shardplan auto --measure --calibrate` to "
-             f"{len(points)} timed steps (batch {found.workload.batch} x {found.workload.seq}): "
-             + "; ".join(fitted.moved()),
-             f"median |modelled / measured - 1| on those steps: {fitted.error_before:.0%} before, "
-             f"{fitted.error_after:.0%} after (the same steps: check it on another workload)"]
+    lines = [
+        f"{found.profile.name} ({found.profile.source}) refitted by `shardplan auto --measure --calibrate` to "
+        f"{len(points)} timed steps (batch {found.workload.batch} x {found.workload.seq}): "
+        + "; ".join(fitted.moved()),
+        f"median |modelled / measured - 1| on those steps: {fitted.error_before:.0%} before, "
+        f"{fitted.error_after:.0%} after (the same steps: check it on another workload)",
+    ]
     try:
         _write_atomically(Path(path), profile_file_text(fitted.profile, lines))
     except OSError as exc:
         print_wrapped(console, f"cannot write {path}: {exc.strerror or exc}")
         return
-    print_wrapped(console, f"wrote {path}: " + "; ".join(fitted.moved()) + f" (median error on the timed steps "
-                           f"{fitted.error_before:.0%} -> {fitted.error_after:.0%})")
+    print_wrapped(
+        console,
+        f"wrote {path}: " + "; ".join(fitted.moved()) + f" (median error on the timed steps "
+        f"{fitted.error_before:.0%} -> {fitted.error_after:.0%})",
+    )
 
 
 def model_flops_utilisation(found: planner.Search, item: planner.Ranked) -> float:
     """The candidate's modelled MFU: the model's matmul FLOPs (nothing recomputed) per modelled step, over
     its devices' dense bf16 peak."""
     from shardplan.planner.cost import model_flops
+
     flops = sum(model_flops(found.params, found.roles, found.workload, capacity=item.candidate.capacity or 1.0))
     peak = found.profile.peak_flops_by_dtype.get("bfloat16", found.profile.peak_flops)
     return flops / item.estimate.step_s / planner.total_devices(item.candidate.axes) / peak
@@ -275,9 +392,12 @@ def model_flops_utilisation(found: planner.Search, item: planner.Ranked) -> floa
 
 def _print_table(console: Console, found: planner.Search, measured: dict, top: int) -> None:
     from shardplan.cli.terminal import print_table
-    title = (f"best {len(found.ranked)} of {found.fitting} plans that fit {human_bytes(found.usable)} per device "
-             f"(budget less the safety margin; {found.profile.name}, batch {found.workload.batch} x "
-             f"{found.workload.seq})")
+
+    title = (
+        f"best {len(found.ranked)} of {found.fitting} plans that fit {human_bytes(found.usable)} per device "
+        f"(budget less the safety margin; {found.profile.name}, batch {found.workload.batch} x "
+        f"{found.workload.seq})"
+    )
     if found.profile.defaults_line():
         print_wrapped(console, Text(found.profile.defaults_line(), style="yellow"))
     columns = ["#", "mesh", "rules", "bytes/device", "communication", "step (modelled)", "MFU"]
@@ -290,9 +410,15 @@ def _print_table(console: Console, found: planner.Search, measured: dict, top: i
         mfu = model_flops_utilisation(found, item)
         claim = beyond_evidence(mfu, found.profile)
         claims = claims or claim
-        row = [str(rank), item.candidate.label(), item.candidate.rules_label(), human_bytes(cost.peak_bytes),
-               f"{human_bytes(cost.collective_bytes)} / {cost.collective_count} ops", planner.seconds(cost.step_s),
-               f"{mfu:.0%}" + (" (!)" if claim else "")]
+        row = [
+            str(rank),
+            item.candidate.label(),
+            item.candidate.rules_label(),
+            human_bytes(cost.peak_bytes),
+            f"{human_bytes(cost.collective_bytes)} / {cost.collective_count} ops",
+            planner.seconds(cost.step_s),
+            f"{mfu:.0%}" + (" (!)" if claim else ""),
+        ]
         if measured:
             got = measured.get(_key(item))
             row.append(planner.seconds(got.step_s) if got and got.step_s is not None else "-")
@@ -306,36 +432,49 @@ def _print_table(console: Console, found: planner.Search, measured: dict, top: i
         for row in rows:
             table.add_row(*row)
         print_table(console, table)
-    else:       # too wide for the console: each candidate as its cells, named, wrapped
+    else:  # too wide for the console: each candidate as its cells, named, wrapped
         print_wrapped(console, Text(title, style="bold"))
         for row in rows:
             print_wrapped(console, Text.assemble((f"{row[0]}. {row[1]}, {row[2]}", "bold"), f": {row[-1]}"), indent=4)
             print_wrapped(console, "    " + "; ".join(f"{c} {v}" for c, v in zip(columns[3:-1], row[3:-1])), indent=6)
     if claims:
         record = best_published(found.profile)
-        print_wrapped(console, Text.assemble(("(!) ", "bold yellow"), f"MFU above the best published run on "
-                                             f"{record.hardware} ({record.mfu:.0%}: {record.source}): a claim "
-                                             "without evidence; measure before trusting it (--measure, or `shardplan "
-                                             "calibrate` for a profile)"))
+        print_wrapped(
+            console,
+            Text.assemble(
+                ("(!) ", "bold yellow"),
+                f"MFU above the best published run on "
+                f"{record.hardware} ({record.mfu:.0%}: {record.source}): a claim "
+                "without evidence; measure before trusting it (--measure, or `shardplan "
+                "calibrate` for a profile)",
+            ),
+        )
     reasons: dict[str, int] = {}
-    for item in found.rejected:     # "accumulation not needed: fits with 2" and "...: fits with none" are one reason
+    for item in found.rejected:  # "accumulation not needed: fits with 2" and "...: fits with none" are one reason
         why = item.rejected.split(":")[0]
         reasons[why] = reasons.get(why, 0) + 1
     if reasons:
         print_wrapped(console, "not shown: " + ", ".join(f"{n} {why}" for why, n in sorted(reasons.items())))
     unchecked = sum(1 for item in found.ranked[:top] if item.plan is None)
     if unchecked:
-        print_wrapped(console, f"the last {unchecked} shown were costed on one layer standing for all (the same "
-                               "modelled figures) and not checked in full; write one out with its options to check it")
+        print_wrapped(
+            console,
+            f"the last {unchecked} shown were costed on one layer standing for all (the same "
+            "modelled figures) and not checked in full; write one out with its options to check it",
+        )
     if found.pruned:
-        print_wrapped(console, f"{found.pruned} candidates were not costed: a lower bound on their step time "
-                               "exceeds the shown plans'")
+        print_wrapped(
+            console,
+            f"{found.pruned} candidates were not costed: a lower bound on their step time exceeds the shown plans'",
+        )
     if best is not None:
         for caveat in best.estimate.caveats:
             print_wrapped(console, Text.assemble(("approximate: ", "bold yellow"), caveat))
     if measured:
-        console.print(f"{len(measured)} candidates compiled and timed on the devices at hand, ranked by their "
-                      "measured step (a compiled peak over the budget rejects)")
+        console.print(
+            f"{len(measured)} candidates compiled and timed on the devices at hand, ranked by their "
+            "measured step (a compiled peak over the budget rejects)"
+        )
 
 
 def _evidence_json(found: planner.Search, item: planner.Ranked) -> dict:
@@ -346,22 +485,43 @@ def _evidence_json(found: planner.Search, item: planner.Ranked) -> dict:
 def _measured_json(got) -> dict:
     if got is None:
         return {}
-    return {"measured": {"step_s": got.step_s, "peak_bytes": got.peak_bytes, "compile_s": got.compile_s,
-                         "collective_bytes": got.collectives.total_bytes}}
+    return {
+        "measured": {
+            "step_s": got.step_s,
+            "peak_bytes": got.peak_bytes,
+            "compile_s": got.compile_s,
+            "collective_bytes": got.collectives.total_bytes,
+        }
+    }
 
 
 def _json(found: planner.Search, measured: dict, top: int) -> dict:
-    return {"profile": found.profile.name, "memory_per_device": found.memory, "usable_per_device": found.usable,
-            "fitting": found.fitting, "pruned": found.pruned,
-            "workload": dataclasses.asdict(found.workload),
-            "ranked": [{"mesh": r.candidate.axes, "hosts": r.candidate.hosts, "rules": r.candidate.rules_label(),
-                        "remat": r.candidate.remat, "sequence_parallel": r.candidate.sequence,
-                        "accumulate": r.candidate.accumulate,
-                        "stage_layers": list(r.candidate.split) if r.candidate.split else None,
-                        "context": None if "context" not in r.candidate.axes else {
-                            "size": r.candidate.axes["context"],
-                            "strategy": "ring" if r.candidate.ring else "all_gather"},
-                        "compute": r.candidate.compute, "checked": r.plan is not None,
-                        "estimate": r.estimate.to_json(), **_measured_json(measured.get(_key(r))),
-                        **_evidence_json(found, r)} for r in found.ranked[:top]],
-            "rejected": len(found.rejected)}
+    return {
+        "profile": found.profile.name,
+        "memory_per_device": found.memory,
+        "usable_per_device": found.usable,
+        "fitting": found.fitting,
+        "pruned": found.pruned,
+        "workload": dataclasses.asdict(found.workload),
+        "ranked": [
+            {
+                "mesh": r.candidate.axes,
+                "hosts": r.candidate.hosts,
+                "rules": r.candidate.rules_label(),
+                "remat": r.candidate.remat,
+                "sequence_parallel": r.candidate.sequence,
+                "accumulate": r.candidate.accumulate,
+                "stage_layers": list(r.candidate.split) if r.candidate.split else None,
+                "context": None
+                if "context" not in r.candidate.axes
+                else {"size": r.candidate.axes["context"], "strategy": "ring" if r.candidate.ring else "all_gather"},
+                "compute": r.candidate.compute,
+                "checked": r.plan is not None,
+                "estimate": r.estimate.to_json(),
+                **_measured_json(measured.get(_key(r))),
+                **_evidence_json(found, r),
+            }
+            for r in found.ranked[:top]
+        ],
+        "rejected": len(found.rejected),
+    }

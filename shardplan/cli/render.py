@@ -22,7 +22,7 @@ from shardplan.plan.schema import format_spec
 _STYLE = {"error": "bold red", "warning": "yellow"}
 
 
-SHOWN_PER_CODE = 20      # diagnostics of one code shown in full; the rest are counted
+SHOWN_PER_CODE = 20  # diagnostics of one code shown in full; the rest are counted
 
 
 def render_diagnostics(console: Console, diagnostics: list[Diagnostic]) -> None:
@@ -37,11 +37,11 @@ def render_diagnostics(console: Console, diagnostics: list[Diagnostic]) -> None:
         head = Text(f"{inert(d.location)}: ", style="bold")
         head.append(f"{d.severity}[{d.code}]", style=_STYLE[d.severity])
         head.append(f" {inert(d.message)}")
-        print_wrapped(console, head)       # continuation lines indented: each diagnostic still reads as one
+        print_wrapped(console, head)  # continuation lines indented: each diagnostic still reads as one
         source = _source_line(d, lines_of)
-        if source is not None:      # the plan's own line, as context: cut at the console's edge if longer
+        if source is not None:  # the plan's own line, as context: cut at the console's edge if longer
             excerpt = f"  {d.line:>4} | {inert(source)}"
-            cut = excerpt if len(excerpt) <= console.width else excerpt[:console.width - 1] + "…"
+            cut = excerpt if len(excerpt) <= console.width else excerpt[: console.width - 1] + "…"
             console.print(Text(cut, style="dim"), soft_wrap=True)
             if d.column and d.column + 8 < console.width:
                 console.print(Text("       | " + " " * (d.column - 1) + "^", style=_STYLE[d.severity]))
@@ -50,8 +50,14 @@ def render_diagnostics(console: Console, diagnostics: list[Diagnostic]) -> None:
     for code, count in seen.items():
         if count > SHOWN_PER_CODE:
             severity = next(d.severity for d in diagnostics if d.code == code)
-            print_wrapped(console, Text.assemble(f"… and {count - SHOWN_PER_CODE} more ", (f"{severity}[{code}]",
-                                                 _STYLE[severity]), " (shardplan inspect PLAN --json lists them all)"))
+            print_wrapped(
+                console,
+                Text.assemble(
+                    f"… and {count - SHOWN_PER_CODE} more ",
+                    (f"{severity}[{code}]", _STYLE[severity]),
+                    " (shardplan inspect PLAN --json lists them all)",
+                ),
+            )
 
 
 def _source_line(d: Diagnostic, cache: dict[str, list[str]]) -> str | None:
@@ -86,8 +92,14 @@ def render_mesh(console: Console, report: Report) -> None:
         count = math.prod(hosts.values())
         per_host = len(report.device_ids) // count
         across = ", ".join(f"{axis} ({n} hosts)" for axis, n in hosts.items())
-        print_wrapped(console, Text(f"  {count} hosts x {per_host} devices; across hosts: {across}; within: "
-                                    f"{', '.join(a for a in report.axes if a not in hosts) or '-'}"), indent=4)
+        print_wrapped(
+            console,
+            Text(
+                f"  {count} hosts x {per_host} devices; across hosts: {across}; within: "
+                f"{', '.join(a for a in report.axes if a not in hosts) or '-'}"
+            ),
+            indent=4,
+        )
         print_wrapped(console, Text("  " + _host_devices(sorted(report.device_ids), count, per_host)), indent=4)
 
 
@@ -98,28 +110,47 @@ def render_context(console: Console, report: Report) -> None:
         return
     size = report.axes[context.axis]
     how = "keys and values gathered" if context.strategy == "all_gather" else "ring attention"
-    print_wrapped(console, Text(f"context: each sequence split over {context.axis!r} ({size} devices, a "
-                                f"{'head and a tail' if context.load_balance else 'contiguous'} "
-                                f"{'pair of chunks' if context.load_balance else 'chunk'} each), {how}"), indent=4)
+    print_wrapped(
+        console,
+        Text(
+            f"context: each sequence split over {context.axis!r} ({size} devices, a "
+            f"{'head and a tail' if context.load_balance else 'contiguous'} "
+            f"{'pair of chunks' if context.load_balance else 'chunk'} each), {how}"
+        ),
+        indent=4,
+    )
 
 
 def render_params(console: Console, report: Report, *, collapse: bool = True) -> None:
     """One row per parameter; with `collapse`, repeated layers with one layout share a row (`blocks/{0..7}/...`)."""
     dtypes = sorted({p.dtype for p in report.params})
-    one_dtype = len(dtypes) == 1          # then said once in the title, not in a column
-    title = "Parameters" + (f", all {dtypes[0]}" if one_dtype else "") + (
-        " (repeated layers share a row; --all-params lists each)" if collapse else "")
+    one_dtype = len(dtypes) == 1  # then said once in the title, not in a column
+    title = (
+        "Parameters"
+        + (f", all {dtypes[0]}" if one_dtype else "")
+        + (" (repeated layers share a row; --all-params lists each)" if collapse else "")
+    )
     rows = []
     for path, members in _groups(report.params, lambda p: (p.shape, p.dtype, p.spec, p.rule), collapse):
         p = members[0]
         # A pipeline stage holds only its own layers: count those of the fullest stage.
         held = max(collections.Counter(m.stage for m in members).values())
-        rows.append([path, str(len(members)), _shape(p.shape)] + ([] if one_dtype else [p.dtype]) + [
-            format_spec(p.spec), _shape(p.shard_shape), human_bytes(p.bytes_per_device * held),
-            human_bytes(p.opt_bytes_per_device * held),
-            "unmatched" if p.rule is None else f"#{p.rule + 1} :{p.rule_line}"])
-    columns = ["path", "n", "shape"] + ([] if one_dtype else ["dtype"]) + ["spec", "shard", "per device",
-                                                                          "opt/device", "rule"]
+        rows.append(
+            [path, str(len(members)), _shape(p.shape)]
+            + ([] if one_dtype else [p.dtype])
+            + [
+                format_spec(p.spec),
+                _shape(p.shard_shape),
+                human_bytes(p.bytes_per_device * held),
+                human_bytes(p.opt_bytes_per_device * held),
+                "unmatched" if p.rule is None else f"#{p.rule + 1} :{p.rule_line}",
+            ]
+        )
+    columns = (
+        ["path", "n", "shape"]
+        + ([] if one_dtype else ["dtype"])
+        + ["spec", "shard", "per device", "opt/device", "rule"]
+    )
     print_fitted(console, title, columns, rows, right=("n", "per device", "opt/device"))
 
 
@@ -166,24 +197,32 @@ def render_devices(console: Console, report: Report) -> None:
     groups: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
     for d in report.devices:
         groups[(d.param_bytes, d.opt_bytes)].append(d.device_id)
-    state = "AdamW, 2 moments" + (f" and {report.plan.precision.master} masters" if report.plan.precision.master else "")
+    state = "AdamW, 2 moments" + (
+        f" and {report.plan.precision.master} masters" if report.plan.precision.master else ""
+    )
     table = Table(title=f"Per device (optimizer state: {state})", header_style="bold")
     for column in ("devices", "params", "opt state", "total"):
         table.add_column(column, justify="left" if column == "devices" else "right")
     for (param_bytes, opt_bytes), ids in groups.items():
-        table.add_row(_id_list(ids), human_bytes(param_bytes), human_bytes(opt_bytes),
-                      human_bytes(param_bytes + opt_bytes))
+        table.add_row(
+            _id_list(ids), human_bytes(param_bytes), human_bytes(opt_bytes), human_bytes(param_bytes + opt_bytes)
+        )
     print_table(console, table)
     full = sum(p.nbytes for p in report.params)
-    console.print(f"model {human_bytes(full)} in {len(report.params)} parameters; "
-                  f"imbalance (max/min per-device total) {imbalance(report.devices):.2f}")
+    console.print(
+        f"model {human_bytes(full)} in {len(report.params)} parameters; "
+        f"imbalance (max/min per-device total) {imbalance(report.devices):.2f}"
+    )
 
 
 def _host_devices(ids: list[int], count: int, per_host: int) -> str:
     """Which devices each host holds: folded into one line when host h holds the h-th run of `per_host`."""
-    groups = [ids[h * per_host:(h + 1) * per_host] for h in range(count)]
-    if count > 3 and all(g == list(range(g[0], g[0] + per_host)) for g in groups) and \
-            all(b[0] - a[0] == per_host for a, b in zip(groups, groups[1:])):
+    groups = [ids[h * per_host : (h + 1) * per_host] for h in range(count)]
+    if (
+        count > 3
+        and all(g == list(range(g[0], g[0] + per_host)) for g in groups)
+        and all(b[0] - a[0] == per_host for a, b in zip(groups, groups[1:]))
+    ):
         base = groups[0][0]
         start = f"{per_host}h" + (f" + {base}" if base else "")
         return f"hosts 0-{count - 1}: {per_host} devices each (host h: devices {start} to {per_host}h+{base + per_host - 1})"
@@ -204,47 +243,66 @@ def _id_list(ids: list[int]) -> str:
     if len(runs) <= 4:
         return ", ".join(named)
     strides = {b[0] - a[0] for a, b in zip(runs, runs[1:])}
-    pattern = f"{len(runs)} runs of {len(runs[0])}, every {strides.pop()}" if len(strides) == 1 and \
-        len({len(r) for r in runs}) == 1 else f"{len(runs)} runs"
+    pattern = (
+        f"{len(runs)} runs of {len(runs[0])}, every {strides.pop()}"
+        if len(strides) == 1 and len({len(r) for r in runs}) == 1
+        else f"{len(runs)} runs"
+    )
     return f"{named[0]}, {named[1]}, ..., {named[-1]} ({len(ids)}: {pattern})"
 
 
 def render_pipeline(console: Console, report: Report) -> None:
     """Stage map (layers and bytes per stage) and the schedule as a timeline with its bubble."""
     from shardplan.checks.schedules import article_bubble, bubble_fraction, in_flight, render_timeline, timeline
+
     stage_map, pipe = report.stage_map, report.plan.pipeline
     if stage_map is None:
         return
     grid = timeline(pipe.schedule, stage_map.stages, pipe.microbatches, stage_map.virtual)
     kept = in_flight(grid)
     named = {"1f1b": "interleaved 1f1b", "interleaved": "circular", "zb-v": "zb-v"}.get(pipe.schedule, pipe.schedule)
-    schedule = pipe.schedule if stage_map.virtual == 1 else \
-        f"{named}, {stage_map.virtual} chunks per stage" + (" in a V" if stage_map.v_shape else "")
-    table = Table(title=f"Pipeline over axis {pipe.axis!r}: {schedule}, {pipe.microbatches} microbatches "
-                        "(bytes per device)",
-                  header_style="bold")
+    schedule = (
+        pipe.schedule
+        if stage_map.virtual == 1
+        else f"{named}, {stage_map.virtual} chunks per stage" + (" in a V" if stage_map.v_shape else "")
+    )
+    table = Table(
+        title=f"Pipeline over axis {pipe.axis!r}: {schedule}, {pipe.microbatches} microbatches (bytes per device)",
+        header_style="bold",
+    )
     for column in ("stage", "layers", "devices", "params", "opt state", "kept"):
         # (the devices folded into runs take as many lines at 16,384 devices as at 1,024)
-        table.add_column(column, justify="left" if column in ("stage", "layers", "devices") else "right",
-                         max_width=26 if column == "devices" else None)
+        table.add_column(
+            column,
+            justify="left" if column in ("stage", "layers", "devices") else "right",
+            max_width=26 if column == "devices" else None,
+        )
     for stage in range(stage_map.stages):
         layers = [i for i, s in enumerate(stage_map.stage_of) if s == stage]
-        devices = [d for d in report.devices if d.coords[pipe.axis] == stage]     # none when the mesh is wrong
-        table.add_row(str(stage), _index_ranges(layers, through="-", separator=", "),
-                      _id_list([d.device_id for d in devices]) or "-",
-                      human_bytes(max(d.param_bytes for d in devices)) if devices else "-",
-                      human_bytes(max(d.opt_bytes for d in devices)) if devices else "-", str(kept[stage]))
+        devices = [d for d in report.devices if d.coords[pipe.axis] == stage]  # none when the mesh is wrong
+        table.add_row(
+            str(stage),
+            _index_ranges(layers, through="-", separator=", "),
+            _id_list([d.device_id for d in devices]) or "-",
+            human_bytes(max(d.param_bytes for d in devices)) if devices else "-",
+            human_bytes(max(d.opt_bytes for d in devices)) if devices else "-",
+            str(kept[stage]),
+        )
     print_table(console, table)
     console.print(render_timeline(grid, width=console.width))
-    kinds = {"zb-h1": "b<m> input gradient, w<m> weight gradients",
-             "zb-v": "r<m> forward again, b<m> input gradient, w<m> weight gradients"}.get(pipe.schedule,
-                                                                                          "b<m> backward")
+    kinds = {
+        "zb-h1": "b<m> input gradient, w<m> weight gradients",
+        "zb-v": "r<m> forward again, b<m> input gradient, w<m> weight gradients",
+    }.get(pipe.schedule, "b<m> backward")
     counted = {"zb-h1": "b and w each counted as a forward", "zb-v": "r, b and w each counted as a forward"}.get(
-        pipe.schedule, "a backward counted as 2 forwards")
-    console.print(f"F<m> forward, {kinds} of microbatch m ('c: chunk c); {len(grid)} ticks; bubble "
-                  f"{bubble_fraction(grid):.1%} ({counted}) vs {article_bubble(stage_map.stages):.1%} "
-                  f"for the article's stage-after-stage pipeline; a stage keeps the inputs (zb-h1: the residuals) "
-                  f"of at most {max(kept)} microbatches between ticks (per stage: `kept`)")
+        pipe.schedule, "a backward counted as 2 forwards"
+    )
+    console.print(
+        f"F<m> forward, {kinds} of microbatch m ('c: chunk c); {len(grid)} ticks; bubble "
+        f"{bubble_fraction(grid):.1%} ({counted}) vs {article_bubble(stage_map.stages):.1%} "
+        f"for the article's stage-after-stage pipeline; a stage keeps the inputs (zb-h1: the residuals) "
+        f"of at most {max(kept)} microbatches between ticks (per stage: `kept`)"
+    )
 
 
 def render_experts(console: Console, report: Report, cost=None) -> None:
@@ -254,35 +312,55 @@ def render_experts(console: Console, report: Report, cost=None) -> None:
         return
     size = report.axes[experts.axis]
     blocks = _groups(report.experts, lambda r: (r.count, len(r.experts)), True, path=lambda r: r.block)
-    exchanged = [t for t in (cost.transfers if cost is not None else ()) if t.kind == "all-to-all"
-                 and t.what.endswith("tokens to their experts and back")]
+    exchanged = [
+        t
+        for t in (cost.transfers if cost is not None else ())
+        if t.kind == "all-to-all" and t.what.endswith("tokens to their experts and back")
+    ]
     title = f"Experts over axis {experts.axis!r} ({size} devices), dispatch {experts.dispatch}" + (
-        f" (capacity factor {experts.capacity_factor:g})" if experts.capacity_factor else "")
+        f" (capacity factor {experts.capacity_factor:g})" if experts.capacity_factor else ""
+    )
     rows = []
     for label, group in blocks:
         r = group[0]
         local = r.count // size if r.count % size == 0 else None
-        held = "-" if local is None else ", ".join(
-            f"{experts.axis} {i}: {i * local}" + (f"-{(i + 1) * local - 1}" if local > 1 else "") for i in range(size))
-        rows.append([label, str(r.count), "-" if local is None else str(local), held,
-                     ", ".join(p.rsplit("/", 1)[-1] for p in r.experts)])
+        held = (
+            "-"
+            if local is None
+            else ", ".join(
+                f"{experts.axis} {i}: {i * local}" + (f"-{(i + 1) * local - 1}" if local > 1 else "")
+                for i in range(size)
+            )
+        )
+        rows.append(
+            [
+                label,
+                str(r.count),
+                "-" if local is None else str(local),
+                held,
+                ", ".join(p.rsplit("/", 1)[-1] for p in r.experts),
+            ]
+        )
     print_fitted(console, title, ["blocks", "experts", "per device", "experts held", "stacked weights"], rows)
     if exchanged:
         ops = sum(t.count for t in exchanged)
-        console.print(f"exchange per step (all blocks, modelled): {ops} all-to-alls over {experts.axis!r}, "
-                      f"{human_bytes(sum(t.total for t in exchanged))} per device")
+        console.print(
+            f"exchange per step (all blocks, modelled): {ops} all-to-alls over {experts.axis!r}, "
+            f"{human_bytes(sum(t.total for t in exchanged))} per device"
+        )
 
 
-def print_fitted(console: Console, title: str, columns: list[str], rows: list[list[str]], *,
-                 right: tuple[str, ...] = ()) -> None:
+def print_fitted(
+    console: Console, title: str, columns: list[str], rows: list[list[str]], *, right: tuple[str, ...] = ()
+) -> None:
     """A table whose cells are never cut: a spec or a shape is never shown as `P('mode…`.
 
     The first column (a path) folds when space is short; on a console too narrow for the other
     columns plus a readable path, each row is printed as its path over an indented line of the rest.
     """
-    rows = [[inert(cell) for cell in row] for row in rows]      # escaped before they are measured
+    rows = [[inert(cell) for cell in row] for row in rows]  # escaped before they are measured
     widths = [max([len(column)] + [len(row[index]) for row in rows]) for index, column in enumerate(columns)]
-    rest = sum(widths[1:]) + 3 * (len(columns) - 1)      # padding on both sides and a separator
+    rest = sum(widths[1:]) + 3 * (len(columns) - 1)  # padding on both sides and a separator
     print_wrapped(console, Text(title, style="bold"))
     path_width = min(widths[0], console.width - rest - 3)
     if path_width >= 24:
@@ -298,9 +376,15 @@ def print_fitted(console: Console, title: str, columns: list[str], rows: list[li
     gap = "  " if 2 + sum(widths[1:]) + 2 * (len(columns) - 2) <= console.width else " "
 
     def line(cells: list[str]) -> str:
-        return "  " + gap.join(cell.rjust(width) if column in right else cell.ljust(width)
-                               for cell, width, column in zip(cells, widths[1:], columns[1:])).rstrip()
-    if len(line(columns[1:])) > console.width:        # not even one row fits: each as its cells, named
+        return (
+            "  "
+            + gap.join(
+                cell.rjust(width) if column in right else cell.ljust(width)
+                for cell, width, column in zip(cells, widths[1:], columns[1:])
+            ).rstrip()
+        )
+
+    if len(line(columns[1:])) > console.width:  # not even one row fits: each as its cells, named
         for row in rows:
             print_wrapped(console, Text(row[0], style="cyan"))
             print_wrapped(console, "  " + "; ".join(f"{c} {v}" for c, v in zip(columns[1:], row[1:]) if v), indent=4)
@@ -326,14 +410,22 @@ def _fold_path(path: str, width: int) -> str:
 def render_param_list(console: Console, params, roles, rules=None, *, collapse: bool = True) -> None:
     """`shardplan params`: path, shape, dtype, bytes, role; with a plan's rules, the winning rule and spec."""
     from shardplan.plan.matching import first_match
+
     title = f"{len(params)} parameters, {human_bytes(sum(p.nbytes for p in params))}" + (
-        " (repeated layers share a row; --all-params lists each)" if collapse else "")
+        " (repeated layers share a row; --all-params lists each)" if collapse else ""
+    )
     columns = ["path", "n", "shape", "dtype", "bytes", "role"] + (["rule", "spec"] if rules is not None else [])
     rows = []
     for path, members in _groups(params, lambda p: (p.shape, p.dtype.name, roles.of(p.path).kind), collapse):
         p = members[0]
-        cells = [path, str(len(members)), _shape(p.shape), p.dtype.name, human_bytes(sum(m.nbytes for m in members)),
-                 roles.of(p.path).kind]
+        cells = [
+            path,
+            str(len(members)),
+            _shape(p.shape),
+            p.dtype.name,
+            human_bytes(sum(m.nbytes for m in members)),
+            roles.of(p.path).kind,
+        ]
         if rules is not None:
             rule = first_match(rules, p.path)
             cells += ["unmatched", "-"] if rule is None else [f"#{rule.index + 1} :{rule.line}", format_spec(rule.spec)]
@@ -344,10 +436,16 @@ def render_param_list(console: Console, params, roles, rules=None, *, collapse: 
 def params_json(params, roles, rules=None) -> list[dict]:
     from shardplan.plan.matching import first_match
     from shardplan.checks.report import spec_json
+
     rows = []
     for p in params:
-        row = {"path": p.path, "shape": list(p.shape), "dtype": p.dtype.name, "bytes": p.nbytes,
-               "role": roles.of(p.path).kind}
+        row = {
+            "path": p.path,
+            "shape": list(p.shape),
+            "dtype": p.dtype.name,
+            "bytes": p.nbytes,
+            "role": roles.of(p.path).kind,
+        }
         if rules is not None:
             rule = first_match(rules, p.path)
             row["rule"] = None if rule is None else rule.index + 1
@@ -362,16 +460,31 @@ def render_diff(console: Console, changes, name_a: str, name_b: str, devices: in
     for path, members in _groups(changes, lambda c: (c.spec_a, c.spec_b), collapse):
         c = members[0]
         moved = sum(m.param_bytes_moved for m in members), sum(m.opt_bytes_moved for m in members)
-        rows.append([path, str(len(members)), format_spec(c.spec_a), format_spec(c.spec_b),
-                     "-" if not moved[0] else human_bytes(moved[0]), "-" if not moved[1] else human_bytes(moved[1])])
-    print_fitted(console, f"A = {name_a}, B = {name_b}, on {devices} devices (bytes moved: summed over devices)",
-                 ["path", "n", "spec in A", "spec in B", "params moved", "opt moved"], rows,
-                 right=("n", "params moved", "opt moved"))
+        rows.append(
+            [
+                path,
+                str(len(members)),
+                format_spec(c.spec_a),
+                format_spec(c.spec_b),
+                "-" if not moved[0] else human_bytes(moved[0]),
+                "-" if not moved[1] else human_bytes(moved[1]),
+            ]
+        )
+    print_fitted(
+        console,
+        f"A = {name_a}, B = {name_b}, on {devices} devices (bytes moved: summed over devices)",
+        ["path", "n", "spec in A", "spec in B", "params moved", "opt moved"],
+        rows,
+        right=("n", "params moved", "opt moved"),
+    )
     params, opt = sum(c.param_bytes_moved for c in changes), sum(c.opt_bytes_moved for c in changes)
     same = sum(c.spec_a == c.spec_b for c in changes)
-    print_wrapped(console, f"{same} of {len(changes)} parameters keep their spec; going from A to B moves "
-                  f"{human_bytes(params)} of parameters and {human_bytes(opt)} of optimizer state "
-                  f"({human_bytes((params + opt) / devices)} per device on average)")
+    print_wrapped(
+        console,
+        f"{same} of {len(changes)} parameters keep their spec; going from A to B moves "
+        f"{human_bytes(params)} of parameters and {human_bytes(opt)} of optimizer state "
+        f"({human_bytes((params + opt) / devices)} per device on average)",
+    )
 
 
 def render_device_detail(console: Console, report: Report, device_id: int, *, collapse: bool = True) -> None:
@@ -380,21 +493,35 @@ def render_device_detail(console: Console, report: Report, device_id: int, *, co
     coords = device_coords(report.axes, position)
     where = ", ".join(f"{axis}={c}" for axis, c in coords.items())
     stage = coords.get(report.plan.pipeline.axis) if report.stage_map else None
-    held = [(p, "[" + ", ".join(f"{a}:{b}" for a, b in index_ranges(p.shape, p.spec, report.axes, coords)) + "]")
-            for p in report.params if p.stage is None or p.stage == stage]     # a stage holds only its layers
+    held = [
+        (p, "[" + ", ".join(f"{a}:{b}" for a, b in index_ranges(p.shape, p.spec, report.axes, coords)) + "]")
+        for p in report.params
+        if p.stage is None or p.stage == stage
+    ]  # a stage holds only its layers
     rows = []
     for path, members in _groups(held, lambda item: (item[1], item[0].shard_shape), collapse, path=lambda i: i[0].path):
         p, holds = members[0]
-        rows.append([path, str(len(members)), holds, _shape(p.shard_shape), human_bytes(p.bytes_per_device * len(members))])
-    print_fitted(console, f"Device {device_id} (mesh position {where})", ["path", "n", "holds", "shard", "bytes"], rows,
-                 right=("n", "bytes"))
+        rows.append(
+            [path, str(len(members)), holds, _shape(p.shard_shape), human_bytes(p.bytes_per_device * len(members))]
+        )
+    print_fitted(
+        console,
+        f"Device {device_id} (mesh position {where})",
+        ["path", "n", "holds", "shard", "bytes"],
+        rows,
+        right=("n", "bytes"),
+    )
 
 
 def device_detail_json(report: Report, device_id: int) -> dict:
     coords = device_coords(report.axes, report.device_ids.index(device_id))
-    return {"device_id": device_id, "coords": coords,
-            "params": {p.path: [list(r) for r in index_ranges(p.shape, p.spec, report.axes, coords)]
-                       for p in report.params}}
+    return {
+        "device_id": device_id,
+        "coords": coords,
+        "params": {
+            p.path: [list(r) for r in index_ranges(p.shape, p.spec, report.axes, coords)] for p in report.params
+        },
+    }
 
 
 def render_summary(console: Console, report: Report) -> None:
@@ -403,35 +530,53 @@ def render_summary(console: Console, report: Report) -> None:
     render_context(console, report)
     if report.devices:
         d = report.devices[0]
-        print_wrapped(console, f"  per device: params {human_bytes(d.param_bytes)}, optimizer state "
-                      f"{human_bytes(d.opt_bytes)}; imbalance {imbalance(report.devices):.2f}")
+        print_wrapped(
+            console,
+            f"  per device: params {human_bytes(d.param_bytes)}, optimizer state "
+            f"{human_bytes(d.opt_bytes)}; imbalance {imbalance(report.devices):.2f}",
+        )
     render_diagnostics(console, report.diagnostics)
 
 
-def render_estimate(console: Console, workload, profile, cost, *, accumulate: int = 1, code=None,
-                    evened=None) -> None:
+def render_estimate(console: Console, workload, profile, cost, *, accumulate: int = 1, code=None, evened=None) -> None:
     """The cost model's figures for one device: memory, communication by kind and axes, time (`code`:
     what the model's code keeps beyond a plain transformer, `shardplan.checks.roles.CodeCopies`;
     `evened`: a split of the layers that evens out the pipeline's stages, and its slowest stage's compute)."""
     from shardplan.checks.layout import human_bytes
+
     console.print()
-    print_wrapped(console, Text.assemble(("Cost estimate", "bold"), f" per device, batch {workload.batch} x "
-                                         f"{workload.seq} tokens, {profile.name} profile (from shapes; nothing compiled):"))
+    print_wrapped(
+        console,
+        Text.assemble(
+            ("Cost estimate", "bold"),
+            f" per device, batch {workload.batch} x "
+            f"{workload.seq} tokens, {profile.name} profile (from shapes; nothing compiled):",
+        ),
+    )
     if profile.defaults_line():
         print_wrapped(console, Text(f"  {profile.defaults_line()}", style="yellow"))
-    print_wrapped(console, f"  memory: parameters {human_bytes(cost.param_bytes)}, gradients {human_bytes(cost.grad_bytes)}, "
-                  f"optimizer {human_bytes(cost.optimizer_bytes)}, activations {human_bytes(cost.activation_bytes)} "
-                  f"({human_bytes(cost.activation_bytes_remat)} with rematerialised layers); "
-                  f"peak {human_bytes(cost.peak_bytes)}")
+    print_wrapped(
+        console,
+        f"  memory: parameters {human_bytes(cost.param_bytes)}, gradients {human_bytes(cost.grad_bytes)}, "
+        f"optimizer {human_bytes(cost.optimizer_bytes)}, activations {human_bytes(cost.activation_bytes)} "
+        f"({human_bytes(cost.activation_bytes_remat)} with rematerialised layers); "
+        f"peak {human_bytes(cost.peak_bytes)}",
+    )
     if code is not None:
         _render_code(console, code)
     if accumulate > 1:
-        print_wrapped(console, f"  gradient accumulation: {accumulate} microbatches in turn; the activations above are one "
-                      "microbatch's, and each microbatch's gradient is reduced as it comes")
+        print_wrapped(
+            console,
+            f"  gradient accumulation: {accumulate} microbatches in turn; the activations above are one "
+            "microbatch's, and each microbatch's gradient is reduced as it comes",
+        )
     if cost.bubble:
-        print_wrapped(console, f"  one microbatch through this stage's layers keeps {human_bytes(cost.microbatch_activation_bytes)}"
-                      f" ({human_bytes(cost.microbatch_activation_bytes_remat)} rematerialised); the schedule's "
-                      "stored activations are included above")
+        print_wrapped(
+            console,
+            f"  one microbatch through this stage's layers keeps {human_bytes(cost.microbatch_activation_bytes)}"
+            f" ({human_bytes(cost.microbatch_activation_bytes_remat)} rematerialised); the schedule's "
+            "stored activations are included above",
+        )
     table = Table(box=None, pad_edge=False)
     for column in ("collective", "mesh axes", "ops/step", "bytes/step"):
         table.add_column(column, justify="right" if column in ("ops/step", "bytes/step") else "left")
@@ -442,13 +587,19 @@ def render_estimate(console: Console, workload, profile, cost, *, accumulate: in
     else:
         print_wrapped(console, "  no collectives")
     bubble = f", pipeline bubble {cost.bubble:.3f}" if cost.bubble else ""
-    behind = {"backward": "gradient reductions behind the backward", "prefetch": "FSDP gathers behind the layer "
-              "before", "attention": "ring steps behind their scores"}
+    behind = {
+        "backward": "gradient reductions behind the backward",
+        "prefetch": "FSDP gathers behind the layer before",
+        "attention": "ring steps behind their scores",
+    }
     hidden = ", ".join(f"{behind[lane]} {seconds * 1e3:.2f} ms" for lane, seconds in cost.hidden)
-    print_wrapped(console, f"  {cost.flops / 1e12:.3f} TFLOP; modelled step {cost.step_s * 1e3:.2f} ms = compute "
-                  f"{cost.compute_s * 1e3:.2f} ms{bubble} + communication {cost.exposed_communication_s * 1e3:.2f} ms"
-                  f" + optimizer update {cost.update_s * 1e3:.2f} ms" + (f" (more runs during compute: {hidden})"
-                                                                         if hidden else ""))
+    print_wrapped(
+        console,
+        f"  {cost.flops / 1e12:.3f} TFLOP; modelled step {cost.step_s * 1e3:.2f} ms = compute "
+        f"{cost.compute_s * 1e3:.2f} ms{bubble} + communication {cost.exposed_communication_s * 1e3:.2f} ms"
+        f" + optimizer update {cost.update_s * 1e3:.2f} ms"
+        + (f" (more runs during compute: {hidden})" if hidden else ""),
+    )
     _render_stage_costs(console, cost, evened)
     for caveat in cost.caveats:
         print_wrapped(console, Text.assemble(("  approximate: ", "bold yellow"), caveat))
@@ -458,13 +609,14 @@ def _render_stage_costs(console: Console, cost, evened=None) -> None:
     """Each pipeline stage's modelled activations and compute, how unequal they are, and a split of the
     layers that evens them out (`evened`)."""
     from shardplan.checks.layout import human_bytes
+
     times, kept = cost.stage_compute_s, cost.stage_activation_bytes
     if len(times) < 2 or len(kept) != len(times):
         return
     table = Table(box=None, pad_edge=False)
     for column in ("stage", "activations kept", "compute/step"):
         table.add_column(column, justify="left" if column == "stage" else "right")
-    rows: list[list] = []       # stages alike as shown share a row (64 stages: a few rows)
+    rows: list[list] = []  # stages alike as shown share a row (64 stages: a few rows)
     for stage, (seconds, nbytes) in enumerate(zip(times, kept)):
         shown = [human_bytes(nbytes), f"{seconds * 1e3:.2f} ms"]
         if rows and rows[-1][1:] == shown:
@@ -472,37 +624,56 @@ def _render_stage_costs(console: Console, cost, evened=None) -> None:
         else:
             rows.append([[stage], *shown])
     if len(rows) == 1:
-        return          # (every stage alike: the whole-batch loop runs the code around the layers everywhere)
+        return  # (every stage alike: the whole-batch loop runs the code around the layers everywhere)
     for stages, *shown in rows:
         table.add_row(_index_ranges(stages, through="-", separator=", "), *shown)
     print_table(console, table)
-    print_wrapped(console, f"  the stages run in lockstep, so the slowest sets the pace (slowest/fastest "
-                  f"{max(times) / min(times):.2f}: the stage holding the first layer also runs the code before the "
-                  f"layers, the one holding the last the head and loss); what they keep differs {max(kept) / max(1, min(kept)):.2f}x, but one program runs "
-                  "every stage: each device has room for what any stage keeps (the activations above)")
+    print_wrapped(
+        console,
+        f"  the stages run in lockstep, so the slowest sets the pace (slowest/fastest "
+        f"{max(times) / min(times):.2f}: the stage holding the first layer also runs the code before the "
+        f"layers, the one holding the last the head and loss); what they keep differs {max(kept) / max(1, min(kept)):.2f}x, but one program runs "
+        "every stage: each device has room for what any stage keeps (the activations above)",
+    )
     if evened is not None:
         split, slowest = evened
-        print_wrapped(console, f"  layers {'/'.join(map(str, split))} per stage would even them out: the slowest at "
-                      f"{slowest * 1e3:.2f} ms instead of {max(times) * 1e3:.2f} (write them as `stages:` rules, "
-                      "docs/pipelines.md \"Shorter end stages\"; every stage then holds the longest's layer slots)")
-
+        print_wrapped(
+            console,
+            f"  layers {'/'.join(map(str, split))} per stage would even them out: the slowest at "
+            f"{slowest * 1e3:.2f} ms instead of {max(times) * 1e3:.2f} (write them as `stages:` rules, "
+            'docs/pipelines.md "Shorter end stages"; every stage then holds the longest\'s layer slots)',
+        )
 
 
 def _render_code(console: Console, code) -> None:
     """What one traced forward found that the parameters do not show (counted in the estimate)."""
     if not code.traced:
-        print_wrapped(console, "  activations counted as a plain transformer's: the forward could not be traced with the "
-                      "tokens alone")
+        print_wrapped(
+            console,
+            "  activations counted as a plain transformer's: the forward could not be traced with the tokens alone",
+        )
         return
-    more = [f"{n:g} of {what}" for n, what in ((code.scores, "each layer's attention scores"),
-                                                (code.logits, "the logits"), (code.head_weights, "the head's weights"))
-            if n]
+    more = [
+        f"{n:g} of {what}"
+        for n, what in (
+            (code.scores, "each layer's attention scores"),
+            (code.logits, "the logits"),
+            (code.head_weights, "the head's weights"),
+        )
+        if n
+    ]
     if more:
-        print_wrapped(console, f"  the model's code keeps more copies than a plain transformer's (read from one traced "
-                      f"forward, counted above): {', '.join(more)}")
+        print_wrapped(
+            console,
+            f"  the model's code keeps more copies than a plain transformer's (read from one traced "
+            f"forward, counted above): {', '.join(more)}",
+        )
     if code.heads != 1:
-        print_wrapped(console, f"  its attention scores have {code.heads:g}x the heads its parameter shapes suggest (heads kept "
-                      "flattened; read from one traced forward, counted above)")
+        print_wrapped(
+            console,
+            f"  its attention scores have {code.heads:g}x the heads its parameter shapes suggest (heads kept "
+            "flattened; read from one traced forward, counted above)",
+        )
 
 
 def render_profiles(console: Console, profiles) -> None:
@@ -510,14 +681,30 @@ def render_profiles(console: Console, profiles) -> None:
     rows = []
     for p in profiles:
         by_dtype = ", ".join(f"{d} {f / 1e12:g}" for d, f in p.peak_flops_by_dtype.items())
-        rows.append([p.name, f"{p.peak_flops / 1e12:g}" + (f" ({by_dtype})" if by_dtype else ""),
-                     human_bytes(p.memory_bytes), f"{p.memory_bandwidth / 1e9:g}",
-                     f"{p.intra_host_bandwidth / 1e9:g} / {p.inter_host_bandwidth / 1e9:g}", str(p.devices_per_host),
-                     f"{p.matmul_efficiency:g} / {p.attention_efficiency:g} / {p.link_efficiency:g}",
-                     f"{p.collective_latency * 1e6:g} / {p.matmul_overhead * 1e6:g}",
-                     p.attention + (", shared compute" if p.shared_compute else "")])
-    columns = ["name", "peak TFLOP/s", "memory", "memory GB/s", "links GB/s (host / between)", "per host",
-               "share: matmul / attention / link", "us: collective / matmul", "attention"]
+        rows.append(
+            [
+                p.name,
+                f"{p.peak_flops / 1e12:g}" + (f" ({by_dtype})" if by_dtype else ""),
+                human_bytes(p.memory_bytes),
+                f"{p.memory_bandwidth / 1e9:g}",
+                f"{p.intra_host_bandwidth / 1e9:g} / {p.inter_host_bandwidth / 1e9:g}",
+                str(p.devices_per_host),
+                f"{p.matmul_efficiency:g} / {p.attention_efficiency:g} / {p.link_efficiency:g}",
+                f"{p.collective_latency * 1e6:g} / {p.matmul_overhead * 1e6:g}",
+                p.attention + (", shared compute" if p.shared_compute else ""),
+            ]
+        )
+    columns = [
+        "name",
+        "peak TFLOP/s",
+        "memory",
+        "memory GB/s",
+        "links GB/s (host / between)",
+        "per host",
+        "share: matmul / attention / link",
+        "us: collective / matmul",
+        "attention",
+    ]
     print_fitted(console, "device profiles", columns, rows)
     for p in profiles:
         print_wrapped(console, Text.assemble((f"{p.name}", "bold"), f" ({p.source}): {p.description}"))

@@ -84,6 +84,7 @@ def print_table(console: Console, table) -> None:
     """`table` as rich lays it out, each line without the trailing spaces rich pads it with (a
     copied table then pastes clean, and a folded cell leaves no blank run behind it)."""
     from rich.segment import Segment, Segments
+
     for line in console.render_lines(table, console.options, pad=False):
         while line and not line[-1].control and not line[-1].text.rstrip():
             line.pop()
@@ -113,10 +114,10 @@ def _lines(plain: str, width: int, indent: int) -> list[tuple[int, int]]:
     spans, start, end, room = [], 0, 0, width
     for word in _WORD.finditer(plain):
         w_start, bare_end = word.start(), word.start() + len(word.group().rstrip())
-        if end > start and bare_end - start > room:         # the word does not fit on this line
+        if end > start and bare_end - start > room:  # the word does not fit on this line
             spans.append((start, end))
             start, room = w_start, width - indent
-        while bare_end - start > room:                       # a word longer than a line: break after a '/'
+        while bare_end - start > room:  # a word longer than a line: break after a '/'
             slash = plain.rfind("/", start, start + room)
             cut = slash + 1 if slash - start >= room // 2 else start + room
             spans.append((start, cut))
@@ -134,6 +135,7 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):
         import shutil
         import textwrap
+
         self.print_usage(sys.stderr)
         width = max(shutil.get_terminal_size().columns, 40)
         text = textwrap.fill(f"{self.prog}: error: {message}", width, subsequent_indent="    ")
@@ -146,6 +148,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         import textwrap
+
         out = []
         for block in text.split("\n\n"):
             lines = block.splitlines()

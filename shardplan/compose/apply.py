@@ -47,19 +47,23 @@ def apply_plan(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh, *, exampl
     """
     report = _checked(plan, model, mesh, example, roles)
     plain_graphdef = nnx.graphdef(model) if report.stage_map is not None else None
-    if report.stage_map is not None:         # layers stacked by nnx.vmap / nnx.scan become the list they stand for
+    if report.stage_map is not None:  # layers stacked by nnx.vmap / nnx.scan become the list they stand for
         from shardplan.pipeline.stacked import pipeline_layers_of
+
         pipeline_layers_of(plan, model, in_place=True)
     if plan.tensor_overlap:
         from shardplan.run.flags import tensor_overlap_in_effect
+
         why = tensor_overlap_in_effect(mesh.devices.flat[0].platform)
         warn([Diagnostic("tensor-overlap-no-effect", "warning", why, file=plan.file)] if why else [], stacklevel=3)
     specs = {layout.path: layout.spec for layout in report.params}
-    if report.experts:           # before the step options, so remat and constraints wrap the exchange
+    if report.experts:  # before the step options, so remat and constraints wrap the exchange
         from shardplan.experts.block import install
+
         install(plan, model, mesh, report.experts)
     if plan.context is not None:
         from shardplan.context.install import install as install_context
+
         install_context(plan, model, mesh, roles)
     apply_step_options(plan, model, mesh)
     if report.stage_map is not None:
@@ -76,22 +80,32 @@ def _pipelined(plan: Plan, model: nnx.Module, mesh, report: Report, specs: dict,
     (its layers stacked by nnx.vmap, or a list), which `to_plain` returns to."""
     from shardplan.pipeline.pipelined import PipelinedLayers
     from shardplan.pipeline.stacked import StackedList
+
     pipe, stage_map = plan.pipeline, report.stage_map
 
-    def stacked_spec(path: str) -> tuple:      # a layer's leaf (its path inside the layer), stacked
+    def stacked_spec(path: str) -> tuple:  # a layer's leaf (its path inside the layer), stacked
         return ((pipe.axis,), None, None) + tuple(specs.get(f"{pipe.layers}/0/{path}", ()))
-    layers = PipelinedLayers(list(node_at(model, pipe.layers)), name=pipe.layers, stages=stage_map.stages,
-                             virtual=stage_map.virtual, mesh=mesh, axis=pipe.axis, schedule=pipe.schedule,
-                             microbatches=pipe.microbatches, batch_axes=_manual_batch_axes(plan, report, specs),
-                             plain_graphdef=plain_graphdef, counts=stage_map.counts,
-                             restack=isinstance(node_at(model, pipe.layers), StackedList),
-                             split_heads=_tensor_split_outside(plan, report, specs),
-                             sharding_of=lambda path: NamedSharding(mesh, partition_spec(stacked_spec(path))),
-                             data_axes=tuple(a for a in data_axes(plan, report.axes) if a != pipe.axis)
-                             + _idle_axes(plan, report, specs),
-                             context_axis=plan.context.axis if plan.context and report.axes[plan.context.axis] > 1
-                             else None, expert_axis=plan.experts.axis if report.experts else None,
-                             expert_weights=_expert_weights(plan, report))
+
+    layers = PipelinedLayers(
+        list(node_at(model, pipe.layers)),
+        name=pipe.layers,
+        stages=stage_map.stages,
+        virtual=stage_map.virtual,
+        mesh=mesh,
+        axis=pipe.axis,
+        schedule=pipe.schedule,
+        microbatches=pipe.microbatches,
+        batch_axes=_manual_batch_axes(plan, report, specs),
+        plain_graphdef=plain_graphdef,
+        counts=stage_map.counts,
+        restack=isinstance(node_at(model, pipe.layers), StackedList),
+        split_heads=_tensor_split_outside(plan, report, specs),
+        sharding_of=lambda path: NamedSharding(mesh, partition_spec(stacked_spec(path))),
+        data_axes=tuple(a for a in data_axes(plan, report.axes) if a != pipe.axis) + _idle_axes(plan, report, specs),
+        context_axis=plan.context.axis if plan.context and report.axes[plan.context.axis] > 1 else None,
+        expert_axis=plan.experts.axis if report.experts else None,
+        expert_weights=_expert_weights(plan, report),
+    )
     set_node_at(model, pipe.layers, layers)
     prefix = pipe.layers + "/"
     for keys, variable in nnx.to_flat_state(nnx.state(model)):
@@ -106,15 +120,22 @@ def _pipelined(plan: Plan, model: nnx.Module, mesh, report: Report, specs: dict,
 def _expert_weights(plan: Plan, report: Report) -> frozenset:
     """Paths, within one pipelined layer, of its blocks' expert weights."""
     prefix = plan.pipeline.layers + "/"
-    return frozenset(path.removeprefix(prefix).split("/", 1)[1] for r in report.experts or ()
-                     for path in r.experts if path.startswith(prefix))
+    return frozenset(
+        path.removeprefix(prefix).split("/", 1)[1]
+        for r in report.experts or ()
+        for path in r.experts
+        if path.startswith(prefix)
+    )
 
 
 def _tensor_split_outside(plan: Plan, report: Report, specs: dict) -> tuple[str, ...]:
     """Parameters outside the pipelined layers split over tensor axes only (none of the batch axes)."""
     batch = set(data_axes(plan, report.axes))
-    return tuple(path for path, spec in specs.items() if not path.startswith(plan.pipeline.layers + "/") and
-                 spec_axes(spec) and not set(spec_axes(spec)) & batch)
+    return tuple(
+        path
+        for path, spec in specs.items()
+        if not path.startswith(plan.pipeline.layers + "/") and spec_axes(spec) and not set(spec_axes(spec)) & batch
+    )
 
 
 def _manual_batch_axes(plan: Plan, report: Report, specs: dict) -> tuple[str, ...]:
@@ -151,7 +172,7 @@ def _place(variable: nnx.Variable, sharding: NamedSharding) -> None:
     value = variable.get_value()
     if isinstance(value, jax.ShapeDtypeStruct):
         variable.set_value(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding))
-    elif isinstance(value, jax.core.Tracer):        # under jit: the array is constrained, as the metadata says
+    elif isinstance(value, jax.core.Tracer):  # under jit: the array is constrained, as the metadata says
         variable.set_value(pin(value, sharding))
     elif hasattr(value, "shape"):
         variable.set_value(jax.device_put(value, sharding))
@@ -192,11 +213,15 @@ def init(plan: Plan, factory, mesh: jax.sharding.Mesh, *, example=None, key=None
         if not untraceable(exc):
             raise
         import warnings
-        warnings.warn(f"shardplan.init: the factory cannot be built inside a compiled program ({type(exc).__name__}: "
-                      f"{first_line(exc)}; e.g. a submodule built with a default "
-                      "rngs=nnx.Rngs(0) made outside it): built it whole on the default device, then placed it "
-                      "(apply_plan). Pass rngs on to every submodule to build it on its shards",
-                      PlanWarning, stacklevel=2)
+
+        warnings.warn(
+            f"shardplan.init: the factory cannot be built inside a compiled program ({type(exc).__name__}: "
+            f"{first_line(exc)}; e.g. a submodule built with a default "
+            "rngs=nnx.Rngs(0) made outside it): built it whole on the default device, then placed it "
+            "(apply_plan). Pass rngs on to every submodule to build it on its shards",
+            PlanWarning,
+            stacklevel=2,
+        )
         with unplaced():
             return apply_plan(plan, factory(), mesh, example=example)
 
@@ -225,6 +250,7 @@ def init_program(plan: Plan, factory, mesh: jax.sharding.Mesh, *, example=None):
 
     def build():
         return nnx.state(apply_plan(plan, _built(factory), mesh, example=example))
+
     return graphdef, jax.jit(build, out_shardings=shardings)
 
 
@@ -261,8 +287,9 @@ class _PipelineInit:
         return self.create.lower()
 
 
-def shard_optimizer(plan: Plan, model: nnx.Module, tx: optax.GradientTransformation,
-                    mesh: jax.sharding.Mesh) -> nnx.Optimizer:
+def shard_optimizer(
+    plan: Plan, model: nnx.Module, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh
+) -> nnx.Optimizer:
     """An `nnx.Optimizer` over the model's parameters, its state placed per the plan's `optimizer`; its
     `update` keeps the model and the state on the plan's layout (a plain `nnx.jit` step needs no `constrain`).
     It holds the model as `nnx.ModelAndOptimizer` does, so a step written for either works as it is:
@@ -303,7 +330,7 @@ def shard_optimizer(plan: Plan, model: nnx.Module, tx: optax.GradientTransformat
             continue
         param_shape, spec, opt_shape, opt_spec = layout
         _place(variable, NamedSharding(mesh, partition_spec(opt_spec)))
-        if opt_shape != param_shape:      # checkpoints keep it unpadded, placed as its parameter
+        if opt_shape != param_shape:  # checkpoints keep it unpadded, placed as its parameter
             variable.set_metadata(unpadded=(param_shape, NamedSharding(mesh, partition_spec(spec))))
     _record_optimizer_sharding(model, planned)
     return optimizer
@@ -367,8 +394,10 @@ def _planned_specs(model: nnx.Module, sizes: dict[str, int], data: tuple[str, ..
     for keys, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         metadata = variable.get_metadata()
         if not isinstance(metadata.get("out_sharding"), PartitionSpec):
-            raise ValueError(f"shard_optimizer requires a model placed by apply_plan, but {join_path(keys)} "
-                             "carries no planned sharding")
+            raise ValueError(
+                f"shard_optimizer requires a model placed by apply_plan, but {join_path(keys)} "
+                "carries no planned sharding"
+            )
         spec = tuple(None if e is None else (e,) if isinstance(e, str) else tuple(e) for e in metadata["out_sharding"])
         shape = tuple(variable.get_value().shape)
         planned[join_path(keys)] = (shape, spec, *zero1_layout(shape, spec, sizes, data))
@@ -452,18 +481,24 @@ def _named_batch(plan: Plan, batch):
         elif len(names) == 1:
             pairs = [(names[0], x) for x in batch]
         else:
-            raise TypeError(f"shard_inputs got a {type(batch).__name__} of {len(batch)} arrays, but the plan declares "
-                            f"{len(names)} inputs ({', '.join(names)}): pass one array per input, in that order, or a "
-                            "dict of input names to arrays")
+            raise TypeError(
+                f"shard_inputs got a {type(batch).__name__} of {len(batch)} arrays, but the plan declares "
+                f"{len(names)} inputs ({', '.join(names)}): pass one array per input, in that order, or a "
+                "dict of input names to arrays"
+            )
         kind = type(batch)
         return {k: pair for k, pair in enumerate(pairs)}, lambda placed: kind(placed[k] for k in range(len(pairs)))
     if hasattr(batch, "shape"):
         if len(names) != 1:
-            raise TypeError(f"shard_inputs got one array, but the plan declares {len(names)} inputs "
-                            f"({', '.join(names)}): pass a dict of input names to arrays, or a tuple in that order")
+            raise TypeError(
+                f"shard_inputs got one array, but the plan declares {len(names)} inputs "
+                f"({', '.join(names)}): pass a dict of input names to arrays, or a tuple in that order"
+            )
         return {0: (names[0], batch)}, lambda placed: placed[0]
-    raise TypeError(f"shard_inputs takes a dict of input names to arrays, a tuple or list of arrays, or one array; "
-                    f"got {type(batch).__name__}")
+    raise TypeError(
+        f"shard_inputs takes a dict of input names to arrays, a tuple or list of arrays, or one array; "
+        f"got {type(batch).__name__}"
+    )
 
 
 def shard_local_inputs(plan: Plan, batch: dict, mesh: jax.sharding.Mesh) -> dict:
@@ -485,9 +520,14 @@ def shard_local_inputs(plan: Plan, batch: dict, mesh: jax.sharding.Mesh) -> dict
     shapes = {key: (x.shape[0] * processes, *x.shape[1:]) for key, (_, x) in named.items()}
     _check_named(plan, {key: (name, shapes[key]) for key, (name, _) in named.items()}, mesh)
     placed = _balanced(plan, {key: x for key, (_, x) in named.items()}, mesh, {key: n for key, (n, _) in named.items()})
-    return rebuild({key: jax.make_array_from_process_local_data(_input_sharding(plan, named[key][0], mesh),
-                                                                np.asarray(x), shapes[key])
-                    for key, x in placed.items()})
+    return rebuild(
+        {
+            key: jax.make_array_from_process_local_data(
+                _input_sharding(plan, named[key][0], mesh), np.asarray(x), shapes[key]
+            )
+            for key, x in placed.items()
+        }
+    )
 
 
 def _balanced(plan: Plan, batch: dict, mesh, names: dict | None = None) -> dict:
@@ -498,6 +538,7 @@ def _balanced(plan: Plan, batch: dict, mesh, names: dict | None = None) -> dict:
     if context is None or not context.load_balance or dict(mesh.shape)[context.axis] == 1:
         return batch
     from shardplan.context.layout import laid_out
+
     split = context_inputs(plan)
     names = names or {key: key for key in batch}
     lengths = {x.shape[split[names[key]]] for key, x in batch.items() if names[key] in split}

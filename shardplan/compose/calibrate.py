@@ -27,10 +27,26 @@ from shardplan.planner.profiles import Profile, profile_file_text
 
 # (rows, inner, columns) per device: rows are tokens; the others a layer's widths. Each list spans
 # the shapes its backend runs in the tests and benchmarks, small kernels to large.
-CPU_SHAPES = ((256, 256, 256), (1024, 256, 256), (1024, 256, 1024), (1024, 1024, 256), (4096, 256, 256),
-              (2048, 256, 1024), (1024, 256, 4096), (2048, 512, 512))
-GPU_SHAPES = ((512, 1024, 1024), (2048, 1024, 4096), (4096, 4096, 4096), (8192, 4096, 4096),
-              (8192, 4096, 14336), (16384, 8192, 8192), (4096, 8192, 28672), (16384, 4096, 4096))
+CPU_SHAPES = (
+    (256, 256, 256),
+    (1024, 256, 256),
+    (1024, 256, 1024),
+    (1024, 1024, 256),
+    (4096, 256, 256),
+    (2048, 256, 1024),
+    (1024, 256, 4096),
+    (2048, 512, 512),
+)
+GPU_SHAPES = (
+    (512, 1024, 1024),
+    (2048, 1024, 4096),
+    (4096, 4096, 4096),
+    (8192, 4096, 4096),
+    (8192, 4096, 14336),
+    (16384, 8192, 8192),
+    (4096, 8192, 28672),
+    (16384, 4096, 4096),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,30 +54,36 @@ class Calibration:
     """What was measured, and the profile it makes."""
 
     profile: Profile
-    matmuls: tuple[tuple[int, int, int, float], ...]      # (rows, inner, columns, seconds) per device
-    elementwise: tuple[int, float]                        # (bytes moved per device, seconds)
+    matmuls: tuple[tuple[int, int, int, float], ...]  # (rows, inner, columns, seconds) per device
+    elementwise: tuple[int, float]  # (bytes moved per device, seconds)
     collectives: tuple[tuple[str, str, int, float], ...]  # (kind, over: "host"/"hosts", bytes per device, seconds)
-    attention: tuple[tuple[int, ...], float]              # ((batch, seq, heads, head dim) per device, seconds)
+    attention: tuple[tuple[int, ...], float]  # ((batch, seq, heads, head dim) per device, seconds)
     backend: str
     devices: int
     processes: int
     dtype: str
     when: str
-    alone: float                                          # the largest product on one device, the others idle
-    seconds: float                                        # how long the calibration took
-    dispatch: float                                       # seconds of launching a call, taken off each timing
+    alone: float  # the largest product on one device, the others idle
+    seconds: float  # how long the calibration took
+    dispatch: float  # seconds of launching a call, taken off each timing
 
     def record(self) -> dict:
         """The measurements, as the profile file keeps them (`calibration:`)."""
-        return {"measured": self.when, "backend": self.backend, "devices": self.devices,
-                "processes": self.processes, "dtype": self.dtype, "took_s": round(self.seconds, 1),
-                "dispatch_s_taken_off": _round(self.dispatch),
-                "how": "median of timed runs after a warm-up, every device working at once",
-                "matmuls_rows_inner_columns_s": [[m, k, n, _round(s)] for m, k, n, s in self.matmuls],
-                "elementwise_bytes_s": [self.elementwise[0], _round(self.elementwise[1])],
-                "collectives_kind_over_bytes_s": [[kind, over, b, _round(s)] for kind, over, b, s in self.collectives],
-                "attention_shape_s": [list(self.attention[0]), _round(self.attention[1])],
-                "largest_matmul_alone_s": _round(self.alone)}
+        return {
+            "measured": self.when,
+            "backend": self.backend,
+            "devices": self.devices,
+            "processes": self.processes,
+            "dtype": self.dtype,
+            "took_s": round(self.seconds, 1),
+            "dispatch_s_taken_off": _round(self.dispatch),
+            "how": "median of timed runs after a warm-up, every device working at once",
+            "matmuls_rows_inner_columns_s": [[m, k, n, _round(s)] for m, k, n, s in self.matmuls],
+            "elementwise_bytes_s": [self.elementwise[0], _round(self.elementwise[1])],
+            "collectives_kind_over_bytes_s": [[kind, over, b, _round(s)] for kind, over, b, s in self.collectives],
+            "attention_shape_s": [list(self.attention[0]), _round(self.attention[1])],
+            "largest_matmul_alone_s": _round(self.alone),
+        }
 
 
 def _round(seconds: float) -> float:
@@ -98,8 +120,11 @@ def _filled(mesh, shape: tuple[int, ...], dtype, value: float) -> jax.Array:
     """An array of `value` split over every device along its first dim (built where each shard lives, so
     it also works when other processes hold some of the devices)."""
     sharding = NamedSharding(mesh, P(("hosts", "host")))
-    return jax.make_array_from_callback(shape, sharding, lambda index: np.full(
-        tuple(len(range(*i.indices(n))) for i, n in zip(index, shape)), value, dtype))
+    return jax.make_array_from_callback(
+        shape,
+        sharding,
+        lambda index: np.full(tuple(len(range(*i.indices(n))) for i, n in zip(index, shape)), value, dtype),
+    )
 
 
 def _matmul(mesh, m: int, k: int, n: int, dtype, dispatch: float, chain: int = 4) -> float:
@@ -109,8 +134,10 @@ def _matmul(mesh, m: int, k: int, n: int, dtype, dispatch: float, chain: int = 4
     x, w = _filled(mesh, (mesh.size * m, k), dtype, 1.0), _filled(mesh, (mesh.size * k, n), dtype, 0.01)
 
     def products(a, b):
-        return jax.lax.fori_loop(0, chain, lambda i, acc: acc + (a * i.astype(a.dtype)) @ b,
-                                 jnp.zeros((a.shape[0], b.shape[1]), a.dtype))
+        return jax.lax.fori_loop(
+            0, chain, lambda i, acc: acc + (a * i.astype(a.dtype)) @ b, jnp.zeros((a.shape[0], b.shape[1]), a.dtype)
+        )
+
     product = jax.jit(jax.shard_map(products, mesh=mesh, in_specs=(both, both), out_specs=both, check_vma=False))
     return timed(product, x, w, dispatch=dispatch) / chain
 
@@ -122,8 +149,10 @@ def _alone(m: int, k: int, n: int, dtype, dispatch: float, chain: int = 4) -> fl
     w = jax.device_put(jnp.ones((k, n), dtype) * 0.01, device)
 
     def products(a, b):
-        return jax.lax.fori_loop(0, chain, lambda i, acc: acc + (a * i.astype(a.dtype)) @ b,
-                                 jnp.zeros((a.shape[0], b.shape[1]), a.dtype))
+        return jax.lax.fori_loop(
+            0, chain, lambda i, acc: acc + (a * i.astype(a.dtype)) @ b, jnp.zeros((a.shape[0], b.shape[1]), a.dtype)
+        )
+
     return timed(jax.jit(products), x, w, dispatch=dispatch) / chain
 
 
@@ -140,7 +169,7 @@ def _collective(mesh, kind: str, over: str, elements: int, dispatch: float) -> f
     both = P(("hosts", "host"))
     x = _filled(mesh, (mesh.size * elements,), jnp.float32, 1.0)
     if kind == "all-reduce":
-        body = lambda a: jax.lax.psum(a, over)                              # noqa: E731
+        body = lambda a: jax.lax.psum(a, over)  # noqa: E731
     else:
         body = lambda a: jax.lax.all_gather(a, over, tiled=True)[: a.shape[0]]  # noqa: E731
     return timed(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=both, out_specs=both)), x, dispatch=dispatch)
@@ -150,8 +179,11 @@ def _attention(mesh, shape: tuple[int, int, int, int], dtype, dispatch: float) -
     both = P(("hosts", "host"))
     b, t, h, d = shape
     q = _filled(mesh, (mesh.size * b, t, h, d), dtype, 0.1)
-    attend = jax.jit(jax.shard_map(lambda a: jax.nn.dot_product_attention(a, a, a, is_causal=False), mesh=mesh,
-                                   in_specs=both, out_specs=both))
+    attend = jax.jit(
+        jax.shard_map(
+            lambda a: jax.nn.dot_product_attention(a, a, a, is_causal=False), mesh=mesh, in_specs=both, out_specs=both
+        )
+    )
     return timed(attend, q, dispatch=dispatch)
 
 
@@ -162,7 +194,7 @@ def fit_rate(points: list[tuple[float, float]]) -> tuple[float, float]:
     seconds = np.array([s for _, s in points], float)
     design = np.stack([work, np.ones_like(work)], 1) / seconds[:, None]
     (inverse, overhead), *_ = np.linalg.lstsq(design, np.ones_like(work), rcond=None)
-    if overhead < 0 or inverse <= 0:       # no fixed cost to be seen: the rate through the origin
+    if overhead < 0 or inverse <= 0:  # no fixed cost to be seen: the rate through the origin
         return float(np.sum(work) / np.sum(seconds)), 0.0
     return float(1.0 / inverse), float(overhead)
 
@@ -181,12 +213,18 @@ def _memory_per_device(devices: int) -> int:
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
     import os
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")      # simulated devices share the host's
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # simulated devices share the host's
     return int(total // devices)
 
 
-def calibrate(*, name: str = "measured", dtype: str | None = None, quick: bool = False,
-              progress: Callable[[str], None] = lambda _: None) -> Calibration:
+def calibrate(
+    *,
+    name: str = "measured",
+    dtype: str | None = None,
+    quick: bool = False,
+    progress: Callable[[str], None] = lambda _: None,
+) -> Calibration:
     """Measure the devices at hand (see the module docstring); `quick`: fewer and smaller shapes."""
     started = time.perf_counter()
     backend = jax.default_backend()
@@ -236,16 +274,41 @@ def calibrate(*, name: str = "measured", dtype: str | None = None, quick: bool =
     latency = statistics.median([lat for pairs in links.values() for _, lat in pairs]) if links else 10e-6
     when = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
     profile = Profile(
-        name, f"measured by `shardplan calibrate` on {devices} {backend} device(s) over {hosts} process(es), "
-        f"{dtype}, {when}", peak_flops=rate, memory_bytes=_memory_per_device(devices), memory_bandwidth=bandwidth,
-        intra_host_bandwidth=intra[0] if intra else bandwidth, inter_host_bandwidth=inter[0] if inter else
-        (intra[0] if intra else bandwidth) / 4, collective_latency=latency, devices_per_host=mesh.shape["host"],
-        peak_flops_by_dtype={dtype: rate}, matmul_efficiency=1.0, link_efficiency=1.0,
-        attention_efficiency=min(1.0, attention_rate / rate), matmul_overhead=min(overhead, 1.0),
-        low_precision_native=backend != "cpu", overlap=backend != "cpu", shared_compute=shared, source="measured",
-        attention="fused" if backend == "gpu" else "materialised")
-    return Calibration(profile, tuple(matmuls), elementwise, tuple(collectives), (shape, attention_s), backend,
-                       devices, hosts, dtype, when, alone, time.perf_counter() - started, dispatch)
+        name,
+        f"measured by `shardplan calibrate` on {devices} {backend} device(s) over {hosts} process(es), {dtype}, {when}",
+        peak_flops=rate,
+        memory_bytes=_memory_per_device(devices),
+        memory_bandwidth=bandwidth,
+        intra_host_bandwidth=intra[0] if intra else bandwidth,
+        inter_host_bandwidth=inter[0] if inter else (intra[0] if intra else bandwidth) / 4,
+        collective_latency=latency,
+        devices_per_host=mesh.shape["host"],
+        peak_flops_by_dtype={dtype: rate},
+        matmul_efficiency=1.0,
+        link_efficiency=1.0,
+        attention_efficiency=min(1.0, attention_rate / rate),
+        matmul_overhead=min(overhead, 1.0),
+        low_precision_native=backend != "cpu",
+        overlap=backend != "cpu",
+        shared_compute=shared,
+        source="measured",
+        attention="fused" if backend == "gpu" else "materialised",
+    )
+    return Calibration(
+        profile,
+        tuple(matmuls),
+        elementwise,
+        tuple(collectives),
+        (shape, attention_s),
+        backend,
+        devices,
+        hosts,
+        dtype,
+        when,
+        alone,
+        time.perf_counter() - started,
+        dispatch,
+    )
 
 
 def _median_link(pairs: list[tuple[float, float]] | None) -> tuple[float, float] | None:
@@ -256,10 +319,12 @@ def _median_link(pairs: list[tuple[float, float]] | None) -> tuple[float, float]
 
 def profile_text(calibration: Calibration, *, unmeasured: list[str] = ()) -> str:
     """The profile file: its figures, then what they came from (`calibration:`)."""
-    head = [f"Measured by `shardplan calibrate` at {calibration.when} on {calibration.devices} "
-            f"{calibration.backend} device(s), {calibration.processes} process(es), {calibration.dtype}.",
-            "peak_flops is the measured matmul rate (so matmul_efficiency is 1); matmul_overhead the fitted",
-            "fixed cost per kernel; memory_bandwidth from one elementwise pass; link figures from all-gathers",
-            "and all-reduces of a small and a large message. `calibration:` keeps the raw timings."]
+    head = [
+        f"Measured by `shardplan calibrate` at {calibration.when} on {calibration.devices} "
+        f"{calibration.backend} device(s), {calibration.processes} process(es), {calibration.dtype}.",
+        "peak_flops is the measured matmul rate (so matmul_efficiency is 1); matmul_overhead the fitted",
+        "fixed cost per kernel; memory_bandwidth from one elementwise pass; link figures from all-gathers",
+        "and all-reduces of a small and a large message. `calibration:` keeps the raw timings.",
+    ]
     head += [f"not measured: {what}" for what in unmeasured]
     return profile_file_text(calibration.profile, head, calibration.record())

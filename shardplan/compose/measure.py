@@ -20,13 +20,13 @@ from shardplan.run.hlo import CollectiveStats, collective_stats
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Measured:
-    collectives: CollectiveStats        # as often as each op runs per step
+    collectives: CollectiveStats  # as often as each op runs per step
     argument_bytes: int
     temp_bytes: int
     output_bytes: int
     alias_bytes: int
     compile_s: float
-    step_s: float | None = None         # seconds of a step as `time_interleaved` timed it; None if not run
+    step_s: float | None = None  # seconds of a step as `time_interleaved` timed it; None if not run
 
     @property
     def peak_bytes(self) -> int:
@@ -40,6 +40,7 @@ def lm_loss(model: nnx.Module, tokens: jax.Array, targets: jax.Array, arguments:
     by default the tokens go to its `tokens` or first parameter, None to its other required ones."""
     from shardplan.checks.calls import call_arguments
     from shardplan.pipeline.pipelined import model_loss
+
     args, kwargs = arguments(tokens) if arguments else call_arguments(model, {"tokens": tokens})
     return model_loss(model, _next_token_loss, targets, *args, **kwargs)
 
@@ -50,8 +51,13 @@ def _next_token_loss(outputs, targets) -> jax.Array:
 
 
 @nnx.jit(donate_argnums=(0, 1), static_argnames=("arguments",))
-def lm_train_step(model: nnx.Module, optimizer: nnx.Optimizer, tokens: jax.Array, targets: jax.Array,
-                  arguments: Callable | None = None) -> jax.Array:
+def lm_train_step(
+    model: nnx.Module,
+    optimizer: nnx.Optimizer,
+    tokens: jax.Array,
+    targets: jax.Array,
+    arguments: Callable | None = None,
+) -> jax.Array:
     """One AdamW step on the next-token loss (`shard_optimizer`'s update keeps the outputs on the plan)."""
     loss, grads = nnx.value_and_grad(lm_loss)(model, tokens, targets, arguments)
     optimizer.update(model, grads)
@@ -62,6 +68,7 @@ def prepare(plan, model: nnx.Module, batch: int, seq: int, *, input_name: str | 
     """(sharded model, optimizer, tokens, targets) ready for `lm_train_step`."""
     from shardplan.compose.apply import apply_plan, shard_inputs, shard_optimizer
     from shardplan.checks.mesh import make_mesh
+
     mesh = make_mesh(plan)
     model = apply_plan(plan, model, mesh)
     optimizer = shard_optimizer(plan, model, optax.adamw(1e-3), mesh)
@@ -85,13 +92,15 @@ def branch_share(plan) -> float:
         return 1.0
     from shardplan.checks.mesh import resolve_axes
     import jax
+
     sizes = resolve_axes(plan, jax.device_count())[0]
     stages = sizes[pipe.axis]
     split_sequence = plan.context is not None and sizes[plan.context.axis] > 1
     from shardplan.checks.schedules import OneFOneB, ZeroBubble, ZeroBubbleV, on_tables
-    if pipe.schedule == "zb-h1":        # each of F, B and W taken once per microbatch
+
+    if pipe.schedule == "zb-h1":  # each of F, B and W taken once per microbatch
         return pipe.microbatches / ZeroBubble.of(stages, pipe.microbatches).ticks
-    if pipe.schedule == "zb-v":         # each of F, R, B and W taken once per microbatch and chunk
+    if pipe.schedule == "zb-v":  # each of F, R, B and W taken once per microbatch and chunk
         return 2 * pipe.microbatches / ZeroBubbleV.of(stages, pipe.microbatches).ticks
     if on_tables(pipe.schedule, split_sequence):
         tables = OneFOneB.of(stages, pipe.microbatches, pipe.virtual_stages, pipe.schedule)
@@ -114,8 +123,9 @@ class ReadyStep:
         return time.perf_counter() - begin
 
 
-def compile_step(plan, model: nnx.Module, batch: int, seq: int, *, input_name: str | None = None,
-                 arguments: Callable | None = None) -> ReadyStep:
+def compile_step(
+    plan, model: nnx.Module, batch: int, seq: int, *, input_name: str | None = None, arguments: Callable | None = None
+) -> ReadyStep:
     """Compile one step of `plan` on `model` (built, unsharded) and read the compiler's figures
     (`arguments`: see `lm_loss`)."""
     model, optimizer, tokens, targets = prepare(plan, model, batch, seq, input_name=input_name)
@@ -123,14 +133,20 @@ def compile_step(plan, model: nnx.Module, batch: int, seq: int, *, input_name: s
     compiled = lm_train_step.lower(model, optimizer, tokens, targets, arguments).compile()
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
-    figures = Measured(collective_stats(compiled.as_text(), executed=True, branch_share=branch_share(plan)),
-                       int(memory.argument_size_in_bytes), int(memory.temp_size_in_bytes),
-                       int(memory.output_size_in_bytes), int(memory.alias_size_in_bytes), round(seconds, 2))
+    figures = Measured(
+        collective_stats(compiled.as_text(), executed=True, branch_share=branch_share(plan)),
+        int(memory.argument_size_in_bytes),
+        int(memory.temp_size_in_bytes),
+        int(memory.output_size_in_bytes),
+        int(memory.alias_size_in_bytes),
+        round(seconds, 2),
+    )
     return ReadyStep(compiled, (model, optimizer, tokens, targets), figures)
 
 
-def measure(plan, model: nnx.Module, batch: int, seq: int, *, input_name: str | None = None,
-            arguments: Callable | None = None) -> Measured:
+def measure(
+    plan, model: nnx.Module, batch: int, seq: int, *, input_name: str | None = None, arguments: Callable | None = None
+) -> Measured:
     """`compile_step`'s figures (nothing is run)."""
     return compile_step(plan, model, batch, seq, input_name=input_name, arguments=arguments).figures
 
@@ -148,7 +164,7 @@ def time_interleaved(steps: list[ReadyStep], rounds: int, progress: Callable[[in
                 continue
             try:
                 seconds = ready.run()
-            except Exception as error:          # noqa: BLE001 (reported by the caller, the others go on)
+            except Exception as error:  # noqa: BLE001 (reported by the caller, the others go on)
                 times[i] = error
                 continue
             if round_:

@@ -32,38 +32,90 @@ class Ring:
     mesh: jax.sharding.Mesh
     axis: str
     load_balance: bool
-    calls: list = dataclasses.field(default_factory=list)   # each call's kind, as traced (for checks)
+    calls: list = dataclasses.field(default_factory=list)  # each call's kind, as traced (for checks)
 
     @property
     def size(self) -> int:
         return dict(self.mesh.shape)[self.axis]
 
-    def jax_attention(self, query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
-                      query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                      implementation=None, return_residual=False):
-        unsupported = [name for name, v in (("query_seq_lengths", query_seq_lengths), ("key_value_seq_lengths",
-                       key_value_seq_lengths), ("local_window_size", local_window_size)) if v is not None]
+    def jax_attention(
+        self,
+        query,
+        key,
+        value,
+        bias=None,
+        mask=None,
+        *,
+        scale=None,
+        is_causal=False,
+        query_seq_lengths=None,
+        key_value_seq_lengths=None,
+        local_window_size=None,
+        implementation=None,
+        return_residual=False,
+    ):
+        unsupported = [
+            name
+            for name, v in (
+                ("query_seq_lengths", query_seq_lengths),
+                ("key_value_seq_lengths", key_value_seq_lengths),
+                ("local_window_size", local_window_size),
+            )
+            if v is not None
+        ]
         unsupported += ["return_residual"] if return_residual else []
         if unsupported:
-            raise RingUnsupported(f"ring attention does not take jax.nn.dot_product_attention's "
-                                  f"{', '.join(unsupported)}: use context strategy all_gather")
+            raise RingUnsupported(
+                f"ring attention does not take jax.nn.dot_product_attention's "
+                f"{', '.join(unsupported)}: use context strategy all_gather"
+            )
         if not self._splits(query, key):
             self.calls.append("unsplit")
-            return ORIGINALS[0](query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-                                     implementation=implementation)
+            return ORIGINALS[0](
+                query, key, value, bias, mask, scale=scale, is_causal=is_causal, implementation=implementation
+            )
         self.calls.append("jax.nn.dot_product_attention")
         return self._ring(query, key, value, bias, mask, scale, is_causal)
 
-    def nnx_attention(self, query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
-                      dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
-                      promote_dtype=None, is_causal=False):
+    def nnx_attention(
+        self,
+        query,
+        key,
+        value,
+        bias=None,
+        mask=None,
+        broadcast_dropout=True,
+        dropout_rng=None,
+        dropout_rate=0.0,
+        deterministic=False,
+        dtype=None,
+        precision=None,
+        module=None,
+        promote_dtype=None,
+        is_causal=False,
+    ):
         if dropout_rate > 0.0 and not deterministic:
-            raise RingUnsupported(f"ring attention cannot drop attention weights (dropout_rate {dropout_rate}): "
-                                  "set the attention's dropout_rate to 0 or use context strategy all_gather")
+            raise RingUnsupported(
+                f"ring attention cannot drop attention weights (dropout_rate {dropout_rate}): "
+                "set the attention's dropout_rate to 0 or use context strategy all_gather"
+            )
         if not self._splits(query, key):
             self.calls.append("unsplit")
-            return ORIGINALS[1](query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
-                                     deterministic, dtype, precision, module, is_causal=is_causal)
+            return ORIGINALS[1](
+                query,
+                key,
+                value,
+                bias,
+                mask,
+                broadcast_dropout,
+                dropout_rng,
+                dropout_rate,
+                deterministic,
+                dtype,
+                precision,
+                module,
+                is_causal=is_causal,
+            )
         self.calls.append("flax.nnx.dot_product_attention")
         out = self._ring(query, key, value, bias, mask, None, is_causal)
         return out.astype(dtype) if dtype is not None else out
@@ -86,11 +138,18 @@ class Ring:
 
         def local(q, k, v, extras, positions):
             return ring_attention(q, k, v, scale=scale, positions=positions, axis=self.axis, size=size, **extras)
+
         # inside a pipeline's shard_map the mesh in context has its stage (and batch) axes manual already
         within = jax.sharding.get_abstract_mesh()
         mesh = within if not within.empty and self.axis in within.axis_names else self.mesh
-        run = jax.shard_map(local, mesh=mesh, in_specs=(split, split, split, jax.tree.map(spec, extras), P()),
-                            out_specs=split, axis_names={self.axis}, check_vma=False)
+        run = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(split, split, split, jax.tree.map(spec, extras), P()),
+            out_specs=split,
+            axis_names={self.axis},
+            check_vma=False,
+        )
         return run(query, key, value, extras, positions)
 
 

@@ -20,16 +20,73 @@ from shardplan.plan.diagnostics import Diagnostic
 from shardplan.plan.schema import input_example
 
 # Of values equal everywhere, these give values equal everywhere.
-_UNIFORM = frozenset((
-    "add", "sub", "mul", "div", "neg", "max", "min", "exp", "exp2", "log", "log1p", "tanh", "logistic", "sqrt",
-    "rsqrt", "pow", "integer_pow", "abs", "sign", "floor", "ceil", "round", "convert_element_type", "select_n",
-    "and", "or", "not", "xor", "eq", "ne", "lt", "le", "gt", "ge", "broadcast_in_dim", "reshape", "transpose",
-    "squeeze", "expand_dims", "copy", "copy_p", "reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
-    "reduce_and", "reduce_or", "slice", "dynamic_slice", "stop_gradient", "square", "erf", "sin", "cos",
-    "rem", "nextafter", "is_finite", "clamp", "sharding_constraint", "pvary", "device_put"))
+_UNIFORM = frozenset(
+    (
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "neg",
+        "max",
+        "min",
+        "exp",
+        "exp2",
+        "log",
+        "log1p",
+        "tanh",
+        "logistic",
+        "sqrt",
+        "rsqrt",
+        "pow",
+        "integer_pow",
+        "abs",
+        "sign",
+        "floor",
+        "ceil",
+        "round",
+        "convert_element_type",
+        "select_n",
+        "and",
+        "or",
+        "not",
+        "xor",
+        "eq",
+        "ne",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "broadcast_in_dim",
+        "reshape",
+        "transpose",
+        "squeeze",
+        "expand_dims",
+        "copy",
+        "copy_p",
+        "reduce_sum",
+        "reduce_max",
+        "reduce_min",
+        "reduce_prod",
+        "reduce_and",
+        "reduce_or",
+        "slice",
+        "dynamic_slice",
+        "stop_gradient",
+        "square",
+        "erf",
+        "sin",
+        "cos",
+        "rem",
+        "nextafter",
+        "is_finite",
+        "clamp",
+        "sharding_constraint",
+        "pvary",
+        "device_put",
+    )
+)
 # On input-dependent values, these depend on the order along the dims they work on.
-_ORDERED = frozenset(("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "rev", "pad",
-                      "conv_general_dilated"))
+_ORDERED = frozenset(("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "rev", "pad", "conv_general_dilated"))
 
 
 def check_context_calls(plan, model, roles, call, mesh) -> list[Diagnostic]:
@@ -40,10 +97,18 @@ def check_context_calls(plan, model, roles, call, mesh) -> list[Diagnostic]:
         return []
     found = []
     if context.strategy == "all_gather" and not roles.attention:
-        found.append(Diagnostic("context-no-attention", "error", "context strategy all_gather splits each "
-                                "attention's queries and gathers its keys and values, but no attention (query, key "
-                                "and value projections read from the residual stream, closed by an output "
-                                "projection) is recognised in the model's parameters", hint=HINT, **where))
+        found.append(
+            Diagnostic(
+                "context-no-attention",
+                "error",
+                "context strategy all_gather splits each "
+                "attention's queries and gathers its keys and values, but no attention (query, key "
+                "and value projections read from the residual stream, closed by an output "
+                "projection) is recognised in the model's parameters",
+                hint=HINT,
+                **where,
+            )
+        )
     if context.strategy == "ring":
         found += _dropping_attention(model, where)
     if context.strategy == "ring" and call is not None and not found:
@@ -60,14 +125,26 @@ def _dropping_attention(model, where) -> list[Diagnostic]:
     from flax import nnx
 
     from shardplan.checks.paths import module_paths
-    dropping = [(path, m.dropout_rate) for path, m in module_paths(model)
-                if isinstance(m, nnx.MultiHeadAttention) and m.dropout_rate > 0]
+
+    dropping = [
+        (path, m.dropout_rate)
+        for path, m in module_paths(model)
+        if isinstance(m, nnx.MultiHeadAttention) and m.dropout_rate > 0
+    ]
     if not dropping:
         return []
     path, rate = dropping[0]
-    return [Diagnostic("context-ring-attention", "error", f"ring attention cannot drop attention weights, but "
-                       f"{len(dropping)} nnx.MultiHeadAttention layer(s) do ({path}: dropout_rate {rate})",
-                       path=path, hint="set their dropout_rate to 0, or use strategy all_gather; " + HINT, **where)]
+    return [
+        Diagnostic(
+            "context-ring-attention",
+            "error",
+            f"ring attention cannot drop attention weights, but "
+            f"{len(dropping)} nnx.MultiHeadAttention layer(s) do ({path}: dropout_rate {rate})",
+            path=path,
+            hint="set their dropout_rate to 0, or use strategy all_gather; " + HINT,
+            **where,
+        )
+    ]
 
 
 def _ring_calls(plan, model, roles, call, mesh, where) -> list[Diagnostic]:
@@ -76,6 +153,7 @@ def _ring_calls(plan, model, roles, call, mesh, where) -> list[Diagnostic]:
 
     from shardplan.context.attention import Ring, RingUnsupported
     from shardplan.context.install import install, uninstall
+
     context = plan.context
     ring = Ring(mesh, context.axis, context.load_balance)
     changed = install(plan, model, mesh, roles, ring=ring)
@@ -84,7 +162,7 @@ def _ring_calls(plan, model, roles, call, mesh, where) -> list[Diagnostic]:
         jax.eval_shape(lambda s: call(nnx.merge(graphdef, s)), state)
     except RingUnsupported as exc:
         return [Diagnostic("context-ring-attention", "error", str(exc), hint=HINT, **where)]
-    except Exception:      # the example call's own failure is reported by the other model checks
+    except Exception:  # the example call's own failure is reported by the other model checks
         return []
     finally:
         uninstall(changed)
@@ -92,13 +170,19 @@ def _ring_calls(plan, model, roles, call, mesh, where) -> list[Diagnostic]:
     expected = len(roles.attention)
     if replaced and len(replaced) >= expected:
         return []
-    how = (f"{len(replaced)} of the {expected} attention layers the parameters show" if expected else
-           "no attention call")
-    return [Diagnostic("context-ring-attention", "error", f"context strategy ring replaces attention computed by "
-                       f"nnx.MultiHeadAttention, flax.nnx.dot_product_attention or jax.nn.dot_product_attention, "
-                       f"but {how} went through them (the others compute their scores with their own einsums)",
-                       hint="use strategy all_gather, which works with any attention code, or call "
-                       "jax.nn.dot_product_attention in the model; " + HINT, **where)]
+    how = f"{len(replaced)} of the {expected} attention layers the parameters show" if expected else "no attention call"
+    return [
+        Diagnostic(
+            "context-ring-attention",
+            "error",
+            f"context strategy ring replaces attention computed by "
+            f"nnx.MultiHeadAttention, flax.nnx.dot_product_attention or jax.nn.dot_product_attention, "
+            f"but {how} went through them (the others compute their scores with their own einsums)",
+            hint="use strategy all_gather, which works with any attention code, or call "
+            "jax.nn.dot_product_attention in the model; " + HINT,
+            **where,
+        )
+    ]
 
 
 def _order_free(plan, model, where) -> list[Diagnostic]:
@@ -106,16 +190,24 @@ def _order_free(plan, model, where) -> list[Diagnostic]:
     from flax import nnx
 
     from shardplan.checks.calls import call_arguments
+
     split = context_inputs(plan)
     examples = {name: input_example(raw) for name, raw in plan.inputs.items()}
     examples = {name: found for name, found in examples.items() if found is not None}
-    lengths = {examples[name][0][dim] for name, dim in split.items() if name in examples and
-               dim < len(examples[name][0])}
+    lengths = {
+        examples[name][0][dim] for name, dim in split.items() if name in examples and dim < len(examples[name][0])
+    }
     if not lengths:
-        return [Diagnostic("context-positions", "error", "load_balance reorders the sequence, so the model must take "
-                           "its positions and masks from its inputs; checking that needs an example batch",
-                           hint="give the inputs their shape, e.g. tokens: {spec: [data, context], shape: "
-                           "[8, 4096]}", **where)]
+        return [
+            Diagnostic(
+                "context-positions",
+                "error",
+                "load_balance reorders the sequence, so the model must take "
+                "its positions and masks from its inputs; checking that needs an example batch",
+                hint="give the inputs their shape, e.g. tokens: {spec: [data, context], shape: [8, 4096]}",
+                **where,
+            )
+        ]
     length = lengths.pop()
     graphdef, state = nnx.split(model)
     arrays = {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype) in examples.items()}
@@ -123,17 +215,26 @@ def _order_free(plan, model, where) -> list[Diagnostic]:
     def forward(state, arrays):
         args, kwargs = call_arguments(model, arrays)
         return nnx.merge(graphdef, state)(*args, **kwargs)
+
     try:
         jaxpr = jax.make_jaxpr(forward)(state, arrays)
-    except Exception:      # reported by the other model checks
+    except Exception:  # reported by the other model checks
         return []
     problem = order_dependence(jaxpr, length)
     if problem is None:
         return []
-    return [Diagnostic("context-positions", "error", f"load_balance lays the sequence out in another order, but the "
-                       f"model computes from the order itself: {problem}, so balanced it would compute something "
-                       "else", hint="take positions (and masks built from them) as inputs of the model, or leave "
-                       "load_balance out; " + HINT, **where)]
+    return [
+        Diagnostic(
+            "context-positions",
+            "error",
+            f"load_balance lays the sequence out in another order, but the "
+            f"model computes from the order itself: {problem}, so balanced it would compute something "
+            "else",
+            hint="take positions (and masks built from them) as inputs of the model, or leave "
+            "load_balance out; " + HINT,
+            **where,
+        )
+    ]
 
 
 def order_dependence(closed, length: int) -> str | None:
@@ -148,10 +249,12 @@ def order_dependence(closed, length: int) -> str | None:
 
 def _walk(jaxpr, consts: dict, inputs: dict, length: int, outputs: list | None = None, outer: str = "") -> str | None:
     from jax.extend import core
+
     states = {**consts, **inputs}
 
     def state(v):
         return "uniform" if isinstance(v, core.Literal) else states.get(v, "data")
+
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         ins = [state(v) for v in eqn.invars]
@@ -159,8 +262,9 @@ def _walk(jaxpr, consts: dict, inputs: dict, length: int, outputs: list | None =
         if sub is not None and len(sub[0].invars) == len(ins):
             inner, inner_consts = sub
             found_outputs: list = []
-            problem = _walk(inner, inner_consts, dict(zip(inner.invars, ins)), length, found_outputs,
-                            _where(eqn, outer))
+            problem = _walk(
+                inner, inner_consts, dict(zip(inner.invars, ins)), length, found_outputs, _where(eqn, outer)
+            )
             if problem:
                 return problem
             outs = found_outputs or ["data" if "data" in ins else "index"] * len(eqn.outvars)
@@ -184,6 +288,7 @@ def _walk(jaxpr, consts: dict, inputs: dict, length: int, outputs: list | None =
 def _sub_jaxpr(eqn):
     """(jaxpr, its constants' states) of a call-like equation (jit, remat, custom derivatives, scan)."""
     from jax.extend import core
+
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
         inner = eqn.params.get(key)
         if isinstance(inner, core.ClosedJaxpr):
@@ -197,4 +302,5 @@ def _sub_jaxpr(eqn):
 def _where(eqn, outer: str) -> str:
     """The model's line that made `eqn` (or the call it is inside of)."""
     from jax._src import source_info_util
+
     return source_info_util.summarize(eqn.source_info) or outer or "a line of the model's code"

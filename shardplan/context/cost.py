@@ -23,13 +23,24 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ContextCost:
-    transfers: tuple            # (kind, axes, bytes, count, what, overlap), as `shardplan.planner.cost.Transfer` takes
-    kept_per_token: float       # bytes kept for the backward per device token, beyond a plain step's
+    transfers: tuple  # (kind, axes, bytes, count, what, overlap), as `shardplan.planner.cost.Transfer` takes
+    kept_per_token: float  # bytes kept for the backward per device token, beyond a plain step's
     caveats: tuple[str, ...]
 
 
-def context_cost(kv_widths: list[float], *, strategy: str, axis: str, ways: int, rows: float, seq: int,
-                 itemsize: int, passes: int, gradient_bytes: int, reductions: int = 1) -> ContextCost:
+def context_cost(
+    kv_widths: list[float],
+    *,
+    strategy: str,
+    axis: str,
+    ways: int,
+    rows: float,
+    seq: int,
+    itemsize: int,
+    passes: int,
+    gradient_bytes: int,
+    reductions: int = 1,
+) -> ContextCost:
     """`kv_widths`: per attention layer held, the key (= value) width per device; `rows`: sequences per
     device per pass; `passes`: passes per step (microbatches); `gradient_bytes`: the gradients of the
     parameters not split over the axis, reduced `reductions` times a step."""
@@ -37,23 +48,36 @@ def context_cost(kv_widths: list[float], *, strategy: str, axis: str, ways: int,
         return ContextCost((), 0.0, ())
     # each weight's gradient is summed over the axis's parts of the sequence in an all-reduce of its
     # own, before the data-parallel reduction (XLA does not combine the two)
-    transfers = [("all-reduce", (axis,), gradient_bytes, reductions, "context: gradients summed over the sequence",
-                  "backward")]
+    transfers = [
+        ("all-reduce", (axis,), gradient_bytes, reductions, "context: gradients summed over the sequence", "backward")
+    ]
     for width in kv_widths:
-        whole = int(rows * seq * width * itemsize)          # one sequence-long key (or value) tensor
+        whole = int(rows * seq * width * itemsize)  # one sequence-long key (or value) tensor
         if strategy == "ring":
-            transfers.append(("collective-permute", (axis,), whole // ways, 4 * (ways - 1) * passes,
-                              "context ring: key and value blocks", "attention"))
+            transfers.append(
+                (
+                    "collective-permute",
+                    (axis,),
+                    whole // ways,
+                    4 * (ways - 1) * passes,
+                    "context ring: key and value blocks",
+                    "attention",
+                )
+            )
         else:
-            transfers.append(("all-gather", (axis,), whole, 2 * passes, "context: keys and values gathered", "critical"))
+            transfers.append(
+                ("all-gather", (axis,), whole, 2 * passes, "context: keys and values gathered", "critical")
+            )
             transfers.append(("all-reduce", (axis,), whole, 2 * passes, "context: key and value gradients", "critical"))
     # both keep the whole sequence's keys and values (the plain step keeps its own tokens' of them)
     kept = sum(2 * width * itemsize * (ways - 1) for width in kv_widths)
     caveats = ()
     if strategy == "all_gather":
-        caveats = ("context all_gather: keys and values are gathered in their stored width; a model that repeats "
-                   "grouped key/value heads before attention has their gradients reduced in the repeated width "
-                   "(measured: 2x the modelled all-reduce bytes at 2 query heads per key head)",)
+        caveats = (
+            "context all_gather: keys and values are gathered in their stored width; a model that repeats "
+            "grouped key/value heads before attention has their gradients reduced in the repeated width "
+            "(measured: 2x the modelled all-reduce bytes at 2 query heads per key head)",
+        )
     return ContextCost(tuple(_merged(transfers)), kept, caveats)
 
 

@@ -86,8 +86,13 @@ def _constrained_class(cls: type, split: SequenceSplit) -> type:
         if stream is None:
             return out
         return jax.tree.map(lambda a: _constrained(a, stream.shape[0], stream.shape[1], split), out)
-    namespace = {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                 "_shardplan_context": split}
+
+    namespace = {
+        "__call__": __call__,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "_shardplan_context": split,
+    }
     return type(cls)(cls.__name__, (cls,), namespace)
 
 
@@ -131,8 +136,13 @@ def _ring_class(cls: type, ring: Ring) -> type:
     def __call__(self, *args, **kwargs):
         with attention_replaced(ring, self):
             return cls.__call__(self, *args, **kwargs)
-    namespace = {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                 "_shardplan_context": ring}
+
+    namespace = {
+        "__call__": __call__,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "_shardplan_context": ring,
+    }
     return type(cls)(cls.__name__, (cls,), namespace)
 
 

@@ -17,8 +17,9 @@ def balanced_order(length: int, size: int) -> np.ndarray:
     [0, 1, 6, 7, 2, 3, 4, 5]
     """
     if length % (2 * size):
-        raise ValueError(f"load balancing cuts the sequence into 2 x {size} chunks, but {length} tokens do not "
-                         "divide into them")
+        raise ValueError(
+            f"load balancing cuts the sequence into 2 x {size} chunks, but {length} tokens do not divide into them"
+        )
     chunks = np.arange(length).reshape(2 * size, length // (2 * size))
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * size - 1 - i]]) for i in range(size)])
 

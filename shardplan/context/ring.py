@@ -26,8 +26,9 @@ MASKED = float(-0.7 * np.finfo(np.float32).max)
 PART = 512
 
 
-def ring_attention(query, key, value, *, mask=None, bias=None, scale=None, positions=None, axis: str, size: int,
-                   part: int = PART):
+def ring_attention(
+    query, key, value, *, mask=None, bias=None, scale=None, positions=None, axis: str, size: int, part: int = PART
+):
     """softmax(q k^T * scale + bias, masked) v for this device's query rows, over all devices' keys.
 
     query [B, Tq, N, H]; key, value [B, Tk, K, H] with N a multiple of K (grouped queries); mask and
@@ -38,7 +39,7 @@ def ring_attention(query, key, value, *, mask=None, bias=None, scale=None, posit
     b, tq, n, h = query.shape
     tk, kv_heads = key.shape[1], key.shape[2]
     groups = n // kv_heads
-    scale = h ** -0.5 if scale is None else scale
+    scale = h**-0.5 if scale is None else scale
     me = jax.lax.axis_index(axis)
     q = query.reshape(b, tq, kv_heads, groups, h)
     mask = None if mask is None else _grouped(jnp.asarray(mask), kv_heads, groups)
@@ -76,12 +77,16 @@ def ring_attention(query, key, value, *, mask=None, bias=None, scale=None, posit
     def block(carry, k, v, source):
         if parts == 1:
             return jax.checkpoint(merge)(carry, k, v, source * tk)
-        pieces = (k.reshape(b, parts, width, *k.shape[2:]).swapaxes(0, 1),
-                  v.reshape(b, parts, width, *v.shape[2:]).swapaxes(0, 1), jnp.arange(parts))
+        pieces = (
+            k.reshape(b, parts, width, *k.shape[2:]).swapaxes(0, 1),
+            v.reshape(b, parts, width, *v.shape[2:]).swapaxes(0, 1),
+            jnp.arange(parts),
+        )
 
         def one(carry, piece):
             kp, vp, j = piece
             return merge(carry, kp, vp, source * tk + j * width), None
+
         return jax.lax.scan(jax.checkpoint(one), carry, pieces)[0]
 
     def step(state, s):
@@ -90,13 +95,15 @@ def ring_attention(query, key, value, *, mask=None, bias=None, scale=None, posit
         ring = [(i, (i + 1) % size) for i in range(size)]
         return (carry, jax.lax.ppermute(k, axis, ring), jax.lax.ppermute(v, axis, ring)), None
 
-    start = (jnp.zeros((b, kv_heads, groups, tq, h), jnp.float32),
-             jnp.full((b, kv_heads, groups, tq), -jnp.inf, jnp.float32),
-             jnp.zeros((b, kv_heads, groups, tq), jnp.float32))
+    start = (
+        jnp.zeros((b, kv_heads, groups, tq, h), jnp.float32),
+        jnp.full((b, kv_heads, groups, tq), -jnp.inf, jnp.float32),
+        jnp.zeros((b, kv_heads, groups, tq), jnp.float32),
+    )
     start = jax.tree.map(lambda a: jax.lax.pcast(a, axis, to="varying"), start)
     (carry, k, v), _ = jax.lax.scan(step, (start, key, value), jnp.arange(size - 1))
     out, _, total = block(carry, k, v, (me - (size - 1)) % size)
-    out = out / total[..., None]                                        # [B, K, G, Tq, H]
+    out = out / total[..., None]  # [B, K, G, Tq, H]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, tq, n, h).astype(query.dtype)
 
 

@@ -36,10 +36,10 @@ class ExpertOptions:
     """How one kind of block runs (hashable: it keys the subclass cache)."""
 
     mesh: jax.sharding.Mesh
-    axis: str                        # the expert axis
-    batch_axes: tuple[str, ...]      # axes the tokens are split over (the expert axis among them)
-    experts: tuple[str, ...]         # paths, within the block, of the expert-stacked weights
-    capacity_factor: float | None    # None: dropless
+    axis: str  # the expert axis
+    batch_axes: tuple[str, ...]  # axes the tokens are split over (the expert axis among them)
+    experts: tuple[str, ...]  # paths, within the block, of the expert-stacked weights
+    capacity_factor: float | None  # None: dropless
 
 
 def make_expert_parallel(module: nnx.Module, options: ExpertOptions) -> None:
@@ -52,8 +52,13 @@ def _expert_class(cls: type, options: ExpertOptions) -> type:
     @functools.wraps(cls.__call__)
     def __call__(self, *args, **kwargs):
         return expert_parallel_call(cls.__call__, options, self, args, kwargs)
-    namespace = {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                 "_shardplan_experts": options}
+
+    namespace = {
+        "__call__": __call__,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "_shardplan_experts": options,
+    }
     return type(cls)(cls.__name__, (cls,), namespace)
 
 
@@ -67,12 +72,12 @@ class Traced:
 
     closed: object
     out_tree: object
-    tokens: list[int]         # positions of the token arrays among the leaves
-    experts: list[int]        # positions of the expert weights
-    depends: list[bool]       # per output leaf: does it depend on the experts?
+    tokens: list[int]  # positions of the token arrays among the leaves
+    experts: list[int]  # positions of the expert weights
+    depends: list[bool]  # per output leaf: does it depend on the experts?
     local_rows: int
-    batch: int                # the block's input batch
-    padding: int              # zero rows added to it so that every device gets as many
+    batch: int  # the block's input batch
+    padding: int  # zero rows added to it so that every device gets as many
 
 
 def split_axes(options: ExpertOptions) -> tuple[tuple[str, ...], object]:
@@ -116,8 +121,9 @@ def trace_block(original, options: ExpertOptions, module, args: tuple, kwargs: d
     leaves = [flat[k] for k in arrays]
     batch_axes, mesh = split_axes(options)
     # (where the expert axis is manual the block runs on what this device holds, without a shard_map)
-    devices = 1 if experts_manual(options) else math.prod(dict(zip(mesh.axis_names, mesh.axis_sizes))[a]
-                                                          for a in batch_axes)
+    devices = (
+        1 if experts_manual(options) else math.prod(dict(zip(mesh.axis_names, mesh.axis_sizes))[a] for a in batch_axes)
+    )
     batch = next((x.shape[0] for k, x in zip(arrays, leaves) if k >= state_leaves and x.ndim), None)
     tokens = [i for i, (k, x) in enumerate(zip(arrays, leaves)) if k >= state_leaves and x.ndim and x.shape[0] == batch]
     if batch is None:
@@ -126,14 +132,23 @@ def trace_block(original, options: ExpertOptions, module, args: tuple, kwargs: d
     if padding:
         # Outputs are per token (the contract), so zero rows added to fill every device change nothing
         # (a sampler's batch of one, say); they are cut off again.
-        leaves = [jnp.pad(x, [(0, padding)] + [(0, 0)] * (x.ndim - 1)) if i in tokens else x
-                  for i, x in enumerate(leaves)]
+        leaves = [
+            jnp.pad(x, [(0, padding)] + [(0, 0)] * (x.ndim - 1)) if i in tokens else x for i, x in enumerate(leaves)
+        ]
     # Where the expert axis is already manual each device holds E/ep experts: the block's code is traced
     # with all E of them, as one device of the pipeline's program sees the block
     ep = options.mesh.shape[options.axis] if experts_manual(options) else 1
-    avals = [jax.ShapeDtypeStruct(((batch + padding) // devices, *x.shape[1:]) if i in tokens else
-                                  (x.shape[0] * ep, *x.shape[1:]) if i in expert_positions else x.shape, x.dtype)
-             for i, x in enumerate(leaves)]
+    avals = [
+        jax.ShapeDtypeStruct(
+            ((batch + padding) // devices, *x.shape[1:])
+            if i in tokens
+            else (x.shape[0] * ep, *x.shape[1:])
+            if i in expert_positions
+            else x.shape,
+            x.dtype,
+        )
+        for i, x in enumerate(leaves)
+    ]
     closed, shapes = jax.make_jaxpr(pure, return_shape=True)(*avals)
     out_tree = jax.tree.structure(shapes)
     depends = _depends_on(closed.jaxpr, set(expert_positions))
@@ -161,6 +176,7 @@ def capacity_rule(options: ExpertOptions, local_rows: int, block: type):
         if seen is not None:
             seen.append((block, rows, local_rows, experts, slots))
         return slots
+
     return capacity
 
 
@@ -197,9 +213,12 @@ def expert_parallel_call(original, options: ExpertOptions, module, args: tuple, 
         if exc.refused:
             raise
         return _fallback_call(original, options, module, args, kwargs, exc)
-    except Exception as exc:         # (the sparse path's own failure on a form it does not know: never the user's)
-        reason = interpret.ContractError(f"the sparse path failed on this block ({type(exc).__name__}: "
-                                         f"{str(exc).splitlines()[0][:200] if str(exc) else ''})", None)
+    except Exception as exc:  # (the sparse path's own failure on a form it does not know: never the user's)
+        reason = interpret.ContractError(
+            f"the sparse path failed on this block ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:200] if str(exc) else ''})",
+            None,
+        )
         return _fallback_call(original, options, module, args, kwargs, reason)
 
 
@@ -210,14 +229,18 @@ def _fallback_call(original, options: ExpertOptions, module, args: tuple, kwargs
     computing its own experts on them, and the outputs per token split over the expert axis again (a
     reduce-scatter of the partial sums over E). Exact whatever the code.
     Where the expert axis is already manual (a pipeline's stage) the experts are gathered instead."""
-    if reason is not None:      # (None: asked for, `dense_only`)
+    if reason is not None:  # (None: asked for, `dense_only`)
         _report_fallback(type(module), options, reason)
     pure, leaves, traced = trace_block(original, options, module, args, kwargs)
     if experts_manual(options):
         # (a pipeline's stage, manual over the expert axis): the experts gathered to every device, which
         # runs the block on its own tokens; their gradients are reduce-scattered back
-        out, rest = pure(*[jax.lax.all_gather(x, options.axis, tiled=True) if i in traced.experts else x
-                           for i, x in enumerate(leaves)])
+        out, rest = pure(
+            *[
+                jax.lax.all_gather(x, options.axis, tiled=True) if i in traced.experts else x
+                for i, x in enumerate(leaves)
+            ]
+        )
         if jax.tree.leaves(rest):
             nnx.update(module, rest)
         return out
@@ -226,20 +249,34 @@ def _fallback_call(original, options: ExpertOptions, module, args: tuple, kwargs
 
     def constrain(x, spec):
         return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
-    leaves = [x[:traced.batch] if i in traced.tokens else x for i, x in enumerate(leaves)]
-    placed = [constrain(x, P(others or None)) if i in traced.tokens else
-              constrain(x, P(options.axis)) if i in traced.experts else x for i, x in enumerate(leaves)]
+
+    leaves = [x[: traced.batch] if i in traced.tokens else x for i, x in enumerate(leaves)]
+    placed = [
+        constrain(x, P(others or None))
+        if i in traced.tokens
+        else constrain(x, P(options.axis))
+        if i in traced.experts
+        else x
+        for i, x in enumerate(leaves)
+    ]
     count = placed[traced.experts[0]].shape[0] if traced.experts else None
 
-    def pin(value, dim):      # the experts' dim stays on the expert axis; the compiler places the rest
+    def pin(value, dim):  # the experts' dim stays on the expert axis; the compiler places the rest
         if getattr(value, "ndim", 0) <= dim or value.shape[dim] != count:
             return value
         return constrain(value, P(*[options.axis if d == dim else P.UNCONSTRAINED for d in range(value.ndim)]))
+
     closed = jax.make_jaxpr(pure)(*[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in placed])
     out, rest = jax.tree.unflatten(traced.out_tree, run_pinned(closed, placed, set(traced.experts), pin))
     rows = traced.batch
-    out = jax.tree.map(lambda y: constrain(y, P(batch_axes)) if getattr(y, "ndim", 0) and y.shape[0] == rows
-                       and y.shape[0] % _size(mesh, batch_axes) == 0 else y, out)
+    out = jax.tree.map(
+        lambda y: (
+            constrain(y, P(batch_axes))
+            if getattr(y, "ndim", 0) and y.shape[0] == rows and y.shape[0] % _size(mesh, batch_axes) == 0
+            else y
+        ),
+        out,
+    )
     if jax.tree.leaves(rest):
         nnx.update(module, rest)
     return out
@@ -256,10 +293,16 @@ def _report_fallback(block: type, options: ExpertOptions, reason) -> None:
     elif block not in _WARNED:
         _WARNED.add(block)
         import warnings
-        warnings.warn(f"{block.__name__}: {reason}" + (f" (at {reason.where})" if reason.where else "")
-                      + "; the block runs expert-parallel the dense way: its tokens are gathered over the expert "
-                      f"axis {options.axis!r} and every device runs its own experts on all of them (see "
-                      "docs/experts.md, 'When the sparse path cannot follow')", ExpertFallbackWarning, stacklevel=5)
+
+        warnings.warn(
+            f"{block.__name__}: {reason}"
+            + (f" (at {reason.where})" if reason.where else "")
+            + "; the block runs expert-parallel the dense way: its tokens are gathered over the expert "
+            f"axis {options.axis!r} and every device runs its own experts on all of them (see "
+            "docs/experts.md, 'When the sparse path cannot follow')",
+            ExpertFallbackWarning,
+            stacklevel=5,
+        )
 
 
 def _size(mesh, axes) -> int:
@@ -279,20 +322,27 @@ def _expert_parallel_call(original, options: ExpertOptions, module, args: tuple,
                 f"output {k + 1} of the block (shape {tuple(out_avals[k].shape)}) depends on the expert weights "
                 "but is not one row per token (a statistic of the weights, or a sum over tokens); expert "
                 "parallelism needs each token's output to depend only on that token and the experts' weights to "
-                "be read only by matmuls", interpret.where(made) if made is not None else None, refused=True)
+                "be read only by matmuls",
+                interpret.where(made) if made is not None else None,
+                refused=True,
+            )
 
-    from shardplan.run.widen import narrowed, widened       # (one helper with the pipeline's loops; see docs/layout.md)
+    from shardplan.run.widen import narrowed, widened  # (one helper with the pipeline's loops; see docs/layout.md)
 
     def per_device(*local):
         # Traced again here, so the program's shardings name the manual axes it now runs under.
         avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in traced.closed.in_avals]
         closed = jax.make_jaxpr(pure)(*avals)
-        ex = interpret.Exchange(options.axis, size, capacity_rule(options, traced.local_rows, type(module)),
-                                dropless=options.capacity_factor is None)
+        ex = interpret.Exchange(
+            options.axis,
+            size,
+            capacity_rule(options, traced.local_rows, type(module)),
+            dropless=options.capacity_factor is None,
+        )
         outs = interpret.run(closed, list(local), set(traced.experts), ex)
         if counting:
             outs.append(sum(ex.dropped, jnp.zeros((), jnp.int32)).reshape(1))
-        return [outs[k] for k in dependent] + outs[len(out_avals):]
+        return [outs[k] for k in dependent] + outs[len(out_avals) :]
 
     counting = DROPS.get() is not None
     if experts_manual(options):
@@ -301,11 +351,17 @@ def _expert_parallel_call(original, options: ExpertOptions, module, args: tuple,
     else:
         batch_axes, mesh = split_axes(options)
         rows = P(batch_axes)
-        in_specs = [rows if i in traced.tokens else P(options.axis) if i in traced.experts else P()
-                    for i in range(len(leaves))]
-        sharded = jax.shard_map(lambda *local: per_device(*narrowed(list(local), narrow)), mesh=mesh,
-                                in_specs=tuple(in_specs), out_specs=[rows] * (len(dependent) + counting),
-                                axis_names=set(batch_axes), check_vma=False)
+        in_specs = [
+            rows if i in traced.tokens else P(options.axis) if i in traced.experts else P() for i in range(len(leaves))
+        ]
+        sharded = jax.shard_map(
+            lambda *local: per_device(*narrowed(list(local), narrow)),
+            mesh=mesh,
+            in_specs=tuple(in_specs),
+            out_specs=[rows] * (len(dependent) + counting),
+            axis_names=set(batch_axes),
+            check_vma=False,
+        )
         # (the weights' gradients are then summed over the batch axes in float32: see `shardplan.run.widen`)
         wide, narrow = widened(list(leaves))
         parallel = jax.jit(sharded)(*wide)
@@ -313,7 +369,7 @@ def _expert_parallel_call(original, options: ExpertOptions, module, args: tuple,
         DROPS.get().append((module, jnp.sum(parallel[-1])))
         parallel = parallel[:-1]
     if traced.padding:
-        parallel = [x[:traced.batch] for x in parallel]
+        parallel = [x[: traced.batch] for x in parallel]
     outs = [None] * len(out_avals)
     for k, value in zip(dependent, parallel):
         outs[k] = value
@@ -330,14 +386,20 @@ def whole_call(leaves: list, traced: Traced) -> list:
     """The leaves the block's ordinary call takes for its outputs that do not depend on the experts: the
     batch without padding; where the expert axis is manual, zeros of every expert's shape in place of this
     device's (nothing reads them: the experts are pruned from that call)."""
-    return [x[:traced.batch] if i in traced.tokens else
-            jnp.zeros(traced.closed.in_avals[i].shape, x.dtype) if i in traced.experts else x
-            for i, x in enumerate(leaves)]
+    return [
+        x[: traced.batch]
+        if i in traced.tokens
+        else jnp.zeros(traced.closed.in_avals[i].shape, x.dtype)
+        if i in traced.experts
+        else x
+        for i, x in enumerate(leaves)
+    ]
 
 
 def expert_options(plan, mesh, roles) -> dict[str, ExpertOptions]:
     """Block path -> how it runs, for the plan's MoE blocks."""
     from shardplan.checks.validate import data_axes
+
     axis = plan.experts.axis
     batch = data_axes(plan, dict(mesh.shape))
     batch = batch if axis in batch else (*batch, axis)
@@ -345,13 +407,14 @@ def expert_options(plan, mesh, roles) -> dict[str, ExpertOptions]:
     found = {}
     for r in roles:
         prefix = r.block + "/" if r.block else ""
-        found[r.block] = ExpertOptions(mesh, axis, batch, tuple(p[len(prefix):] for p in r.experts), capacity)
+        found[r.block] = ExpertOptions(mesh, axis, batch, tuple(p[len(prefix) :] for p in r.experts), capacity)
     return found
 
 
 def install(plan, model, mesh, roles) -> list[tuple[nnx.Module, type]]:
     """Make the plan's MoE blocks expert-parallel in place; (module, its class before) of each."""
     from shardplan.checks.paths import module_paths
+
     options = expert_options(plan, mesh, roles)
     changed = []
     for path, module in module_paths(model):
@@ -366,6 +429,7 @@ def dropped_rows(model: nnx.Module, *args, **kwargs) -> dict[str, int]:
     together; dropless blocks: 0). Each row is one (token, expert) choice whose expert output is zero.
     Not inside pipeline stages (their blocks run under the pipeline's loop)."""
     from shardplan.checks.paths import module_paths
+
     graphdef, state = nnx.split(model)
 
     def run(state, args, kwargs):
@@ -378,4 +442,5 @@ def dropped_rows(model: nnx.Module, *args, **kwargs) -> dict[str, int]:
         finally:
             DROPS.reset(token)
         return {paths[id(block)]: count for block, count in seen}
+
     return {path: int(count) for path, count in jax.jit(run)(state, args, kwargs).items()}

@@ -27,7 +27,7 @@ EXTRA_INNER_COPIES = 0.25
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ExpertCost:
-    transfers: tuple              # (kind, axes, bytes of one op, ops, what)
+    transfers: tuple  # (kind, axes, bytes of one op, ops, what)
     flops: float
     # (an expert weight's path, bytes per token its block keeps for the backward: the rows that arrived,
     # each matmul's output, the rows sent back; of which the matmul outputs), one block for the blocks
@@ -42,9 +42,23 @@ def slots(tokens: float, experts: int, capacity_factor: float | None, top_k: int
     return max(1, math.ceil(capacity_factor * top_k * tokens / experts))
 
 
-def expert_cost(blocks, layouts: dict, *, axis: str, capacity_factor: float | None, batch_axes: tuple,
-                sizes: dict, passes: int, tokens_per_pass: float, width: int, itemsize: int, recompute,
-                count, top_k: int = 0, reductions: int | None = None) -> ExpertCost:
+def expert_cost(
+    blocks,
+    layouts: dict,
+    *,
+    axis: str,
+    capacity_factor: float | None,
+    batch_axes: tuple,
+    sizes: dict,
+    passes: int,
+    tokens_per_pass: float,
+    width: int,
+    itemsize: int,
+    recompute,
+    count,
+    top_k: int = 0,
+    reductions: int | None = None,
+) -> ExpertCost:
     """`blocks`: the plan's BlockRoles; `layouts`: path -> ParamLayout of the expert weights held here;
     `recompute(path)`: whether the backward runs the block's forward again; `count(path)`: how many
     blocks one stands for; `top_k`: experts per token (0: not known, `ASSUMED_TOP_K`); `reductions`:
@@ -59,13 +73,20 @@ def expert_cost(blocks, layouts: dict, *, axis: str, capacity_factor: float | No
             continue
         n = count(held[0].path)
         capacity = slots(tokens_per_pass, block.count, capacity_factor, known)
-        rows = block.count * capacity                       # E x C, on every device
+        rows = block.count * capacity  # E x C, on every device
         again = recompute(held[0].path)
         # one exchange out (the tokens, width D) and one back (the output, width D) per forward; their
         # transposes in the backward; a forward run again in the backward exchanges again
         exchanges = (2 if not again else 3) * 2 * passes
-        transfers.append(("all-to-all", (axis,), rows * width * itemsize, exchanges * n,
-                          f"{block.block}: tokens to their experts and back"))
+        transfers.append(
+            (
+                "all-to-all",
+                (axis,),
+                rows * width * itemsize,
+                exchanges * n,
+                f"{block.block}: tokens to their experts and back",
+            )
+        )
         inner = 0
         for p in held:
             later = tuple(a for entry in p.spec[1:] if entry for a in entry)
@@ -78,12 +99,24 @@ def expert_cost(blocks, layouts: dict, *, axis: str, capacity_factor: float | No
                 transfers.append(("all-gather", fsdp, whole, reductions * n, f"{p.path}: FSDP weight gathered"))
             reduce_over = tuple(a for a in batch_axes if a != axis and a not in later)
             if reduce_over:
-                transfers.append(("all-reduce", reduce_over, whole if fsdp else p.bytes_per_device, reductions * n,
-                                  f"{p.path}: expert gradient over the other data-parallel devices"))
+                transfers.append(
+                    (
+                        "all-reduce",
+                        reduce_over,
+                        whole if fsdp else p.bytes_per_device,
+                        reductions * n,
+                        f"{p.path}: expert gradient over the other data-parallel devices",
+                    )
+                )
         per_token = rows / max(tokens_per_pass, 1.0) * itemsize
         routed = min(rows / max(tokens_per_pass, 1.0), known) * itemsize
-        kept.append((held[0].path, per_token * (2 * width + inner) +
-                     routed * (EXTRA_ROW_COPIES * width + EXTRA_INNER_COPIES * inner), per_token * inner))
+        kept.append(
+            (
+                held[0].path,
+                per_token * (2 * width + inner) + routed * (EXTRA_ROW_COPIES * width + EXTRA_INNER_COPIES * inner),
+                per_token * inner,
+            )
+        )
     if capacity_factor is not None and not top_k:
         caveats.append(f"capacity slots costed for {ASSUMED_TOP_K} experts per token")
     return ExpertCost(tuple(transfers), flops, tuple(kept), tuple(caveats))

@@ -30,10 +30,10 @@ class DenseFormError(Exception):
 class ExpertSlice:
     """One expert's weight, `stack[index]`, indexed by the block's own code."""
 
-    stack: jax.Array          # this device's experts
-    key: object               # the stack's variable (identity)
+    stack: jax.Array  # this device's experts
+    key: object  # the stack's variable (identity)
     index: int
-    experts: int              # E
+    experts: int  # E
     keepdim: bool
 
 
@@ -50,11 +50,11 @@ class Stack:
 class Node:
     """One operation of a lazy expression, on rows (one per routed pair)."""
 
-    op: str                   # tokens | gate | matmul | row
-    args: tuple = ()          # child nodes, or scalars for `row`
+    op: str  # tokens | gate | matmul | row
+    args: tuple = ()  # child nodes, or scalars for `row`
     weight: jax.Array | None = None
     key: object = None
-    contract: int = 1         # the stack's contracted dim
+    contract: int = 1  # the stack's contracted dim
     params: tuple = ()
     prim: object = None
 
@@ -71,18 +71,18 @@ class Lazy:
     """A per-(token, expert) value not computed yet; `labels` name its dims in the block's program."""
 
     node: Node
-    labels: tuple             # e.g. ('T0', 'T1', 'E', 'F')
-    tokens: jax.Array         # (N, D) the block's token rows; (E, N, D) when each expert reads its own copy
+    labels: tuple  # e.g. ('T0', 'T1', 'E', 'F')
+    tokens: jax.Array  # (N, D) the block's token rows; (E, N, D) when each expert reads its own copy
     token_shape: tuple
     experts: int
-    expert: int | None        # a fixed expert (a loop's term), else every expert (an 'E' label)
-    width: int                # the feature dim
-    gate: jax.Array | None = None     # (N, E), or (N,) for a fixed expert
-    per_expert: bool = False          # tokens are (E, N, D): expert e reads tokens[e]
+    expert: int | None  # a fixed expert (a loop's term), else every expert (an 'E' label)
+    width: int  # the feature dim
+    gate: jax.Array | None = None  # (N, E), or (N,) for a fixed expert
+    per_expert: bool = False  # tokens are (E, N, D): expert e reads tokens[e]
     # The 'E' dim counts each token's chosen experts (k of them), not all E: the pair (n, j) is expert
     # choices[n, j] (its matrices gathered per token by the block's code, `Picked`).
     choices: jax.Array | None = None
-    origin: object = None             # the index array the choices were gathered by
+    origin: object = None  # the index array the choices were gathered by
 
     def signature(self):
         return self.node.signature(), self.width, self.labels
@@ -104,11 +104,11 @@ class Picked:
     """`jnp.take(w, idx, axis=0)`: each token's chosen experts' whole matrices, [N..., k, ...], gathered by
     the block's own code; not computed (the matrices stay with their experts)."""
 
-    stack: jax.Array          # this device's experts
+    stack: jax.Array  # this device's experts
     key: object
-    choices: jax.Array        # (N..., k) expert ids
+    choices: jax.Array  # (N..., k) expert ids
     experts: int
-    origin: object            # the index array, as the block's code passed it
+    origin: object  # the index array, as the block's code passed it
 
 
 def is_lazy(x) -> bool:
@@ -119,20 +119,31 @@ def picked(eqn, stack, key, indices, origin) -> Picked:
     """A gather of whole expert matrices by an index array (what `jnp.take(w, idx, axis=0)` lowers to)."""
     numbers, aval = eqn.params["dimension_numbers"], eqn.invars[0].aval
     rank = indices.ndim - 1
-    if (tuple(numbers.collapsed_slice_dims) != (0,) or tuple(numbers.start_index_map) != (0,)
-            or numbers.operand_batching_dims or indices.shape[-1] != 1 or rank != 2
-            or tuple(numbers.offset_dims) != tuple(range(rank, rank + aval.ndim - 1))
-            or tuple(eqn.params["slice_sizes"]) != (1, *aval.shape[1:]) or aval.ndim != 3):
-        raise DenseFormError("an expert weight gathered other than whole matrices by a [tokens, k] index array "
-                             "(jnp.take(w, top_k, axis=0))")
+    if (
+        tuple(numbers.collapsed_slice_dims) != (0,)
+        or tuple(numbers.start_index_map) != (0,)
+        or numbers.operand_batching_dims
+        or indices.shape[-1] != 1
+        or rank != 2
+        or tuple(numbers.offset_dims) != tuple(range(rank, rank + aval.ndim - 1))
+        or tuple(eqn.params["slice_sizes"]) != (1, *aval.shape[1:])
+        or aval.ndim != 3
+    ):
+        raise DenseFormError(
+            "an expert weight gathered other than whole matrices by a [tokens, k] index array "
+            "(jnp.take(w, top_k, axis=0))"
+        )
     return Picked(stack, key, indices[..., 0], aval.shape[0], origin)
 
 
 def expert_slice(params: dict, stack, key, aval) -> ExpertSlice:
     start, limit = params["start_indices"], params["limit_indices"]
     strides = params.get("strides") or (1,) * len(start)
-    if (limit[0] - start[0] == 1 and all(s == 0 and stop == d for s, stop, d in zip(start[1:], limit[1:], aval.shape[1:]))
-            and all(s == 1 for s in strides)):
+    if (
+        limit[0] - start[0] == 1
+        and all(s == 0 and stop == d for s, stop, d in zip(start[1:], limit[1:], aval.shape[1:]))
+        and all(s == 1 for s in strides)
+    ):
         return ExpertSlice(stack, key, int(start[0]), aval.shape[0], keepdim=True)
     raise DenseFormError("an expert weight is sliced other than as one whole expert `w[i]`")
 
@@ -146,16 +157,21 @@ def squeeze(x: ExpertSlice, dims) -> ExpertSlice:
 def _dot_labels(lhs: tuple, rhs: tuple, lc, rc, lb, rb) -> tuple:
     """Labels of a dot_general's output: batch dims (lhs order), lhs free dims, rhs free dims."""
     batch = tuple(lhs[d] for d in lb)
-    return batch + tuple(label for d, label in enumerate(lhs) if d not in lc and d not in lb) + \
-        tuple(label for d, label in enumerate(rhs) if d not in rc and d not in rb)
+    return (
+        batch
+        + tuple(label for d, label in enumerate(lhs) if d not in lc and d not in lb)
+        + tuple(label for d, label in enumerate(rhs) if d not in rc and d not in rb)
+    )
 
 
 def dot(eqn, lhs, rhs, ex):
     """A dot_general with an expert weight or a lazy value among its operands (either side)."""
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     dims = tuple(lc), tuple(rc), tuple(lb), tuple(rb)
-    params = (("precision", eqn.params.get("precision")),
-              ("preferred_element_type", eqn.params.get("preferred_element_type")))
+    params = (
+        ("precision", eqn.params.get("precision")),
+        ("preferred_element_type", eqn.params.get("preferred_element_type")),
+    )
     avals = eqn.invars[0].aval, eqn.invars[1].aval
     weights = (ExpertSlice, Stack)
     for flip in (False, True):
@@ -216,8 +232,17 @@ def _start_picked(x, p: Picked, xc, pc, xb, pb, x_aval, params, flip, ex):
     kept = ex.token_rows.setdefault(id(x), (x, x))
     node = Node("matmul", (Node("tokens"),), p.stack, p.key, contract=contract, params=params)
     labels = _order(("T0", "K"), _picked_labels(p, contract), xc, pc, xb, pb, flip)
-    return Lazy(node, labels, kept[1], (x_aval.shape[0],), p.experts, None, p.stack.shape[3 - contract],
-                choices=p.choices, origin=p.origin)
+    return Lazy(
+        node,
+        labels,
+        kept[1],
+        (x_aval.shape[0],),
+        p.experts,
+        None,
+        p.stack.shape[3 - contract],
+        choices=p.choices,
+        origin=p.origin,
+    )
 
 
 def _matmul_picked(x: Lazy, p: Picked, xc, pc, xb, pb, params, flip):
@@ -227,13 +252,15 @@ def _matmul_picked(x: Lazy, p: Picked, xc, pc, xb, pb, params, flip):
     f, e, t = x.labels.index("F"), x.labels.index("E"), x.labels.index("T0")
     pairs, batch = dict(zip(xc, pc)), dict(zip(xb, pb))
     if batch != {t: 0, e: 1} or set(pairs) != {f} or pairs[f] not in (2, 3):
-        raise DenseFormError("expert outputs times their gathered matrices other than per (token, choice) over "
-                             "the features")
+        raise DenseFormError(
+            "expert outputs times their gathered matrices other than per (token, choice) over the features"
+        )
     contract = pairs[f] - 1
     node = Node("matmul", (x.node,), p.stack, p.key, contract=contract, params=params)
-    x_labels = x.labels[:f] + ("K",) + x.labels[f + 1:]
-    return x.with_node(node, _order(x_labels, _picked_labels(p, contract), xc, pc, xb, pb, flip),
-                       p.stack.shape[3 - contract])
+    x_labels = x.labels[:f] + ("K",) + x.labels[f + 1 :]
+    return x.with_node(
+        node, _order(x_labels, _picked_labels(p, contract), xc, pc, xb, pb, flip), p.stack.shape[3 - contract]
+    )
 
 
 def _pair_gate(x: Lazy, gate):
@@ -252,8 +279,9 @@ def _matmul(x: Lazy, w, xc, wc, xb, wb, params, flip, ex):
         if x.expert != w.index or w.keepdim or xb or xc != (f,) or wc not in ((0,), (1,)):
             raise DenseFormError("an expert's output times another expert's weight")
         node = Node("matmul", (x.node,), w.stack, w.key, contract=wc[0] + 1, params=params)
-        labels = _order(x.labels[:f] + ("K",) + x.labels[f + 1:], ("K", "F") if wc == (0,) else ("F", "K"),
-                        xc, wc, xb, wb, flip)
+        labels = _order(
+            x.labels[:f] + ("K",) + x.labels[f + 1 :], ("K", "F") if wc == (0,) else ("F", "K"), xc, wc, xb, wb, flip
+        )
         return x.with_node(node, labels, w.stack.shape[3 - (wc[0] + 1)])
     if "E" not in x.labels:
         raise DenseFormError("expert outputs times an expert stack other than expert by expert")
@@ -265,13 +293,13 @@ def _matmul(x: Lazy, w, xc, wc, xb, wb, params, flip, ex):
     node = Node("matmul", (x.node,), w.value, w.key, contract=contract, params=params)
     width = w.value.shape[3 - contract]
     stack_labels = ("E", "K", "F") if contract == 1 else ("E", "F", "K")
-    x_labels = x.labels[:f] + ("K",) + x.labels[f + 1:]
+    x_labels = x.labels[:f] + ("K",) + x.labels[f + 1 :]
     out_labels = _order(x_labels, stack_labels, xc, wc, xb, wb, flip)
-    if batch == {e: 0} and set(pairs) == {f}:                   # expert by expert: still per pair
+    if batch == {e: 0} and set(pairs) == {f}:  # expert by expert: still per pair
         return x.with_node(node, out_labels, width)
     if not batch and set(pairs) == {e, f} and pairs[e] == 0 and x.gate is not None:
         summed = x.with_node(node, tuple(label for label in x.labels if label not in ("E", "F")) + ("F",), width)
-        return _arranged(materialise(summed, ex), summed, out_labels)   # and summed over the experts
+        return _arranged(materialise(summed, ex), summed, out_labels)  # and summed over the experts
     raise DenseFormError("expert outputs summed over the experts before the router's weights apply")
 
 
@@ -301,8 +329,9 @@ def _gate_by_dot(x: Lazy, g, xc, gc, xb, gb, g_aval, flip, ex):
 def gate_by_mul(x: Lazy, g_source) -> Lazy:
     """`x * g` where g was broadcast along the features from the router's weights: (operand, dims)."""
     if x.gate is not None or g_source is None:
-        raise DenseFormError("expert outputs multiplied by a value that is not the router's weights broadcast "
-                             "along the features")
+        raise DenseFormError(
+            "expert outputs multiplied by a value that is not the router's weights broadcast along the features"
+        )
     operand, dims = g_source
     labels = [x.labels[d] for d in dims]
     if any(label == "F" and operand.shape[k] != 1 for k, label in enumerate(labels)):
@@ -322,8 +351,10 @@ def row(eqn, values) -> Lazy:
     """An element-wise operation of lazy values with one layout, and scalars."""
     lazy = [x for x in values if isinstance(x, Lazy)]
     first = lazy[0]
-    if any(x.labels != first.labels or (x.gate is None) != (first.gate is None) or x.tokens is not first.tokens
-           for x in lazy) or any(not isinstance(x, Lazy) and getattr(x, "ndim", 0) for x in values):
+    if any(
+        x.labels != first.labels or (x.gate is None) != (first.gate is None) or x.tokens is not first.tokens
+        for x in lazy
+    ) or any(not isinstance(x, Lazy) and getattr(x, "ndim", 0) for x in values):
         raise DenseFormError(f"`{eqn.primitive.name}` of expert outputs and a value that is not a scalar")
     args = tuple(x.node if isinstance(x, Lazy) else x for x in values)
     node = Node("row", args, params=tuple(sorted(eqn.params.items())), prim=eqn.primitive)
@@ -379,8 +410,9 @@ def plain(x, ex):
     if isinstance(x, Lazy):
         if x.gate is not None and x.expert is not None:
             return plain(LazySum(None, (x,)), ex)
-        raise DenseFormError("expert outputs used before the router's weights apply to them and they are "
-                             "summed over the experts")
+        raise DenseFormError(
+            "expert outputs used before the router's weights apply to them and they are summed over the experts"
+        )
     if isinstance(x, ExpertSlice):
         raise DenseFormError("an indexed expert weight used other than in a matmul")
     if isinstance(x, Picked):
@@ -397,8 +429,13 @@ def _stacked(terms: list[Lazy]) -> Lazy:
         gate = gate.at[:, term.expert].add(term.gate)
     if all(t.tokens is first.tokens for t in terms):
         return dataclasses.replace(first, expert=None, gate=gate)
-    return dataclasses.replace(first, expert=None, gate=gate, per_expert=True,
-                               tokens=_tokens_per_expert([(t.expert, t.tokens) for t in terms], first.experts))
+    return dataclasses.replace(
+        first,
+        expert=None,
+        gate=gate,
+        per_expert=True,
+        tokens=_tokens_per_expert([(t.expert, t.tokens) for t in terms], first.experts),
+    )
 
 
 def _tokens_per_expert(pairs, experts: int):
@@ -420,18 +457,22 @@ def materialise(x: Lazy, ex):
     """A gated lazy value summed over the experts: each token's routed pairs at their experts' devices,
     the expression there, the results back, summed per token. Returns (token dims..., F)."""
     if not ex.dropless:
-        raise DenseFormError("a block that runs every expert on every token takes dispatch: dropless only "
-                             "(its routing has no fixed number of experts per token to size a capacity from)")
+        raise DenseFormError(
+            "a block that runs every expert on every token takes dispatch: dropless only "
+            "(its routing has no fixed number of experts per token to size a capacity from)"
+        )
     n, experts = x.tokens.shape[-2], x.experts
     routed = x.gate != 0
-    key = jnp.where(routed, jnp.arange(experts), experts).reshape(-1)          # (N * E,), unrouted last
+    key = jnp.where(routed, jnp.arange(experts), experts).reshape(-1)  # (N * E,), unrouted last
     order = jnp.argsort(key, stable=True)
     sizes = jnp.sum(routed, axis=0).astype(jnp.int32)
     token_of = (order // experts).astype(jnp.int32)
-    route = exchange.route(sizes, n * experts, n, ex.axis, ex.size)             # n: each token once per expert
+    route = exchange.route(sizes, n * experts, n, ex.axis, ex.size)  # n: each token once per expert
     rows = x.tokens[(order % experts).astype(jnp.int32), token_of] if x.per_expert else x.tokens[token_of]
-    held = {"tokens": exchange.dispatch(rows, route),
-            "gate": exchange.dispatch(x.gate.reshape(-1)[order][:, None], route)}
+    held = {
+        "tokens": exchange.dispatch(rows, route),
+        "gate": exchange.dispatch(x.gate.reshape(-1)[order][:, None], route),
+    }
     out = _evaluate(x.node, held, route, {})
     back = exchange.combine(out, route)
     summed = jnp.zeros((n, back.shape[-1]), back.dtype).at[token_of].add(back)
@@ -448,9 +489,14 @@ def _evaluate(node: Node, held: dict, route, memo: dict):
         out = value * held["gate"].astype(value.dtype)
     elif node.op == "matmul":
         params = dict(node.params)
-        out = exchange.grouped_matmul(_evaluate(node.args[0], held, route, memo), node.weight, route,
-                                      contracting=node.contract, precision=params["precision"],
-                                      preferred_element_type=params["preferred_element_type"])
+        out = exchange.grouped_matmul(
+            _evaluate(node.args[0], held, route, memo),
+            node.weight,
+            route,
+            contracting=node.contract,
+            precision=params["precision"],
+            preferred_element_type=params["preferred_element_type"],
+        )
     else:
         operands = [_evaluate(a, held, route, memo) if isinstance(a, Node) else a for a in node.args]
         out = node.prim.bind(*operands, **dict(node.params))
@@ -469,14 +515,20 @@ def reshaped(eqn, x: Lazy) -> Lazy:
         dims = set(eqn.params["dimensions"])
         if all(x.labels[d] == "1" for d in dims):
             return x.with_node(x.node, tuple(label for d, label in enumerate(x.labels) if d not in dims))
-    elif name == "broadcast_in_dim" and before == tuple(after[d] for d in eqn.params["broadcast_dimensions"]) and \
-            all(after[d] == 1 for d in range(len(after)) if d not in eqn.params["broadcast_dimensions"]):
+    elif (
+        name == "broadcast_in_dim"
+        and before == tuple(after[d] for d in eqn.params["broadcast_dimensions"])
+        and all(after[d] == 1 for d in range(len(after)) if d not in eqn.params["broadcast_dimensions"])
+    ):
         labels = ["1"] * len(after)
         for k, d in enumerate(eqn.params["broadcast_dimensions"]):
             labels[d] = x.labels[k]
         return x.with_node(x.node, tuple(labels))
-    elif name == "reshape" and eqn.params.get("dimensions") is None and \
-            [d for d in before if d != 1] == [d for d in after if d != 1]:
+    elif (
+        name == "reshape"
+        and eqn.params.get("dimensions") is None
+        and [d for d in before if d != 1] == [d for d in after if d != 1]
+    ):
         known = iter(label for label, d in zip(x.labels, before) if d != 1)
         return x.with_node(x.node, tuple(next(known) if d != 1 else "1" for d in after))
     raise DenseFormError(f"expert outputs go into `{name}` other than to add or drop a dim of size one")
@@ -492,12 +544,26 @@ def concatenated(eqn, values) -> Lazy:
         labels = first.labels[:dim] + ("E",) + first.labels[dim:]
     else:
         dim = eqn.params["dimension"]
-        labels = first.labels[:dim] + ("E",) + first.labels[dim + 1:] if first.labels[dim] == "1" else None
-    if (labels is None or len(values) != first.experts
-            or not all(isinstance(v, Lazy) and v.gate is None and v.expert == k and v.labels == first.labels
-                       and v.signature() == first.signature() for k, v in enumerate(values))):
+        labels = first.labels[:dim] + ("E",) + first.labels[dim + 1 :] if first.labels[dim] == "1" else None
+    if (
+        labels is None
+        or len(values) != first.experts
+        or not all(
+            isinstance(v, Lazy)
+            and v.gate is None
+            and v.expert == k
+            and v.labels == first.labels
+            and v.signature() == first.signature()
+            for k, v in enumerate(values)
+        )
+    ):
         raise DenseFormError("expert outputs stacked other than one per expert, in expert order, along a new dim")
     if all(v.tokens is first.tokens for v in values):
         return dataclasses.replace(first, labels=labels, expert=None)
-    return dataclasses.replace(first, labels=labels, expert=None, per_expert=True,
-                               tokens=_tokens_per_expert([(v.expert, v.tokens) for v in values], first.experts))
+    return dataclasses.replace(
+        first,
+        labels=labels,
+        expert=None,
+        per_expert=True,
+        tokens=_tokens_per_expert([(v.expert, v.tokens) for v in values], first.experts),
+    )

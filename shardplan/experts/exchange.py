@@ -20,11 +20,11 @@ class Route:
     """Where each of a device's rows went: slot `e * capacity + position` of the send buffer, or the
     one past the end for a dropped row."""
 
-    slots: jax.Array          # (rows,) int32
-    experts: int              # E, all devices together
-    capacity: int             # slots per (source device, expert)
-    axis: str                 # the expert mesh axis
-    size: int                 # its size, ep
+    slots: jax.Array  # (rows,) int32
+    experts: int  # E, all devices together
+    capacity: int  # slots per (source device, expert)
+    axis: str  # the expert mesh axis
+    size: int  # its size, ep
 
 
 def route(group_sizes: jax.Array, rows: int, capacity: int, axis: str, size: int) -> Route:
@@ -32,7 +32,7 @@ def route(group_sizes: jax.Array, rows: int, capacity: int, axis: str, size: int
     experts = group_sizes.shape[0]
     ends = jnp.cumsum(group_sizes)
     index = jnp.arange(rows, dtype=ends.dtype)
-    expert = jnp.searchsorted(ends, index, side="right")               # rows past sum(group_sizes): E
+    expert = jnp.searchsorted(ends, index, side="right")  # rows past sum(group_sizes): E
     start = jnp.concatenate([jnp.zeros((1,), ends.dtype), ends])[expert]
     position = index - start
     kept = (expert < experts) & (position < capacity)
@@ -52,7 +52,7 @@ def dispatch(rows: jax.Array, r: Route) -> jax.Array:
     tail = rows.shape[1:]
     send = jnp.zeros((r.experts * r.capacity + 1, *tail), rows.dtype).at[r.slots].set(rows)[:-1]
     send = send.reshape(r.size, local, r.capacity, *tail)
-    received = jax.lax.all_to_all(send, r.axis, 0, 0, tiled=True)       # (source, local expert, slot, ...)
+    received = jax.lax.all_to_all(send, r.axis, 0, 0, tiled=True)  # (source, local expert, slot, ...)
     return jnp.swapaxes(received, 0, 1).reshape(local * r.size * r.capacity, *tail)
 
 
@@ -67,12 +67,18 @@ def combine(held: jax.Array, r: Route) -> jax.Array:
     return home[r.slots]
 
 
-def grouped_matmul(held: jax.Array, weights: jax.Array, r: Route, *, contracting: int, precision=None,
-                   preferred_element_type=None) -> jax.Array:
+def grouped_matmul(
+    held: jax.Array, weights: jax.Array, r: Route, *, contracting: int, precision=None, preferred_element_type=None
+) -> jax.Array:
     """`ragged_dot` of the held rows with this device's own experts: equal groups of `ep * capacity`
     rows each, so one batched matmul (`contracting`: the weights' contracted dim, 1 or 2)."""
     local = weights.shape[0]
     grouped = held.reshape(local, r.size * r.capacity, held.shape[-1])
-    out = jax.lax.dot_general(grouped, weights, (((2,), (contracting,)), ((0,), (0,))), precision=precision,
-                              preferred_element_type=preferred_element_type)
+    out = jax.lax.dot_general(
+        grouped,
+        weights,
+        (((2,), (contracting,)), ((0,), (0,))),
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+    )
     return out.reshape(local * r.size * r.capacity, out.shape[-1])

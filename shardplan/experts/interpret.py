@@ -20,14 +20,23 @@ from jax.extend import core
 from shardplan.experts import dense, exchange
 
 # Primitives that act on each element (so on each row) alone.
-ROW_WISE = frozenset("""abs add and atan2 cbrt ceil clamp convert_element_type copy copy_p cos cosh div erf erf_inv
+ROW_WISE = frozenset(
+    """abs add and atan2 cbrt ceil clamp convert_element_type copy copy_p cos cosh div erf erf_inv
     erfc exp exp2 expm1 floor imag integer_pow is_finite log log1p logistic max min mul ne neg nextafter not or pow
     real reduce_precision rem round rsqrt select_n sign sin sinh sqrt square stop_gradient sub tan tanh xor eq ge gt
-    le lt""".split())
+    le lt""".split()
+)
 # Primitives that call a traced function: entered, so held rows and expert weights can flow through them.
-CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
-         "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr", "remat": "jaxpr",
-         "checkpoint": "jaxpr"}
+CALLS = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+    "remat": "jaxpr",
+    "checkpoint": "jaxpr",
+}
 
 
 # What a refused use of an expert weight usually is, in the user's terms.
@@ -40,8 +49,8 @@ class ContractError(Exception):
     def __init__(self, message: str, where: str | None, refused: bool = False):
         super().__init__(message)
         self.where = where
-        self.refused = refused    # no expert-parallel program exists; else the block falls back (`block`)
-        self.block = None         # the block's class, set by its call
+        self.refused = refused  # no expert-parallel program exists; else the block falls back (`block`)
+        self.block = None  # the block's class, set by its call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +59,7 @@ class Held:
 
     rows: jax.Array
     route: exchange.Route
-    groups: object            # the group-sizes variable the route was made from
+    groups: object  # the group-sizes variable the route was made from
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,11 +81,11 @@ class Exchange:
 
     axis: str
     size: int
-    capacity_of: Callable[[int, int], int]     # (rows, experts) -> slots per source and expert
+    capacity_of: Callable[[int, int], int]  # (rows, experts) -> slots per source and expert
     dropless: bool = True
     routes: dict = dataclasses.field(default_factory=dict)
     sent: dict = dataclasses.field(default_factory=dict)
-    dropped: list = dataclasses.field(default_factory=list)     # per route: this device's dropped rows
+    dropped: list = dataclasses.field(default_factory=list)  # per route: this device's dropped rows
     token_rows: dict = dataclasses.field(default_factory=dict)  # id(token array) -> (it, its rows (N, D))
 
 
@@ -86,6 +95,7 @@ def where(eqn) -> str | None:
 
     import flax
     from jax._src import source_info_util
+
     library = os.path.dirname(flax.__file__)
     for frame in source_info_util.user_frames(eqn.source_info.traceback):
         if not frame.file_name.startswith(library):
@@ -95,15 +105,16 @@ def where(eqn) -> str | None:
 
 def run(closed: core.ClosedJaxpr, args: list, experts: set[int], ex: Exchange) -> list:
     """Evaluate `closed` on `args`; the inputs at positions `experts` are this device's expert weights."""
-    return _eval(closed.jaxpr, closed.consts, args, {v for k, v in enumerate(closed.jaxpr.invars) if k in experts}, ex,
-                 home=True)
+    return _eval(
+        closed.jaxpr, closed.consts, args, {v for k, v in enumerate(closed.jaxpr.invars) if k in experts}, ex, home=True
+    )
 
 
 def _eval(jaxpr: core.Jaxpr, consts, args, experts: set, ex: Exchange, home: bool) -> list:
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
     experts = set(experts)
-    sources = {}        # values broadcast along their last dim -> what they were broadcast from
+    sources = {}  # values broadcast along their last dim -> what they were broadcast from
 
     def read(v):
         return v.val if isinstance(v, core.Literal) else env[v]
@@ -129,8 +140,14 @@ def _eval(jaxpr: core.Jaxpr, consts, args, experts: set, ex: Exchange, home: boo
         except dense.DenseFormError as exc:
             raise ContractError(str(exc), None) from None
     # Inside a called function, expert weights, held rows and lazy values go back to the caller as they are.
-    return [_ExpertValue(x) if not isinstance(v, core.Literal) and v in experts else
-            x.value if isinstance(x, RowConstant) else x for v, x in zip(jaxpr.outvars, results)]
+    return [
+        _ExpertValue(x)
+        if not isinstance(v, core.Literal) and v in experts
+        else x.value
+        if isinstance(x, RowConstant)
+        else x
+        for v, x in zip(jaxpr.outvars, results)
+    ]
 
 
 def _step(eqn, read, plain, experts: set, sources: dict, ex: Exchange) -> list:
@@ -192,13 +209,14 @@ def _dense_step(eqn, name, values, from_experts, experts, sources, ex):
     if name == "squeeze" and isinstance(values[0], dense.ExpertSlice):
         return dense.squeeze(values[0], eqn.params["dimensions"])
     if name == "dot_general":
-        operands = [dense.Stack(x, v, v.aval.shape[0]) if e else x
-                    for x, v, e in zip(values, eqn.invars, from_experts)]
+        operands = [dense.Stack(x, v, v.aval.shape[0]) if e else x for x, v, e in zip(values, eqn.invars, from_experts)]
         return dense.dot(eqn, *operands, ex)
     if any(from_experts):
-        raise dense.DenseFormError(f"an expert weight goes into `{name}`{_FORMS.get(name, '')}; expert weights "
-                                   "may be the right operand of jax.lax.ragged_dot or multiply tokens "
-                                   "(docs/experts.md)")
+        raise dense.DenseFormError(
+            f"an expert weight goes into `{name}`{_FORMS.get(name, '')}; expert weights "
+            "may be the right operand of jax.lax.ragged_dot or multiply tokens "
+            "(docs/experts.md)"
+        )
     if name == "add" and len(values) == 2:
         return dense.add(*values, eqn)
     if name == "mul" and len(values) == 2:
@@ -206,7 +224,7 @@ def _dense_step(eqn, name, values, from_experts, experts, sources, ex):
         other, var = values[1 - k], eqn.invars[1 - k]
         if getattr(other, "ndim", 0) and not dense.is_lazy(other):
             source = sources.get(var)
-            if source is None and other.ndim == eqn.outvars[0].aval.ndim:      # (mul broadcasts dims of size one)
+            if source is None and other.ndim == eqn.outvars[0].aval.ndim:  # (mul broadcasts dims of size one)
                 source = (other, tuple(range(other.ndim)))
             return dense.gate_by_mul(values[k], source)
     if name in ("broadcast_in_dim", "reshape", "squeeze", "transpose") and isinstance(values[0], dense.Lazy):
@@ -219,8 +237,9 @@ def _dense_step(eqn, name, values, from_experts, experts, sources, ex):
         return dense.reduce_experts(values[0], eqn.params["axes"], ex)
     if name in ROW_WISE:
         return dense.row(eqn, values)
-    raise dense.DenseFormError(f"expert outputs go into `{name}`, which expert parallelism cannot run on the "
-                               "routed tokens alone")
+    raise dense.DenseFormError(
+        f"expert outputs go into `{name}`, which expert parallelism cannot run on the routed tokens alone"
+    )
 
 
 def _keeps_experts(eqn) -> bool:
@@ -279,8 +298,7 @@ def _per_row(eqn, x: Held) -> Held:
 def _row_wise(eqn, values) -> Held:
     first = next(x for x in values if isinstance(x, Held))
     rows = first.rows.shape[0]
-    operands = [x.rows if isinstance(x, Held) else x.fitted(rows) if isinstance(x, RowConstant) else x
-                for x in values]
+    operands = [x.rows if isinstance(x, Held) else x.fitted(rows) if isinstance(x, RowConstant) else x for x in values]
     return Held(eqn.primitive.bind(*operands, **eqn.params), first.route, first.groups)
 
 
@@ -289,11 +307,23 @@ def _expert_matmul(eqn, values, ex: Exchange) -> Held:
     numbers = eqn.params["ragged_dot_dimension_numbers"]
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = numbers.dot_dimension_numbers
     rank = eqn.invars[0].aval.ndim
-    if (rank != 2 or eqn.invars[1].aval.ndim != 3 or lhs_batch or rhs_batch or tuple(lhs_contract) != (1,)
-            or tuple(numbers.lhs_ragged_dimensions) != (0,) or tuple(numbers.rhs_group_dimensions) != (0,)
-            or tuple(rhs_contract) not in ((1,), (2,)) or eqn.params.get("group_offset") is not None):
-        raise ContractError("a ragged_dot over expert weights that is not rows [M, K] times experts [E, K, N] "
-                            "(or [E, N, K]) grouped on the rows", where(eqn), refused=True)
+    if (
+        rank != 2
+        or eqn.invars[1].aval.ndim != 3
+        or lhs_batch
+        or rhs_batch
+        or tuple(lhs_contract) != (1,)
+        or tuple(numbers.lhs_ragged_dimensions) != (0,)
+        or tuple(numbers.rhs_group_dimensions) != (0,)
+        or tuple(rhs_contract) not in ((1,), (2,))
+        or eqn.params.get("group_offset") is not None
+    ):
+        raise ContractError(
+            "a ragged_dot over expert weights that is not rows [M, K] times experts [E, K, N] "
+            "(or [E, N, K]) grouped on the rows",
+            where(eqn),
+            refused=True,
+        )
     groups = eqn.invars[2]
     if isinstance(lhs, Held) and lhs.groups is groups:
         route = lhs.route
@@ -314,6 +344,12 @@ def _expert_matmul(eqn, values, ex: Exchange) -> Held:
         rows = ex.sent.get(key)
         if rows is None:
             rows = ex.sent[key] = exchange.dispatch(lhs, route)
-    out = exchange.grouped_matmul(rows, weights, route, contracting=rhs_contract[0], precision=eqn.params["precision"],
-                                  preferred_element_type=eqn.params["preferred_element_type"])
+    out = exchange.grouped_matmul(
+        rows,
+        weights,
+        route,
+        contracting=rhs_contract[0],
+        precision=eqn.params["precision"],
+        preferred_element_type=eqn.params["preferred_element_type"],
+    )
     return Held(out, route, groups)

@@ -29,6 +29,7 @@ def run_pinned(closed: core.ClosedJaxpr, args: list, stacks: set[int], pin: Call
 
     def read(var):
         return var.val if isinstance(var, core.Literal) else env[var]
+
     for var, value in zip(jaxpr.constvars, closed.consts):
         env[var] = value
     for i, (var, value) in enumerate(zip(jaxpr.invars, args)):
@@ -82,7 +83,7 @@ def _product_dim(numbers, dims: list, ranks: list) -> int | None:
             return list(rb).index(right)
         if right not in rc:
             return len(lb) + len(free_l) + free_r.index(right)
-    return None       # the experts summed over: the block's combine
+    return None  # the experts summed over: the block's combine
 
 
 def _reshaped_dim(before: tuple, after: tuple, dim: int | None) -> int | None:

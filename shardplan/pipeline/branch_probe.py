@@ -24,8 +24,16 @@ from shardplan.pipeline.loop import run_chunk
 _SEEN: dict = {}
 
 
-def layers_permute_in_branches(layers, state, specs: list[PartitionSpec], inputs: tuple, mesh: Mesh, axis: str,
-                               batch_axes: tuple[str, ...], leaf_specs: tuple | None = None) -> bool:
+def layers_permute_in_branches(
+    layers,
+    state,
+    specs: list[PartitionSpec],
+    inputs: tuple,
+    mesh: Mesh,
+    axis: str,
+    batch_axes: tuple[str, ...],
+    leaf_specs: tuple | None = None,
+) -> bool:
     """Whether one chunk of `layers` (stacked `state`, each leaf (stages, chunks, layers, ...) with
     its `specs`), run forward and backward on `inputs` — (activation, split inputs, whole inputs,
     keys) for one microbatch, the first two split over `batch_axes` — needs a collective-permute over
@@ -34,19 +42,36 @@ def layers_permute_in_branches(layers, state, specs: list[PartitionSpec], inputs
     if jax.default_backend() != "cpu":
         return False
     manual = {axis, *batch_axes}
-    chunk_specs = [PartitionSpec(axis, None, *(_left_to_xla(entry, manual) for entry in tuple(spec)[3:]))
-                   for spec in specs]
-    if not any(entry is not None and mesh.shape[name] > 1 for spec in chunk_specs for entry in spec[1:]
-               for name in (entry if isinstance(entry, tuple) else (entry,))):
+    chunk_specs = [
+        PartitionSpec(axis, None, *(_left_to_xla(entry, manual) for entry in tuple(spec)[3:])) for spec in specs
+    ]
+    if not any(
+        entry is not None and mesh.shape[name] > 1
+        for spec in chunk_specs
+        for entry in spec[1:]
+        for name in (entry if isinstance(entry, tuple) else (entry,))
+    ):
         return False
     leaves, treedef = jax.tree.flatten(state)
     chunk = [jax.ShapeDtypeStruct((leaf.shape[0], *leaf.shape[2:]), leaf.dtype) for leaf in leaves]
     h, split, whole, keys = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), inputs)
-    key = (layers, treedef, tuple(chunk), tuple(chunk_specs), h, tuple(split), str(jax.tree.structure(whole)),
-           tuple(jax.tree.leaves((whole, keys))), tuple(mesh.shape.items()), axis, batch_axes, leaf_specs)
+    key = (
+        layers,
+        treedef,
+        tuple(chunk),
+        tuple(chunk_specs),
+        h,
+        tuple(split),
+        str(jax.tree.structure(whole)),
+        tuple(jax.tree.leaves((whole, keys))),
+        tuple(mesh.shape.items()),
+        axis,
+        batch_axes,
+        leaf_specs,
+    )
     try:
         return _SEEN[key]
-    except TypeError:            # a layer definition that cannot be hashed: probe every time
+    except TypeError:  # a layer definition that cannot be hashed: probe every time
         key = None
     except KeyError:
         pass
@@ -55,19 +80,29 @@ def layers_permute_in_branches(layers, state, specs: list[PartitionSpec], inputs
     def forward_and_backward(chunk, h, split, whole, keys):
         def forward(chunk, h):
             return run_chunk(layers, jax.tree.unflatten(treedef, chunk), h, split, whole, keys, 0)
+
         out, vjp = jax.vjp(forward, [leaf[0] for leaf in chunk], h)
         return vjp(out)
 
-    entering = PartitionSpec(axis) if leaf_specs is None else [PartitionSpec(axis, *tuple(spec)[2:])
-                                                                for spec in leaf_specs]
-    probe = jax.shard_map(forward_and_backward, mesh=mesh, in_specs=(entering, rows, rows, PartitionSpec(),
-                                                                     PartitionSpec()),
-                          out_specs=PartitionSpec(), axis_names=manual, check_vma=False)
+    entering = (
+        PartitionSpec(axis) if leaf_specs is None else [PartitionSpec(axis, *tuple(spec)[2:]) for spec in leaf_specs]
+    )
+    probe = jax.shard_map(
+        forward_and_backward,
+        mesh=mesh,
+        in_specs=(entering, rows, rows, PartitionSpec(), PartitionSpec()),
+        out_specs=PartitionSpec(),
+        axis_names=manual,
+        check_vma=False,
+    )
     shardings = [NamedSharding(mesh, spec) for spec in chunk_specs]
     try:
-        compiled = jax.jit(probe, in_shardings=(shardings, *(NamedSharding(mesh, s) for s in (rows, rows)), None, None)
-                           ).lower(chunk, h, split, whole, keys).compile()
-    except Exception:       # a chunk that cannot be compiled alone: the step keeps its branches, as before the probe
+        compiled = (
+            jax.jit(probe, in_shardings=(shardings, *(NamedSharding(mesh, s) for s in (rows, rows)), None, None))
+            .lower(chunk, h, split, whole, keys)
+            .compile()
+        )
+    except Exception:  # a chunk that cannot be compiled alone: the step keeps its branches, as before the probe
         return False
     found = "collective-permute" in compiled.as_text()
     if key is not None:

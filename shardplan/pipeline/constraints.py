@@ -36,8 +36,14 @@ def _constraint(x, shardings):
     manual = _manual_axes() if _IN_LAYER.get() else frozenset()
     if not manual:
         return _JAX_CONSTRAINT(x, shardings)
-    return _JAX_CONSTRAINT(x, jax.tree.map(lambda s: without_axes(s, manual), shardings,
-                                           is_leaf=lambda s: isinstance(s, (PartitionSpec, NamedSharding))))
+    return _JAX_CONSTRAINT(
+        x,
+        jax.tree.map(
+            lambda s: without_axes(s, manual),
+            shardings,
+            is_leaf=lambda s: isinstance(s, (PartitionSpec, NamedSharding)),
+        ),
+    )
 
 
 def _manual_axes() -> frozenset:
@@ -54,9 +60,11 @@ def without_axes(sharding, axes: frozenset):
     spec = sharding.spec if isinstance(sharding, NamedSharding) else sharding
     if not isinstance(spec, PartitionSpec):
         return sharding
+
     def entry(e):
         if e is not None and not isinstance(e, (str, tuple)):
-            return e               # (PartitionSpec.UNCONSTRAINED)
+            return e  # (PartitionSpec.UNCONSTRAINED)
         names = tuple(n for n in ((e,) if isinstance(e, str) else e or ()) if n not in axes)
         return None if not names else names[0] if len(names) == 1 else names
+
     return PartitionSpec(*(entry(e) for e in spec))

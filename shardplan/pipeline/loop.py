@@ -41,8 +41,9 @@ from shardplan.run.layer_call import LayerCall, fold_keys
 from shardplan.run.widen import narrowed, widened
 
 
-def fit_microbatches(rows: int, microbatches: int, batch_axes: tuple[str, ...],
-                     sizes: dict[str, int]) -> tuple[int, tuple[str, ...]]:
+def fit_microbatches(
+    rows: int, microbatches: int, batch_axes: tuple[str, ...], sizes: dict[str, int]
+) -> tuple[int, tuple[str, ...]]:
     """The most microbatches (up to the plan's) that divide `rows`, keeping as many of the manual batch
     axes (a prefix: the plan's data axes come first) as each microbatch still splits over.
 
@@ -109,19 +110,23 @@ class Layers:
     def run(self, layer_state, index, h, split, whole, keys):
         """Layer `index` (model order; may be traced) on the activation `h`: the layer's own kind, chosen
         by `lax.switch` when the layers differ."""
+
         def branch(graphdef):
             def run(layer_state, h, split, whole, keys):
                 layer = nnx.merge(graphdef, layer_state)
                 args, kwargs = self.call.arguments(h, split, whole, fold_keys(keys, index))
                 with pipelined_layer_code():
                     return self.call.activation(layer(*args, **kwargs))
+
             return run
+
         if len(self.kinds) == 1:
             return branch(self.kinds[0])(layer_state, h, split, whole, keys)
         kind = jnp.asarray(self.kind_of, jnp.int32)[index]
 
         def switch(layer_state, h, split, whole, keys):
             return jax.lax.switch(kind, [branch(g) for g in self.kinds], layer_state, h, split, whole, keys)
+
         # A switch's residuals include its operands, the weights, which the loops around it would then
         # keep once per trip (measured: the Gemma-style gpipe step's peak fell from 199 to 172 MiB).
         return jax.checkpoint(switch, policy=_not_slices, prevent_cse=False)(layer_state, h, split, whole, keys)
@@ -169,8 +174,9 @@ def _batch_spec(batch_axes: tuple[str, ...], *leading) -> P:
     return P(*leading, batch_axes if batch_axes else None)
 
 
-def stage_specs(specs, experts: list[bool], axis: str, batch_axes: tuple[str, ...],
-                expert_axis: str | None) -> tuple[P, ...] | None:
+def stage_specs(
+    specs, experts: list[bool], axis: str, batch_axes: tuple[str, ...], expert_axis: str | None
+) -> tuple[P, ...] | None:
     """How each leaf of the stacked layers (its plan spec, [stage, chunk, slot, ...]; whether it is an
     expert weight) enters the loop: split over the stage axis, and an expert weight over the experts'
     axis where the plan splits it so and the loop runs that axis manually (the experts stay on their
@@ -188,8 +194,10 @@ def stage_specs(specs, experts: list[bool], axis: str, batch_axes: tuple[str, ..
 
     def kept(entry, expert: bool):
         return expert_axis if expert and expert_axis in _entry_axes(entry) else None
-    return tuple(P(axis, None, None, *(kept(entry, expert) for entry in tuple(spec)[3:]))
-                 for spec, expert in zip(specs, experts))
+
+    return tuple(
+        P(axis, None, None, *(kept(entry, expert) for entry in tuple(spec)[3:])) for spec, expert in zip(specs, experts)
+    )
 
 
 def _entry_axes(entry) -> tuple[str, ...]:
@@ -227,15 +235,16 @@ def rows_of(arrays, m):
 
 def sequential_forward(layers: Layers, stacked, h, split, whole, keys):
     """The stacked layers in model order, one after another (no pipeline)."""
-    return run_chunk(layers, jax.tree.map(lambda a: model_order(a, layers.arrangement), stacked), h, split, whole,
-                     keys, 0)
+    return run_chunk(
+        layers, jax.tree.map(lambda a: model_order(a, layers.arrangement), stacked), h, split, whole, keys, 0
+    )
 
 
 def model_order(a, arrangement: Arrangement = Arrangement()):
     """(stages, virtual, per_chunk, ...) -> (layers, ...) in model order (see `Arrangement`), without the
     padding slots of unequal stages."""
     stages, virtual, per_chunk = a.shape[:3]
-    if arrangement.v_shape:         # the odd chunks run down the stages
+    if arrangement.v_shape:  # the odd chunks run down the stages
         a = jnp.stack([a[::-1, v] if v % 2 else a[:, v] for v in range(virtual)], axis=1)
     flat = jnp.swapaxes(a, 0, 1).reshape(virtual * stages * per_chunk, *a.shape[3:])
     counts = arrangement.counts
@@ -244,8 +253,19 @@ def model_order(a, arrangement: Arrangement = Arrangement()):
     return flat[jnp.asarray([s * per_chunk + j for s, n in enumerate(counts) for j in range(n)])]
 
 
-def circular_forward(layers: Layers, stacked, xs, split, whole, keys, *, mesh, axis: str,
-                     batch_axes: tuple[str, ...] = (), leaf_specs: tuple | None = None):
+def circular_forward(
+    layers: Layers,
+    stacked,
+    xs,
+    split,
+    whole,
+    keys,
+    *,
+    mesh,
+    axis: str,
+    batch_axes: tuple[str, ...] = (),
+    leaf_specs: tuple | None = None,
+):
     """Forward of (M, mb, ...) microbatches (and the layers' split arguments, also (M, mb, ...)) through
     the stacked layers; returns (M, mb, ...).
 
@@ -257,15 +277,17 @@ def circular_forward(layers: Layers, stacked, xs, split, whole, keys, *, mesh, a
     # it in bfloat16 aborted XLA's CPU compiler (once the activations really were bfloat16)
     (stacked, whole, xs), narrow = widened((stacked, whole, xs))
     if layers.arrangement.v_shape:
-        return _cached(_v_runner, layers, mesh, axis, batch_axes, narrow, leaf_specs)(stacked, xs, split, whole,
-                                                                                      keys)[0]
+        return _cached(_v_runner, layers, mesh, axis, batch_axes, narrow, leaf_specs)(stacked, xs, split, whole, keys)[
+            0
+        ]
     run = _cached(_circular_runner, layers, mesh, axis, batch_axes, narrow, leaf_specs)
     return run(stacked, xs, split, whole, keys)[stages - 1]
 
 
 @functools.cache
-def _circular_runner(layers: Layers, mesh, axis: str, batch_axes: tuple[str, ...], narrow: tuple,
-                     leaf_specs: tuple | None = None):
+def _circular_runner(
+    layers: Layers, mesh, axis: str, batch_axes: tuple[str, ...], narrow: tuple, leaf_specs: tuple | None = None
+):
     """The jitted shard_map of the circular forward (a partly manual shard_map cannot run eagerly); the
     weights, whole arguments and microbatches enter `widened`, to the dtypes `narrow` names."""
 
@@ -273,9 +295,9 @@ def _circular_runner(layers: Layers, mesh, axis: str, batch_axes: tuple[str, ...
         state, whole, xs = narrowed((state, whole, xs), narrow)
         keys = shard_keys(keys, mesh, batch_axes)
         stages = mesh.shape[axis]
-        virtual, per_chunk = jax.tree.leaves(state)[0].shape[1:3]        # this device's (1, virtual, per_chunk)
+        virtual, per_chunk = jax.tree.leaves(state)[0].shape[1:3]  # this device's (1, virtual, per_chunk)
         micro = xs.shape[0]
-        state = chunk_of_state(state, 0)                                         # (virtual, per_chunk, ...)
+        state = chunk_of_state(state, 0)  # (virtual, per_chunk, ...)
         s = jax.lax.axis_index(axis)
 
         def tick(carry, t):
@@ -313,8 +335,9 @@ def _circular_runner(layers: Layers, mesh, axis: str, batch_axes: tuple[str, ...
 
 
 @functools.cache
-def _v_runner(layers: Layers, mesh, axis: str, batch_axes: tuple[str, ...], narrow: tuple,
-              leaf_specs: tuple | None = None):
+def _v_runner(
+    layers: Layers, mesh, axis: str, batch_axes: tuple[str, ...], narrow: tuple, leaf_specs: tuple | None = None
+):
     """`_circular_runner` for layers placed in a V (`Arrangement.v_shape`): every microbatch up the stages
     through their first chunks, then down through their second, in two sweeps of M + S - 1 ticks; the
     outputs end on the first stage."""
@@ -325,7 +348,7 @@ def _v_runner(layers: Layers, mesh, axis: str, batch_axes: tuple[str, ...], narr
         stages = mesh.shape[axis]
         per_chunk = jax.tree.leaves(state)[0].shape[2]
         micro = xs.shape[0]
-        state = chunk_of_state(state, 0)                                         # (2, per_chunk, ...)
+        state = chunk_of_state(state, 0)  # (2, per_chunk, ...)
         s = jax.lax.axis_index(axis)
         sweep = micro + stages - 1
 
@@ -335,19 +358,21 @@ def _v_runner(layers: Layers, mesh, axis: str, batch_axes: tuple[str, ...], narr
             rel = jnp.where(down, t - sweep - (stages - 1 - s), t - s)
             m = jnp.clip(rel, 0, micro - 1)
             active = (rel >= 0) & (rel < micro)
-            h_in = jnp.where(down, jnp.where(s == stages - 1, turned[m], from_above),
-                             jnp.where(s == 0, xs[m], from_below))
+            h_in = jnp.where(
+                down, jnp.where(s == stages - 1, turned[m], from_above), jnp.where(s == 0, xs[m], from_below)
+            )
             v = down.astype(jnp.int32)
             first, size = layers.chunk(s, v, stages, per_chunk)
-            h = run_chunk(layers, chunk_of_state(state, v), h_in, rows_of(split, m), whole, fold_keys(keys, m), first,
-                          size)
+            h = run_chunk(
+                layers, chunk_of_state(state, v), h_in, rows_of(split, m), whole, fold_keys(keys, m), first, size
+            )
             h = jnp.where(active, h, jnp.zeros_like(h_in))
-            turned = jnp.where(~down & active & (s == stages - 1), turned.at[m].set(h), turned)   # (the turn stays)
+            turned = jnp.where(~down & active & (s == stages - 1), turned.at[m].set(h), turned)  # (the turn stays)
             outs = jnp.where(down & active & (s == 0), outs.at[m].set(h), outs)
             return (to_next_stage(h, axis, stages), to_previous_stage(h, axis, stages), turned, outs), None
 
         zeros = jnp.zeros_like(xs)
-        body = jax.checkpoint(tick, policy=_not_slices, prevent_cse=False)     # (see `_circular_runner`)
+        body = jax.checkpoint(tick, policy=_not_slices, prevent_cse=False)  # (see `_circular_runner`)
         (_, _, _, outs), _ = jax.lax.scan(body, (zeros[0], zeros[0], zeros, zeros), jnp.arange(2 * sweep))
         return outs[None]
 
@@ -359,16 +384,40 @@ def _forward_on_stages(per_device: Callable, mesh, axis: str, batch_axes: tuple[
     rows = _batch_spec(batch_axes, None)
 
     def run(stacked, *rest):
-        return jax.shard_map(per_device, mesh=mesh, in_specs=(_state_in(stacked, leaf_specs, axis), rows, rows, P(), P()),
-                             out_specs=_batch_spec(batch_axes, axis, None), axis_names={axis, *batch_axes},
-                             check_vma=False)(stacked, *rest)
+        return jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=(_state_in(stacked, leaf_specs, axis), rows, rows, P(), P()),
+            out_specs=_batch_spec(batch_axes, axis, None),
+            axis_names={axis, *batch_axes},
+            check_vma=False,
+        )(stacked, *rest)
+
     return jax.jit(run)
 
 
-def one_f_one_b_loss(layers: Layers, stacked, head: Callable, head_params, embed: Callable, embed_params, head_rest,
-                     layer_inputs, head_inputs, targets, keys, *, mesh, axis: str, batch_axes: tuple[str, ...] = (),
-                     embed_branch: bool = True, branches: bool = True, schedule: str = "1f1b",
-                     runner: Callable | None = None, leaf_specs: tuple | None = None):
+def one_f_one_b_loss(
+    layers: Layers,
+    stacked,
+    head: Callable,
+    head_params,
+    embed: Callable,
+    embed_params,
+    head_rest,
+    layer_inputs,
+    head_inputs,
+    targets,
+    keys,
+    *,
+    mesh,
+    axis: str,
+    batch_axes: tuple[str, ...] = (),
+    embed_branch: bool = True,
+    branches: bool = True,
+    schedule: str = "1f1b",
+    runner: Callable | None = None,
+    leaf_specs: tuple | None = None,
+):
     """Mean loss over microbatches, with gradients computed by the 1F1B schedule itself (averaged over
     the manual `batch_axes` once, after the loop). `embed(params, rest, split, whole, keys)` is one
     microbatch's input to the layers (the model's code before them) and runs on the first stage as
@@ -383,8 +432,9 @@ def one_f_one_b_loss(layers: Layers, stacked, head: Callable, head_params, embed
     context axis: XLA's collective permutes there wait for every device). `schedule`: "1f1b", or
     "gpipe" for GPipe's order on the same tables (every forward, then every backward). `runner`: the
     schedule's own loop in place of the tables' (`zero_bubble.zero_bubble_schedule`)."""
-    loop = Loop(layers, head, embed, mesh, axis, tuple(batch_axes), schedule, embed_branch and branches, branches,
-                leaf_specs)
+    loop = Loop(
+        layers, head, embed, mesh, axis, tuple(batch_axes), schedule, embed_branch and branches, branches, leaf_specs
+    )
 
     def run(stacked, head_params, embed_params, *rest):
         return (runner or table_schedule)(loop, Operands(stacked, head_params, embed_params, *rest))
@@ -417,31 +467,31 @@ class Loop:
     schedule: str
     embed_branch: bool
     branches: bool
-    leaf_specs: tuple | None = None     # how the stacked layers enter (`stage_specs`)
+    leaf_specs: tuple | None = None  # how the stacked layers enter (`stage_specs`)
 
 
 class Operands(NamedTuple):
     """The arrays a schedule's loop runs on (see `one_f_one_b_loss`)."""
 
-    stacked: Any            # the layers' parameters, [stage, chunk, layer-in-chunk, ...]
-    head_params: Any        # the weights the code after the layers reads
-    embed_params: Any       # the weights the code before the layers reads
-    head_rest: Any          # the model's other state the code around the layers reads
-    layer_inputs: Any       # (split by microbatch, whole) arguments of the layers
-    head_inputs: Any        # (split by microbatch, whole) arguments of the code around them
-    targets: Any            # [microbatch, ...]
-    keys: Any               # (the layers' random keys, the head's)
+    stacked: Any  # the layers' parameters, [stage, chunk, layer-in-chunk, ...]
+    head_params: Any  # the weights the code after the layers reads
+    embed_params: Any  # the weights the code before the layers reads
+    head_rest: Any  # the model's other state the code around the layers reads
+    layer_inputs: Any  # (split by microbatch, whole) arguments of the layers
+    head_inputs: Any  # (split by microbatch, whole) arguments of the code around them
+    targets: Any  # [microbatch, ...]
+    keys: Any  # (the layers' random keys, the head's)
 
 
 class _TableCarry(NamedTuple):
     """What one tick of `table_schedule` hands the next."""
 
-    incoming: Any           # the activation that arrived from the previous stage
-    cot_in: Any             # the gradient that arrived from the next stage
-    stash: Any              # [slot, ...]: inputs of the forwards whose backward is still to come
-    waiting: Any            # [microbatch, ...]: the loss gradients waiting for their backward (gpipe)
-    loops: Any              # ([microbatch, ...], [microbatch, ...]): what waits for another chunk (circular)
-    g_layers: Any           # the running sums of the gradients
+    incoming: Any  # the activation that arrived from the previous stage
+    cot_in: Any  # the gradient that arrived from the next stage
+    stash: Any  # [slot, ...]: inputs of the forwards whose backward is still to come
+    waiting: Any  # [microbatch, ...]: the loss gradients waiting for their backward (gpipe)
+    loops: Any  # ([microbatch, ...], [microbatch, ...]): what waits for another chunk (circular)
+    g_layers: Any  # the running sums of the gradients
     g_head: Any
     g_embed: Any
     loss_sum: Any
@@ -451,20 +501,24 @@ def table_schedule(loop: Loop, operands: Operands):
     """(loss, gradients) of the layers, head and embedding under the schedule's tables
     (`shardplan.checks.schedules.OneFOneB`): 1f1b, interleaved 1F1B, gpipe and the circular schedule."""
     from shardplan.checks.schedules import OneFOneB
+
     layers, axis = loop.layers, loop.axis
     stages, virtual, per_chunk = jax.tree.leaves(operands.stacked)[0].shape[:3]
     micro = operands.targets.shape[0]
     plan = OneFOneB.of(stages, micro, virtual, loop.schedule)
     # the schedule's tables, [stage, tick]: microbatch (-1: idle), chunk, stash slot
-    tables = [jnp.asarray([[(w[k] if w else -1) for w in row] for row in rows], jnp.int32)
-              for rows in (plan.forward, plan.backward) for k in (0, 1)]
+    tables = [
+        jnp.asarray([[(w[k] if w else -1) for w in row] for row in rows], jnp.int32)
+        for rows in (plan.forward, plan.backward)
+        for k in (0, 1)
+    ]
     tables += [jnp.asarray(plan.forward_slot, jnp.int32), jnp.asarray(plan.backward_slot, jnp.int32)]
     loop_f, loop_b = (jnp.asarray(row, jnp.int32) for row in plan.looped())
 
     def per_device(mine: Operands):
         layer_keys = shard_keys(mine.keys[0], loop.mesh, loop.batch_axes)
         layer_split, layer_whole = mine.layer_inputs
-        state = chunk_of_state(mine.stacked, 0)                                   # (virtual, per_chunk, ...)
+        state = chunk_of_state(mine.stacked, 0)  # (virtual, per_chunk, ...)
         s = jax.lax.axis_index(axis)
         last = stages - 1
         f_m, f_v, b_m, b_v, f_slot, b_slot = (table[s] for table in tables)
@@ -490,6 +544,7 @@ def table_schedule(loop: Loop, operands: Operands):
 
         def layer_fn(layer_state, h, m, index):
             return layers.run(layer_state, index, h, rows_of(layer_split, m), layer_whole, fold_keys(layer_keys, m))
+
         # What each layer's backward needs, as autodiff keeps it (the layers' remat policy decides what)
         kept = LayerResiduals(layer_fn, chunk_of_state(chunk_of_state(state, 0), 0), like, when)
 
@@ -498,16 +553,20 @@ def table_schedule(loop: Loop, operands: Operands):
             b_on, mb_, vb, b_at = b_m[t] >= 0, jnp.maximum(b_m[t], 0), b_v[t], b_slot[t]
             enters, leaves = f_on & (s == 0) & (vf == 0), f_on & (s == last) & (vf == virtual - 1)
             incoming, cot_in, loops = carry.incoming, carry.cot_in, carry.loops
-            if plan.loops:      # the circular schedule: what arrives for another chunk waits until it is due
+            if plan.loops:  # the circular schedule: what arrives for another chunk waits until it is due
                 loops = (kept_at(loops[0], loop_f[t], incoming), kept_at(loops[1], loop_b[t], cot_in))
                 incoming = jnp.where((s == 0) & (vf > 0), loops[0][mf_], incoming)
                 cot_in = jnp.where((s == last) & (vb < virtual - 1), loops[1][mb_], cot_in)
             h_in = ends.layers_input(enters, mf_, incoming)
             f_chunk = chunk_of(vf)
             first_f, size_f = layers.chunk(s, vf, stages, per_chunk)
-            h, stash = in_branch(loop.branches, f_on,
-                                 lambda stash: kept.forward(f_chunk(), h_in, mf_, first_f, size_f, stash, f_at)[:2],
-                                 lambda: jnp.zeros_like(h_in), carry.stash)
+            h, stash = in_branch(
+                loop.branches,
+                f_on,
+                lambda stash: kept.forward(f_chunk(), h_in, mf_, first_f, size_f, stash, f_at)[:2],
+                lambda: jnp.zeros_like(h_in),
+                carry.stash,
+            )
 
             loss_m, g_head, gy = ends.loss_and_gradients(leaves, h, mf_, carry.g_head)
 
@@ -521,23 +580,51 @@ def table_schedule(loop: Loop, operands: Operands):
 
             b_chunk = chunk_of(vb)
             first_b, size_b = layers.chunk(s, vb, stages, per_chunk)
-            g_layers, gx = ends.summed(b_on, lambda: kept.backward(b_chunk(), mb_, first_b, size_b, stash, b_at, cot),
-                                       lambda: (jax.tree.map(jnp.zeros_like, b_chunk()), jnp.zeros_like(h)),
-                                       carry.g_layers, lambda total, g: add_to_chunk(total, vb, g))
+            g_layers, gx = ends.summed(
+                b_on,
+                lambda: kept.backward(b_chunk(), mb_, first_b, size_b, stash, b_at, cot),
+                lambda: (jax.tree.map(jnp.zeros_like, b_chunk()), jnp.zeros_like(h)),
+                carry.g_layers,
+                lambda total, g: add_to_chunk(total, vb, g),
+            )
             g_embed = ends.embed_gradients(b_on & (s == 0) & (vb == 0), mb_, gx, carry.g_embed)
-            return _TableCarry(to_next_stage(h, axis, stages), to_previous_stage(gx, axis, stages), stash, waiting,
-                               loops, g_layers, g_head, g_embed, carry.loss_sum + loss_m), None
+            return _TableCarry(
+                to_next_stage(h, axis, stages),
+                to_previous_stage(gx, axis, stages),
+                stash,
+                waiting,
+                loops,
+                g_layers,
+                g_head,
+                g_embed,
+                carry.loss_sum + loss_m,
+            ), None
 
         zeros = jnp.zeros(like.shape, like.dtype)
         carry = _TableCarry(
-            incoming=zeros, cot_in=zeros, stash=LayerResiduals.empty(kept.like, plan.slots, per_chunk),
+            incoming=zeros,
+            cot_in=zeros,
+            stash=LayerResiduals.empty(kept.like, plan.slots, per_chunk),
             waiting=jnp.zeros((micro if plan.head_waits else 0, *like.shape), like.dtype),
             loops=(jnp.zeros((micro if plan.loops else 0, *like.shape), like.dtype),) * 2,
-            g_layers=running_sum(state), g_head=running_sum(mine.head_params),
-            g_embed=running_sum(mine.embed_params), loss_sum=jnp.zeros((), jnp.float32))
+            g_layers=running_sum(state),
+            g_head=running_sum(mine.head_params),
+            g_embed=running_sum(mine.embed_params),
+            loss_sum=jnp.zeros((), jnp.float32),
+        )
         done, _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
-        return finish_gradients(done.g_layers, done.g_head, done.g_embed, done.loss_sum, micro, loop.batch_axes,
-                                state, mine.head_params, mine.embed_params, loop.leaf_specs)
+        return finish_gradients(
+            done.g_layers,
+            done.g_head,
+            done.g_embed,
+            done.loss_sum,
+            micro,
+            loop.batch_axes,
+            state,
+            mine.head_params,
+            mine.embed_params,
+            loop.leaf_specs,
+        )
 
     return run_on_stages(per_device, loop, operands)
 
@@ -545,10 +632,12 @@ def table_schedule(loop: Loop, operands: Operands):
 def branching(branches: bool) -> Callable:
     """`when(on, run, otherwise, *operands)`: `run(*operands)` where `on`, else `otherwise(*operands)`, as a
     `cond` (each device takes its side), or with `branches` false both sides computed and one selected."""
+
     def when(on, run, otherwise, *operands):
         if branches:
             return jax.lax.cond(on, run, otherwise, *operands)
         return jax.tree.map(lambda a, b: jnp.where(on, a, b), run(*operands), otherwise(*operands))
+
     return when
 
 
@@ -574,45 +663,52 @@ class Ends:
         (self._split, self._whole), self._targets = mine.head_inputs, mine.targets
         self._keys = shard_keys(mine.keys[1], loop.mesh, loop.batch_axes)
         self.like = jax.eval_shape(self.entering, self._embed_params, 0)
-        self.sums_inside = loop.branches and all(name in (loop.axis, *loop.batch_axes) or size == 1
-                                                 for name, size in loop.mesh.shape.items())
+        self.sums_inside = loop.branches and all(
+            name in (loop.axis, *loop.batch_axes) or size == 1 for name, size in loop.mesh.shape.items()
+        )
 
     def entering(self, embed_params, m):
         """Microbatch m's input to the layers."""
         return self._embed(embed_params, self._rest, rows_of(self._split, m), self._whole, fold_keys(self._keys, m))
 
     def _loss(self, head_params, h, m):
-        return self._head(head_params, self._rest, h, rows_of(self._split, m), self._whole, fold_keys(self._keys, m),
-                          self._targets[m])
+        return self._head(
+            head_params, self._rest, h, rows_of(self._split, m), self._whole, fold_keys(self._keys, m), self._targets[m]
+        )
 
     def layers_input(self, enters, m, arrived):
         """The layers' input on this tick: microbatch m's entering (first stage), else what arrived."""
         if self._embed_branch:
-            return jax.lax.cond(enters, lambda: self.entering(self._embed_params, m).astype(self.like.dtype),
-                                lambda: arrived)
+            return jax.lax.cond(
+                enters, lambda: self.entering(self._embed_params, m).astype(self.like.dtype), lambda: arrived
+            )
         return jnp.where(enters, self.entering(self._embed_params, m).astype(self.like.dtype), arrived)
 
     def loss_and_gradients(self, leaves, h, m, g_head):
         """(loss, `g_head` plus the head's gradients, gradient of the layers' output h) of microbatch m where
         it leaves the last stage; elsewhere a zero loss and gradient, `g_head` as it was."""
+
         def at_last():
             loss, (gh, gy) = jax.value_and_grad(self._loss, argnums=(0, 1))(self._head_params, h, m)
             return gh, (loss.astype(jnp.float32), gy)
 
         def elsewhere():
             return jax.tree.map(jnp.zeros_like, self._head_params), (jnp.zeros((), jnp.float32), jnp.zeros_like(h))
+
         g_head, (loss, gy) = self.summed(leaves, at_last, elsewhere, g_head)
         return loss, g_head, gy
 
     def embed_gradients(self, done, m, gx, g_embed):
         """`g_embed` plus the gradients of the code before the layers from the layers' input gradient gx of
         microbatch m, on the first stage when `done`."""
+
         def backward():
             _, vjp = jax.vjp(lambda p: self.entering(p, m), self._embed_params)
             return vjp(gx.astype(self.like.dtype))[0], ()
 
         def elsewhere():
             return jax.tree.map(jnp.zeros_like, self._embed_params), ()
+
         if self._embed_branch:
             return self.summed(done, backward, elsewhere, g_embed)[0]
         return add_into(g_embed, jax.tree.map(lambda g, z: jnp.where(done, g, z), backward()[0], elsewhere()[0]))
@@ -625,22 +721,34 @@ class Ends:
         stays outside (re-tiling a sum there can put a collective in a branch some stages skip)."""
         add = add or add_into
         if self.sums_inside:
+
             def run(total):
                 g, rest = compute()
                 return add(total, g), rest
+
             return jax.lax.cond(on, run, lambda total: (total, otherwise()[1]), total)
         g, rest = self._when(on, compute, otherwise)
         return add(total, g), rest
 
 
-def finish_gradients(g_layers, g_head, g_embed, loss_sum, micro: int, batch_axes, state, head_params, embed_params,
-                     leaf_specs: tuple | None = None):
+def finish_gradients(
+    g_layers,
+    g_head,
+    g_embed,
+    loss_sum,
+    micro: int,
+    batch_axes,
+    state,
+    head_params,
+    embed_params,
+    leaf_specs: tuple | None = None,
+):
     """One device's sums over its microbatches -> means, averaged over the manual batch axes once, in
     the parameters' dtypes, with a leading stage dim (see `run_on_stages`). A layer weight split over a
     manual axis (an expert weight, `stage_specs`) already holds every device's part along it (its rows
     came through the exchange): it is summed over the other batch axes only."""
     scale = 1.0 / micro
-    if batch_axes:      # each shard's loss is a mean over its rows: average them, once
+    if batch_axes:  # each shard's loss is a mean over its rows: average them, once
         g_head, g_embed, loss_sum = jax.lax.pmean((g_head, g_embed, loss_sum), batch_axes)
         g_layers = _averaged(g_layers, batch_axes, leaf_specs)
     g_layers = jax.tree.map(lambda g, a: (g * scale).astype(a.dtype)[None], g_layers, state)
@@ -671,10 +779,14 @@ def run_on_stages(per_device: Callable, loop: Loop, operands: Operands):
     rows = _batch_spec(loop.batch_axes, None)
     inputs = (rows, P())
     layers_in = _state_in(operands.stacked, loop.leaf_specs, loop.axis)
-    run = jax.shard_map(per_device, mesh=loop.mesh,
-                        in_specs=(Operands(layers_in, P(), P(), P(), inputs, inputs, rows, P()),),
-                        out_specs=(layers_in, (P(loop.axis), P(loop.axis), P(loop.axis))),
-                        axis_names={loop.axis, *loop.batch_axes}, check_vma=False)
+    run = jax.shard_map(
+        per_device,
+        mesh=loop.mesh,
+        in_specs=(Operands(layers_in, P(), P(), P(), inputs, inputs, rows, P()),),
+        out_specs=(layers_in, (P(loop.axis), P(loop.axis), P(loop.axis))),
+        axis_names={loop.axis, *loop.batch_axes},
+        check_vma=False,
+    )
     g_layers, (g_head, g_embed, loss) = run(operands)
     g_head, loss = jax.tree.map(lambda g: g[head_stage], g_head), loss[head_stage]
     g_embed = jax.tree.map(lambda g: g[0], g_embed)
@@ -701,8 +813,13 @@ def cross_entropy(logits, targets):
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-def stack(layers: list[dict], stages: int, virtual: int, arrangement: Arrangement = Arrangement(),
-          sharding_of: Callable | None = None) -> dict:
+def stack(
+    layers: list[dict],
+    stages: int,
+    virtual: int,
+    arrangement: Arrangement = Arrangement(),
+    sharding_of: Callable | None = None,
+) -> dict:
     """Per-layer pure states -> one state of (stages, virtual, per_chunk, ...) arrays, placed as `arrangement`
     says. Unequal stages (`counts` layers each, one chunk) are padded with zeros to the largest. Shape structs
     (an abstract model) stack to shape structs.
@@ -716,7 +833,7 @@ def stack(layers: list[dict], stages: int, virtual: int, arrangement: Arrangemen
     if uneven:
         starts = [sum(counts[:s]) for s in range(stages)]
         positions = [(s, 0, j) for s, n in enumerate(counts) for j in range(n)]
-    else:   # layer i is layer i % per_chunk of chunk i // per_chunk
+    else:  # layer i is layer i % per_chunk of chunk i // per_chunk
         positions = [(*arrangement.stage_of_chunk(i // per_chunk, stages), i % per_chunk) for i in range(len(layers))]
 
     flat = [jax.tree.flatten_with_path(layer)[0] for layer in layers]
@@ -733,18 +850,21 @@ def stack(layers: list[dict], stages: int, virtual: int, arrangement: Arrangemen
             return jax.ShapeDtypeStruct((stages, virtual, per_chunk, *arrays[0].shape), arrays[0].dtype)
         if uneven:
             padding = [jnp.zeros_like(arrays[0])] * per_chunk
-            return jnp.stack([jnp.stack([*arrays[start:start + n], *padding[n:]]) for start, n in zip(starts, counts)]
-                             )[:, None]
-        stacked = jnp.stack(arrays)                                                    # (L, ...)
+            return jnp.stack(
+                [jnp.stack([*arrays[start : start + n], *padding[n:]]) for start, n in zip(starts, counts)]
+            )[:, None]
+        stacked = jnp.stack(arrays)  # (L, ...)
         chunks = stacked.reshape(virtual, stages, per_chunk, *stacked.shape[1:])
         if arrangement.v_shape:
             chunks = jnp.stack([chunks[v, ::-1] if v % 2 else chunks[v] for v in range(virtual)])
         return jnp.swapaxes(chunks, 0, 1)
+
     return jax.tree.map(arrange, *layers)
 
 
-def _stacked_on_stages(leaves: list[list[jax.Array]], positions, leading: tuple[int, int, int],
-                       shardings: list) -> list[jax.Array]:
+def _stacked_on_stages(
+    leaves: list[list[jax.Array]], positions, leading: tuple[int, int, int], shardings: list
+) -> list[jax.Array]:
     """Each leaf's stacked array in its sharding (stage axis on dim 0), assembled from per-stage pieces:
     each layer goes to its stage's devices only, in the layer's own layout there, and every leaf of a
     stage is stacked there by one program (per leaf, it compiled a program per stage and shape)."""
@@ -755,31 +875,41 @@ def _stacked_on_stages(leaves: list[list[jax.Array]], positions, leading: tuple[
     layer_specs = [P(*tuple(sharding.spec)[3:]) for sharding in shardings]
     pieces = [{} for _ in leaves]
     for stage in range(leading[0]):
-        on_stage = jax.sharding.Mesh(np.take(mesh.devices, stage, axis=at),
-                                     tuple(n for n in mesh.axis_names if n != axis))
-        mine = [[(array, position[1:]) for array, position in zip(arrays, positions) if position[0] == stage]
-                for arrays in leaves]
-        moved = iter(jax.device_put([array for leaf in mine for array, _ in leaf],
-                                    [jax.sharding.NamedSharding(on_stage, spec)
-                                     for leaf, spec in zip(mine, layer_specs) for _ in leaf]))
+        on_stage = jax.sharding.Mesh(
+            np.take(mesh.devices, stage, axis=at), tuple(n for n in mesh.axis_names if n != axis)
+        )
+        mine = [
+            [(array, position[1:]) for array, position in zip(arrays, positions) if position[0] == stage]
+            for arrays in leaves
+        ]
+        moved = iter(
+            jax.device_put(
+                [array for leaf in mine for array, _ in leaf],
+                [jax.sharding.NamedSharding(on_stage, spec) for leaf, spec in zip(mine, layer_specs) for _ in leaf],
+            )
+        )
         held = [{slot: next(moved) for _, slot in leaf} for leaf in mine]
         present = tuple(slot in held[0] for slot in slots)
         outs = tuple(jax.sharding.NamedSharding(on_stage, P(None, None, None, *spec)) for spec in layer_specs)
-        with jax.set_mesh(on_stage):       # whatever mesh the caller has set (the trainer runs under one)
+        with jax.set_mesh(on_stage):  # whatever mesh the caller has set (the trainer runs under one)
             stacked = _stack_slots(present, leading[1:], outs)([[h[slot] for slot in slots if slot in h] for h in held])
         for found, array in zip(pieces, stacked):
             found.update({shard.device: shard.data for shard in array.addressable_shards})
     out = []
     for arrays, sharding, found in zip(leaves, shardings, pieces):
         shape = (*leading, *arrays[0].shape)
-        out.append(jax.make_array_from_single_device_arrays(
-            shape, sharding, [found[device] for device in sharding.addressable_devices_indices_map(shape)]))
+        out.append(
+            jax.make_array_from_single_device_arrays(
+                shape, sharding, [found[device] for device in sharding.addressable_devices_indices_map(shape)]
+            )
+        )
     return out
 
 
 @functools.cache
 def _stack_slots(present: tuple[bool, ...], chunks: tuple[int, int], out_shardings: tuple):
     """Jitted: each leaf's layers on one stage -> (1, virtual, per_chunk, ...), zeros in the slots no layer fills."""
+
     def stack_(leaves):
         out = []
         for layers in leaves:
@@ -787,6 +917,7 @@ def _stack_slots(present: tuple[bool, ...], chunks: tuple[int, int], out_shardin
             slots = [next(given) if here else jnp.zeros_like(layers[0]) for here in present]
             out.append(jnp.stack(slots).reshape(1, *chunks, *layers[0].shape))
         return tuple(out)
+
     return jax.jit(stack_, out_shardings=out_shardings)
 
 
@@ -819,6 +950,7 @@ def _unstack_any(subtree: dict, arrangement: Arrangement = Arrangement()) -> lis
         if isinstance(sharding, jax.sharding.NamedSharding):
             sharding = jax.sharding.NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[3:]))
         return jax.ShapeDtypeStruct(leaf.shape[3:], leaf.dtype, sharding=sharding)
+
     return [jax.tree.unflatten(treedef, [layer_struct(leaf) for leaf in leaves]) for _ in range(count)]
 
 
@@ -830,11 +962,13 @@ def to_plain_tree(tree, layers: str, arrangement: Arrangement = Arrangement()):
 
 def to_stacked_tree(plain, like, layers: str, arrangement: Arrangement = Arrangement()):
     """Inverse of `to_plain_tree`, placing each stacked array as its counterpart in `like`."""
+
     def stacked(v, plain_layers):
         first = jax.tree.leaves(v)[0]
         per_layer = [plain_layers[i] for i in range(len(plain_layers))]
         out = stack(per_layer, first.shape[0], first.shape[1], arrangement)
         return jax.tree.map(lambda a, ref: jax.device_put(a, ref.sharding), out, v)
+
     return _at_layers(like, layers.split("/"), stacked, plain)
 
 
@@ -848,8 +982,12 @@ def _at_layers(tree, parts: list[str], convert, plain=None):
         other = None if plain is None else plain[k]
         inner = _follow(v, parts[1:]) if k == parts[0] else None
         if inner is not None and _is_stacked(inner):
-            out[k] = _replace(v, parts[1:], lambda node, o=other: convert(node, _follow(o, parts[1:])
-                                                                           if o is not None else None), other)
+            out[k] = _replace(
+                v,
+                parts[1:],
+                lambda node, o=other: convert(node, _follow(o, parts[1:]) if o is not None else None),
+                other,
+            )
         else:
             out[k] = _at_layers(v, parts, convert, other)
     return out
@@ -866,5 +1004,9 @@ def _follow(tree, parts: list[str]):
 def _replace(tree, parts: list[str], convert, plain=None):
     if not parts:
         return convert(tree)
-    return {k: _replace(v, parts[1:], convert, None if plain is None else plain[k]) if k == parts[0] else
-            (v if plain is None else plain[k]) for k, v in tree.items()}
+    return {
+        k: _replace(v, parts[1:], convert, None if plain is None else plain[k])
+        if k == parts[0]
+        else (v if plain is None else plain[k])
+        for k, v in tree.items()
+    }

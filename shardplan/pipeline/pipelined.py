@@ -22,8 +22,19 @@ from shardplan.checks.layer_contract import PipelineCallError, calling_without_u
 from shardplan.checks.paths import join_path
 from shardplan.checks.schedules import SCHEDULES, on_tables
 from shardplan.pipeline.branch_probe import layers_permute_in_branches
-from shardplan.pipeline.loop import (Arrangement, Layers, circular_forward, cross_entropy, fit_microbatches, model_order,
-                                     one_f_one_b_loss, sequential_forward, stack, stage_specs, to_plain_tree)
+from shardplan.pipeline.loop import (
+    Arrangement,
+    Layers,
+    circular_forward,
+    cross_entropy,
+    fit_microbatches,
+    model_order,
+    one_f_one_b_loss,
+    sequential_forward,
+    stack,
+    stage_specs,
+    to_plain_tree,
+)
 from shardplan.pipeline.constraints import pipelined_layer_code
 from shardplan.pipeline.stacked import restacked, stack_returned
 from shardplan.pipeline.zero_bubble import zero_bubble_schedule
@@ -50,38 +61,59 @@ class _LossRequest:
     args: tuple
     kwargs: dict
     loss: Any = None
-    plain: bool = False         # the layers ran their plain forward: the loss is the model's output's
+    plain: bool = False  # the layers ran their plain forward: the loss is the model's output's
 
 
 class PipelinedLayers(nnx.Module):
     """The layer list of a pipelined model (see the module docstring)."""
 
-    runs_whole_stack = True         # a scan over it (layers stacked by nnx.vmap) runs it once: `stacked.py`
+    runs_whole_stack = True  # a scan over it (layers stacked by nnx.vmap) runs it once: `stacked.py`
 
-    def __init__(self, layers: list[nnx.Module], *, name: str, stages: int, virtual: int, mesh, axis: str,
-                 schedule: str, microbatches: int, batch_axes: tuple[str, ...], plain_graphdef,
-                 counts: tuple[int, ...] | None = None, restack: bool = False, split_heads: tuple[str, ...] = (),
-                 data_axes: tuple[str, ...], sharding_of: Callable | None = None, context_axis: str | None = None,
-                 expert_axis: str | None = None, expert_weights: frozenset = frozenset()):
+    def __init__(
+        self,
+        layers: list[nnx.Module],
+        *,
+        name: str,
+        stages: int,
+        virtual: int,
+        mesh,
+        axis: str,
+        schedule: str,
+        microbatches: int,
+        batch_axes: tuple[str, ...],
+        plain_graphdef,
+        counts: tuple[int, ...] | None = None,
+        restack: bool = False,
+        split_heads: tuple[str, ...] = (),
+        data_axes: tuple[str, ...],
+        sharding_of: Callable | None = None,
+        context_axis: str | None = None,
+        expert_axis: str | None = None,
+        expert_weights: frozenset = frozenset(),
+    ):
         graphdefs = [nnx.graphdef(layer) for layer in layers]
         kinds = list(dict.fromkeys(graphdefs))
-        arrangement = Arrangement(tuple(counts) if counts and len(set(counts)) > 1 else None,     # unequal: padded
-                                  v_shape=schedule == "zb-v")
-        stacked = nnx.merge(kinds[0], stack([nnx.to_pure_dict(nnx.state(layer)) for layer in layers], stages, virtual,
-                                            arrangement, sharding_of))
+        arrangement = Arrangement(
+            tuple(counts) if counts and len(set(counts)) > 1 else None,  # unequal: padded
+            v_shape=schedule == "zb-v",
+        )
+        stacked = nnx.merge(
+            kinds[0],
+            stack([nnx.to_pure_dict(nnx.state(layer)) for layer in layers], stages, virtual, arrangement, sharding_of),
+        )
         for key in nnx.state(stacked):
             setattr(self, key, getattr(stacked, key))
         self._pipeline_kinds, self._pipeline_kind_of = tuple(kinds), tuple(kinds.index(g) for g in graphdefs)
         self._pipeline_name, self._pipeline_mesh, self._pipeline_axis = name, mesh, axis
         self._pipeline_schedule, self._pipeline_microbatches = schedule, microbatches
         self._pipeline_batch_axes, self._pipeline_plain = tuple(batch_axes), plain_graphdef
-        self._pipeline_restack = restack        # the model's own form stacks the layers (`to_plain`)
-        self._pipeline_data_axes = tuple(data_axes)      # every batch axis; `batch_axes`: those run manually
+        self._pipeline_restack = restack  # the model's own form stacks the layers (`to_plain`)
+        self._pipeline_data_axes = tuple(data_axes)  # every batch axis; `batch_axes`: those run manually
         self._pipeline_arrangement = arrangement
-        self._pipeline_split_heads = frozenset(split_heads)    # weights after the layers 1F1B may keep split
-        self._pipeline_context = context_axis                  # the sequence split over it: 1F1B takes no branch
-        self._pipeline_experts = expert_axis                   # the expert weights stay split over it
-        self._pipeline_expert_weights = expert_weights         # their paths within a layer
+        self._pipeline_split_heads = frozenset(split_heads)  # weights after the layers 1F1B may keep split
+        self._pipeline_context = context_axis  # the sequence split over it: 1F1B takes no branch
+        self._pipeline_experts = expert_axis  # the expert weights stay split over it
+        self._pipeline_expert_weights = expert_weights  # their paths within a layer
 
     @property
     def schedule(self) -> str:
@@ -105,18 +137,23 @@ class PipelinedLayers(nnx.Module):
         raise PipelineCallError(
             f"the model takes {self._pipeline_name}[{index!r}], but its layers are pipelined and run as one call: a "
             f"pipeline needs the forward to call every layer in order (`for layer in self.{self._pipeline_name}: "
-            "...`)")
+            "...`)"
+        )
 
     def _layer_call(self, state, args: tuple, kwargs: dict):
         """The call's description, checked on one layer of each kind."""
         described = None
         for kind, graphdef in enumerate(self._pipeline_kinds):
             index = self._pipeline_kind_of.index(kind)
-            layer = nnx.merge(graphdef, jax.tree.map(lambda a: model_order(a, self._pipeline_arrangement)[index], state))
+            layer = nnx.merge(
+                graphdef, jax.tree.map(lambda a: model_order(a, self._pipeline_arrangement)[index], state)
+            )
             found = describe_layer_call(layer, args, kwargs, f"{self._pipeline_name}/{index}")
             if described is not None and found[0] != described[0]:
-                raise PipelineCallError(f"the layers of {self._pipeline_name} differ in what they return for the same "
-                                        "call, so they cannot be pipelined together")
+                raise PipelineCallError(
+                    f"the layers of {self._pipeline_name} differ in what they return for the same "
+                    "call, so they cannot be pipelined together"
+                )
             described = found
         return described
 
@@ -135,7 +172,7 @@ class PipelinedLayers(nnx.Module):
         request = _LOSS_REQUEST.get()
         stages, virtual = jax.tree.leaves(state)[0].shape[:2]
         micro = self._fit(args[0].shape[0])[0]
-        in_a_v = self._pipeline_arrangement.v_shape     # (its loops need no group or count of microbatches)
+        in_a_v = self._pipeline_arrangement.v_shape  # (its loops need no group or count of microbatches)
         too_few = virtual > 1 and not in_a_v and (micro < stages if self.schedule == "interleaved" else micro % stages)
         if request is not None and not _differentiable(state):
             _warn_fixed_state(self._pipeline_name, self.schedule)
@@ -148,35 +185,50 @@ class PipelinedLayers(nnx.Module):
             # tables would run every part at every tick (no branches).
             request.plain = True
             request = None
-        if request is not None:      # (the model may run on a copy of itself: compute precision)
+        if request is not None:  # (the model may run on a copy of itself: compute precision)
             request.loss = self._one_f_one_b(request, layers, state, args[0], split, whole, keys)
-            return call.output(args[0])      # the model's code after the layers runs on it unused (and is pruned)
+            return call.output(args[0])  # the model's code after the layers runs on it unused (and is pruned)
         x = args[0]
-        if self.schedule != "gpipe" and request is None and on_tables(self.schedule, self._pipeline_context is not None):
+        if (
+            self.schedule != "gpipe"
+            and request is None
+            and on_tables(self.schedule, self._pipeline_context is not None)
+        ):
             _warn_without_model_loss(self.schedule)
         microbatches, batch_axes = self._fit(x.shape[0])
         if virtual > 1 and microbatches < stages and not in_a_v:
             # The circular schedule needs a microbatch per stage to loop back in time; so few rows
             # (sampling) run layer after layer instead: the same computation, without overlap.
             return call.output(sequential_forward(layers, state, x, split, whole, keys))
-        ys = circular_forward(layers, state, split_microbatches(x, microbatches),
-                              [split_microbatches(a, microbatches) for a in split], whole, keys,
-                              mesh=self._pipeline_mesh, axis=self._pipeline_axis, batch_axes=batch_axes,
-                              leaf_specs=self._leaf_specs(state, batch_axes))
+        ys = circular_forward(
+            layers,
+            state,
+            split_microbatches(x, microbatches),
+            [split_microbatches(a, microbatches) for a in split],
+            whole,
+            keys,
+            mesh=self._pipeline_mesh,
+            axis=self._pipeline_axis,
+            batch_axes=batch_axes,
+            leaf_specs=self._leaf_specs(state, batch_axes),
+        )
         return call.output(merge_microbatches(ys))
 
     def _leaf_specs(self, state, batch_axes: tuple[str, ...]) -> tuple | None:
         """How the stacked layers enter the loop (`stage_specs`)."""
-        experts = [join_path(path).removesuffix("/.value") in self._pipeline_expert_weights
-                   for path, _ in jax.tree.flatten_with_path(state)[0]]
+        experts = [
+            join_path(path).removesuffix("/.value") in self._pipeline_expert_weights
+            for path, _ in jax.tree.flatten_with_path(state)[0]
+        ]
         return stage_specs(_specs(state), experts, self._pipeline_axis, batch_axes, self._pipeline_experts)
 
     def _fit(self, rows: int) -> tuple[int, tuple[str, ...]]:
         """Microbatches and manual batch axes for a batch of `rows`: the plan's when they divide it; else
         (sampling one row, a small evaluation) the most microbatches that do, the batch axes left to XLA
         if a microbatch cannot be split over them. The result is the same; only the overlap differs."""
-        return fit_microbatches(rows, self._pipeline_microbatches, self._pipeline_batch_axes,
-                                dict(self._pipeline_mesh.shape))
+        return fit_microbatches(
+            rows, self._pipeline_microbatches, self._pipeline_batch_axes, dict(self._pipeline_mesh.shape)
+        )
 
     def _one_f_one_b(self, request: _LossRequest, layers: Layers, state, x, split, whole, keys):
         """The 1F1B schedule with the model's own code around the layers, per microbatch: as a microbatch
@@ -201,15 +253,21 @@ class PipelinedLayers(nnx.Module):
             # Weights the head does not read are placeholders: the layers' (never touched, the layers
             # replay their output), and zeros for the code before the layers (run, then pruned as dead).
             given = dict(zip(used if used is not None else outside, head_params))
-            full = [given[i] if i in given else 0 if in_layers[i] else jax.numpy.zeros(leaves[i].shape, leaves[i].dtype)
-                    for i in range(len(in_layers))]
+            full = [
+                given[i] if i in given else 0 if in_layers[i] else jax.numpy.zeros(leaves[i].shape, leaves[i].dtype)
+                for i in range(len(in_layers))
+            ]
             model = nnx.merge(graphdef, jax.tree.unflatten(params_def, full), jax.tree.unflatten(rest_def, rest_leaves))
             args, kwargs = model_call.rebuild(split, whole, keys)
             token = _REPLAY.set(layers_return)
             try:
-                with pipelined_layer_code():        # (it runs inside the stages too)
-                    return calling_without_updates(model, lambda: model(*args, **kwargs), "the model",
-                                                   "under 1f1b (which replays its forward per microbatch) it")
+                with pipelined_layer_code():  # (it runs inside the stages too)
+                    return calling_without_updates(
+                        model,
+                        lambda: model(*args, **kwargs),
+                        "the model",
+                        "under 1f1b (which replays its forward per microbatch) it",
+                    )
             finally:
                 _REPLAY.reset(token)
 
@@ -219,8 +277,15 @@ class PipelinedLayers(nnx.Module):
 
         def layers_entry(params, rest_leaves, split, whole, keys, *, used=None):
             entering = []
-            replayed(params, rest_leaves, lambda x: entering.append(call.entering(x)) or call.output(x), split, whole,
-                     keys, used)
+            replayed(
+                params,
+                rest_leaves,
+                lambda x: entering.append(call.entering(x)) or call.output(x),
+                split,
+                whole,
+                keys,
+                used,
+            )
             return entering[0]
 
         def micro(a):
@@ -228,6 +293,7 @@ class PipelinedLayers(nnx.Module):
 
         def first(a):
             return micro(a)[0]
+
         sample = ([first(a) for a in model_split], model_whole, head_keys)
         # Only the weights the head reads enter the pipeline for the head, and only those the code before
         # the layers reads for it (each replayed per microbatch: the rest of the model's forward is pruned).
@@ -236,55 +302,93 @@ class PipelinedLayers(nnx.Module):
         # 0.10.2 XLA's partitioner aborts the process (a failed check) on a head split over an automatic
         # batch axis, on a weight both the head and the code before the layers read (a tied embedding), and
         # on the training step of a split embedding while a batch axis is left to XLA (FSDP-split layers).
-        used = _used_inputs(lambda params: head_loss(params, rest_leaves, first(x), *sample[:2], head_keys,
-                                                     first(request.targets)), head_params)
+        used = _used_inputs(
+            lambda params: head_loss(params, rest_leaves, first(x), *sample[:2], head_keys, first(request.targets)),
+            head_params,
+        )
         before = _used_inputs(lambda params: jax.numpy.sum(layers_entry(params, rest_leaves, *sample)), head_params)
         every_batch_axis_manual = batch_axes == self._pipeline_data_axes
         # (with the sequence split over a context axis, or a batch axis left to XLA for a small batch, a split
         # head aborted XLA's partitioner too: it enters whole)
-        may_split = [every_batch_axis_manual and paths[i] in self._pipeline_split_heads
-                     and self._pipeline_context is None for i in outside]
+        may_split = [
+            every_batch_axis_manual and paths[i] in self._pipeline_split_heads and self._pipeline_context is None
+            for i in outside
+        ]
         split_ok = [may and not read_before for may, read_before in zip(may_split, before)]
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
-        def entering(reads, keeps_split):      # the weights one part reads, each split or whole
-            return [p if keep else jax.lax.with_sharding_constraint(p, replicated)
-                    for p, read, keep in zip(head_params, reads, keeps_split) if read]
+        def entering(reads, keeps_split):  # the weights one part reads, each split or whole
+            return [
+                p if keep else jax.lax.with_sharding_constraint(p, replicated)
+                for p, read, keep in zip(head_params, reads, keeps_split)
+                if read
+            ]
+
         head_in = entering(used, split_ok)
         embed_in = entering(before, [may and not by_head for may, by_head in zip(may_split, used)])
         used_at = [i for i, keep in zip(outside, used) if keep]
         read_at = [i for i, read in zip(outside, before) if read]
         leaf_specs = self._leaf_specs(state, batch_axes)
         branches = self._pipeline_context is None and not self._permutes_in_branches(
-            layers, state, x, split, whole, keys, microbatches, batch_axes, leaf_specs)
+            layers, state, x, split, whole, keys, microbatches, batch_axes, leaf_specs
+        )
         return one_f_one_b_loss(
-            layers, state, functools.partial(head_loss, used=used_at), head_in,
-            functools.partial(layers_entry, used=read_at), embed_in, rest_leaves,
-            ([micro(a) for a in split], whole), ([micro(a) for a in model_split], model_whole),
-            micro(request.targets), (keys, head_keys), mesh=mesh, axis=self._pipeline_axis, batch_axes=batch_axes,
-            embed_branch=every_batch_axis_manual, branches=branches, schedule=self.schedule,
+            layers,
+            state,
+            functools.partial(head_loss, used=used_at),
+            head_in,
+            functools.partial(layers_entry, used=read_at),
+            embed_in,
+            rest_leaves,
+            ([micro(a) for a in split], whole),
+            ([micro(a) for a in model_split], model_whole),
+            micro(request.targets),
+            (keys, head_keys),
+            mesh=mesh,
+            axis=self._pipeline_axis,
+            batch_axes=batch_axes,
+            embed_branch=every_batch_axis_manual,
+            branches=branches,
+            schedule=self.schedule,
             runner={"zb-h1": zero_bubble_schedule, "zb-v": zero_bubble_v_schedule}.get(self.schedule),
-            leaf_specs=leaf_specs)
+            leaf_specs=leaf_specs,
+        )
 
-    def _permutes_in_branches(self, layers, state, x, split, whole, keys, microbatches: int,
-                              batch_axes: tuple[str, ...], leaf_specs: tuple | None) -> bool:
+    def _permutes_in_branches(
+        self,
+        layers,
+        state,
+        x,
+        split,
+        whole,
+        keys,
+        microbatches: int,
+        batch_axes: tuple[str, ...],
+        leaf_specs: tuple | None,
+    ) -> bool:
         """Whether the schedule must run without branches on this backend (see `branch_probe`), said once
         per pipeline and layout."""
         rows = x.shape[0] // microbatches
 
         def one_microbatch(a):
             return jax.ShapeDtypeStruct((rows, *a.shape[1:]), a.dtype)
+
         specs = _specs(state)
         inputs = (one_microbatch(x), [one_microbatch(a) for a in split], whole, keys)
-        if not layers_permute_in_branches(layers, state, specs, inputs, self._pipeline_mesh, self._pipeline_axis,
-                                          batch_axes, leaf_specs):
+        if not layers_permute_in_branches(
+            layers, state, specs, inputs, self._pipeline_mesh, self._pipeline_axis, batch_axes, leaf_specs
+        ):
             return False
         if (self._pipeline_name, batch_axes) not in _SAID_LOCKSTEP:
             _SAID_LOCKSTEP.add((self._pipeline_name, batch_axes))
-            warnings.warn(f"pipeline {self._pipeline_name!r} on CPU devices: XLA splits its layers with a "
-                          "collective-permute over an axis left to it, which XLA:CPU cannot run inside the "
-                          "schedule's branches, so every stage computes at every tick and keeps its own work: the "
-                          "same numbers, more computation (accelerators keep the branches)", PlanWarning, stacklevel=4)
+            warnings.warn(
+                f"pipeline {self._pipeline_name!r} on CPU devices: XLA splits its layers with a "
+                "collective-permute over an axis left to it, which XLA:CPU cannot run inside the "
+                "schedule's branches, so every stage computes at every tick and keeps its own work: the "
+                "same numbers, more computation (accelerators keep the branches)",
+                PlanWarning,
+                stacklevel=4,
+            )
         return True
 
 
@@ -297,9 +401,10 @@ def _used_inputs(function: Callable, leaves: list) -> list[bool]:
     """Which of `leaves` the scalar `function(leaves)` depends on, after dead code is removed."""
     try:
         from jax._src.interpreters.partial_eval import dce_jaxpr
+
         closed = jax.make_jaxpr(function)(leaves)
         return list(dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))[1])
-    except Exception:           # jax internals moved: keep every input (correct, if slower)
+    except Exception:  # jax internals moved: keep every input (correct, if slower)
         return [True] * len(leaves)
 
 
@@ -364,10 +469,14 @@ def _differentiable(state) -> bool:
 
 @functools.cache
 def _warn_fixed_state(name: str, schedule: str) -> None:
-    warnings.warn(f"pipeline {name!r}: its layers keep state that is not a float (RNG keys or counters, e.g. an "
-                  f"nnx.Dropout built with rngs=), which the {schedule} schedule's tables cannot run yet; the step "
-                  "runs the circular (gpipe) forward with autodiff instead: the same numbers, every microbatch's "
-                  "activations kept until the backward", PlanWarning, stacklevel=5)
+    warnings.warn(
+        f"pipeline {name!r}: its layers keep state that is not a float (RNG keys or counters, e.g. an "
+        f"nnx.Dropout built with rngs=), which the {schedule} schedule's tables cannot run yet; the step "
+        "runs the circular (gpipe) forward with autodiff instead: the same numbers, every microbatch's "
+        "activations kept until the backward",
+        PlanWarning,
+        stacklevel=5,
+    )
 
 
 @functools.cache
@@ -376,12 +485,16 @@ def _warn_without_model_loss(schedule: str) -> None:
     import warnings
 
     from shardplan.plan.diagnostics import PlanWarning
-    warnings.warn(f"the plan's pipeline schedule {schedule!r} runs only inside shardplan.model_loss; this call of the "
-                  f"model runs the {'V-shaped' if schedule == 'zb-v' else 'circular (gpipe)'} forward instead: the "
-                  "same numbers, but every microbatch's "
-                  "activations kept until the backward (more memory). In a training step, compute the loss with "
-                  "shardplan.model_loss(model, loss_of, targets, *inputs); evaluation and sampling need nothing",
-                  PlanWarning, stacklevel=4)
+
+    warnings.warn(
+        f"the plan's pipeline schedule {schedule!r} runs only inside shardplan.model_loss; this call of the "
+        f"model runs the {'V-shaped' if schedule == 'zb-v' else 'circular (gpipe)'} forward instead: the "
+        "same numbers, but every microbatch's "
+        "activations kept until the backward (more memory). In a training step, compute the loss with "
+        "shardplan.model_loss(model, loss_of, targets, *inputs); evaluation and sampling need nothing",
+        PlanWarning,
+        stacklevel=4,
+    )
 
 
 def model_loss(model: nnx.Module, loss_of: Callable, targets, *args, **kwargs):
@@ -405,8 +518,14 @@ def model_loss(model: nnx.Module, loss_of: Callable, targets, *args, **kwargs):
     """
     found = pipelined_layers(model)
     if found is None and accumulation(model) > 1:
-        return accumulated_loss(model, lambda output, part: loss_of(_split_over_rows_only(output), part), targets,
-                                args, kwargs, accumulation(model))
+        return accumulated_loss(
+            model,
+            lambda output, part: loss_of(_split_over_rows_only(output), part),
+            targets,
+            args,
+            kwargs,
+            accumulation(model),
+        )
     if found is None or found[1].schedule not in SCHEDULES:
         return loss_of(_split_over_rows_only(model(*args, **kwargs)), targets)
     request = _LossRequest(model, loss_of, targets, args, kwargs)
@@ -427,12 +546,14 @@ def _split_over_rows_only(output):
     under explicit axes a loss that indexes a split dimension (cross-entropy with integer labels gathers
     along the vocabulary) cannot resolve its sharding, and JAX refuses it (found by the combination tester:
     a head split over an explicit axis). Outputs of automatic axes are returned as they are."""
+
     def one(a):
         sharding = getattr(jax.typeof(a), "sharding", None) if isinstance(a, jax.Array) else None
         spec = tuple(getattr(sharding, "spec", ()) or ())
         if len(spec) < 2 or all(entry is None for entry in spec[1:]):
             return a
         return jax.sharding.reshard(a, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(spec[0])))
+
     return jax.tree.map(one, output)
 
 

@@ -32,22 +32,31 @@ class StageParts:
     (B alone reads them); the output gradient, if W reads it, is `handed` over by B."""
 
     def __init__(self, run, forwarded, residuals, backward, split):
-        self._run, self._forwarded, self._residuals, self._backward, self._split = (run, forwarded, residuals,
-                                                                                    backward, split)
+        self._run, self._forwarded, self._residuals, self._backward, self._split = (
+            run,
+            forwarded,
+            residuals,
+            backward,
+            split,
+        )
         stored = [i for i, f in enumerate(forwarded) if f < 0]
         if split is None:
             self._kept_at, self._until_b_at, self.handed = stored, [], []
         else:
             self._kept_at = [i for i in stored if split.w_uses[i]]
             self._until_b_at = [i for i in stored if split.b_uses[i] and not split.w_uses[i]]
-            self.handed = ([jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-                            for v in split.w.jaxpr.invars[-split.crossing:]] if split.crossing else [])
+            self.handed = (
+                [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in split.w.jaxpr.invars[-split.crossing :]]
+                if split.crossing
+                else []
+            )
         self.kept = [residuals[i] for i in self._kept_at]
         self.until_b = [residuals[i] for i in self._until_b_at]
 
     @staticmethod
-    def of(stage: Callable, chunk_leaves: list, like, samples: tuple, *, policy=None,
-           split: bool = True) -> "StageParts":
+    def of(
+        stage: Callable, chunk_leaves: list, like, samples: tuple, *, policy=None, split: bool = True
+    ) -> "StageParts":
         """`stage(leaves, h, *samples)`: the stage's output on input `h` (shaped as `like`) with the chunk's
         weights `leaves`; `samples`: one microbatch's other arguments (traced, so they may differ per call);
         `policy`: a `jax.checkpoint` policy choosing the residuals kept (None: what autodiff keeps);
@@ -57,21 +66,26 @@ class StageParts:
         def run(leaves, h, *args):
             def forward(leaves, h):
                 return stage(leaves, h, *args)
+
             y, vjp = jax.vjp(forward if policy is None else jax.checkpoint(forward, policy=policy), leaves, h)
             residuals, found["tree"] = jax.tree.flatten(vjp)
             return y, residuals
 
         traced = jax.make_jaxpr(run)(chunk_leaves, jax.ShapeDtypeStruct(like.shape, like.dtype), *samples)
-        weights = traced.jaxpr.invars[:len(chunk_leaves)]
+        weights = traced.jaxpr.invars[: len(chunk_leaves)]
         outs = traced.jaxpr.outvars[1:]
         forwarded = [weights.index(v) if isinstance(v, core.Var) and v in weights else -1 for v in outs]
         residuals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in outs]
         tree = found["tree"]
         backward = jax.make_jaxpr(lambda res, ct: tree.unflatten(res)(ct))(
-            residuals, jax.ShapeDtypeStruct(like.shape, like.dtype))
+            residuals, jax.ShapeDtypeStruct(like.shape, like.dtype)
+        )
         n = len(chunk_leaves)
-        parts = split_backward(backward, [True] * n + [False], w_may_read=[True] * len(residuals) + [False]) \
-            if split else None
+        parts = (
+            split_backward(backward, [True] * n + [False], w_may_read=[True] * len(residuals) + [False])
+            if split
+            else None
+        )
         return StageParts(run, forwarded, residuals, backward, parts)
 
     def forward(self, chunk_leaves, h, *args):
@@ -92,9 +106,10 @@ class StageParts:
 
     def gradients(self, chunk_leaves, kept, cot):
         """(the weights' gradients, the stage input's gradient) from the kept residuals (unsplit parts)."""
-        out = core.eval_jaxpr(self._backward.jaxpr, self._backward.consts,
-                              *self._residuals_from(chunk_leaves, kept, []), cot)
-        return list(out[:len(chunk_leaves)]), out[len(chunk_leaves)]
+        out = core.eval_jaxpr(
+            self._backward.jaxpr, self._backward.consts, *self._residuals_from(chunk_leaves, kept, []), cot
+        )
+        return list(out[: len(chunk_leaves)]), out[len(chunk_leaves)]
 
     def input_gradient(self, chunk_leaves, kept, until_b, cot):
         """(the stage input's gradient, what B hands to W)."""
@@ -107,7 +122,6 @@ class StageParts:
         w = self._split.w
         reads = [r for r, used in zip(residuals, self._split.w_uses) if used]
         return core.eval_jaxpr(w.jaxpr, w.consts, *reads, *handed)
-
 
 
 class LayerResiduals:
@@ -129,6 +143,7 @@ class LayerResiduals:
 
         def stage(leaves, h, m, index):
             return layer(jax.tree.unflatten(self._def, leaves), h, m, index)
+
         self._parts = StageParts.of(stage, leaves, like, (jnp.int32(0), jnp.int32(0)), split=split, policy=policy)
         self.like, self.until_b, self.handed = self._parts.kept, self._parts.until_b, self._parts.handed
 
@@ -150,58 +165,76 @@ class LayerResiduals:
     def forward(self, chunk_state, h, m, first, size, stash: list, slot, until_b: list = (), b_slot=None):
         """(the chunk's output, the stash with microbatch m's residuals at `slot`, and split, what B alone
         reads at `b_slot` of `until_b`)."""
+
         def body(carry, inputs):
             layer_state, i = inputs
 
             def run(h, stash, until_b):
                 y, (kept, alone) = self._parts.forward(jax.tree.leaves(layer_state), h, m, first + i)
-                return (y, [b.at[slot, i].set(r) for b, r in zip(stash, kept)],
-                        [b.at[b_slot, i].set(r) for b, r in zip(until_b, alone)])
+                return (
+                    y,
+                    [b.at[slot, i].set(r) for b, r in zip(stash, kept)],
+                    [b.at[b_slot, i].set(r) for b, r in zip(until_b, alone)],
+                )
+
             return self._unless_padding(size, i, run, lambda *c: c, *carry), None
+
         (h, stash, until_b), _ = self._scan(body, (h, stash, list(until_b)), chunk_state, FORWARD_SCOPE)
         return h, stash, until_b
 
     def backward(self, chunk_state, m, first, size, stash: list, slot, cot):
         """(the chunk's weight gradients, its input's gradient) of the microbatch kept at `slot`."""
+
         def body(g, inputs):
             layer_state, i = inputs
 
             def run(g):
                 gl, gx = self._parts.gradients(jax.tree.leaves(layer_state), [b[slot, i] for b in stash], g)
                 return jax.tree.unflatten(self._def, gl), gx
+
             gl, gx = self._unless_padding(size, i, run, lambda g: (jax.tree.map(jnp.zeros_like, layer_state), g), g)
             return gx, gl
+
         gx, gl = self._scan(body, cot, chunk_state, BACKWARD_SCOPE, reverse=True)
         return gl, gx
 
-    def input_gradient(self, chunk_state, first, size, stash: list, slot, until_b: list, b_slot, handed: list, cot,
-                       h_slot=None):
+    def input_gradient(
+        self, chunk_state, first, size, stash: list, slot, until_b: list, b_slot, handed: list, cot, h_slot=None
+    ):
         """Split: (the chunk input's gradient, `handed` with what W reads of B's at `h_slot`, by default
         `slot`)."""
         h_slot = slot if h_slot is None else h_slot
+
         def body(carry, inputs):
             layer_state, i = inputs
 
             def run(g, handed):
-                gx, out = self._parts.input_gradient(jax.tree.leaves(layer_state), [b[slot, i] for b in stash],
-                                                     [b[b_slot, i] for b in until_b], g)
+                gx, out = self._parts.input_gradient(
+                    jax.tree.leaves(layer_state), [b[slot, i] for b in stash], [b[b_slot, i] for b in until_b], g
+                )
                 return gx, [b.at[h_slot, i].set(r) for b, r in zip(handed, out)]
+
             return self._unless_padding(size, i, run, lambda *c: c, *carry), None
+
         (gx, handed), _ = self._scan(body, (cot, handed), chunk_state, BACKWARD_SCOPE, reverse=True)
         return gx, handed
 
     def weight_gradient(self, chunk_state, first, size, stash: list, slot, handed: list, h_slot=None):
         """Split: the chunk's weight gradients of the microbatch kept at `slot` (B's at `h_slot`)."""
         h_slot = slot if h_slot is None else h_slot
+
         def body(_, inputs):
             layer_state, i = inputs
 
             def run():
-                gl = self._parts.weight_gradient(jax.tree.leaves(layer_state), [b[slot, i] for b in stash],
-                                                 [b[h_slot, i] for b in handed])
+                gl = self._parts.weight_gradient(
+                    jax.tree.leaves(layer_state), [b[slot, i] for b in stash], [b[h_slot, i] for b in handed]
+                )
                 return jax.tree.unflatten(self._def, gl)
+
             if size is None:
                 return None, run()
             return None, self._when(i < size, run, lambda: jax.tree.map(jnp.zeros_like, layer_state))
+
         _, gl = self._scan(body, None, chunk_state, BACKWARD_SCOPE)
         return gl

@@ -50,8 +50,13 @@ def split_backward(closed: core.ClosedJaxpr, w_outputs: list[bool], w_may_read: 
     b_jaxpr = core.Jaxpr(jaxpr.constvars, jaxpr.invars, [*_outs(jaxpr, b_out), *crossing], b_eqns)
     w_jaxpr = core.Jaxpr(jaxpr.constvars, [*w_invars, *crossing], _outs(jaxpr, w_outputs), w_eqns)
     b_free = _free(b_eqns, b_jaxpr.outvars)
-    return Split(core.ClosedJaxpr(b_jaxpr, consts), core.ClosedJaxpr(w_jaxpr, consts), len(crossing),
-                 tuple(v in w_invars for v in jaxpr.invars), tuple(v in b_free for v in jaxpr.invars))
+    return Split(
+        core.ClosedJaxpr(b_jaxpr, consts),
+        core.ClosedJaxpr(w_jaxpr, consts),
+        len(crossing),
+        tuple(v in w_invars for v in jaxpr.invars),
+        tuple(v in b_free for v in jaxpr.invars),
+    )
 
 
 def _outs(jaxpr: core.Jaxpr, mask) -> list:
@@ -113,10 +118,10 @@ def _split_scan(eqn: core.JaxprEqn, for_b: list[bool], for_w: list[bool]):
     body_closed = params["jaxpr"]
     body, body_consts = _inline(body_closed.jaxpr, body_closed.consts)
     n_consts, n_carry = params["num_consts"], params["num_carry"]
-    carry_in = body.invars[n_consts:n_consts + n_carry]
+    carry_in = body.invars[n_consts : n_consts + n_carry]
 
     b_carry = list(for_b[:n_carry])
-    while True:     # a carry B reads in any iteration is B's
+    while True:  # a carry B reads in any iteration is B's
         mask = [*b_carry, *for_b[n_carry:]]
         used = _free(_needed(body, mask), _outs(body, mask))
         grown = [c or v in used for c, v in zip(b_carry, carry_in)]
@@ -125,7 +130,7 @@ def _split_scan(eqn: core.JaxprEqn, for_b: list[bool], for_w: list[bool]):
         b_carry = grown
     w_carry = [f and not b for f, b in zip(for_w[:n_carry], b_carry)]
     w_ys = [f and not b for f, b in zip(for_w[n_carry:], for_b[n_carry:])]
-    while True:     # a carry W's carries or outputs read is W's (unless B's already)
+    while True:  # a carry W's carries or outputs read is W's (unless B's already)
         mask = [*w_carry, *w_ys]
         used = _free(_needed(body, mask), _outs(body, mask))
         grown = [c or (v in used and not b) for c, v, b in zip(w_carry, carry_in, b_carry)]
@@ -135,7 +140,7 @@ def _split_scan(eqn: core.JaxprEqn, for_b: list[bool], for_w: list[bool]):
 
     b_mask = [*b_carry, *for_b[n_carry:]]
     w_mask = [*w_carry, *w_ys]
-    consts_in, xs_in = body.invars[:n_consts], body.invars[n_consts + n_carry:]
+    consts_in, xs_in = body.invars[:n_consts], body.invars[n_consts + n_carry :]
     w_available = {*consts_in, *xs_in, *(v for v, w in zip(carry_in, w_carry) if w)}
     b_eqns, w_eqns, crossing = _partition(body, b_mask, w_mask, w_available)
 
@@ -146,14 +151,19 @@ def _split_scan(eqn: core.JaxprEqn, for_b: list[bool], for_w: list[bool]):
     b_xs = [v for v in xs_in if v in b_free]
     b_carry_in = [v for v, b in zip(carry_in, b_carry) if b]
     b_body = core.Jaxpr(body.constvars, [*b_consts, *b_carry_in, *b_xs], b_outs, b_eqns)
-    outer_consts, outer_carry, outer_xs = (eqn.invars[:n_consts], eqn.invars[n_consts:n_consts + n_carry],
-                                           eqn.invars[n_consts + n_carry:])
+    outer_consts, outer_carry, outer_xs = (
+        eqn.invars[:n_consts],
+        eqn.invars[n_consts : n_consts + n_carry],
+        eqn.invars[n_consts + n_carry :],
+    )
     length = params["length"]
     stacked = [core.Var(core.ShapedArray((length, *v.aval.shape), v.aval.dtype)) for v in crossing]
-    b_outvars = [*_outs_of(eqn.outvars[:n_carry], b_carry), *_outs_of(eqn.outvars[n_carry:], for_b[n_carry:]),
-                 *stacked]
-    b_invars = [*_pick(outer_consts, consts_in, b_consts), *_outs_of(outer_carry, b_carry),
-                *_pick(outer_xs, xs_in, b_xs)]
+    b_outvars = [*_outs_of(eqn.outvars[:n_carry], b_carry), *_outs_of(eqn.outvars[n_carry:], for_b[n_carry:]), *stacked]
+    b_invars = [
+        *_pick(outer_consts, consts_in, b_consts),
+        *_outs_of(outer_carry, b_carry),
+        *_pick(outer_xs, xs_in, b_xs),
+    ]
     b_scan = _scan_eqn(eqn, b_body, body_consts, b_invars, b_outvars, len(b_consts), len(b_carry_in))
 
     # W's scan: the weight gradients from what B handed over (read as stacked inputs)
@@ -163,8 +173,12 @@ def _split_scan(eqn: core.JaxprEqn, for_b: list[bool], for_w: list[bool]):
     w_xs = [v for v in xs_in if v in w_free]
     w_carry_in = [v for v, w in zip(carry_in, w_carry) if w]
     w_body = core.Jaxpr(body.constvars, [*w_consts, *w_carry_in, *w_xs, *crossing], w_outs, w_eqns)
-    w_invars = [*_pick(outer_consts, consts_in, w_consts), *_outs_of(outer_carry, w_carry),
-                *_pick(outer_xs, xs_in, w_xs), *stacked]
+    w_invars = [
+        *_pick(outer_consts, consts_in, w_consts),
+        *_outs_of(outer_carry, w_carry),
+        *_pick(outer_xs, xs_in, w_xs),
+        *stacked,
+    ]
     w_outvars = [*_outs_of(eqn.outvars[:n_carry], w_carry), *_outs_of(eqn.outvars[n_carry:], w_ys)]
     w_scan = _scan_eqn(eqn, w_body, body_consts, w_invars, w_outvars, len(w_consts), len(w_carry_in))
     return b_scan, w_scan
@@ -211,8 +225,9 @@ def _inline(jaxpr: core.Jaxpr, consts) -> tuple[core.Jaxpr, list]:
     def emit(eqn, invars):
         if eqn.primitive.name in _INLINED and "jaxpr" in eqn.params:
             inner = eqn.params["jaxpr"]
-            inner_jaxpr, inner_consts = (inner.jaxpr, inner.consts) if isinstance(inner, core.ClosedJaxpr) else \
-                (inner, [])
+            inner_jaxpr, inner_consts = (
+                (inner.jaxpr, inner.consts) if isinstance(inner, core.ClosedJaxpr) else (inner, [])
+            )
             fresh_consts = [core.Var(v.aval) for v in inner_jaxpr.constvars]
             constvars.extend(fresh_consts)
             consts.extend(inner_consts)
@@ -223,8 +238,9 @@ def _inline(jaxpr: core.Jaxpr, consts) -> tuple[core.Jaxpr, list]:
                 local.update(zip(inner_eqn.outvars, outs))
             return [local.get(a, a) if isinstance(a, core.Var) else a for a in inner_jaxpr.outvars]
         outvars = [v if isinstance(v, core.DropVar) else core.Var(v.aval) for v in eqn.outvars]
-        eqns.append(core.new_jaxpr_eqn(invars, outvars, eqn.primitive, eqn.params, eqn.effects, eqn.source_info,
-                                       eqn.ctx))
+        eqns.append(
+            core.new_jaxpr_eqn(invars, outvars, eqn.primitive, eqn.params, eqn.effects, eqn.source_info, eqn.ctx)
+        )
         return outvars
 
     for eqn in jaxpr.eqns:

@@ -51,8 +51,11 @@ def stack_returned(out):
 def stacked_depth(node) -> int | None:
     """The layer count of a module stacked by `nnx.vmap` / `nnx.scan` (every array of it sharing one
     leading dimension), None for anything else (a list, a single layer, a module without arrays)."""
-    if not isinstance(node, nnx.Module) or isinstance(node, (nnx.List, StackedList)) or \
-            getattr(node, "runs_whole_stack", False):
+    if (
+        not isinstance(node, nnx.Module)
+        or isinstance(node, (nnx.List, StackedList))
+        or getattr(node, "runs_whole_stack", False)
+    ):
         return None
     leaves = jax.tree.leaves(nnx.state(node))
     leading = {getattr(a, "shape", ())[:1] for a in leaves}
@@ -84,21 +87,27 @@ def as_layer_list(model, path: str, *, in_place: bool):
 def _layer_state(state, index: int):
     """Layer `index`'s state: every array without its leading dimension (an abstract one too), and the
     dimension's entry dropped from a recorded sharding."""
+
     def one(variable: nnx.Variable):
         value = variable.get_value()
         if isinstance(value, jax.ShapeDtypeStruct):
             value = jax.ShapeDtypeStruct(value.shape[1:], value.dtype)
         else:
             value = value[index]
-        metadata = {name: entry[1:] for name, entry in variable.get_metadata().items()
-                    if name in ("out_sharding", "sharding", "sharding_names") and isinstance(entry, tuple) and entry}
+        metadata = {
+            name: entry[1:]
+            for name, entry in variable.get_metadata().items()
+            if name in ("out_sharding", "sharding", "sharding_names") and isinstance(entry, tuple) and entry
+        }
         return variable.replace(value, **metadata)
+
     return jax.tree.map(one, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
 def restacked(tree: dict, path: str) -> dict:
     """A pure state with a list of layers at `path` (`{0: {...}, 1: {...}}`) -> the stacked form."""
     import jax.numpy as jnp
+
     head, _, rest = path.partition("/")
     out = dict(tree)
     if rest:
@@ -115,8 +124,11 @@ def _runs_a_stack(xs) -> bool:
     for leaf in jax.tree.leaves(xs, is_leaf=lambda v: isinstance(v, (nnx.Module, nnx.GraphDef))):
         if isinstance(leaf, nnx.Module) and getattr(leaf, "runs_whole_stack", False):
             return True
-        if isinstance(leaf, nnx.GraphDef) and leaf.nodes and \
-                getattr(getattr(leaf.nodes[0], "type", None), "runs_whole_stack", False):
+        if (
+            isinstance(leaf, nnx.GraphDef)
+            and leaf.nodes
+            and getattr(getattr(leaf.nodes[0], "type", None), "runs_whole_stack", False)
+        ):
             return True
     return False
 
@@ -138,12 +150,14 @@ def _scan(f, init, xs=None, length=None, reverse=False, unroll=1, **kwargs):
         raise PipelineCallError(
             "the body of the model's scan over its stacked layers does more than call the layer on the carry and "
             f"return its output ({'it changes the output before returning it' if len(calls) == 1 else f'it calls the layer {len(calls)} times'}); a pipeline runs the layers back to back. Move the "
-            "extra work into the layer, or build the layers as a list")
+            "extra work into the layer, or build the layers as a list"
+        )
     inputs = {id(a) for a in jax.tree.leaves(xs)}
     if any(id(a) not in inputs for a in jax.tree.leaves(ys)):
         raise PipelineCallError(
             "the model's scan over its stacked layers returns a value per layer besides the carry; a pipeline hands "
-            "on only the last layer's output (return (x, None) from the body)")
+            "on only the last layer's output (return (x, None) from the body)"
+        )
     return carry, ys
 
 

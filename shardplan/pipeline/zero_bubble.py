@@ -17,9 +17,22 @@ import jax
 import jax.numpy as jnp
 
 from shardplan.checks.schedules import ZeroBubble
-from shardplan.pipeline.loop import (Ends, Loop, Operands, branching, chunk_of_state, finish_gradients, in_branch,
-                                     kept_at, rows_of, run_on_stages, running_sum, shard_keys, to_next_stage,
-                                     to_previous_stage)
+from shardplan.pipeline.loop import (
+    Ends,
+    Loop,
+    Operands,
+    branching,
+    chunk_of_state,
+    finish_gradients,
+    in_branch,
+    kept_at,
+    rows_of,
+    run_on_stages,
+    running_sum,
+    shard_keys,
+    to_next_stage,
+    to_previous_stage,
+)
 from shardplan.pipeline.residuals import LayerResiduals
 from shardplan.run.layer_call import fold_keys
 
@@ -29,14 +42,14 @@ _TABLES = ("op", "micro", "keep", "until_b", "inbox", "cot", "take_in", "take_co
 class _Carry(NamedTuple):
     """What one tick of `zero_bubble_schedule` hands the next."""
 
-    incoming: Any           # the activation that arrived from the previous stage
-    cot_in: Any             # the gradient that arrived from the next stage
-    inbox: Any              # [slot, ...]: arrived activations waiting for their forward
-    cotbox: Any             # [slot, ...]: arrived (or the loss's) gradients waiting for their B
-    kept: Any               # per residual W reads, [slot, ...]: kept from F until W
-    crossed: Any            # per value B hands W, [slot, ...]: kept from B until W
-    until_b: Any            # per residual only B reads, [slot, ...]: kept from F until B
-    g_layers: Any           # the running sums of the gradients
+    incoming: Any  # the activation that arrived from the previous stage
+    cot_in: Any  # the gradient that arrived from the next stage
+    inbox: Any  # [slot, ...]: arrived activations waiting for their forward
+    cotbox: Any  # [slot, ...]: arrived (or the loss's) gradients waiting for their B
+    kept: Any  # per residual W reads, [slot, ...]: kept from F until W
+    crossed: Any  # per value B hands W, [slot, ...]: kept from B until W
+    until_b: Any  # per residual only B reads, [slot, ...]: kept from F until B
+    g_layers: Any  # the running sums of the gradients
     g_head: Any
     g_embed: Any
     loss_sum: Any
@@ -57,8 +70,8 @@ def zero_bubble_schedule(loop: Loop, operands: Operands):
     def per_device(mine: Operands):
         layer_keys = shard_keys(mine.keys[0], loop.mesh, loop.batch_axes)
         layer_split, layer_whole = mine.layer_inputs
-        state = chunk_of_state(mine.stacked, 0)                                   # (virtual, per_chunk, ...)
-        chunk = chunk_of_state(state, 0)                                          # (per_chunk, ...): one chunk
+        state = chunk_of_state(mine.stacked, 0)  # (virtual, per_chunk, ...)
+        chunk = chunk_of_state(state, 0)  # (per_chunk, ...): one chunk
         s = jax.lax.axis_index(axis)
         last = stages - 1
         row = {name: table[s] for name, table in tables.items()}
@@ -69,8 +82,10 @@ def zero_bubble_schedule(loop: Loop, operands: Operands):
         like = ends.like
 
         def layer_fn(layer_state, h, m, index):
-            return loop.layers.run(layer_state, index, h, rows_of(layer_split, m), layer_whole,
-                                   fold_keys(layer_keys, m))
+            return loop.layers.run(
+                layer_state, index, h, rows_of(layer_split, m), layer_whole, fold_keys(layer_keys, m)
+            )
+
         # each layer's residuals, kept per layer in the stashes as its forward runs (`LayerResiduals`)
         parts = LayerResiduals(layer_fn, chunk_of_state(chunk, 0), like, when, split=True)
 
@@ -84,35 +99,72 @@ def zero_bubble_schedule(loop: Loop, operands: Operands):
             enters, leaves = f_on & (s == 0), f_on & (s == last)
             h_in = ends.layers_input(enters, m, inbox[row["inbox"][t]])
             y, kept, until_b = in_branch(
-                loop.branches, f_on, lambda kept, until_b: parts.forward(chunk, h_in, m, first, size, kept, slot,
-                                                                         until_b, b_slot),
-                lambda: jnp.zeros_like(h_in), carry.kept, carry.until_b)
+                loop.branches,
+                f_on,
+                lambda kept, until_b: parts.forward(chunk, h_in, m, first, size, kept, slot, until_b, b_slot),
+                lambda: jnp.zeros_like(h_in),
+                carry.kept,
+                carry.until_b,
+            )
 
             loss_m, g_head, gy = ends.loss_and_gradients(leaves, y, m, carry.g_head)
             cotbox = kept_at(cotbox, jnp.where(leaves, row["cot"][t], -1), gy.astype(cotbox.dtype))
             cot = cotbox[row["cot"][t]]
             gx, crossed = in_branch(
-                loop.branches, b_on, lambda crossed: parts.input_gradient(chunk, first, size, kept, slot, until_b,
-                                                                          b_slot, crossed, cot),
-                lambda: jnp.zeros_like(h_in), carry.crossed)
-            g_layers, _ = ends.summed(w_on, lambda: (parts.weight_gradient(chunk, first, size, kept, slot, crossed), ()),
-                                      lambda: (jax.tree.map(jnp.zeros_like, chunk), ()), carry.g_layers)
+                loop.branches,
+                b_on,
+                lambda crossed: parts.input_gradient(chunk, first, size, kept, slot, until_b, b_slot, crossed, cot),
+                lambda: jnp.zeros_like(h_in),
+                carry.crossed,
+            )
+            g_layers, _ = ends.summed(
+                w_on,
+                lambda: (parts.weight_gradient(chunk, first, size, kept, slot, crossed), ()),
+                lambda: (jax.tree.map(jnp.zeros_like, chunk), ()),
+                carry.g_layers,
+            )
             g_embed = ends.embed_gradients(b_on & (s == 0), m, gx, carry.g_embed)
-            return _Carry(to_next_stage(y, axis, stages), to_previous_stage(gx, axis, stages), inbox, cotbox, kept,
-                          crossed, until_b, g_layers, g_head, g_embed, carry.loss_sum + loss_m), None
+            return _Carry(
+                to_next_stage(y, axis, stages),
+                to_previous_stage(gx, axis, stages),
+                inbox,
+                cotbox,
+                kept,
+                crossed,
+                until_b,
+                g_layers,
+                g_head,
+                g_embed,
+                carry.loss_sum + loss_m,
+            ), None
 
         zeros = jnp.zeros(like.shape, like.dtype)
         carry = _Carry(
-            incoming=zeros, cot_in=zeros, inbox=jnp.zeros((max(inbox_slots, 1), *like.shape), like.dtype),
+            incoming=zeros,
+            cot_in=zeros,
+            inbox=jnp.zeros((max(inbox_slots, 1), *like.shape), like.dtype),
             cotbox=jnp.zeros((max(cot_slots, 1), *like.shape), like.dtype),
             kept=LayerResiduals.empty(parts.like, keep_slots, per_chunk),
             crossed=LayerResiduals.empty(parts.handed, keep_slots, per_chunk),
-            until_b=LayerResiduals.empty(parts.until_b, until_b_slots, per_chunk), g_layers=running_sum(chunk),
-            g_head=running_sum(mine.head_params), g_embed=running_sum(mine.embed_params),
-            loss_sum=jnp.zeros((), jnp.float32))
+            until_b=LayerResiduals.empty(parts.until_b, until_b_slots, per_chunk),
+            g_layers=running_sum(chunk),
+            g_head=running_sum(mine.head_params),
+            g_embed=running_sum(mine.embed_params),
+            loss_sum=jnp.zeros((), jnp.float32),
+        )
         done, _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
-        g_layers = jax.tree.map(lambda g: g[None], done.g_layers)                       # (virtual=1, ...)
-        return finish_gradients(g_layers, done.g_head, done.g_embed, done.loss_sum, micro, loop.batch_axes, state,
-                                mine.head_params, mine.embed_params, loop.leaf_specs)
+        g_layers = jax.tree.map(lambda g: g[None], done.g_layers)  # (virtual=1, ...)
+        return finish_gradients(
+            g_layers,
+            done.g_head,
+            done.g_embed,
+            done.loss_sum,
+            micro,
+            loop.batch_axes,
+            state,
+            mine.head_params,
+            mine.embed_params,
+            loop.leaf_specs,
+        )
 
     return run_on_stages(per_device, loop, operands)

@@ -39,8 +39,8 @@ class RuleList:
     when: tuple[tuple[str, bool], ...]
     line: int
     rules: list[tuple[str, list]]
-    defaults: dict = dataclasses.field(default_factory=dict, compare=False)   # the function's literal defaults
-    lines: tuple[int, ...] = ()                                               # of each rule, where known
+    defaults: dict = dataclasses.field(default_factory=dict, compare=False)  # the function's literal defaults
+    lines: tuple[int, ...] = ()  # of each rule, where known
 
     @property
     def label(self) -> str:
@@ -48,8 +48,9 @@ class RuleList:
         return f"{self.where}{f' when {conditions}' if conditions else ''} (line {self.line}, {_count(self.rules)})"
 
 
-def read_rules(text: str, fmt: str, source: str = "rules", *, choose: str | None = None,
-               flags: dict[str, bool] | None = None) -> list[tuple[str, list]]:
+def read_rules(
+    text: str, fmt: str, source: str = "rules", *, choose: str | None = None, flags: dict[str, bool] | None = None
+) -> list[tuple[str, list]]:
     """(regex, spec entries) pairs from a Python file (`fmt` 'python') or a YAML list ('yaml'); see `pick`."""
     return pick(rule_lists(text, fmt, source), source, choose=choose, flags=flags or {})[0].rules
 
@@ -68,8 +69,10 @@ def pick(lists: list[RuleList], source: str, *, choose: str | None, flags: dict[
     """
     tested = {name for rl in lists for name, _ in rl.when}
     if set(flags) - tested:
-        raise ConvertError(f"{source}: --flag {', '.join(sorted(set(flags) - tested))}: no rule list depends on it "
-                           f"({'they depend on ' + ', '.join(sorted(tested)) if tested else 'none depends on any argument'})")
+        raise ConvertError(
+            f"{source}: --flag {', '.join(sorted(set(flags) - tested))}: no rule list depends on it "
+            f"({'they depend on ' + ', '.join(sorted(tested)) if tested else 'none depends on any argument'})"
+        )
     if choose:
         lists = [rl for rl in lists if choose in rl.where.split(".") or choose == rl.where]
         if not lists:
@@ -87,8 +90,10 @@ def pick(lists: list[RuleList], source: str, *, choose: str | None, flags: dict[
     listed = "\n".join(f"  - {rl.label}" for rl in (kept or lists))
     how = [f"--list NAME (one of: {', '.join(sorted({rl.where.split('.')[0] for rl in kept or lists}))})"]
     how += [f"--flag {name}=true|false" for name in sorted(unknown | {n for rl in kept for n, _ in rl.when})]
-    raise ConvertError(f"{source} holds {len(kept or lists)} rule lists and which one is meant is not clear:\n{listed}\n"
-                       f"choose with {' or '.join(dict.fromkeys(how))}")
+    raise ConvertError(
+        f"{source} holds {len(kept or lists)} rule lists and which one is meant is not clear:\n{listed}\n"
+        f"choose with {' or '.join(dict.fromkeys(how))}"
+    )
 
 
 def _python_rules(text: str, source: str) -> list[RuleList]:
@@ -136,7 +141,7 @@ def _condition(test) -> tuple[str, bool] | None:
 
 def _literal_defaults(args: ast.arguments) -> dict[str, bool]:
     positional = args.posonlyargs + args.args
-    pairs = list(zip(positional[len(positional) - len(args.defaults):], args.defaults))
+    pairs = list(zip(positional[len(positional) - len(args.defaults) :], args.defaults))
     pairs += [(a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None]
     return {a.arg: d.value for a, d in pairs if isinstance(d, ast.Constant) and isinstance(d.value, bool)}
 
@@ -146,9 +151,14 @@ def _count(rules: list) -> str:
 
 
 def _is_rule(node) -> bool:
-    return (isinstance(node, ast.Tuple) and len(node.elts) == 2 and isinstance(node.elts[0], ast.Constant)
-            and isinstance(node.elts[0].value, str) and isinstance(node.elts[1], ast.Call)
-            and _call_name(node.elts[1]) in SPEC_CALLS)
+    return (
+        isinstance(node, ast.Tuple)
+        and len(node.elts) == 2
+        and isinstance(node.elts[0], ast.Constant)
+        and isinstance(node.elts[0].value, str)
+        and isinstance(node.elts[1], ast.Call)
+        and _call_name(node.elts[1]) in SPEC_CALLS
+    )
 
 
 def _call_name(call: ast.Call) -> str | None:
@@ -161,12 +171,15 @@ def _spec_of(call: ast.Call, source: str) -> list:
     for arg in call.args:
         if isinstance(arg, ast.Constant) and (arg.value is None or isinstance(arg.value, str)):
             entries.append(arg.value)
-        elif isinstance(arg, (ast.Tuple, ast.List)) and all(isinstance(e, ast.Constant) and isinstance(e.value, str)
-                                                          for e in arg.elts):
+        elif isinstance(arg, (ast.Tuple, ast.List)) and all(
+            isinstance(e, ast.Constant) and isinstance(e.value, str) for e in arg.elts
+        ):
             entries.append([e.value for e in arg.elts])
         else:
-            raise ConvertError(f"{source}:{arg.lineno}: a PartitionSpec entry must be None, an axis name or a tuple "
-                               f"of axis names, but got {ast.unparse(arg)!r}")
+            raise ConvertError(
+                f"{source}:{arg.lineno}: a PartitionSpec entry must be None, an axis name or a tuple "
+                f"of axis names, but got {ast.unparse(arg)!r}"
+            )
     return entries
 
 
@@ -182,10 +195,17 @@ def _yaml_rules(text: str, source: str) -> list[RuleList]:
     for key, items in named.items():
         rules = []
         for k, item in enumerate(items):
-            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], list)
-                    and all(_is_axes(entry) for entry in item[1])):
-                raise ConvertError(f"{source}: {'' if key == '<list>' else key + ' '}item {k + 1} is {item!r}, "
-                                   "not a [regex, spec] pair (a spec entry is null, an axis name or a list of them)")
+            if not (
+                isinstance(item, list)
+                and len(item) == 2
+                and isinstance(item[0], str)
+                and isinstance(item[1], list)
+                and all(_is_axes(entry) for entry in item[1])
+            ):
+                raise ConvertError(
+                    f"{source}: {'' if key == '<list>' else key + ' '}item {k + 1} is {item!r}, "
+                    "not a [regex, spec] pair (a spec entry is null, an axis name or a list of them)"
+                )
             rules.append((item[0], item[1]))
         found.append(RuleList(key, (), 0, rules))
     return found
@@ -200,10 +220,13 @@ def read_logical_rules(text: str, source: str = "logical rules") -> list[tuple[s
         raise ConvertError(f"{source}: not valid YAML: {error}") from None
     if isinstance(data, dict):
         data = data.get("logical_axis_rules", next((v for v in data.values() if isinstance(v, list)), None))
-    if not isinstance(data, list) or not all(isinstance(i, list) and len(i) == 2 and isinstance(i[0], str)
-                                             and _is_axes(i[1]) for i in data):
-        raise ConvertError(f"{source}: expected a list of [logical name, mesh axes] pairs (the axes: null, an "
-                           "axis name or a list of them)")
+    if not isinstance(data, list) or not all(
+        isinstance(i, list) and len(i) == 2 and isinstance(i[0], str) and _is_axes(i[1]) for i in data
+    ):
+        raise ConvertError(
+            f"{source}: expected a list of [logical name, mesh axes] pairs (the axes: null, an "
+            "axis name or a list of them)"
+        )
     return [(name, axes) for name, axes in data]
 
 
@@ -221,32 +244,50 @@ def searched(pattern: str) -> str:
     ('.*(?:attn/c_attn/kernel).*', '.*', '.*(?:^wte$).*', '(?i).*(?:WTE).*')
     """
     flags = re.match(r"\(\?[aiLmsux]+\)", pattern)
-    head, body = (flags.group(), pattern[flags.end():]) if flags else ("", pattern)
+    head, body = (flags.group(), pattern[flags.end() :]) if flags else ("", pattern)
     return head + (".*" if body in ("", ".*") else f".*(?:{body}).*")
 
 
-def plan_text(rules: list[tuple[str, list]], mesh: dict[str, int], *, source: str, input_spec: list | None = None,
-              logical: list[tuple[str, Any]] | None = None, logical_source: str | None = None) -> str:
+def plan_text(
+    rules: list[tuple[str, list]],
+    mesh: dict[str, int],
+    *,
+    source: str,
+    input_spec: list | None = None,
+    logical: list[tuple[str, Any]] | None = None,
+    logical_source: str | None = None,
+) -> str:
     """A commented plan file from converted rules (and MaxText logical axis rules)."""
-    lines = [f"# Converted by `shardplan convert` from {source} (rules matched with re.search, first match wins).",
-             "# Each rule keeps its meaning: re.search for p is a full match of .*(?:p).*",
-             "version: 1", "mesh:"]
+    lines = [
+        f"# Converted by `shardplan convert` from {source} (rules matched with re.search, first match wins).",
+        "# Each rule keeps its meaning: re.search for p is a full match of .*(?:p).*",
+        "version: 1",
+        "mesh:",
+    ]
     added = [a for name, axes in logical or [] for a in _listed(axes) if a not in mesh]
     mesh = {**mesh, **{a: 1 for a in dict.fromkeys(added)}}
-    lines.append(f"  axes: {_flow(mesh)}" + (f"        # size 1, as MaxText runs axes not given: {', '.join(dict.fromkeys(added))}"
-                                             if added else ""))
+    lines.append(
+        f"  axes: {_flow(mesh)}"
+        + (f"        # size 1, as MaxText runs axes not given: {', '.join(dict.fromkeys(added))}" if added else "")
+    )
     if logical is not None:
-        lines.append(f"logical_rules:                # from {logical_source}, in order; resolved per array as flax does")
+        lines.append(
+            f"logical_rules:                # from {logical_source}, in order; resolved per array as flax does"
+        )
         lines += [f"  - [{name}, {_flow(axes)}]" for name, axes in logical]
     if input_spec is not None:
         lines += ["inputs:", f"  tokens: {_flow(input_spec)}"]
     lines.append("params:")
     for pattern, spec in rules:
-        lines += [f"  - match: {_quoted(searched(pattern))}        # was {pattern!r}",
-                  f"    spec: {_flow([_entry(e) for e in spec]) if spec else 'replicated'}"]
+        lines += [
+            f"  - match: {_quoted(searched(pattern))}        # was {pattern!r}",
+            f"    spec: {_flow([_entry(e) for e in spec]) if spec else 'replicated'}",
+        ]
     if not rules or searched(rules[-1][0]) != ".*":
-        lines += ["  - match: '.*'                 # anything the rules left: replicated, as EasyLM's fallback",
-                  "    spec: replicated"]
+        lines += [
+            "  - match: '.*'                 # anything the rules left: replicated, as EasyLM's fallback",
+            "    spec: replicated",
+        ]
     lines.append("unmatched: error")
     return "\n".join(lines) + "\n"
 
@@ -259,11 +300,17 @@ def export_rules(plan: Plan, fmt: str = "python") -> str:
     """The plan's parameter rules as `(regex, PartitionSpec(...))` pairs for `re.search` users."""
     pairs = [(f"^(?:{rule.match})$", normalize_spec(rule.spec)) for rule in plan.params]
     if fmt == "yaml":
-        body = "\n".join(f"- [{_quoted(p)}, {_flow([None if e is None else e[0] if len(e) == 1 else list(e) for e in s])}]"
-                         for p, s in pairs)
+        body = "\n".join(
+            f"- [{_quoted(p)}, {_flow([None if e is None else e[0] if len(e) == 1 else list(e) for e in s])}]"
+            for p, s in pairs
+        )
         return f"# {plan.name or 'plan'}: rules for re.search (first match wins), from shardplan export\n{body}\n"
-    lines = [f"# {plan.name or 'plan'}: rules for re.search (first match wins), from shardplan export",
-             "from jax.sharding import PartitionSpec as PS", "", "partition_rules = ("]
+    lines = [
+        f"# {plan.name or 'plan'}: rules for re.search (first match wins), from shardplan export",
+        "from jax.sharding import PartitionSpec as PS",
+        "",
+        "partition_rules = (",
+    ]
     for pattern, spec in pairs:
         entries = ", ".join("None" if e is None else repr(e[0]) if len(e) == 1 else repr(tuple(e)) for e in spec)
         one = f"    ({pattern!r}, PS({entries})),"

@@ -93,9 +93,9 @@ CODES: dict[str, str] = {
     "annotation-overridden": "the plan gives a parameter another spec than the model's own annotation",
     "step-rule-unused": "an activations or remat rule that matches no module of the model",
     "explicit-axes-unresolved": "under explicit mesh axes, an operation of the model's forward cannot resolve "
-                                "its output's sharding from its operands' placed types",
+    "its output's sharding from its operands' placed types",
     "explicit-axes-section": "explicit mesh axes with a pipeline, experts or context section, which run parts of "
-                             "the step by hand",
+    "the step by hand",
     "precision-not-applied": "a narrow `precision` that some of the model's matmuls do not take (its code casts wider)",
     "precision-breaks-forward": "the model's forward fails with its parameters in the plan's narrow `precision`",
 }
@@ -147,6 +147,7 @@ def warn(diagnostics: list[Diagnostic], stacklevel: int = 3) -> None:
     """Each warning among `diagnostics` through the `warnings` module, so a Python user sees it; a program
     that renders the diagnostics itself filters `PlanWarning` out."""
     import warnings
+
     for d in diagnostics:
         if d.severity == "warning":
             warnings.warn(d.format(), PlanWarning, stacklevel=stacklevel)
@@ -164,4 +165,3 @@ class PlanError(Exception):
     @property
     def errors(self) -> list[Diagnostic]:
         return [d for d in self.diagnostics if d.severity == "error"]
-

@@ -20,9 +20,9 @@ from shardplan.plan.schema import Plan
 Positions = dict[tuple, tuple[int, int]]
 
 # Reading limits: a plan is a short text. These bound what a hostile file can cost.
-MAX_PLAN_BYTES = 1 << 20          # the longest shipped plan is under 3 KiB
-MAX_NODES = 100_000               # YAML values after expanding aliases (an alias "bomb" expands exponentially)
-MAX_DEPTH = 32                    # nesting of mappings and lists; a plan needs about 6
+MAX_PLAN_BYTES = 1 << 20  # the longest shipped plan is under 3 KiB
+MAX_NODES = 100_000  # YAML values after expanding aliases (an alias "bomb" expands exponentially)
+MAX_DEPTH = 32  # nesting of mappings and lists; a plan needs about 6
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -38,8 +38,17 @@ def load_plan(path: str | Path) -> Plan:
     except (OSError, UnicodeDecodeError) as exc:
         raise PlanError([Diagnostic("unreadable-file", "error", f"cannot read plan: {exc}", file=str(path))]) from None
     except FileTooLarge as exc:
-        raise PlanError([Diagnostic("plan-too-large", "error", str(exc), file=str(path),
-                                    hint="a plan is a short list of rules; check that this is the file you meant")]) from None
+        raise PlanError(
+            [
+                Diagnostic(
+                    "plan-too-large",
+                    "error",
+                    str(exc),
+                    file=str(path),
+                    hint="a plan is a short list of rules; check that this is the file you meant",
+                )
+            ]
+        ) from None
     return parse_plan(text, file=str(path), fmt=format_of(path))
 
 
@@ -54,7 +63,7 @@ def read_bounded(path: Path, limit: int) -> bytes:
     FIFO blocks until someone writes to it. Opened non-blocking, then checked on the open file,
     so a file swapped for a FIFO after the check cannot block either.
     """
-    if "\0" in str(path):          # no file has such a name; os.open would raise ValueError
+    if "\0" in str(path):  # no file has such a name; os.open would raise ValueError
         raise FileNotFoundError(f"{path!r} is not a file name: it holds a NUL character")
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
@@ -79,9 +88,16 @@ def format_of(path: Path) -> str:
         return "yaml"
     if suffix == ".toml":
         return "toml"
-    raise PlanError([Diagnostic("unsupported-format", "error",
-                                f"plan files must end in .yaml, .yml or .toml, but got {path.name!r}",
-                                file=str(path))])
+    raise PlanError(
+        [
+            Diagnostic(
+                "unsupported-format",
+                "error",
+                f"plan files must end in .yaml, .yml or .toml, but got {path.name!r}",
+                file=str(path),
+            )
+        ]
+    )
 
 
 def parse_plan(text: str, *, file: str | None = None, fmt: str = "yaml") -> Plan:
@@ -100,9 +116,16 @@ def parse_plan(text: str, *, file: str | None = None, fmt: str = "yaml") -> Plan
     inline.yaml:4:1: error[invalid-value] optimizer: Input should be 'same' or 'zero1', but got 'zero3'...
     """
     if len(text) > MAX_PLAN_BYTES:
-        raise PlanError([Diagnostic("plan-too-large", "error",
-                                    f"plan text holds {len(text):,} characters; the limit is {MAX_PLAN_BYTES:,}",
-                                    file=file)])
+        raise PlanError(
+            [
+                Diagnostic(
+                    "plan-too-large",
+                    "error",
+                    f"plan text holds {len(text):,} characters; the limit is {MAX_PLAN_BYTES:,}",
+                    file=file,
+                )
+            ]
+        )
     data, positions = read_mapping(text, file=file, fmt=fmt, what="plan")
     plan = validate_mapping(Plan, data, file=file, positions=positions)
     return plan.with_source(file, positions)
@@ -113,12 +136,29 @@ def read_mapping(text: str, *, file: str | None, fmt: str, what: str) -> tuple[d
     try:
         data, positions = _parse_yaml(text, file) if fmt == "yaml" else _parse_toml(text, file)
     except RecursionError:
-        raise PlanError([Diagnostic("plan-too-large", "error", f"the {what} nests lists or mappings more than "
-                                    f"{MAX_DEPTH} levels deep (far more, the parser gave up)", file=file)]) from None
+        raise PlanError(
+            [
+                Diagnostic(
+                    "plan-too-large",
+                    "error",
+                    f"the {what} nests lists or mappings more than "
+                    f"{MAX_DEPTH} levels deep (far more, the parser gave up)",
+                    file=file,
+                )
+            ]
+        ) from None
     if not isinstance(data, dict):
-        raise PlanError([Diagnostic("invalid-value", "error",
-                                    f"a {what} must be a mapping of keys, but got {type(data).__name__}",
-                                    file=file, line=1)])
+        raise PlanError(
+            [
+                Diagnostic(
+                    "invalid-value",
+                    "error",
+                    f"a {what} must be a mapping of keys, but got {type(data).__name__}",
+                    file=file,
+                    line=1,
+                )
+            ]
+        )
     return data, positions
 
 
@@ -146,12 +186,17 @@ def _parse_yaml(text: str, file: str | None) -> tuple[Any, Positions]:
             return None, {}
         data = loader.construct_document(node)
     except yaml.MarkedYAMLError as exc:
-        if "nesting depth" in str(exc.problem):           # libyaml's own limit: the same as ours, sooner
+        if "nesting depth" in str(exc.problem):  # libyaml's own limit: the same as ours, sooner
             raise RecursionError from None
         mark = exc.problem_mark or exc.context_mark
         line, col = (mark.line + 1, mark.column + 1) if mark else (None, None)
-        raise PlanError([Diagnostic("syntax-error", "error", f"invalid YAML: {exc.problem or exc}",
-                                    file=file, line=line, column=col)]) from None
+        raise PlanError(
+            [
+                Diagnostic(
+                    "syntax-error", "error", f"invalid YAML: {exc.problem or exc}", file=file, line=line, column=col
+                )
+            ]
+        ) from None
     except yaml.YAMLError as exc:
         raise PlanError([Diagnostic("syntax-error", "error", f"invalid YAML: {exc}", file=file)]) from None
     finally:
@@ -167,19 +212,39 @@ def _parse_yaml(text: str, file: str | None) -> tuple[Any, Positions]:
     return data, positions
 
 
-def _walk_yaml(node: yaml.Node, prefix: tuple, positions: Positions,
-               duplicates: list[Diagnostic], file: str | None, visited: list[int]) -> None:
+def _walk_yaml(
+    node: yaml.Node,
+    prefix: tuple,
+    positions: Positions,
+    duplicates: list[Diagnostic],
+    file: str | None,
+    visited: list[int],
+) -> None:
     where = (node.start_mark.line + 1, node.start_mark.column + 1)
     visited[0] += 1
     if visited[0] > MAX_NODES or len(prefix) > MAX_DEPTH:
-        what = (f"expands to more than {MAX_NODES:,} values (aliases repeat what they point to)"
-                if visited[0] > MAX_NODES else f"nests lists or mappings more than {MAX_DEPTH} levels deep")
+        what = (
+            f"expands to more than {MAX_NODES:,} values (aliases repeat what they point to)"
+            if visited[0] > MAX_NODES
+            else f"nests lists or mappings more than {MAX_DEPTH} levels deep"
+        )
         # An alias's nodes carry the anchor's position: name the top-level key being expanded instead.
         line, column = positions.get(prefix[:1], where)
         under = f" under {prefix[0]!r}" if prefix else ""
-        raise PlanError([Diagnostic("plan-too-large", "error", f"the plan{under} {what}", file=file, line=line,
-                                    column=column, hint="a plan needs a few levels and a few hundred values; "
-                                    "write the repeated part once or remove the nesting")])
+        raise PlanError(
+            [
+                Diagnostic(
+                    "plan-too-large",
+                    "error",
+                    f"the plan{under} {what}",
+                    file=file,
+                    line=line,
+                    column=column,
+                    hint="a plan needs a few levels and a few hundred values; "
+                    "write the repeated part once or remove the nesting",
+                )
+            ]
+        )
     positions.setdefault(prefix, where)
     if isinstance(node, yaml.MappingNode):
         seen: set[str] = set()
@@ -187,10 +252,17 @@ def _walk_yaml(node: yaml.Node, prefix: tuple, positions: Positions,
             key = str(key_node.value)
             where = (key_node.start_mark.line + 1, key_node.start_mark.column + 1)
             if key in seen:
-                duplicates.append(Diagnostic("duplicate-key", "error",
-                                             f"key {_dotted(prefix + (key,))!r} appears twice in one mapping",
-                                             file=file, line=where[0], column=where[1],
-                                             hint="YAML keeps only the last value; remove one of them"))
+                duplicates.append(
+                    Diagnostic(
+                        "duplicate-key",
+                        "error",
+                        f"key {_dotted(prefix + (key,))!r} appears twice in one mapping",
+                        file=file,
+                        line=where[0],
+                        column=where[1],
+                        hint="YAML keeps only the last value; remove one of them",
+                    )
+                )
             seen.add(key)
             positions[prefix + (key,)] = where
             _walk_yaml(value_node, prefix + (key,), positions, duplicates, file, visited)
@@ -203,7 +275,9 @@ def _walk_yaml(node: yaml.Node, prefix: tuple, positions: Positions,
 
 _TOML_ERROR_AT = re.compile(r"\(at line (\d+), column (\d+)\)")
 _TOML_HEADER = re.compile(r"^\s*(\[\[?)\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
-_TOML_KEY = re.compile(r"""^\s*((?:[A-Za-z0-9_-]+|"[^"]*"|'[^']*')(?:\s*\.\s*(?:[A-Za-z0-9_-]+|"[^"]*"|'[^']*'))*)\s*=""")
+_TOML_KEY = re.compile(
+    r"""^\s*((?:[A-Za-z0-9_-]+|"[^"]*"|'[^']*')(?:\s*\.\s*(?:[A-Za-z0-9_-]+|"[^"]*"|'[^']*'))*)\s*="""
+)
 
 
 def _parse_toml(text: str, file: str | None) -> tuple[Any, Positions]:
@@ -213,8 +287,9 @@ def _parse_toml(text: str, file: str | None) -> tuple[Any, Positions]:
         found = _TOML_ERROR_AT.search(str(exc))
         line, col = (int(found.group(1)), int(found.group(2))) if found else (None, None)
         message = _TOML_ERROR_AT.sub("", str(exc)).strip()
-        raise PlanError([Diagnostic("syntax-error", "error", f"invalid TOML: {message}",
-                                    file=file, line=line, column=col)]) from None
+        raise PlanError(
+            [Diagnostic("syntax-error", "error", f"invalid TOML: {message}", file=file, line=line, column=col)]
+        ) from None
     return data, _toml_positions(text)
 
 
@@ -263,6 +338,7 @@ def _toml_keys(dotted: str) -> tuple:
 
 # ------------------------------------------------------------------------ pydantic errors
 
+
 def _diagnostic_from(err: dict, file: str | None, positions: Positions, root: type[BaseModel] = Plan) -> Diagnostic:
     loc = tuple(err["loc"])
     clean = _strip_union_tags(loc)
@@ -276,8 +352,9 @@ def _diagnostic_from(err: dict, file: str | None, positions: Positions, root: ty
         hint = f"did you mean {close[0]!r}?" if close else (f"valid keys here: {', '.join(valid)}" if valid else None)
         return Diagnostic("unknown-key", "error", f"unknown key {where!r}", file=file, line=line, column=col, hint=hint)
     if kind == "missing":
-        return Diagnostic("missing-key", "error", f"required key {where!r} is missing",
-                          file=file, line=line, column=col)
+        return Diagnostic(
+            "missing-key", "error", f"required key {where!r} is missing", file=file, line=line, column=col
+        )
     got = err.get("input")
     expected = err.get("ctx", {}).get("expected")
     hint = None

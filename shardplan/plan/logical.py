@@ -33,8 +33,8 @@ def resolve(names: list, rules: list[tuple[str, Any]], mesh_axes) -> tuple[list,
     ([['fsdp', 'data'], None], [None, None])
     """
     logical = {name for name, _ in rules}
-    dims = []        # (position in the spec, logical name) of every name to resolve
-    result: list = [None if entry is None else _OPEN for entry in names]       # (a list's axes are joined below)
+    dims = []  # (position in the spec, logical name) of every name to resolve
+    result: list = [None if entry is None else _OPEN for entry in names]  # (a list's axes are joined below)
     for position, entry in enumerate(names):
         parts = [entry] if isinstance(entry, str) else list(entry or [])
         for part in parts:
@@ -44,11 +44,12 @@ def resolve(names: list, rules: list[tuple[str, Any]], mesh_axes) -> tuple[list,
                 result[position] = _joined(result[position], part)
     taken: dict[tuple[int, str], tuple] = {}
     for index, (name, target) in enumerate(rules):
-        position = next((p for p, dim_name in dims if dim_name == name), None)     # flax: a name marks one dim
+        position = next((p for p, dim_name in dims if dim_name == name), None)  # flax: a name marks one dim
         if position is None or (position, name) in taken:
             continue
-        used = {a for value in result if value is not _OPEN for a in _axes(value)} | \
-               {a for (_, axes) in taken.values() for a in axes}
+        used = {a for value in result if value is not _OPEN for a in _axes(value)} | {
+            a for (_, axes) in taken.values() for a in axes
+        }
         if not used & set(_axes(target)):
             taken[(position, name)] = (index, _axes(target))
     given: list[int | None] = [None] * len(names)

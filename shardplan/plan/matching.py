@@ -5,9 +5,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-import re._parser as sre_parse   # the stdlib's own regex parser: inspect a pattern's structure before using it
-from re._constants import (ASSERT, ASSERT_NOT, ATOMIC_GROUP, BRANCH, GROUPREF, GROUPREF_EXISTS, MAX_REPEAT,
-                           MIN_REPEAT, POSSESSIVE_REPEAT, SUBPATTERN)
+import re._parser as sre_parse  # the stdlib's own regex parser: inspect a pattern's structure before using it
+from re._constants import (
+    ASSERT,
+    ASSERT_NOT,
+    ATOMIC_GROUP,
+    BRANCH,
+    GROUPREF,
+    GROUPREF_EXISTS,
+    MAX_REPEAT,
+    MIN_REPEAT,
+    POSSESSIVE_REPEAT,
+    SUBPATTERN,
+)
 
 import re2
 
@@ -22,11 +32,11 @@ class Rule:
     """A plan rule, compiled. `index` is 0-based; users see `#index+1`."""
 
     index: int
-    pattern: "re2._Regexp | None"    # None when the regex is invalid
+    pattern: "re2._Regexp | None"  # None when the regex is invalid
     source: str
     spec: NormalSpec
     line: int | None
-    annotated: bool = False         # `spec: annotated`: each parameter's own annotation
+    annotated: bool = False  # `spec: annotated`: each parameter's own annotation
 
     @property
     def label(self) -> str:
@@ -42,11 +52,16 @@ class SlowPattern(ValueError):
 
 
 # Constructs that only a backtracking engine can run, as the stdlib's parser names them.
-_BACKTRACKING = {GROUPREF: "a backreference", GROUPREF_EXISTS: "a conditional group '(?(…)…)'",
-                 ASSERT: "a lookahead or lookbehind", ASSERT_NOT: "a negative lookahead or lookbehind",
-                 POSSESSIVE_REPEAT: "a possessive repeat", ATOMIC_GROUP: "an atomic group '(?>…)'"}
+_BACKTRACKING = {
+    GROUPREF: "a backreference",
+    GROUPREF_EXISTS: "a conditional group '(?(…)…)'",
+    ASSERT: "a lookahead or lookbehind",
+    ASSERT_NOT: "a negative lookahead or lookbehind",
+    POSSESSIVE_REPEAT: "a possessive repeat",
+    ATOMIC_GROUP: "an atomic group '(?>…)'",
+}
 _RE2_OPTIONS = re2.Options()
-_RE2_OPTIONS.log_errors = False      # its refusals are ours to report, not lines on stderr
+_RE2_OPTIONS.log_errors = False  # its refusals are ours to report, not lines on stderr
 
 
 def compile_pattern(source: str) -> "re2._Regexp":
@@ -66,14 +81,17 @@ def compile_pattern(source: str) -> "re2._Regexp":
     parsed = sre_parse.parse(source)
     construct = _backtracking_construct(parsed)
     if construct:
-        raise SlowPattern(f"it uses {construct}, which only a backtracking engine can match, in time that can grow "
-                          "without bound (plan patterns are matched by RE2, in time linear in the path)")
+        raise SlowPattern(
+            f"it uses {construct}, which only a backtracking engine can match, in time that can grow "
+            "without bound (plan patterns are matched by RE2, in time linear in the path)"
+        )
     try:
         return re2.compile(source, _RE2_OPTIONS)
     except re2.error as exc:
         reason = exc.args[0].decode(errors="replace") if exc.args and isinstance(exc.args[0], bytes) else str(exc)
-        raise SlowPattern(f"RE2, the linear-time engine plan patterns are matched by, does not take it: {reason}") \
-            from None
+        raise SlowPattern(
+            f"RE2, the linear-time engine plan patterns are matched by, does not take it: {reason}"
+        ) from None
 
 
 def _backtracking_construct(items) -> str | None:
@@ -101,26 +119,38 @@ def compile_rules(plan: Plan) -> tuple[list[Rule], list[Diagnostic]]:
     rules, diagnostics = [], []
     for index, rule in enumerate(plan.params):
         line, col = plan.locate("params", index, "match")
-        pattern, problem = checked_pattern(rule.match, f"rule #{index + 1}", file=plan.file, line=line, column=col,
-                                           rule=index)
+        pattern, problem = checked_pattern(
+            rule.match, f"rule #{index + 1}", file=plan.file, line=line, column=col, rule=index
+        )
         diagnostics += [problem] if problem else []
         rules.append(Rule(index, pattern, rule.match, normalize_spec(rule.spec), line, rule.spec == "annotated"))
     return rules, diagnostics
 
 
-def checked_pattern(source: str, subject: str, *, invalid_code: str = "invalid-regex",
-                    **where) -> tuple["re2._Regexp | None", Diagnostic | None]:
+def checked_pattern(
+    source: str, subject: str, *, invalid_code: str = "invalid-regex", **where
+) -> tuple["re2._Regexp | None", Diagnostic | None]:
     """The compiled pattern, or None and the diagnostic that says why it cannot be used."""
     try:
         return compile_pattern(source), None
     except SlowPattern as exc:
-        return None, Diagnostic("regex-too-slow", "error", f"{subject} match {source!r} cannot be used: {exc}", hint="plan patterns match whole paths, so anchors and "
-                                "lookaround are rarely needed: list the names ('(query|key)'), use '[^/]+' for a "
-                                "segment, '.*' for any rest", **where)
+        return None, Diagnostic(
+            "regex-too-slow",
+            "error",
+            f"{subject} match {source!r} cannot be used: {exc}",
+            hint="plan patterns match whole paths, so anchors and "
+            "lookaround are rarely needed: list the names ('(query|key)'), use '[^/]+' for a "
+            "segment, '.*' for any rest",
+            **where,
+        )
     except (re.error, RecursionError, OverflowError) as exc:
-        return None, Diagnostic(invalid_code, "error", f"{subject} match {source!r} is not a valid regular "
-                                f"expression: {exc}", hint="patterns are Python regular expressions; escape literal "
-                                "characters such as '(' or '['", **where)
+        return None, Diagnostic(
+            invalid_code,
+            "error",
+            f"{subject} match {source!r} is not a valid regular expression: {exc}",
+            hint="patterns are Python regular expressions; escape literal characters such as '(' or '['",
+            **where,
+        )
 
 
 def first_match(rules: list[Rule], path: str) -> Rule | None:
@@ -159,7 +189,7 @@ def matches_of(rules: list[Rule], paths: list[str]) -> dict[str, list[Rule]]:
         for rule in valid:
             patterns.Add(rule.source)
         patterns.Compile()
-    except (re2.error, TypeError, ValueError):      # (a pattern the set refuses: match them one by one)
+    except (re2.error, TypeError, ValueError):  # (a pattern the set refuses: match them one by one)
         return {path: [rule for rule in valid if rule.matches(path)] for path in paths}
     return {path: [valid[k] for k in sorted(patterns.Match(path) or ())] for path in paths}
 

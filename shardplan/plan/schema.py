@@ -15,9 +15,14 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr,
 
 # A spec entry: null or "_" (dim not sharded), an axis name, or a list of axis names
 # (dim sharded over their product, major to minor).
-SpecEntry = Annotated[Union[None, str, list[str]], Field(
-    title="Spec entry", description="One dim: null or '_' (not sharded), a mesh axis name, or a list of axis names "
-                                    "(the dim split over their product). Numbers and mappings are not spec entries.")]
+SpecEntry = Annotated[
+    Union[None, str, list[str]],
+    Field(
+        title="Spec entry",
+        description="One dim: null or '_' (not sharded), a mesh axis name, or a list of axis names "
+        "(the dim split over their product). Numbers and mappings are not spec entries.",
+    ),
+]
 UNSHARDED = "_"
 # Mesh axis names: an identifier (so `_`, which means "not sharded" in specs, cannot be one).
 AXIS_NAME = r"^[A-Za-z][A-Za-z0-9_-]*$"
@@ -32,18 +37,22 @@ class _Strict(BaseModel):
 
 
 class ModelRef(_Strict):
-    factory: str = Field(description="`module:callable` that builds the model; called with `rngs=` when it accepts it.",
-                         pattern=r"^[\w.]+:[\w.]+$")
+    factory: str = Field(
+        description="`module:callable` that builds the model; called with `rngs=` when it accepts it.",
+        pattern=r"^[\w.]+:[\w.]+$",
+    )
     config: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the factory.")
 
 
 def _axis_map_schema(sizes: dict):
     """JSON Schema of an axis -> count map: names checked by `propertyNames` (patternProperties would let
     other names through), counts by `sizes`."""
+
     def edit(schema: dict) -> None:
         schema.pop("patternProperties", None)
         schema["propertyNames"] = {"pattern": AXIS_NAME, "maxLength": 64}
         schema["additionalProperties"] = sizes
+
     return edit
 
 
@@ -52,17 +61,27 @@ _HOST_COUNT = {"type": "integer", "minimum": 1, "maximum": MAX_MESH_DEVICES}
 
 
 class MeshConfig(_Strict):
-    axes: dict[AxisName, int] = Field(description="Mesh axis name -> size, in mesh order; at most one size may be -1 "
-                                                  "(filled with the remaining devices; JSON Schema cannot say 'at most "
-                                                  "one', shardplan checks it).", min_length=1,
-                                      json_schema_extra=_axis_map_schema(_AXIS_SIZE))
+    axes: dict[AxisName, int] = Field(
+        description="Mesh axis name -> size, in mesh order; at most one size may be -1 "
+        "(filled with the remaining devices; JSON Schema cannot say 'at most "
+        "one', shardplan checks it).",
+        min_length=1,
+        json_schema_extra=_axis_map_schema(_AXIS_SIZE),
+    )
     types: dict[AxisName, Literal["auto", "explicit"]] = Field(
-        default_factory=dict, description="Axis name -> how JAX treats it: auto (default; XLA's partitioner places "
+        default_factory=dict,
+        description="Axis name -> how JAX treats it: auto (default; XLA's partitioner places "
         "what the plan does not) or explicit (shardings are part of array types; ops it cannot resolve need an "
-        "output sharding, which `activations` rules give their modules).")
-    hosts: dict[AxisName, int] = Field(default_factory=dict, json_schema_extra=_axis_map_schema(_HOST_COUNT), description=(
-        "Axis name -> how many hosts it spans. These axes cross the slow links between hosts; all other axes "
-        "stay within a host. The product is the number of hosts (processes)."))
+        "output sharding, which `activations` rules give their modules).",
+    )
+    hosts: dict[AxisName, int] = Field(
+        default_factory=dict,
+        json_schema_extra=_axis_map_schema(_HOST_COUNT),
+        description=(
+            "Axis name -> how many hosts it spans. These axes cross the slow links between hosts; all other axes "
+            "stay within a host. The product is the number of hosts (processes)."
+        ),
+    )
 
     @field_validator("axes")
     @classmethod
@@ -71,18 +90,22 @@ class MeshConfig(_Strict):
         if bad:
             raise ValueError(f"mesh axis sizes must be -1 or from 1 to {MAX_MESH_DEVICES}, but got {bad}")
         if list(axes.values()).count(-1) > 1:
-            raise ValueError("at most one mesh axis may have size -1, but got "
-                             f"{[n for n, s in axes.items() if s == -1]}")
+            raise ValueError(
+                f"at most one mesh axis may have size -1, but got {[n for n, s in axes.items() if s == -1]}"
+            )
         return axes
 
 
 class ParamRule(_Strict):
-    match: str = Field(description="Regular expression that must fully match a parameter path "
-                                   "(e.g. `transformer_blocks/\\d+/linear1/kernel`).")
+    match: str = Field(
+        description="Regular expression that must fully match a parameter path "
+        "(e.g. `transformer_blocks/\\d+/linear1/kernel`)."
+    )
     spec: Union[Literal["replicated", "annotated"], list[SpecEntry]] = Field(
         description="One entry per leading dim: null/'_' (not sharded), an axis, or a list of axes; "
-                    "'replicated' is shorthand for []; 'annotated' takes the model's own annotation "
-                    "(nnx.with_partitioning), its logical names resolved through logical_axes.")
+        "'replicated' is shorthand for []; 'annotated' takes the model's own annotation "
+        "(nnx.with_partitioning), its logical names resolved through logical_axes."
+    )
 
     @field_validator("spec", mode="before")
     @classmethod
@@ -96,9 +119,12 @@ DTYPES = ("int32", "int64", "uint8", "bool", "float32", "float16", "bfloat16")
 class InputSpec(_Strict):
     spec: list[SpecEntry] = Field(description="The input's spec: one entry per leading dim.")
     shape: list[Annotated[int, Field(ge=1, le=1 << 31)]] | None = Field(
-        default=None, max_length=16, description="Shape of one batch of this input; with it, `check` traces one "
+        default=None,
+        max_length=16,
+        description="Shape of one batch of this input; with it, `check` traces one "
         "call of the model on zeros of this shape (a pipeline plan is then checked against how the model calls "
-        "its layers).")
+        "its layers).",
+    )
     dtype: Literal[DTYPES] = Field(default="int32", description="dtype of the example input (tokens: int32).")
 
     @field_validator("spec", mode="before")
@@ -111,8 +137,9 @@ class InputSpec(_Strict):
     def _elements(cls, shape: list[int] | None) -> list[int] | None:
         # each dim within its bound can still multiply past what XLA's shapes hold (it aborted the process)
         if shape is not None and math.prod(shape) > MAX_INPUT_ELEMENTS:
-            raise ValueError(f"an input shape of {math.prod(shape):,} elements; at most {MAX_INPUT_ELEMENTS:,} "
-                             "(2**40) per input")
+            raise ValueError(
+                f"an input shape of {math.prod(shape):,} elements; at most {MAX_INPUT_ELEMENTS:,} (2**40) per input"
+            )
         return shape
 
 
@@ -132,7 +159,9 @@ def input_example(raw: "list | InputSpec") -> tuple[tuple[int, ...], str] | None
 
 
 class StageRule(_Strict):
-    match: str = Field(description="Regular expression that must fully match a layer path (e.g. `transformer_blocks/[0-3]`).")
+    match: str = Field(
+        description="Regular expression that must fully match a layer path (e.g. `transformer_blocks/[0-3]`)."
+    )
     stage: int = Field(ge=0, le=MAX_MESH_DEVICES, description="Pipeline stage (0-based) of the matched layers.")
 
 
@@ -140,42 +169,64 @@ class PipelineConfig(_Strict):
     axis: str = Field(description="Mesh axis whose devices hold the stages.")
     layers: str = Field(description="Path of the list of repeated, identically-shaped layers.")
     stages: Union[Literal["even"], list[StageRule]] = Field(
-        default="even", description="Ordered stage rules (first full match wins) or 'even'.")
+        default="even", description="Ordered stage rules (first full match wins) or 'even'."
+    )
     microbatches: int = Field(default=1, ge=1, le=4096, description="Microbatches per step.")
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"] = Field(
-        default="gpipe", description="Pipeline schedule (zb-h1: 1F1B with each backward split into its input "
-                                     "and weight gradients, the latter filling 1F1B's idle ticks; zb-v: two "
-                                     "chunks per device in a V, zero-bubble at 1F1B's activation memory).")
-    virtual_stages: int = Field(default=1, ge=1, le=64, description="Chunks of layers per device: with 1f1b, "
-                                "Megatron's interleaved 1F1B (microbatches a multiple of the stages); with "
-                                "interleaved, the circular schedule. gpipe and zb-h1 have one chunk per device, "
-                                "zb-v two.")
+        default="gpipe",
+        description="Pipeline schedule (zb-h1: 1F1B with each backward split into its input "
+        "and weight gradients, the latter filling 1F1B's idle ticks; zb-v: two "
+        "chunks per device in a V, zero-bubble at 1F1B's activation memory).",
+    )
+    virtual_stages: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Chunks of layers per device: with 1f1b, "
+        "Megatron's interleaved 1F1B (microbatches a multiple of the stages); with "
+        "interleaved, the circular schedule. gpipe and zb-h1 have one chunk per device, "
+        "zb-v two.",
+    )
 
     @model_validator(mode="after")
     def _chunks_need_a_schedule_for_them(self) -> "PipelineConfig":
         if self.schedule in ("gpipe", "zb-h1") and self.virtual_stages > 1:
-            raise ValueError(f"{self.schedule} runs one chunk of layers per device, so "
-                             f"virtual_stages {self.virtual_stages} would do nothing: "
-                             "use schedule 1f1b (Megatron's interleaved 1F1B) or interleaved "
-                             "(the circular schedule), or leave virtual_stages out")
+            raise ValueError(
+                f"{self.schedule} runs one chunk of layers per device, so "
+                f"virtual_stages {self.virtual_stages} would do nothing: "
+                "use schedule 1f1b (Megatron's interleaved 1F1B) or interleaved "
+                "(the circular schedule), or leave virtual_stages out"
+            )
         if self.schedule == "zb-v" and self.virtual_stages not in (1, 2):
-            raise ValueError(f"zb-v runs two chunks of layers per device, in a V, so virtual_stages "
-                             f"{self.virtual_stages} cannot hold: leave virtual_stages out (or write 2)")
+            raise ValueError(
+                f"zb-v runs two chunks of layers per device, in a V, so virtual_stages "
+                f"{self.virtual_stages} cannot hold: leave virtual_stages out (or write 2)"
+            )
         return self
 
 
 # jax.checkpoint_policies names a remat rule may use, besides `none` and `full`. (The offload policies
 # take memory kinds as arguments and need a backend with host offload; they are not offered.)
-REMAT_POLICIES = ("dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable", "everything_saveable",
-                  "checkpoint_dots", "checkpoint_dots_with_no_batch_dims")
+REMAT_POLICIES = (
+    "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
+    "nothing_saveable",
+    "everything_saveable",
+    "checkpoint_dots",
+    "checkpoint_dots_with_no_batch_dims",
+)
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class ActivationRule(_Strict):
-    match: str = Field(description="Regular expression that must fully match a module path (e.g. "
-                                   "`transformer_blocks/\\d+/layer_norm1`); the module's output gets `spec`.")
-    spec: list[SpecEntry] = Field(description="Spec of the module's output (e.g. [data, model, null]: batch over "
-                                              "data, sequence over model: sequence parallelism).")
+    match: str = Field(
+        description="Regular expression that must fully match a module path (e.g. "
+        "`transformer_blocks/\\d+/layer_norm1`); the module's output gets `spec`."
+    )
+    spec: list[SpecEntry] = Field(
+        description="Spec of the module's output (e.g. [data, model, null]: batch over "
+        "data, sequence over model: sequence parallelism)."
+    )
 
     @field_validator("spec", mode="before")
     @classmethod
@@ -184,57 +235,80 @@ class ActivationRule(_Strict):
 
 
 class RematRule(_Strict):
-    match: str = Field(description="Regular expression that must fully match a module path (e.g. "
-                                   "`transformer_blocks/\\d+`).")
+    match: str = Field(
+        description="Regular expression that must fully match a module path (e.g. `transformer_blocks/\\d+`)."
+    )
     policy: Literal[("none", "full") + REMAT_POLICIES] = Field(
         description="none: keep what autodiff keeps; full: recompute everything in the backward; or a "
-                    "jax.checkpoint_policies name (what to save).")
+        "jax.checkpoint_policies name (what to save)."
+    )
 
 
 class Precision(_Strict):
     params: Literal[FLOAT_DTYPES] | None = Field(
-        default=None, description="dtype parameters are stored in (and optimizer state follows); default: as built.")
+        default=None, description="dtype parameters are stored in (and optimizer state follows); default: as built."
+    )
     compute: Literal[FLOAT_DTYPES] | None = Field(
-        default=None, description="dtype the forward and backward run in: floating parameters are cast to it for "
-                                  "the call (gradients reach the stored parameters in their dtype), and modules that "
-                                  "compute in their parameters' dtype (flax's nnx.Embed) compute in it; outputs come "
-                                  "back in the parameters' dtype.")
+        default=None,
+        description="dtype the forward and backward run in: floating parameters are cast to it for "
+        "the call (gradients reach the stored parameters in their dtype), and modules that "
+        "compute in their parameters' dtype (flax's nnx.Embed) compute in it; outputs come "
+        "back in the parameters' dtype.",
+    )
     master: Literal["float32"] | None = Field(
-        default=None, description="Keep float32 master weights in the optimizer state (split with the moments "
+        default=None,
+        description="Keep float32 master weights in the optimizer state (split with the moments "
         "under `optimizer: zero1`, moments in float32 too): the optimizer updates them in float32 and writes the "
         "stored parameters (`params`, e.g. bfloat16) as their rounding, as Megatron's distributed optimizer does. "
-        "Needs `params` narrower than float32. Gradients come in the parameters' dtype.")
+        "Needs `params` narrower than float32. Gradients come in the parameters' dtype.",
+    )
 
     @model_validator(mode="after")
     def _master_over_narrow_params(self) -> "Precision":
         if self.master is not None and self.params in (None, "float32", "float64"):
-            raise ValueError("`master: float32` keeps float32 copies of parameters stored narrower: set "
-                             "`params` to bfloat16 or float16 as well")
+            raise ValueError(
+                "`master: float32` keeps float32 copies of parameters stored narrower: set "
+                "`params` to bfloat16 or float16 as well"
+            )
         return self
 
 
 class ExpertsConfig(_Strict):
-    blocks: str = Field(description="Regular expression that must fully match the module path of each mixture-of-"
-                                    "experts block (e.g. `layers/\\d+/moe`). A block holds a router weight [D, E] and "
-                                    "expert weights stacked on a leading dim of E, and runs its experts through "
-                                    "jax.lax.ragged_dot on rows sorted by expert (docs/experts.md).")
-    axis: AxisName = Field(description="Mesh axis the experts are split over: each device holds E / size of them. "
-                                       "Its own axis, or the data axis (experts folded onto data parallelism).")
+    blocks: str = Field(
+        description="Regular expression that must fully match the module path of each mixture-of-"
+        "experts block (e.g. `layers/\\d+/moe`). A block holds a router weight [D, E] and "
+        "expert weights stacked on a leading dim of E, and runs its experts through "
+        "jax.lax.ragged_dot on rows sorted by expert (docs/experts.md)."
+    )
+    axis: AxisName = Field(
+        description="Mesh axis the experts are split over: each device holds E / size of them. "
+        "Its own axis, or the data axis (experts folded onto data parallelism)."
+    )
     dispatch: Literal["dropless", "capacity"] = Field(
-        default="dropless", description="dropless: every routed token reaches its expert (each device's exchange "
+        default="dropless",
+        description="dropless: every routed token reaches its expert (each device's exchange "
         "has room for all its tokens at every expert); capacity: room for capacity_factor x the uniform share, "
-        "rows beyond it dropped (their expert output is zero), as GShard, MaxText and Megatron do.")
+        "rows beyond it dropped (their expert output is zero), as GShard, MaxText and Megatron do.",
+    )
     capacity_factor: float | None = Field(
-        default=None, gt=0, le=64, description="With dispatch: capacity, slots per (device, expert) as a multiple "
-        "of the rows a uniform router sends there (1.25 is common).")
+        default=None,
+        gt=0,
+        le=64,
+        description="With dispatch: capacity, slots per (device, expert) as a multiple "
+        "of the rows a uniform router sends there (1.25 is common).",
+    )
     router: str | None = Field(
-        default=None, description="Regular expression that must fully match the router weight's path within "
+        default=None,
+        description="Regular expression that must fully match the router weight's path within "
         "each block (e.g. `gate/kernel`), where the shapes leave it ambiguous; by default the block's 2-D weight, "
-        "not a bias, whose width leads its expert stacks.")
+        "not a bias, whose width leads its expert stacks.",
+    )
     weights: str | None = Field(
-        default=None, description="Regular expression that must fully match, within each block, the paths of its "
+        default=None,
+        description="Regular expression that must fully match, within each block, the paths of its "
         "expert weights (dim 0 is E); by default the stacks of rank 3 or more that lead with the router's "
-        "width and the 2-D per-expert biases beside them.")
+        "width and the 2-D per-expert biases beside them.",
+    )
 
     @model_validator(mode="after")
     def _capacity_given(self) -> "ExpertsConfig":
@@ -244,18 +318,24 @@ class ExpertsConfig(_Strict):
 
 
 class ContextConfig(_Strict):
-    axis: AxisName = Field(description="Mesh axis the sequence is split over: each device holds sequence / size "
-                                       "of every activation's rows. The batch inputs name it on their sequence dim.")
+    axis: AxisName = Field(
+        description="Mesh axis the sequence is split over: each device holds sequence / size "
+        "of every activation's rows. The batch inputs name it on their sequence dim."
+    )
     strategy: Literal["all_gather", "ring"] = Field(
-        default="all_gather", description="all_gather: queries stay split, keys and values are gathered over the "
+        default="all_gather",
+        description="all_gather: queries stay split, keys and values are gathered over the "
         "axis before attention (any attention code; derived from the query, key and value projections). ring: keys "
         "and values travel around the axis, one block per step, merged with an online softmax, so no device holds "
         "the whole sequence's keys or scores (attention through nnx.MultiHeadAttention, nnx.dot_product_attention "
-        "or jax.nn.dot_product_attention).")
+        "or jax.nn.dot_product_attention).",
+    )
     load_balance: bool = Field(
-        default=False, description="Lay the sequence out so each device holds a head and a tail chunk (device i: "
+        default=False,
+        description="Lay the sequence out so each device holds a head and a tail chunk (device i: "
         "chunks i and 2 x size - 1 - i), which evens out a causal mask's work. `shard_inputs` reorders every "
-        "sequence dim of the inputs; the model must take its positions and masks from its inputs.")
+        "sequence dim of the inputs; the model must take its positions and masks from its inputs.",
+    )
 
 
 class Plan(_Strict):
@@ -266,52 +346,83 @@ class Plan(_Strict):
     @field_validator("version", mode="before")
     @classmethod
     def _exactly_one(cls, version: Any) -> Any:
-        if type(version) is not int:      # Literal[1] would take `true` and 1.0
+        if type(version) is not int:  # Literal[1] would take `true` and 1.0
             raise ValueError(f"version must be the integer 1, but got {version!r}")
         return version
+
     name: str | None = Field(default=None, description="Human-readable plan name.")
     model: ModelRef | None = Field(default=None, description="Default model for the command line.")
     mesh: MeshConfig = Field(description="The device mesh.")
     inputs: dict[str, Union[list[SpecEntry], InputSpec]] = Field(
-        default_factory=dict, description="Spec of each batch input, by name; or {spec, shape, dtype} to give an "
-                                          "example batch too.")
+        default_factory=dict,
+        description="Spec of each batch input, by name; or {spec, shape, dtype} to give an example batch too.",
+    )
     params: list[ParamRule] = Field(min_length=1, description="Ordered rules; the first full match wins.")
     unmatched: Literal["error", "warn", "replicate"] = Field(
-        default="error", description="What happens to a parameter no rule matches.")
+        default="error", description="What happens to a parameter no rule matches."
+    )
     optimizer: Literal["same", "zero1"] = Field(
-        default="same", description="same: optimizer state mirrors its parameter; zero1: also shard it over the data axis.")
-    pipeline: PipelineConfig | None = Field(default=None, description="Pipeline stages (needs a mesh axis named by `axis`).")
-    experts: ExpertsConfig | None = Field(default=None, description="Expert parallelism for mixture-of-experts "
-                                          "blocks: which modules, over which axis, how tokens are dispatched.")
-    context: ContextConfig | None = Field(default=None, description="Context parallelism: the sequence split over "
-                                          "a mesh axis, with attention across it (docs/context.md).")
+        default="same",
+        description="same: optimizer state mirrors its parameter; zero1: also shard it over the data axis.",
+    )
+    pipeline: PipelineConfig | None = Field(
+        default=None, description="Pipeline stages (needs a mesh axis named by `axis`)."
+    )
+    experts: ExpertsConfig | None = Field(
+        default=None,
+        description="Expert parallelism for mixture-of-experts "
+        "blocks: which modules, over which axis, how tokens are dispatched.",
+    )
+    context: ContextConfig | None = Field(
+        default=None,
+        description="Context parallelism: the sequence split over "
+        "a mesh axis, with attention across it (docs/context.md).",
+    )
     activations: list[ActivationRule] = Field(
-        default_factory=list, description="Ordered rules from module paths to the spec of the module's output, "
-                                          "applied as sharding constraints; the first full match wins.")
-    remat: list[RematRule] = Field(default_factory=list, description="Ordered rules from module paths to a "
-                                   "rematerialisation policy; the first full match wins.")
+        default_factory=list,
+        description="Ordered rules from module paths to the spec of the module's output, "
+        "applied as sharding constraints; the first full match wins.",
+    )
+    remat: list[RematRule] = Field(
+        default_factory=list,
+        description="Ordered rules from module paths to a rematerialisation policy; the first full match wins.",
+    )
     precision: Precision = Field(default_factory=Precision, description="Parameter and compute dtypes.")
     accumulate: int = Field(
-        default=1, ge=1, le=4096, description="Gradient accumulation: microbatches each step's batch is split into "
+        default=1,
+        ge=1,
+        le=4096,
+        description="Gradient accumulation: microbatches each step's batch is split into "
         "when there is no pipeline. `shardplan.model_loss` runs forward and backward on one microbatch after another "
         "and sums their gradients, so activations are one microbatch's; the loss must be a mean over rows. A "
-        "pipeline splits the batch itself (`pipeline.microbatches`).")
+        "pipeline splits the batch itself (`pipeline.microbatches`).",
+    )
     tensor_overlap: bool = Field(
-        default=False, description="Collective matmul on GPUs: XLA splits the tensor axes' all-gathers and "
+        default=False,
+        description="Collective matmul on GPUs: XLA splits the tensor axes' all-gathers and "
         "reduce-scatters beside a matmul (the layouts of sequence parallelism, as Megatron's `--tp-comm-overlap` "
         "needs `--sequence-parallel`) into a ring of pieces that run while the matmul's parts compute (windowed "
         "einsum). Set by `shardplan.set_performance_flags(plan)` before JAX starts; on CPU and TPU it does nothing "
-        "and says so.")
+        "and says so.",
+    )
     logical_axes: dict[AxisName, Union[None, AxisName, list[AxisName]]] = Field(
-        default_factory=dict, description="Logical dim name -> the mesh axis (or list of axes, or null: not split) it "
+        default_factory=dict,
+        description="Logical dim name -> the mesh axis (or list of axes, or null: not split) it "
         "stands for. Specs in params, inputs and activations may use the logical names; moving a plan from tensor "
-        "parallel to FSDP is then one line here.")
-    logical_rules: list[Annotated[tuple[AxisName, Union[None, AxisName, list[AxisName]]],
-                                  BeforeValidator(lambda pair: tuple(pair) if isinstance(pair, list) else pair)]] = Field(
-        default_factory=list, description="Instead of logical_axes: ordered [logical name, mesh axes] pairs resolved "
+        "parallel to FSDP is then one line here.",
+    )
+    logical_rules: list[
+        Annotated[
+            tuple[AxisName, Union[None, AxisName, list[AxisName]]],
+            BeforeValidator(lambda pair: tuple(pair) if isinstance(pair, list) else pair),
+        ]
+    ] = Field(
+        default_factory=list,
+        description="Instead of logical_axes: ordered [logical name, mesh axes] pairs resolved "
         "per array as flax.linen.logical_to_mesh_axes does (MaxText's logical_axis_rules): a rule is taken for its "
         "name's dim only if none of its axes is already taken by another dim of that array, else a later rule for "
-        "the same name is tried; a name no rule takes is not split.")
+        "the same name is tried; a name no rule takes is not split.",
+    )
 
     @model_validator(mode="after")
     def _resolve_logical_axes(self) -> "Plan":
@@ -319,12 +430,16 @@ class Plan(_Strict):
         if not self.logical_axes and not self.logical_rules:
             return self
         if self.logical_axes and self.logical_rules:
-            raise ValueError("give logical_axes (one mesh axis per name) or logical_rules (ordered, with flax's "
-                             "per-array fallbacks), not both")
+            raise ValueError(
+                "give logical_axes (one mesh axis per name) or logical_rules (ordered, with flax's "
+                "per-array fallbacks), not both"
+            )
         clash = [name for name in self.logical_axes if name in self.mesh.axes]
         if clash:
-            raise ValueError(f"logical axis {clash[0]!r} is also a mesh axis name; give logical names of their own "
-                             "(e.g. embed, heads, mlp, vocab)")
+            raise ValueError(
+                f"logical axis {clash[0]!r} is also a mesh axis name; give logical names of their own "
+                "(e.g. embed, heads, mlp, vocab)"
+            )
         written = {}
         for section in ("params", "activations"):
             rules = getattr(self, section)
@@ -332,8 +447,9 @@ class Plan(_Strict):
                 resolved = self.resolve_logical(rule.spec)
                 if resolved != rule.spec:
                     written[(section, k)] = rule.spec
-            object.__setattr__(self, section, [rule.model_copy(update={"spec": self.resolve_logical(rule.spec)})
-                                               for rule in rules])
+            object.__setattr__(
+                self, section, [rule.model_copy(update={"spec": self.resolve_logical(rule.spec)}) for rule in rules]
+            )
         inputs = {}
         for name, raw in self.inputs.items():
             spec = self.resolve_logical(input_spec(raw))
@@ -350,6 +466,7 @@ class Plan(_Strict):
             return spec
         if self.logical_rules:
             from shardplan.plan.logical import resolve
+
             entries = [None if entry == UNSHARDED else entry for entry in spec]
             return resolve(entries, self.logical_rules, self.mesh.axes)[0]
         out = []
@@ -409,8 +526,9 @@ def check_spec_shape(spec: Any, *, allow_replicated: bool) -> Any:
     """One clear message for a malformed spec instead of one per union member."""
     if allow_replicated and spec == "replicated":
         return spec
-    expected = ("a list of entries (null, '_', an axis name, or a list of axis names)"
-                + (" or 'replicated'" if allow_replicated else ""))
+    expected = "a list of entries (null, '_', an axis name, or a list of axis names)" + (
+        " or 'replicated'" if allow_replicated else ""
+    )
     if not isinstance(spec, list):
         raise ValueError(f"a spec must be {expected}, but got {spec!r}")
     for entry in spec:

@@ -40,16 +40,18 @@ def kendall_tau(modelled: list[float], measured: list[float]) -> float:
 @dataclasses.dataclass(frozen=True)
 class Refit:
     profile: Profile
-    compute_scale: float      # the profile's compute rates (FLOP/s, memory bandwidth) multiplied by this
-    link_scale: float         # its link bandwidths multiplied by this (latency divided)
-    error_before: float       # median |modelled / measured - 1| over the points
+    compute_scale: float  # the profile's compute rates (FLOP/s, memory bandwidth) multiplied by this
+    link_scale: float  # its link bandwidths multiplied by this (latency divided)
+    error_before: float  # median |modelled / measured - 1| over the points
     error_after: float
 
     def moved(self) -> list[str]:
         """What changed, in words."""
         said = []
-        for what, scale in (("compute rates (peak FLOP/s, memory bandwidth)", self.compute_scale),
-                            ("link bandwidths", self.link_scale)):
+        for what, scale in (
+            ("compute rates (peak FLOP/s, memory bandwidth)", self.compute_scale),
+            ("link bandwidths", self.link_scale),
+        ):
             if abs(scale - 1) >= 0.005:
                 said.append(f"{what} x{scale:.2f}")
         return said or ["nothing: the profile already fits the measurements"]
@@ -69,22 +71,28 @@ def refit(profile: Profile, points: list[tuple[float, float, float]]) -> Refit:
     measured step seconds) per measured candidate. The model's compute time is inversely proportional
     to the compute rates and its communication to the link rates, so scaling the rates by c and l
     makes each estimate compute / c + communication / l."""
+
     def error(c: float, link: float) -> float:
         return sum(math.log((work / c + talk / link) / seen) ** 2 for work, talk, seen in points)
+
     talks = any(talk > 0 for _, talk, _ in points)
     best = min(((c, link) for c in _grid() for link in (_grid() if talks else [1.0])), key=lambda s: error(*s))
     c, link = best
     fitted = dataclasses.replace(
-        profile, peak_flops=profile.peak_flops * c,
+        profile,
+        peak_flops=profile.peak_flops * c,
         peak_flops_by_dtype={k: v * c for k, v in profile.peak_flops_by_dtype.items()},
-        memory_bandwidth=profile.memory_bandwidth * c, matmul_overhead=profile.matmul_overhead / c,
+        memory_bandwidth=profile.memory_bandwidth * c,
+        matmul_overhead=profile.matmul_overhead / c,
         intra_host_bandwidth=profile.intra_host_bandwidth * link,
         inter_host_bandwidth=profile.inter_host_bandwidth * link,
         collective_latency=profile.collective_latency / link,
         description=f"{profile.description}; refitted to {len(points)} measured steps",
-        source=f"{profile.source}, refitted to {len(points)} measured steps")
+        source=f"{profile.source}, refitted to {len(points)} measured steps",
+    )
 
     def median_error(c: float, link: float) -> float:
         ratios = sorted(abs((work / c + talk / link) / seen - 1) for work, talk, seen in points)
-        return ratios[len(ratios) // 2] if len(ratios) % 2 else sum(ratios[len(ratios) // 2 - 1:][:2]) / 2
+        return ratios[len(ratios) // 2] if len(ratios) % 2 else sum(ratios[len(ratios) // 2 - 1 :][:2]) / 2
+
     return Refit(fitted, c, link, median_error(1.0, 1.0), median_error(c, link))

@@ -31,19 +31,19 @@ from shardplan.checks.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR,
 
 # FSDP leaves matrices smaller than this replicated: gathering them costs more latency than they save.
 FSDP_MIN_BYTES = 1 << 16
-MICROBATCH_FACTORS = (1, 2, 4, 8, 16)   # microbatches = factor x stages, or one sequence per microbatch
-MAX_ACCUMULATE = 64                     # gradient accumulation without a pipeline: counts that divide the rows
+MICROBATCH_FACTORS = (1, 2, 4, 8, 16)  # microbatches = factor x stages, or one sequence per microbatch
+MAX_ACCUMULATE = 64  # gradient accumulation without a pipeline: counts that divide the rows
 # Shorter end stages are offered where they make the step at least this much faster: below it they only
 # crowd the ranking with twins of the even split (an embedding's few microseconds moving a layer)
 SPLIT_GAIN = 0.01
-V_TABLES = 256                          # zb-v offered up to stages x microbatches (its tables take ~0.2 s there)
+V_TABLES = 256  # zb-v offered up to stages x microbatches (its tables take ~0.2 s there)
 REMAT_CHOICES = ("none", "dots", "full")
 REMAT_POLICY = {"dots": "dots_with_no_batch_dims_saveable", "full": "full"}
 # The budget share auto leaves free: the memory model's usual under-estimate against the compiler
 # (within 16% on most plans; -20% on a tied, soft-capped head; benchmarks/cost_model.py) plus
 # allocator slack. It does not cover an FSDP head whose activations XLA moves (-33%).
 MEMORY_MARGIN = 0.2
-KEEP = 8                                # candidates checked in full and shown
+KEEP = 8  # candidates checked in full and shown
 # Context parallelism is offered for sequences this long, over at most this many devices (Llama 3's
 # 128K-token stage ran 16; MaxText and torchtitan document 8 to 32).
 LONG_SEQUENCE = 16384
@@ -52,28 +52,28 @@ MAX_CONTEXT = 64
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Candidate:
-    axes: dict[str, int]                # mesh axes in order; only axes of size > 1 (data: 1 when alone)
+    axes: dict[str, int]  # mesh axes in order; only axes of size > 1 (data: 1 when alone)
     hosts: dict[str, int]
-    tensor: bool                        # Megatron rules over 'model'
-    vocab: bool                         # the embedding and head split over 'model' too
-    fsdp: bool                          # matrices also split over 'data'
+    tensor: bool  # Megatron rules over 'model'
+    vocab: bool  # the embedding and head split over 'model' too
+    fsdp: bool  # matrices also split over 'data'
     zero1: bool
     schedule: str | None = None
     microbatches: int = 1
     virtual: int = 1
-    remat: str = "none"                 # rematerialisation of the repeated layers: none, dots or full
-    sequence: bool = False              # sequence parallelism over 'model' in the layers' norm regions
-    compute: str | None = None          # compute dtype when not the parameters'
-    accumulate: int = 1                 # gradient accumulation: microbatches run in turn (no pipeline)
-    experts: bool = False               # expert parallelism over 'expert' if the mesh has it, else folded onto 'data'
-    capacity: float | None = None       # the experts' dispatch: None dropless, else slots per (device, expert) as
-                                        # this multiple of the even share (tokens past them are dropped)
-    master: bool = False                # parameters stored in the compute dtype, float32 masters in the optimizer
-    ring: bool = False                  # with a 'context' axis: ring attention (else keys and values gathered)
-    overlap: bool = False               # `tensor_overlap` (collective matmul) with sequence parallelism, on GPUs
-    ends: bool = False                  # with a pipeline: the embedding and head split over 'stage' too
-    split: tuple[int, ...] | None = None    # layers per stage where not as even as they can be: the end
-                                            # stages shorter, as they also run the embedding and the head
+    remat: str = "none"  # rematerialisation of the repeated layers: none, dots or full
+    sequence: bool = False  # sequence parallelism over 'model' in the layers' norm regions
+    compute: str | None = None  # compute dtype when not the parameters'
+    accumulate: int = 1  # gradient accumulation: microbatches run in turn (no pipeline)
+    experts: bool = False  # expert parallelism over 'expert' if the mesh has it, else folded onto 'data'
+    capacity: float | None = None  # the experts' dispatch: None dropless, else slots per (device, expert) as
+    # this multiple of the even share (tokens past them are dropped)
+    master: bool = False  # parameters stored in the compute dtype, float32 masters in the optimizer
+    ring: bool = False  # with a 'context' axis: ring attention (else keys and values gathered)
+    overlap: bool = False  # `tensor_overlap` (collective matmul) with sequence parallelism, on GPUs
+    ends: bool = False  # with a pipeline: the embedding and head split over 'stage' too
+    split: tuple[int, ...] | None = None  # layers per stage where not as even as they can be: the end
+    # stages shorter, as they also run the embedding and the head
 
     def label(self) -> str:
         mesh = " x ".join(f"{name} {size}" for name, size in self.axes.items())
@@ -95,8 +95,11 @@ class Candidate:
             parts.append("cp ring" if self.ring else "cp all-gather")
         if self.schedule:
             virtual = f" v{self.virtual}" if self.virtual > 1 else ""
-            parts.append(f"{self.schedule}{virtual} M={self.microbatches}" + (", ends on stages" if self.ends else "") +
-                         (", layers " + "/".join(map(str, self.split)) if self.split else ""))
+            parts.append(
+                f"{self.schedule}{virtual} M={self.microbatches}"
+                + (", ends on stages" if self.ends else "")
+                + (", layers " + "/".join(map(str, self.split)) if self.split else "")
+            )
         if self.sequence:
             parts.append("sp + overlap" if self.overlap else "sp")
         if self.accumulate > 1:
@@ -111,35 +114,50 @@ class Candidate:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Ranked:
     candidate: Candidate
-    plan: Plan | None                   # None: ranked on one representative layer, not checked in full
+    plan: Plan | None  # None: ranked on one representative layer, not checked in full
     report: Report | None
     estimate: Estimate | None
-    rejected: str | None = None         # why it cannot be used; None: it fits
+    rejected: str | None = None  # why it cannot be used; None: it fits
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Search:
-    ranked: list[Ranked]                # the best usable candidates, checked in full, best first
+    ranked: list[Ranked]  # the best usable candidates, checked in full, best first
     rejected: list[Ranked]
     params: list[ParamInfo]
     roles: ModelRoles
     workload: Workload
     profile: Profile
-    memory: int                         # the budget per device
-    usable: int = 0                     # the budget less the safety margin: what a plan's modelled peak may use
-    fitting: int = 0                    # candidates that fit (ranked holds the best of them)
-    pruned: int = 0                     # candidates never costed: their time bound exceeds the best found
+    memory: int  # the budget per device
+    usable: int = 0  # the budget less the safety margin: what a plan's modelled peak may use
+    fitting: int = 0  # candidates that fit (ranked holds the best of them)
+    pruned: int = 0  # candidates never costed: their time bound exceeds the best found
 
     @property
     def best(self) -> Ranked | None:
         return self.ranked[0] if self.ranked else None
 
 
-def search(params: list[ParamInfo], roles: ModelRoles, *, devices: int, workload: Workload, profile: Profile,
-           memory: int | None = None, hosts: int = 1, input_name: str = "tokens",
-           model: dict[str, Any] | None = None, pipelines: bool = True, compute: str | None = None,
-           margin: float = MEMORY_MARGIN, keep: int = KEEP, check: int = KEEP, progress=None,
-           only=None, capacity: float | None = None) -> Search:
+def search(
+    params: list[ParamInfo],
+    roles: ModelRoles,
+    *,
+    devices: int,
+    workload: Workload,
+    profile: Profile,
+    memory: int | None = None,
+    hosts: int = 1,
+    input_name: str = "tokens",
+    model: dict[str, Any] | None = None,
+    pipelines: bool = True,
+    compute: str | None = None,
+    margin: float = MEMORY_MARGIN,
+    keep: int = KEEP,
+    check: int = KEEP,
+    progress=None,
+    only=None,
+    capacity: float | None = None,
+) -> Search:
     """Every candidate plan, costed and ranked by modelled step time: the best `keep`, of which the
     first `check` are checked in full (as a hand-written plan is, on every parameter) and the rest
     listed as costed on one layer (`Ranked.plan` None: the same modelled cost, tested).
@@ -159,12 +177,31 @@ def search(params: list[ParamInfo], roles: ModelRoles, *, devices: int, workload
     rep = Representative.of(params, roles)
     blocks = find_blocks(params)
     bounds = _Bounds.of(params, roles, workload, profile, compute, devices, capacity, blocks)
-    listed = sorted(((bounds.step(c), n, c) for n, c in enumerate(
-        _overlapping(candidates(roles, devices, hosts, workload, pipelines, compute,
-                                blocks[0].count if blocks else None, _heavy_ends(params, roles), capacity), profile))
-        if only is None or only(c)), key=lambda t: t[:2])
+    listed = sorted(
+        (
+            (bounds.step(c), n, c)
+            for n, c in enumerate(
+                _overlapping(
+                    candidates(
+                        roles,
+                        devices,
+                        hosts,
+                        workload,
+                        pipelines,
+                        compute,
+                        blocks[0].count if blocks else None,
+                        _heavy_ends(params, roles),
+                        capacity,
+                    ),
+                    profile,
+                )
+            )
+            if only is None or only(c)
+        ),
+        key=lambda t: t[:2],
+    )
     fitting: list[tuple[float, int, Candidate, Estimate]] = []
-    slowest: list[float] = []           # max-heap (negated) of the `keep` best step times
+    slowest: list[float] = []  # max-heap (negated) of the `keep` best step times
     rejected, pruned = [], 0
     for done, (bound, n, candidate) in enumerate(listed):
         if progress is not None and done % 256 == 0:
@@ -179,8 +216,9 @@ def search(params: list[ParamInfo], roles: ModelRoles, *, devices: int, workload
         if cost.peak_bytes > usable:
             rejected.append(Ranked(candidate, None, None, cost, "over the memory budget"))
             continue
-        for candidate, cost in _with_shorter_ends(candidate, cost, roles, rep, workload, profile, input_name, usable,
-                                                  only):
+        for candidate, cost in _with_shorter_ends(
+            candidate, cost, roles, rep, workload, profile, input_name, usable, only
+        ):
             fitting.append((cost.step_s, n, candidate, cost))
             heapq.heappush(slowest, -cost.step_s)
             if len(slowest) > keep:
@@ -192,13 +230,24 @@ def search(params: list[ParamInfo], roles: ModelRoles, *, devices: int, workload
     unneeded = [_unneeded(c, step, fits) for step, _, c, _ in fitting]
     rejected += [Ranked(t[2], None, None, t[3], why) for t, why in zip(fitting, unneeded) if why]
     fitting = [t for t, why in zip(fitting, unneeded) if not why]
-    fitting.sort(key=lambda t: (round(t[0], 12), t[3].collective_bytes, len(t[2].axes), t[2].zero1, t[2].fsdp,
-                                t[2].remat != "none", t[2].sequence, t[2].accumulate, t[1]))
+    fitting.sort(
+        key=lambda t: (
+            round(t[0], 12),
+            t[3].collective_bytes,
+            len(t[2].axes),
+            t[2].zero1,
+            t[2].fsdp,
+            t[2].remat != "none",
+            t[2].sequence,
+            t[2].accumulate,
+            t[1],
+        )
+    )
     ranked = []
     for _, _, candidate, cost in fitting:
         if len(ranked) == keep:
             break
-        if len(ranked) >= check:        # a full ranking: checking thousands in full takes minutes
+        if len(ranked) >= check:  # a full ranking: checking thousands in full takes minutes
             ranked.append(Ranked(candidate, None, None, cost))
             continue
         checked = _checked(candidate, roles, params, devices, hosts, workload, profile, input_name, model)
@@ -207,12 +256,21 @@ def search(params: list[ParamInfo], roles: ModelRoles, *, devices: int, workload
         elif checked.estimate.peak_bytes > usable:
             rejected.append(dataclasses.replace(checked, rejected="over the memory budget"))
         else:
-            ranked.append(checked)      # in the order above: the full cost equals the one-layer cost (tested)
+            ranked.append(checked)  # in the order above: the full cost equals the one-layer cost (tested)
     return Search(ranked, rejected, params, roles, workload, profile, budget, usable, len(fitting), pruned)
 
 
-def _with_shorter_ends(candidate: Candidate, cost: Estimate, roles: ModelRoles, rep: Representative,
-                       workload: Workload, profile: Profile, input_name: str, usable: int, only=None):
+def _with_shorter_ends(
+    candidate: Candidate,
+    cost: Estimate,
+    roles: ModelRoles,
+    rep: Representative,
+    workload: Workload,
+    profile: Profile,
+    input_name: str,
+    usable: int,
+    only=None,
+):
     """The candidate, and where its end stages take longer than the others (the embedding, the head and
     loss on top of their layers) and its schedule lets a shorter stage finish sooner, the same with the
     layers split to even out the stages' work, when that fits and is faster by `SPLIT_GAIN` at least."""
@@ -236,10 +294,11 @@ def evened_out(layers: int, stages: int, cost: Estimate) -> tuple[tuple[int, ...
     it splits them now, on a schedule whose shorter stages skip their padding."""
     split = shorter_ends(layers, stages, cost.layer_s, *cost.ends_s)
     before, after = cost.ends_s
-    slowest = max(cost.layer_s * n + before * (s == 0) + after * (s == stages - 1)
-                  for s, n in enumerate(split)) / (1 - cost.bubble)
+    slowest = max(cost.layer_s * n + before * (s == 0) + after * (s == stages - 1) for s, n in enumerate(split)) / (
+        1 - cost.bubble
+    )
     if max(cost.stage_compute_s) - slowest < SPLIT_GAIN * cost.step_s:
-        return None     # (the split it has, or one whose compute gains too little to be worth it)
+        return None  # (the split it has, or one whose compute gains too little to be worth it)
     return split, slowest
 
 
@@ -254,7 +313,7 @@ def shorter_ends(layers: int, stages: int, layer_s: float, before_s: float, afte
     """
     counts = [1] * stages
     finish = [(layer_s * 2 + before_s * (s == 0) + after_s * (s == stages - 1), s) for s in range(stages)]
-    heapq.heapify(finish)       # (when each stage would finish with one more layer, stage)
+    heapq.heapify(finish)  # (when each stage would finish with one more layer, stage)
     for _ in range(layers - stages):
         at, s = heapq.heappop(finish)
         counts[s] += 1
@@ -277,8 +336,15 @@ def _unneeded(c: Candidate, step_s: float, fits: dict[str, float]) -> str | None
     return None
 
 
-def sketch(candidate: Candidate, roles: ModelRoles, rep: Representative, workload: Workload, profile: Profile, *,
-           input_name: str = "tokens") -> tuple[str | None, Estimate | None]:
+def sketch(
+    candidate: Candidate,
+    roles: ModelRoles,
+    rep: Representative,
+    workload: Workload,
+    profile: Profile,
+    *,
+    input_name: str = "tokens",
+) -> tuple[str | None, Estimate | None]:
     """(why the candidate is pointless, else None; its modelled cost), laid out on one layer for all."""
     plan = build_plan(candidate, roles, rep.params, input_name=input_name)
     layout, counts = lay_out(plan, specs(candidate, roles, rep.params), rep, candidate.axes, roles, candidate.split)
@@ -286,12 +352,22 @@ def sketch(candidate: Candidate, roles: ModelRoles, rep: Representative, workloa
     return idle, None if idle else estimate(layout, roles, workload, profile, counts=counts)
 
 
-def _checked(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo], devices: int, hosts: int,
-             workload: Workload, profile: Profile, input_name: str, model) -> Ranked:
+def _checked(
+    candidate: Candidate,
+    roles: ModelRoles,
+    params: list[ParamInfo],
+    devices: int,
+    hosts: int,
+    workload: Workload,
+    profile: Profile,
+    input_name: str,
+    model,
+) -> Ranked:
     """The candidate checked as a hand-written plan is, on every parameter, and costed in full."""
     plan = build_plan(candidate, roles, params, input_name=input_name, model=model)
-    report = check_params(plan, params, list(range(devices)), input_shapes={input_name: (workload.batch,
-                          workload.seq)}, processes=hosts)
+    report = check_params(
+        plan, params, list(range(devices)), input_shapes={input_name: (workload.batch, workload.seq)}, processes=hosts
+    )
     if not report.ok:
         return Ranked(candidate, plan, report, None, f"invalid: {report.errors[0].code}")
     return Ranked(candidate, plan, report, estimate(report, roles, workload, profile))
@@ -302,15 +378,24 @@ class _Bounds:
     """A lower bound on a candidate's modelled step time: its FLOPs spread perfectly over the
     devices at the achievable matmul rate, stretched by its pipeline bubble."""
 
-    layer_flops: float              # whole model, one step, no recomputation
+    layer_flops: float  # whole model, one step, no recomputation
     other_flops: float
-    rate: float                     # achievable FLOP/s per device
+    rate: float  # achievable FLOP/s per device
     devices: int
-    shared: bool = False            # the devices share their compute: a bubble costs nothing
+    shared: bool = False  # the devices share their compute: a bubble costs nothing
 
     @classmethod
-    def of(cls, params, roles: ModelRoles, workload: Workload, profile: Profile, compute: str | None,
-           devices: int, capacity: float | None = None, blocks=None) -> "_Bounds":
+    def of(
+        cls,
+        params,
+        roles: ModelRoles,
+        workload: Workload,
+        profile: Profile,
+        compute: str | None,
+        devices: int,
+        capacity: float | None = None,
+        blocks=None,
+    ) -> "_Bounds":
         layer, other = model_flops(params, roles, workload, capacity=capacity or 1.0, blocks=blocks)
         dtype = compute or (params[0].dtype.name if params else "float32")
         # the faster of the two rates keeps it a bound when attention runs at another efficiency
@@ -320,8 +405,11 @@ class _Bounds:
     def step(self, c: Candidate) -> float:
         # 1F1B and gpipe (but gpipe with a split sequence) run each stage's forward again in its backward
         again = 8 / 6 if c.remat == "full" or recomputes_stages(c.schedule, "context" in c.axes) else 1.0
-        bubble = schedule_bubble(c.schedule, c.axes.get("stage", 1), c.microbatches, c.virtual) \
-            if c.schedule and not self.shared else 0.0
+        bubble = (
+            schedule_bubble(c.schedule, c.axes.get("stage", 1), c.microbatches, c.virtual)
+            if c.schedule and not self.shared
+            else 0.0
+        )
         return (self.layer_flops * again + self.other_flops) / self.devices / self.rate / (1.0 - bubble)
 
 
@@ -353,9 +441,17 @@ def _overlapping(found, profile: Profile):
         yield dataclasses.replace(c, overlap=True) if profile.overlap and c.sequence and c.tensor else c
 
 
-def candidates(roles: ModelRoles, devices: int, hosts: int, workload: Workload, pipelines: bool = True,
-               compute: str | None = None, experts: int | None = None, ends: bool = False,
-               capacity: float | None = None):
+def candidates(
+    roles: ModelRoles,
+    devices: int,
+    hosts: int,
+    workload: Workload,
+    pipelines: bool = True,
+    compute: str | None = None,
+    experts: int | None = None,
+    ends: bool = False,
+    capacity: float | None = None,
+):
     """Meshes x rule sets x pipeline settings x step options; the checker weeds out what does not divide.
     `experts`: the expert count of the model's MoE blocks (expert parallelism folded onto 'data' is
     offered where 'data' divides it, with every rule set and pipeline; dropless, or with `capacity`).
@@ -367,36 +463,51 @@ def candidates(roles: ModelRoles, devices: int, hosts: int, workload: Workload, 
             yield dataclasses.replace(c, experts=True, capacity=capacity)
 
 
-def _dense_candidates(roles: ModelRoles, devices: int, hosts: int, workload: Workload, pipelines: bool,
-                      compute: str | None, ends: bool = False):
+def _dense_candidates(
+    roles: ModelRoles,
+    devices: int,
+    hosts: int,
+    workload: Workload,
+    pipelines: bool,
+    compute: str | None,
+    ends: bool = False,
+):
     layered = roles.layers is not None
     for stage, data, context, model in _factorisations(devices, _context_sizes(devices, workload, roles)):
-        if stage > 1 and (not pipelines or not layered or roles.layer_count < stage):   # (unequal stages are padded)
+        if stage > 1 and (not pipelines or not layered or roles.layer_count < stage):  # (unequal stages are padded)
             continue
         if model > devices // hosts:
-            continue                        # tensor parallelism stays inside a host
+            continue  # tensor parallelism stays inside a host
         if workload.batch % data:
-            continue                        # the batch splits over 'data'
-        axes = {name: size for name, size in (("stage", stage), ("data", data), ("context", context),
-                                              ("model", model)) if size > 1}
+            continue  # the batch splits over 'data'
+        axes = {
+            name: size
+            for name, size in (("stage", stage), ("data", data), ("context", context), ("model", model))
+            if size > 1
+        }
         axes = axes or {"data": 1}
-        for host_split, ring in itertools.product(_host_splits(axes, hosts), (False, True) if context > 1 else (False,)):
+        for host_split, ring in itertools.product(
+            _host_splits(axes, hosts), (False, True) if context > 1 else (False,)
+        ):
             for tensor, vocab in ((False, False),) if model == 1 else ((True, True), (True, False)):
                 # (inside a pipeline the loop gathers FSDP-split layers whole for the step, which
                 # `pipeline-fsdp-gathered` warns of: ZeRO-1 splits the optimizer state there instead)
-                sharded = ((False, False), (True, False), (False, True)) if stage == 1 else ((False, False),
-                                                                                           (False, True))
+                sharded = (
+                    ((False, False), (True, False), (False, True)) if stage == 1 else ((False, False), (False, True))
+                )
                 for fsdp, zero1 in ((False, False),) if data == 1 else sharded:
                     base = Candidate(axes, host_split, tensor, vocab, fsdp, zero1, compute=compute, ring=ring)
                     rows = workload.batch // data
-                    accumulate = [a for a in range(1, min(rows, MAX_ACCUMULATE) + 1) if rows % a == 0] \
-                        if stage == 1 else [1]
+                    accumulate = (
+                        [a for a in range(1, min(rows, MAX_ACCUMULATE) + 1) if rows % a == 0] if stage == 1 else [1]
+                    )
                     for shaped in [base] if stage == 1 else _pipelines(base, stage, data, roles, workload, ends):
                         for remat in REMAT_CHOICES if layered else ("none",):
                             for sequence in (False, True) if tensor and layered else (False,):
                                 for count, master in itertools.product(accumulate, _masters(base)):
-                                    yield dataclasses.replace(shaped, remat=remat, sequence=sequence,
-                                                              accumulate=count, master=master)
+                                    yield dataclasses.replace(
+                                        shaped, remat=remat, sequence=sequence, accumulate=count, master=master
+                                    )
 
 
 def _masters(base: Candidate) -> tuple[bool, ...]:
@@ -430,19 +541,19 @@ def _heavy_ends(params: list[ParamInfo], roles: ModelRoles) -> bool:
 
 
 def _schedules(base: Candidate, stage: int, data: int, roles: ModelRoles, workload: Workload):
-    rows = workload.batch // data           # `candidates` keeps only meshes whose data axis divides the batch
+    rows = workload.batch // data  # `candidates` keeps only meshes whose data axis divides the batch
     for microbatches in sorted({factor * stage for factor in MICROBATCH_FACTORS} | {rows}):
         if rows % microbatches or microbatches < stage:
             continue
         yield dataclasses.replace(base, schedule="gpipe", microbatches=microbatches)
         yield dataclasses.replace(base, schedule="1f1b", microbatches=microbatches)
-        if "context" not in base.axes:      # (zero-bubble's branches cannot take a split sequence's collectives)
+        if "context" not in base.axes:  # (zero-bubble's branches cannot take a split sequence's collectives)
             yield dataclasses.replace(base, schedule="zb-h1", microbatches=microbatches)
         if roles.layer_count % (2 * stage) == 0:
             yield dataclasses.replace(base, schedule="interleaved", microbatches=microbatches, virtual=2)
             if "context" not in base.axes and stage * microbatches <= V_TABLES:
                 yield dataclasses.replace(base, schedule="zb-v", microbatches=microbatches, virtual=2)
-            if microbatches % stage == 0:       # Megatron's interleaved 1F1B: microbatches in groups of S
+            if microbatches % stage == 0:  # Megatron's interleaved 1F1B: microbatches in groups of S
                 yield dataclasses.replace(base, schedule="1f1b", microbatches=microbatches, virtual=2)
 
 
@@ -452,8 +563,9 @@ def _context_sizes(devices: int, workload: Workload, roles: ModelRoles) -> list[
     devices and the sequence, for a model with attention."""
     sizes = [1]
     if workload.seq >= LONG_SEQUENCE and roles.attention:
-        sizes += [c for c in (2 ** k for k in range(1, MAX_CONTEXT.bit_length())) if devices % c == 0 and
-                  workload.seq % c == 0]
+        sizes += [
+            c for c in (2**k for k in range(1, MAX_CONTEXT.bit_length())) if devices % c == 0 and workload.seq % c == 0
+        ]
     return sizes
 
 
@@ -483,8 +595,9 @@ def _host_splits(axes: dict[str, int], hosts: int):
             on_data = hosts // on_context // on_stage
             if stage % on_stage == 0 and data % on_data == 0:
                 yielded = True
-                yield {name: n for name, n in (("stage", on_stage), ("data", on_data), ("context", on_context))
-                       if n > 1}
+                yield {
+                    name: n for name, n in (("stage", on_stage), ("data", on_data), ("context", on_context)) if n > 1
+                }
 
 
 def specs(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo]) -> dict[str, list]:
@@ -493,13 +606,21 @@ def specs(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo]) -> d
     return _shared(("specs", _rule_set(candidate)), roles, params, lambda: _specs(candidate, roles, params))
 
 
-_SHARED: dict = {}      # key -> (roles, params, value): work shared across one search's candidates
+_SHARED: dict = {}  # key -> (roles, params, value): work shared across one search's candidates
 
 
 def _rule_set(candidate: Candidate) -> tuple:
     """What a candidate's parameter specs depend on (`_specs` reads nothing else)."""
-    return (candidate.tensor, candidate.vocab, candidate.fsdp, candidate.experts, candidate.axes.get("model"),
-            candidate.axes.get("data"), candidate.axes.get("expert"), candidate.ends and candidate.axes.get("stage"))
+    return (
+        candidate.tensor,
+        candidate.vocab,
+        candidate.fsdp,
+        candidate.experts,
+        candidate.axes.get("model"),
+        candidate.axes.get("data"),
+        candidate.axes.get("expert"),
+        candidate.ends and candidate.axes.get("stage"),
+    )
 
 
 def _shared(key, roles: ModelRoles, params: list[ParamInfo], make):
@@ -520,7 +641,7 @@ def _specs(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo]) -> 
     stacked = {path for b in find_blocks(params) for path in b.experts} if candidate.experts else set()
     for p in params:
         if p.path in stacked:
-            out[p.path] = [_expert_axis(candidate)]     # each device its own experts; their other dims whole
+            out[p.path] = [_expert_axis(candidate)]  # each device its own experts; their other dims whole
             continue
         role = roles.of(p.path)
         entries: list = [None] * len(p.shape)
@@ -548,10 +669,10 @@ def _on_stages(entries: list, shape: tuple[int, ...], sizes: dict[str, int]) -> 
     for dim, entry in enumerate(entries):
         axes = [] if entry is None else [entry] if isinstance(entry, str) else list(entry)
         if axes and shape[dim] % (stages * math.prod(sizes[a] for a in axes)) == 0:
-            return entries[:dim] + [axes + ["stage"]] + entries[dim + 1:]
+            return entries[:dim] + [axes + ["stage"]] + entries[dim + 1 :]
     for dim, entry in enumerate(entries):
         if entry is None and shape[dim] % stages == 0:
-            return entries[:dim] + ["stage"] + entries[dim + 1:]
+            return entries[:dim] + ["stage"] + entries[dim + 1 :]
     return entries
 
 
@@ -579,13 +700,25 @@ def _fsdp_dims(p: ParamInfo, role) -> list[int]:
     return list(range(len(p.shape)))
 
 
-def build_plan(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo], *, input_name: str = "tokens",
-               model: dict[str, Any] | None = None) -> Plan:
+def build_plan(
+    candidate: Candidate,
+    roles: ModelRoles,
+    params: list[ParamInfo],
+    *,
+    input_name: str = "tokens",
+    model: dict[str, Any] | None = None,
+) -> Plan:
     return Plan.model_validate(plan_document(candidate, roles, params, input_name=input_name, model=model))
 
 
-def plan_document(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo], *,
-                  input_name: str = "tokens", model: dict[str, Any] | None = None) -> dict:
+def plan_document(
+    candidate: Candidate,
+    roles: ModelRoles,
+    params: list[ParamInfo],
+    *,
+    input_name: str = "tokens",
+    model: dict[str, Any] | None = None,
+) -> dict:
     """The plan as plain data: one rule per distinct parameter (layers folded), then replicate the rest."""
     document: dict[str, Any] = {"version": 1, "name": "auto"}
     if model:
@@ -600,20 +733,29 @@ def plan_document(candidate: Candidate, roles: ModelRoles, params: list[ParamInf
         document["accumulate"] = candidate.accumulate
     if candidate.experts:
         blocks = sorted({_fold_layer(b.block + "/", roles.layers)[:-1] for b in find_blocks(params)})
-        document["experts"] = {"blocks": blocks[0] if len(blocks) == 1 else "(" + "|".join(blocks) + ")",
-                               "axis": _expert_axis(candidate), "dispatch": "dropless"}
+        document["experts"] = {
+            "blocks": blocks[0] if len(blocks) == 1 else "(" + "|".join(blocks) + ")",
+            "axis": _expert_axis(candidate),
+            "dispatch": "dropless",
+        }
         if candidate.capacity is not None:
             document["experts"].update(dispatch="capacity", capacity_factor=candidate.capacity)
     if candidate.schedule:
-        document["pipeline"] = {"axis": "stage", "layers": roles.layers,
-                                "stages": stage_rules(roles.layers, candidate.split) if candidate.split else "even",
-                                "microbatches": candidate.microbatches, "schedule": candidate.schedule,
-                                **({"virtual_stages": candidate.virtual} if candidate.virtual > 1 else {})}
+        document["pipeline"] = {
+            "axis": "stage",
+            "layers": roles.layers,
+            "stages": stage_rules(roles.layers, candidate.split) if candidate.split else "even",
+            "microbatches": candidate.microbatches,
+            "schedule": candidate.schedule,
+            **({"virtual_stages": candidate.virtual} if candidate.virtual > 1 else {}),
+        }
     document["params"] = [{"match": pattern, "spec": spec} for pattern, spec, _ in rules(candidate, roles, params)]
     if candidate.sequence:
         batch = _batch_axes(candidate)
-        document["activations"] = [{"match": module, "spec": [batch, "model", None]} for module in
-                                   _shared("sequence", roles, params, lambda: sequence_modules(roles, params))]
+        document["activations"] = [
+            {"match": module, "spec": [batch, "model", None]}
+            for module in _shared("sequence", roles, params, lambda: sequence_modules(roles, params))
+        ]
     if candidate.overlap:
         document["tensor_overlap"] = True
     if candidate.remat != "none":
@@ -661,11 +803,13 @@ def _rules(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo]) -> 
     sharding = any(planned.values())
     for path in roles.order:
         if path not in planned:
-            continue                        # a layer another one stands for (`Representative`)
+            continue  # a layer another one stands for (`Representative`)
         spec = planned[path]
         if not spec and sharding and by_path[path].nbytes >= REPLICATED_WARNING_BYTES:
-            found.setdefault(_fold_layer(path, roles.layers),
-                             ("replicated", f"this rule set keeps it whole {tuple(by_path[path].shape)}"))
+            found.setdefault(
+                _fold_layer(path, roles.layers),
+                ("replicated", f"this rule set keeps it whole {tuple(by_path[path].shape)}"),
+            )
             continue
         if not spec:
             continue
@@ -703,10 +847,12 @@ def why_lost(loser: Ranked, winner: Ranked) -> str:
     a, b = loser.estimate, winner.estimate
     if loser is winner:
         return "chosen"
-    gaps = {"communication": a.exposed_communication_s - b.exposed_communication_s,
-            "pipeline bubble": a.compute_s - a.compute_s * (1 - a.bubble) - (b.compute_s - b.compute_s * (1 - b.bubble)),
-            "compute": a.compute_s * (1 - a.bubble) - b.compute_s * (1 - b.bubble),
-            "optimizer update": a.update_s - b.update_s}
+    gaps = {
+        "communication": a.exposed_communication_s - b.exposed_communication_s,
+        "pipeline bubble": a.compute_s - a.compute_s * (1 - a.bubble) - (b.compute_s - b.compute_s * (1 - b.bubble)),
+        "compute": a.compute_s * (1 - a.bubble) - b.compute_s * (1 - b.bubble),
+        "optimizer update": a.update_s - b.update_s,
+    }
     reason, gap = max(gaps.items(), key=lambda kv: kv[1])
     if gap <= 0:
         return "ties; simpler or fewer bytes moved wins"
@@ -721,28 +867,33 @@ def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 
     """The chosen plan as a commented YAML file, every comment saying why (`measured`: how it won a
     measurement, a sentence)."""
     from shardplan.checks.layout import human_bytes
+
     c, cost = chosen.candidate, chosen.estimate
     caveats = [f"# Approximate: {caveat}." for caveat in cost.caveats]
-    lines = [f"# Written by: {command}",
-             f"# Chosen among {found.fitting} candidates whose modelled peak fits {human_bytes(found.usable)} "
-             "per device "
-             f"(the budget {human_bytes(found.memory)} less a {1 - found.usable / found.memory:.0%} safety margin;",
-             f"# {len(found.rejected)} more were invalid or too big, {found.pruned} could not beat these and were "
-             "not costed),",
-             f"# ranked by modelled step time on the {found.profile.name} profile for a batch of "
-             f"{found.workload.batch} x {found.workload.seq} tokens.",
-             *([f"# {measured}"] if measured else []),
-             *caveats,
-             f"# Modelled per device: {human_bytes(cost.peak_bytes)} at the peak (parameters "
-             f"{human_bytes(cost.param_bytes)}, optimizer {human_bytes(cost.optimizer_bytes)}, activations "
-             f"{human_bytes(cost.activation_bytes)}),",
-             f"# {human_bytes(cost.collective_bytes)} moved in {cost.collective_count} collectives, "
-             f"step {seconds(cost.step_s)} (compute {seconds(cost.compute_s)}, communication not hidden by it "
-             f"{seconds(cost.exposed_communication_s)}).",
-             "# Runners-up:"]
-    for other in found.ranked[1:1 + runners_up]:
-        lines.append(f"#   {other.candidate.label()}, {other.candidate.rules_label()}: "
-                     f"{seconds(other.estimate.step_s)} ({why_lost(other, chosen)})")
+    lines = [
+        f"# Written by: {command}",
+        f"# Chosen among {found.fitting} candidates whose modelled peak fits {human_bytes(found.usable)} "
+        "per device "
+        f"(the budget {human_bytes(found.memory)} less a {1 - found.usable / found.memory:.0%} safety margin;",
+        f"# {len(found.rejected)} more were invalid or too big, {found.pruned} could not beat these and were "
+        "not costed),",
+        f"# ranked by modelled step time on the {found.profile.name} profile for a batch of "
+        f"{found.workload.batch} x {found.workload.seq} tokens.",
+        *([f"# {measured}"] if measured else []),
+        *caveats,
+        f"# Modelled per device: {human_bytes(cost.peak_bytes)} at the peak (parameters "
+        f"{human_bytes(cost.param_bytes)}, optimizer {human_bytes(cost.optimizer_bytes)}, activations "
+        f"{human_bytes(cost.activation_bytes)}),",
+        f"# {human_bytes(cost.collective_bytes)} moved in {cost.collective_count} collectives, "
+        f"step {seconds(cost.step_s)} (compute {seconds(cost.compute_s)}, communication not hidden by it "
+        f"{seconds(cost.exposed_communication_s)}).",
+        "# Runners-up:",
+    ]
+    for other in found.ranked[1 : 1 + runners_up]:
+        lines.append(
+            f"#   {other.candidate.label()}, {other.candidate.rules_label()}: "
+            f"{seconds(other.estimate.step_s)} ({why_lost(other, chosen)})"
+        )
     lines += ["version: 1", f"name: auto-{_slug(c)}"]
     model = chosen.plan.model
     if model is not None:
@@ -754,51 +905,83 @@ def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 
     if c.zero1:
         lines.append("optimizer: zero1            # AdamW moments also split over 'data'")
     if c.accumulate > 1:
-        lines.append(f"accumulate: {c.accumulate}                # gradient accumulation: the batch runs as "
-                     f"{c.accumulate} microbatches in turn")
+        lines.append(
+            f"accumulate: {c.accumulate}                # gradient accumulation: the batch runs as "
+            f"{c.accumulate} microbatches in turn"
+        )
     if c.experts:
         experts = chosen.plan.experts
-        lines += ["experts:                     # each device holds its share of the experts; tokens reach them by all-to-all",
-                  f"  blocks: '{experts.blocks}'", f"  axis: {experts.axis}", f"  dispatch: {experts.dispatch}"]
+        lines += [
+            "experts:                     # each device holds its share of the experts; tokens reach them by all-to-all",
+            f"  blocks: '{experts.blocks}'",
+            f"  axis: {experts.axis}",
+            f"  dispatch: {experts.dispatch}",
+        ]
         if experts.capacity_factor is not None:
-            lines += [f"  capacity_factor: {experts.capacity_factor:g}   # slots per (device, expert): this many "
-                      "times the even share of routed rows; rows past them are dropped"]
+            lines += [
+                f"  capacity_factor: {experts.capacity_factor:g}   # slots per (device, expert): this many "
+                "times the even share of routed rows; rows past them are dropped"
+            ]
     if c.schedule:
         pipe = chosen.plan.pipeline
         lines += ["pipeline:", f"  axis: {pipe.axis}", f"  layers: {pipe.layers}"]
         if c.split:
-            lines.append(f"  stages:                    # layers {'/'.join(map(str, c.split))}: the stages' work evened out, the "
-                         "first also running the embedding, the last the head and loss (modelled compute "
-                         + "/".join(f"{t * 1e3:.3g}" for t in cost.stage_compute_s) + " ms)")
-            lines += [f"    - {{match: '{rule['match']}', stage: {rule['stage']}}}" for rule in stage_rules(found.roles.layers, c.split)]
+            lines.append(
+                f"  stages:                    # layers {'/'.join(map(str, c.split))}: the stages' work evened out, the "
+                "first also running the embedding, the last the head and loss (modelled compute "
+                + "/".join(f"{t * 1e3:.3g}" for t in cost.stage_compute_s)
+                + " ms)"
+            )
+            lines += [
+                f"    - {{match: '{rule['match']}', stage: {rule['stage']}}}"
+                for rule in stage_rules(found.roles.layers, c.split)
+            ]
         else:
             lines.append("  stages: even               # consecutive runs of layers, " + _stage_sizes(c, found.roles))
-        lines += [f"  microbatches: {pipe.microbatches}",
-                  f"  schedule: {pipe.schedule}     # modelled bubble {cost.bubble:.3f}"]
+        lines += [
+            f"  microbatches: {pipe.microbatches}",
+            f"  schedule: {pipe.schedule}     # modelled bubble {cost.bubble:.3f}",
+        ]
         if pipe.virtual_stages > 1:
             lines.append(f"  virtual_stages: {pipe.virtual_stages}")
-    lines.append("params:" + ("                      # the embedding and head split over 'stage' too: each stage "
-                              "keeps its share at rest, the step gathers them" if c.ends else ""))
+    lines.append(
+        "params:"
+        + (
+            "                      # the embedding and head split over 'stage' too: each stage "
+            "keeps its share at rest, the step gathers them"
+            if c.ends
+            else ""
+        )
+    )
     for pattern, spec, comment in rules(c, found.roles, found.params):
         lines += [f"  - match: '{pattern}'   # {comment}", f"    spec: {_flow(spec)}"]
     plan = chosen.plan
     if plan.activations:
-        lines.append("activations:                 # sequence parallelism: norm outputs split over the sequence on "
-                     "'model'")
+        lines.append(
+            "activations:                 # sequence parallelism: norm outputs split over the sequence on 'model'"
+        )
         for rule in plan.activations:
             lines += [f"  - match: '{rule.match}'", f"    spec: {_flow(rule.spec)}"]
     if plan.tensor_overlap:
-        lines.append("tensor_overlap: true         # collective matmul on GPUs: the sequence-parallel gathers and "
-                     "reduce-scatters run beside the matmuls")
+        lines.append(
+            "tensor_overlap: true         # collective matmul on GPUs: the sequence-parallel gathers and "
+            "reduce-scatters run beside the matmuls"
+        )
     if plan.remat:
-        what = {"full": "keep each layer's input, recompute the rest in the backward",
-                "dots": "keep the matmul outputs, recompute the elementwise work"}[c.remat]
-        lines += [f"remat:                       # {what}"] + \
-            [f"  - match: '{rule.match}'\n    policy: {rule.policy}" for rule in plan.remat]
+        what = {
+            "full": "keep each layer's input, recompute the rest in the backward",
+            "dots": "keep the matmul outputs, recompute the elementwise work",
+        }[c.remat]
+        lines += [f"remat:                       # {what}"] + [
+            f"  - match: '{rule.match}'\n    policy: {rule.policy}" for rule in plan.remat
+        ]
     if plan.precision.master:
-        lines += ["precision:", f"  params: {plan.precision.params}        # stored, and the gradients",
-                  "  master: float32            # masters and moments in the optimizer state",
-                  f"  compute: {plan.precision.compute}"]
+        lines += [
+            "precision:",
+            f"  params: {plan.precision.params}        # stored, and the gradients",
+            "  master: float32            # masters and moments in the optimizer state",
+            f"  compute: {plan.precision.compute}",
+        ]
     elif plan.precision.compute:
         lines += ["precision:", f"  compute: {plan.precision.compute}       # parameters stay in their dtype"]
     return "\n".join(lines) + "\n"
@@ -827,6 +1010,7 @@ def _stage_sizes(c: Candidate, roles: ModelRoles) -> str:
 
 def _flow(value) -> str:
     import json
+
     if isinstance(value, str):
         return value
     if isinstance(value, dict):

@@ -49,37 +49,37 @@ from shardplan.planner.profiles import Profile
 from shardplan.checks.schedules import on_tables, padding_skipped, recomputes_stages
 from shardplan.checks.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR, ModelRoles, Role
 
-TOKEN_BYTES = 4                 # tokens and targets are int32
-LOGIT_COPIES = 3                # logits, their softmax and their gradient are alive together
-SCORE_COPIES = 2                # attention scores and probabilities kept per head (XLA fuses the rest)
-ELEMENTWISE_PASSES = 4          # stored activation bytes moved by elementwise work: written and read, forward and back
+TOKEN_BYTES = 4  # tokens and targets are int32
+LOGIT_COPIES = 3  # logits, their softmax and their gradient are alive together
+SCORE_COPIES = 2  # attention scores and probabilities kept per head (XLA fuses the rest)
+ELEMENTWISE_PASSES = 4  # stored activation bytes moved by elementwise work: written and read, forward and back
 GRADIENT_REDUCTION = "gradients, data parallel"
-WEIGHT_FLOPS = 6                # per weight and token: 2 forward, 4 backward
-ATTENTION_FLOPS = 12            # per token, key position and query width: two matmuls, each 2 forward, 4 backward
+WEIGHT_FLOPS = 6  # per weight and token: 2 forward, 4 backward
+ATTENTION_FLOPS = 12  # per token, key position and query width: two matmuls, each 2 forward, 4 backward
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Workload:
-    batch: int                  # global batch, sequences
-    seq: int                    # tokens per sequence
+    batch: int  # global batch, sequences
+    seq: int  # tokens per sequence
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Transfer:
-    kind: str                   # one of KINDS
-    axes: tuple[str, ...]       # mesh axes the op spans
-    bytes: int                  # result bytes of one op on one device
-    count: int                  # ops per step
+    kind: str  # one of KINDS
+    axes: tuple[str, ...]  # mesh axes the op spans
+    bytes: int  # result bytes of one op on one device
+    count: int  # ops per step
     what: str
-    overlap: str = "critical"   # what it can run behind: one of `shardplan.planner.overlap.LANES`
+    overlap: str = "critical"  # what it can run behind: one of `shardplan.planner.overlap.LANES`
 
     @property
     def total(self) -> int:
         return self.bytes * self.count
 
 
-_TRANSFER_FIELDS = tuple(f.name for f in dataclasses.fields(Transfer))     # (`dataclasses.asdict` is slow at 10^4 plans)
+_TRANSFER_FIELDS = tuple(f.name for f in dataclasses.fields(Transfer))  # (`dataclasses.asdict` is slow at 10^4 plans)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -87,32 +87,32 @@ class Estimate:
     param_bytes: int
     optimizer_bytes: int
     input_bytes: int
-    activation_bytes: int       # kept for the backward at the peak, as the step runs (pipelines: as
+    activation_bytes: int  # kept for the backward at the peak, as the step runs (pipelines: as
     #                             their schedule stores them)
     activation_bytes_remat: int  # the same if every layer were rematerialised
-    microbatch_activation_bytes: int        # one microbatch through this device's layers
+    microbatch_activation_bytes: int  # one microbatch through this device's layers
     microbatch_activation_bytes_remat: int  # the same, layers rematerialised (their inputs kept)
     transfers: tuple[Transfer, ...]
     flops: float
     compute_s: float
-    communication_s: float      # all collectives, as if none overlapped compute
+    communication_s: float  # all collectives, as if none overlapped compute
     bubble: float
-    step_s: float               # compute over the bubble, plus the communication compute does not hide
+    step_s: float  # compute over the bubble, plus the communication compute does not hide
     compute_copy_bytes: int = 0  # parameters cast to the compute dtype for the step
-    early_grad_bytes: int = 0   # gradients made while every activation is still kept: the head's
-    gathered_bytes: int = 0     # FSDP: the layers' weights gathered whole for use, two layers at a time
-    regathered_bytes: int = 0   # ZeRO-1: updated parameters gathered whole before they replace the old
+    early_grad_bytes: int = 0  # gradients made while every activation is still kept: the head's
+    gathered_bytes: int = 0  # FSDP: the layers' weights gathered whole for use, two layers at a time
+    regathered_bytes: int = 0  # ZeRO-1: updated parameters gathered whole before they replace the old
     exposed_communication_s: float = 0.0
-    updated_bytes: int = 0      # new optimizer state alive at once at the update
-    caveats: tuple[str, ...] = ()   # what this layout has that the model does not know: figures approximate
-    update_s: float = 0.0       # the optimizer's update, bound by memory bandwidth (in step_s)
+    updated_bytes: int = 0  # new optimizer state alive at once at the update
+    caveats: tuple[str, ...] = ()  # what this layout has that the model does not know: figures approximate
+    update_s: float = 0.0  # the optimizer's update, bound by memory bandwidth (in step_s)
     hidden: tuple[tuple[str, float], ...] = ()  # (overlap lane, seconds of communication hidden behind compute)
     # Pipelines: each stage's compute per step (its layers, and the code around them where that runs on
     # its stage), bubble included; the stages run in lockstep, so `compute_s` is the largest
     stage_compute_s: tuple[float, ...] = ()
-    layer_s: float = 0.0        # one layer's compute per step on its stage, bubble excluded
-    ends_s: tuple[float, float] = (0.0, 0.0)    # the code before / after the layers, the same way
-    stage_activation_bytes: tuple[int, ...] = ()    # each stage's `activation_bytes` (asked for: `per_stage`)
+    layer_s: float = 0.0  # one layer's compute per step on its stage, bubble excluded
+    ends_s: tuple[float, float] = (0.0, 0.0)  # the code before / after the layers, the same way
+    stage_activation_bytes: tuple[int, ...] = ()  # each stage's `activation_bytes` (asked for: `per_stage`)
 
     @property
     def grad_bytes(self) -> int:
@@ -130,9 +130,14 @@ class Estimate:
         start (every activation kept, the head's gradients made), or the update (every gradient, and
         the optimizer's new moments before they replace the old: measured, XLA does not always update
         them in place outside a pipeline; there an upper bound, by up to 14% of the peak when it does)."""
-        return self.argument_bytes + self.compute_copy_bytes + max(
-            self.activation_bytes + self.early_grad_bytes + self.gathered_bytes,
-            self.grad_bytes + self.updated_bytes + self.regathered_bytes)
+        return (
+            self.argument_bytes
+            + self.compute_copy_bytes
+            + max(
+                self.activation_bytes + self.early_grad_bytes + self.gathered_bytes,
+                self.grad_bytes + self.updated_bytes + self.regathered_bytes,
+            )
+        )
 
     @property
     def collective_bytes(self) -> int:
@@ -152,23 +157,37 @@ class Estimate:
         return out
 
     def to_json(self) -> dict:
-        return {"param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes,
-                "optimizer_bytes": self.optimizer_bytes, "input_bytes": self.input_bytes,
-                "activation_bytes": self.activation_bytes, "activation_bytes_remat": self.activation_bytes_remat,
-                "microbatch_activation_bytes": self.microbatch_activation_bytes,
-                "microbatch_activation_bytes_remat": self.microbatch_activation_bytes_remat,
-                "argument_bytes": self.argument_bytes, "peak_bytes": self.peak_bytes,
-                "collective_bytes": self.collective_bytes, "collective_count": self.collective_count,
-                "collectives": [{name: getattr(t, name) for name in _TRANSFER_FIELDS} for t in self.transfers],
-                "compute_copy_bytes": self.compute_copy_bytes, "early_grad_bytes": self.early_grad_bytes,
-                "gathered_bytes": self.gathered_bytes, "regathered_bytes": self.regathered_bytes,
-                "updated_bytes": self.updated_bytes,
-                "flops": self.flops, "compute_s": self.compute_s, "communication_s": self.communication_s,
-                "exposed_communication_s": self.exposed_communication_s, "update_s": self.update_s,
-                "hidden_communication_s": dict(self.hidden),
-                "bubble": self.bubble, "step_s": self.step_s, "caveats": list(self.caveats),
-                "stage_compute_s": list(self.stage_compute_s),
-                "stage_activation_bytes": list(self.stage_activation_bytes)}
+        return {
+            "param_bytes": self.param_bytes,
+            "grad_bytes": self.grad_bytes,
+            "optimizer_bytes": self.optimizer_bytes,
+            "input_bytes": self.input_bytes,
+            "activation_bytes": self.activation_bytes,
+            "activation_bytes_remat": self.activation_bytes_remat,
+            "microbatch_activation_bytes": self.microbatch_activation_bytes,
+            "microbatch_activation_bytes_remat": self.microbatch_activation_bytes_remat,
+            "argument_bytes": self.argument_bytes,
+            "peak_bytes": self.peak_bytes,
+            "collective_bytes": self.collective_bytes,
+            "collective_count": self.collective_count,
+            "collectives": [{name: getattr(t, name) for name in _TRANSFER_FIELDS} for t in self.transfers],
+            "compute_copy_bytes": self.compute_copy_bytes,
+            "early_grad_bytes": self.early_grad_bytes,
+            "gathered_bytes": self.gathered_bytes,
+            "regathered_bytes": self.regathered_bytes,
+            "updated_bytes": self.updated_bytes,
+            "flops": self.flops,
+            "compute_s": self.compute_s,
+            "communication_s": self.communication_s,
+            "exposed_communication_s": self.exposed_communication_s,
+            "update_s": self.update_s,
+            "hidden_communication_s": dict(self.hidden),
+            "bubble": self.bubble,
+            "step_s": self.step_s,
+            "caveats": list(self.caveats),
+            "stage_compute_s": list(self.stage_compute_s),
+            "stage_activation_bytes": list(self.stage_activation_bytes),
+        }
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -182,19 +201,19 @@ class _Step:
     stages: int
     microbatches: int
     virtual: int
-    tokens: int                 # tokens per device per step
+    tokens: int  # tokens per device per step
     seq: int
     itemsize: int
     width: int
-    remat: str = "none"         # what the repeated layers keep for the backward: none, full or dots
-    sequence_ways: int = 1      # tensor ways that split the sequence between the layers' matmuls
-    attention_stored: bool = True   # attention scores are written to memory (not fused on chip)
+    remat: str = "none"  # what the repeated layers keep for the backward: none, full or dots
+    sequence_ways: int = 1  # tensor ways that split the sequence between the layers' matmuls
+    attention_stored: bool = True  # attention scores are written to memory (not fused on chip)
     counts: dict | None = None  # path -> how many parameters it stands for (one layer for all alike)
-    accumulate: int = 1         # microbatches run in turn without a pipeline (gradient accumulation)
-    widened: bool = False       # narrow gradients are reduced in float32 (XLA on CPU)
+    accumulate: int = 1  # microbatches run in turn without a pipeline (gradient accumulation)
+    widened: bool = False  # narrow gradients are reduced in float32 (XLA on CPU)
     context: str | None = None  # the context axis (it splits the sequence, so it counts as a batch axis)
-    ring: bool = False          # context strategy ring: no scores kept
-    tensor_overlap: bool = False    # collective matmul: the layers' sequence-parallel tensor collectives
+    ring: bool = False  # context strategy ring: no scores kept
+    tensor_overlap: bool = False  # collective matmul: the layers' sequence-parallel tensor collectives
     #                                 run beside the matmuls they feed (`Plan.tensor_overlap` on an overlapping device)
     on_stages: frozenset = frozenset()  # parameters around the layers split over the stage axis at rest
 
@@ -213,8 +232,9 @@ class _Step:
     def recomputes(self, staged: bool, in_layer: bool) -> bool:
         """Whether the backward runs this forward again (tabled stages but zero-bubble's; layers
         rematerialised in full)."""
-        return (staged and recomputes_stages(self.schedule, self.context is not None)) or \
-            (in_layer and self.remat == "full")
+        return (staged and recomputes_stages(self.schedule, self.context is not None)) or (
+            in_layer and self.remat == "full"
+        )
 
     def passes(self, staged: bool) -> tuple[int, float]:
         """(passes per step, tokens per pass) for a parameter inside / outside the pipelined layers."""
@@ -242,8 +262,15 @@ class _Step:
         return math.prod(self.sizes[a] for a in axes)
 
 
-def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
-             counts: dict[str, int] | None = None, per_stage: bool = False) -> Estimate:
+def estimate(
+    report,
+    roles: ModelRoles,
+    workload: Workload,
+    profile: Profile,
+    *,
+    counts: dict[str, int] | None = None,
+    per_stage: bool = False,
+) -> Estimate:
     """The modelled cost of one step of `report.plan` (a checked plan, see `shardplan.check`).
 
     `counts` (path -> n): each listed parameter stands for n alike (the planner lays out one layer
@@ -258,23 +285,36 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
     batch_axes += (context,) if context and context not in batch_axes else ()
     itemsize = max((p.itemsize for p in report.params), default=4)
     pipe = plan.pipeline if stage_map else None
-    options = step_options(plan, roles, sizes, batch_axes, profile,
-                           report.params[0].dtype if report.params else "float32")
+    options = step_options(
+        plan, roles, sizes, batch_axes, profile, report.params[0].dtype if report.params else "float32"
+    )
     param_itemsize = itemsize
     if profile.low_precision_native:
-        itemsize = options.compute_itemsize     # activations, their collectives and FSDP's moves
+        itemsize = options.compute_itemsize  # activations, their collectives and FSDP's moves
     else:
-        itemsize = max(itemsize, 4)             # XLA on CPU computes narrow parameters in float32
+        itemsize = max(itemsize, 4)  # XLA on CPU computes narrow parameters in float32
     step = _Step(
-        sizes=sizes, batch_axes=batch_axes, stage_axis=pipe.axis if pipe else None,
-        schedule=pipe.schedule if pipe else None, stages=stage_map.stages if pipe else 1,
-        microbatches=pipe.microbatches if pipe else 1, virtual=stage_map.virtual if pipe else 1,
+        sizes=sizes,
+        batch_axes=batch_axes,
+        stage_axis=pipe.axis if pipe else None,
+        schedule=pipe.schedule if pipe else None,
+        stages=stage_map.stages if pipe else 1,
+        microbatches=pipe.microbatches if pipe else 1,
+        virtual=stage_map.virtual if pipe else 1,
         tokens=workload.batch * workload.seq // max(1, math.prod(sizes[a] for a in batch_axes)),
-        seq=workload.seq, itemsize=itemsize, width=roles.width,
-        remat=options.remat, sequence_ways=options.sequence_ways, attention_stored=options.attention_stored,
-        counts=counts, accumulate=plan.accumulate if pipe is None else 1, widened=not profile.low_precision_native,
-        context=context, ring=bool(context) and plan.context.strategy == "ring",
-        tensor_overlap=plan.tensor_overlap and profile.overlap)
+        seq=workload.seq,
+        itemsize=itemsize,
+        width=roles.width,
+        remat=options.remat,
+        sequence_ways=options.sequence_ways,
+        attention_stored=options.attention_stored,
+        counts=counts,
+        accumulate=plan.accumulate if pipe is None else 1,
+        widened=not profile.low_precision_native,
+        context=context,
+        ring=bool(context) and plan.context.strategy == "ring",
+        tensor_overlap=plan.tensor_overlap and profile.overlap,
+    )
     # The device holding the most layers: stages are padded to the longest, so every stage holds as
     # many layer slots (and stage 0 keeps the most microbatches in flight: an upper bound where they differ)
     resting = [p for p in report.params if p.stage in (None, stage_map.longest if pipe else 0)]
@@ -298,30 +338,40 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
     if step.tabled:
         # the head runs inside the loop: its weights (gathered, when they enter whole), the running
         # sum of their gradients and each microbatch's before it is added (measured in XLA's buffers)
-        whole_head = sum((3 * _head_ways(p, roles, step) - 1) * p.bytes_per_device * step.count(p.path)
-                         for p in held if p.path in roles.after_layers | roles.tied)
+        whole_head = sum(
+            (3 * _head_ways(p, roles, step) - 1) * p.bytes_per_device * step.count(p.path)
+            for p in held
+            if p.path in roles.after_layers | roles.tied
+        )
         # the code before the layers too: the running sum of its weights' gradients (XLA adds each
         # microbatch's into it in place; measured on minigpt_3d)
-        whole_head += sum(p.bytes_per_device * step.count(p.path) for p in held
-                          if _before_layers_in_loop(p, roles, step))
+        whole_head += sum(
+            p.bytes_per_device * step.count(p.path) for p in held if _before_layers_in_loop(p, roles, step)
+        )
         stored, remat = stored + whole_head, remat + whole_head
     # copies of the head's weights the model's code keeps for the backward (a tied head's transpose)
-    head_copies = int(roles.code.head_weights * sum(p.bytes_per_device for p in held
-                                                   if p.path in roles.after_layers | roles.tied))
+    head_copies = int(
+        roles.code.head_weights * sum(p.bytes_per_device for p in held if p.path in roles.after_layers | roles.tied)
+    )
     stored, remat = stored + head_copies, remat + head_copies
     compute_copy = 0
     if options.compute_itemsize != param_itemsize:
         compute_copy = sum(math.prod(p.shard_shape) * step.count(p.path) for p in every) * options.compute_itemsize
     # the head's gradients, made as the backward starts (a tied embedding's second use too)
     early_grads = sum(p.bytes_per_device for p in held if p.path in roles.after_layers | roles.tied)
-    if step.accumulate > 1:     # the running sum of the gradients, and each microbatch's before it is added
+    if step.accumulate > 1:  # the running sum of the gradients, and each microbatch's before it is added
         early_grads = 2 * param_bytes
     elif step.tabled:
         # the same for the stage's layers, inside the loop (the head's: above): each microbatch's in
         # the compute dtype, their running sum in float32 at least (`shardplan.pipeline.loop`)
-        early_grads = sum(math.prod(p.shard_shape) * _loop_ways(p, step, expert_paths) * step.count(p.path) *
-                          (min(p.itemsize, options.compute_itemsize) + max(4, options.compute_itemsize))
-                          for p in every if p.stage is not None)      # (the experts' weights too)
+        early_grads = sum(
+            math.prod(p.shard_shape)
+            * _loop_ways(p, step, expert_paths)
+            * step.count(p.path)
+            * (min(p.itemsize, options.compute_itemsize) + max(4, options.compute_itemsize))
+            for p in every
+            if p.stage is not None
+        )  # (the experts' weights too)
     # the gathered copies of the parameters split over the stages, for the whole step
     gathered = sum(p.bytes_per_device * step.count(p.path) for p in every if p.path in step.on_stages)
     regathered = 0
@@ -359,8 +409,12 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
     peak = profile.flops_for(options.compute_dtype)
     # each matmul kernel also costs a fixed time (launch, prologue, the last partial wave of tiles):
     # what makes small matmuls slower than large ones (`Profile.matmul_overhead`)
-    body_s = (matmul_flops / (peak * profile.matmul_efficiency) + kernels * profile.matmul_overhead +
-              attention_flops / (peak * profile.attention_efficiency) + elementwise_s)
+    body_s = (
+        matmul_flops / (peak * profile.matmul_efficiency)
+        + kernels * profile.matmul_overhead
+        + attention_flops / (peak * profile.attention_efficiency)
+        + elementwise_s
+    )
     ends_s = _ends_seconds(held, kept, roles, step, profile, peak)
     layer_s, stage_s = _stage_seconds(body_s, ends_s, step, stage_map if pipe else None)
     # devices sharing one pool of compute (simulated CPU devices) lend their idle ticks to each other: the
@@ -368,26 +422,49 @@ def estimate(report, roles: ModelRoles, workload: Workload, profile: Profile, *,
     compute_s = sum(stage_s) / len(stage_s) if profile.shared_compute else max(stage_s) / (1.0 - bubble)
     timed = [(t.overlap, _seconds(t, step, profile, plan.mesh.hosts)) for t in transfers]
     communication_s = sum(seconds for _, seconds in timed)
-    overlapped = exposure(timed, compute_s=compute_s, attention_s=attention_flops / (peak * profile.attention_efficiency),
-                          asynchronous=profile.overlap, pipelined=step.stage_axis is not None,
-                          matmul_s=matmul_flops / (peak * profile.matmul_efficiency) * (1 - 1 / step.sequence_ways))
+    overlapped = exposure(
+        timed,
+        compute_s=compute_s,
+        attention_s=attention_flops / (peak * profile.attention_efficiency),
+        asynchronous=profile.overlap,
+        pipelined=step.stage_axis is not None,
+        matmul_s=matmul_flops / (peak * profile.matmul_efficiency) * (1 - 1 / step.sequence_ways),
+    )
     exposed = overlapped.exposed_s
     update_s = _update_bytes(resting, step) / profile.memory_bandwidth
     return Estimate(
-        param_bytes=param_bytes, optimizer_bytes=optimizer_bytes, input_bytes=2 * step.tokens * TOKEN_BYTES,
-        activation_bytes=stored, activation_bytes_remat=remat, microbatch_activation_bytes=microbatch,
-        microbatch_activation_bytes_remat=microbatch_remat, transfers=tuple(transfers), flops=flops,
-        compute_s=compute_s, communication_s=communication_s, bubble=bubble, step_s=compute_s + exposed + update_s,
-        compute_copy_bytes=compute_copy, early_grad_bytes=early_grads, gathered_bytes=gathered,
-        regathered_bytes=regathered, exposed_communication_s=exposed,
+        param_bytes=param_bytes,
+        optimizer_bytes=optimizer_bytes,
+        input_bytes=2 * step.tokens * TOKEN_BYTES,
+        activation_bytes=stored,
+        activation_bytes_remat=remat,
+        microbatch_activation_bytes=microbatch,
+        microbatch_activation_bytes_remat=microbatch_remat,
+        transfers=tuple(transfers),
+        flops=flops,
+        compute_s=compute_s,
+        communication_s=communication_s,
+        bubble=bubble,
+        step_s=compute_s + exposed + update_s,
+        compute_copy_bytes=compute_copy,
+        early_grad_bytes=early_grads,
+        gathered_bytes=gathered,
+        regathered_bytes=regathered,
+        exposed_communication_s=exposed,
         # after a pipeline XLA updates in place, parameter by parameter (measured on 1F1B steps of two
         # sizes); outside one it did not always
-        updated_bytes=max((p.opt_bytes_per_device for p in resting), default=0) if step.stage_axis
-        else optimizer_bytes,
-        caveats=options.caveats + _layout_caveats(held, roles, step) + (experts.caveats if experts else ()) +
-        sequence.caveats, update_s=update_s, hidden=overlapped.hidden,
-        stage_compute_s=tuple(t / (1.0 - bubble) for t in stage_s) if pipe else (), layer_s=layer_s, ends_s=ends_s,
-        stage_activation_bytes=tuple(a + stored - loop_stored for a in stage_stored))
+        updated_bytes=max((p.opt_bytes_per_device for p in resting), default=0) if step.stage_axis else optimizer_bytes,
+        caveats=options.caveats
+        + _layout_caveats(held, roles, step)
+        + (experts.caveats if experts else ())
+        + sequence.caveats,
+        update_s=update_s,
+        hidden=overlapped.hidden,
+        stage_compute_s=tuple(t / (1.0 - bubble) for t in stage_s) if pipe else (),
+        layer_s=layer_s,
+        ends_s=ends_s,
+        stage_activation_bytes=tuple(a + stored - loop_stored for a in stage_stored),
+    )
 
 
 def _stage_activations(kept, step: _Step, stage_map, stored: int) -> tuple[int, ...]:
@@ -397,13 +474,17 @@ def _stage_activations(kept, step: _Step, stage_map, stored: int) -> tuple[int, 
     if not step.tabled:
         return (stored,) * stage_map.stages
     from shardplan.checks.schedules import in_flight, timeline
+
     flight = in_flight(timeline(step.schedule, step.stages, step.microbatches, step.virtual))
     held = max(stage_map.counts)
     skips = padding_skipped(step.schedule, step.virtual, step.context is not None)
     last = 0 if stage_map.v_shape else stage_map.stages - 1
-    return tuple(_activations(kept, step, _OnStage(flight[0] - flight[s], (count / held) if skips else 1.0,
-                                                   s == 0, s == last))[0]
-                 for s, count in enumerate(stage_map.counts))
+    return tuple(
+        _activations(kept, step, _OnStage(flight[0] - flight[s], (count / held) if skips else 1.0, s == 0, s == last))[
+            0
+        ]
+        for s, count in enumerate(stage_map.counts)
+    )
 
 
 def _ends_seconds(held, kept, roles: ModelRoles, step: _Step, profile: Profile, peak: float) -> tuple[float, float]:
@@ -412,18 +493,25 @@ def _ends_seconds(held, kept, roles: ModelRoles, step: _Step, profile: Profile, 
     full = kept[0]
     out = []
     for after in (False, True):
-        mine = [p for p in held if roles.layer_of(p.path) is None and
-                (p.path in roles.after_layers or p.path in roles.tied) == after]
+        mine = [
+            p
+            for p in held
+            if roles.layer_of(p.path) is None and (p.path in roles.after_layers or p.path in roles.tied) == after
+        ]
         matmul, attention, kernels = _flops(mine, roles, step)
         stored = full.get("after" if after else None, 0.0)
-        out.append(matmul / (peak * profile.matmul_efficiency) + kernels * profile.matmul_overhead +
-                   attention / (peak * profile.attention_efficiency) +
-                   step.tokens * ELEMENTWISE_PASSES * stored / profile.memory_bandwidth)
+        out.append(
+            matmul / (peak * profile.matmul_efficiency)
+            + kernels * profile.matmul_overhead
+            + attention / (peak * profile.attention_efficiency)
+            + step.tokens * ELEMENTWISE_PASSES * stored / profile.memory_bandwidth
+        )
     return out[0], out[1]
 
 
-def _stage_seconds(body_s: float, ends_s: tuple[float, float], step: _Step,
-                   stage_map) -> tuple[float, tuple[float, ...]]:
+def _stage_seconds(
+    body_s: float, ends_s: tuple[float, float], step: _Step, stage_map
+) -> tuple[float, tuple[float, ...]]:
     """(one layer's seconds, each stage's seconds) of compute per step, bubble excluded. `body_s`: the
     device holding the most layers, with the code around them. On the schedule tables the embedding runs
     on the stage holding the first chunk and the head on the one holding the last (zb-v: both on stage
@@ -457,36 +545,60 @@ def _expert_terms(report, held, step: _Step, top_k: int) -> _ExpertTerms | None:
     if not report.experts or report.plan.experts is None:
         return None
     from shardplan.experts.cost import expert_cost
+
     experts = report.plan.experts
     layouts = {p.path: p for p in held}
     staged = any(layouts[path].stage is not None for b in report.experts for path in b.experts if path in layouts)
     passes, tokens = step.runs(True) if staged else step.passes(False)
-    found = expert_cost(report.experts, layouts, axis=experts.axis,
-                        capacity_factor=experts.capacity_factor if experts.dispatch == "capacity" else None,
-                        batch_axes=step.batch_axes, sizes=step.sizes, passes=passes, tokens_per_pass=tokens,
-                        width=step.width, itemsize=step.itemsize, count=step.count, top_k=top_k,
-                        recompute=lambda path: step.recomputes(staged, True), reductions=step.reductions_per_step())
-    return _ExpertTerms(frozenset(p for b in report.experts for p in b.experts),
-                        tuple(Transfer(*t) for t in found.transfers), found.flops, found.kept_per_token, found.caveats)
+    found = expert_cost(
+        report.experts,
+        layouts,
+        axis=experts.axis,
+        capacity_factor=experts.capacity_factor if experts.dispatch == "capacity" else None,
+        batch_axes=step.batch_axes,
+        sizes=step.sizes,
+        passes=passes,
+        tokens_per_pass=tokens,
+        width=step.width,
+        itemsize=step.itemsize,
+        count=step.count,
+        top_k=top_k,
+        recompute=lambda path: step.recomputes(staged, True),
+        reductions=step.reductions_per_step(),
+    )
+    return _ExpertTerms(
+        frozenset(p for b in report.experts for p in b.experts),
+        tuple(Transfer(*t) for t in found.transfers),
+        found.flops,
+        found.kept_per_token,
+        found.caveats,
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepOptions:
     """What a plan's `remat`, `precision` and `activations` sections mean for the cost."""
 
-    remat: str                  # the repeated layers keep: none (everything), full (their inputs), dots
+    remat: str  # the repeated layers keep: none (everything), full (their inputs), dots
     compute_dtype: str
     compute_itemsize: int
-    sequence_ways: int          # tensor ways splitting the sequence in the layers' norm regions
+    sequence_ways: int  # tensor ways splitting the sequence in the layers' norm regions
     attention_stored: bool
     caveats: tuple[str, ...]
 
 
-def step_options(plan, roles: ModelRoles, sizes: dict[str, int], batch_axes: tuple[str, ...],
-                 profile: Profile, param_dtype: str = "float32") -> StepOptions:
+def step_options(
+    plan,
+    roles: ModelRoles,
+    sizes: dict[str, int],
+    batch_axes: tuple[str, ...],
+    profile: Profile,
+    param_dtype: str = "float32",
+) -> StepOptions:
     import numpy as np
 
     from shardplan.plan.matching import module_rule_matches
+
     caveats = []
     layer = f"{roles.layers}/0" if roles.layers else None
     modules = _modules(roles.order)
@@ -496,8 +608,10 @@ def step_options(plan, roles: ModelRoles, sizes: dict[str, int], batch_axes: tup
             remat = _REMAT_KIND[rule.policy]
             break
         if _names_a_module(rule.match, modules):
-            caveats.append(f"remat rule {rule.match!r} names parts of layers or other modules; the cost model "
-                           "counts rematerialisation of whole repeated layers only")
+            caveats.append(
+                f"remat rule {rule.match!r} names parts of layers or other modules; the cost model "
+                "counts rematerialisation of whole repeated layers only"
+            )
             break
     sequence = set()
     for rule in plan.activations:
@@ -507,12 +621,20 @@ def step_options(plan, roles: ModelRoles, sizes: dict[str, int], batch_axes: tup
             axes = [entry] if isinstance(entry, str) else list(entry or [])
             sequence |= {a for a in axes if a in sizes and a not in batch_axes}
     if sequence:
-        caveats.append("sequence parallelism is modelled as Megatron's (the norm regions' activations split, each "
-                       "all-reduce replaced by a reduce-scatter and an all-gather of the same bytes); XLA's "
-                       "partitioner may gather weights instead and move more (benchmarks/cost_model.py)")
+        caveats.append(
+            "sequence parallelism is modelled as Megatron's (the norm regions' activations split, each "
+            "all-reduce replaced by a reduce-scatter and an all-gather of the same bytes); XLA's "
+            "partitioner may gather weights instead and move more (benchmarks/cost_model.py)"
+        )
     compute = plan.precision.compute or plan.precision.params or param_dtype
-    return StepOptions(remat, compute, np.dtype(compute).itemsize, math.prod(sizes[a] for a in sequence),
-                       profile.attention != "fused", tuple(caveats))
+    return StepOptions(
+        remat,
+        compute,
+        np.dtype(compute).itemsize,
+        math.prod(sizes[a] for a in sequence),
+        profile.attention != "fused",
+        tuple(caveats),
+    )
 
 
 def _layout_caveats(held, roles: ModelRoles, step: _Step) -> tuple[str, ...]:
@@ -521,21 +643,32 @@ def _layout_caveats(held, roles: ModelRoles, step: _Step) -> tuple[str, ...]:
     for p in held:
         role = roles.roles.get(p.path)
         if role is not None and role.kind == EMBEDDING and sum(1 for entry in p.spec if entry) > 1:
-            found.append(f"{p.path} is split on both dims {format_spec(p.spec)}; XLA adds gathers and an all-to-all "
-                         "the cost model does not count (measured: about 3.5x the modelled bytes)")
+            found.append(
+                f"{p.path} is split on both dims {format_spec(p.spec)}; XLA adds gathers and an all-to-all "
+                "the cost model does not count (measured: about 3.5x the modelled bytes)"
+            )
             break
     if step.schedule == "gpipe" and not step.tabled:
-        found.append("gpipe's peak memory: XLA keeps more of the loop's activations than the model counts (the "
-                     "compiled peak measured from 0.86x to 1.4x the modelled one on the CPU backend, the most with "
-                     "FSDP)")
-    if step.stage_axis is None and step.remat != "none" and any(
-            roles.layer_of(p.path) is not None and a in step.batch_axes for p in held for a in spec_axes(p.spec)):
-        found.append("FSDP with rematerialised layers: XLA's CPU scheduler gathers the layers' weights for the "
-                     "backward early and keeps their gradients whole until one combined reduction (measured on the "
-                     "CPU backend: the compiled peak 1.35x to 2x the modelled one)")
+        found.append(
+            "gpipe's peak memory: XLA keeps more of the loop's activations than the model counts (the "
+            "compiled peak measured from 0.86x to 1.4x the modelled one on the CPU backend, the most with "
+            "FSDP)"
+        )
+    if (
+        step.stage_axis is None
+        and step.remat != "none"
+        and any(roles.layer_of(p.path) is not None and a in step.batch_axes for p in held for a in spec_axes(p.spec))
+    ):
+        found.append(
+            "FSDP with rematerialised layers: XLA's CPU scheduler gathers the layers' weights for the "
+            "backward early and keeps their gradients whole until one combined reduction (measured on the "
+            "CPU backend: the compiled peak 1.35x to 2x the modelled one)"
+        )
     if step.accumulate > 1 and any(a in step.batch_axes for p in held for a in spec_axes(p.spec)):
-        found.append("FSDP with gradient accumulation: the model gathers each weight once per microbatch; XLA "
-                     "keeps some gathered across microbatches and gathers others again in the backward")
+        found.append(
+            "FSDP with gradient accumulation: the model gathers each weight once per microbatch; XLA "
+            "keeps some gathered across microbatches and gathers others again in the backward"
+        )
     return tuple(found)
 
 
@@ -543,6 +676,7 @@ def _layout_caveats(held, roles: ModelRoles, step: _Step) -> tuple[str, ...]:
 def _names_a_module(pattern: str, modules: tuple[str, ...]) -> bool:
     """Whether a module rule's pattern matches any of `modules` (`auto` asks for thousands of candidates)."""
     from shardplan.plan.matching import module_rule_matches
+
     return any(module_rule_matches(pattern, m) for m in modules)
 
 
@@ -552,9 +686,16 @@ def _modules(order: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(sorted({"/".join(path.split("/")[:k]) for path in order for k in range(1, path.count("/") + 1)}))
 
 
-_REMAT_KIND = {"none": "none", "everything_saveable": "none", "full": "full", "nothing_saveable": "full",
-               "dots_saveable": "dots", "checkpoint_dots": "dots", "dots_with_no_batch_dims_saveable": "dots",
-               "checkpoint_dots_with_no_batch_dims": "dots"}
+_REMAT_KIND = {
+    "none": "none",
+    "everything_saveable": "none",
+    "full": "full",
+    "nothing_saveable": "full",
+    "dots_saveable": "dots",
+    "checkpoint_dots": "dots",
+    "dots_with_no_batch_dims_saveable": "dots",
+    "checkpoint_dots_with_no_batch_dims": "dots",
+}
 
 
 def _split_axes(p: ParamLayout, dims: tuple[int, ...], exclude: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -573,12 +714,19 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
         in_layer = roles.layer_of(p.path) is not None
         staged = p.stage is not None
         moved_activations = False
-        head = step.tabled and (p.path in after or p.path in roles.tied)   # a tied embedding is a head too
+        head = step.tabled and (p.path in after or p.path in roles.tied)  # a tied embedding is a head too
         gathered = p.bytes_per_device * (_head_ways(p, roles, step) - 1) if head else 0
         if gathered:
             # 1F1B runs such a head inside the pipeline whole: its split weight is gathered once per step
-            mine.append(Transfer("all-gather", tuple(spec_axes(p.spec)), p.bytes_per_device + gathered, 1,
-                                 f"{p.path}: 1F1B head gathered for the step"))
+            mine.append(
+                Transfer(
+                    "all-gather",
+                    tuple(spec_axes(p.spec)),
+                    p.bytes_per_device + gathered,
+                    1,
+                    f"{p.path}: 1F1B head gathered for the step",
+                )
+            )
         elif role.kind in (EMBEDDING, COLUMN, ROW, MATMUL):
             found, moved_activations = _matrix_transfers(p, role, step, staged, in_layer)
             mine += found
@@ -593,43 +741,73 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
         reduce_over = tuple(a for a in step.batch_axes if a not in axes or whole_in_loop)
         if fsdp and not moved_activations and not whole_in_loop:
             transfers += _times(mine, count)
-            continue                            # its whole gradient was all-reduced with the gather
-        if p.opt_spec != p.spec:            # ZeRO-1 updates a shard, then gathers the parameter
+            continue  # its whole gradient was all-reduced with the gather
+        if p.opt_spec != p.spec:  # ZeRO-1 updates a shard, then gathers the parameter
             extra = tuple(a for a in spec_axes(p.opt_spec) if a not in axes)
-            mine.append(Transfer("all-gather", extra, int(p.bytes_per_device * step.widening(p)), 1,
-                                 f"{p.path}: ZeRO-1 update gathered"))
+            mine.append(
+                Transfer(
+                    "all-gather",
+                    extra,
+                    int(p.bytes_per_device * step.widening(p)),
+                    1,
+                    f"{p.path}: ZeRO-1 update gathered",
+                )
+            )
             in_loop = step.tabled and p.path in after
             if role.kind == COLUMN and not role.closes and extra and not in_loop:
                 # XLA gathers the head's input activations and computes each shard's gradient whole
                 passes, tokens = step.passes(staged)
                 n_in = math.prod(p.shape[d] for d in role.in_dims)
-                mine.append(Transfer("all-gather", extra, int(tokens * step.ways(extra) * n_in * step.itemsize),
-                                     passes, f"{p.path}: ZeRO-1 head activations gathered"))
+                mine.append(
+                    Transfer(
+                        "all-gather",
+                        extra,
+                        int(tokens * step.ways(extra) * n_in * step.itemsize),
+                        passes,
+                        f"{p.path}: ZeRO-1 head activations gathered",
+                    )
+                )
                 reduce_over = tuple(a for a in reduce_over if a not in extra)
         # a gathered head's gradient is computed, reduced and moved whole inside the pipeline
         size = p.bytes_per_device * (step.ways(fsdp) if whole_in_loop else 1) + gathered
         if reduce_over:
-            group = reduce_over + ((step.stage_axis,) if step.stage_axis and not staged and
-                                   not step.tabled else ())
+            group = reduce_over + ((step.stage_axis,) if step.stage_axis and not staged and not step.tabled else ())
             key = (group, step.reductions_per_step())
             # a tied embedding's two uses (lookup, logits) are reduced separately
-            reductions[key] = reductions.get(key, 0) + int(size * step.widening(p)) * count * \
-                (2 if p.path in roles.tied else 1)
+            reductions[key] = reductions.get(key, 0) + int(size * step.widening(p)) * count * (
+                2 if p.path in roles.tied else 1
+            )
         if p.path in step.on_stages:
             # gathered over the stages for the step; its gradient, reduced as if whole, is returned to
             # the stages' split by an all-to-all (XLA's reshard; measured), in place of the moves below
-            mine += [Transfer("all-gather", (step.stage_axis,), p.bytes_per_device, 1,
-                              f"{p.path}: gathered over the stages for the step"),
-                     Transfer("all-to-all", (step.stage_axis,), p.bytes_per_device, 1,
-                              f"{p.path}: gradient returned to its split over the stages")]
+            mine += [
+                Transfer(
+                    "all-gather",
+                    (step.stage_axis,),
+                    p.bytes_per_device,
+                    1,
+                    f"{p.path}: gathered over the stages for the step",
+                ),
+                Transfer(
+                    "all-to-all",
+                    (step.stage_axis,),
+                    p.bytes_per_device,
+                    1,
+                    f"{p.path}: gradient returned to its split over the stages",
+                ),
+            ]
         elif _before_layers_in_loop(p, roles, step):
             # the first stage computes its gradient in the loop; the other stages take it from there
-            mine.append(Transfer("all-reduce", (step.stage_axis,), size, 1,
-                                 f"{p.path}: 1F1B gradient from the first stage"))
+            mine.append(
+                Transfer("all-reduce", (step.stage_axis,), size, 1, f"{p.path}: 1F1B gradient from the first stage")
+            )
         if head and p.path not in step.on_stages:
             mine.append(Transfer("all-reduce", (step.stage_axis,), size, 1, f"{p.path}: 1F1B head reduced over stages"))
-            mine.append(Transfer("collective-permute", (step.stage_axis,), size, 1,
-                                 f"{p.path}: 1F1B head moved to the first stage"))
+            mine.append(
+                Transfer(
+                    "collective-permute", (step.stage_axis,), size, 1, f"{p.path}: 1F1B head moved to the first stage"
+                )
+            )
         transfers += _times(mine, count)
     for (axes, ops), nbytes in reductions.items():
         what = GRADIENT_REDUCTION + ("" if ops == 1 else ", per microbatch")
@@ -642,8 +820,9 @@ def _times(transfers: list[Transfer], n: int) -> list[Transfer]:
     return transfers if n == 1 else [dataclasses.replace(t, count=t.count * n) for t in transfers]
 
 
-def _matrix_transfers(p: ParamLayout, role: Role, step: _Step, staged: bool,
-                      in_layer: bool = False) -> tuple[list[Transfer], bool]:
+def _matrix_transfers(
+    p: ParamLayout, role: Role, step: _Step, staged: bool, in_layer: bool = False
+) -> tuple[list[Transfer], bool]:
     """Transfers a matrix causes; True when XLA moves activations rather than the FSDP-split weight."""
     passes, tokens = step.runs(staged)
     b = step.itemsize
@@ -653,31 +832,65 @@ def _matrix_transfers(p: ParamLayout, role: Role, step: _Step, staged: bool,
     fsdp = tuple(a for a in spec_axes(p.spec) if a in step.batch_axes)
     n_in = math.prod(shape[d] for d in role.in_dims)
     n_out = math.prod(shape[d] for d in role.out_dims)
-    forward = 2 if step.recomputes(staged, in_layer) else 1     # the forward runs again in the backward
+    forward = 2 if step.recomputes(staged, in_layer) else 1  # the forward runs again in the backward
     # under sequence parallelism a layer matrix's tensor collectives are an all-gather before it or a
     # reduce-scatter after it, which collective matmul runs beside the matmul's pieces
     lane = "tensor" if step.tensor_overlap and step.sequence_ways > 1 and in_layer else "critical"
     found: list[Transfer] = []
     if role.kind == EMBEDDING:
         if tensor_in:
-            found.append(Transfer("all-reduce", tensor_in, int(tokens * n_out * b / step.ways(tensor_out)),
-                                  passes, f"{p.path}: split-vocabulary lookup"))
+            found.append(
+                Transfer(
+                    "all-reduce",
+                    tensor_in,
+                    int(tokens * n_out * b / step.ways(tensor_out)),
+                    passes,
+                    f"{p.path}: split-vocabulary lookup",
+                )
+            )
         if tensor_out:
-            found.append(Transfer("all-gather", tensor_out, int(tokens * n_out * b), passes,
-                                  f"{p.path}: lookup gathered"))
+            found.append(
+                Transfer("all-gather", tensor_out, int(tokens * n_out * b), passes, f"{p.path}: lookup gathered")
+            )
     else:
         if tensor_out:
-            found.append(Transfer("all-reduce", tensor_out, int(tokens * n_in * b / step.ways(tensor_in)), passes,
-                                  f"{p.path}: input gradient (outputs split)", lane))
+            found.append(
+                Transfer(
+                    "all-reduce",
+                    tensor_out,
+                    int(tokens * n_in * b / step.ways(tensor_in)),
+                    passes,
+                    f"{p.path}: input gradient (outputs split)",
+                    lane,
+                )
+            )
             if role.kind == COLUMN and not role.closes:
-                found.append(Transfer("all-reduce", tensor_out, int(tokens * TOKEN_BYTES), 3 * passes,
-                                      f"{p.path}: loss over split outputs"))
+                found.append(
+                    Transfer(
+                        "all-reduce",
+                        tensor_out,
+                        int(tokens * TOKEN_BYTES),
+                        3 * passes,
+                        f"{p.path}: loss over split outputs",
+                    )
+                )
             elif role.kind != COLUMN:
-                found.append(Transfer("all-gather", tensor_out, int(tokens * n_out * b), passes,
-                                      f"{p.path}: split outputs gathered"))
+                found.append(
+                    Transfer(
+                        "all-gather", tensor_out, int(tokens * n_out * b), passes, f"{p.path}: split outputs gathered"
+                    )
+                )
         if tensor_in:
-            found.append(Transfer("all-reduce", tensor_in, int(tokens * n_out * b / step.ways(tensor_out)),
-                                  forward * passes, f"{p.path}: partial outputs summed", lane))
+            found.append(
+                Transfer(
+                    "all-reduce",
+                    tensor_in,
+                    int(tokens * n_out * b / step.ways(tensor_out)),
+                    forward * passes,
+                    f"{p.path}: partial outputs summed",
+                    lane,
+                )
+            )
     if not fsdp:
         return found, False
     ways = step.ways(fsdp)
@@ -686,28 +899,39 @@ def _matrix_transfers(p: ParamLayout, role: Role, step: _Step, staged: bool,
     if staged:
         # the pipeline's loop runs the batch axes manually: the weight enters it gathered over them, once
         # a step, and its whole gradient is reduced after the loop with the others (`_communication`)
-        return found + [Transfer("all-gather", fsdp, whole, 1, f"{p.path}: FSDP weight gathered as the loop "
-                                 "starts")], False
+        return found + [
+            Transfer("all-gather", fsdp, whole, 1, f"{p.path}: FSDP weight gathered as the loop starts")
+        ], False
     # Inside a pipeline loop the weight is gathered again for the backward (1F1B: also for the
     # recomputed forward) and its gradient reduced per microbatch; gradient accumulation gathers
     # and reduces once per microbatch. A rematerialised layer gathers again as its forward reruns
     # (the gathered weight is neither kept nor a saved matmul output).
     gathers = (3 if step.tabled else 2) if staged else 1 + (in_layer and step.remat != "none")
-    gather_weight = [Transfer("all-gather", fsdp, whole, gathers * passes, f"{p.path}: FSDP weight gathered",
-                              "prefetch"),
-                     Transfer("all-reduce", fsdp, whole, passes, f"{p.path}: FSDP gradient", "backward")]
+    gather_weight = [
+        Transfer("all-gather", fsdp, whole, gathers * passes, f"{p.path}: FSDP weight gathered", "prefetch"),
+        Transfer("all-reduce", fsdp, whole, passes, f"{p.path}: FSDP gradient", "backward"),
+    ]
     split_rows = role.kind == EMBEDDING and set(fsdp) <= set(_split_axes(p, role.in_dims))
     split_outputs = role.kind in (COLUMN, MATMUL) and set(fsdp) <= set(_split_axes(p, role.out_dims))
     if split_rows:
         gathered = int(tokens * ways * n_out * b)
-        moved = [Transfer("all-reduce", fsdp, gathered, passes, f"{p.path}: lookup over the whole batch"),
-                 Transfer("all-gather", fsdp, gathered, passes, f"{p.path}: lookup gradient gathered")]
+        moved = [
+            Transfer("all-reduce", fsdp, gathered, passes, f"{p.path}: lookup over the whole batch"),
+            Transfer("all-gather", fsdp, gathered, passes, f"{p.path}: lookup gradient gathered"),
+        ]
     elif split_outputs:
         gathered = int(tokens * ways * n_in * b)
-        moved = [Transfer("all-gather", fsdp, gathered, passes, f"{p.path}: activations gathered"),
-                 Transfer("all-reduce", fsdp, gathered, passes, f"{p.path}: input gradient"),
-                 Transfer("all-to-all", fsdp, int(tokens * n_out * b / step.ways(tensor_out)), passes,
-                          f"{p.path}: output gradient relaid out")]
+        moved = [
+            Transfer("all-gather", fsdp, gathered, passes, f"{p.path}: activations gathered"),
+            Transfer("all-reduce", fsdp, gathered, passes, f"{p.path}: input gradient"),
+            Transfer(
+                "all-to-all",
+                fsdp,
+                int(tokens * n_out * b / step.ways(tensor_out)),
+                passes,
+                f"{p.path}: output gradient relaid out",
+            ),
+        ]
     else:
         return found + gather_weight, False
     if sum(t.total for t in moved) < sum(t.total for t in gather_weight):
@@ -726,9 +950,11 @@ def _pipeline_transfers(step: _Step) -> list[Transfer]:
         # (the code around the layers runs in the loop: nothing enters or leaves it whole)
         return [Transfer("collective-permute", axis, microbatch, 2 * ticks, "activations and their gradients")]
     ticks = step.virtual * step.microbatches + step.stages - 1
-    return [Transfer("collective-permute", axis, microbatch, 2 * ticks, "activations and their gradients"),
-            Transfer("collective-permute", axis, whole, 2, "inputs to the first stage, gradients back"),
-            Transfer("all-reduce", axis, whole, 2, "last stage's outputs and their gradients shared")]
+    return [
+        Transfer("collective-permute", axis, microbatch, 2 * ticks, "activations and their gradients"),
+        Transfer("collective-permute", axis, whole, 2, "inputs to the first stage, gradients back"),
+        Transfer("all-reduce", axis, whole, 2, "last stage's outputs and their gradients shared"),
+    ]
 
 
 def _merge(transfers: list[Transfer]) -> list[Transfer]:
@@ -753,8 +979,10 @@ def _gathered_outside_layers(p: ParamLayout, roles: ModelRoles, step: _Step) -> 
 
 def _moves_activations(p: ParamLayout, role: Role, step: _Step) -> bool:
     """Whether XLA runs this FSDP-split matrix by moving activations rather than gathering it."""
-    return any(a in step.batch_axes for a in spec_axes(p.spec)) and \
-        _matrix_transfers(p, role, step, p.stage is not None)[1]
+    return (
+        any(a in step.batch_axes for a in spec_axes(p.spec))
+        and _matrix_transfers(p, role, step, p.stage is not None)[1]
+    )
 
 
 def _on_stages(p: ParamLayout, step: _Step) -> bool:
@@ -769,8 +997,10 @@ def _gathered_over_stages(p: ParamLayout, step: _Step) -> ParamLayout:
     def without(spec):
         return tuple(tuple(a for a in entry if a != axis) or None if entry else entry for entry in spec)
 
-    shard = tuple(n * step.sizes[axis] if d < len(p.spec) and p.spec[d] and axis in p.spec[d] else n
-                  for d, n in enumerate(p.shard_shape))
+    shard = tuple(
+        n * step.sizes[axis] if d < len(p.spec) and p.spec[d] and axis in p.spec[d] else n
+        for d, n in enumerate(p.shard_shape)
+    )
     return dataclasses.replace(p, spec=without(p.spec), opt_spec=without(p.opt_spec), shard_shape=shard)
 
 
@@ -786,8 +1016,13 @@ def _loop_ways(p: ParamLayout, step: _Step, expert_paths: frozenset) -> int:
 def _before_layers_in_loop(p: ParamLayout, roles: ModelRoles, step: _Step) -> bool:
     """A weight the code before the layers reads, which 1F1B runs per microbatch on the first stage
     (a tied embedding counts as a head)."""
-    return step.tabled and p.stage is None and roles.layer_of(p.path) is None and \
-        p.path not in roles.after_layers and p.path not in roles.tied
+    return (
+        step.tabled
+        and p.stage is None
+        and roles.layer_of(p.path) is None
+        and p.path not in roles.after_layers
+        and p.path not in roles.tied
+    )
 
 
 def _head_ways(p: ParamLayout, roles: ModelRoles, step: _Step) -> int:
@@ -821,7 +1056,7 @@ def _per_token(held: list[ParamLayout], roles: ModelRoles, step: _Step, experts=
         layer = roles.layer_of(p.path)
         layer = "after" if layer is None and p.path in roles.after_layers else layer
         stands_for[layer] = step.count(p.path)
-        split = step.sequence_ways if isinstance(layer, int) else 1     # sequence parallelism
+        split = step.sequence_ways if isinstance(layer, int) else 1  # sequence parallelism
         out = 0.0
         if role.kind == VECTOR:
             size = math.prod(p.shape) * b / split
@@ -830,11 +1065,12 @@ def _per_token(held: list[ParamLayout], roles: ModelRoles, step: _Step, experts=
         else:
             whole = layer == "after" and step.tabled and _head_ways(p, roles, step) > 1
             n_in = math.prod(p.shape[d] for d in role.in_dims) / (1 if whole else _tensor_ways(p, role.in_dims, step))
-            n_out = math.prod(p.shape[d] for d in role.out_dims) / (1 if whole else
-                                                                    _tensor_ways(p, role.out_dims, step))
-            n_out /= split if role.kind == ROW else 1                   # written into the residual stream
+            n_out = math.prod(p.shape[d] for d in role.out_dims) / (
+                1 if whole else _tensor_ways(p, role.out_dims, step)
+            )
+            n_out /= split if role.kind == ROW else 1  # written into the residual stream
             if role.kind == COLUMN and role.closes and (layer, n_in) in read:
-                n_in = 0            # queries, keys and values (gate and up) read one kept input
+                n_in = 0  # queries, keys and values (gate and up) read one kept input
             read.add((layer, n_in))
             size, out = (n_in + n_out) * b, n_out * b
             if role.kind == COLUMN and not role.closes:
@@ -845,9 +1081,8 @@ def _per_token(held: list[ParamLayout], roles: ModelRoles, step: _Step, experts=
                 size, out = size * LOGIT_COPIES + n_out * b * (copies - LOGIT_COPIES), out * copies
         full[layer] = full.get(layer, 0.0) + size
         dots[layer] = dots.get(layer, 0.0) + out
-        if p.path in roles.tied:        # its second use: the logits (a 1F1B one runs whole)
-            vocab = p.shape[role.in_dims[0]] / (1 if step.tabled else
-                                                _tensor_ways(p, role.in_dims, step))
+        if p.path in roles.tied:  # its second use: the logits (a 1F1B one runs whole)
+            vocab = p.shape[role.in_dims[0]] / (1 if step.tabled else _tensor_ways(p, role.in_dims, step))
             logits = (step.width + vocab) * b * LOGIT_COPIES + vocab * b * code.logits
             full["after"] = full.get("after", 0.0) + logits
             dots["after"] = dots.get("after", 0.0) + logits
@@ -861,8 +1096,11 @@ def _per_token(held: list[ParamLayout], roles: ModelRoles, step: _Step, experts=
         # context parallelism keeps the whole sequence's keys and values (`shardplan.context.cost`)
         full[layer] = full.get(layer, 0.0) + 2 * width * b * (step.ways((step.context,)) - 1)
     for attention in roles.attention:
-        if step.attention_stored and not step.ring and (attention.layer in held_layers or
-                                      (attention.layer is None and None in full)):
+        if (
+            step.attention_stored
+            and not step.ring
+            and (attention.layer in held_layers or (attention.layer is None and None in full))
+        ):
             ways = _attention_ways(attention, held, roles, step)
             copies = (SCORE_COPIES + code.scores) * attention.heads * code.heads / ways
             full[attention.layer] = full.get(attention.layer, 0.0) + copies * step.seq * b
@@ -879,26 +1117,41 @@ def _kv_widths(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> dict:
         keys = [layouts[m] for m in attention.members[1:] if m in layouts]
         if not keys:
             continue
-        widths = [math.prod(p.shape[d] for d in roles.roles[p.path].out_dims) /
-                  _tensor_ways(p, roles.roles[p.path].out_dims, step) for p in keys]
-        found[attention.layer] = sum(widths) / 2            # keys and values: two matrices, or one fused
+        widths = [
+            math.prod(p.shape[d] for d in roles.roles[p.path].out_dims)
+            / _tensor_ways(p, roles.roles[p.path].out_dims, step)
+            for p in keys
+        ]
+        found[attention.layer] = sum(widths) / 2  # keys and values: two matrices, or one fused
     return found
 
 
 def _context_terms(held: list[ParamLayout], roles: ModelRoles, step: _Step):
     """The plan's context parallelism, costed by `shardplan.context.cost`."""
     from shardplan.context.cost import context_cost
+
     widths = _kv_widths(held, roles, step)
     stands_for = {roles.layer_of(p.path): step.count(p.path) for p in held}
     staged = step.stage_axis is not None
     passes, tokens = step.runs(staged)
     ways = step.ways((step.context,)) if step.context else 1
-    gradients = sum(int(p.bytes_per_device * step.count(p.path) * step.widening(p)) for p in held
-                    if step.context not in spec_axes(p.spec))
-    return context_cost([w for layer, w in widths.items() for _ in range(stands_for.get(layer, 1))],
-                        strategy="ring" if step.ring else "all_gather", axis=step.context or "", ways=ways,
-                        rows=tokens * ways / step.seq, seq=step.seq, itemsize=step.itemsize, passes=passes,
-                        gradient_bytes=gradients, reductions=step.reductions_per_step())
+    gradients = sum(
+        int(p.bytes_per_device * step.count(p.path) * step.widening(p))
+        for p in held
+        if step.context not in spec_axes(p.spec)
+    )
+    return context_cost(
+        [w for layer, w in widths.items() for _ in range(stands_for.get(layer, 1))],
+        strategy="ring" if step.ring else "all_gather",
+        axis=step.context or "",
+        ways=ways,
+        rows=tokens * ways / step.seq,
+        seq=step.seq,
+        itemsize=step.itemsize,
+        passes=passes,
+        gradient_bytes=gradients,
+        reductions=step.reductions_per_step(),
+    )
 
 
 def _scores(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> float:
@@ -906,9 +1159,16 @@ def _scores(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> float:
     if not step.attention_stored:
         return 0.0
     stands_for = {roles.layer_of(p.path): step.count(p.path) for p in held}
-    return sum(attention.heads * roles.code.heads / _attention_ways(attention, held, roles, step) * step.seq *
-               step.itemsize *
-               stands_for[attention.layer] for attention in roles.attention if attention.layer in stands_for)
+    return sum(
+        attention.heads
+        * roles.code.heads
+        / _attention_ways(attention, held, roles, step)
+        * step.seq
+        * step.itemsize
+        * stands_for[attention.layer]
+        for attention in roles.attention
+        if attention.layer in stands_for
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -916,10 +1176,10 @@ class _OnStage:
     """One stage of a pipeline on the schedule tables, against the device `estimate` costs (the most
     layers, the first stage's microbatches in flight)."""
 
-    fewer_in_flight: int        # microbatches it keeps fewer of
-    layers: float               # its share of that device's layers (padding it skips is not run)
-    first: bool                 # it runs the code before the layers
-    last: bool                  # and after them
+    fewer_in_flight: int  # microbatches it keeps fewer of
+    layers: float  # its share of that device's layers (padding it skips is not run)
+    first: bool  # it runs the code before the layers
+    last: bool  # and after them
 
 
 def _activations(kept: tuple[dict, dict, dict], step: _Step, on: _OnStage | None = None) -> tuple[int, int, int, int]:
@@ -938,14 +1198,16 @@ def _activations(kept: tuple[dict, dict, dict], step: _Step, on: _OnStage | None
     # layout; XLA keeps it split between the constrained norms)
     boundary = step.width * b * count / step.sequence_ways
     rematerialised = boundary + biggest
-    layers = {"none": sum(size * stands_for[layer] for layer, size in full.items()),
-              "full": rematerialised,
-              "dots": boundary + biggest + sum(dots[layer] * stands_for[layer] for layer in full)}[step.remat]
+    layers = {
+        "none": sum(size * stands_for[layer] for layer, size in full.items()),
+        "full": rematerialised,
+        "dots": boundary + biggest + sum(dots[layer] * stands_for[layer] for layer in full),
+    }[step.remat]
     passes, tokens = step.passes(bool(full) and step.stage_axis is not None)
     microbatch = int(tokens * layers), int(tokens * rematerialised)
-    if step.stage_axis is None:             # (with gradient accumulation: one microbatch's)
+    if step.stage_axis is None:  # (with gradient accumulation: one microbatch's)
         return int(tokens * (layers + outside + head)), int(tokens * (rematerialised + outside + head)), *microbatch
-    if step.tabled:             # the code around the layers runs in the loop, a microbatch at a time
+    if step.tabled:  # the code around the layers runs in the loop, a microbatch at a time
         outside = (outside + head) * tokens / step.tokens
         head = 0.0
         # the stash of what the microbatches in flight keep for their backward (each chunk's residuals;
@@ -963,7 +1225,7 @@ def _activations(kept: tuple[dict, dict, dict], step: _Step, on: _OnStage | None
             again = biggest if step.remat != "none" else 0.0
             handed = sum(dots[layer] * stands_for[layer] for layer in full) if step.schedule == "zb-h1" else 0.0
             stored = tokens * (slots * (layers - again + handed) / step.virtual + again + beside * step.width * b)
-        if step.schedule == "zb-v":     # and one chunk's weight-matmul outputs, kept from R until W
+        if step.schedule == "zb-v":  # and one chunk's weight-matmul outputs, kept from R until W
             stored += tokens * sum(dots[layer] * stands_for[layer] for layer in full) / step.virtual
     else:
         # every tick runs one of the stage's `virtual` chunks and keeps its activations (the whole-batch
@@ -1013,25 +1275,38 @@ def _flops(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple[flo
             # (a selective policy saves the weight matmuls; attention's own, with batch dims, run again)
             again = step.recomputes(step.stage_axis is not None, attention.layer is not None) or step.remat == "dots"
             recompute = 8 / 6 if again else 1.0
-            attention_total += ATTENTION_FLOPS * passes * tokens * step.seq * attention.width * recompute * \
-                stands_for[attention.layer] / _attention_ways(attention, held, roles, step)
+            attention_total += (
+                ATTENTION_FLOPS
+                * passes
+                * tokens
+                * step.seq
+                * attention.width
+                * recompute
+                * stands_for[attention.layer]
+                / _attention_ways(attention, held, roles, step)
+            )
     return total, attention_total, kernels
 
 
-def model_flops(params, roles: ModelRoles, workload: Workload, *, capacity: float = 1.0,
-                blocks=None) -> tuple[float, float]:
+def model_flops(
+    params, roles: ModelRoles, workload: Workload, *, capacity: float = 1.0, blocks=None
+) -> tuple[float, float]:
     """(in the repeated layers, elsewhere) matmul FLOPs of one step of the whole model, nothing
     recomputed: what `_flops` counts, before any split. A MoE block's experts count for the rows routed to
     them: k of E experts per token (k read off the code, `roles.code.top_k`; at least 1 where it was not),
     times `capacity` where that is below 1 (slots for fewer rows than are routed). `blocks`: the MoE blocks
     (`shardplan.checks.expert_roles.find_blocks`), where the caller has them."""
     tokens = workload.batch * workload.seq
-    routed = {path: max(1, roles.code.top_k) * min(1.0, capacity) / b.count
-              for b in (find_blocks(params) if blocks is None else blocks) if b.count for path in b.experts}
+    routed = {
+        path: max(1, roles.code.top_k) * min(1.0, capacity) / b.count
+        for b in (find_blocks(params) if blocks is None else blocks)
+        if b.count
+        for path in b.experts
+    }
     layer = other = 0.0
     for p in params:
         role = roles.roles.get(p.path)
-        if role is not None and (role.kind in (COLUMN, ROW, MATMUL) or p.path in roles.tied):    # (a tied head's logits)
+        if role is not None and (role.kind in (COLUMN, ROW, MATMUL) or p.path in roles.tied):  # (a tied head's logits)
             flops = WEIGHT_FLOPS * tokens * math.prod(p.shape) * routed.get(p.path, 1.0)
             layer, other = (layer + flops, other) if roles.layer_of(p.path) is not None else (layer, other + flops)
     for attention in roles.attention:
@@ -1046,7 +1321,7 @@ def _attention_ways(attention, held, roles, step) -> int:
     return 1 if p is None else _tensor_ways(p, roles.roles[p.path].out_dims, step)
 
 
-_LAST_COLUMNS: list = [None, None, {}]       # (held, roles, layer -> its first column matrix): one pass, not one a layer
+_LAST_COLUMNS: list = [None, None, {}]  # (held, roles, layer -> its first column matrix): one pass, not one a layer
 
 
 def _first_columns(held, roles) -> dict:
@@ -1066,20 +1341,23 @@ def _tables(step: _Step) -> tuple[int, int, int]:
     (`shardplan.checks.schedules.OneFOneB`); gpipe's and the circular schedule's in closed form, as
     `auto` costs thousands of (stages, microbatches) pairs and building each table takes time in
     stages x ticks."""
-    if step.schedule in ("gpipe", "interleaved"):       # every forward (of every chunk) before any backward
+    if step.schedule in ("gpipe", "interleaved"):  # every forward (of every chunk) before any backward
         forwards = step.virtual * step.microbatches
         return 2 * (forwards + step.stages - 1), forwards, step.microbatches * (3 if step.virtual > 1 else 1)
-    if step.schedule == "zb-h1":        # (residual sets in flight, inboxes; ticks of one F, B or W each)
+    if step.schedule == "zb-h1":  # (residual sets in flight, inboxes; ticks of one F, B or W each)
         from shardplan.checks.schedules import ZeroBubble
+
         if step.microbatches >= step.stages:
             return 3 * step.microbatches + step.stages - 1, step.stages, 2
         tables = ZeroBubble.of(step.stages, step.microbatches)
         return tables.ticks, tables.slots[0], 2
-    if step.schedule == "zb-v":         # (inputs until R, arrivals and what moves; ticks of one chunk's op each)
+    if step.schedule == "zb-v":  # (inputs until R, arrivals and what moves; ticks of one chunk's op each)
         from shardplan.checks.schedules import ZeroBubbleV
+
         tables = ZeroBubbleV.of(step.stages, step.microbatches)
         return tables.ticks, tables.slots[1], tables.slots[0] + 3
     from shardplan.checks.schedules import OneFOneB
+
     tables = OneFOneB.of(step.stages, step.microbatches, step.virtual)
     return tables.ticks, tables.slots, tables.microbatches * tables.head_waits
 
@@ -1096,8 +1374,9 @@ def _update_bytes(every: list[ParamLayout], step: _Step) -> float:
 
 
 def _bubble(step: _Step) -> float:
-    return 0.0 if step.stage_axis is None else schedule_bubble(step.schedule, step.stages, step.microbatches,
-                                                                step.virtual)
+    return (
+        0.0 if step.stage_axis is None else schedule_bubble(step.schedule, step.stages, step.microbatches, step.virtual)
+    )
 
 
 @functools.lru_cache(maxsize=256)
@@ -1105,6 +1384,7 @@ def schedule_bubble(schedule: str, stages: int, microbatches: int, virtual: int)
     """The schedule's bubble: its timeline's, in closed form where the tests hold the two equal (`auto`
     asks for stages and microbatches in the thousands, whose timelines take seconds to build)."""
     from shardplan.checks.schedules import bubble_fraction, timeline
+
     S, M = stages, microbatches
     V = virtual if schedule in ("1f1b", "interleaved") else 1
     if schedule == "zb-h1" and M >= S:
@@ -1118,8 +1398,13 @@ def schedule_bubble(schedule: str, stages: int, microbatches: int, virtual: int)
 def _seconds(t: Transfer, step: _Step, profile: Profile, hosts: dict[str, int]) -> float:
     """Ring algorithms: an all-reduce sends 2(n-1)/n of its bytes, a gather or all-to-all (n-1)/n."""
     n = step.ways(t.axes)
-    factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "all-to-all": (n - 1) / n,
-              "reduce-scatter": float(n - 1), "collective-permute": 1.0}[t.kind]
+    factor = {
+        "all-reduce": 2 * (n - 1) / n,
+        "all-gather": (n - 1) / n,
+        "all-to-all": (n - 1) / n,
+        "reduce-scatter": float(n - 1),
+        "collective-permute": 1.0,
+    }[t.kind]
     return t.count * (profile.collective_latency + factor * t.bytes / _bandwidth(t.axes, n, profile, hosts))
 
 

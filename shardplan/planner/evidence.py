@@ -16,8 +16,8 @@ from shardplan.planner.profiles import Profile
 @dataclasses.dataclass(frozen=True)
 class Published:
     hardware: str
-    peak_flops: float         # dense bf16 FLOP/s of the class
-    mfu: float                # the best model FLOPs utilisation published for it
+    peak_flops: float  # dense bf16 FLOP/s of the class
+    mfu: float  # the best model FLOPs utilisation published for it
     source: str
 
 
@@ -46,5 +46,7 @@ def beyond_evidence(mfu: float, profile: Profile) -> str | None:
     record = best_published(profile)
     if record is None or mfu <= record.mfu:
         return None
-    return (f"modelled at {mfu:.0%} MFU, above the best published run on {record.hardware} ({record.mfu:.0%}: "
-            f"{record.source}): a claim without evidence")
+    return (
+        f"modelled at {mfu:.0%} MFU, above the best published run on {record.hardware} ({record.mfu:.0%}: "
+        f"{record.source}): a claim without evidence"
+    )

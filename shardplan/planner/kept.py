@@ -37,6 +37,7 @@ def traced_copies(model, call: Callable, roles: ModelRoles, seq: int) -> CodeCop
 
     from shardplan.checks.paths import param_infos
     from shardplan.run.abstract import short_tracer_errors
+
     graph, params, rest = nnx.split(model, nnx.Param, ...)
 
     def residuals(params):
@@ -45,6 +46,7 @@ def traced_copies(model, call: Callable, roles: ModelRoles, seq: int) -> CodeCop
             logits = outputs if hasattr(outputs, "shape") else jax.tree.leaves(outputs)[0]
             targets = jnp.zeros(logits.shape[:-1], jnp.int32)
             return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
+
         return jax.tree.leaves(jax.vjp(loss, params)[1])
 
     with short_tracer_errors():
@@ -54,15 +56,19 @@ def traced_copies(model, call: Callable, roles: ModelRoles, seq: int) -> CodeCop
     shapes = {p.path: p.shape for p in param_infos(model)}
     vocab = _vocab(roles, shapes)
     if vocab in {d for path, shape in shapes.items() if path not in roles.after_layers | roles.tied for d in shape}:
-        vocab = None        # a layer's size too: logits cannot be told apart, their extra copies not counted
-    batch = next((math.prod(r.shape[:-2]) for r in kept if len(r.shape) >= 2 and tuple(r.shape[-2:]) == (seq, vocab)),
-                 1)
-    head = {tuple(reversed(shapes[path])): math.prod(shapes[path])
-            for path in roles.after_layers | roles.tied if len(set(shapes[path])) > 1}
-    score_unit = batch * sum(a.heads for a in roles.attention) * seq * seq     # one copy, as the roles count heads
+        vocab = None  # a layer's size too: logits cannot be told apart, their extra copies not counted
+    batch = next(
+        (math.prod(r.shape[:-2]) for r in kept if len(r.shape) >= 2 and tuple(r.shape[-2:]) == (seq, vocab)), 1
+    )
+    head = {
+        tuple(reversed(shapes[path])): math.prod(shapes[path])
+        for path in roles.after_layers | roles.tied
+        if len(set(shapes[path])) > 1
+    }
+    score_unit = batch * sum(a.heads for a in roles.attention) * seq * seq  # one copy, as the roles count heads
     logit_unit = batch * seq * (vocab or 0)
     scores = logits = weights = 0.0
-    heads = 0       # as the code has them (the roles guess heads a model keeps flattened)
+    heads = 0  # as the code has them (the roles guess heads a model keeps flattened)
     for r in kept:
         size = math.prod(r.shape) * (0.25 if r.dtype == bool else 1.0)
         if score_unit and len(r.shape) >= 3 and tuple(r.shape[-2:]) == (seq, seq):
@@ -74,9 +80,12 @@ def traced_copies(model, call: Callable, roles: ModelRoles, seq: int) -> CodeCop
             weights += size / head[tuple(r.shape)]
     # the roles guess the heads of a model that keeps them flattened: the scores' shape tells
     ratio = heads / max((a.heads for a in roles.attention), default=1) if heads else 1.0
-    return CodeCopies(*(round(max(0.0, n), 2) for n in (scores / ratio - PLAIN_SCORE_COPIES,
-                                                         logits - PLAIN_LOGIT_COPIES, weights)),
-                      round(ratio, 3), top_k=_top_k(traced, model), traced=True)
+    return CodeCopies(
+        *(round(max(0.0, n), 2) for n in (scores / ratio - PLAIN_SCORE_COPIES, logits - PLAIN_LOGIT_COPIES, weights)),
+        round(ratio, 3),
+        top_k=_top_k(traced, model),
+        traced=True,
+    )
 
 
 def _top_k(jaxpr, model) -> int:
@@ -84,8 +93,9 @@ def _top_k(jaxpr, model) -> int:
     count anywhere in the traced code (0: none; the parameters do not show it)."""
     from shardplan.checks.expert_roles import find_blocks
     from shardplan.checks.paths import param_infos
+
     chosen = [eqn for eqn in equations(jaxpr) if eqn.primitive.name == "top_k" and eqn.invars]
-    if not chosen:          # (finding the blocks takes seconds on a deep model: only when there is a top_k)
+    if not chosen:  # (finding the blocks takes seconds on a deep model: only when there is a top_k)
         return 0
     counts = {(b.count,) for b in find_blocks(param_infos(model)) if b.count}
     return max((int(eqn.params["k"]) for eqn in chosen if eqn.invars[0].aval.shape[-1:] in counts), default=0)
@@ -95,6 +105,7 @@ def trace_length(model, seq: int) -> int:
     """A sequence length at most `seq` that no parameter dim equals (so that scores and logits are
     told apart from weights)."""
     from shardplan.checks.paths import param_infos
+
     sizes = {d for p in param_infos(model) for d in p.shape}
     length = seq
     while length in sizes and length > 2:
@@ -115,8 +126,9 @@ def _vocab(roles: ModelRoles, shapes: dict[str, tuple[int, ...]]) -> int | None:
     return None
 
 
-def with_code(roles: ModelRoles, model, seq: int, *, arguments: Callable | None = None,
-              input_name: str = "tokens") -> ModelRoles:
+def with_code(
+    roles: ModelRoles, model, seq: int, *, arguments: Callable | None = None, input_name: str = "tokens"
+) -> ModelRoles:
     """`roles` with what the model's code keeps (`traced_copies`) for one sequence of about `seq`
     tokens, called as `lm_loss` calls it (`arguments(tokens)` gives (args, kwargs); by default the
     tokens go to `input_name`). A model that cannot be traced so keeps the plain constants."""
@@ -125,11 +137,12 @@ def with_code(roles: ModelRoles, model, seq: int, *, arguments: Callable | None 
     import jax.numpy as jnp
 
     from shardplan.checks.calls import call_arguments
+
     length = trace_length(model, seq)
     tokens = jnp.zeros((1, length), jnp.int32)
     try:
         args, kwargs = arguments(tokens) if arguments else call_arguments(model, {input_name: tokens})
         code = traced_copies(model, lambda m: m(*args, **kwargs), roles, length)
-    except Exception:       # noqa: BLE001 - the estimate then counts a plain transformer's copies
+    except Exception:  # noqa: BLE001 - the estimate then counts a plain transformer's copies
         return roles
     return dataclasses.replace(roles, code=code)

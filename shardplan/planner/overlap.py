@@ -34,18 +34,25 @@ from __future__ import annotations
 
 import dataclasses
 
-BACKWARD_SHARE = 2 / 3          # of a step's compute, the backward's: what a gradient reduction can hide behind
+BACKWARD_SHARE = 2 / 3  # of a step's compute, the backward's: what a gradient reduction can hide behind
 LANES = ("backward", "prefetch", "attention", "tensor", "critical")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Exposure:
-    exposed_s: float                    # communication on the critical path
-    hidden: tuple[tuple[str, float], ...]    # (lane, seconds hidden behind compute), lanes with any
+    exposed_s: float  # communication on the critical path
+    hidden: tuple[tuple[str, float], ...]  # (lane, seconds hidden behind compute), lanes with any
 
 
-def exposure(timed: list[tuple[str, float]], *, compute_s: float, attention_s: float, asynchronous: bool,
-             pipelined: bool, matmul_s: float = 0.0) -> Exposure:
+def exposure(
+    timed: list[tuple[str, float]],
+    *,
+    compute_s: float,
+    attention_s: float,
+    asynchronous: bool,
+    pipelined: bool,
+    matmul_s: float = 0.0,
+) -> Exposure:
     """`timed`: (lane, seconds) per transfer; `compute_s`: the step's compute (bubble included);
     `attention_s`: the part of it spent scoring attention; `pipelined`: the step runs a pipeline loop;
     `matmul_s`: the weight matmuls' time collective matmul can run its pieces beside ((n-1)/n of it).

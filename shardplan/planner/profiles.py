@@ -19,9 +19,9 @@ GiB = 2**30
 MAX_PROFILE_BYTES = 1 << 16
 
 # Defaults of the optional fields, and why.
-DEFAULT_LATENCY = 10e-6          # seconds per collective: NCCL's small-message all-reduce on one host
+DEFAULT_LATENCY = 10e-6  # seconds per collective: NCCL's small-message all-reduce on one host
 DEFAULT_MATMUL_EFFICIENCY = 0.8  # large bf16 GEMMs reach about 80% of the datasheet peak on A100/H100 (cuBLAS)
-DEFAULT_LINK_EFFICIENCY = 0.8    # NCCL bus bandwidth reaches about 80% of the link rate on NVLink and InfiniBand
+DEFAULT_LINK_EFFICIENCY = 0.8  # NCCL bus bandwidth reaches about 80% of the link rate on NVLink and InfiniBand
 # Seconds each matmul kernel costs beyond its FLOPs at `matmul_efficiency` (launch, prologue and
 # epilogue, the last partial wave of tiles). Public cuBLAS bf16 sweeps on a B200 (pyptx.dev, CUDA
 # 12.8): 2048^3 at 1,006 TFLOP/s, 4096^3 at 1,532, 8192^3 at 1,610; at 8192^3's rate the two smaller
@@ -34,26 +34,26 @@ DEFAULT_MATMUL_OVERHEAD = 5e-6
 class Profile:
     name: str
     description: str
-    peak_flops: float           # dense matmul FLOP/s in the dtype of most training (bf16 on accelerators)
-    memory_bytes: int           # memory per device
-    memory_bandwidth: float     # bytes/s
+    peak_flops: float  # dense matmul FLOP/s in the dtype of most training (bf16 on accelerators)
+    memory_bytes: int  # memory per device
+    memory_bandwidth: float  # bytes/s
     intra_host_bandwidth: float  # bytes/s one device can send over the links inside a host
     inter_host_bandwidth: float  # bytes/s one device can send to other hosts
-    collective_latency: float   # seconds of fixed cost per collective op
+    collective_latency: float  # seconds of fixed cost per collective op
     devices_per_host: int
     peak_flops_by_dtype: dict[str, float] = dataclasses.field(default_factory=dict)
-    matmul_efficiency: float = DEFAULT_MATMUL_EFFICIENCY    # share of peak a large matmul reaches
-    link_efficiency: float = DEFAULT_LINK_EFFICIENCY        # share of link bandwidth a large collective reaches
+    matmul_efficiency: float = DEFAULT_MATMUL_EFFICIENCY  # share of peak a large matmul reaches
+    link_efficiency: float = DEFAULT_LINK_EFFICIENCY  # share of link bandwidth a large collective reaches
     attention_efficiency: float = DEFAULT_MATMUL_EFFICIENCY  # share of peak the attention's own matmuls reach
-    matmul_overhead: float = DEFAULT_MATMUL_OVERHEAD         # seconds per matmul kernel beyond its FLOPs
+    matmul_overhead: float = DEFAULT_MATMUL_OVERHEAD  # seconds per matmul kernel beyond its FLOPs
     attention: str = "materialised"  # "materialised": scores written to memory (XLA's attention); "fused": on chip
-    low_precision_native: bool = True   # bf16 compute keeps activations and their collectives in 2 bytes
-    overlap: bool = True    # collectives run asynchronously beside compute (see `shardplan.planner.overlap`)
+    low_precision_native: bool = True  # bf16 compute keeps activations and their collectives in 2 bytes
+    overlap: bool = True  # collectives run asynchronously beside compute (see `shardplan.planner.overlap`)
     # the devices share one pool of compute (simulated CPU devices on the host's cores): a device idle in a
     # pipeline's bubble lends its share to the others, so a step costs the devices' work added up
     shared_compute: bool = False
     source: str = "built in"
-    defaults: tuple[str, ...] = ()      # a profile file's settings it left to their defaults, as `name=value`
+    defaults: tuple[str, ...] = ()  # a profile file's settings it left to their defaults, as `name=value`
 
     def defaults_line(self) -> str | None:
         """What a profile file left to the defaults (they change the modelled time), or None."""
@@ -68,34 +68,58 @@ class Profile:
 
 PROFILES = {
     "h200": Profile(
-        "h200", "NVIDIA H200 SXM (datasheet): 989 TFLOP/s dense BF16, 141 GB HBM3e at 4.8 TB/s, "
+        "h200",
+        "NVIDIA H200 SXM (datasheet): 989 TFLOP/s dense BF16, 141 GB HBM3e at 4.8 TB/s, "
         "NVLink 900 GB/s (450 GB/s each way); between hosts one 400 Gb/s NIC per GPU (a common build, not "
         "part of the datasheet)",
-        peak_flops=989e12, memory_bytes=141 * 10**9, memory_bandwidth=4.8e12, intra_host_bandwidth=450e9,
-        inter_host_bandwidth=50e9, collective_latency=10e-6, devices_per_host=8,
+        peak_flops=989e12,
+        memory_bytes=141 * 10**9,
+        memory_bandwidth=4.8e12,
+        intra_host_bandwidth=450e9,
+        inter_host_bandwidth=50e9,
+        collective_latency=10e-6,
+        devices_per_host=8,
         peak_flops_by_dtype={"float32": 494e12, "bfloat16": 989e12, "float16": 989e12},
         # measured on one H200 through XLA (`python benchmarks/gpu_check.py --gemms`, 26 bfloat16 shapes of
         # 128 to 32,768 tokens by widths 1,024 to 16,384; benchmarks/results/gpu_check_h200.json): large
         # products run at 680-755 TFLOP/s, and t = flops / (peak x 0.73) + 7.9 us fits every shape of 512
         # tokens and more within -8%..+18%; 128 and 256 tokens by 4096^2 run slower than that (-39%, -18%):
         # reading the weights bounds them, which this model does not count
-        matmul_efficiency=0.73, matmul_overhead=7.9e-6),
+        matmul_efficiency=0.73,
+        matmul_overhead=7.9e-6,
+    ),
     "tpu-v5e": Profile(
-        "tpu-v5e", "Google TPU v5e (public specs): 197 TFLOP/s BF16, 16 GB HBM2 at 819 GB/s, 1,600 Gb/s ICI "
+        "tpu-v5e",
+        "Google TPU v5e (public specs): 197 TFLOP/s BF16, 16 GB HBM2 at 819 GB/s, 1,600 Gb/s ICI "
         "per chip; between hosts (data-centre network) about 25 GB/s per chip",
-        peak_flops=197e12, memory_bytes=16 * 10**9, memory_bandwidth=819e9, intra_host_bandwidth=200e9,
-        inter_host_bandwidth=25e9, collective_latency=5e-6, devices_per_host=8),
+        peak_flops=197e12,
+        memory_bytes=16 * 10**9,
+        memory_bandwidth=819e9,
+        intra_host_bandwidth=200e9,
+        inter_host_bandwidth=25e9,
+        collective_latency=5e-6,
+        devices_per_host=8,
+    ),
     "cpu": Profile(
-        "cpu", "this machine's 2 CPU cores shared by 8 simulated devices (measured: a 2048^3 f32 matmul at "
+        "cpu",
+        "this machine's 2 CPU cores shared by 8 simulated devices (measured: a 2048^3 f32 matmul at "
         "220 GFLOP/s for all devices together, copies at 4.8 GB/s), 24 GiB memory shared; collectives are "
         "copies through memory",
-        peak_flops=220e9 / 8, memory_bytes=24 * GiB // 8, memory_bandwidth=4.8e9, intra_host_bandwidth=4.8e9,
-        inter_host_bandwidth=1e9, collective_latency=50e-6, devices_per_host=8,
-        matmul_efficiency=1.0, link_efficiency=1.0, attention_efficiency=1.0,  # measured figures, not peaks
-        matmul_overhead=0.0,            # (measured on one large matmul; the small ones' cost is not)
-        low_precision_native=False,     # XLA on CPU computes and reduces bf16 in float32 (measured)
-        overlap=False,                  # its collectives are copies on the cores that compute
-        shared_compute=True),           # the 8 devices run on the same 2 cores
+        peak_flops=220e9 / 8,
+        memory_bytes=24 * GiB // 8,
+        memory_bandwidth=4.8e9,
+        intra_host_bandwidth=4.8e9,
+        inter_host_bandwidth=1e9,
+        collective_latency=50e-6,
+        devices_per_host=8,
+        matmul_efficiency=1.0,
+        link_efficiency=1.0,
+        attention_efficiency=1.0,  # measured figures, not peaks
+        matmul_overhead=0.0,  # (measured on one large matmul; the small ones' cost is not)
+        low_precision_native=False,  # XLA on CPU computes and reduces bf16 in float32 (measured)
+        overlap=False,  # its collectives are copies on the cores that compute
+        shared_compute=True,
+    ),  # the 8 devices run on the same 2 cores
 }
 
 
@@ -110,7 +134,7 @@ def _number(value):
     return value
 
 
-MAX_BYTES = 2**50         # 1 PiB: no device holds more
+MAX_BYTES = 2**50  # 1 PiB: no device holds more
 
 
 def parse_bytes(text: str) -> int:
@@ -123,8 +147,17 @@ def parse_bytes(text: str) -> int:
     if not found:
         raise ValueError(f"cannot read {text!r} as a size; write e.g. 16GiB, 80GB or 512MiB")
     unit = (found.group(2) or "B").upper()
-    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    scale = {
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }[unit]
     try:
         size = float(found.group(1)) * scale
     except ValueError:
@@ -154,58 +187,86 @@ class ProfileFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str
     description: str = ""
-    peak_flops: Flops = Field(description="dense matmul FLOP/s in the dtype of most training, e.g. 312e12 "
-                                          "(1e6 to 1e18)")
+    peak_flops: Flops = Field(
+        description="dense matmul FLOP/s in the dtype of most training, e.g. 312e12 (1e6 to 1e18)"
+    )
     memory_bytes: Annotated[float, BeforeValidator(_size), Field(ge=2**20, le=MAX_BYTES, allow_inf_nan=False)] = Field(
-        description="memory per device in bytes, or a size such as 80GiB (1 MiB to 1 PiB)")
+        description="memory per device in bytes, or a size such as 80GiB (1 MiB to 1 PiB)"
+    )
     memory_bandwidth: Bandwidth = Field(description="device memory bandwidth, bytes/s (1e3 to 1e16)")
     intra_host_bandwidth: Bandwidth = Field(description="bytes/s one device sends over the links inside a host")
     inter_host_bandwidth: Bandwidth = Field(description="bytes/s one device sends to other hosts")
     devices_per_host: int = Field(gt=0, le=131072)
     peak_flops_by_dtype: dict[Literal["float32", "bfloat16", "float16", "float8"], Flops] = Field(
-        default_factory=dict, description="dense matmul FLOP/s per compute dtype; others use peak_flops")
-    collective_latency: Latency = Field(DEFAULT_LATENCY, description="seconds of fixed cost per collective op "
-                                                                     "(1e-9 to 10)")
+        default_factory=dict, description="dense matmul FLOP/s per compute dtype; others use peak_flops"
+    )
+    collective_latency: Latency = Field(
+        DEFAULT_LATENCY, description="seconds of fixed cost per collective op (1e-9 to 10)"
+    )
     matmul_efficiency: Share = Field(DEFAULT_MATMUL_EFFICIENCY, description="share of peak a large matmul reaches")
-    link_efficiency: Share = Field(DEFAULT_LINK_EFFICIENCY,
-                                   description="share of link bandwidth a large collective reaches")
+    link_efficiency: Share = Field(
+        DEFAULT_LINK_EFFICIENCY, description="share of link bandwidth a large collective reaches"
+    )
     matmul_overhead: Annotated[float, BeforeValidator(_number), Field(ge=0, le=1, allow_inf_nan=False)] = Field(
-        DEFAULT_MATMUL_OVERHEAD, description="seconds each matmul kernel costs beyond its FLOPs (launch, prologue, "
-                                             "the last partial wave): what slows small matmuls (0 to 1)")
+        DEFAULT_MATMUL_OVERHEAD,
+        description="seconds each matmul kernel costs beyond its FLOPs (launch, prologue, "
+        "the last partial wave): what slows small matmuls (0 to 1)",
+    )
     attention_efficiency: Share | None = Field(
-        None, description="share of peak the attention's score and value matmuls reach (default: matmul_efficiency)")
+        None, description="share of peak the attention's score and value matmuls reach (default: matmul_efficiency)"
+    )
     low_precision_native: bool = Field(
-        True, description="bf16/fp16 compute keeps activations and their collectives in 2 bytes (false: the "
-                          "device computes and reduces them in float32, as XLA on CPU does)")
+        True,
+        description="bf16/fp16 compute keeps activations and their collectives in 2 bytes (false: the "
+        "device computes and reduces them in float32, as XLA on CPU does)",
+    )
     overlap: bool = Field(
-        True, description="collectives run asynchronously beside compute (XLA on GPU with shardplan's performance "
-                          "flags, TPUs): gradient reductions hide behind the backward, FSDP gathers behind the "
-                          "layer before (false: every collective waits, as on CPU)")
+        True,
+        description="collectives run asynchronously beside compute (XLA on GPU with shardplan's performance "
+        "flags, TPUs): gradient reductions hide behind the backward, FSDP gathers behind the "
+        "layer before (false: every collective waits, as on CPU)",
+    )
     attention: Literal["fused", "materialised"] = Field(
-        "materialised", description="materialised: attention scores are written to memory and read back (XLA's "
-                                    "attention); fused: they stay on chip (a flash-attention kernel)")
+        "materialised",
+        description="materialised: attention scores are written to memory and read back (XLA's "
+        "attention); fused: they stay on chip (a flash-attention kernel)",
+    )
     shared_compute: bool = Field(
-        False, description="the devices share one pool of compute, as simulated CPU devices share the host's cores: "
-                           "a device idle in a pipeline's bubble lends its share to the others (`calibrate` "
-                           "measures it: one device alone against all at once)")
+        False,
+        description="the devices share one pool of compute, as simulated CPU devices share the host's cores: "
+        "a device idle in a pipeline's bubble lends its share to the others (`calibrate` "
+        "measures it: one device alone against all at once)",
+    )
     calibration: dict | None = Field(
-        None, description="what `shardplan calibrate` measured to write this profile (kept for the record; the "
-                          "cost model reads the figures above)")
+        None,
+        description="what `shardplan calibrate` measured to write this profile (kept for the record; the "
+        "cost model reads the figures above)",
+    )
 
 
 def load_profile(path: str | Path) -> Profile:
     """Read a profile file; `PlanError` with diagnostics at the lines of the mistakes."""
     from shardplan.plan.loader import FileTooLarge, read_bounded, read_mapping, validate_mapping
+
     path = Path(path)
     fmt = {".yaml": "yaml", ".yml": "yaml", ".toml": "toml"}.get(path.suffix.lower())
     if fmt is None:
-        raise PlanError([Diagnostic("unsupported-format", "error", f"profile files must end in .yaml, .yml or "
-                                    f".toml, but got {path.name!r}", file=str(path))])
+        raise PlanError(
+            [
+                Diagnostic(
+                    "unsupported-format",
+                    "error",
+                    f"profile files must end in .yaml, .yml or .toml, but got {path.name!r}",
+                    file=str(path),
+                )
+            ]
+        )
     try:
         text = read_bounded(path, MAX_PROFILE_BYTES).decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise PlanError([Diagnostic("unreadable-file", "error", f"cannot read profile: {exc}", file=str(path))]) \
-            from None
+        raise PlanError(
+            [Diagnostic("unreadable-file", "error", f"cannot read profile: {exc}", file=str(path))]
+        ) from None
     except FileTooLarge as exc:
         raise PlanError([Diagnostic("plan-too-large", "error", str(exc), file=str(path))]) from None
     data, positions = read_mapping(text, file=str(path), fmt=fmt, what="profile")
@@ -215,9 +276,13 @@ def load_profile(path: str | Path) -> Profile:
     values["memory_bytes"] = int(values["memory_bytes"])
     if values["attention_efficiency"] is None:
         values["attention_efficiency"] = values["matmul_efficiency"]
-    left = [name for name, field in ProfileFile.model_fields.items()
-            if not field.is_required() and name not in data
-            and name not in ("description", "peak_flops_by_dtype", "calibration")]
+    left = [
+        name
+        for name, field in ProfileFile.model_fields.items()
+        if not field.is_required()
+        and name not in data
+        and name not in ("description", "peak_flops_by_dtype", "calibration")
+    ]
     defaults = tuple(f"{name}={values[name]}" for name in left)
     return Profile(**values, source=f"{path} (measured)" if calibrated else str(path), defaults=defaults)
 
@@ -229,16 +294,27 @@ def profile_file_text(profile: Profile, comments: list[str], record: dict | None
 
     def figure(value: float) -> float:
         return float(f"{value:.4g}")
-    values = {"name": profile.name, "description": profile.description, "peak_flops": figure(profile.peak_flops),
-              "peak_flops_by_dtype": {k: figure(v) for k, v in profile.peak_flops_by_dtype.items()},
-              "memory_bytes": profile.memory_bytes, "memory_bandwidth": figure(profile.memory_bandwidth),
-              "intra_host_bandwidth": figure(profile.intra_host_bandwidth),
-              "inter_host_bandwidth": figure(profile.inter_host_bandwidth),
-              "devices_per_host": profile.devices_per_host, "collective_latency": figure(profile.collective_latency),
-              "matmul_efficiency": round(profile.matmul_efficiency, 3), "link_efficiency": round(profile.link_efficiency, 3),
-              "attention_efficiency": round(profile.attention_efficiency, 3),
-              "matmul_overhead": figure(profile.matmul_overhead), "low_precision_native": profile.low_precision_native,
-              "overlap": profile.overlap, "shared_compute": profile.shared_compute, "attention": profile.attention}
+
+    values = {
+        "name": profile.name,
+        "description": profile.description,
+        "peak_flops": figure(profile.peak_flops),
+        "peak_flops_by_dtype": {k: figure(v) for k, v in profile.peak_flops_by_dtype.items()},
+        "memory_bytes": profile.memory_bytes,
+        "memory_bandwidth": figure(profile.memory_bandwidth),
+        "intra_host_bandwidth": figure(profile.intra_host_bandwidth),
+        "inter_host_bandwidth": figure(profile.inter_host_bandwidth),
+        "devices_per_host": profile.devices_per_host,
+        "collective_latency": figure(profile.collective_latency),
+        "matmul_efficiency": round(profile.matmul_efficiency, 3),
+        "link_efficiency": round(profile.link_efficiency, 3),
+        "attention_efficiency": round(profile.attention_efficiency, 3),
+        "matmul_overhead": figure(profile.matmul_overhead),
+        "low_precision_native": profile.low_precision_native,
+        "overlap": profile.overlap,
+        "shared_compute": profile.shared_compute,
+        "attention": profile.attention,
+    }
     if record is not None:
         values["calibration"] = record
     return "".join(f"# {line}\n" for line in comments) + yaml.safe_dump(values, sort_keys=False, width=100)
@@ -250,5 +326,7 @@ def get_profile(name: str) -> Profile:
         return PROFILES[name]
     if Path(name).suffix.lower() in (".yaml", ".yml", ".toml"):
         return load_profile(name)
-    raise ValueError(f"unknown device profile {name!r}; built in: {', '.join(PROFILES)}, or the path of a "
-                     "profile file (.yaml or .toml; see `shardplan profiles`)")
+    raise ValueError(
+        f"unknown device profile {name!r}; built in: {', '.join(PROFILES)}, or the path of a "
+        "profile file (.yaml or .toml; see `shardplan profiles`)"
+    )

@@ -22,9 +22,9 @@ from shardplan.checks.roles import ModelRoles
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Representative:
-    params: list[ParamInfo]     # the parameters outside the layers, and layer 0's (or all, when layers differ)
+    params: list[ParamInfo]  # the parameters outside the layers, and layer 0's (or all, when layers differ)
     layer_paths: frozenset[str]  # which of them stand for a parameter of every layer
-    layer_count: int            # 0: no repeated layers, or layers that differ (nothing stands for others)
+    layer_count: int  # 0: no repeated layers, or layers that differ (nothing stands for others)
 
     @classmethod
     def of(cls, params: list[ParamInfo], roles: ModelRoles) -> "Representative":
@@ -54,11 +54,17 @@ class Layout:
     axes: dict[str, int]
     stage_map: StageMap | None
     params: list[ParamLayout]
-    experts: tuple = ()             # BlockRoles of the plan's MoE blocks among the parameters laid out
+    experts: tuple = ()  # BlockRoles of the plan's MoE blocks among the parameters laid out
 
 
-def lay_out(plan: Plan, specs: dict[str, list], rep: Representative, sizes: dict[str, int],
-            roles: ModelRoles, split: tuple[int, ...] | None = None) -> tuple[Layout, dict[str, int] | None]:
+def lay_out(
+    plan: Plan,
+    specs: dict[str, list],
+    rep: Representative,
+    sizes: dict[str, int],
+    roles: ModelRoles,
+    split: tuple[int, ...] | None = None,
+) -> tuple[Layout, dict[str, int] | None]:
     """(layout of the representative parameters under `plan`, counts for `estimate`). `split`: layers
     per stage (one chunk each), where not `stages: even`."""
     pipe = plan.pipeline
@@ -87,5 +93,6 @@ def lay_out(plan: Plan, specs: dict[str, list], rep: Representative, sizes: dict
     experts = ()
     if plan.experts is not None:
         from shardplan.checks.expert_roles import find_blocks
+
         experts = tuple(find_blocks(rep.params))
     return Layout(plan, sizes, stage_map, layouts, experts), counts

@@ -21,7 +21,7 @@ from shardplan.checks.roles import ModelRoles, definition_order, recognise
 def short_tracer_errors():
     try:
         from jax._src.interpreters.partial_eval import DynamicJaxprTracer
-    except ImportError:             # a jax without this tracer: nothing to shorten
+    except ImportError:  # a jax without this tracer: nothing to shorten
         yield
         return
     original = DynamicJaxprTracer.__dict__.get("_origin_msg")
@@ -66,9 +66,15 @@ def untraceable(exc: BaseException) -> bool:
     """Does `exc` say the factory's code cannot run under a trace (rather than that its config is wrong)?"""
     import jax
     from flax import errors
-    kinds = (errors.TraceContextError, jax.errors.ConcretizationTypeError, jax.errors.UnexpectedTracerError,
-             jax.errors.TracerArrayConversionError, jax.errors.TracerBoolConversionError,
-             jax.errors.TracerIntegerConversionError)
+
+    kinds = (
+        errors.TraceContextError,
+        jax.errors.ConcretizationTypeError,
+        jax.errors.UnexpectedTracerError,
+        jax.errors.TracerArrayConversionError,
+        jax.errors.TracerBoolConversionError,
+        jax.errors.TracerIntegerConversionError,
+    )
     return isinstance(exc, kinds)
 
 

@@ -31,22 +31,30 @@ def accumulated_loss(model: nnx.Module, loss_of: Callable, targets, args: tuple,
     target_leaves, target_def = jax.tree.flatten(targets)
     # every array the loss reads, flat: the call's batch arrays, its other arrays, then the targets
     arrays = [*split, *whole, *target_leaves]
-    batched = tuple([True] * len(split) + [False] * len(whole) +
-                    [getattr(t, "ndim", 0) >= 1 and t.shape[0] == rows for t in target_leaves])
+    batched = tuple(
+        [True] * len(split)
+        + [False] * len(whole)
+        + [getattr(t, "ndim", 0) >= 1 and t.shape[0] == rows for t in target_leaves]
+    )
     floating = tuple(jnp.issubdtype(jnp.result_type(a), jnp.inexact) for a in arrays)
     arrays = [split_microbatches(jnp.asarray(a), count) if b else a for a, b in zip(arrays, batched)]
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def one(params, rest, arrays, keys, m):
-        copy = nnx.merge(graphdef, params, rest, copy=True)     # its own Variables: it may update them here
+        copy = nnx.merge(graphdef, params, rest, copy=True)  # its own Variables: it may update them here
         n, w = len(split), len(whole)
-        call_args, call_kwargs = call.rebuild(arrays[:n], arrays[n:n + w], fold_keys(keys, m))
-        loss = loss_of(copy(*call_args, **call_kwargs), jax.tree.unflatten(target_def, arrays[n + w:]))
+        call_args, call_kwargs = call.rebuild(arrays[:n], arrays[n : n + w], fold_keys(keys, m))
+        loss = loss_of(copy(*call_args, **call_kwargs), jax.tree.unflatten(target_def, arrays[n + w :]))
         return loss, nnx.state(copy, nnx.Not(nnx.Param))
 
     loss = _accumulated(one, count, batched, floating)
-    mean, rest = loss(params, [a for a, f in zip(arrays, floating) if f], rest,
-                      [a for a, f in zip(arrays, floating) if not f], draw_keys(rngs))
+    mean, rest = loss(
+        params,
+        [a for a, f in zip(arrays, floating) if f],
+        rest,
+        [a for a, f in zip(arrays, floating) if not f],
+        draw_keys(rngs),
+    )
     nnx.update(model, rest)
     return mean
 
@@ -72,19 +80,22 @@ def _accumulated(one: Callable, count: int, batched: tuple[bool, ...], floating:
 
             def loss_at(params, floats_m):
                 return one(params, rest, joined(floats_m, at(others, others_batched, m)), keys, m)
+
             floats_m = at(floats, float_batched, m)
             if not grads:
                 loss, rest = loss_at(params, floats_m)
                 return (total + loss.astype(jnp.float32), rest, summed), None
             (loss, rest), (g_params, g_floats) = jax.value_and_grad(loss_at, argnums=(0, 1), has_aux=True)(
-                params, floats_m)
+                params, floats_m
+            )
             whole = [g for g, b in zip(g_floats, float_batched) if not b]
             summed = jax.tree.map(jnp.add, summed, (g_params, whole))
             return (total + loss.astype(jnp.float32), rest, summed), [g for g, b in zip(g_floats, float_batched) if b]
 
         zeros = jax.tree.map(jnp.zeros_like, (params, [v for v, b in zip(floats, float_batched) if not b]))
         (total, rest, summed), per_microbatch = jax.lax.scan(
-            step, (jnp.zeros((), jnp.float32), rest, zeros if grads else None), jnp.arange(count))
+            step, (jnp.zeros((), jnp.float32), rest, zeros if grads else None), jnp.arange(count)
+        )
         return (total / count, rest), (summed, per_microbatch)
 
     @jax.custom_vjp
@@ -96,10 +107,11 @@ def _accumulated(one: Callable, count: int, batched: tuple[bool, ...], floating:
 
     def backward(grads, cotangent):
         (g_params, g_whole), g_batched = grads
-        scale = cotangent[0] / count          # each microbatch's loss enters the mean with weight 1/count
+        scale = cotangent[0] / count  # each microbatch's loss enters the mean with weight 1/count
 
         def scaled(g):
             return (g * scale).astype(g.dtype)
+
         # a batch array's gradient stays split as the array came in; autodiff takes it back through the split
         whole, per_microbatch = iter(g_whole), iter(g_batched)
         g_floats = [scaled(next(per_microbatch) if b else next(whole)) for b in float_batched]

@@ -28,11 +28,11 @@ _DEPTH_NAME = re.compile(r"layer|block|depth", re.IGNORECASE)
 class Deep:
     """The parameters (and definition order) of the model at its full depth, and a shallow build of it."""
 
-    shallow: Any                     # the abstract model built at depth 2
+    shallow: Any  # the abstract model built at depth 2
     shallow_order: list[str]
-    params: list[ParamInfo]          # every parameter at full depth
-    order: list[str]                 # definition order at full depth
-    key: str                         # the config key that sets the depth
+    params: list[ParamInfo]  # every parameter at full depth
+    order: list[str]  # definition order at full depth
+    key: str  # the config key that sets the depth
     depth: int
 
 
@@ -52,7 +52,7 @@ def read_deep(build, config: dict[str, Any]) -> Deep | None:
             order: list[str] = []
             try:
                 model = build({**config, key: probe}, order)
-            except Exception:       # noqa: BLE001 - this key is not a depth the model can take
+            except Exception:  # noqa: BLE001 - this key is not a depth the model can take
                 break
             builds.append((model, order, param_infos(model)))
         if len(builds) == 2:
@@ -61,10 +61,19 @@ def read_deep(build, config: dict[str, Any]) -> Deep | None:
                 (model, order, _), (outside, prefix, layer) = builds[0], layers[0]
                 if len(outside) + depth * len(layer) > MAX_PARAM_ARRAYS:
                     from shardplan.run.models import ModelLoadError
-                    raise ModelLoadError(f"{key}={depth:,} gives the model {depth * len(layer):,} parameter arrays in "
-                                         f"{prefix}; shardplan lays out at most {MAX_PARAM_ARRAYS:,}")
-                return Deep(model, order, _deepened(outside, prefix, layer, depth),
-                            _deepened_order(order, prefix, depth), key, depth)
+
+                    raise ModelLoadError(
+                        f"{key}={depth:,} gives the model {depth * len(layer):,} parameter arrays in "
+                        f"{prefix}; shardplan lays out at most {MAX_PARAM_ARRAYS:,}"
+                    )
+                return Deep(
+                    model,
+                    order,
+                    _deepened(outside, prefix, layer, depth),
+                    _deepened_order(order, prefix, depth),
+                    key,
+                    depth,
+                )
     return None
 
 
@@ -77,7 +86,8 @@ def _repeated(params: list[ParamInfo], count: int):
         found = _LAYER.fullmatch(p.path)
         if found:
             by_prefix.setdefault(found.group(1), {}).setdefault(int(found.group(2)), []).append(
-                (found.group(3), p.shape, p.dtype, p.annotation))
+                (found.group(3), p.shape, p.dtype, p.annotation)
+            )
         else:
             outside.append(p)
     grown = [prefix for prefix, layers in by_prefix.items() if sorted(layers) == list(range(count))]
@@ -92,8 +102,11 @@ def _repeated(params: list[ParamInfo], count: int):
 
 
 def _deepened(outside, prefix: str, layer, depth: int) -> list[ParamInfo]:
-    params = list(outside) + [ParamInfo(f"{prefix}/{i}/{rest}", shape, dtype, annotation)
-                              for i in range(depth) for rest, shape, dtype, annotation in layer]
+    params = list(outside) + [
+        ParamInfo(f"{prefix}/{i}/{rest}", shape, dtype, annotation)
+        for i in range(depth)
+        for rest, shape, dtype, annotation in layer
+    ]
     return sorted(params, key=lambda p: p.path)
 
 
@@ -103,6 +116,6 @@ def _deepened_order(order: list[str], prefix: str, depth: int) -> list[str]:
     in_layers = [i for i, path in enumerate(order) if path.startswith(marker)]
     if not in_layers:
         return order
-    first = [path[len(f"{prefix}/0/"):] for path in order if path.startswith(f"{prefix}/0/")]
+    first = [path[len(f"{prefix}/0/") :] for path in order if path.startswith(f"{prefix}/0/")]
     layers = [f"{prefix}/{i}/{rest}" for i in range(depth) for rest in first]
-    return order[:in_layers[0]] + layers + order[in_layers[-1] + 1:]
+    return order[: in_layers[0]] + layers + order[in_layers[-1] + 1 :]

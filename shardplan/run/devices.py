@@ -24,6 +24,7 @@ def simulate_cpu_devices(count: int) -> None:
     """Run on `count` CPU devices, with threads enough for their collectives (`PJRT_NPROC`, unless the
     environment sets it: see `collective_threads`). Must come before anything starts JAX's backend."""
     import jax
+
     if count < 1:
         raise DeviceSetupError(f"--devices requires a positive count, but got {count}")
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -33,12 +34,14 @@ def simulate_cpu_devices(count: int) -> None:
         jax.config.update("jax_num_cpu_devices", count)
     except RuntimeError as exc:  # backend already started (in-process callers): keep what exists
         if len(jax.devices()) != count:
-            raise DeviceSetupError(f"cannot simulate {count} devices: JAX already started with "
-                                   f"{len(jax.devices())}. Call shardplan.simulate_cpu_devices({count}) before "
-                                   "anything starts JAX (its first array, jit or jax.devices()) — in a notebook, "
-                                   "restart the kernel and run it first — or start Python with "
-                                   f"JAX_NUM_CPU_DEVICES={count} PJRT_NPROC={collective_threads(count)} in the "
-                                   "environment") from exc
+            raise DeviceSetupError(
+                f"cannot simulate {count} devices: JAX already started with "
+                f"{len(jax.devices())}. Call shardplan.simulate_cpu_devices({count}) before "
+                "anything starts JAX (its first array, jit or jax.devices()) — in a notebook, "
+                "restart the kernel and run it first — or start Python with "
+                f"JAX_NUM_CPU_DEVICES={count} PJRT_NPROC={collective_threads(count)} in the "
+                "environment"
+            ) from exc
 
 
 def collective_threads(count: int) -> int:

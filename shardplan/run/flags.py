@@ -15,26 +15,37 @@ import os
 
 # (flag, what it is for)
 GPU_FLAGS = (
-    ("--xla_gpu_enable_latency_hiding_scheduler=true",
-     "schedules collectives asynchronously so compute runs while they move: gradient reductions behind "
-     "the backward, FSDP weight gathers behind the layer before and the ring's key/value blocks behind "
-     "their scores, as the time model assumes (shardplan.planner.overlap)"),
-    ("--xla_gpu_enable_pipelined_all_gather=true",
-     "starts the next layer's FSDP weight gather inside a loop of layers one iteration early"),
-    ("--xla_gpu_enable_pipelined_reduce_scatter=true",
-     "lets a layer's gradient reduce-scatter in a loop finish during the next iteration"),
-    ("--xla_gpu_enable_pipelined_all_reduce=true",
-     "the same for all-reduces in loops (pipeline ticks, gradient accumulation)"),
-    ("--xla_gpu_all_reduce_combine_threshold_bytes=134217728",
-     "combines small gradient all-reduces into ops of up to 128 MiB (fewer launches, full links)"),
+    (
+        "--xla_gpu_enable_latency_hiding_scheduler=true",
+        "schedules collectives asynchronously so compute runs while they move: gradient reductions behind "
+        "the backward, FSDP weight gathers behind the layer before and the ring's key/value blocks behind "
+        "their scores, as the time model assumes (shardplan.planner.overlap)",
+    ),
+    (
+        "--xla_gpu_enable_pipelined_all_gather=true",
+        "starts the next layer's FSDP weight gather inside a loop of layers one iteration early",
+    ),
+    (
+        "--xla_gpu_enable_pipelined_reduce_scatter=true",
+        "lets a layer's gradient reduce-scatter in a loop finish during the next iteration",
+    ),
+    (
+        "--xla_gpu_enable_pipelined_all_reduce=true",
+        "the same for all-reduces in loops (pipeline ticks, gradient accumulation)",
+    ),
+    (
+        "--xla_gpu_all_reduce_combine_threshold_bytes=134217728",
+        "combines small gradient all-reduces into ops of up to 128 MiB (fewer launches, full links)",
+    ),
 )
 # (flag, what it is for): collective matmul, set only for a plan with `tensor_overlap: true`
 TENSOR_OVERLAP_FLAGS = (
-    ("--xla_gpu_threshold_for_windowed_einsum_mib=0",
-     "collective matmul: tensor-parallel all-gathers and reduce-scatters next to a matmul (sequence-parallel "
-     "layouts) are split into a ring of pieces overlapped with the matmul's parts (windowed einsum)"),
-    ("--xla_gpu_multi_streamed_windowed_einsum=true",
-     "runs those pieces on several streams"),
+    (
+        "--xla_gpu_threshold_for_windowed_einsum_mib=0",
+        "collective matmul: tensor-parallel all-gathers and reduce-scatters next to a matmul (sequence-parallel "
+        "layouts) are split into a ring of pieces overlapped with the matmul's parts (windowed einsum)",
+    ),
+    ("--xla_gpu_multi_streamed_windowed_einsum=true", "runs those pieces on several streams"),
 )
 _GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
 
@@ -79,9 +90,13 @@ def tensor_overlap_in_effect(platform: str) -> str | None:
     """Why a plan's `tensor_overlap` does nothing in this process (None: XLA will overlap): not a GPU,
     or `XLA_FLAGS` without the collective-matmul threshold (set after JAX started, or never)."""
     if platform != "gpu":
-        return (f"tensor_overlap takes effect on GPUs only (XLA's windowed einsum); on {platform} the "
-                "tensor-parallel collectives run as they are")
+        return (
+            f"tensor_overlap takes effect on GPUs only (XLA's windowed einsum); on {platform} the "
+            "tensor-parallel collectives run as they are"
+        )
     if TENSOR_OVERLAP_FLAGS[0][0].split("=")[0] + "=" not in os.environ.get("XLA_FLAGS", ""):
-        return ("tensor_overlap is set but XLA_FLAGS lacks --xla_gpu_threshold_for_windowed_einsum_mib: call "
-                "shardplan.set_performance_flags(plan) before JAX starts (XLA reads its flags once)")
+        return (
+            "tensor_overlap is set but XLA_FLAGS lacks --xla_gpu_threshold_for_windowed_einsum_mib: call "
+            "shardplan.set_performance_flags(plan) before JAX starts (XLA reads its flags once)"
+        )
     return None

@@ -8,8 +8,10 @@ import math
 import re
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
-_OP = re.compile(r"=\s*(?P<type>\(.*?\)|\S+)\s+(?P<kind>all-reduce|all-gather|reduce-scatter|collective-permute|"
-                 r"all-to-all)(?P<start>-start)?\(")
+_OP = re.compile(
+    r"=\s*(?P<type>\(.*?\)|\S+)\s+(?P<kind>all-reduce|all-gather|reduce-scatter|collective-permute|"
+    r"all-to-all)(?P<start>-start)?\("
+)
 _ARRAY = re.compile(r"\b(?P<dtype>pred|[suf]\d+|bf16|c64|c128|f8e\w+)\[(?P<dims>[\d,]*)\]")
 _BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128}
 
@@ -60,13 +62,17 @@ def collective_stats(hlo_text: str, *, executed: bool = False, branch_share: flo
 
 
 _COMPUTATION = re.compile(r"^(?P<entry>ENTRY )?%?(?P<name>[\w.\-]+) .*\{\s*$")
-_CALLEES = re.compile(r"(?P<attr>body|calls|to_apply|branch_computations|true_computation|false_computation)="
-                      r"(?P<names>\{[^}]*\}|%?[\w.\-]+)")
+_CALLEES = re.compile(
+    r"(?P<attr>body|calls|to_apply|branch_computations|true_computation|false_computation)="
+    r"(?P<names>\{[^}]*\}|%?[\w.\-]+)"
+)
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
-_DOT = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (?P<out>\S+) dot\(%?(?P<lhs>[\w.\-]+), %?[\w.\-]+\).*?"
-                  r"lhs_contracting_dims=\{(?P<contract>[\d,]*)\}")
+_DOT = re.compile(
+    r"^\s*(?:ROOT )?%?[\w.\-]+ = (?P<out>\S+) dot\(%?(?P<lhs>[\w.\-]+), %?[\w.\-]+\).*?"
+    r"lhs_contracting_dims=\{(?P<contract>[\d,]*)\}"
+)
 _DEFINED = re.compile(r"^\s*(?:ROOT )?%?(?P<name>[\w.\-]+) = (?P<type>\S+) ")
 
 

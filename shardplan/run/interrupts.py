@@ -32,7 +32,7 @@ def interrupt_once():
     try:
         yield
     finally:
-        if signal.getsignal(signal.SIGINT) is _on_sigint:      # no Ctrl-C came: leave the process as it was
+        if signal.getsignal(signal.SIGINT) is _on_sigint:  # no Ctrl-C came: leave the process as it was
             signal.signal(signal.SIGINT, previous)
 
 

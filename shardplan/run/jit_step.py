@@ -55,10 +55,13 @@ class JitStep:
             out = fn(*nodes, *args, **kwargs, **static)
             after = nnx.state(nodes)
             if jax.tree.structure(after) != treedef:
-                raise ValueError(f"{getattr(fn, '__name__', 'the step')} changed the structure of its model or "
-                                 "optimizer (added or removed variables); jit_step needs the same variables after "
-                                 "every call (nnx.jit takes a step that does)")
+                raise ValueError(
+                    f"{getattr(fn, '__name__', 'the step')} changed the structure of its model or "
+                    "optimizer (added or removed variables); jit_step needs the same variables after "
+                    "every call (nnx.jit takes a step that does)"
+                )
             return out, jax.tree.leaves(after)
+
         return pure
 
 

@@ -20,8 +20,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardplan.checks.layer_contract import (PipelineCallError, calling_without_updates, carried_dtype, check_output,
-                                              describe_value, is_array)
+from shardplan.checks.layer_contract import (
+    PipelineCallError,
+    calling_without_updates,
+    carried_dtype,
+    check_output,
+    describe_value,
+    is_array,
+)
 
 SPLIT, WHOLE, STATIC, RNGS = "split", "whole", "static", "rngs"
 
@@ -31,8 +37,8 @@ class CallArgs:
     """The arguments of one call, taken apart: hashable (a cache key for compiled runners) except
     for the array values, which `arrays` returns."""
 
-    treedef: Any                         # of (args, kwargs), each nnx.Rngs one leaf
-    kinds: tuple                         # per leaf: SPLIT | WHOLE | (STATIC, value) | (RNGS, streams)
+    treedef: Any  # of (args, kwargs), each nnx.Rngs one leaf
+    kinds: tuple  # per leaf: SPLIT | WHOLE | (STATIC, value) | (RNGS, streams)
 
     @classmethod
     def of(cls, args: tuple, kwargs: dict, rows: int) -> tuple["CallArgs", list, list, list]:
@@ -74,10 +80,12 @@ def draw_keys(rngs: list) -> list[dict]:
 
 def fold_keys(keys: list[dict], *data) -> list[dict]:
     """Keys of their own for one layer / microbatch / shard: each key folded with `data` in order."""
+
     def fold(key):
         for d in data:
             key = jax.random.fold_in(key, d)
         return key
+
     return [{name: fold(key) for name, key in streams.items()} for streams in keys]
 
 
@@ -87,7 +95,7 @@ class LayerCall:
 
     rest: CallArgs
     out_treedef: Any
-    carry: Any = None           # the wider dtype the layers' code returns, which the pipeline carries (None: the input's)
+    carry: Any = None  # the wider dtype the layers' code returns, which the pipeline carries (None: the input's)
 
     def entering(self, x):
         """The activation as the pipeline carries it."""
@@ -109,11 +117,13 @@ def describe_layer_call(layer: nnx.Module, args: tuple, kwargs: dict, where: str
     if not args or not is_array(args[0]) or args[0].ndim < 1:
         raise PipelineCallError(
             f"{where} is called with {describe_value(args[0]) if args else 'no positional argument'} first, but a pipeline "
-            "needs the activation (an array whose leading dim is the batch) as the first positional argument")
+            "needs the activation (an array whose leading dim is the batch) as the first positional argument"
+        )
     x = args[0]
     rest, split, whole, rngs = CallArgs.of(args[1:], kwargs, x.shape[0])
-    keys = [{name: jax.random.key(0) for name in streams} for kind in rest.kinds if kind[0] == RNGS
-            for streams in [kind[1]]]
+    keys = [
+        {name: jax.random.key(0) for name in streams} for kind in rest.kinds if kind[0] == RNGS for streams in [kind[1]]
+    ]
 
     def one_layer(layer, x, split, whole):
         out_args, out_kwargs = rest.rebuild(split, whole, keys)
@@ -125,12 +135,14 @@ def describe_layer_call(layer: nnx.Module, args: tuple, kwargs: dict, where: str
         except PipelineCallError:
             raise
         except Exception as error:
-            raise PipelineCallError(f"{where} fails when called with the model's arguments: "
-                                    f"{type(error).__name__}: {error}") from error
+            raise PipelineCallError(
+                f"{where} fails when called with the model's arguments: {type(error).__name__}: {error}"
+            ) from error
+
     out = traced(x)
     treedef = check_output(out, x, where)
     carry = carried_dtype(x.dtype, jax.tree.leaves(out)[0].dtype)
-    if carry is not None:       # carried wider from the first layer on: the layers must keep that dtype
+    if carry is not None:  # carried wider from the first layer on: the layers must keep that dtype
         widened = jax.ShapeDtypeStruct(x.shape, carry)
         treedef = check_output(traced(widened), widened, where)
     return LayerCall(rest, treedef, carry), split, whole, rngs

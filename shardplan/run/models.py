@@ -55,8 +55,9 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
         try:
             config[key.strip()] = yaml.safe_load(value)
         except yaml.YAMLError as exc:
-            raise ModelLoadError(f"--config {key.strip()}: {value!r} is not a YAML value "
-                                 f"({getattr(exc, 'problem', None) or exc})") from None
+            raise ModelLoadError(
+                f"--config {key.strip()}: {value!r} is not a YAML value ({getattr(exc, 'problem', None) or exc})"
+            ) from None
     return config
 
 
@@ -73,12 +74,15 @@ def resolve_factory(spec: str, paths: list[str] | tuple[str, ...] = ()):
     try:
         target: Any = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ModelLoadError(f"cannot import module {module_name!r} of model {spec!r}: {exc} (searched the "
-                             f"installed packages and {', '.join(dict.fromkeys(folders))}; add the folder that "
-                             "holds it with --path DIR, run from it, or install it)") from None
+        raise ModelLoadError(
+            f"cannot import module {module_name!r} of model {spec!r}: {exc} (searched the "
+            f"installed packages and {', '.join(dict.fromkeys(folders))}; add the folder that "
+            "holds it with --path DIR, run from it, or install it)"
+        ) from None
     except Exception as exc:
-        raise ModelLoadError(f"importing module {module_name!r} of model {spec!r} failed: "
-                             f"{type(exc).__name__}: {exc}") from None
+        raise ModelLoadError(
+            f"importing module {module_name!r} of model {spec!r} failed: {type(exc).__name__}: {exc}"
+        ) from None
     finally:
         for folder in added:
             if folder in sys.path:
@@ -130,21 +134,32 @@ def config_arguments(factory, config: dict[str, Any]) -> dict[str, Any]:
         return dict(config)
     name, config_class = holders[0]
     if not rest and parameters[name].default is not inspect.Parameter.empty:
-        return dict(config)           # nothing to set, and the factory has its own default config
+        return dict(config)  # nothing to set, and the factory has its own default config
     try:
         return {**direct, name: config_class(**rest)}
     except Exception as exc:
-        raise ModelLoadError(f"cannot build {config_class.__name__} (the factory's {name!r}) from {rest}: "
-                             f"{type(exc).__name__}: {exc}") from None
+        raise ModelLoadError(
+            f"cannot build {config_class.__name__} (the factory's {name!r}) from {rest}: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def _is_config_class(annotation) -> bool:
     from pydantic import BaseModel
+
     return isinstance(annotation, type) and (dataclasses.is_dataclass(annotation) or issubclass(annotation, BaseModel))
 
 
-def build_model(spec: str, config: dict[str, Any], *, abstract: bool = True, seed: int = 0, on_built=None,
-                paths: tuple[str, ...] = (), notice=None, eager: bool = False):
+def build_model(
+    spec: str,
+    config: dict[str, Any],
+    *,
+    abstract: bool = True,
+    seed: int = 0,
+    on_built=None,
+    paths: tuple[str, ...] = (),
+    notice=None,
+    eager: bool = False,
+):
     """Call the factory with `config` (and `rngs=` if it takes one); abstract via `nnx.eval_shape`.
 
     `config` keys the factory does not take fill its config object (see `config_arguments`).
@@ -192,6 +207,7 @@ def build_model(spec: str, config: dict[str, Any], *, abstract: bool = True, see
 
 def _on_cpu(construct):
     import jax
+
     with jax.default_device(jax.devices("cpu")[0]):
         return construct()
 
@@ -200,20 +216,27 @@ def _eager_instead(spec: str, construct, abstract_error: BaseException, notice, 
     """The model built for real on the CPU, after its abstract build failed for a trace reason."""
     import jax
     import numpy as np
+
     cause = f"{type(abstract_error).__name__}: {first_line(abstract_error)}".rstrip(": ")
-    why = (f"model factory {spec!r} cannot be built abstractly (nnx.eval_shape: {cause}); this happens when its "
-           "constructor uses an nnx.Rngs made outside it, such as a default argument `rngs=nnx.Rngs(0)`")
+    why = (
+        f"model factory {spec!r} cannot be built abstractly (nnx.eval_shape: {cause}); this happens when its "
+        "constructor uses an nnx.Rngs made outside it, such as a default argument `rngs=nnx.Rngs(0)`"
+    )
     try:
         model = _on_cpu(construct)
     except (Exception, SystemExit) as exc:
-        raise ModelLoadError(f"{why}; building it eagerly on the CPU failed too ({type(exc).__name__}: "
-                             f"{first_line(exc)}). Way out: pass `rngs` on to every "
-                             "submodule the factory builds (or give the factory an `rngs` argument), so that it "
-                             "builds abstractly") from None
+        raise ModelLoadError(
+            f"{why}; building it eagerly on the CPU failed too ({type(exc).__name__}: "
+            f"{first_line(exc)}). Way out: pass `rngs` on to every "
+            "submodule the factory builds (or give the factory an `rngs` argument), so that it "
+            "builds abstractly"
+        ) from None
     leaves = [x for x in jax.tree.leaves(nnx.state(model, nnx.Param)) if hasattr(x, "shape")]
     size = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in leaves)
     shown = f"{size / 2**20:,.2f} MiB" if size >= 2**20 else f"{size / 2**10:,.1f} KiB"
     if notice is not None:
-        notice(f"{why}; built it eagerly on the CPU instead ({sum(int(np.prod(x.shape)) for x in leaves):,} "
-               f"parameters, {shown}); --eager skips the abstract try")
+        notice(
+            f"{why}; built it eagerly on the CPU instead ({sum(int(np.prod(x.shape)) for x in leaves):,} "
+            f"parameters, {shown}); --eager skips the abstract try"
+        )
     return model

@@ -17,8 +17,8 @@ import optax
 
 
 class MasterState(NamedTuple):
-    master: optax.Params        # float32 copies of the parameters, updated by `inner`
-    inner: optax.OptState       # the wrapped transformation's state, over the masters
+    master: optax.Params  # float32 copies of the parameters, updated by `inner`
+    inner: optax.OptState  # the wrapped transformation's state, over the masters
 
 
 def _floating(x) -> bool:
@@ -43,8 +43,11 @@ def master_weights(tx: optax.GradientTransformation, dtype=jnp.float32) -> optax
         master = optax.apply_updates(state.master, updates)
         # The difference of two values of the narrow dtype is exact in float32, so applying it gives
         # exactly the master's rounding.
-        step = jax.tree.map(lambda m, p: m.astype(p.dtype).astype(dtype) - p.astype(dtype) if _floating(p)
-                            else jnp.zeros_like(p), master, params)
+        step = jax.tree.map(
+            lambda m, p: m.astype(p.dtype).astype(dtype) - p.astype(dtype) if _floating(p) else jnp.zeros_like(p),
+            master,
+            params,
+        )
         return step, MasterState(master, inner)
 
     return optax.GradientTransformation(init, update)
@@ -57,13 +60,15 @@ def padded_state(tx: optax.GradientTransformation, widths: list[int]) -> optax.G
 
     def pad(tree):
         leaves, treedef = jax.tree.flatten(tree)
-        return treedef.unflatten([x if not w else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, w)])
-                                  for x, w in zip(leaves, widths)])
+        return treedef.unflatten(
+            [x if not w else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, w)]) for x, w in zip(leaves, widths)]
+        )
 
     def cut(tree):
         leaves, treedef = jax.tree.flatten(tree)
-        return treedef.unflatten([x if not w else _last_dim_whole(x)[..., :x.shape[-1] - w]
-                                  for x, w in zip(leaves, widths)])
+        return treedef.unflatten(
+            [x if not w else _last_dim_whole(x)[..., : x.shape[-1] - w] for x, w in zip(leaves, widths)]
+        )
 
     def init(params):
         return tx.init(pad(params))
@@ -83,20 +88,23 @@ def _last_dim_whole(x):
     spec = tuple(getattr(sharding, "spec", ()) or ())
     if len(spec) < x.ndim or spec[x.ndim - 1] is None:
         return x
-    return jax.sharding.reshard(x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(
-        *spec[:x.ndim - 1], None)))
+    return jax.sharding.reshard(
+        x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[: x.ndim - 1], None))
+    )
 
 
 def optimizer_state(optimizer):
     """The optimizer's own state (step count and the transformation's state), without the model an
     optimizer that holds it (`nnx.ModelAndOptimizer`, shardplan's) carries."""
     from flax import nnx
+
     return nnx.state(optimizer, nnx.OptState)
 
 
 def _unpadded(optimizer):
     """(keys, value, (shape, sharding) or None) of every optimizer-state variable."""
     from flax import nnx
+
     for keys, variable in nnx.to_flat_state(optimizer_state(optimizer)):
         yield keys, variable.get_value(), variable.get_metadata().get("unpadded")
 
@@ -111,10 +119,11 @@ def plain_state(optimizer) -> dict:
     """The optimizer's state as a pure dict, padded ZeRO-1 leaves cut to their parameter's shape (what
     checkpoints keep: it does not depend on the data size)."""
     from flax import nnx
+
     pure = nnx.to_pure_dict(optimizer_state(optimizer))
     for keys, value, unpadded in _unpadded(optimizer):
         if unpadded is not None:
-            _put(pure, keys, value[..., :unpadded[0][-1]])
+            _put(pure, keys, value[..., : unpadded[0][-1]])
     return pure
 
 
@@ -122,6 +131,7 @@ def plain_abstract(optimizer) -> dict:
     """Shapes, dtypes and shardings of `plain_state`, placed as the optimizer is now (a padded leaf as
     its parameter): restoring into them reshards the saved arrays."""
     from flax import nnx
+
     pure = nnx.to_pure_dict(optimizer_state(optimizer))
     for keys, value, unpadded in _unpadded(optimizer):
         shape, sharding = unpadded if unpadded is not None else (value.shape, value.sharding)
@@ -132,7 +142,8 @@ def plain_abstract(optimizer) -> dict:
 def load_plain_state(optimizer, pure: dict) -> None:
     """Set the optimizer's state from a pure dict of `plain_state`'s layout, padding ZeRO-1 leaves again."""
     from flax import nnx
-    pure = jax.tree.map(lambda x: x, pure)          # a copy: the caller's dict stays as it is
+
+    pure = jax.tree.map(lambda x: x, pure)  # a copy: the caller's dict stays as it is
     for keys, target, unpadded in _unpadded(optimizer):
         if unpadded is not None:
             value = pure

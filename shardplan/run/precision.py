@@ -33,12 +33,15 @@ def follow_plan_dtype(model, dtype) -> list[str]:
     """
     changed = []
     for path, module in module_paths(model):
-        own = {jnp.dtype(v.get_value().dtype) for v in vars(module).values()
-               if isinstance(v, nnx.Param) and floating(v.get_value())}
+        own = {
+            jnp.dtype(v.get_value().dtype)
+            for v in vars(module).values()
+            if isinstance(v, nnx.Param) and floating(v.get_value())
+        }
         current = getattr(module, "dtype", None)
         try:
             current = jnp.dtype(current) if current is not None else None
-        except TypeError:           # a model's own attribute of that name, not a dtype
+        except TypeError:  # a model's own attribute of that name, not a dtype
             continue
         if current in own and current != dtype:
             module.dtype = dtype
@@ -61,8 +64,10 @@ def wide_matmuls(model, dtype, call: Callable) -> tuple[int, int, str]:
 
     def forward(params, rest):
         return call(nnx.merge(graphdef, params, rest))
-    jaxpr = jax.make_jaxpr(forward)(jax.tree.map(lambda a: abstract(a, True), params),
-                                    jax.tree.map(lambda a: abstract(a, False), rest)).jaxpr
+
+    jaxpr = jax.make_jaxpr(forward)(
+        jax.tree.map(lambda a: abstract(a, True), params), jax.tree.map(lambda a: abstract(a, False), rest)
+    ).jaxpr
     wide = total = 0
     first = ""
     for eqn in equations(jaxpr):
@@ -85,12 +90,19 @@ def _breaks_forward(plan, field: str, dtype, model, call: Callable, error: Excep
     except Exception:
         return []
     reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
-    return [Diagnostic(
-        "precision-breaks-forward", "error",
-        f"precision.{field} is {dtype.name}, and the model's forward, which runs in its own dtypes, fails with its "
-        f"parameters in {dtype.name}: {reason}", file=plan.file, line=where[0], column=where[1],
-        hint=f"make the model's code keep the dtype it is given (e.g. a layer run by a scan returns its input's "
-             f"dtype: `return y.astype(x.dtype)`), or leave precision.{field} out")]
+    return [
+        Diagnostic(
+            "precision-breaks-forward",
+            "error",
+            f"precision.{field} is {dtype.name}, and the model's forward, which runs in its own dtypes, fails with its "
+            f"parameters in {dtype.name}: {reason}",
+            file=plan.file,
+            line=where[0],
+            column=where[1],
+            hint=f"make the model's code keep the dtype it is given (e.g. a layer run by a scan returns its input's "
+            f"dtype: `return y.astype(x.dtype)`), or leave precision.{field} out",
+        )
+    ]
 
 
 def floating(a) -> bool:
@@ -109,10 +121,17 @@ def precision_diagnostics(plan, model, call: Callable):
         return _breaks_forward(plan, field, dtype, model, call, error, (line, column))
     if not wide:
         return []
-    return [Diagnostic(
-        "precision-not-applied", "warning",
-        f"precision.{field} is {dtype.name}, but {wide} of the forward's {total} matmuls get wider operands "
-        f"from the model's own code (e.g. {first}): they run, and keep what the backward needs, in that dtype, "
-        f"while the cost model counts {dtype.name}", file=plan.file, line=line, column=column,
-        hint=f"set the model's own compute dtype (a `dtype` in its config or modules) to {dtype.name}, or leave "
-             f"precision.{field} out")]
+    return [
+        Diagnostic(
+            "precision-not-applied",
+            "warning",
+            f"precision.{field} is {dtype.name}, but {wide} of the forward's {total} matmuls get wider operands "
+            f"from the model's own code (e.g. {first}): they run, and keep what the backward needs, in that dtype, "
+            f"while the cost model counts {dtype.name}",
+            file=plan.file,
+            line=line,
+            column=column,
+            hint=f"set the model's own compute dtype (a `dtype` in its config or modules) to {dtype.name}, or leave "
+            f"precision.{field} out",
+        )
+    ]

@@ -40,6 +40,7 @@ class PreemptionWatch:
     def __init__(self, *, grace_s: float, give_up: Callable[[], None], notice: Callable[[], None] = lambda: None):
         import jax
         from jax._src import distributed
+
         self.grace_s, self._give_up, self._notice = grace_s, give_up, notice
         self._noticed_at: float | None = None
         self._timer: threading.Timer | None = None
@@ -49,7 +50,7 @@ class PreemptionWatch:
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum, frame) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)        # a second notice stops the process at once
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second notice stops the process at once
         self._start()
 
     def _start(self) -> None:
@@ -73,6 +74,7 @@ class PreemptionWatch:
         """Whether to save `step` and stop (the same answer on every process of the run)."""
         if self._jax_service:
             from jax.experimental import multihost_utils
+
             if multihost_utils.reached_preemption_sync_point(step):
                 self._start()
                 return True

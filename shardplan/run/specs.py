@@ -22,6 +22,7 @@ def pin(value, sharding):
     only automatic axes, sets the rest (the explicit axes' entries left out)."""
     import jax
     from jax.sharding import AxisType, NamedSharding
+
     mesh = sharding.mesh
     explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind == AxisType.Explicit}
     if not explicit:

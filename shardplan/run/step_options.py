@@ -30,10 +30,10 @@ from shardplan.plan.schema import Plan, normalize_spec
 class Options:
     """What wraps one module's call (hashable: it keys the subclass cache)."""
 
-    sharding: NamedSharding | None = None       # of the module's output
-    remat: str | None = None                    # "full" or a jax.checkpoint_policies name
-    compute: str | None = None                  # root only: dtype the call runs in
-    accumulate: int = 1                         # root only: microbatches `model_loss` runs in turn
+    sharding: NamedSharding | None = None  # of the module's output
+    remat: str | None = None  # "full" or a jax.checkpoint_policies name
+    compute: str | None = None  # root only: dtype the call runs in
+    accumulate: int = 1  # root only: microbatches `model_loss` runs in turn
 
 
 def planned_options(plan: Plan, model, mesh) -> dict[int, Options]:
@@ -45,7 +45,8 @@ def planned_options(plan: Plan, model, mesh) -> dict[int, Options]:
             sharding=NamedSharding(mesh, partition_spec(normalize_spec(activation.spec))) if activation else None,
             remat=remat.policy if remat and remat.policy != "none" else None,
             compute=plan.precision.compute if path == "" else None,
-            accumulate=plan.accumulate if path == "" else 1)
+            accumulate=plan.accumulate if path == "" else 1,
+        )
         if options != Options():
             found[id(module)] = options
     return found
@@ -68,8 +69,11 @@ def apply_step_options(plan: Plan, model, mesh) -> None:
         for _, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
             value = variable.get_value()
             if floating(value):
-                variable.set_value(value.astype(dtype) if not isinstance(value, jax.ShapeDtypeStruct) else
-                                   jax.ShapeDtypeStruct(value.shape, dtype, sharding=value.sharding))
+                variable.set_value(
+                    value.astype(dtype)
+                    if not isinstance(value, jax.ShapeDtypeStruct)
+                    else jax.ShapeDtypeStruct(value.shape, dtype, sharding=value.sharding)
+                )
     options = planned_options(plan, model, mesh)
     for _, module in module_paths(model):
         if id(module) in options and not hasattr(type(module), "_shardplan_options"):
@@ -78,17 +82,23 @@ def apply_step_options(plan: Plan, model, mesh) -> None:
 
 @functools.cache
 def _wrapped_class(cls: type, options: Options) -> type:
-    @functools.wraps(cls.__call__)          # keeps the signature that callers inspect
+    @functools.wraps(cls.__call__)  # keeps the signature that callers inspect
     def __call__(self, *args, **kwargs):
         return _call(cls.__call__, options, self, args, kwargs)
-    namespace = {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                 "_shardplan_options": options}
+
+    namespace = {
+        "__call__": __call__,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "_shardplan_options": options,
+    }
     return type(cls)(cls.__name__, (cls,), namespace)
 
 
 def _call(original, options: Options, module, args: tuple, kwargs: dict):
     def run(module, args, kwargs):
         return original(module, *args, **kwargs)
+
     if options.remat:
         run = _rematerialised(run, options.remat)
     if options.compute:
@@ -101,6 +111,7 @@ def _call(original, options: Options, module, args: tuple, kwargs: dict):
         def automatic(state, args, kwargs):
             copy = nnx.merge(graphdef, state)
             return run(copy, args, kwargs), nnx.state(copy, nnx.Not(nnx.Param))
+
         kept = _shardings(nnx.state(module, nnx.Not(nnx.Param)))
         whole = NamedSharding(options.sharding.mesh, jax.sharding.PartitionSpec())
         shapes, _ = jax.eval_shape(jax.sharding.auto_axes(automatic, out_sharding=(whole, kept)), state, args, kwargs)
@@ -108,7 +119,7 @@ def _call(original, options: Options, module, args: tuple, kwargs: dict):
         fitted = jax.tree.map(lambda s: _fitted(options.sharding, s.shape), shapes)
         typed = jax.tree.map(lambda s: _explicit_only(s), fitted)
         out, rest = jax.sharding.auto_axes(automatic, out_sharding=(typed, kept))(state, args, kwargs)
-        if jax.tree.leaves(rest):          # batch statistics, RNG counters
+        if jax.tree.leaves(rest):  # batch statistics, RNG counters
             nnx.update(module, rest)
         return jax.tree.map(lambda a, s: pin(a, s), out, fitted)
     out = run(module, args, kwargs)
@@ -125,13 +136,13 @@ def _explicit_only(sharding: NamedSharding) -> NamedSharding:
     """`sharding` naming only the mesh's explicit axes (what `auto_axes` may hand its outputs back with)."""
     mesh = sharding.mesh
     explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit}
-    return NamedSharding(mesh, jax.sharding.PartitionSpec(*[_without(e, set(mesh.axis_names) - explicit)
-                                                            for e in sharding.spec]))
+    return NamedSharding(
+        mesh, jax.sharding.PartitionSpec(*[_without(e, set(mesh.axis_names) - explicit) for e in sharding.spec])
+    )
 
 
 def _explicit_axes(mesh) -> bool:
     return any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
-
 
 
 def _constrain(value, sharding: NamedSharding):
@@ -141,8 +152,13 @@ def _constrain(value, sharding: NamedSharding):
     if not isinstance(value, jax.Array):
         return value
     context = jax.sharding.get_abstract_mesh()
-    manual = set() if context.empty else {name for name, kind in zip(context.axis_names, context.axis_types)
-                                          if kind == jax.sharding.AxisType.Manual}
+    manual = (
+        set()
+        if context.empty
+        else {
+            name for name, kind in zip(context.axis_names, context.axis_types) if kind == jax.sharding.AxisType.Manual
+        }
+    )
     if not manual:
         return pin(value, _fitted(sharding, value.shape))
     spec = jax.sharding.PartitionSpec(*[_without(entry, manual) for entry in sharding.spec])
@@ -160,7 +176,7 @@ def _fitted(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
     example batch."""
     sizes = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_sizes))
     entries = []
-    for dim, entry in enumerate(tuple(sharding.spec)[:len(shape)]):
+    for dim, entry in enumerate(tuple(sharding.spec)[: len(shape)]):
         axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
         ways = 1
         for axis in axes:
@@ -183,13 +199,16 @@ def _rematerialised(run, policy: str):
                 full[i] = value
             args, kwargs = jax.tree.unflatten(treedef, full)
             return run(module, args, kwargs)
+
         return nnx.remat(inner, policy=saving)(module, [leaves[i] for i in dynamic])
+
     return remat_run
 
 
 def _in_dtype(run, dtype):
     """`run` on a copy of the module whose floating parameters are cast to `dtype` (gradients flow back
     to the stored ones); floating outputs in `dtype` come back in the parameters' dtype."""
+
     def cast_run(module, args, kwargs):
         graphdef, params, rest = nnx.split(module, nnx.Param, ...)
         # (1F1B's head replays the model with plain-number placeholders for the layers' weights)
@@ -200,7 +219,8 @@ def _in_dtype(run, dtype):
         out = run(copy, args, kwargs)
         after = nnx.state(copy, nnx.Not(nnx.Param))
         if any(a is not b for a, b in zip(jax.tree.leaves(after), before)):
-            nnx.update(module, after)                                  # batch statistics, RNG counters
+            nnx.update(module, after)  # batch statistics, RNG counters
         back = max(stored, key=lambda d: jnp.dtype(d).itemsize) if stored else dtype
         return jax.tree.map(lambda a: a.astype(back) if hasattr(a, "dtype") and a.dtype == dtype else a, out)
+
     return cast_run

@@ -22,11 +22,13 @@ FAILURES = ("wrong", "failed", "abort", "hang", "not-refused", "refused-otherwis
 
 
 # --only: which drawn cases run (the others are drawn and passed over, so a case keeps its seed's id)
-FOCUS = {"experts-in-stages": lambda case: "experts" in case["plan"] and "pipeline" in case["plan"],
-         "bfloat16": lambda case: "bfloat16" in (case["plan"].get("precision") or {}).values(),
-         "explicit-axes": lambda case: "types" in case["plan"]["mesh"],
-         "nested": lambda case: case["config"].get("nested", False),
-         "stacked": lambda case: bool(case["config"].get("stacked"))}
+FOCUS = {
+    "experts-in-stages": lambda case: "experts" in case["plan"] and "pipeline" in case["plan"],
+    "bfloat16": lambda case: "bfloat16" in (case["plan"].get("precision") or {}).values(),
+    "explicit-axes": lambda case: "types" in case["plan"]["mesh"],
+    "nested": lambda case: case["config"].get("nested", False),
+    "stacked": lambda case: bool(case["config"].get("stacked")),
+}
 
 
 def cases(seed: int, count: int, schedule: str | None = None, only: str | None = None) -> list[dict]:
@@ -79,10 +81,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minimise", action="store_true", help="shrink each failure to a smallest plan")
     parser.add_argument("--replay", type=Path, help="run one saved case again and print its result")
     parser.add_argument("--matrix", type=Path, help="write the support matrix of this run (markdown) to this file")
-    parser.add_argument("--schedule", choices=SCHEDULES,
-                        help="every pipelined case runs this schedule where its stages allow (default: drawn)")
-    parser.add_argument("--only", choices=sorted(FOCUS), help="run only the drawn cases of this kind (ids stay "
-                                                               "the seed's)")
+    parser.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        help="every pipelined case runs this schedule where its stages allow (default: drawn)",
+    )
+    parser.add_argument(
+        "--only", choices=sorted(FOCUS), help="run only the drawn cases of this kind (ids stay the seed's)"
+    )
     args = parser.parse_args(argv)
     if args.replay:
         try:
@@ -101,8 +107,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def progress(k, case, result):
         mark = "FAIL " if result["status"] in FAILURES else ""
-        print(f"[{time.monotonic() - started:6.0f} s] case {k}: {case['kind']} {case['plan']['mesh']['axes']} "
-              f"{mark}{result['status']} {' '.join(result['codes'])} {result['detail'][:200]}", flush=True)
+        print(
+            f"[{time.monotonic() - started:6.0f} s] case {k}: {case['kind']} {case['plan']['mesh']['axes']} "
+            f"{mark}{result['status']} {' '.join(result['codes'])} {result['detail'][:200]}",
+            flush=True,
+        )
+
     results = run_all(todo, jobs=args.jobs, timeout=args.timeout, progress=progress)
     counts = collections.Counter(r["status"] for r in results)
     failed = [(c, r) for c, r in zip(todo, results) if r["status"] in FAILURES]

@@ -11,12 +11,34 @@ import random
 
 from .models import DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, SEQ, VOCAB
 
-NAMES = ("data", "batch", "dp", "fsdp", "model", "tp", "mp", "tensor", "stage", "pp", "pipe", "context", "cp",
-         "seq", "expert", "ep", "x", "y", "z")
+NAMES = (
+    "data",
+    "batch",
+    "dp",
+    "fsdp",
+    "model",
+    "tp",
+    "mp",
+    "tensor",
+    "stage",
+    "pp",
+    "pipe",
+    "context",
+    "cp",
+    "seq",
+    "expert",
+    "ep",
+    "x",
+    "y",
+    "z",
+)
 REMAT = ("full", "none", "dots_saveable", "nothing_saveable", "dots_with_no_batch_dims_saveable")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
-FACTORIES = {"llama": "tests.combinations.models:Llama", "gpt2": "tests.combinations.models:GPT2",
-             "moe": "tests.combinations.models:MoEDecoder"}
+FACTORIES = {
+    "llama": "tests.combinations.models:Llama",
+    "gpt2": "tests.combinations.models:GPT2",
+    "moe": "tests.combinations.models:MoEDecoder",
+}
 
 
 def _factorisations(n: int, parts: int) -> list[tuple[int, ...]]:
@@ -29,22 +51,28 @@ def _families(kind: str) -> list[tuple[str, tuple[int, ...], tuple[int | None, .
     """(rule pattern, the weight's shape, (the dim a tensor axis splits, the dim FSDP splits)) per weight family."""
     if kind == "gpt2":
         head = DIM // HEADS
-        return [(r"wte/embedding", (VOCAB, DIM), (0, 1)),
-                (r"blocks/\d+/attn/(query|key|value)/kernel", (DIM, HEADS, head), (1, 0)),
-                (r"blocks/\d+/attn/(query|key|value)/bias", (HEADS, head), (0, None)),
-                (r"blocks/\d+/attn/out/kernel", (HEADS, head, DIM), (0, 2)),
-                (r"blocks/\d+/fc/kernel", (DIM, HIDDEN), (1, 0)),
-                (r"blocks/\d+/fc/bias", (HIDDEN,), (0, None)),
-                (r"blocks/\d+/proj/kernel", (HIDDEN, DIM), (0, 1))]
+        return [
+            (r"wte/embedding", (VOCAB, DIM), (0, 1)),
+            (r"blocks/\d+/attn/(query|key|value)/kernel", (DIM, HEADS, head), (1, 0)),
+            (r"blocks/\d+/attn/(query|key|value)/bias", (HEADS, head), (0, None)),
+            (r"blocks/\d+/attn/out/kernel", (HEADS, head, DIM), (0, 2)),
+            (r"blocks/\d+/fc/kernel", (DIM, HIDDEN), (1, 0)),
+            (r"blocks/\d+/fc/bias", (HIDDEN,), (0, None)),
+            (r"blocks/\d+/proj/kernel", (HIDDEN, DIM), (0, 1)),
+        ]
     head = DIM // HEADS
-    families = [(r"embed/embedding", (VOCAB, DIM), (0, 1)),
-                (r"blocks/\d+/attn/wq", (DIM, HEADS, head), (1, 0)),
-                (r"blocks/\d+/attn/w(k|v)", (DIM, KV_HEADS, head), (1, 0)),
-                (r"blocks/\d+/attn/wo", (HEADS, head, DIM), (0, 2)),
-                (r"head/kernel", (DIM, VOCAB), (1, 0))]
+    families = [
+        (r"embed/embedding", (VOCAB, DIM), (0, 1)),
+        (r"blocks/\d+/attn/wq", (DIM, HEADS, head), (1, 0)),
+        (r"blocks/\d+/attn/w(k|v)", (DIM, KV_HEADS, head), (1, 0)),
+        (r"blocks/\d+/attn/wo", (HEADS, head, DIM), (0, 2)),
+        (r"head/kernel", (DIM, VOCAB), (1, 0)),
+    ]
     if kind == "llama":
-        families += [(r"blocks/\d+/mlp/(gate|up)/kernel", (DIM, HIDDEN), (1, 0)),
-                     (r"blocks/\d+/mlp/down/kernel", (HIDDEN, DIM), (0, 1))]
+        families += [
+            (r"blocks/\d+/mlp/(gate|up)/kernel", (DIM, HIDDEN), (1, 0)),
+            (r"blocks/\d+/mlp/down/kernel", (HIDDEN, DIM), (0, 1)),
+        ]
     return families
 
 
@@ -52,7 +80,7 @@ def _spec(shape, dims, tensor, fsdp, sizes, rng) -> list | None:
     """A spec for one family: replicated, tensor-split, FSDP-split or both, where the axes divide."""
     spec = [None] * len(shape)
     t_dim, f_dim = dims
-    if f_dim is not None and rng.random() < 0.2:      # the tensor axis on the other dim (a row-parallel input)
+    if f_dim is not None and rng.random() < 0.2:  # the tensor axis on the other dim (a row-parallel input)
         t_dim, f_dim = f_dim, t_dim
     if tensor and rng.random() < 0.7 and shape[t_dim] % sizes[tensor] == 0:
         spec[t_dim] = tensor
@@ -84,20 +112,20 @@ def draw(rng: random.Random, index: int, schedule: str | None = None) -> dict:
     `schedule`: the pipeline's, where the stages allow it."""
     devices = rng.choice((8, 8, 6))
     kind = rng.choice(("llama", "gpt2", "moe"))
-    config = {"experts": 8 if devices == 8 else 6, "form": rng.choice(("sorted", "loop", "dense"))} \
-        if kind == "moe" else {}
+    config = (
+        {"experts": 8 if devices == 8 else 6, "form": rng.choice(("sorted", "loop", "dense"))} if kind == "moe" else {}
+    )
     count = rng.choice((1, 2, 2, 3))
     options = _factorisations(devices, count) or _factorisations(devices, 2)
     sizes_list = list(rng.choice(options))
-    if rng.random() < 0.08:          # a degenerate axis of size 1
+    if rng.random() < 0.08:  # a degenerate axis of size 1
         sizes_list.append(1)
     names = rng.sample(NAMES, len(sizes_list))
     sizes = dict(zip(names, sizes_list))
     roles = _roles(kind, sizes, rng)
     plan = _plan(kind, config, sizes, roles, rng, schedule)
     rows = _rows(plan, sizes, roles)
-    case = {"id": index, "devices": devices, "kind": kind, "config": config, "rows": rows, "plan": plan,
-            "expect": None}
+    case = {"id": index, "devices": devices, "kind": kind, "config": config, "rows": rows, "plan": plan, "expect": None}
     _explicit_axes(case, sizes)
     if rng.random() < 0.25:
         _break(case, sizes, roles, rng)
@@ -121,11 +149,12 @@ def _nested(case: dict) -> None:
     own = random.Random(f"nested:{case['id']}:{json.dumps(case['plan'], sort_keys=True)}")
     if own.random() >= 0.2:
         return
-    case["config"]["nested"] = True          # (the plan's `model.config` is the same dict)
+    case["config"]["nested"] = True  # (the plan's `model.config` is the same dict)
     plan = case["plan"]
 
     def moved(pattern: str) -> str:
         return "|".join("decoder/" + part if part.startswith("blocks") else part for part in pattern.split("|"))
+
     for section in ("params", "activations", "remat"):
         for rule in plan.get(section, []):
             rule["match"] = moved(rule["match"])
@@ -169,15 +198,19 @@ def _roles(kind: str, sizes: dict, rng: random.Random) -> dict:
     return {job: name for name, job in roles.items()}
 
 
-def _plan(kind: str, config: dict, sizes: dict, roles: dict, rng: random.Random,
-          schedule: str | None = None) -> dict:
+def _plan(kind: str, config: dict, sizes: dict, roles: dict, rng: random.Random, schedule: str | None = None) -> dict:
     data, tensor, stage, context, expert = (roles.get(j) for j in ("data", "tensor", "stage", "context", "expert"))
     batch = [a for a in (data, expert) if a]
     batch_entry = None if not batch else batch[0] if len(batch) == 1 else batch
     inputs = {name: {"spec": [batch_entry, context], "shape": [0, SEQ]} for name in ("tokens", "positions")}
-    plan = {"version": 1, "name": f"combination-{kind}",
-            "model": {"factory": FACTORIES[kind], "config": config},
-            "mesh": {"axes": dict(sizes)}, "inputs": inputs, "params": []}
+    plan = {
+        "version": 1,
+        "name": f"combination-{kind}",
+        "model": {"factory": FACTORIES[kind], "config": config},
+        "mesh": {"axes": dict(sizes)},
+        "inputs": inputs,
+        "params": [],
+    }
     fsdp = data if rng.random() < 0.5 else None
     for pattern, shape, dims in _families(kind):
         spec = _spec(shape, dims, tensor, fsdp, sizes, rng)
@@ -214,8 +247,11 @@ def _plan(kind: str, config: dict, sizes: dict, roles: dict, rng: random.Random,
     if context:
         # (ring replaces nnx.MultiHeadAttention's and jax.nn's attention: the einsum models mostly get all_gather)
         ring = rng.random() < (0.6 if kind == "gpt2" else 0.15)
-        plan["context"] = {"axis": context, "strategy": "ring" if ring else "all_gather",
-                           "load_balance": rng.random() < 0.4}
+        plan["context"] = {
+            "axis": context,
+            "strategy": "ring" if ring else "all_gather",
+            "load_balance": rng.random() < 0.4,
+        }
     return plan
 
 
@@ -224,7 +260,7 @@ def _pipeline(stages: int, axis: str, rng: random.Random, schedule: str | None =
     # `schedule` sets zb-v, or any other, for every pipeline whose stages allow it)
     drawn = rng.choice(SCHEDULES[:4])
     schedule = schedule or drawn
-    if schedule == "zb-v" and LAYERS % (2 * stages):       # (two chunks per stage: 2S must divide the layers)
+    if schedule == "zb-v" and LAYERS % (2 * stages):  # (two chunks per stage: 2S must divide the layers)
         schedule = drawn
     pipe = {"axis": axis, "layers": "blocks", "schedule": schedule, "microbatches": rng.choice((1, 2, 4))}
     if schedule in ("1f1b", "interleaved") and LAYERS % (2 * stages) == 0 and rng.random() < 0.4:
@@ -269,7 +305,8 @@ def _break(case: dict, sizes: dict, roles: dict, rng: random.Random) -> None:
         plan["inputs"]["tokens"]["spec"] = ["nosuch", None]
     elif code == "unmatched-param":
         plan["params"] = [r for r in plan["params"] if r["match"] != ".*"] or [
-            {"match": "(embed|wte)/embedding", "spec": "replicated"}]
+            {"match": "(embed|wte)/embedding", "spec": "replicated"}
+        ]
         plan["unmatched"] = "error"
     elif code == "mesh-size-mismatch":
         plan["mesh"]["axes"][names[0]] *= 2
@@ -280,8 +317,9 @@ def _break(case: dict, sizes: dict, roles: dict, rng: random.Random) -> None:
     elif code == "accumulate-with-pipeline":
         plan["accumulate"] = 2
     elif code == "pipeline-axis-in-spec":
-        plan["params"].insert(0, {"match": r"blocks/\d+/.*norm\w*/scale|blocks/\d+/ln\d/scale",
-                                  "spec": [plan["pipeline"]["axis"]]})
+        plan["params"].insert(
+            0, {"match": r"blocks/\d+/.*norm\w*/scale|blocks/\d+/ln\d/scale", "spec": [plan["pipeline"]["axis"]]}
+        )
     elif code == "stage-out-of-range":
         plan["pipeline"]["stages"] = [{"match": r"blocks/\d+", "stage": sizes[plan["pipeline"]["axis"]]}]
     elif code == "context-no-axis":

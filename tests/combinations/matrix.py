@@ -7,10 +7,31 @@ import collections
 import itertools
 
 # In the table's order.
-FEATURES = ("data", "tensor", "FSDP", "zero1", "accumulate", "remat", "bf16 compute", "bf16 + masters",
-            "activations", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "virtual stages", "unequal stages",
-            "ends on stages", "context all_gather", "context ring", "load balance", "experts dropless",
-            "experts capacity", "experts on data")
+FEATURES = (
+    "data",
+    "tensor",
+    "FSDP",
+    "zero1",
+    "accumulate",
+    "remat",
+    "bf16 compute",
+    "bf16 + masters",
+    "activations",
+    "gpipe",
+    "1f1b",
+    "interleaved",
+    "zb-h1",
+    "zb-v",
+    "virtual stages",
+    "unequal stages",
+    "ends on stages",
+    "context all_gather",
+    "context ring",
+    "load balance",
+    "experts dropless",
+    "experts capacity",
+    "experts on data",
+)
 
 
 def features(case: dict) -> list[str]:
@@ -22,17 +43,22 @@ def features(case: dict) -> list[str]:
     expert_axis = experts["axis"] if experts else None
     pipe = plan.get("pipeline")
     stage_axis = {pipe["axis"]} if pipe else set()
-    found = {"data": bool(batch_axes),
-             "tensor": any(set(axes) - batch_axes - stage_axis for _, axes in spec_axes),
-             "FSDP": any(set(axes) & batch_axes for match, axes in spec_axes if "w_(gate" not in match),
-             "zero1": plan.get("optimizer") == "zero1", "accumulate": plan.get("accumulate", 1) > 1,
-             "remat": bool(plan.get("remat")), "activations": bool(plan.get("activations")),
-             "bf16 compute": plan.get("precision", {}).get("compute") == "bfloat16",
-             "bf16 + masters": plan.get("precision", {}).get("master") == "float32"}
+    found = {
+        "data": bool(batch_axes),
+        "tensor": any(set(axes) - batch_axes - stage_axis for _, axes in spec_axes),
+        "FSDP": any(set(axes) & batch_axes for match, axes in spec_axes if "w_(gate" not in match),
+        "zero1": plan.get("optimizer") == "zero1",
+        "accumulate": plan.get("accumulate", 1) > 1,
+        "remat": bool(plan.get("remat")),
+        "activations": bool(plan.get("activations")),
+        "bf16 compute": plan.get("precision", {}).get("compute") == "bfloat16",
+        "bf16 + masters": plan.get("precision", {}).get("master") == "float32",
+    }
     if pipe:
         found[pipe["schedule"]] = True
-        found["ends on stages"] = any(set(axes) & stage_axis for match, axes in spec_axes
-                                      if not match.startswith("blocks"))
+        found["ends on stages"] = any(
+            set(axes) & stage_axis for match, axes in spec_axes if not match.startswith("blocks")
+        )
         found["virtual stages"] = pipe.get("virtual_stages", 1) > 1
         found["unequal stages"] = isinstance(pipe.get("stages"), list)
     context = plan.get("context")
@@ -81,16 +107,17 @@ def render(cells: dict, *, cases: int, seed: int, line: str) -> str:
         rows.append("| " + " | ".join(row) + " |")
     command = f"python -m tests.combinations --cases {cases} --seed {seed} --matrix docs/support-matrix.md"
     notes = "\n".join(f"- refused {letter}: {codes}" for codes, letter in legend.items())
-    return (f"<!-- made by `{command}`; do not edit by hand -->\n# Support matrix\n\n"
-            "Each cell: how many random plans using both options trained two AdamW steps to one device's loss, "
-            "gradients and parameters (float32: loss to 1e-5 relative, gradients to 1e-4 of the largest; "
-            "bfloat16: loss to 2e-2, gradients to 15%, and a bfloat16 MoE's loss only, since its router's top-k "
-            f"flips on rounding), out of {cases} cases of seed {seed} ({line}); **refused** with the codes `check` "
-            "gave where no plan with the pair ran (the letters below); FAILED where one gave other numbers or did "
-            "not run (none may); – where no case drew the pair. The cases are random plans over a LLaMA-style, a "
-            "GPT-2-style (tied head) and a MoE decoder on meshes of 1-3 axes over 8 and 6 devices "
-            "(tests/combinations); the diagonal counts the option alone.\n\n" + "\n".join(rows) + "\n\n"
-            + notes + "\n")
+    return (
+        f"<!-- made by `{command}`; do not edit by hand -->\n# Support matrix\n\n"
+        "Each cell: how many random plans using both options trained two AdamW steps to one device's loss, "
+        "gradients and parameters (float32: loss to 1e-5 relative, gradients to 1e-4 of the largest; "
+        "bfloat16: loss to 2e-2, gradients to 15%, and a bfloat16 MoE's loss only, since its router's top-k "
+        f"flips on rounding), out of {cases} cases of seed {seed} ({line}); **refused** with the codes `check` "
+        "gave where no plan with the pair ran (the letters below); FAILED where one gave other numbers or did "
+        "not run (none may); – where no case drew the pair. The cases are random plans over a LLaMA-style, a "
+        "GPT-2-style (tied head) and a MoE decoder on meshes of 1-3 axes over 8 and 6 devices "
+        "(tests/combinations); the diagonal counts the option alone.\n\n" + "\n".join(rows) + "\n\n" + notes + "\n"
+    )
 
 
 def _cell(cell, legend: dict[str, str]) -> str:

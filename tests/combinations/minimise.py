@@ -19,10 +19,15 @@ def _simpler(plan: dict) -> Iterator[dict]:
             yield smaller
     pipe = plan.get("pipeline")
     if pipe:
-        for change in ({"schedule": "gpipe", "virtual_stages": 1}, {"stages": "even"}, {"microbatches": 1},
-                       {"virtual_stages": 1}):
+        for change in (
+            {"schedule": "gpipe", "virtual_stages": 1},
+            {"stages": "even"},
+            {"microbatches": 1},
+            {"virtual_stages": 1},
+        ):
             if any(pipe.get(k, v) != v for k, v in change.items()) and not (
-                    change.get("schedule") and pipe.get("virtual_stages", 1) > 1 and pipe["schedule"] == "interleaved"):
+                change.get("schedule") and pipe.get("virtual_stages", 1) > 1 and pipe["schedule"] == "interleaved"
+            ):
                 smaller = copy.deepcopy(plan)
                 smaller["pipeline"].update(change)
                 yield smaller

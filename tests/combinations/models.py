@@ -26,7 +26,7 @@ def rope(x, positions, base=10_000.0):
     """x (B, T, N, H) rotated by its tokens' positions (B, T)."""
     half = x.shape[-1] // 2
     freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle = positions[..., None, None].astype(jnp.float32) * freq               # (B, T, 1, half)
+    angle = positions[..., None, None].astype(jnp.float32) * freq  # (B, T, 1, half)
     a, b = x[..., :half], x[..., half:]
     return jnp.concatenate([a * jnp.cos(angle) - b * jnp.sin(angle), a * jnp.sin(angle) + b * jnp.cos(angle)], -1)
 
@@ -45,13 +45,13 @@ class GroupedAttention(nnx.Module):
     def __init__(self, *, rngs: nnx.Rngs):
         head = DIM // HEADS
         self.wq, self.wk, self.wv = (_param(rngs, DIM, n, head) for n in (HEADS, KV_HEADS, KV_HEADS))
-        self.wo = _param(rngs, HEADS, head, DIM, scale=DIM ** -0.5)
+        self.wo = _param(rngs, HEADS, head, DIM, scale=DIM**-0.5)
 
     def __call__(self, x, positions):
         q = rope(jnp.einsum("btd,dnh->btnh", x, self.wq[...]), positions)
         k = rope(jnp.einsum("btd,dkh->btkh", x, self.wk[...]), positions)
         v = jnp.einsum("btd,dkh->btkh", x, self.wv[...])
-        q = q.reshape(*q.shape[:2], KV_HEADS, HEADS // KV_HEADS, q.shape[-1])   # (B, T, K, G, H)
+        q = q.reshape(*q.shape[:2], KV_HEADS, HEADS // KV_HEADS, q.shape[-1])  # (B, T, K, G, H)
         scores = jnp.einsum("bqkgh,bskh->bkgqs", q, k) / jnp.sqrt(q.shape[-1]).astype(x.dtype)
         causal = positions[:, None, None, :, None] >= positions[:, None, None, None, :]
         weights = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(scores.dtype).min), axis=-1)
@@ -94,12 +94,14 @@ def _placed(model: nnx.Module, block, rngs: nnx.Rngs, nested: bool, stacked: str
     blocks return their input's dtype (a scan's carry keeps its type; under a bfloat16 `precision` the
     blocks' float32 rotary angles would widen it)."""
     if stacked:
+
         @nnx.split_rngs(splits=LAYERS)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def make(rngs):
             made = block(rngs)
             made.keep_dtype = True
             return made
+
         blocks = make(rngs)
     else:
         blocks = nnx.List([block(rngs) for _ in range(LAYERS)])
@@ -114,9 +116,11 @@ def _run_blocks(model: nnx.Module, x, extra):
     """Every block on `x` in order, each also given `extra`: a loop over the list, or a scan over the stack."""
     blocks = model.decoder.blocks if hasattr(model, "decoder") else model.blocks
     if model.stacked == "nnx":
+
         @nnx.scan(in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry)
         def run(x, block, extra):
             return block(x, extra)
+
         return run(x, blocks, extra)
     if model.stacked == "lax":
         return jax.lax.scan(lambda x, block: (block(x, extra), None), x, blocks)[0]
@@ -133,8 +137,8 @@ class Llama(nnx.Module):
         self.head = nnx.Linear(DIM, VOCAB, use_bias=False, rngs=rngs)
 
     def __call__(self, tokens, positions):
-        x = _run_blocks(self, self.embed(tokens), positions)                    # (B, T, D)
-        return self.head(self.norm(x))                                          # (B, T, V)
+        x = _run_blocks(self, self.embed(tokens), positions)  # (B, T, D)
+        return self.head(self.norm(x))  # (B, T, V)
 
 
 class GPT2Block(nnx.Module):
@@ -161,10 +165,10 @@ class GPT2(nnx.Module):
         self.ln_f = nnx.LayerNorm(DIM, rngs=rngs)
 
     def __call__(self, tokens, positions):
-        x = self.wte(tokens) + self.wpe(positions)                              # (B, T, D)
-        mask = (positions[:, None, :, None] >= positions[:, None, None, :])     # (B, 1, T, T)
+        x = self.wte(tokens) + self.wpe(positions)  # (B, T, D)
+        mask = positions[:, None, :, None] >= positions[:, None, None, :]  # (B, 1, T, T)
         x = _run_blocks(self, x, mask)
-        return self.wte.attend(self.ln_f(x))                                    # (B, T, V), tied
+        return self.wte.attend(self.ln_f(x))  # (B, T, V), tied
 
 
 class Experts(nnx.Module):
@@ -173,26 +177,26 @@ class Experts(nnx.Module):
 
     def __init__(self, experts: int, form: str, *, rngs: nnx.Rngs):
         self.router = nnx.Linear(DIM, experts, use_bias=False, rngs=rngs)
-        if form == "sorted":       # (SwiGLU experts; the loop and dense forms' GELU experts have no gate)
+        if form == "sorted":  # (SwiGLU experts; the loop and dense forms' GELU experts have no gate)
             self.w_gate = _param(rngs, experts, DIM, HIDDEN // 2)
         self.w_up = _param(rngs, experts, DIM, HIDDEN // 2)
         self.w_down = _param(rngs, experts, HIDDEN // 2, DIM, scale=(HIDDEN // 2) ** -0.5)
         self.experts, self.form = experts, form
 
-    def __call__(self, x):                                                      # (B, T, D)
-        top, chosen = jax.lax.top_k(jax.nn.softmax(self.router(x), -1), 2)     # (B, T, 2)
+    def __call__(self, x):  # (B, T, D)
+        top, chosen = jax.lax.top_k(jax.nn.softmax(self.router(x), -1), 2)  # (B, T, 2)
         top = top / jnp.sum(top, -1, keepdims=True)
         if self.form == "sorted":
             flat, rows = chosen.reshape(-1), x.reshape(-1, x.shape[-1])
             order = jnp.argsort(flat)
-            rows = jnp.repeat(rows, 2, axis=0)[order]                           # (2N, D) by expert
+            rows = jnp.repeat(rows, 2, axis=0)[order]  # (2N, D) by expert
             sizes = jnp.bincount(flat, length=self.experts).astype(jnp.int32)
             gate = jax.lax.ragged_dot(rows, self.w_gate[...], sizes)
             hidden = nnx.silu(gate) * jax.lax.ragged_dot(rows, self.w_up[...], sizes)
             out = jax.lax.ragged_dot(hidden, self.w_down[...], sizes)
             out = jnp.zeros_like(out).at[order].set(out).reshape(*x.shape[:2], 2, x.shape[-1])
             return jnp.sum(out * top[..., None], 2)
-        weights = jnp.sum(jax.nn.one_hot(chosen, self.experts) * top[..., None], 2)   # (B, T, E), zero off top-2
+        weights = jnp.sum(jax.nn.one_hot(chosen, self.experts) * top[..., None], 2)  # (B, T, E), zero off top-2
         if self.form == "loop":
             y = jnp.zeros_like(x)
             for e in range(self.experts):

@@ -15,8 +15,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 # The suite's compile-for-compile-time flags (tests/conftest.py): the cases compile far more than they run.
-FLAGS = ("--xla_llvm_disable_expensive_passes=true --xla_backend_optimization_level=0 "
-         "--xla_cpu_use_fusion_emitters=false")
+FLAGS = (
+    "--xla_llvm_disable_expensive_passes=true --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+)
 MARK = "@@case-result@@ "
 
 
@@ -46,11 +47,22 @@ class Worker:
     """One worker process for cases on `devices` CPU devices."""
 
     def __init__(self, devices: int, script: str = WORKER):
-        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
-                   XLA_FLAGS=" ".join([os.environ.get("XLA_FLAGS", ""), FLAGS]).strip())
+        env = dict(
+            os.environ,
+            JAX_PLATFORMS="cpu",
+            PYTHONPATH=str(REPO),
+            XLA_FLAGS=" ".join([os.environ.get("XLA_FLAGS", ""), FLAGS]).strip(),
+        )
         self.devices = devices
-        self.process = subprocess.Popen([sys.executable, "-c", script, str(devices)], cwd=REPO, env=env, text=True,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", script, str(devices)],
+            cwd=REPO,
+            env=env,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         self._stderr = []
 
     def run(self, case: dict, timeout: float) -> dict:
@@ -58,7 +70,7 @@ class Worker:
             self.process.stdin.write(json.dumps(case) + "\n")
             self.process.stdin.flush()
         except BrokenPipeError:
-            pass                        # it died before the case: read why below
+            pass  # it died before the case: read why below
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
@@ -72,15 +84,19 @@ class Worker:
                     self._stderr = (self._stderr + [line])[-40:]
             if self.process.stdout in ready:
                 line = self.process.stdout.readline()
-                if not line:            # the process died with the case
+                if not line:  # the process died with the case
                     code = self.process.wait()
                     self._stderr += self.process.stderr.readlines()[-40:]
                     tail = [line for line in self._stderr if line.strip() and not line.startswith("    @")][-6:]
-                    return {"status": "abort", "codes": [], "warnings": [],
-                            "detail": f"exit {code}: " + " | ".join(line.strip()[:300] for line in tail)}
+                    return {
+                        "status": "abort",
+                        "codes": [],
+                        "warnings": [],
+                        "detail": f"exit {code}: " + " | ".join(line.strip()[:300] for line in tail),
+                    }
                 if line.startswith(MARK):
                     self._stderr = []
-                    return json.loads(line[len(MARK):])
+                    return json.loads(line[len(MARK) :])
 
     @property
     def alive(self) -> bool:
@@ -88,7 +104,7 @@ class Worker:
 
     def close(self) -> None:
         if self.alive:
-            self.process.stdin.close()          # (it ends at the end of its input, or is killed)
+            self.process.stdin.close()  # (it ends at the end of its input, or is killed)
             try:
                 self.process.wait(timeout=10)
             except subprocess.TimeoutExpired:
@@ -143,6 +159,7 @@ def run_all(todo: list[dict], *, jobs: int, timeout: float, progress=None, scrip
             if progress:
                 with lock:
                     progress(k, case, results[k])
+
     threads = [threading.Thread(target=work, args=(slot,)) for slot in range(jobs)]
     try:
         for thread in threads:

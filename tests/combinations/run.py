@@ -24,15 +24,22 @@ LEARNING_RATE = 1e-2
 # bfloat16 keeps 8 bits, and the order of its sums moves more (docs/step.md: ~5% of the largest gradient).
 # A router's top-k in bfloat16 flips between near-tied experts when the sum before it rounds otherwise
 # (measured: one token's flip moved an embedding gradient by 80%): routed bfloat16 models are held to the loss.
-TOLERANCE = {"float32": dict(loss=1e-5, grads=1e-4, params=1e-4), "bfloat16": dict(loss=2e-2, grads=0.15, params=None),
-             "bfloat16-routed": dict(loss=2e-2, grads=None, params=None)}
+TOLERANCE = {
+    "float32": dict(loss=1e-5, grads=1e-4, params=1e-4),
+    "bfloat16": dict(loss=2e-2, grads=0.15, params=None),
+    "bfloat16-routed": dict(loss=2e-2, grads=None, params=None),
+}
 
 
 def plan_text(case: dict) -> str:
     import yaml
-    header = (f"# combination case {case['id']}: {case['kind']} on {case['devices']} devices, {case['rows']} rows"
-              + (f"; must be refused with {case['expect']}" if case["expect"] else "") + "\n"
-              "# repro: python -m tests.combinations --replay THIS_FILE\n")
+
+    header = (
+        f"# combination case {case['id']}: {case['kind']} on {case['devices']} devices, {case['rows']} rows"
+        + (f"; must be refused with {case['expect']}" if case["expect"] else "")
+        + "\n"
+        "# repro: python -m tests.combinations --replay THIS_FILE\n"
+    )
     return header + yaml.safe_dump(case["plan"], sort_keys=False, default_flow_style=None, width=100)
 
 
@@ -41,6 +48,7 @@ def run_case(case: dict) -> dict:
     wrong (other numbers), failed (an error after check said valid), not-refused (an invalid plan
     check accepted) or refused-otherwise (an invalid plan refused with other codes)."""
     import shardplan
+
     text = plan_text(case)
     try:
         plan = shardplan.parse_plan(text)
@@ -55,18 +63,31 @@ def run_case(case: dict) -> dict:
         status = "refused" if expected is None else "passed" if expected in codes else "refused-otherwise"
         return {"status": status, "codes": codes, "warnings": warnings, "detail": ""}
     if case["expect"]:
-        return {"status": "not-refused", "codes": [], "warnings": warnings,
-                "detail": f"check accepted a plan with {case['expect']}"}
+        return {
+            "status": "not-refused",
+            "codes": [],
+            "warnings": warnings,
+            "detail": f"check accepted a plan with {case['expect']}",
+        }
     try:
         got = _train(case, plan, mesh)
-        want = _reference(case["kind"], json.dumps(case["config"], sort_keys=True), case["rows"],
-                          json.dumps(case["plan"].get("precision", {}), sort_keys=True))
+        want = _reference(
+            case["kind"],
+            json.dumps(case["config"], sort_keys=True),
+            case["rows"],
+            json.dumps(case["plan"].get("precision", {}), sort_keys=True),
+        )
         precision = _precision(plan)
-        problem = _compare(got, want, f"{precision}-routed" if precision != "float32" and case["kind"] == "moe"
-                           else precision)
-    except Exception as error:      # an error after check said valid: the case's finding
-        return {"status": "failed", "codes": [], "warnings": warnings,
-                "detail": _shortened("".join(traceback.format_exception_only(error)).strip())}
+        problem = _compare(
+            got, want, f"{precision}-routed" if precision != "float32" and case["kind"] == "moe" else precision
+        )
+    except Exception as error:  # an error after check said valid: the case's finding
+        return {
+            "status": "failed",
+            "codes": [],
+            "warnings": warnings,
+            "detail": _shortened("".join(traceback.format_exception_only(error)).strip()),
+        }
     return {"status": "wrong" if problem else "passed", "codes": [], "warnings": warnings, "detail": problem or ""}
 
 
@@ -80,6 +101,7 @@ def _precision(plan) -> str:
 
 def _model(case: dict):
     from . import models
+
     return models.build(case["kind"], **case["config"])
 
 
@@ -95,6 +117,7 @@ def _train(case: dict, plan, mesh) -> dict:
     import optax
 
     import shardplan
+
     model = shardplan.apply_plan(plan, _model(case), mesh)
     optimizer = shardplan.shard_optimizer(plan, model, optax.adamw(LEARNING_RATE, eps=1e-3), mesh)
     # (explicit axes resolve bare specs, a model's or the step options', on the mesh in context)
@@ -105,6 +128,7 @@ def _train(case: dict, plan, mesh) -> dict:
 
 def _steps(case: dict, plan, mesh, model, optimizer) -> dict:
     import shardplan
+
     losses, grads = [], []
     for tokens, positions, targets in _batches(case["rows"]):
         batch = shardplan.shard_inputs(plan, {"tokens": tokens, "positions": positions}, mesh)
@@ -117,6 +141,7 @@ def _steps(case: dict, plan, mesh, model, optimizer) -> dict:
 
 def _params(model):
     from flax import nnx
+
     return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
@@ -125,6 +150,7 @@ def _plain(model, tree) -> dict:
     import jax
 
     import shardplan
+
     tree = shardplan.plain_tree(model, tree)
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {jax.tree_util.keystr(path): np.asarray(jax.device_get(leaf), np.float32) for path, leaf in flat}
@@ -141,9 +167,11 @@ def _step_fn():
     def step(model, optimizer, tokens, positions, targets):
         def loss_of(model):
             return shardplan.model_loss(model, cross_entropy, targets, tokens, positions)
+
         loss, grads = nnx.value_and_grad(loss_of)(model)
         optimizer.update(model, grads)
         return loss, nnx.to_pure_dict(grads)
+
     return step
 
 
@@ -156,9 +184,12 @@ def _reference(kind: str, config: str, rows: int, precision: str) -> dict:
     import jax
 
     import shardplan
+
     extra = f"precision: {precision}\n"
-    plan = shardplan.parse_plan(f"version: 1\nmesh: {{axes: {{one: 1}}}}\ninputs: {{tokens: [null, null], "
-                                f"positions: [null, null]}}\nparams: [{{match: '.*', spec: []}}]\n{extra}")
+    plan = shardplan.parse_plan(
+        f"version: 1\nmesh: {{axes: {{one: 1}}}}\ninputs: {{tokens: [null, null], "
+        f"positions: [null, null]}}\nparams: [{{match: '.*', spec: []}}]\n{extra}"
+    )
     mesh = shardplan.make_mesh(plan, devices=jax.devices()[:1])
     return _train({"kind": kind, "config": json.loads(config), "rows": rows}, plan, mesh)
 

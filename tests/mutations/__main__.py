@@ -30,8 +30,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def progress(k, call, result):
         if result["status"] in FAILURES or k % 50 == 0:
-            print(f"[{time.monotonic() - started:6.0f} s] call {k}: {call['command']} ({call['source']}) "
-                  f"{result['status']} {str(result.get('detail', ''))[:300]}", flush=True)
+            print(
+                f"[{time.monotonic() - started:6.0f} s] call {k}: {call['command']} ({call['source']}) "
+                f"{result['status']} {str(result.get('detail', ''))[:300]}",
+                flush=True,
+            )
+
     results = run_all(todo, jobs=max(1, args.jobs), timeout=args.timeout, progress=progress, script=WORKER)
     failed = [(c, r) for c, r in zip(todo, results) if r["status"] in FAILURES]
     if failed:

@@ -30,31 +30,129 @@ def corpus() -> dict[str, list[tuple[str, str]]]:
     return {
         "plan": [(p.name, p.read_text()) for p in plans],
         "profile": [(p.name, p.read_text()) for p in sorted((REPO / "profiles").glob("*.yaml"))],
-        "rules": [("partition_rules.py", (REPO / "docs/examples/partition_rules.py").read_text()),
-                  ("rules.yaml", RULE_LIST)],
+        "rules": [
+            ("partition_rules.py", (REPO / "docs/examples/partition_rules.py").read_text()),
+            ("rules.yaml", RULE_LIST),
+        ],
         "logical": [("logical.yaml", LOGICAL_RULES)],
     }
 
 
 # Pieces a careless or hostile edit puts into a file: syntax, extremes, names, regexes that backtrack,
 # YAML's code tags and aliases.
-WORDS = ["data", "model", "stage", "context", "experts", "fsdp", "-1", "0", "1", "3", "100000", "1e308", "-1e308",
-         "1e-320", "nan", ".inf", "99999999999999999999999", "null", "~", "[", "]", "{", "}", ":", ",", "'", '"',
-         "*a", "&a ", "\n", "\t", "  ", "- ", "replicated", "gpipe", "1f1b", "interleaved", "zb-h1", "'.*'",
-         "'(a+)+$'", "'(?P<x>'", "[data, data]", "[null, null, null, null, null]", "true", "false",
-         "!!python/name:os.system", "!!binary aGVsbG8=", "\u202e", "\x1b[31m", "\x00", "é", "🙂", "x" * 300,
-         "version: 2", "axes: {}", "microbatches: 0", "virtual_stages: 3", "shape: [1000000000, 1000000000]",
-         "num_transformer_blocks: 100000000", "embed_dim: 7", "accumulate: 1000", "peak_flops: 0",
-         "memory: 1e300", "bandwidth: -5", "= 1", "[[", "]]", "import os", "os.system('x')", "def f(:"]
+WORDS = [
+    "data",
+    "model",
+    "stage",
+    "context",
+    "experts",
+    "fsdp",
+    "-1",
+    "0",
+    "1",
+    "3",
+    "100000",
+    "1e308",
+    "-1e308",
+    "1e-320",
+    "nan",
+    ".inf",
+    "99999999999999999999999",
+    "null",
+    "~",
+    "[",
+    "]",
+    "{",
+    "}",
+    ":",
+    ",",
+    "'",
+    '"',
+    "*a",
+    "&a ",
+    "\n",
+    "\t",
+    "  ",
+    "- ",
+    "replicated",
+    "gpipe",
+    "1f1b",
+    "interleaved",
+    "zb-h1",
+    "'.*'",
+    "'(a+)+$'",
+    "'(?P<x>'",
+    "[data, data]",
+    "[null, null, null, null, null]",
+    "true",
+    "false",
+    "!!python/name:os.system",
+    "!!binary aGVsbG8=",
+    "\u202e",
+    "\x1b[31m",
+    "\x00",
+    "é",
+    "🙂",
+    "x" * 300,
+    "version: 2",
+    "axes: {}",
+    "microbatches: 0",
+    "virtual_stages: 3",
+    "shape: [1000000000, 1000000000]",
+    "num_transformer_blocks: 100000000",
+    "embed_dim: 7",
+    "accumulate: 1000",
+    "peak_flops: 0",
+    "memory: 1e300",
+    "bandwidth: -5",
+    "= 1",
+    "[[",
+    "]]",
+    "import os",
+    "os.system('x')",
+    "def f(:",
+]
 NUMBERS = ["0", "-1", "1", "2", "3", "7", "1023", "65536", "1e300", "99999999999999999999", "0.5", "-0.0"]
 
 PLANS = ["plans/minigpt_dp.yaml", "plans/minigpt_tp.yaml"]
-PATHS = ["output_layer/kernel", "transformer_blocks/0/mlp/linear1/kernel", "transformer_blocks/99/x", "[", "",
-         "a" * 500]
+PATHS = [
+    "output_layer/kernel",
+    "transformer_blocks/0/mlp/linear1/kernel",
+    "transformer_blocks/99/x",
+    "[",
+    "",
+    "a" * 500,
+]
 
 
-VALUES = [0, -1, 1, 3, 2**63, 1e308, float("nan"), -0.5, "", "data", "model", "stage", "x" * 200, None, True,
-          [], {}, [None], ["data", "data"], {"a": 1}, [[1, 2]], "(a+)+$", ".*", "1f1b", "bfloat16", "auto"]
+VALUES = [
+    0,
+    -1,
+    1,
+    3,
+    2**63,
+    1e308,
+    float("nan"),
+    -0.5,
+    "",
+    "data",
+    "model",
+    "stage",
+    "x" * 200,
+    None,
+    True,
+    [],
+    {},
+    [None],
+    ["data", "data"],
+    {"a": 1},
+    [[1, 2]],
+    "(a+)+$",
+    ".*",
+    "1f1b",
+    "bfloat16",
+    "auto",
+]
 
 
 def mutate_tree(text: str, rng: random.Random, suffix: str) -> str:
@@ -63,6 +161,7 @@ def mutate_tree(text: str, rng: random.Random, suffix: str) -> str:
     import tomllib
 
     import yaml
+
     try:
         tree = tomllib.loads(text) if suffix == ".toml" else yaml.safe_load(text)
     except (ValueError, yaml.YAMLError):
@@ -79,6 +178,7 @@ def mutate_tree(text: str, rng: random.Random, suffix: str) -> str:
                 holders.extend((node, k) for k in range(len(node)))
                 for value in node:
                     walk(value)
+
         walk(tree)
         if not holders:
             break
@@ -89,8 +189,9 @@ def mutate_tree(text: str, rng: random.Random, suffix: str) -> str:
         elif edit == 1:
             del node[key]
         elif isinstance(node, dict):
-            node[rng.choice(["extra", "axes", "spec", "match", "stage", "schedule", "memory", key + "_"])] = \
-                rng.choice(VALUES)
+            node[rng.choice(["extra", "axes", "spec", "match", "stage", "schedule", "memory", key + "_"])] = rng.choice(
+                VALUES
+            )
         else:
             node.append(rng.choice(VALUES))
     return yaml.safe_dump(tree, sort_keys=False)
@@ -104,7 +205,7 @@ def mutate(text: str, rng: random.Random) -> str:
         edit = rng.randrange(7)
         if edit == 0:
             at = rng.randint(0, len(text))
-            text = text[:at] + rng.choice(WORDS) + text[at + rng.randint(0, 12):]
+            text = text[:at] + rng.choice(WORDS) + text[at + rng.randint(0, 12) :]
         elif edit == 1 and len(lines) > 1:
             del lines[rng.randrange(len(lines))]
             text = "".join(lines)
@@ -126,9 +227,9 @@ def mutate(text: str, rng: random.Random) -> str:
                 text = text[:at] + rng.choice(NUMBERS) + text[end:]
         elif edit == 5 and text:
             at = rng.randrange(len(text))
-            text = text[:at] + chr(rng.randrange(32, 127)) + text[at + 1:]
+            text = text[:at] + chr(rng.randrange(32, 127)) + text[at + 1 :]
         elif edit == 6:
-            text = text[:rng.randint(0, len(text))]
+            text = text[: rng.randint(0, len(text))]
     return text
 
 
@@ -136,12 +237,36 @@ def _options(rng: random.Random, pool: list[list[str]], most: int = 3) -> list[s
     return [a for option in rng.sample(pool, rng.randint(0, min(most, len(pool)))) for a in option]
 
 
-MODEL = ["--model", "minigpt_model:MiniGPT", "--config", "num_transformer_blocks=2", "--config", "embed_dim=32",
-         "--config", "num_heads=2", "--config", "feed_forward_dim=64", "--config", "maxlen=16",
-         "--config", "vocab_size=256"]
-INSPECT = [["--devices", "8"], ["--devices", "3"], ["--seq", "16"], ["--seq", "1048577"], ["--batch", "8"],
-           ["--batch", "0"], ["--device", "2"], ["--device", "99"], ["--json"], ["--all-params"],
-           ["--profile", "h100-80gb-sxm"], ["--profile", "nope"]]
+MODEL = [
+    "--model",
+    "minigpt_model:MiniGPT",
+    "--config",
+    "num_transformer_blocks=2",
+    "--config",
+    "embed_dim=32",
+    "--config",
+    "num_heads=2",
+    "--config",
+    "feed_forward_dim=64",
+    "--config",
+    "maxlen=16",
+    "--config",
+    "vocab_size=256",
+]
+INSPECT = [
+    ["--devices", "8"],
+    ["--devices", "3"],
+    ["--seq", "16"],
+    ["--seq", "1048577"],
+    ["--batch", "8"],
+    ["--batch", "0"],
+    ["--device", "2"],
+    ["--device", "99"],
+    ["--json"],
+    ["--all-params"],
+    ["--profile", "h100-80gb-sxm"],
+    ["--profile", "nope"],
+]
 
 
 def draw_call(rng: random.Random, number: int, files: dict[str, list[tuple[str, str]]]) -> dict:
@@ -155,31 +280,79 @@ def draw_call(rng: random.Random, number: int, files: dict[str, list[tuple[str, 
     mutated = mutate_tree(text, rng, Path(source).suffix) if structured else mutate(text, rng)
     if kind == "plan":
         command = rng.choice(["validate", "inspect", "explain", "diff", "params", "export"])
-        argv = {"validate": lambda: ["validate", name, *_options(rng, [["--strict"], ["--plan-only"],
-                                                                         ["--devices", "8"], MODEL])],
-                "inspect": lambda: ["inspect", name, *_options(rng, INSPECT)],
-                "explain": lambda: ["explain", name, rng.choice(PATHS)],
-                "diff": lambda: ["diff", name, str(REPO / rng.choice(PLANS)), *_options(rng, [["--json"],
-                                                                                          ["--all-params"]])],
-                "params": lambda: ["params", *MODEL, "--plan", name, *_options(rng, [["--json"], ["--all-params"]])],
-                "export": lambda: ["export", name, *rng.choice([[], ["--format", "yaml"]])]}[command]()
+        argv = {
+            "validate": lambda: [
+                "validate",
+                name,
+                *_options(rng, [["--strict"], ["--plan-only"], ["--devices", "8"], MODEL]),
+            ],
+            "inspect": lambda: ["inspect", name, *_options(rng, INSPECT)],
+            "explain": lambda: ["explain", name, rng.choice(PATHS)],
+            "diff": lambda: [
+                "diff",
+                name,
+                str(REPO / rng.choice(PLANS)),
+                *_options(rng, [["--json"], ["--all-params"]]),
+            ],
+            "params": lambda: ["params", *MODEL, "--plan", name, *_options(rng, [["--json"], ["--all-params"]])],
+            "export": lambda: ["export", name, *rng.choice([[], ["--format", "yaml"]])],
+        }[command]()
     elif kind == "profile":
         command = rng.choice(["profiles", "inspect", "auto"])
-        argv = {"profiles": lambda: ["profiles", name, *rng.choice([[], ["--json"]])],
-                "inspect": lambda: ["inspect", str(REPO / rng.choice(PLANS)), "--profile", name],
-                "auto": lambda: ["auto", *MODEL, "--devices", "4", "--batch", "8", "--seq", "16", "--profile", name,
-                                 "--top", "2", "-o", "proposed.yaml"]}[command]()
+        argv = {
+            "profiles": lambda: ["profiles", name, *rng.choice([[], ["--json"]])],
+            "inspect": lambda: ["inspect", str(REPO / rng.choice(PLANS)), "--profile", name],
+            "auto": lambda: [
+                "auto",
+                *MODEL,
+                "--devices",
+                "4",
+                "--batch",
+                "8",
+                "--seq",
+                "16",
+                "--profile",
+                name,
+                "--top",
+                "2",
+                "-o",
+                "proposed.yaml",
+            ],
+        }[command]()
     elif kind == "rules":
         command = "convert"
-        argv = ["convert", name, "--mesh", rng.choice(["dp=4,mp=2", "data=8", "dp=0", "dp=4,dp=2"]),
-                *_options(rng, [["--input-spec", "dp"], ["--list", "LlamaConfig"],
-                                ["--flag", "fully_sharded_data_parallel=false"]]), "-o", "converted.yaml"]
+        argv = [
+            "convert",
+            name,
+            "--mesh",
+            rng.choice(["dp=4,mp=2", "data=8", "dp=0", "dp=4,dp=2"]),
+            *_options(
+                rng,
+                [["--input-spec", "dp"], ["--list", "LlamaConfig"], ["--flag", "fully_sharded_data_parallel=false"]],
+            ),
+            "-o",
+            "converted.yaml",
+        ]
     else:
         command = "convert"
-        argv = ["convert", "--logical-rules", name, "--mesh", rng.choice(["data=4,tensor=2", "fsdp=8", "x=8"]),
-                "-o", "converted.yaml"]
-    return {"id": number, "devices": 8, "kind": kind, "source": source, "command": command,
-            "files": {name: mutated}, "argv": argv}
+        argv = [
+            "convert",
+            "--logical-rules",
+            name,
+            "--mesh",
+            rng.choice(["data=4,tensor=2", "fsdp=8", "x=8"]),
+            "-o",
+            "converted.yaml",
+        ]
+    return {
+        "id": number,
+        "devices": 8,
+        "kind": kind,
+        "source": source,
+        "command": command,
+        "files": {name: mutated},
+        "argv": argv,
+    }
 
 
 def calls(seed: int, count: int) -> list[dict]:

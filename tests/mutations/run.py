@@ -20,6 +20,7 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\x80-\x9f]")
 def run_call(call: dict) -> dict:
     """{status: passed|failed, exit, cpu_s, chars, detail}."""
     from shardplan.cli.commands import main
+
     with tempfile.TemporaryDirectory(prefix="mutation-") as folder:
         for name, text in call["files"].items():
             Path(folder, name).write_text(text, encoding="utf-8", errors="surrogatepass")
@@ -30,7 +31,7 @@ def run_call(call: dict) -> dict:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
                 try:
                     code = main(list(call["argv"]))
-                except SystemExit as exit_:     # argparse's usage errors
+                except SystemExit as exit_:  # argparse's usage errors
                     code = exit_.code if isinstance(exit_.code, int) else 2
         finally:
             os.chdir(here)
@@ -47,5 +48,10 @@ def run_call(call: dict) -> dict:
         problems.append(f"{len(text)} characters of output")
     if cpu > MAX_CPU_S:
         problems.append(f"{cpu:.0f} CPU-seconds")
-    return {"status": "failed" if problems else "passed", "exit": code, "cpu_s": round(cpu, 2), "chars": len(text),
-            "detail": "; ".join(problems) + (f": {text[-600:]}" if problems else "")}
+    return {
+        "status": "failed" if problems else "passed",
+        "exit": code,
+        "cpu_s": round(cpu, 2),
+        "chars": len(text),
+        "detail": "; ".join(problems) + (f": {text[-600:]}" if problems else ""),
+    }
