@@ -78,7 +78,7 @@ def _pipelined(plan: Plan, model: nnx.Module, mesh, report: Report, specs: dict,
     """Replace the layer list by the stacked, pipelined layers (stage-major); the rest of the model,
     its code included, stays as it is and is placed as usual. `plain_graphdef`: the model's own form
     (its layers stacked by nnx.vmap, or a list), which `to_plain` returns to."""
-    from shardplan.pipeline.pipelined import PipelinedLayers
+    from shardplan.pipeline.pipelined import PipelinedLayers, PipelineSetup
     from shardplan.pipeline.stacked import StackedList
 
     pipe, stage_map = plan.pipeline, report.stage_map
@@ -86,8 +86,7 @@ def _pipelined(plan: Plan, model: nnx.Module, mesh, report: Report, specs: dict,
     def stacked_spec(path: str) -> tuple:  # a layer's leaf (its path inside the layer), stacked
         return ((pipe.axis,), None, None) + tuple(specs.get(f"{pipe.layers}/0/{path}", ()))
 
-    layers = PipelinedLayers(
-        list(node_at(model, pipe.layers)),
+    setup = PipelineSetup(
         name=pipe.layers,
         stages=stage_map.stages,
         virtual=stage_map.virtual,
@@ -96,15 +95,19 @@ def _pipelined(plan: Plan, model: nnx.Module, mesh, report: Report, specs: dict,
         schedule=pipe.schedule,
         microbatches=pipe.microbatches,
         batch_axes=_manual_batch_axes(plan, report, specs),
+        data_axes=tuple(a for a in data_axes(plan, report.axes) if a != pipe.axis) + _idle_axes(plan, report, specs),
         plain_graphdef=plain_graphdef,
         counts=stage_map.counts,
         restack=isinstance(node_at(model, pipe.layers), StackedList),
-        split_heads=_tensor_split_outside(plan, report, specs),
-        sharding_of=lambda path: NamedSharding(mesh, partition_spec(stacked_spec(path))),
-        data_axes=tuple(a for a in data_axes(plan, report.axes) if a != pipe.axis) + _idle_axes(plan, report, specs),
+        split_heads=frozenset(_tensor_split_outside(plan, report, specs)),
         context_axis=plan.context.axis if plan.context and report.axes[plan.context.axis] > 1 else None,
         expert_axis=plan.experts.axis if report.experts else None,
         expert_weights=_expert_weights(plan, report),
+    )
+    layers = PipelinedLayers(
+        list(node_at(model, pipe.layers)),
+        setup,
+        sharding_of=lambda path: NamedSharding(mesh, partition_spec(stacked_spec(path))),
     )
     set_node_at(model, pipe.layers, layers)
     prefix = pipe.layers + "/"

@@ -396,45 +396,11 @@ def _forward_on_stages(per_device: Callable, mesh, axis: str, batch_axes: tuple[
     return jax.jit(run)
 
 
-def one_f_one_b_loss(
-    layers: Layers,
-    stacked,
-    head: Callable,
-    head_params,
-    embed: Callable,
-    embed_params,
-    head_rest,
-    layer_inputs,
-    head_inputs,
-    targets,
-    keys,
-    *,
-    mesh,
-    axis: str,
-    batch_axes: tuple[str, ...] = (),
-    embed_branch: bool = True,
-    branches: bool = True,
-    schedule: str = "1f1b",
-    runner: Callable | None = None,
-    leaf_specs: tuple | None = None,
-):
-    """Mean loss over microbatches, with gradients computed by the 1F1B schedule itself (averaged over
-    the manual `batch_axes` once, after the loop). `embed(params, rest, split, whole, keys)` is one
-    microbatch's input to the layers (the model's code before them) and runs on the first stage as
-    that microbatch enters; `head(params, rest, h, split, whole, keys, targets)` is one microbatch's
-    loss and runs on the last stage as it leaves. `layer_inputs` / `head_inputs` are each (split,
-    whole) arguments (`head_inputs` serve `embed` too); `keys` (layer keys, head keys). Gradients flow
-    to the stacked layers and to the parameters `head` and `embed` read. `embed_branch`: the first
-    stage alone runs `embed` (false: every stage does and the others drop it, as when a batch axis
-    is left to XLA, whose collectives inside a branch only one stage takes would never complete).
-    `branches` false: no part runs in a branch at all; every stage computes its forward, backward and
-    the loss at every tick and keeps what its tick calls for (a sequence split over an automatic
-    context axis: XLA's collective permutes there wait for every device). `schedule`: "1f1b", or
-    "gpipe" for GPipe's order on the same tables (every forward, then every backward). `runner`: the
-    schedule's own loop in place of the tables' (`zero_bubble.zero_bubble_schedule`)."""
-    loop = Loop(
-        layers, head, embed, mesh, axis, tuple(batch_axes), schedule, embed_branch and branches, branches, leaf_specs
-    )
+def one_f_one_b_loss(loop: Loop, operands: Operands, runner: Callable | None = None):
+    """Mean loss over microbatches, with gradients computed by the schedule itself (averaged over the
+    manual batch axes once, after the loop): `loop` says what runs where (`Loop`), `operands` holds the
+    arrays (`Operands`). Gradients flow to the stacked layers and to the parameters the code around the
+    layers reads. `runner`: the schedule's own loop in place of the tables' (`zero_bubble.zero_bubble_schedule`)."""
 
     def run(stacked, head_params, embed_params, *rest):
         return (runner or table_schedule)(loop, Operands(stacked, head_params, embed_params, *rest))
@@ -449,14 +415,21 @@ def one_f_one_b_loss(
         return (*jax.tree.map(lambda g: g * cotangent.astype(g.dtype), grads), None, None, None, None, None)
 
     loss.defvjp(run, backward)
-    return loss(stacked, head_params, embed_params, head_rest, layer_inputs, head_inputs, targets, keys)
+    return loss(*operands)
 
 
 @dataclasses.dataclass(frozen=True)
 class Loop:
-    """A schedule's loop as fixed for one compiled step: the stacked layers' code, the model's code
-    around them (`head`, `embed`: see `one_f_one_b_loss`), where it runs (the mesh, its stage axis, the
-    batch axes made manual) and how (`schedule`; `embed_branch`, `branches`: see `one_f_one_b_loss`)."""
+    """A schedule's loop as fixed for one compiled step. `embed(params, rest, split, whole, keys)` is one
+    microbatch's input to the layers (the model's code before them), run on the first stage as that
+    microbatch enters; `head(params, rest, h, split, whole, keys, targets)` is one microbatch's loss, run
+    on the last stage as it leaves. `embed_branch`: the first stage alone runs `embed` (false: every stage
+    does and the others drop it, as when a batch axis is left to XLA, whose collectives inside a branch
+    only one stage takes would never complete). `branches` false: no part runs in a branch at all; every
+    stage computes its forward, backward and the loss at every tick and keeps what its tick calls for (a
+    sequence split over an automatic context axis: XLA's collective permutes there wait for every device).
+    `schedule`: "1f1b", or "gpipe" for GPipe's order on the same tables (every forward, then every
+    backward)."""
 
     layers: Layers
     head: Callable

@@ -29,6 +29,8 @@ from shardplan.pipeline.loop import (
     cross_entropy,
     fit_microbatches,
     model_order,
+    Loop,
+    Operands,
     one_f_one_b_loss,
     sequential_forward,
     stack,
@@ -64,60 +66,60 @@ class _LossRequest:
     plain: bool = False  # the layers ran their plain forward: the loss is the model's output's
 
 
+@dataclasses.dataclass(frozen=True)
+class PipelineSetup:
+    """What `apply_plan` decided for one pipelined layer list (hashable: it is part of the model's graph)."""
+
+    name: str  # the list's path in the model (`blocks`, `encoder/layers`)
+    stages: int
+    virtual: int  # chunks of layers per stage
+    mesh: Any
+    axis: str  # the stage axis
+    schedule: str
+    microbatches: int
+    batch_axes: tuple[str, ...]  # the batch axes the loop runs manually
+    data_axes: tuple[str, ...]  # every batch axis
+    plain_graphdef: Any  # the model's own form (its layers a list, or stacked by nnx.vmap), for `to_plain`
+    counts: tuple[int, ...] | None = None  # layers per stage, where they differ
+    restack: bool = False  # the model's own form stacks the layers
+    split_heads: frozenset = frozenset()  # weights after the layers 1F1B may keep split
+    context_axis: str | None = None  # the sequence split over it: 1F1B takes no branch
+    expert_axis: str | None = None  # the expert weights stay split over it
+    expert_weights: frozenset = frozenset()  # their paths within a layer
+
+
 class PipelinedLayers(nnx.Module):
     """The layer list of a pipelined model (see the module docstring)."""
 
     runs_whole_stack = True  # a scan over it (layers stacked by nnx.vmap) runs it once: `stacked.py`
 
-    def __init__(
-        self,
-        layers: list[nnx.Module],
-        *,
-        name: str,
-        stages: int,
-        virtual: int,
-        mesh,
-        axis: str,
-        schedule: str,
-        microbatches: int,
-        batch_axes: tuple[str, ...],
-        plain_graphdef,
-        counts: tuple[int, ...] | None = None,
-        restack: bool = False,
-        split_heads: tuple[str, ...] = (),
-        data_axes: tuple[str, ...],
-        sharding_of: Callable | None = None,
-        context_axis: str | None = None,
-        expert_axis: str | None = None,
-        expert_weights: frozenset = frozenset(),
-    ):
+    def __init__(self, layers: list[nnx.Module], setup: PipelineSetup, sharding_of: Callable | None = None):
         graphdefs = [nnx.graphdef(layer) for layer in layers]
         kinds = list(dict.fromkeys(graphdefs))
+        counts = setup.counts
         arrangement = Arrangement(
             tuple(counts) if counts and len(set(counts)) > 1 else None,  # unequal: padded
-            v_shape=schedule == "zb-v",
+            v_shape=setup.schedule == "zb-v",
         )
         stacked = nnx.merge(
             kinds[0],
-            stack([nnx.to_pure_dict(nnx.state(layer)) for layer in layers], stages, virtual, arrangement, sharding_of),
+            stack(
+                [nnx.to_pure_dict(nnx.state(layer)) for layer in layers],
+                setup.stages,
+                setup.virtual,
+                arrangement,
+                sharding_of,
+            ),
         )
         for key in nnx.state(stacked):
             setattr(self, key, getattr(stacked, key))
         self._pipeline_kinds, self._pipeline_kind_of = tuple(kinds), tuple(kinds.index(g) for g in graphdefs)
-        self._pipeline_name, self._pipeline_mesh, self._pipeline_axis = name, mesh, axis
-        self._pipeline_schedule, self._pipeline_microbatches = schedule, microbatches
-        self._pipeline_batch_axes, self._pipeline_plain = tuple(batch_axes), plain_graphdef
-        self._pipeline_restack = restack  # the model's own form stacks the layers (`to_plain`)
-        self._pipeline_data_axes = tuple(data_axes)  # every batch axis; `batch_axes`: those run manually
         self._pipeline_arrangement = arrangement
-        self._pipeline_split_heads = frozenset(split_heads)  # weights after the layers 1F1B may keep split
-        self._pipeline_context = context_axis  # the sequence split over it: 1F1B takes no branch
-        self._pipeline_experts = expert_axis  # the expert weights stay split over it
-        self._pipeline_expert_weights = expert_weights  # their paths within a layer
+        self._setup = setup
 
     @property
     def schedule(self) -> str:
-        return self._pipeline_schedule
+        return self._setup.schedule
 
     @property
     def arrangement(self) -> Arrangement:
@@ -135,8 +137,8 @@ class PipelinedLayers(nnx.Module):
         if isinstance(index, int) and index in (0, -1):
             return self
         raise PipelineCallError(
-            f"the model takes {self._pipeline_name}[{index!r}], but its layers are pipelined and run as one call: a "
-            f"pipeline needs the forward to call every layer in order (`for layer in self.{self._pipeline_name}: "
+            f"the model takes {self._setup.name}[{index!r}], but its layers are pipelined and run as one call: a "
+            f"pipeline needs the forward to call every layer in order (`for layer in self.{self._setup.name}: "
             "...`)"
         )
 
@@ -148,10 +150,10 @@ class PipelinedLayers(nnx.Module):
             layer = nnx.merge(
                 graphdef, jax.tree.map(lambda a: model_order(a, self._pipeline_arrangement)[index], state)
             )
-            found = describe_layer_call(layer, args, kwargs, f"{self._pipeline_name}/{index}")
+            found = describe_layer_call(layer, args, kwargs, f"{self._setup.name}/{index}")
             if described is not None and found[0] != described[0]:
                 raise PipelineCallError(
-                    f"the layers of {self._pipeline_name} differ in what they return for the same "
+                    f"the layers of {self._setup.name} differ in what they return for the same "
                     "call, so they cannot be pipelined together"
                 )
             described = found
@@ -175,10 +177,10 @@ class PipelinedLayers(nnx.Module):
         in_a_v = self._pipeline_arrangement.v_shape  # (its loops need no group or count of microbatches)
         too_few = virtual > 1 and not in_a_v and (micro < stages if self.schedule == "interleaved" else micro % stages)
         if request is not None and not _differentiable(state):
-            _warn_fixed_state(self._pipeline_name, self.schedule)
+            _warn_fixed_state(self._setup.name, self.schedule)
             request.plain = True
             request = None
-        if request is not None and (too_few or not on_tables(self.schedule, self._pipeline_context is not None)):
+        if request is not None and (too_few or not on_tables(self.schedule, self._setup.context_axis is not None)):
             # interleaved 1F1B needs whole groups of `stages` microbatches, the circular schedule a
             # microbatch per stage; a smaller batch (an evaluation) runs the layers' own forward and the
             # model's own loss instead: the same result. So does gpipe with a split sequence, where the
@@ -192,7 +194,7 @@ class PipelinedLayers(nnx.Module):
         if (
             self.schedule != "gpipe"
             and request is None
-            and on_tables(self.schedule, self._pipeline_context is not None)
+            and on_tables(self.schedule, self._setup.context_axis is not None)
         ):
             _warn_without_model_loss(self.schedule)
         microbatches, batch_axes = self._fit(x.shape[0])
@@ -207,8 +209,8 @@ class PipelinedLayers(nnx.Module):
             [split_microbatches(a, microbatches) for a in split],
             whole,
             keys,
-            mesh=self._pipeline_mesh,
-            axis=self._pipeline_axis,
+            mesh=self._setup.mesh,
+            axis=self._setup.axis,
             batch_axes=batch_axes,
             leaf_specs=self._leaf_specs(state, batch_axes),
         )
@@ -217,18 +219,16 @@ class PipelinedLayers(nnx.Module):
     def _leaf_specs(self, state, batch_axes: tuple[str, ...]) -> tuple | None:
         """How the stacked layers enter the loop (`stage_specs`)."""
         experts = [
-            join_path(path).removesuffix("/.value") in self._pipeline_expert_weights
+            join_path(path).removesuffix("/.value") in self._setup.expert_weights
             for path, _ in jax.tree.flatten_with_path(state)[0]
         ]
-        return stage_specs(_specs(state), experts, self._pipeline_axis, batch_axes, self._pipeline_experts)
+        return stage_specs(_specs(state), experts, self._setup.axis, batch_axes, self._setup.expert_axis)
 
     def _fit(self, rows: int) -> tuple[int, tuple[str, ...]]:
         """Microbatches and manual batch axes for a batch of `rows`: the plan's when they divide it; else
         (sampling one row, a small evaluation) the most microbatches that do, the batch axes left to XLA
         if a microbatch cannot be split over them. The result is the same; only the overlap differs."""
-        return fit_microbatches(
-            rows, self._pipeline_microbatches, self._pipeline_batch_axes, dict(self._pipeline_mesh.shape)
-        )
+        return fit_microbatches(rows, self._setup.microbatches, self._setup.batch_axes, dict(self._setup.mesh.shape))
 
     def _one_f_one_b(self, request: _LossRequest, layers: Layers, state, x, split, whole, keys):
         """The 1F1B schedule with the model's own code around the layers, per microbatch: as a microbatch
@@ -240,11 +240,11 @@ class PipelinedLayers(nnx.Module):
         graphdef, params, rest = nnx.split(request.model, nnx.Param, ...)
         leaves, params_def = jax.tree.flatten(params)
         paths = [join_path(path).removesuffix("/.value") for path, _ in jax.tree.flatten_with_path(params)[0]]
-        in_layers = [path.startswith(self._pipeline_name + "/") for path in paths]
+        in_layers = [path.startswith(self._setup.name + "/") for path in paths]
         head_params = [leaf for leaf, inside in zip(leaves, in_layers) if not inside]
         rest_leaves, rest_def = jax.tree.flatten(rest)
         model_call, model_split, model_whole, model_rngs = CallArgs.of(request.args, request.kwargs, x.shape[0])
-        mesh = self._pipeline_mesh
+        mesh = self._setup.mesh
         call = layers.call
         head_keys = draw_keys(model_rngs)
         outside = [i for i, inside in enumerate(in_layers) if not inside]
@@ -307,11 +307,11 @@ class PipelinedLayers(nnx.Module):
             head_params,
         )
         before = _used_inputs(lambda params: jax.numpy.sum(layers_entry(params, rest_leaves, *sample)), head_params)
-        every_batch_axis_manual = batch_axes == self._pipeline_data_axes
+        every_batch_axis_manual = batch_axes == self._setup.data_axes
         # (with the sequence split over a context axis, or a batch axis left to XLA for a small batch, a split
         # head aborted XLA's partitioner too: it enters whole)
         may_split = [
-            every_batch_axis_manual and paths[i] in self._pipeline_split_heads and self._pipeline_context is None
+            every_batch_axis_manual and paths[i] in self._setup.split_heads and self._setup.context_axis is None
             for i in outside
         ]
         split_ok = [may and not read_before for may, read_before in zip(may_split, before)]
@@ -329,30 +329,33 @@ class PipelinedLayers(nnx.Module):
         used_at = [i for i, keep in zip(outside, used) if keep]
         read_at = [i for i, read in zip(outside, before) if read]
         leaf_specs = self._leaf_specs(state, batch_axes)
-        branches = self._pipeline_context is None and not self._permutes_in_branches(
+        branches = self._setup.context_axis is None and not self._permutes_in_branches(
             layers, state, x, split, whole, keys, microbatches, batch_axes, leaf_specs
         )
-        return one_f_one_b_loss(
+        loop = Loop(
             layers,
-            state,
             functools.partial(head_loss, used=used_at),
-            head_in,
             functools.partial(layers_entry, used=read_at),
+            mesh,
+            self._setup.axis,
+            tuple(batch_axes),
+            self.schedule,
+            embed_branch=every_batch_axis_manual and branches,
+            branches=branches,
+            leaf_specs=leaf_specs,
+        )
+        operands = Operands(
+            state,
+            head_in,
             embed_in,
             rest_leaves,
             ([micro(a) for a in split], whole),
             ([micro(a) for a in model_split], model_whole),
             micro(request.targets),
             (keys, head_keys),
-            mesh=mesh,
-            axis=self._pipeline_axis,
-            batch_axes=batch_axes,
-            embed_branch=every_batch_axis_manual,
-            branches=branches,
-            schedule=self.schedule,
-            runner={"zb-h1": zero_bubble_schedule, "zb-v": zero_bubble_v_schedule}.get(self.schedule),
-            leaf_specs=leaf_specs,
         )
+        runner = {"zb-h1": zero_bubble_schedule, "zb-v": zero_bubble_v_schedule}.get(self.schedule)
+        return one_f_one_b_loss(loop, operands, runner)
 
     def _permutes_in_branches(
         self,
@@ -376,13 +379,13 @@ class PipelinedLayers(nnx.Module):
         specs = _specs(state)
         inputs = (one_microbatch(x), [one_microbatch(a) for a in split], whole, keys)
         if not layers_permute_in_branches(
-            layers, state, specs, inputs, self._pipeline_mesh, self._pipeline_axis, batch_axes, leaf_specs
+            layers, state, specs, inputs, self._setup.mesh, self._setup.axis, batch_axes, leaf_specs
         ):
             return False
-        if (self._pipeline_name, batch_axes) not in _SAID_LOCKSTEP:
-            _SAID_LOCKSTEP.add((self._pipeline_name, batch_axes))
+        if (self._setup.name, batch_axes) not in _SAID_LOCKSTEP:
+            _SAID_LOCKSTEP.add((self._setup.name, batch_axes))
             warnings.warn(
-                f"pipeline {self._pipeline_name!r} on CPU devices: XLA splits its layers with a "
+                f"pipeline {self._setup.name!r} on CPU devices: XLA splits its layers with a "
                 "collective-permute over an axis left to it, which XLA:CPU cannot run inside the "
                 "schedule's branches, so every stage computes at every tick and keeps its own work: the "
                 "same numbers, more computation (accelerators keep the branches)",
@@ -436,7 +439,7 @@ def to_plain(model: nnx.Module) -> nnx.Module:
     found = pipelined_layers(model)
     if found is None:
         return model
-    return nnx.merge(found[1]._pipeline_plain, plain_tree(model, nnx.to_pure_dict(nnx.state(model))))
+    return nnx.merge(found[1]._setup.plain_graphdef, plain_tree(model, nnx.to_pure_dict(nnx.state(model))))
 
 
 def plain_tree(model: nnx.Module, tree: dict) -> dict:
@@ -458,7 +461,7 @@ def plain_tree(model: nnx.Module, tree: dict) -> dict:
         return tree
     name, layers = found
     tree = to_plain_tree(tree, name, layers.arrangement)
-    return restacked(tree, name) if layers._pipeline_restack else tree
+    return restacked(tree, name) if layers._setup.restack else tree
 
 
 def _differentiable(state) -> bool:
@@ -557,4 +560,12 @@ def _split_over_rows_only(output):
     return jax.tree.map(one, output)
 
 
-__all__ = ["PipelinedLayers", "pipelined_layers", "to_plain", "plain_tree", "model_loss", "cross_entropy"]
+__all__ = [
+    "PipelineSetup",
+    "PipelinedLayers",
+    "pipelined_layers",
+    "to_plain",
+    "plain_tree",
+    "model_loss",
+    "cross_entropy",
+]
