@@ -8,6 +8,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -23,30 +24,33 @@ from shardplan.cli.terminal import consoles, print_wrapped
 EXIT_OK, EXIT_NOTHING_FITS = 0, 1
 
 
-def run_auto(
-    console: Console,
-    *,
-    factory: str,
-    config: dict,
-    devices: int,
-    hosts: int,
-    memory: int | None,
-    batch: int,
-    seq: int,
-    profile,
-    input_name: str,
-    output: str,
-    top: int,
-    measure: int,
-    as_json: bool,
-    command: str,
-    usage_error,
-    paths: tuple[str, ...] = (),
-    compute: str | None = None,
-    margin: float | None = None,
-    capacity: float | None = None,
-    refit_to: str | None = None,
-) -> int:
+@dataclasses.dataclass(frozen=True)
+class AutoRequest:
+    """What `shardplan auto` was asked (its command line, parsed)."""
+
+    factory: str
+    config: dict
+    devices: int
+    hosts: int
+    memory: int | None  # bytes per device; None: the profile's
+    batch: int
+    seq: int
+    profile: Any
+    input_name: str
+    output: str
+    top: int  # rows of the table
+    measure: int  # candidates to time (0: none)
+    as_json: bool
+    command: str  # as typed, for the written plan's header
+    paths: tuple[str, ...] = ()  # extra import paths for the model
+    compute: str | None = None
+    margin: float | None = None
+    capacity: float | None = None
+    refit_to: str | None = None  # --calibrate: the profile to write
+
+
+def run_auto(console: Console, request: AutoRequest, usage_error) -> int:
+    capacity = request.capacity  # (dropped below when the model has no MoE blocks)
     from shardplan.run.models import ModelLoadError, build_model
     from shardplan.checks.paths import param_infos
     from shardplan.planner.kept import with_code
@@ -55,18 +59,23 @@ def run_auto(
     order: list[str] = []
     with console.status("building the model abstractly (nothing is allocated)"):
         try:
-            model = build_model(factory, config, paths=paths, on_built=lambda m: order.extend(definition_order(m)))
+            model = build_model(
+                request.factory,
+                request.config,
+                paths=request.paths,
+                on_built=lambda m: order.extend(definition_order(m)),
+            )
         except ModelLoadError as exc:
             raise usage_error(str(exc)) from None
     params = param_infos(model)
-    workload = Workload(batch, seq)
+    workload = Workload(request.batch, request.seq)
     with console.status("reading what the model's code keeps for the backward (one traced forward)"):
-        roles = with_code(recognise(params, order), model, seq, input_name=input_name)
+        roles = with_code(recognise(params, order), model, request.seq, input_name=request.input_name)
     if not roles.code.traced:
         console.print(
             Text.assemble(
                 ("activations counted as a plain transformer's: ", "bold"),
-                f"the forward could not be traced with `{input_name}` alone",
+                f"the forward could not be traced with `{request.input_name}` alone",
             )
         )
     if capacity is not None:
@@ -80,50 +89,52 @@ def run_auto(
                 )
             )
             capacity = None
-    refusal = _pipeline_refusal(model, roles.layers, input_name, workload)
+    refusal = _pipeline_refusal(model, roles.layers, request.input_name, workload)
     if refusal:
         console.print(Text.assemble(("no pipeline candidates: ", "bold"), refusal))
-    with console.status(f"costing candidate plans for {devices} devices") as status:
+    with console.status(f"costing candidate plans for {request.devices} devices") as status:
 
         def progress(done: int, total: int) -> None:
             status.update(
-                f"costing candidate plans for {devices} devices: {done:,} of {total:,} (bounded: the "
+                f"costing candidate plans for {request.devices} devices: {done:,} of {total:,} (bounded: the "
                 "rest may not need costing)"
             )
 
         found = planner.search(
             params,
             roles,
-            devices=devices,
+            devices=request.devices,
             workload=workload,
-            profile=profile,
-            memory=memory,
-            hosts=hosts,
-            input_name=input_name,
-            model={"factory": factory, "config": config},
+            profile=request.profile,
+            memory=request.memory,
+            hosts=request.hosts,
+            input_name=request.input_name,
+            model={"factory": request.factory, "config": request.config},
             pipelines=refusal is None,
-            compute=compute,
+            compute=request.compute,
             progress=progress,
-            keep=max(planner.KEEP, top, measure),
-            check=max(planner.KEEP, measure),
-            margin=planner.MEMORY_MARGIN if margin is None else margin,
+            keep=max(planner.KEEP, request.top, request.measure),
+            check=max(planner.KEEP, request.measure),
+            margin=planner.MEMORY_MARGIN if request.margin is None else request.margin,
             capacity=capacity,
         )
     measured = {}
-    if measure and found.ranked:
-        measured = _measure(console, found, factory, config, measure, paths, input_name)
+    if request.measure and found.ranked:
+        measured = _measure(
+            console, found, request.factory, request.config, request.measure, request.paths, request.input_name
+        )
         modelled_order = list(found.ranked)
         found = _rerank(found, measured)
-    if as_json:
-        print(json.dumps(_json(found, measured, top), indent=2))
+    if request.as_json:
+        print(json.dumps(_json(found, measured, request.top), indent=2))
     else:
-        _print_table(console, found, measured, top)
+        _print_table(console, found, measured, request.top)
         if measured:
             _print_agreement(console, modelled_order, measured)
-    if refit_to and measured:
-        _write_refit(console, found, modelled_order, measured, refit_to)
-    elif refit_to:
-        print_wrapped(consoles()[1], f"--calibrate: no candidate was timed, so {refit_to} was not written")
+    if request.refit_to and measured:
+        _write_refit(console, found, modelled_order, measured, request.refit_to)
+    elif request.refit_to:
+        print_wrapped(consoles()[1], f"--calibrate: no candidate was timed, so {request.refit_to} was not written")
     if not found.ranked:
         console.print(
             Text.assemble(
@@ -136,30 +147,30 @@ def run_auto(
         return EXIT_NOTHING_FITS
     claim = beyond_evidence(model_flops_utilisation(found, found.best), found.profile)
     note = " ".join(filter(None, [_measured_line(found, measured), claim and f"Note: {claim}."]))
-    text = planner.plan_text(found.best, found, command=command, measured=note)
-    _check_written(text, found, devices=devices, hosts=hosts, input_name=input_name)
+    text = planner.plan_text(found.best, found, command=request.command, measured=note)
+    _check_written(text, found, devices=request.devices, hosts=request.hosts, input_name=request.input_name)
     try:
-        _write_atomically(Path(output), text)
+        _write_atomically(Path(request.output), text)
     except OSError as exc:
-        raise usage_error(f"cannot write {output}: {exc.strerror or exc}") from None
-    if not as_json:
+        raise usage_error(f"cannot write {request.output}: {exc.strerror or exc}") from None
+    if not request.as_json:
         import shlex
 
         check = " ".join(
             [
                 "shardplan validate",
-                shlex.quote(str(output)),
+                shlex.quote(str(request.output)),
                 "--model",
-                shlex.quote(factory),
+                shlex.quote(request.factory),
                 "--devices",
-                str(devices),
-                *(f"--path {shlex.quote(p)}" for p in paths),
+                str(request.devices),
+                *(f"--path {shlex.quote(p)}" for p in request.paths),
             ]
         )
         console.print(
             Text.assemble(
                 "wrote ",
-                (output, "bold"),
+                (request.output, "bold"),
                 f": {found.best.candidate.label()}, {found.best.candidate.rules_label()}; check it with `{check}`",
             )
         )

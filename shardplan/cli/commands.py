@@ -1033,7 +1033,7 @@ def _diff(args, console: Console) -> int:
 
 
 def _auto(args, console: Console) -> int:
-    from shardplan.cli.autorun import run_auto
+    from shardplan.cli.autorun import AutoRequest, run_auto
 
     if args.devices % args.hosts:
         raise UsageError(f"--devices ({args.devices}) must be a positive multiple of --hosts ({args.hosts})")
@@ -1083,8 +1083,7 @@ def _auto(args, console: Console) -> int:
     except ModelLoadError as exc:
         raise UsageError(str(exc)) from None
     command = "shardplan " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["auto"] else "shardplan auto"
-    return run_auto(
-        console,
+    request = AutoRequest(
         factory=args.model,
         config=config,
         devices=args.devices,
@@ -1102,10 +1101,10 @@ def _auto(args, console: Console) -> int:
         capacity=args.capacity_factor,
         as_json=args.json,
         command=command,
-        usage_error=UsageError,
         paths=tuple(args.import_paths),
         refit_to=args.calibrate,
     )
+    return run_auto(console, request, UsageError)
 
 
 def _report(args, order: list[str] | None = None):
