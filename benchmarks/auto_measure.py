@@ -90,12 +90,11 @@ def _spread(profile, rounds: int) -> list[dict]:
     found = planner.search(
         params,
         roles,
-        devices=8,
-        workload=workload,
-        profile=profile,
+        planner.SearchRequest(
+            devices=8, workload=workload, profile=profile, model={"factory": FACTORY, "config": CONFIG}
+        ),
         keep=10_000,
         check=0,
-        model={"factory": FACTORY, "config": CONFIG},
     )
     picks = [round(k * (len(found.ranked) - 1) / 7) for k in range(8)]
     chosen, ready = [], []

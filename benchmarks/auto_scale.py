@@ -49,11 +49,13 @@ def point(devices: int, layers: int, seq: int = 4096) -> dict:
     found = auto.search(
         params,
         roles,
-        devices=devices,
-        workload=workload,
-        profile=get_profile("h200"),
-        hosts=max(1, devices // 8),
-        compute="bfloat16",
+        auto.SearchRequest(
+            devices=devices,
+            workload=workload,
+            profile=get_profile("h200"),
+            hosts=max(1, devices // 8),
+            compute="bfloat16",
+        ),
     )
     done = time.perf_counter()
     best = found.best

@@ -125,13 +125,16 @@ def held_out(count: int, batch: int, seq: int) -> list[dict]:
     plus its best candidate of each pipeline schedule, with and without FSDP."""
     sys.path.insert(0, str(REPO / "tests"))
     from minigpt_model.llama import Llama
-    from shardplan.planner.auto import search
+    from shardplan.planner.auto import SearchRequest, search
 
     config = dict(vocab=8192, dim=256, heads=8, kv_heads=2, hidden=768, layers=4)
     abstract, roles = abstract_with_roles(lambda: Llama(**config, rngs=nnx.Rngs(0)))
     roles = with_code(roles, abstract, seq)
     found = search(
-        param_infos(abstract), roles, devices=8, workload=Workload(batch, seq), profile=get_profile("cpu"), keep=10_000
+        param_infos(abstract),
+        roles,
+        SearchRequest(devices=8, workload=Workload(batch, seq), profile=get_profile("cpu")),
+        keep=10_000,
     )  # every candidate checked in full: the pipelines are picked from them
     picked, seen = [], set()
     for ranked in found.ranked:
@@ -167,13 +170,16 @@ def heads_first(count: int, batch: int, seq: int) -> list[dict]:
     schedule, compiled with the model's own call (positions and mask)."""
     sys.path.insert(0, str(REPO / "tests"))
     from wild_models import GemmaConfig, GemmaLike
-    from shardplan.planner.auto import search
+    from shardplan.planner.auto import SearchRequest, search
 
     config = GemmaConfig(vocab=8192, embed=256, heads=8, kv_heads=4, head_dim=32, hidden=768, layers=4, window=32)
     abstract, roles = abstract_with_roles(lambda: GemmaLike(config, rngs=nnx.Rngs(0)))
     roles = with_code(roles, abstract, seq, arguments=_gemma_arguments)
     found = search(
-        param_infos(abstract), roles, devices=8, workload=Workload(batch, seq), profile=get_profile("cpu"), keep=10_000
+        param_infos(abstract),
+        roles,
+        SearchRequest(devices=8, workload=Workload(batch, seq), profile=get_profile("cpu")),
+        keep=10_000,
     )  # every candidate checked in full: the pipelines are picked from them
     picked = []
     for ranked in found.ranked:

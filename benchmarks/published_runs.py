@@ -573,14 +573,16 @@ def run_row(
         found = auto.search(
             params,
             roles,
-            devices=gpus,
-            workload=workload,
-            profile=profile,
-            memory=DEVICE_MEMORY,
-            hosts=max(1, gpus // 8),
-            compute="bfloat16",
+            auto.SearchRequest(
+                devices=gpus,
+                workload=workload,
+                profile=profile,
+                memory=DEVICE_MEMORY,
+                hosts=max(1, gpus // 8),
+                compute="bfloat16",
+                capacity=capacity,
+            ),
             only=only,
-            capacity=capacity,
         )
         best = found.best
         row[key] = (

@@ -53,8 +53,11 @@ LLAMA_DP = (
 def _search(build, **options):
     model, roles = abstract_with_roles(build)
     params = param_infos(model)
-    options = {"devices": 8, "workload": Workload(BATCH, SEQ), "profile": get_profile("cpu"), **options}
-    return auto.search(params, roles, **options), params, roles
+    run = {k: options.pop(k) for k in ("keep", "check", "progress", "only") if k in options}
+    request = auto.SearchRequest(
+        **{"devices": 8, "workload": Workload(BATCH, SEQ), "profile": get_profile("cpu"), **options}
+    )
+    return auto.search(params, roles, request, **run), params, roles
 
 
 def _written(found, tmp_path) -> shardplan.Plan:
@@ -457,11 +460,9 @@ def test_auto_with_a_capacity_factor_writes_capacity_dispatch_and_counts_the_rou
         found = auto.search(
             params,
             roles,
-            devices=8,
-            workload=Workload(BATCH, SEQ),
-            profile=get_profile("cpu"),
-            capacity=1.0,
-            pipelines=False,
+            auto.SearchRequest(
+                devices=8, workload=Workload(BATCH, SEQ), profile=get_profile("cpu"), capacity=1.0, pipelines=False
+            ),
         )
         ep = next(
             r

@@ -572,9 +572,7 @@ def test_auto_plans_with_remat_and_sequence_parallelism_validate_and_train_like_
     found = auto.search(
         param_infos(model),
         roles,
-        devices=8,
-        workload=Workload(BATCH, SEQ),
-        profile=get_profile("cpu"),
+        auto.SearchRequest(devices=8, workload=Workload(BATCH, SEQ), profile=get_profile("cpu")),
         only=lambda c: c.remat == "full" and c.sequence,
     )
     plan = _written_and_trained(found, build, tmp_path)
@@ -585,11 +583,16 @@ def test_auto_accumulates_gradients_only_where_memory_needs_it(tmp_path):
     build = BUILD["minigpt"]
     model, roles = abstract_with_roles(build)
     params, workload = param_infos(model), Workload(BATCH, SEQ)
-    roomy = auto.search(params, roles, devices=8, workload=workload, profile=get_profile("cpu"), pipelines=False)
+    roomy = auto.search(
+        params, roles, auto.SearchRequest(devices=8, workload=workload, profile=get_profile("cpu"), pipelines=False)
+    )
     assert all(r.candidate.accumulate == 1 for r in roomy.ranked)
     assert any((r.rejected or "").startswith("accumulation not needed") for r in roomy.rejected)
     found = auto.search(
-        params, roles, devices=8, workload=workload, profile=get_profile("cpu"), only=lambda c: c.accumulate > 1
+        params,
+        roles,
+        auto.SearchRequest(devices=8, workload=workload, profile=get_profile("cpu")),
+        only=lambda c: c.accumulate > 1,
     )
     plan = _written_and_trained(found, build, tmp_path)
     assert plan.accumulate > 1, (tmp_path / "auto.yaml").read_text()
@@ -601,9 +604,7 @@ def test_auto_pipelines_layers_the_stages_do_not_divide_and_trains_like_one_devi
     found = auto.search(
         param_infos(model),
         roles,
-        devices=8,
-        workload=Workload(BATCH, SEQ),
-        profile=get_profile("cpu"),
+        auto.SearchRequest(devices=8, workload=Workload(BATCH, SEQ), profile=get_profile("cpu")),
         only=lambda c: c.axes.get("stage") == 2,
     )
     plan = _written_and_trained(found, build, tmp_path)
@@ -623,9 +624,7 @@ def test_auto_offers_the_embedding_and_head_on_the_stages_where_they_fit_nowhere
     found = auto.search(
         params,
         roles,
-        devices=8,
-        workload=Workload(BATCH, SEQ),
-        profile=get_profile("cpu"),
+        auto.SearchRequest(devices=8, workload=Workload(BATCH, SEQ), profile=get_profile("cpu")),
         only=lambda c: (
             c.axes == {"stage": 2, "data": 4}
             and c.schedule == "1f1b"
@@ -646,10 +645,7 @@ def test_auto_offers_the_embedding_and_head_on_the_stages_where_they_fit_nowhere
     whole = auto.search(
         params,
         roles,
-        devices=8,
-        workload=Workload(BATCH, SEQ),
-        profile=get_profile("cpu"),
-        memory=budget,
+        auto.SearchRequest(devices=8, workload=Workload(BATCH, SEQ), profile=get_profile("cpu"), memory=budget),
         only=lambda c: c in (ends.candidate, twin.candidate),
     )
     assert [r.candidate.ends for r in whole.ranked] == [True]  # its twin holding them whole does not fit
@@ -667,10 +663,7 @@ def test_auto_with_bf16_compute_writes_precision_and_stays_close(tmp_path):
     found = auto.search(
         param_infos(model),
         roles,
-        devices=8,
-        workload=Workload(BATCH, SEQ),
-        profile=get_profile("cpu"),
-        compute="bfloat16",
+        auto.SearchRequest(devices=8, workload=Workload(BATCH, SEQ), profile=get_profile("cpu"), compute="bfloat16"),
     )
     plan = _written(found, tmp_path)
     assert plan.precision.compute == "bfloat16"
@@ -688,11 +681,13 @@ def test_search_is_bounded_and_answers_large_clusters_quickly():
     found = auto.search(
         param_infos(model),
         roles,
-        devices=16384,
-        workload=Workload(4 * 16384, 4096),
-        profile=get_profile("h200"),
-        hosts=2048,
-        compute="bfloat16",
+        auto.SearchRequest(
+            devices=16384,
+            workload=Workload(4 * 16384, 4096),
+            profile=get_profile("h200"),
+            hosts=2048,
+            compute="bfloat16",
+        ),
     )
     assert found.best is not None and found.best.report.ok
     assert found.best.estimate.peak_bytes <= found.usable < found.memory
@@ -714,11 +709,9 @@ def test_long_sequences_get_context_parallelism_and_the_written_plan_checks():
     found = auto.search(
         param_infos(model),
         roles,
-        devices=64,
-        workload=Workload(8, 65536),
-        profile=get_profile("h200"),
-        hosts=8,
-        compute="bfloat16",
+        auto.SearchRequest(
+            devices=64, workload=Workload(8, 65536), profile=get_profile("h200"), hosts=8, compute="bfloat16"
+        ),
     )
     best = found.best
     assert best.plan.context is not None and best.candidate.axes["context"] > 1, best.candidate.label()

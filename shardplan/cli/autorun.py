@@ -103,20 +103,22 @@ def run_auto(console: Console, request: AutoRequest, usage_error) -> int:
         found = planner.search(
             params,
             roles,
-            devices=request.devices,
-            workload=workload,
-            profile=request.profile,
-            memory=request.memory,
-            hosts=request.hosts,
-            input_name=request.input_name,
-            model={"factory": request.factory, "config": request.config},
-            pipelines=refusal is None,
-            compute=request.compute,
+            planner.SearchRequest(
+                devices=request.devices,
+                workload=workload,
+                profile=request.profile,
+                memory=request.memory,
+                hosts=request.hosts,
+                input_name=request.input_name,
+                model={"factory": request.factory, "config": request.config},
+                pipelines=refusal is None,
+                compute=request.compute,
+                margin=planner.MEMORY_MARGIN if request.margin is None else request.margin,
+                capacity=capacity,
+            ),
             progress=progress,
             keep=max(planner.KEEP, request.top, request.measure),
             check=max(planner.KEEP, request.measure),
-            margin=planner.MEMORY_MARGIN if request.margin is None else request.margin,
-            capacity=capacity,
         )
     measured = {}
     if request.measure and found.ranked:

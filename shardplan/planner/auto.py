@@ -138,25 +138,38 @@ class Search:
         return self.ranked[0] if self.ranked else None
 
 
+@dataclasses.dataclass(frozen=True)
+class SearchRequest:
+    """What `search` looks for: plans for `devices` devices (`hosts` hosts) running `workload` on hardware
+    `profile`, within `memory` bytes per device (None: the profile's) less the share `margin` kept free
+    for what the memory model does not count. `input_name`, `model`: what the written plans name.
+    `pipelines=False`: none with a pipeline, for a model that cannot run its layers as one. `compute`: the
+    compute dtype (None: float32). `capacity`: expert parallelism dispatches with that capacity factor
+    (tokens past it are dropped, which the model's own code does not do; the user's choice, as the compute
+    dtype is) instead of dropless."""
+
+    devices: int
+    workload: Workload
+    profile: Profile
+    memory: int | None = None
+    hosts: int = 1
+    input_name: str = "tokens"
+    model: dict[str, Any] | None = None
+    pipelines: bool = True
+    compute: str | None = None
+    margin: float = MEMORY_MARGIN
+    capacity: float | None = None
+
+
 def search(
     params: list[ParamInfo],
     roles: ModelRoles,
+    request: SearchRequest,
     *,
-    devices: int,
-    workload: Workload,
-    profile: Profile,
-    memory: int | None = None,
-    hosts: int = 1,
-    input_name: str = "tokens",
-    model: dict[str, Any] | None = None,
-    pipelines: bool = True,
-    compute: str | None = None,
-    margin: float = MEMORY_MARGIN,
     keep: int = KEEP,
     check: int = KEEP,
     progress=None,
     only=None,
-    capacity: float | None = None,
 ) -> Search:
     """Every candidate plan, costed and ranked by modelled step time: the best `keep`, of which the
     first `check` are checked in full (as a hand-written plan is, on every parameter) and the rest
@@ -165,13 +178,12 @@ def search(
     Candidates are costed on one layer standing for all (`shardplan.planner.representative`) in
     order of a lower bound on their step time (the model's FLOPs spread perfectly, over the
     pipeline bubble); once `keep` plans fit and the next bound exceeds the slowest of them, the
-    rest cannot rank and are not costed. `pipelines=False`: none with a pipeline, for a model that
-    cannot run its layers as one. `margin`: the share of the budget kept free, for what the memory
-    model does not count. `progress(done, total)` is called as candidates are costed. `only(candidate)`:
-    consider only the candidates it accepts (e.g. the options a published run had). `capacity`: expert
-    parallelism dispatches with that capacity factor (tokens past it are dropped, which the model's own
-    code does not do; the user's choice, as the compute dtype is) instead of dropless.
+    rest cannot rank and are not costed. `progress(done, total)` is called as candidates are costed.
+    `only(candidate)`: consider only the candidates it accepts (e.g. the options a published run had).
     """
+    devices, workload, profile, memory = request.devices, request.workload, request.profile, request.memory
+    hosts, input_name, model, pipelines = request.hosts, request.input_name, request.model, request.pipelines
+    compute, margin, capacity = request.compute, request.margin, request.capacity
     budget = memory if memory is not None else profile.memory_bytes
     usable = int(budget * (1 - margin))
     rep = Representative.of(params, roles)
