@@ -42,29 +42,31 @@ def slots(tokens: float, experts: int, capacity_factor: float | None, top_k: int
     return max(1, math.ceil(capacity_factor * top_k * tokens / experts))
 
 
-def expert_cost(
-    blocks,
-    layouts: dict,
-    *,
-    axis: str,
-    capacity_factor: float | None,
-    batch_axes: tuple,
-    sizes: dict,
-    passes: int,
-    tokens_per_pass: float,
-    width: int,
-    itemsize: int,
-    recompute,
-    count,
-    top_k: int = 0,
-    reductions: int | None = None,
-) -> ExpertCost:
+@dataclasses.dataclass(frozen=True)
+class ExpertPasses:
+    """How a step runs the expert blocks: their rows exchanged over `axis` (`sizes`: the mesh; the rows
+    split over `batch_axes`), `passes` forward passes of `tokens_per_pass` tokens per device, each
+    `width` activations of `itemsize` bytes; `capacity_factor` None: dropless. `reductions`: how often a
+    step gathers an FSDP-split expert weight and reduces the gradients (a pipeline's loop: once, as it
+    enters and after; None: every pass)."""
+
+    axis: str
+    capacity_factor: float | None
+    batch_axes: tuple
+    sizes: dict
+    passes: int
+    tokens_per_pass: float
+    width: int
+    itemsize: int
+    reductions: int | None = None
+
+
+def expert_cost(blocks, layouts: dict, run: ExpertPasses, *, recompute, count, top_k: int = 0) -> ExpertCost:
     """`blocks`: the plan's BlockRoles; `layouts`: path -> ParamLayout of the expert weights held here;
     `recompute(path)`: whether the backward runs the block's forward again; `count(path)`: how many
-    blocks one stands for; `top_k`: experts per token (0: not known, `ASSUMED_TOP_K`); `reductions`:
-    how often a step gathers an FSDP-split expert weight and reduces the gradients (a pipeline's loop:
-    once, as it enters and after; default: every pass)."""
-    reductions = passes if reductions is None else reductions
+    blocks one stands for; `top_k`: experts per token (0: not known, `ASSUMED_TOP_K`); `run`: how the
+    step runs them (`ExpertPasses`)."""
+    reductions = run.passes if run.reductions is None else run.reductions
     known = top_k or ASSUMED_TOP_K
     transfers, flops, kept, caveats = [], 0.0, [], []
     for block in blocks:
@@ -72,17 +74,17 @@ def expert_cost(
         if not held:
             continue
         n = count(held[0].path)
-        capacity = slots(tokens_per_pass, block.count, capacity_factor, known)
+        capacity = slots(run.tokens_per_pass, block.count, run.capacity_factor, known)
         rows = block.count * capacity  # E x C, on every device
         again = recompute(held[0].path)
         # one exchange out (the tokens, width D) and one back (the output, width D) per forward; their
         # transposes in the backward; a forward run again in the backward exchanges again
-        exchanges = (2 if not again else 3) * 2 * passes
+        exchanges = (2 if not again else 3) * 2 * run.passes
         transfers.append(
             (
                 "all-to-all",
-                (axis,),
-                rows * width * itemsize,
+                (run.axis,),
+                rows * run.width * run.itemsize,
                 exchanges * n,
                 f"{block.block}: tokens to their experts and back",
             )
@@ -90,14 +92,14 @@ def expert_cost(
         inner = 0
         for p in held:
             later = tuple(a for entry in p.spec[1:] if entry for a in entry)
-            tensor = math.prod(sizes[a] for a in later if a not in batch_axes)
-            flops += 6 * (8 / 6 if again else 1) * passes * rows * math.prod(p.shape[1:]) / tensor * n
-            inner += math.prod(p.shape[1:]) // width
-            fsdp = tuple(a for a in later if a in batch_axes)
-            whole = math.prod(p.shard_shape) * p.itemsize * math.prod(sizes[a] for a in fsdp)
+            tensor = math.prod(run.sizes[a] for a in later if a not in run.batch_axes)
+            flops += 6 * (8 / 6 if again else 1) * run.passes * rows * math.prod(p.shape[1:]) / tensor * n
+            inner += math.prod(p.shape[1:]) // run.width
+            fsdp = tuple(a for a in later if a in run.batch_axes)
+            whole = math.prod(p.shard_shape) * p.itemsize * math.prod(run.sizes[a] for a in fsdp)
             if fsdp:
                 transfers.append(("all-gather", fsdp, whole, reductions * n, f"{p.path}: FSDP weight gathered"))
-            reduce_over = tuple(a for a in batch_axes if a != axis and a not in later)
+            reduce_over = tuple(a for a in run.batch_axes if a != run.axis and a not in later)
             if reduce_over:
                 transfers.append(
                     (
@@ -108,15 +110,16 @@ def expert_cost(
                         f"{p.path}: expert gradient over the other data-parallel devices",
                     )
                 )
-        per_token = rows / max(tokens_per_pass, 1.0) * itemsize
-        routed = min(rows / max(tokens_per_pass, 1.0), known) * itemsize
+        per_token = rows / max(run.tokens_per_pass, 1.0) * run.itemsize
+        routed = min(rows / max(run.tokens_per_pass, 1.0), known) * run.itemsize
         kept.append(
             (
                 held[0].path,
-                per_token * (2 * width + inner) + routed * (EXTRA_ROW_COPIES * width + EXTRA_INNER_COPIES * inner),
+                per_token * (2 * run.width + inner)
+                + routed * (EXTRA_ROW_COPIES * run.width + EXTRA_INNER_COPIES * inner),
                 per_token * inner,
             )
         )
-    if capacity_factor is not None and not top_k:
+    if run.capacity_factor is not None and not top_k:
         caveats.append(f"capacity slots costed for {ASSUMED_TOP_K} experts per token")
     return ExpertCost(tuple(transfers), flops, tuple(kept), tuple(caveats))

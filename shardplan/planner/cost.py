@@ -544,15 +544,13 @@ def _expert_terms(report, held, step: _Step, top_k: int) -> _ExpertTerms | None:
     code, 0 where it was not traced)."""
     if not report.experts or report.plan.experts is None:
         return None
-    from shardplan.experts.cost import expert_cost
+    from shardplan.experts.cost import ExpertPasses, expert_cost
 
     experts = report.plan.experts
     layouts = {p.path: p for p in held}
     staged = any(layouts[path].stage is not None for b in report.experts for path in b.experts if path in layouts)
     passes, tokens = step.runs(True) if staged else step.passes(False)
-    found = expert_cost(
-        report.experts,
-        layouts,
+    run = ExpertPasses(
         axis=experts.axis,
         capacity_factor=experts.capacity_factor if experts.dispatch == "capacity" else None,
         batch_axes=step.batch_axes,
@@ -561,10 +559,15 @@ def _expert_terms(report, held, step: _Step, top_k: int) -> _ExpertTerms | None:
         tokens_per_pass=tokens,
         width=step.width,
         itemsize=step.itemsize,
+        reductions=step.reductions_per_step(),
+    )
+    found = expert_cost(
+        report.experts,
+        layouts,
+        run,
         count=step.count,
         top_k=top_k,
         recompute=lambda path: step.recomputes(staged, True),
-        reductions=step.reductions_per_step(),
     )
     return _ExpertTerms(
         frozenset(p for b in report.experts for p in b.experts),
