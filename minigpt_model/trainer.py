@@ -169,22 +169,10 @@ def _run(config, plan, mesh, model_config, tokenizer, dataset, out, lead, stop_a
     metrics = _Metrics(out / "metrics.jsonl", keep_until=start, write=lead, warn=lambda m: _warn(console, m))
     watch = _preemption_watch(config, checkpoints, console)
     try:
-        losses, evals = _loop(
-            config,
-            plan,
-            mesh,
-            dataset,
-            model,
-            optimizer,
-            checkpoints,
-            metrics,
-            model_config,
-            tokenizer,
-            start,
-            stop_after,
-            console,
-            watch,
+        run = _Run(
+            config, plan, mesh, dataset, model, optimizer, checkpoints, metrics, model_config, tokenizer, console, watch
         )
+        losses, evals = _loop(run, start, stop_after)
     except OSError as exc:
         last = checkpoints.latest_step()
         if is_disk_full(exc):
@@ -250,22 +238,41 @@ def _preemption_watch(config: TrainConfig, checkpoints: Checkpoints, console) ->
     return PreemptionWatch(grace_s=config.preemption_grace, give_up=give_up, notice=notice)
 
 
-def _loop(
-    config,
-    plan,
-    mesh,
-    dataset: Dataset,
-    model,
-    optimizer,
-    checkpoints,
-    metrics,
-    model_config,
-    tokenizer,
-    start,
-    stop_after,
-    console,
-    watch: PreemptionWatch,
-):
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What one training run works with, set up by `train` before its loop."""
+
+    config: Any
+    plan: Any
+    mesh: Any
+    dataset: Dataset
+    model: Any
+    optimizer: Any
+    checkpoints: Any
+    metrics: Any
+    model_config: dict
+    tokenizer: Any
+    console: Any
+    watch: PreemptionWatch
+
+
+def _loop(run: _Run, start: int, stop_after: int | None):
+    config, plan, mesh, dataset, model, optimizer = (
+        run.config,
+        run.plan,
+        run.mesh,
+        run.dataset,
+        run.model,
+        run.optimizer,
+    )
+    checkpoints, metrics, model_config, tokenizer, console, watch = (
+        run.checkpoints,
+        run.metrics,
+        run.model_config,
+        run.tokenizer,
+        run.console,
+        run.watch,
+    )
     losses, evals = {}, {}
     base_key = jax.random.key(config.seed + 1)
     tokens_per_step = config.batch_size * model_config["maxlen"]
