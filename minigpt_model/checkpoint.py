@@ -23,10 +23,8 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from shardplan.run.interrupts import interrupts_deferred
-from shardplan.pipeline.loop import Arrangement, to_plain_tree, to_stacked_tree
-from shardplan.run.optimizer import load_plain_state, plain_abstract, plain_state
-from shardplan.pipeline.pipelined import pipelined_layers
+from shardplan.training import interrupts_deferred, pipelined_tree, plain_tree
+from shardplan.training import load_plain_state, plain_abstract, plain_state
 
 
 class CheckpointError(Exception):
@@ -107,17 +105,6 @@ def _pure(node) -> dict:
     return nnx.to_pure_dict(nnx.state(node))
 
 
-def _layers_of(model) -> tuple[str, Arrangement] | None:
-    """(stacked-layers attribute, where each layer sits in it) of a pipelined model (checkpoints keep the
-    unpipelined layout)."""
-    found = pipelined_layers(model)
-    return (found[0], found[1].arrangement) if found else None
-
-
-def _plain(tree: dict, layers) -> dict:
-    return to_plain_tree(tree, *layers) if layers else tree
-
-
 def _abstract(tree: dict) -> dict:
     """Shapes, dtypes and *current* shardings: restoring into them reshards the saved arrays."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
@@ -138,14 +125,13 @@ class Checkpoints:
         return sorted(self._manager.all_steps())
 
     def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer, meta: dict) -> None:
-        layers = _layers_of(model)
         try:
             with interrupts_deferred(), _writer_noise_held_back():  # a Ctrl-C during it waits for the save
                 self._manager.save(
                     step,
                     args=ocp.args.Composite(
-                        model=ocp.args.StandardSave(_plain(_pure(model), layers)),
-                        optimizer=ocp.args.StandardSave(_plain(plain_state(optimizer), layers)),
+                        model=ocp.args.StandardSave(plain_tree(model, _pure(model))),
+                        optimizer=ocp.args.StandardSave(plain_tree(model, plain_state(optimizer))),
                         meta=ocp.args.JsonSave(meta),
                     ),
                     force=True,
@@ -216,11 +202,10 @@ class Checkpoints:
     def restore(self, model: nnx.Module, optimizer: nnx.Optimizer | None = None, *, step: int | None = None) -> dict:
         """Load a checkpoint into `model` (and `optimizer`), each array taking the layout it has now."""
         step = self._step(step)
-        layers = _layers_of(model)
         nodes = {"model": model} | ({"optimizer": optimizer} if optimizer is not None else {})
         # (the optimizer's state as checkpoints keep it: ZeRO-1 padding cut)
         current = {"model": _abstract(_pure(model))} | ({"optimizer": plain_abstract(optimizer)} if optimizer else {})
-        items = {name: ocp.args.StandardRestore(_plain(tree, layers)) for name, tree in current.items()}
+        items = {name: ocp.args.StandardRestore(plain_tree(model, tree)) for name, tree in current.items()}
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(), **items))
         except Exception as exc:  # a different shape, or files damaged without checksums to tell
@@ -230,7 +215,7 @@ class Checkpoints:
             ) from None
         for name, node in nodes.items():
             tree = restored[name]
-            tree = to_stacked_tree(tree, current[name], *layers) if layers else tree
+            tree = pipelined_tree(model, tree, current[name])
             if name == "model":
                 _update(node, tree)
             else:

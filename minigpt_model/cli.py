@@ -7,7 +7,7 @@ import sys
 
 from rich.console import Console
 
-from shardplan.cli.terminal import ArgumentParser, HelpFormatter
+from shardplan.terminal import ArgumentParser, HelpFormatter
 
 DESCRIPTION = """\
 Train the article's MiniGPT, sharded by a shardplan plan, and sample from it.
@@ -217,9 +217,9 @@ def _sharding_type_error() -> type:
 def main(argv: list[str] | None = None) -> int:
     import warnings
 
-    from shardplan.cli.terminal import inert_streams
-    from shardplan.plan.diagnostics import PlanWarning
-    from shardplan.run.interrupts import interrupt_once
+    from shardplan.terminal import inert_streams
+    from shardplan import PlanWarning
+    from shardplan.training import interrupt_once
 
     # input text never drives the terminal, whatever prints it; a second Ctrl-C never interrupts the first
     with interrupt_once(), inert_streams(), warnings.catch_warnings():
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    from shardplan.cli.terminal import consoles, print_wrapped
+    from shardplan.terminal import consoles, print_wrapped
 
     args = build_parser().parse_args(argv)
     # markup=False: file names, prompts and messages are printed as they are.
@@ -238,11 +238,11 @@ def _main(argv: list[str] | None) -> int:
     from minigpt_model.tokenizer import TokenizerUnavailable
     from minigpt_model.trainer import ModelConfigError, RunError
     from shardplan import PlanError
-    from shardplan.cli.commands import print_error, report_bug
-    from shardplan.run.devices import DeviceSetupError
-    from shardplan.run.distributed import lost_a_peer
-    from shardplan.run.models import ModelLoadError
-    from shardplan.run.preemption import EXIT_PREEMPTED, Preempted
+    from shardplan.terminal import print_error, report_bug
+    from shardplan.training import DeviceSetupError
+    from shardplan.training import lost_a_peer
+    from shardplan.training import ModelLoadError
+    from shardplan.training import EXIT_PREEMPTED, Preempted
 
     try:
         return args.handler(args, console)
@@ -251,7 +251,7 @@ def _main(argv: list[str] | None) -> int:
             print_wrapped(err, str(exc))
         return EXIT_PREEMPTED
     except PlanError as exc:
-        from shardplan.cli.render import render_diagnostics
+        from shardplan.terminal import render_diagnostics
 
         render_diagnostics(err, exc.diagnostics)
         return 1
@@ -309,8 +309,9 @@ class UsageError(Exception):
 
 
 def _devices(requested: int | None, plan_path: str | None = None) -> None:
-    from shardplan.run.devices import has_accelerator, simulate_cpu_devices
-    from shardplan.run.flags import set_performance_flags
+    from shardplan.training import has_accelerator
+    from shardplan import simulate_cpu_devices
+    from shardplan import set_performance_flags
 
     if requested is not None or not has_accelerator():
         simulate_cpu_devices(8 if requested is None else requested)
@@ -321,8 +322,8 @@ def _devices(requested: int | None, plan_path: str | None = None) -> None:
 
 def _plan_or_none(path: str | None):
     """The plan at `path` read before JAX starts (its mistakes are reported when it is used)."""
-    from shardplan.plan.diagnostics import PlanError
-    from shardplan.plan.loader import load_plan
+    from shardplan import PlanError
+    from shardplan import load_plan
 
     try:
         return load_plan(path) if path else None
@@ -332,14 +333,14 @@ def _plan_or_none(path: str | None):
 
 def _train(args, console: Console) -> int:
     _devices(args.devices, args.plan)
-    from shardplan.run.distributed import initialize
+    from shardplan.training import initialize
 
     if args.process_id is not None:
         from minigpt_model.launch import follow_launcher
 
         follow_launcher()
     initialize(coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
-    from shardplan.run.models import parse_overrides
+    from shardplan.training import parse_overrides
     from minigpt_model.trainer import TrainConfig, train
 
     config = TrainConfig(
@@ -369,7 +370,7 @@ def _train(args, console: Console) -> int:
 def _launch(args, console: Console) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     workers = args.local if args.local else args.num_workers
-    from shardplan.run.devices import DeviceSetupError, has_accelerator
+    from shardplan.training import DeviceSetupError, has_accelerator
 
     if not workers or workers < 1:
         raise DeviceSetupError("launch requires a positive --local N or --num-workers N")
@@ -387,7 +388,7 @@ def _sample(args, console: Console) -> int:
     from minigpt_model.checkpoint import restore_for_inference
     from minigpt_model.sampling import generate
     from rich.text import Text
-    from shardplan.cli.terminal import consoles
+    from shardplan.terminal import consoles
 
     err = consoles()[1]
     model, tokenizer, model_config = restore_for_inference(

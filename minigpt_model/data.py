@@ -30,7 +30,7 @@ def read_documents(paths: list[str] | None, *, separator: str = END_OF_TEXT, see
     if not paths:
         text = default_corpus(seed=seed)
     else:
-        from shardplan.plan.loader import FileTooLarge, read_bounded
+        from shardplan.terminal import FileTooLarge, read_bounded
 
         parts = []
         for path in paths:

@@ -20,9 +20,9 @@ import threading
 import time
 from typing import Callable, TextIO
 
-from shardplan.plan.inert import inert
-from shardplan.run.distributed import SIBLING_GRACE_S
-from shardplan.run.preemption import EXIT_PREEMPTED
+from shardplan.terminal import inert
+from shardplan.training import SIBLING_GRACE_S
+from shardplan.training import EXIT_PREEMPTED
 
 
 def free_port() -> int:

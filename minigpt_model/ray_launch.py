@@ -12,8 +12,8 @@ import sys
 import time
 
 from minigpt_model.launch import describe_exit, forwarding_sigterm, free_port, outcome, train_command
-from shardplan.run.distributed import SIBLING_GRACE_S
-from shardplan.run.preemption import EXIT_PREEMPTED
+from shardplan.training import SIBLING_GRACE_S
+from shardplan.training import EXIT_PREEMPTED
 
 
 def _worker_class():
@@ -37,7 +37,7 @@ def _worker_class():
             import subprocess
 
             from minigpt_model.launch import is_noise
-            from shardplan.plan.inert import inert
+            from shardplan.terminal import inert
 
             self.proc = proc = subprocess.Popen(
                 command,

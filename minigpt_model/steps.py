@@ -8,7 +8,7 @@ import optax
 from flax import nnx
 
 import shardplan
-from shardplan.pipeline.loop import cross_entropy
+from shardplan.training import cross_entropy
 
 
 def loss_fn(

@@ -30,10 +30,10 @@ from minigpt_model.model import MiniGPT
 from minigpt_model.sampling import generate
 from minigpt_model.steps import eval_step, make_optimizer, train_update_at
 from minigpt_model.tokenizer import END_OF_TEXT, get_tokenizer
-from shardplan.run.preemption import Preempted, PreemptionWatch
-from shardplan.cli.render import render_summary
-from shardplan.cli.terminal import InertConsole, print_wrapped
-from shardplan.run.abstract import eval_shape
+from shardplan.training import Preempted, PreemptionWatch
+from shardplan.terminal import render_summary
+from shardplan.terminal import InertConsole, print_wrapped
+from shardplan.training import eval_shape
 
 # Small enough that the default run finishes in minutes on two CPU cores with 8 simulated
 # devices, large enough to learn the built-in stories; heads and widths divide 2, 4 and 8.

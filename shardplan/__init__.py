@@ -41,11 +41,17 @@ __all__ = [
     "shard_local_inputs",
     "shard_optimizer",
     "simulate_cpu_devices",
+    "terminal",
     "to_plain",
+    "training",
 ]
 
 
 def __getattr__(name: str):
+    if name in ("terminal", "training"):  # namespaces for a training program and its command line
+        import importlib
+
+        return importlib.import_module(f"shardplan.{name}")
     # The runtime half imports JAX, Flax and optax; loading it lazily keeps `--help`, `schema`,
     # `explain` and plan-only `validate` free of them (tests/test_cli.py checks) and lets the CLI
     # set the device count before JAX starts.

@@ -34,6 +34,10 @@ MODULES = [
     "shardplan.planner.overlap",
     "shardplan.pipeline.pipelined",
     "shardplan.run.flags",
+    "shardplan.pipeline.stacked",
+    "shardplan.pipeline.constraints",
+    "shardplan.training",
+    "shardplan.terminal",
 ]
 
 
@@ -74,22 +78,41 @@ def api_reference() -> str:
                 "",
             ]
             continue
-        kind = "class " if inspect.isclass(obj) else ""
-        signature = "" if inspect.isclass(obj) else str(inspect.signature(obj)).replace("'", "")
-        lines += [f"## {kind}`shardplan.{name}{signature}`", ""]
-        prose, example = [], []
-        for line in (inspect.getdoc(obj) or "").splitlines() + [""]:
-            if line.startswith((">>>", "...")) or (example and line):
-                example.append(line)
-                continue
-            if example:
-                prose += ["```pycon", *example, "```"]
-                example = []
-            prose.append(line)
-        lines += [*prose[:-1], ""]
-        if inspect.isclass(obj):
-            lines += _members(obj)
+        if inspect.ismodule(obj):  # a namespace: its own names, one level down
+            lines += [f"## `shardplan.{name}`", "", *_documented(obj)]
+            for member in obj.__all__:
+                lines += _entry(f"shardplan.{name}.{member}", getattr(obj, member), "###")
+            continue
+        lines += _entry(f"shardplan.{name}", obj, "##")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _entry(qualified: str, obj, heading: str) -> list[str]:
+    """One name's heading (its signature; a constant's value) and docstring, a class's members after."""
+    import inspect
+
+    if not (inspect.isclass(obj) or callable(obj)):
+        return [f"{heading} `{qualified} = {obj!r}`", ""]
+    kind = "class " if inspect.isclass(obj) else ""
+    signature = "" if inspect.isclass(obj) else str(inspect.signature(obj)).replace("'", "")
+    lines = [f"{heading} {kind}`{qualified}{signature}`", "", *_documented(obj)]
+    return lines + (_members(obj) if inspect.isclass(obj) else [])
+
+
+def _documented(obj) -> list[str]:
+    """The docstring as Markdown: a `>>>` example becomes a `pycon` block."""
+    import inspect
+
+    prose, example = [], []
+    for line in (inspect.getdoc(obj) or "").splitlines() + [""]:
+        if line.startswith((">>>", "...")) or (example and line):
+            example.append(line)
+            continue
+        if example:
+            prose += ["```pycon", *example, "```"]
+            example = []
+        prose.append(line)
+    return [*prose[:-1], ""]
 
 
 def _members(cls) -> list[str]:

@@ -55,7 +55,7 @@ def without_axes(sharding, axes: frozenset):
     """A `PartitionSpec` (or a `NamedSharding`'s) with the mesh axes `axes` left out of every entry.
 
     >>> without_axes(PartitionSpec(("stage", "data"), "model"), frozenset({"stage", "data"}))
-    PartitionSpec(None, 'model')
+    P(None, 'model')
     """
     spec = sharding.spec if isinstance(sharding, NamedSharding) else sharding
     if not isinstance(spec, PartitionSpec):

@@ -783,6 +783,8 @@ def add_into(total, new):
 
 
 def cross_entropy(logits, targets):
+    """The mean softmax cross-entropy of integer `targets` under `logits` (a mean over the rows, as
+    `model_loss` needs)."""
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 

@@ -36,9 +36,10 @@ from shardplan.pipeline.loop import (
     stack,
     stage_specs,
     to_plain_tree,
+    to_stacked_tree,
 )
 from shardplan.pipeline.constraints import pipelined_layer_code
-from shardplan.pipeline.stacked import restacked, stack_returned
+from shardplan.pipeline.stacked import restacked, stack_returned, unstacked
 from shardplan.pipeline.zero_bubble import zero_bubble_schedule
 from shardplan.pipeline.zero_bubble_v import zero_bubble_v_schedule
 from shardplan.plan.diagnostics import PlanWarning
@@ -464,6 +465,19 @@ def plain_tree(model: nnx.Module, tree: dict) -> dict:
     return restacked(tree, name) if layers._setup.restack else tree
 
 
+def pipelined_tree(model: nnx.Module, plain: dict, like: dict) -> dict:
+    """Inverse of `plain_tree`: a pure dict in the unpipelined model's layout (a checkpoint's) -> `model`'s,
+    each array placed as its counterpart in `like` (a pure dict of the model's own state, or its shapes
+    with shardings); any other model's `plain` as is."""
+    found = pipelined_layers(model)
+    if found is None:
+        return plain
+    name, layers = found
+    if layers._setup.restack:
+        plain = unstacked(plain, name)
+    return to_stacked_tree(plain, like, name, layers.arrangement)
+
+
 def _differentiable(state) -> bool:
     """Whether every array of the stacked layers is a float (layers that keep RNG keys or counters, as an
     `nnx.Dropout(rngs=...)` does, are not: the tables' gradient sums cannot hold them yet)."""
@@ -566,6 +580,7 @@ __all__ = [
     "pipelined_layers",
     "to_plain",
     "plain_tree",
+    "pipelined_tree",
     "model_loss",
     "cross_entropy",
 ]

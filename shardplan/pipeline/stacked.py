@@ -118,6 +118,18 @@ def restacked(tree: dict, path: str) -> dict:
     return out
 
 
+def unstacked(tree: dict, path: str) -> dict:
+    """Inverse of `restacked`: the stacked form at `path` -> a list of layers (`{0: {...}, 1: {...}}`)."""
+    head, _, rest = path.partition("/")
+    out = dict(tree)
+    if rest:
+        out[head] = unstacked(tree[head], rest)
+    else:
+        depth = jax.tree.leaves(tree[head])[0].shape[0]
+        out[head] = {i: jax.tree.map(lambda a, i=i: a[i], tree[head]) for i in range(depth)}
+    return out
+
+
 def _runs_a_stack(xs) -> bool:
     """Whether a scan's inputs hold a stack to run whole: the module itself (`jax.lax.scan` over it)
     or, under `nnx.scan`, its graph definition."""
@@ -174,4 +186,12 @@ def pipeline_layers_of(plan, model, *, in_place: bool):
     return as_layer_list(model, plan.pipeline.layers, in_place=in_place)
 
 
-__all__ = ["StackedList", "stacked_depth", "as_layer_list", "restacked", "pipeline_layers_of", "stack_returned"]
+__all__ = [
+    "StackedList",
+    "stacked_depth",
+    "as_layer_list",
+    "restacked",
+    "unstacked",
+    "pipeline_layers_of",
+    "stack_returned",
+]
