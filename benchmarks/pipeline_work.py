@@ -12,7 +12,8 @@ this process's CPU seconds, the ratio to data parallel; its temporary memory per
 (`memory_analysis`); and its matmul GFLOP per device counted in the compiled HLO as often as each
 runs (deterministic: the work it was compiled to do), with a stage's forward and backward apart
 (their named scopes; under 1F1B's tables; a remat policy's recomputation lands in the backward),
-beside the cost model's matmul GFLOP for the same plan.
+beside the cost model's matmul GFLOP for the same plan; and the peak bytes per device of the plan's
+training step as `shardplan.compose.measure` compiles it, beside the cost model's peak.
 
     python benchmarks/pipeline_work.py [--rounds 5] [--only 1f1b,dp] [--json out.json]
 """
@@ -115,7 +116,7 @@ class Step:
         compiled = self.step.lower(self.tokens, self.targets).compile()
         self.compile_s = time.perf_counter() - start
         self.flops = _matmul_flops(compiled.as_text(), schedule, virtual)
-        self.modelled = _modelled_flops(plan)
+        self.modelled, self.modelled_peak, self.compiled_peak = _against_the_model(plan)
         self.temp = compiled.memory_analysis().temp_size_in_bytes
         self.times: list[tuple[float, float]] = []
         self.run()  # warm: the first call compiles (or loads) it
@@ -140,9 +141,11 @@ def _matmul_flops(hlo: str, schedule: str | None, virtual: int) -> tuple[float, 
     return tuple(dot_flops(hlo, branch_share=share, scope=scope) for scope in (None, FORWARD_SCOPE, BACKWARD_SCOPE))
 
 
-def _modelled_flops(plan: shardplan.Plan) -> float:
-    """The cost model's matmul FLOPs per device and step for this plan (`shardplan.planner.cost`)."""
+def _against_the_model(plan: shardplan.Plan) -> tuple[float, int, int]:
+    """(the cost model's matmul FLOPs per device and step, its peak bytes per device, the compiled peak of
+    the same plan's training step as `shardplan.compose.measure` compiles it)."""
     from shardplan.checks.roles import recognise_module
+    from shardplan.compose.measure import measure
     from shardplan.planner.cost import Workload, estimate
     from shardplan.planner.kept import with_code
     from shardplan.planner.profiles import get_profile
@@ -151,7 +154,9 @@ def _modelled_flops(plan: shardplan.Plan) -> float:
     roles = with_code(recognise_module(model), model, MODEL["maxlen"])
     plain = plan.model_copy(update={"inputs": {k: v for k, v in plan.inputs.items() if k == "tokens"}})
     report = shardplan.check(plain, model, input_shapes={"tokens": (BATCH, MODEL["maxlen"])})
-    return estimate(report, roles, Workload(BATCH, MODEL["maxlen"]), get_profile("cpu")).flops
+    cost = estimate(report, roles, Workload(BATCH, MODEL["maxlen"]), get_profile("cpu"))
+    compiled = measure(plain, MiniGPT(**MODEL, rngs=nnx.Rngs(0)), BATCH, MODEL["maxlen"], input_name="tokens")
+    return cost.flops, cost.peak_bytes, compiled.peak_bytes
 
 
 def main() -> None:
@@ -178,7 +183,7 @@ def main() -> None:
     )
     print(
         f"{'step':<16}{'wall s':>8}{'x dp':>7}{'CPU s':>8}{'x dp':>7}{'temp MiB':>10}{'compile s':>11}"
-        f"{'GFLOP':>7}{'fwd':>6}{'bwd':>6}{'modelled':>9}"
+        f"{'GFLOP':>7}{'fwd':>6}{'bwd':>6}{'modelled':>9}{'peak MiB':>10}{'modelled':>10}"
     )
     rows = []
     for step in steps:
@@ -194,12 +199,15 @@ def main() -> None:
                 "compile_s": step.compile_s,
                 "matmul_flops": step.flops,
                 "modelled_flops": step.modelled,
+                "compiled_peak_bytes": step.compiled_peak,
+                "modelled_peak_bytes": step.modelled_peak,
             }
         )
         flops = "".join(f"{f / 1e9:>{w}.2f}" for f, w in zip(step.flops, (7, 6, 6))) if step.flops else ""
         print(
             f"{step.name:<16}{wall:>8.3f}{wall / base_wall:>7.2f}{cpu:>8.3f}{cpu / base_cpu:>7.2f}"
             f"{step.temp / 2**20:>10.1f}{step.compile_s:>11.1f}{flops or ' ' * 19}{step.modelled / 1e9:>9.2f}"
+            f"{step.compiled_peak / 2**20:>10.1f}{step.modelled_peak / 2**20:>10.1f}"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
