@@ -166,3 +166,20 @@ def test_stacked_parameters_read_without_the_model_say_what_check_would_do():
     ]
     assert "'layers' is one stacked module" in found.message and "leading dimension of 4 layers" in found.message
     assert "shardplan.check(plan, model)" in found.hint
+
+
+class CallsItsModuleDirectly(nnx.Module):
+    """`layers` is one Linear whose kernel and bias merely share a leading size, called directly."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(128, 64, rngs=rngs)
+        self.layers = nnx.Linear(64, 64, rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.layers(self.embed(tokens))
+
+
+def test_a_module_that_is_not_scanned_over_is_not_taken_for_a_stack():
+    model = nnx.eval_shape(lambda: CallsItsModuleDirectly(rngs=nnx.Rngs(0)))
+    found = [d for d in shardplan.check(_plan("gpipe"), model).errors if d.code == "pipeline-layer-call"]
+    assert found and "called by the forward directly, not scanned over" in found[0].message

@@ -3,8 +3,8 @@ run by the forward's `jax.lax.scan` or `nnx.scan`), pipelined as a list of layer
 
 A plan sees the stacked module as the list it stands for (`blocks/0/...`, `blocks/1/...`): `check`
 and `apply_plan` put a `StackedList` of its layers in its place, and `apply_plan` then pipelines that
-list as any other. The model's forward keeps scanning over whatever stands at the path: while such a
-model lives, `jax.lax.scan` (which `nnx.scan` calls) runs a scan over a `StackedList` or
+list as any other. The model's forward keeps scanning over whatever stands at the path: once shardplan
+has seen such a model, `jax.lax.scan` (which `nnx.scan` calls) runs a scan over a `StackedList` or
 `PipelinedLayers` as one call of its body on the whole stack, which runs every layer in order (the
 pipeline's schedule, for `PipelinedLayers`). That body must call the layer on the carry and return
 its output, nothing per layer; anything else is refused by name. Parameters keep the list's paths
@@ -33,6 +33,12 @@ class StackedList(nnx.List):
     runs_whole_stack = True
 
     def __call__(self, x, *args, **kwargs):
+        if _WHOLE_STACK_CALLS.get() is None:  # (a module whose arrays merely share a leading size)
+            raise PipelineCallError(
+                "the module pipeline.layers names is called by the forward directly, not scanned over as a "
+                "stack of layers (jax.lax.scan or nnx.scan); a pipeline needs a list of layers, or layers "
+                "stacked by nnx.vmap that the forward scans over"
+            )
         out = x
         for layer in self:
             out = layer(x, *args, **kwargs)
@@ -51,11 +57,7 @@ def stack_returned(out):
 def stacked_depth(node) -> int | None:
     """The layer count of a module stacked by `nnx.vmap` / `nnx.scan` (every array of it sharing one
     leading dimension), None for anything else (a list, a single layer, a module without arrays)."""
-    if (
-        not isinstance(node, nnx.Module)
-        or isinstance(node, (nnx.List, StackedList))
-        or getattr(node, "runs_whole_stack", False)
-    ):
+    if not isinstance(node, nnx.Module) or isinstance(node, nnx.List) or getattr(node, "runs_whole_stack", False):
         return None
     leaves = jax.tree.leaves(nnx.state(node))
     leading = {getattr(a, "shape", ())[:1] for a in leaves}
