@@ -1220,7 +1220,14 @@ def _activations(kept: tuple[dict, dict, dict], step: _Step, on: _OnStage | None
         _, slots, beside = _tables(step)
         slots -= on.fewer_in_flight if on is not None else 0
         if step.schedule == "zb-v":
-            stored = tokens * ((slots + beside) * step.width * b + layers / step.virtual)
+            # each slot's chunk input and one chunk's weight-matmul outputs (kept from R until W) stay
+            # across ticks; R's chunk residuals and a microbatch of the code around the layers (both
+            # ends on the V's first stage) live within a tick's op, one at a time
+            kept = (slots + beside) * step.width * b + sum(
+                dots[layer] * stands_for[layer] for layer in full
+            ) / step.virtual
+            # (the code around the layers is counted below, for every schedule: R adds what it keeps beyond that)
+            stored = tokens * kept + max(tokens * layers / step.virtual - step.tokens * outside, 0.0)
         else:
             # each slot holds one chunk's residuals, as autodiff keeps them under the layers' remat (a
             # rematerialised layer's own activations live once, while it runs again); zb-h1's slots also
@@ -1228,8 +1235,6 @@ def _activations(kept: tuple[dict, dict, dict], step: _Step, on: _OnStage | None
             again = biggest if step.remat != "none" else 0.0
             handed = sum(dots[layer] * stands_for[layer] for layer in full) if step.schedule == "zb-h1" else 0.0
             stored = tokens * (slots * (layers - again + handed) / step.virtual + again + beside * step.width * b)
-        if step.schedule == "zb-v":  # and one chunk's weight-matmul outputs, kept from R until W
-            stored += tokens * sum(dots[layer] * stands_for[layer] for layer in full) / step.virtual
     else:
         # every tick runs one of the stage's `virtual` chunks and keeps its activations (the whole-batch
         # gpipe's idle ticks too: they compute on and drop what they compute)
