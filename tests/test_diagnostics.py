@@ -639,6 +639,7 @@ MODEL_CASES = {
     "context-positions",
     "precision-not-applied",
     "precision-breaks-forward",
+    "remat-no-memory-effect",  # (at run time: tests/test_step_options.py)
     "explicit-axes-unresolved",
 }
 

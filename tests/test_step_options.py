@@ -4,6 +4,7 @@ without the option, and each diagnostic triggered by a bad plan."""
 
 import collections
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -419,3 +420,40 @@ def test_init_builds_every_parameter_on_its_shards(name):
         # kernel: 3.1e-7 relative at most)
         np.testing.assert_allclose(got.get_value(), want.get_value(), rtol=1e-6, atol=0)
     assert type(model) is type(reference)
+
+
+def _remat_warnings(plan_text: str, base: str) -> list[str]:
+    plan = shardplan.parse_plan((PLANS / base).read_text() + plan_text, file=base)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        shardplan.apply_plan(plan, minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0)), shardplan.make_mesh(plan))
+    return [str(w.message) for w in caught if "remat-no-memory-effect" in str(w.message)]
+
+
+def test_remat_outside_a_pipeline_on_cpu_says_it_saves_no_memory():
+    (text,) = _remat_warnings(REMAT % "full", "minigpt_dp_tp.yaml")
+    assert "remat rule(s) 'transformer_blocks/\\\\d+'" in text and "saves no memory" in text
+    assert not _remat_warnings(REMAT % "none", "minigpt_dp_tp.yaml")
+    # the schedule tables stash what they keep themselves: there the rule takes effect
+    assert not _remat_warnings(REMAT % "full", "minigpt_pp4.yaml")
+
+
+def test_on_cpu_xla_keeps_what_remat_would_free():
+    """The premise of `remat-no-memory-effect`: XLA's CPU compiler recomputes under `full` (more
+    matmuls) and still keeps every activation (the same scratch memory, to the byte). When this fails,
+    XLA honours remat on CPU and the warning should go."""
+
+    def compiled(plan_text: str):
+        plan = shardplan.parse_plan((PLANS / "minigpt_dp_tp.yaml").read_text() + plan_text, file="p.yaml")
+        mesh = shardplan.make_mesh(plan)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0)), mesh)
+        x, y = _tokens()
+        x = shardplan.shard_inputs(plan, {"tokens": x}, mesh)["tokens"]
+        grads = nnx.jit(lambda m, x, y: nnx.grad(loss_fn)(m, x, y))
+        return grads.lower(model, x, jax.device_put(y, x.sharding)).compile()
+
+    plain, full = compiled(""), compiled(REMAT % "full")
+    assert full.as_text().count(" dot(") > plain.as_text().count(" dot(")
+    assert full.memory_analysis().temp_size_in_bytes == plain.memory_analysis().temp_size_in_bytes

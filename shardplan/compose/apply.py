@@ -56,6 +56,8 @@ def apply_plan(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh, *, exampl
 
         why = tensor_overlap_in_effect(mesh.devices.flat[0].platform)
         warn([Diagnostic("tensor-overlap-no-effect", "warning", why, file=plan.file)] if why else [], stacklevel=3)
+    if plan.remat:
+        _warn_remat_in_effect(plan, mesh, report)
     specs = {layout.path: layout.spec for layout in report.params}
     if report.experts:  # before the step options, so remat and constraints wrap the exchange
         from shardplan.experts.block import install
@@ -72,6 +74,16 @@ def apply_plan(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh, *, exampl
         spec = specs.get(join_path(keys), ()) if isinstance(variable, nnx.Param) else ()
         _place(variable, NamedSharding(mesh, partition_spec(spec)))
     return model
+
+
+def _warn_remat_in_effect(plan: Plan, mesh, report: Report) -> None:
+    from shardplan.checks.schedules import on_tables
+    from shardplan.run.flags import remat_in_effect
+
+    split = plan.context is not None and dict(zip(mesh.axis_names, mesh.devices.shape)).get(plan.context.axis, 1) > 1
+    tables = report.stage_map is not None and on_tables(plan.pipeline.schedule, split)
+    why = remat_in_effect(mesh.devices.flat[0].platform, plan.remat, tables)
+    warn([Diagnostic("remat-no-memory-effect", "warning", why, file=plan.file)] if why else [], stacklevel=4)
 
 
 def _pipelined(plan: Plan, model: nnx.Module, mesh, report: Report, specs: dict, plain_graphdef):

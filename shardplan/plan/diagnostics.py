@@ -55,6 +55,7 @@ CODES: dict[str, str] = {
     "pipeline-schedule-context": "zb-h1 or zb-v with the sequence split over a context axis",
     "pipeline-fsdp-gathered": "layer weights split over a batch axis inside a pipeline enter its loop gathered",
     "remat-recomputed": "a `remat` rule other than full on layers the zb-v schedule runs forward again anyway",
+    "remat-no-memory-effect": "`remat` outside a pipeline's schedule tables on cpu, where XLA keeps the activations anyway",
     "section-does-nothing": "a pipeline, experts or context section on a mesh axis of size 1",
     "tensor-overlap-no-effect": "`tensor_overlap` without tensor parallelism, without sequence parallelism, or off a GPU",
     "stage-invalid-regex": "a stage rule's `match` is not a valid regular expression",

@@ -51,6 +51,9 @@ from shardplan.checks.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR,
 
 TOKEN_BYTES = 4  # tokens and targets are int32
 LOGIT_COPIES = 3  # logits, their softmax and their gradient are alive together
+# in a pipeline's tick one microbatch's logits and their gradient (XLA writes the softmax into the
+# gradient's buffer; read in the buffer assignment of 1F1B steps at vocabularies 1,024 to 8,192)
+TICK_LOGIT_COPIES = 2
 SCORE_COPIES = 2  # attention scores and probabilities kept per head (XLA fuses the rest)
 ELEMENTWISE_PASSES = 4  # stored activation bytes moved by elementwise work: written and read, forward and back
 GRADIENT_REDUCTION = "gradients, data parallel"
@@ -336,10 +339,11 @@ def estimate(
     stage_stored = _stage_activations(kept, step, stage_map, stored) if per_stage and pipe else ()
     loop_stored = stored
     if step.tabled:
-        # the head runs inside the loop: its weights (gathered, when they enter whole), the running
-        # sum of their gradients and each microbatch's before it is added (measured in XLA's buffers)
+        # the head runs inside the loop: its weights (gathered, when they enter whole) and the running
+        # sum of their gradients (XLA adds each microbatch's into it in place: buffer assignment of
+        # 1F1B steps)
         whole_head = sum(
-            (3 * _head_ways(p, roles, step) - 1) * p.bytes_per_device * step.count(p.path)
+            (2 * _head_ways(p, roles, step) - 1) * p.bytes_per_device * step.count(p.path)
             for p in held
             if p.path in roles.after_layers | roles.tied
         )
@@ -1080,13 +1084,15 @@ def _per_token(held: list[ParamLayout], roles: ModelRoles, step: _Step, experts=
                 # an FSDP head whose outputs XLA computes for the whole batch on a slice of the vocabulary
                 # keeps some in that layout too (all-to-all from and to the batch's): measured 4.1
                 # copies in all on MiniGPT, 5 on the LLaMA-style model
-                copies = LOGIT_COPIES + code.logits + (not whole and _moves_activations(p, role, step))
-                size, out = size * LOGIT_COPIES + n_out * b * (copies - LOGIT_COPIES), out * copies
+                plain = TICK_LOGIT_COPIES if step.tabled else LOGIT_COPIES
+                copies = plain + code.logits + (not whole and _moves_activations(p, role, step))
+                size, out = size * plain + n_out * b * (copies - plain), out * copies
         full[layer] = full.get(layer, 0.0) + size
         dots[layer] = dots.get(layer, 0.0) + out
         if p.path in roles.tied:  # its second use: the logits (a 1F1B one runs whole)
             vocab = p.shape[role.in_dims[0]] / (1 if step.tabled else _tensor_ways(p, role.in_dims, step))
-            logits = (step.width + vocab) * b * LOGIT_COPIES + vocab * b * code.logits
+            plain = TICK_LOGIT_COPIES if step.tabled else LOGIT_COPIES
+            logits = (step.width + vocab) * b * plain + vocab * b * code.logits
             full["after"] = full.get("after", 0.0) + logits
             dots["after"] = dots.get("after", 0.0) + logits
     for path, size, out in experts:
