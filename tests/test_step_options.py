@@ -440,7 +440,7 @@ def test_remat_outside_a_pipeline_on_cpu_says_it_saves_no_memory():
 
 def test_on_cpu_xla_keeps_what_remat_would_free():
     """The premise of `remat-no-memory-effect`: XLA's CPU compiler recomputes under `full` (more
-    matmuls) and still keeps every activation (the same scratch memory, to the byte). When this fails,
+    matmuls) and still keeps every activation (no less scratch memory). When this fails,
     XLA honours remat on CPU and the warning should go."""
 
     def compiled(plan_text: str):
@@ -456,4 +456,4 @@ def test_on_cpu_xla_keeps_what_remat_would_free():
 
     plain, full = compiled(""), compiled(REMAT % "full")
     assert full.as_text().count(" dot(") > plain.as_text().count(" dot(")
-    assert full.memory_analysis().temp_size_in_bytes == plain.memory_analysis().temp_size_in_bytes
+    assert full.memory_analysis().temp_size_in_bytes >= plain.memory_analysis().temp_size_in_bytes

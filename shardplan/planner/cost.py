@@ -52,7 +52,8 @@ from shardplan.checks.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR,
 TOKEN_BYTES = 4  # tokens and targets are int32
 LOGIT_COPIES = 3  # logits, their softmax and their gradient are alive together
 # in a pipeline's tick one microbatch's logits and their gradient (XLA writes the softmax into the
-# gradient's buffer; read in the buffer assignment of 1F1B steps at vocabularies 1,024 to 8,192)
+# gradient's buffer; read in the buffer assignment of 1F1B steps at vocabularies 1,024 to 8,192);
+# zb-h1's W takes the head's weight gradient apart from B, and keeps the three
 TICK_LOGIT_COPIES = 2
 SCORE_COPIES = 2  # attention scores and probabilities kept per head (XLA fuses the rest)
 ELEMENTWISE_PASSES = 4  # stored activation bytes moved by elementwise work: written and read, forward and back
@@ -341,9 +342,10 @@ def estimate(
     if step.tabled:
         # the head runs inside the loop: its weights (gathered, when they enter whole) and the running
         # sum of their gradients (XLA adds each microbatch's into it in place: buffer assignment of
-        # 1F1B steps)
+        # 1F1B steps; zb-h1's W makes each microbatch's apart first)
+        apart = step.schedule == "zb-h1"
         whole_head = sum(
-            (2 * _head_ways(p, roles, step) - 1) * p.bytes_per_device * step.count(p.path)
+            ((2 + apart) * _head_ways(p, roles, step) - 1) * p.bytes_per_device * step.count(p.path)
             for p in held
             if p.path in roles.after_layers | roles.tied
         )
@@ -1084,14 +1086,14 @@ def _per_token(held: list[ParamLayout], roles: ModelRoles, step: _Step, experts=
                 # an FSDP head whose outputs XLA computes for the whole batch on a slice of the vocabulary
                 # keeps some in that layout too (all-to-all from and to the batch's): measured 4.1
                 # copies in all on MiniGPT, 5 on the LLaMA-style model
-                plain = TICK_LOGIT_COPIES if step.tabled else LOGIT_COPIES
+                plain = TICK_LOGIT_COPIES if step.tabled and step.schedule != "zb-h1" else LOGIT_COPIES
                 copies = plain + code.logits + (not whole and _moves_activations(p, role, step))
                 size, out = size * plain + n_out * b * (copies - plain), out * copies
         full[layer] = full.get(layer, 0.0) + size
         dots[layer] = dots.get(layer, 0.0) + out
         if p.path in roles.tied:  # its second use: the logits (a 1F1B one runs whole)
             vocab = p.shape[role.in_dims[0]] / (1 if step.tabled else _tensor_ways(p, role.in_dims, step))
-            plain = TICK_LOGIT_COPIES if step.tabled else LOGIT_COPIES
+            plain = TICK_LOGIT_COPIES if step.tabled and step.schedule != "zb-h1" else LOGIT_COPIES
             logits = (step.width + vocab) * b * plain + vocab * b * code.logits
             full["after"] = full.get("after", 0.0) + logits
             dots["after"] = dots.get("after", 0.0) + logits
