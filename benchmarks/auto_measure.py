@@ -4,15 +4,18 @@ On 8 simulated CPU devices, in one run:
 
 1. `shardplan calibrate` measures the profile (matmul rate and per-kernel cost, memory bandwidth,
    collectives, attention, whether the devices share their compute).
-2. `shardplan auto --measure 8` on that profile for MiniGPT: its 8 best candidates compiled and timed;
-   the written plan must be the measured fastest. These are near-ties by construction (the best plans
-   of one search), so their order is mostly measurement noise: their ranking is printed, not judged.
+2. `shardplan auto --measure 8 --calibrate` on that profile for MiniGPT: its 8 best candidates compiled
+   and timed; the written plan must be the measured fastest. These are near-ties by construction (the
+   best plans of one search), so their order is mostly measurement noise: their ranking is printed, not
+   judged. `--calibrate` refits the profile's compute and link rates to those 8 measured steps.
 3. A spread of 8 candidates across auto's whole ranking (every 1/7th of it: data, tensor, FSDP,
    pipelines of every schedule, remat), each compiled and timed the same way: modelled against measured
    step for each, how many within 20%, and Kendall's tau between the model's order and the measured
-   one. Costed with the built-in `cpu` profile too, for comparison.
+   one. Costed with the profile `--calibrate` refitted on auto's 8 (the spread is not among what it was
+   fitted to, bar rank 1), and with the built-in `cpu` profile, for comparison.
 
-Nothing is fitted: the profile is `calibrate`'s, measured before any candidate runs.
+Nothing is fitted to what is judged: the profile is `calibrate`'s, measured before any candidate runs,
+and the refitted one saw only auto's own 8.
 
     python benchmarks/auto_measure.py [--rounds 7] [--json out.json]
 """
@@ -39,7 +42,8 @@ BATCH, SEQ = 16, 128
 
 
 def _auto_top(profile_path: str, folder: Path) -> list[dict]:
-    """`shardplan auto --measure 8 --json`, in this process: its ranking with the measured steps."""
+    """`shardplan auto --measure 8 --calibrate --json`, in this process: its ranking with the measured
+    steps; the refitted profile is written to `folder/refitted.yaml`."""
     from shardplan.cli import main
 
     config = [arg for key, value in CONFIG.items() for arg in ("--config", f"{key}={value}")]
@@ -61,6 +65,8 @@ def _auto_top(profile_path: str, folder: Path) -> list[dict]:
                 profile_path,
                 "--measure",
                 "8",
+                "--calibrate",
+                str(folder / "refitted.yaml"),
                 "--json",
                 "-o",
                 str(folder / "auto.yaml"),
@@ -71,7 +77,7 @@ def _auto_top(profile_path: str, folder: Path) -> list[dict]:
     return json.loads(out.getvalue())["ranked"]
 
 
-def _spread(profile, rounds: int) -> list[dict]:
+def _spread(profile, refitted, rounds: int) -> list[dict]:
     """8 candidates across auto's full ranking, checked in full, compiled and timed in interleaved rounds."""
     from shardplan.checks.paths import param_infos
     from shardplan.checks.roles import definition_order, recognise
@@ -106,8 +112,11 @@ def _spread(profile, rounds: int) -> list[dict]:
         if checked.plan is None:
             print(f"  rank {rank + 1}: not checkable ({checked.rejected}); skipped")
             continue
-        builtin = planner._checked(
-            candidate, roles, params, 8, 1, workload, PROFILES["cpu"], "tokens", {"factory": FACTORY, "config": CONFIG}
+        builtin, refit = (
+            planner._checked(
+                candidate, roles, params, 8, 1, workload, other, "tokens", {"factory": FACTORY, "config": CONFIG}
+            )
+            for other in (PROFILES["cpu"], refitted)
         )
         print(
             f"  compiling rank {rank + 1} of {len(found.ranked)}: {candidate.label()}, {candidate.rules_label()}",
@@ -122,6 +131,7 @@ def _spread(profile, rounds: int) -> list[dict]:
                 "rules": candidate.rules_label(),
                 "modelled_s": checked.estimate.step_s,
                 "modelled_builtin_cpu_s": builtin.estimate.step_s,
+                "modelled_refitted_s": refit.estimate.step_s,
                 "compile_s": round(time.perf_counter() - started, 1),
                 "compiled_peak_bytes": ready[-1].figures.peak_bytes,
                 "modelled_peak_bytes": checked.estimate.peak_bytes,
@@ -191,9 +201,15 @@ def main() -> None:
         top_judged = _print("auto's 8 best (near-ties: their order is mostly noise)", top_rows)
         print(f"  the written plan is the measured fastest of the {len(timed)}: {written_is_fastest}")
         print("\na spread across auto's ranking", flush=True)
-        spread = _spread(profile, args.rounds)
+        refitted = load_profile(folder / "refitted.yaml")
+        print(f"  refitted on auto's 8: compute rates x{refitted.peak_flops / profile.peak_flops:.2f}")
+        spread = _spread(profile, refitted, args.rounds)
     rows = [(f"#{r['rank']} {r['mesh']} {r['rules']}", r["modelled_s"], r["measured_s"]) for r in spread]
     spread_judged = _print("a spread across auto's ranking, calibrated profile", rows)
+    refitted_judged = _print(
+        "the same, the profile `auto --measure 8 --calibrate` refitted on its own 8",
+        [(name, r["modelled_refitted_s"], seen) for (name, _, seen), r in zip(rows, spread)],
+    )
     builtin_judged = _print(
         "the same, built-in `cpu` profile",
         [(name, r["modelled_builtin_cpu_s"], seen) for (name, _, seen), r in zip(rows, spread)],
@@ -207,6 +223,7 @@ def main() -> None:
                     "calibration": calibration.record(),
                     "top": {"rows": top_rows, **top_judged, "written_is_measured_fastest": written_is_fastest},
                     "spread": {"rows": spread, **spread_judged},
+                    "spread_refitted": refitted_judged,
                     "spread_builtin_cpu": builtin_judged,
                 },
                 indent=2,
