@@ -183,3 +183,24 @@ def test_a_module_that_is_not_scanned_over_is_not_taken_for_a_stack():
     model = nnx.eval_shape(lambda: CallsItsModuleDirectly(rngs=nnx.Rngs(0)))
     found = [d for d in shardplan.check(_plan("gpipe"), model).errors if d.code == "pipeline-layer-call"]
     assert found and "called by the forward directly, not scanned over" in found[0].message
+
+
+def test_a_stack_of_layers_is_not_taken_for_a_moe_block():
+    """Stacked by `nnx.vmap`, the blocks' norm weights are [L, D] and lead [L, D, F] matrices: the shape
+    of a router and its experts. `auto` proposed expert parallelism over the layer stack (`experts:
+    blocks: layers`) until norms were ruled out as routers."""
+    from shardplan.checks.expert_roles import find_blocks
+    from shardplan.checks.paths import param_infos
+
+    assert find_blocks(param_infos(ScannedLlama(rngs=nnx.Rngs(0)))) == []
+
+
+def test_auto_says_why_it_proposes_no_pipeline_for_stacked_layers(tmp_path, capsys):
+    from shardplan.cli import main
+
+    out = tmp_path / "auto.yaml"
+    argv = ["auto", "--model", "test_stacked_layers:ScannedLlama", "--devices", "8", "--batch", "16", "--seq", "16"]
+    assert main([*argv, "-o", str(out)]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "no pipeline candidates: the layers at `layers` are one module stacked by nnx.vmap (4 layers)" in said
+    assert "experts:" not in out.read_text() and "pipeline:" not in out.read_text()

@@ -30,6 +30,14 @@ def _is_bias(path: str) -> bool:
     return "bias" in _leaf(path).lower()
 
 
+def _is_norm(path: str) -> bool:
+    """A norm's scale: the leaf `scale`, or any weight of a module named for a norm (`attn_norm/weight`).
+    Stacked by `nnx.vmap` into [L, D], a layer stack's norm would otherwise pass for an [E, D] router
+    whose E leads the stacked layers' matrices."""
+    parts = path.split("/")
+    return parts[-1] == "scale" or (len(parts) > 1 and "norm" in parts[-2].lower())
+
+
 def module_prefixes(params: list[ParamInfo]) -> list[str]:
     """Every module path that holds parameters (the root as '')."""
     found = {""}
@@ -62,7 +70,9 @@ def block_roles(block: str, params: list[ParamInfo], router=None, weights=None) 
         return BlockRoles(block, None, (), None)
     stacks = [p for p in inside if len(p.shape) >= 3]
     routers = [
-        p for p in inside if len(p.shape) == 2 and not _is_bias(p.path) and _leaf(p.path) not in ("scale", "embedding")
+        p
+        for p in inside
+        if len(p.shape) == 2 and not _is_bias(p.path) and not _is_norm(p.path) and _leaf(p.path) != "embedding"
     ]
     if router is not None:
         routers = [p for p in routers if router.fullmatch(local[p.path])]

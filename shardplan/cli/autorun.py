@@ -92,6 +92,14 @@ def run_auto(console: Console, request: AutoRequest, usage_error) -> int:
     refusal = _pipeline_refusal(model, roles.layers, request.input_name, workload)
     if refusal:
         console.print(Text.assemble(("no pipeline candidates: ", "bold"), refusal))
+    elif roles.layers is None and (stacks := _stacked_layers(model)):
+        path, depth = stacks[0]
+        print_wrapped(
+            console,
+            f"no pipeline candidates: the layers at `{path}` are one module stacked by nnx.vmap ({depth} layers), "
+            f"and auto proposes pipelines over a list of layers only; a plan of your own with `pipeline: "
+            f"{{layers: {path}, ...}}` runs them (`shardplan validate` checks it)",
+        )
     with console.status(f"costing candidate plans for {request.devices} devices") as status:
 
         def progress(done: int, total: int) -> None:
@@ -217,6 +225,28 @@ def _pipeline_refusal(model, layers: str | None, input_name: str, workload: Work
     tokens = jnp.zeros((workload.batch, workload.seq), jnp.int32)
     found = check_layer_calls(plan, model, call_with(model, {input_name: tokens}))
     return found[0].message if found else None
+
+
+def _stacked_layers(model) -> list[tuple[str, int]]:
+    """(path, layer count) of each outermost module stacked by `nnx.vmap` / `nnx.scan` in `model`."""
+    import jax
+    from flax import nnx
+
+    from shardplan.pipeline.stacked import stacked_depth
+
+    stacks = []
+    for keys, node in nnx.iter_graph(model):
+        depth = stacked_depth(node) if keys else None
+        ranks = {len(getattr(a, "shape", ())) for a in jax.tree.leaves(nnx.state(node))} if depth else set()
+        # (stacked vectors stay matrices, and some matrix becomes rank 3: not an embedding or a Linear)
+        if depth is not None and depth > 1 and min(ranks) >= 2 and max(ranks) >= 3:
+            stacks.append(("/".join(str(k) for k in keys), depth))
+    stacks.sort(key=lambda found: found[0].count("/"))  # (the graph is walked children first)
+    outermost: list[tuple[str, int]] = []
+    for path, depth in stacks:
+        if not any(path.startswith(kept + "/") for kept, _ in outermost):
+            outermost.append((path, depth))
+    return outermost
 
 
 def _write_atomically(path: Path, text: str) -> None:
