@@ -91,7 +91,7 @@ def _spread(profile, refitted, rounds: int) -> list[dict]:
     order: list[str] = []
     model = build_model(FACTORY, CONFIG, on_built=lambda m: order.extend(definition_order(m)))
     params = param_infos(model)
-    roles = with_code(recognise(params, order), model, SEQ, input_name="tokens")
+    roles = with_code(recognise(params, order), model, SEQ, input_name="tokens", params=params)
     workload = Workload(BATCH, SEQ)
     found = planner.search(
         params,

@@ -70,7 +70,7 @@ def run_auto(console: Console, request: AutoRequest, usage_error) -> int:
     params = param_infos(model)
     workload = Workload(request.batch, request.seq)
     with console.status("reading what the model's code keeps for the backward (one traced forward)"):
-        roles = with_code(recognise(params, order), model, request.seq, input_name=request.input_name)
+        roles = with_code(recognise(params, order), model, request.seq, input_name=request.input_name, params=params)
     if not roles.code.traced:
         console.print(
             Text.assemble(

@@ -1175,8 +1175,11 @@ def _estimate(args, report, order: list[str], model, deep=None):
         raise UsageError(str(exc)) from None
     workload = Workload(_batch(args, report), args.seq)
     roles = recognise(report.params, order)
-    traced = recognise(param_infos(model), deep.shallow_order) if deep else roles
-    code = with_code(traced, model, workload.seq, input_name=next(iter(report.plan.inputs), "tokens")).code
+    infos = param_infos(model)
+    traced = recognise(infos, deep.shallow_order) if deep else roles
+    code = with_code(
+        traced, model, workload.seq, input_name=next(iter(report.plan.inputs), "tokens"), params=infos
+    ).code
     roles = dataclasses.replace(roles, code=code)
     return workload, profile, estimate(report, roles, workload, profile, per_stage=True), roles.code
 

@@ -24,11 +24,12 @@ PLAIN_SCORE_COPIES = 3.25
 PLAIN_LOGIT_COPIES = 1.0
 
 
-def traced_copies(model, call: Callable, roles: ModelRoles, seq: int) -> CodeCopies:
+def traced_copies(model, call: Callable, roles: ModelRoles, seq: int, params: list | None = None) -> CodeCopies:
     """Trace `call(model)` (its logits, or the first array of its output) and the next-token loss
     for the batch `call` gives, and count the residuals the backward reads that are neither
     parameters nor inputs; `model` may be abstract. `seq`, the traced sequence length, must differ
-    from every parameter dim (see `trace_length`): copies do not depend on it."""
+    from every parameter dim (see `trace_length`): copies do not depend on it. `params`: the model's
+    `param_infos`, where the caller has them."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -38,6 +39,7 @@ def traced_copies(model, call: Callable, roles: ModelRoles, seq: int) -> CodeCop
     from shardplan.checks.paths import param_infos
     from shardplan.run.abstract import short_tracer_errors
 
+    infos = param_infos(model) if params is None else params
     graph, params, rest = nnx.split(model, nnx.Param, ...)
 
     def residuals(params):
@@ -53,7 +55,7 @@ def traced_copies(model, call: Callable, roles: ModelRoles, seq: int) -> CodeCop
         traced = jax.make_jaxpr(residuals)(params).jaxpr
     given = set(traced.invars) | set(traced.constvars)  # the parameters and inputs: kept anyway
     kept = [v.aval for v in traced.outvars if isinstance(v, jax_core.Var) and v not in given]
-    shapes = {p.path: p.shape for p in param_infos(model)}
+    shapes = {p.path: p.shape for p in infos}
     vocab = _vocab(roles, shapes)
     if vocab in {d for path, shape in shapes.items() if path not in roles.after_layers | roles.tied for d in shape}:
         vocab = None  # a layer's size too: logits cannot be told apart, their extra copies not counted
@@ -83,30 +85,27 @@ def traced_copies(model, call: Callable, roles: ModelRoles, seq: int) -> CodeCop
     return CodeCopies(
         *(round(max(0.0, n), 2) for n in (scores / ratio - PLAIN_SCORE_COPIES, logits - PLAIN_LOGIT_COPIES, weights)),
         round(ratio, 3),
-        top_k=_top_k(traced, model),
+        top_k=_top_k(traced, infos),
         traced=True,
     )
 
 
-def _top_k(jaxpr, model) -> int:
+def _top_k(jaxpr, params: list) -> int:
     """How many experts a token's rows go to: the largest `k` of a `top_k` over a MoE block's expert
     count anywhere in the traced code (0: none; the parameters do not show it)."""
     from shardplan.checks.expert_roles import find_blocks
-    from shardplan.checks.paths import param_infos
 
     chosen = [eqn for eqn in equations(jaxpr) if eqn.primitive.name == "top_k" and eqn.invars]
     if not chosen:  # (finding the blocks takes seconds on a deep model: only when there is a top_k)
         return 0
-    counts = {(b.count,) for b in find_blocks(param_infos(model)) if b.count}
+    counts = {(b.count,) for b in find_blocks(params) if b.count}
     return max((int(eqn.params["k"]) for eqn in chosen if eqn.invars[0].aval.shape[-1:] in counts), default=0)
 
 
-def trace_length(model, seq: int) -> int:
-    """A sequence length at most `seq` that no parameter dim equals (so that scores and logits are
-    told apart from weights)."""
-    from shardplan.checks.paths import param_infos
-
-    sizes = {d for p in param_infos(model) for d in p.shape}
+def trace_length(params: list, seq: int) -> int:
+    """A sequence length at most `seq` that no dim of the model's parameters (`param_infos`) equals
+    (so that scores and logits are told apart from weights)."""
+    sizes = {d for p in params for d in p.shape}
     length = seq
     while length in sizes and length > 2:
         length -= 1
@@ -127,22 +126,31 @@ def _vocab(roles: ModelRoles, shapes: dict[str, tuple[int, ...]]) -> int | None:
 
 
 def with_code(
-    roles: ModelRoles, model, seq: int, *, arguments: Callable | None = None, input_name: str = "tokens"
+    roles: ModelRoles,
+    model,
+    seq: int,
+    *,
+    arguments: Callable | None = None,
+    input_name: str = "tokens",
+    params: list | None = None,
 ) -> ModelRoles:
     """`roles` with what the model's code keeps (`traced_copies`) for one sequence of about `seq`
     tokens, called as `lm_loss` calls it (`arguments(tokens)` gives (args, kwargs); by default the
-    tokens go to `input_name`). A model that cannot be traced so keeps the plain constants."""
+    tokens go to `input_name`). A model that cannot be traced so keeps the plain constants. `params`:
+    the model's `param_infos`, where the caller has them (the model is then not read again)."""
     import dataclasses
 
     import jax.numpy as jnp
 
     from shardplan.checks.calls import call_arguments
+    from shardplan.checks.paths import param_infos
 
-    length = trace_length(model, seq)
+    params = param_infos(model) if params is None else params
+    length = trace_length(params, seq)
     tokens = jnp.zeros((1, length), jnp.int32)
     try:
         args, kwargs = arguments(tokens) if arguments else call_arguments(model, {input_name: tokens})
-        code = traced_copies(model, lambda m: m(*args, **kwargs), roles, length)
+        code = traced_copies(model, lambda m: m(*args, **kwargs), roles, length, params)
     except Exception:  # noqa: BLE001 - the estimate then counts a plain transformer's copies
         return roles
     return dataclasses.replace(roles, code=code)
