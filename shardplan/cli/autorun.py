@@ -79,9 +79,7 @@ def run_auto(console: Console, request: AutoRequest, usage_error) -> int:
             )
         )
     if capacity is not None:
-        from shardplan.checks.expert_roles import find_blocks
-
-        if not find_blocks(params):
+        if not planner.moe_blocks(roles, params):  # (the search reuses them)
             console.print(
                 Text.assemble(
                     ("--capacity-factor changes nothing: ", "bold"),

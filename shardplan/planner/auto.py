@@ -187,7 +187,7 @@ def search(
     budget = memory if memory is not None else profile.memory_bytes
     usable = int(budget * (1 - margin))
     rep = Representative.of(params, roles)
-    blocks = find_blocks(params)
+    blocks = moe_blocks(roles, params)
     bounds = _Bounds.of(params, roles, workload, profile, compute, devices, capacity, blocks)
     listed = sorted(
         (
@@ -621,6 +621,11 @@ def specs(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo]) -> d
 _SHARED: dict = {}  # key -> (roles, params, value): work shared across one search's candidates
 
 
+def moe_blocks(roles: ModelRoles, params: list[ParamInfo]) -> list:
+    """The model's MoE blocks (`find_blocks`: seconds on a deep model), found once per search."""
+    return _shared(("moe blocks",), roles, params, lambda: find_blocks(params))
+
+
 def _rule_set(candidate: Candidate) -> tuple:
     """What a candidate's parameter specs depend on (`_specs` reads nothing else)."""
     return (
@@ -650,7 +655,7 @@ def _shared(key, roles: ModelRoles, params: list[ParamInfo], make):
 def _specs(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo]) -> dict[str, list]:
     sizes = candidate.axes
     out: dict[str, list] = {}
-    stacked = {path for b in find_blocks(params) for path in b.experts} if candidate.experts else set()
+    stacked = {path for b in moe_blocks(roles, params) for path in b.experts} if candidate.experts else set()
     for p in params:
         if p.path in stacked:
             out[p.path] = [_expert_axis(candidate)]  # each device its own experts; their other dims whole
@@ -744,7 +749,7 @@ def plan_document(
     if candidate.accumulate > 1:
         document["accumulate"] = candidate.accumulate
     if candidate.experts:
-        blocks = sorted({_fold_layer(b.block + "/", roles.layers)[:-1] for b in find_blocks(params)})
+        blocks = sorted({_fold_layer(b.block + "/", roles.layers)[:-1] for b in moe_blocks(roles, params)})
         document["experts"] = {
             "blocks": blocks[0] if len(blocks) == 1 else "(" + "|".join(blocks) + ")",
             "axis": _expert_axis(candidate),
