@@ -233,6 +233,11 @@ class _Step:
         """Whether the pipeline runs on the schedule tables (`shardplan.checks.schedules.on_tables`)."""
         return on_tables(self.schedule, self.context is not None)
 
+    @property
+    def logit_copies(self) -> int:
+        """Copies of a microbatch's logits alive at once where the head runs."""
+        return TICK_LOGIT_COPIES if self.tabled and self.schedule != "zb-h1" else LOGIT_COPIES
+
     def recomputes(self, staged: bool, in_layer: bool) -> bool:
         """Whether the backward runs this forward again (tabled stages but zero-bubble's; layers
         rematerialised in full)."""
@@ -1086,14 +1091,14 @@ def _per_token(held: list[ParamLayout], roles: ModelRoles, step: _Step, experts=
                 # an FSDP head whose outputs XLA computes for the whole batch on a slice of the vocabulary
                 # keeps some in that layout too (all-to-all from and to the batch's): measured 4.1
                 # copies in all on MiniGPT, 5 on the LLaMA-style model
-                plain = TICK_LOGIT_COPIES if step.tabled and step.schedule != "zb-h1" else LOGIT_COPIES
+                plain = step.logit_copies
                 copies = plain + code.logits + (not whole and _moves_activations(p, role, step))
                 size, out = size * plain + n_out * b * (copies - plain), out * copies
         full[layer] = full.get(layer, 0.0) + size
         dots[layer] = dots.get(layer, 0.0) + out
         if p.path in roles.tied:  # its second use: the logits (a 1F1B one runs whole)
             vocab = p.shape[role.in_dims[0]] / (1 if step.tabled else _tensor_ways(p, role.in_dims, step))
-            plain = TICK_LOGIT_COPIES if step.tabled and step.schedule != "zb-h1" else LOGIT_COPIES
+            plain = step.logit_copies
             logits = (step.width + vocab) * b * plain + vocab * b * code.logits
             full["after"] = full.get("after", 0.0) + logits
             dots["after"] = dots.get("after", 0.0) + logits
