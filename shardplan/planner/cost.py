@@ -341,6 +341,12 @@ def estimate(
     param_bytes = sum(p.bytes_per_device * step.count(p.path) for p in resting)
     optimizer_bytes = sum(p.opt_bytes_per_device * step.count(p.path) for p in resting)
     kept = _per_token(held, roles, step, experts.kept_per_token if experts else ())
+    # the elementwise work reads and writes every copy of the logits, whichever buffers XLA gives them
+    moved = (
+        kept
+        if step.logit_copies == LOGIT_COPIES
+        else _per_token(held, roles, step, experts.kept_per_token if experts else (), LOGIT_COPIES)
+    )
     stored, remat, microbatch, microbatch_remat = _activations(kept, step)
     stage_stored = _stage_activations(kept, step, stage_map, stored) if per_stage and pipe else ()
     loop_stored = stored
@@ -416,7 +422,7 @@ def estimate(
     bubble = _bubble(step)
     # Elementwise work (norms, activations, softmax, residual adds) is bound by memory bandwidth:
     # each stored activation is written and read once forward and once as a gradient backward.
-    elementwise_s = _traffic(kept, _scores(held, roles, step), step) / profile.memory_bandwidth
+    elementwise_s = _traffic(moved, _scores(held, roles, step), step) / profile.memory_bandwidth
     peak = profile.flops_for(options.compute_dtype)
     # each matmul kernel also costs a fixed time (launch, prologue, the last partial wave of tiles):
     # what makes small matmuls slower than large ones (`Profile.matmul_overhead`)
@@ -426,7 +432,7 @@ def estimate(
         + attention_flops / (peak * profile.attention_efficiency)
         + elementwise_s
     )
-    ends_s = _ends_seconds(held, kept, roles, step, profile, peak)
+    ends_s = _ends_seconds(held, moved, roles, step, profile, peak)
     layer_s, stage_s = _stage_seconds(body_s, ends_s, step, stage_map if pipe else None)
     # devices sharing one pool of compute (simulated CPU devices) lend their idle ticks to each other: the
     # step costs the stages' work added up, spread over all of them, and no bubble
@@ -1052,11 +1058,15 @@ def _tensor_ways(p: ParamLayout, dims: tuple[int, ...], step: _Step) -> int:
     return step.ways(_split_axes(p, dims, step.batch_axes))
 
 
-def _per_token(held: list[ParamLayout], roles: ModelRoles, step: _Step, experts=()) -> tuple[dict, dict, dict]:
+def _per_token(
+    held: list[ParamLayout], roles: ModelRoles, step: _Step, experts=(), logit_copies: int | None = None
+) -> tuple[dict, dict, dict]:
     """Bytes per token kept for the backward, by layer (None: before the layers, "after": after them):
     (everything autodiff keeps, the matmul outputs alone, how many layers each entry stands for).
     `experts`: (an expert weight's path, bytes per token, of which matmul outputs) of the expert-parallel
-    blocks (`shardplan.experts.cost`), kept in their layers as the rest."""
+    blocks (`shardplan.experts.cost`), kept in their layers as the rest. `logit_copies`: of the
+    logits, as made (default: as alive at once, `_Step.logit_copies`)."""
+    plain = step.logit_copies if logit_copies is None else logit_copies
     b = step.itemsize
     code = roles.code
     full: dict = {}
@@ -1091,14 +1101,12 @@ def _per_token(held: list[ParamLayout], roles: ModelRoles, step: _Step, experts=
                 # an FSDP head whose outputs XLA computes for the whole batch on a slice of the vocabulary
                 # keeps some in that layout too (all-to-all from and to the batch's): measured 4.1
                 # copies in all on MiniGPT, 5 on the LLaMA-style model
-                plain = step.logit_copies
                 copies = plain + code.logits + (not whole and _moves_activations(p, role, step))
                 size, out = size * plain + n_out * b * (copies - plain), out * copies
         full[layer] = full.get(layer, 0.0) + size
         dots[layer] = dots.get(layer, 0.0) + out
         if p.path in roles.tied:  # its second use: the logits (a 1F1B one runs whole)
             vocab = p.shape[role.in_dims[0]] / (1 if step.tabled else _tensor_ways(p, role.in_dims, step))
-            plain = step.logit_copies
             logits = (step.width + vocab) * b * plain + vocab * b * code.logits
             full["after"] = full.get("after", 0.0) + logits
             dots["after"] = dots.get("after", 0.0) + logits
