@@ -2,6 +2,7 @@
 pipelined: the plan sees the stack as the list it stands for, the model's own scan runs the pipeline once,
 and training matches one device. (The flax guide's `jax.lax.scan` form, unmodified: test_tutorials.py.)"""
 
+import json
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -204,3 +205,7 @@ def test_auto_says_why_it_proposes_no_pipeline_for_stacked_layers(tmp_path, caps
     said = " ".join(capsys.readouterr().out.split())
     assert "no pipeline candidates: the layers at `layers` are one module stacked by nnx.vmap (4 layers)" in said
     assert "experts:" not in out.read_text() and "pipeline:" not in out.read_text()
+    assert main([*argv, "-o", str(out), "--json"]) == 0
+    printed = capsys.readouterr()
+    json.loads(printed.out)  # the note goes beside the JSON document, to stderr
+    assert "no pipeline candidates" in printed.err

@@ -50,6 +50,8 @@ class AutoRequest:
 
 
 def run_auto(console: Console, request: AutoRequest, usage_error) -> int:
+    if request.as_json:  # stdout carries the JSON document alone: every line said beside it goes to stderr
+        console = consoles()[1]
     capacity = request.capacity  # (dropped below when the model has no MoE blocks)
     from shardplan.run.models import ModelLoadError, build_model
     from shardplan.checks.paths import param_infos
@@ -139,8 +141,8 @@ def run_auto(console: Console, request: AutoRequest, usage_error) -> int:
         _print_table(console, found, measured, request.top)
         if measured:
             _print_agreement(console, modelled_order, measured)
-    if request.refit_to and measured:  # (beside --json's document: on stderr)
-        _write_refit(consoles()[1] if request.as_json else console, found, modelled_order, measured, request.refit_to)
+    if request.refit_to and measured:
+        _write_refit(console, found, modelled_order, measured, request.refit_to)
     elif request.refit_to:
         print_wrapped(consoles()[1], f"--calibrate: no candidate was timed, so {request.refit_to} was not written")
     if not found.ranked:
