@@ -79,8 +79,8 @@ def _auto_top(profile_path: str, folder: Path) -> list[dict]:
 
 def _spread(profile, refitted, rounds: int) -> list[dict]:
     """8 candidates across auto's full ranking, checked in full, compiled and timed in interleaved rounds."""
-    from shardplan.checks.paths import param_infos
-    from shardplan.checks.roles import definition_order, recognise
+    from shardplan.core.paths import param_infos
+    from shardplan.core.roles import definition_order, recognise
     from shardplan.compose.measure import compile_step, time_interleaved
     from shardplan.planner import auto as planner
     from shardplan.planner.cost import Workload

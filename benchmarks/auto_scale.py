@@ -32,7 +32,7 @@ def point(devices: int, layers: int, seq: int = 4096) -> dict:
     from flax import nnx
     from minigpt_model.llama import Llama
 
-    from shardplan.checks.paths import param_infos
+    from shardplan.core.paths import param_infos
     from shardplan.planner import auto
     from shardplan.planner.cost import Workload
     from shardplan.planner.kept import with_code

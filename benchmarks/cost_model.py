@@ -32,10 +32,10 @@ import minigpt_model  # noqa: E402
 import shardplan  # noqa: E402
 from shardplan.planner.cost import Workload, estimate  # noqa: E402
 from shardplan.compose.measure import measure  # noqa: E402
-from shardplan.checks.paths import param_infos  # noqa: E402
+from shardplan.core.paths import param_infos  # noqa: E402
 from shardplan.planner.profiles import get_profile  # noqa: E402
 from shardplan.planner.kept import with_code  # noqa: E402
-from shardplan.checks.roles import recognise_module  # noqa: E402
+from shardplan.core.roles import recognise_module  # noqa: E402
 from shardplan.run.abstract import abstract_with_roles  # noqa: E402
 
 PLANS = [

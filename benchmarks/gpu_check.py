@@ -178,7 +178,7 @@ def precision(variants=None, batch: int = BATCH, seq: int = SEQ) -> dict:
     import minigpt_model
     import shardplan
     import shardplan.run.step_options as step_options
-    from shardplan.checks.roles import recognise_module
+    from shardplan.core.roles import recognise_module
     from shardplan.compose.measure import lm_train_step, prepare
     from shardplan.planner.cost import Workload, estimate
     from shardplan.planner.kept import with_code

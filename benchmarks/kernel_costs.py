@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 import shardplan  # noqa: E402
 from minigpt_model.model import MiniGPT  # noqa: E402
 from minigpt_model.steps import loss_fn, make_optimizer, train_step  # noqa: E402
-from shardplan.checks.roles import recognise_module  # noqa: E402
+from shardplan.core.roles import recognise_module  # noqa: E402
 from shardplan.planner.cost import Workload, estimate  # noqa: E402
 from shardplan.planner.profiles import get_profile  # noqa: E402
 

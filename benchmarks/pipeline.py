@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))
 import shardplan  # noqa: E402
 from minigpt_model.model import MiniGPT  # noqa: E402
 from minigpt_model.steps import train_step  # noqa: E402
-from shardplan.checks.schedules import article_bubble, bubble_fraction, max_in_flight, timeline  # noqa: E402
+from shardplan.pipeline.schedules import article_bubble, bubble_fraction, max_in_flight, timeline  # noqa: E402
 
 STAGES = 4
 MODEL = dict(maxlen=64, vocab_size=512, embed_dim=128, num_heads=8, feed_forward_dim=512, dropout_rate=0.0)

@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPO))
 import shardplan  # noqa: E402
 from minigpt_model.model import MiniGPT  # noqa: E402
 from minigpt_model.steps import train_update  # noqa: E402
-from shardplan.checks.schedules import OneFOneB  # noqa: E402
+from shardplan.pipeline.schedules import OneFOneB  # noqa: E402
 from shardplan.pipeline.residuals import BACKWARD_SCOPE, FORWARD_SCOPE  # noqa: E402
 from shardplan.run.hlo import dot_flops  # noqa: E402
 
@@ -144,7 +144,7 @@ def _matmul_flops(hlo: str, schedule: str | None, virtual: int) -> tuple[float, 
 def _against_the_model(plan: shardplan.Plan) -> tuple[float, int, int]:
     """(the cost model's matmul FLOPs per device and step, its peak bytes per device, the compiled peak of
     the same plan's training step as `shardplan.compose.measure` compiles it)."""
-    from shardplan.checks.roles import recognise_module
+    from shardplan.core.roles import recognise_module
     from shardplan.compose.measure import measure
     from shardplan.planner.cost import Workload, estimate
     from shardplan.planner.kept import with_code

@@ -33,8 +33,8 @@ sys.path.insert(0, str(REPO))
 import shardplan  # noqa: E402
 from shardplan.cli import render  # noqa: E402
 from shardplan.run.models import build_model  # noqa: E402
-from shardplan.checks.paths import ParamInfo  # noqa: E402
-from shardplan.checks.report import check_params  # noqa: E402
+from shardplan.core.paths import ParamInfo  # noqa: E402
+from shardplan.review.report import check_params  # noqa: E402
 
 KINDS = [
     "attn/q/kernel",

@@ -61,14 +61,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from shardplan.checks.paths import param_infos  # noqa: E402
+from shardplan.core.paths import param_infos  # noqa: E402
 from shardplan.planner import auto  # noqa: E402
 from shardplan.planner.cost import Workload, model_flops  # noqa: E402
 from shardplan.plan.diagnostics import PlanError  # noqa: E402
 from shardplan.planner.kept import with_code  # noqa: E402
 from shardplan.planner.profiles import load_profile  # noqa: E402
 from shardplan.planner.representative import Representative  # noqa: E402
-from shardplan.checks.roles import definition_order, recognise  # noqa: E402
+from shardplan.core.roles import definition_order, recognise  # noqa: E402
 from shardplan.run.models import build_model  # noqa: E402
 
 TARGET = 0.25

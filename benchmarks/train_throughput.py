@@ -35,7 +35,7 @@ from minigpt_model.tokenizer import ByteTokenizer  # noqa: E402
 from minigpt_model.trainer import DEFAULT_MODEL, TrainConfig  # noqa: E402
 from shardplan.planner.cost import Workload, estimate  # noqa: E402
 from shardplan.planner.profiles import get_profile  # noqa: E402
-from shardplan.checks.roles import recognise_module  # noqa: E402
+from shardplan.core.roles import recognise_module  # noqa: E402
 
 PLANS = [
     "minigpt_dp.yaml",

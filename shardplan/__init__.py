@@ -10,8 +10,8 @@ loss = shardplan.model_loss(model, loss_of, targets, tokens)   # any plan; 1F1B 
 step = shardplan.jit_step(train_step, model, optimizer)        # compiled once; no graph walk per call
 """
 
-from shardplan.checks.mesh import make_mesh
-from shardplan.checks.report import Report
+from shardplan.core.mesh import make_mesh
+from shardplan.review.report import Report
 from shardplan.compose.check import check
 from shardplan.plan.diagnostics import CODES, Diagnostic, PlanError, PlanWarning
 from shardplan.plan.loader import load_plan, parse_plan

@@ -10,7 +10,7 @@ import minigpt_model
 import shardplan
 from minigpt_model.steps import train_step
 from shardplan.run.specs import partition_spec
-from shardplan.checks.paths import join_path
+from shardplan.core.paths import join_path
 
 from conftest import PLANS, TINY_MINIGPT
 

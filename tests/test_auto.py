@@ -16,9 +16,9 @@ from shardplan.planner import auto
 from shardplan.planner.cost import Workload, estimate
 from shardplan.run.hlo import collective_stats
 from shardplan.compose.measure import measure, prepare, lm_train_step, lm_loss
-from shardplan.checks.paths import param_infos
+from shardplan.core.paths import param_infos
 from shardplan.planner.profiles import get_profile, parse_bytes
-from shardplan.checks.roles import COLUMN, ROW, recognise_module
+from shardplan.core.roles import COLUMN, ROW, recognise_module
 from shardplan.run.abstract import abstract_with_roles
 from shardplan.plan.schema import spec_axes
 

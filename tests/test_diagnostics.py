@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import shardplan
-from shardplan.checks.paths import ParamInfo
-from shardplan.checks.report import check_params
+from shardplan.core.paths import ParamInfo
+from shardplan.review.report import check_params
 
 F32 = np.dtype("float32")
 PARAMS = [

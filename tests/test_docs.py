@@ -15,22 +15,22 @@ from conftest import REPO
 
 MODULES = [
     "shardplan.plan.schema",
-    "shardplan.checks.layout",
-    "shardplan.checks.mesh",
+    "shardplan.core.layout",
+    "shardplan.core.mesh",
     "shardplan.run.hlo",
-    "shardplan.checks.paths",
+    "shardplan.core.paths",
     "shardplan.plan.loader",
     "shardplan.compose.check",
     "shardplan.compose.apply",
     "shardplan.run.specs",
-    "shardplan.checks.roles",
+    "shardplan.core.roles",
     "shardplan.planner.auto",
     "shardplan.plan.matching",
     "shardplan.planner.profiles",
     "shardplan.plan.inert",
     "shardplan.run.models",
     "shardplan.pipeline.loop",
-    "shardplan.checks.diff",
+    "shardplan.review.diff",
     "shardplan.planner.overlap",
     "shardplan.pipeline.pipelined",
     "shardplan.run.flags",
@@ -226,7 +226,7 @@ def test_every_yaml_example_in_the_docs_reads_and_every_whole_plan_validates():
     import yaml
 
     import shardplan
-    from shardplan.checks.report import check_plan_only
+    from shardplan.review.report import check_plan_only
 
     examples = [(path.name, block) for path in DOCS for block in _blocks(path, "yaml")]
     assert len(examples) >= 5

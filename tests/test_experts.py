@@ -207,7 +207,7 @@ def test_capacity_dispatch_equals_one_device_when_nothing_drops_and_warns_when_i
 
 
 def test_expected_drop_share_matches_a_simulated_uniform_router():
-    from shardplan.checks.experts import expected_drop_share
+    from shardplan.experts.check import expected_drop_share
 
     rng = np.random.default_rng(0)
     picks = np.argsort(rng.random((20000, 32, 8)), axis=-1)[..., :2]  # 32 tokens pick 2 of 8 experts

@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 
 import shardplan
-from shardplan.checks.paths import ParamInfo
-from shardplan.checks.report import check_params
+from shardplan.core.paths import ParamInfo
+from shardplan.review.report import check_params
 
 from conftest import PLANS
 
@@ -84,7 +84,7 @@ def get_partition_rules():
 
 def _minigpt_paths():
     import minigpt_model
-    from shardplan.checks.paths import param_infos
+    from shardplan.core.paths import param_infos
 
     model = nnx.eval_shape(lambda: minigpt_model.MiniGPT(vocab_size=512, num_transformer_blocks=2, rngs=nnx.Rngs(0)))
     return model, [p.path for p in param_infos(model)]

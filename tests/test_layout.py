@@ -6,7 +6,7 @@ from jax.sharding import NamedSharding
 
 import shardplan
 from shardplan.run.specs import partition_spec
-from shardplan.checks.layout import device_coords, index_ranges, shard_shape, zero1_spec
+from shardplan.core.layout import device_coords, index_ranges, shard_shape, zero1_spec
 from shardplan.plan.schema import format_spec, normalize_spec
 
 SIZES = {"data": 4, "model": 2}
@@ -78,7 +78,7 @@ def test_check_layout_of_dp_tp_on_abstract_minigpt():
 
 
 def test_host_axes_cross_hosts_and_others_stay_inside():
-    from shardplan.checks.mesh import host_major_positions
+    from shardplan.core.mesh import host_major_positions
 
     positions = host_major_positions({"model": 2, "data": 4}, {"data": 2})
     assert positions.tolist() == [[0, 1, 4, 5], [2, 3, 6, 7]]

@@ -7,7 +7,7 @@ from flax import nnx
 
 import shardplan
 from shardplan.run.specs import partition_spec
-from shardplan.checks.paths import param_infos
+from shardplan.core.paths import param_infos
 
 from minigpt_model.llama import Llama
 from models import ConvClassifier

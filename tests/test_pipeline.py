@@ -17,7 +17,7 @@ import minigpt_model
 import shardplan
 from minigpt_model.steps import loss_fn, train_step
 from shardplan.pipeline.loop import stack, unstack
-from shardplan.checks.schedules import OneFOneB, article_bubble, bubble_fraction, in_flight, max_in_flight, timeline
+from shardplan.pipeline.schedules import OneFOneB, article_bubble, bubble_fraction, in_flight, max_in_flight, timeline
 
 from conftest import PLANS, full
 
@@ -108,7 +108,7 @@ def test_zero_bubble_tables(stages, microbatches):
     """ZB-H1: every F, B and W once per stage and microbatch, each after what it reads arrived (a tick
     after its neighbour sent it), the formula's bubble, at most S microbatches in flight, and buffer
     slots never overwritten before they are read."""
-    from shardplan.checks.schedules import ZeroBubble
+    from shardplan.pipeline.schedules import ZeroBubble
 
     S, M = stages, microbatches
     table = ZeroBubble.of(S, M)
@@ -154,7 +154,7 @@ def test_zero_bubble_v_tables(stages, microbatches):
     arrival from the right neighbour, the right microbatch's stash, residuals and handed values), no slot
     is overwritten before it is read; the bubble is below 1F1B's, and a device holds at most FOR_B sets for B
     and FOR_W for W."""
-    from shardplan.checks.schedules import ZeroBubbleV, chunk_stage
+    from shardplan.pipeline.schedules import ZeroBubbleV, chunk_stage
 
     S, M = stages, microbatches
     table = ZeroBubbleV.of(S, M)
@@ -232,7 +232,7 @@ def test_zero_bubble_v_tables(stages, microbatches):
 
 
 def test_the_cost_models_closed_form_bubbles_are_the_timelines():
-    from shardplan.planner.cost import schedule_bubble
+    from shardplan.pipeline.cost import schedule_bubble
 
     for schedule, virtual in (
         ("gpipe", 1),
@@ -603,7 +603,7 @@ def test_the_loop_keeps_no_weights_per_tick(case, write_plan):
 def test_interleaved_one_f_one_b_needs_whole_groups_of_microbatches():
     """Megatron's interleaved 1F1B runs microbatches in groups of the stages: 6 on 4 stages is refused,
     naming the setting and the stages; 8 is a plan whose timeline has the formula's bubble."""
-    from shardplan.checks.schedules import OneFOneB, bubble_fraction, timeline
+    from shardplan.pipeline.schedules import OneFOneB, bubble_fraction, timeline
 
     plan = shardplan.parse_plan(
         _plan("minigpt_pp4.yaml", "1f1b", 2).model_dump_json().replace('"microbatches":8', '"microbatches":6')
@@ -762,7 +762,7 @@ def test_a_selective_remat_policy_inside_1f1b_recomputes_only_what_it_does_not_s
     """The stages keep their layers' residuals: with `remat: none` a stage's backward does no forward matmul
     again (2x the forward's FLOPs), `full` recomputes the whole forward (3x), and a policy that saves the
     weight matmuls recomputes only attention's batched ones (in between): counted in the compiled HLO."""
-    from shardplan.checks.schedules import OneFOneB
+    from shardplan.pipeline.schedules import OneFOneB
     from shardplan.pipeline.residuals import BACKWARD_SCOPE, FORWARD_SCOPE
     from shardplan.run.hlo import dot_flops
 

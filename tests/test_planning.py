@@ -15,14 +15,14 @@ from flax import nnx
 
 import minigpt_model
 import shardplan
-from shardplan.checks.paths import param_infos
+from shardplan.core.paths import param_infos
 from shardplan.plan.schema import spec_axes
 from shardplan.planner import auto
 from shardplan.planner.cost import Workload, estimate
 from shardplan.planner.profiles import get_profile
 from shardplan.planner.kept import with_code
 from shardplan.planner.representative import Representative
-from shardplan.checks.roles import CodeCopies, recognise_module
+from shardplan.core.roles import CodeCopies, recognise_module
 from shardplan.run.abstract import abstract_with_roles
 from shardplan.compose.measure import measure
 
@@ -544,7 +544,7 @@ def test_auto_offers_interleaved_one_f_one_b_the_v_schedule_and_float32_masters_
 
 
 def test_layers_that_differ_are_all_laid_out():
-    from shardplan.checks.paths import ParamInfo
+    from shardplan.core.paths import ParamInfo
 
     model, roles = abstract_with_roles(BUILD["llama"])
     params = param_infos(model)

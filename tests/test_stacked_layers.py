@@ -158,8 +158,8 @@ def test_a_precision_the_models_forward_cannot_run_in_is_refused_by_check():
 
 def test_stacked_parameters_read_without_the_model_say_what_check_would_do():
     """Only the parameter shapes (no model to follow): the stack is named, with what the model itself allows."""
-    from shardplan.checks.paths import param_infos
-    from shardplan.checks.report import check_params
+    from shardplan.core.paths import param_infos
+    from shardplan.review.report import check_params
 
     params = param_infos(nnx.eval_shape(lambda: ScannedLlama(rngs=nnx.Rngs(0))))
     (found,) = [
@@ -190,8 +190,8 @@ def test_a_stack_of_layers_is_not_taken_for_a_moe_block():
     """Stacked by `nnx.vmap`, the blocks' norm weights are [L, D] and lead [L, D, F] matrices: the shape
     of a router and its experts. `auto` proposed expert parallelism over the layer stack (`experts:
     blocks: layers`) until norms were ruled out as routers."""
-    from shardplan.checks.expert_roles import find_blocks
-    from shardplan.checks.paths import param_infos
+    from shardplan.experts.roles import find_blocks
+    from shardplan.core.paths import param_infos
 
     assert find_blocks(param_infos(ScannedLlama(rngs=nnx.Rngs(0)))) == []
 

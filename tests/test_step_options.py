@@ -379,7 +379,7 @@ def test_init_builds_every_parameter_on_its_shards(name):
     """A device's compiled init peak stays within 3x its planned parameter bytes, pipelines included (their
     layers are created split over the stage axis too, then stacked into their stages leaf by leaf)."""
     from minigpt_model.llama import Llama
-    from shardplan.checks.paths import param_infos
+    from shardplan.core.paths import param_infos
     from shardplan.compose.apply import init_program
 
     plan = shardplan.parse_plan(LLAMA_PP4) if name.startswith("llama") else shardplan.load_plan(PLANS / name)

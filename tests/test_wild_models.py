@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import shardplan
-from shardplan.checks.layer_contract import PipelineCallError
+from shardplan.core.layer_contract import PipelineCallError
 from shardplan.pipeline.loop import unstack
 from shardplan.pipeline.pipelined import PipelinedLayers
 from conftest import full
@@ -439,7 +439,7 @@ def test_layers_that_update_their_state_are_refused():
 
 
 def test_auto_splits_heads_first_attention_and_proposes_no_pipeline_it_cannot_run(tmp_path, capsys):
-    from shardplan.checks.paths import param_infos
+    from shardplan.core.paths import param_infos
     from shardplan.cli import main
     from shardplan.planner.auto import Candidate, specs
     from shardplan.run.abstract import abstract_with_roles

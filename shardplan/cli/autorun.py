@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from shardplan.checks.layout import human_bytes
+from shardplan.core.layout import human_bytes
 from shardplan.plan.inert import inert
 from shardplan.planner import auto as planner
 from shardplan.planner.cost import Workload
@@ -54,9 +54,9 @@ def run_auto(console: Console, request: AutoRequest, usage_error) -> int:
         console = consoles()[1]
     capacity = request.capacity  # (dropped below when the model has no MoE blocks)
     from shardplan.run.models import ModelLoadError, build_model
-    from shardplan.checks.paths import param_infos
+    from shardplan.core.paths import param_infos
     from shardplan.planner.kept import with_code
-    from shardplan.checks.roles import definition_order, recognise
+    from shardplan.core.roles import definition_order, recognise
 
     order: list[str] = []
     with console.status("building the model abstractly (nothing is allocated)"):
@@ -190,7 +190,7 @@ def run_auto(console: Console, request: AutoRequest, usage_error) -> int:
 def _check_written(text: str, found: planner.Search, *, devices: int, hosts: int, input_name: str) -> None:
     """The written text must validate like any hand-written plan; a failure here is a bug of ours."""
     from shardplan.plan.loader import parse_plan
-    from shardplan.checks.report import check_params
+    from shardplan.review.report import check_params
 
     workload = found.workload
     report = check_params(
@@ -211,7 +211,7 @@ def _pipeline_refusal(model, layers: str | None, input_name: str, workload: Work
         return None
     import jax.numpy as jnp
 
-    from shardplan.checks.calls import call_with, check_layer_calls
+    from shardplan.core.calls import call_with, check_layer_calls
     from shardplan.plan.schema import Plan
 
     plan = Plan.model_validate(

@@ -565,7 +565,7 @@ def _write_output(output: str, text: str) -> None:
 def _convert(args, console: Console) -> int:
     from pathlib import Path
 
-    from shardplan.checks.report import check_plan_only
+    from shardplan.review.report import check_plan_only
     from shardplan.plan.convert import ConvertError, pick, plan_text, read_logical_rules, rule_lists
     from shardplan.plan.loader import MAX_PLAN_BYTES, FileTooLarge, parse_plan, read_bounded
 
@@ -762,7 +762,7 @@ def _validate(args, console: Console) -> int:
 
 def _validate_plan_only(args, console: Console) -> int:
     from shardplan.cli.render import render_diagnostics, render_verdict
-    from shardplan.checks.report import check_plan_only
+    from shardplan.review.report import check_plan_only
 
     plan = load_plan(args.plan)
     devices = _device_count(args.devices, plan)
@@ -803,8 +803,8 @@ def _inspect(args, console: Console) -> int:
     if report.ok:  # the estimate's batch must split as the plan's microbatches do
         from dataclasses import replace
 
-        from shardplan.checks.stages import check_microbatches
-        from shardplan.checks.validate import data_axes
+        from shardplan.pipeline.stages import check_microbatches
+        from shardplan.core.validate import data_axes
 
         found = check_microbatches(report.plan, _batch(args, report), report.axes, data_axes(report.plan, report.axes))
         report = replace(report, diagnostics=report.diagnostics + found)
@@ -919,7 +919,7 @@ def _explain(args, console: Console) -> int:
 
 def _expert_role_text(plan, params, path: str) -> str:
     """Why `path` is (or is not) an expert stack of the plan's MoE blocks."""
-    from shardplan.checks.experts import expert_blocks
+    from shardplan.experts.check import expert_blocks
 
     roles, _ = expert_blocks(plan, params)
     shapes = {p.path: p.shape for p in params}
@@ -946,8 +946,8 @@ def _expert_role_text(plan, params, path: str) -> str:
 def _model_params(factory: str, config_pairs: list[str], order: list[str] | None = None, paths=()):
     """Parameter infos of the model `factory` builds abstractly (the user typed it: consent)."""
     from shardplan.run.models import ModelLoadError, build_model, parse_overrides
-    from shardplan.checks.paths import param_infos
-    from shardplan.checks.roles import definition_order
+    from shardplan.core.paths import param_infos
+    from shardplan.core.roles import definition_order
 
     order = [] if order is None else order
     try:
@@ -965,14 +965,14 @@ def _model_params(factory: str, config_pairs: list[str], order: list[str] | None
 
 def _params(args, console: Console) -> int:
     from shardplan.cli.render import params_json, render_param_list
-    from shardplan.checks.roles import recognise
+    from shardplan.core.roles import recognise
 
     order: list[str] = []
     params = _model_params(args.model, args.config, order, paths=args.import_paths)
     roles = recognise(params, order)
     rules, errors = None, []
     if args.plan:
-        from shardplan.checks.report import check_params
+        from shardplan.review.report import check_params
         from shardplan.cli.render import render_diagnostics
         from shardplan.plan.matching import compile_rules
 
@@ -991,10 +991,10 @@ def _params(args, console: Console) -> int:
 
 
 def _diff(args, console: Console) -> int:
-    from shardplan.checks.diff import layout_diff
-    from shardplan.checks.paths import param_infos
+    from shardplan.review.diff import layout_diff
+    from shardplan.core.paths import param_infos
     from shardplan.cli.render import render_diagnostics, render_diff
-    from shardplan.checks.report import check_params
+    from shardplan.review.report import check_params
 
     plan_a, plan_b = load_plan(args.plan), load_plan(args.other)
     order: list[str] = []
@@ -1007,7 +1007,7 @@ def _diff(args, console: Console) -> int:
         return EXIT_INVALID
     changes = layout_diff(*reports)
     if args.json:
-        from shardplan.checks.report import spec_json
+        from shardplan.review.report import spec_json
 
         print(
             json.dumps(
@@ -1120,10 +1120,10 @@ def _checked_model(args, order: list[str]):
     """
     plan = load_plan(args.plan)
     from shardplan.run.devices import has_accelerator
-    from shardplan.checks.paths import param_infos
-    from shardplan.checks.report import check_params
+    from shardplan.core.paths import param_infos
+    from shardplan.review.report import check_params
     from shardplan.compose.check import check, with_model_checks
-    from shardplan.checks.roles import recognise
+    from shardplan.core.roles import recognise
 
     if args.devices is None and has_accelerator():
         model = _abstract_model(args, plan, order)
@@ -1146,7 +1146,7 @@ def _batch(args, report) -> int:
 def _evened_stages(report, cost):
     """(layers per stage, modelled compute of the slowest) of a split that evens out the plan's stages,
     where its schedule lets a shorter stage skip its padding and the gain is worth saying; else None."""
-    from shardplan.checks.schedules import padding_skipped
+    from shardplan.pipeline.schedules import padding_skipped
     from shardplan.planner.auto import evened_out
 
     stage_map, plan = report.stage_map, report.plan
@@ -1166,8 +1166,8 @@ def _estimate(args, report, order: list[str], model, deep=None):
     from shardplan.planner.cost import Workload, estimate
     from shardplan.planner.kept import with_code
     from shardplan.planner.profiles import get_profile
-    from shardplan.checks.roles import recognise
-    from shardplan.checks.paths import param_infos
+    from shardplan.core.roles import recognise
+    from shardplan.core.paths import param_infos
 
     try:
         profile = get_profile(args.profile)
@@ -1236,7 +1236,7 @@ def _factory_and_config(args, plan: Plan) -> tuple[str, dict]:
 
 
 def _build(args, factory: str, config: dict, order: list[str]):
-    from shardplan.checks.roles import definition_order
+    from shardplan.core.roles import definition_order
     from shardplan.run.models import ModelLoadError, build_model
 
     try:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import html
 import math
 
-from shardplan.checks.layout import device_coords, human_bytes
-from shardplan.checks.report import Report
+from shardplan.core.layout import device_coords, human_bytes
+from shardplan.review.report import Report
 from shardplan.plan.inert import inert
 from shardplan.plan.schema import format_spec
 
@@ -269,7 +269,7 @@ def _shorten(text: str, width: int) -> str:
 
 
 def _pipeline(report: Report, y: float) -> tuple[list[str], float]:
-    from shardplan.checks.schedules import bubble_fraction, timeline
+    from shardplan.pipeline.schedules import bubble_fraction, timeline
 
     pipe, stage_map = report.plan.pipeline, report.stage_map
     grid = timeline(pipe.schedule, stage_map.stages, pipe.microbatches, stage_map.virtual)

@@ -12,8 +12,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from shardplan.checks.layout import device_coords, human_bytes, imbalance, index_ranges
-from shardplan.checks.report import Report
+from shardplan.core.layout import device_coords, human_bytes, imbalance, index_ranges
+from shardplan.review.report import Report
 from shardplan.cli.terminal import print_table, print_wrapped
 from shardplan.plan.diagnostics import Diagnostic
 from shardplan.plan.inert import inert
@@ -253,7 +253,7 @@ def _id_list(ids: list[int]) -> str:
 
 def render_pipeline(console: Console, report: Report) -> None:
     """Stage map (layers and bytes per stage) and the schedule as a timeline with its bubble."""
-    from shardplan.checks.schedules import article_bubble, bubble_fraction, in_flight, render_timeline, timeline
+    from shardplan.pipeline.schedules import article_bubble, bubble_fraction, in_flight, render_timeline, timeline
 
     stage_map, pipe = report.stage_map, report.plan.pipeline
     if stage_map is None:
@@ -435,7 +435,7 @@ def render_param_list(console: Console, params, roles, rules=None, *, collapse: 
 
 def params_json(params, roles, rules=None) -> list[dict]:
     from shardplan.plan.matching import first_match
-    from shardplan.checks.report import spec_json
+    from shardplan.review.report import spec_json
 
     rows = []
     for p in params:
@@ -540,9 +540,9 @@ def render_summary(console: Console, report: Report) -> None:
 
 def render_estimate(console: Console, workload, profile, cost, *, accumulate: int = 1, code=None, evened=None) -> None:
     """The cost model's figures for one device: memory, communication by kind and axes, time (`code`:
-    what the model's code keeps beyond a plain transformer, `shardplan.checks.roles.CodeCopies`;
+    what the model's code keeps beyond a plain transformer, `shardplan.core.roles.CodeCopies`;
     `evened`: a split of the layers that evens out the pipeline's stages, and its slowest stage's compute)."""
-    from shardplan.checks.layout import human_bytes
+    from shardplan.core.layout import human_bytes
 
     console.print()
     print_wrapped(
@@ -608,7 +608,7 @@ def render_estimate(console: Console, workload, profile, cost, *, accumulate: in
 def _render_stage_costs(console: Console, cost, evened=None) -> None:
     """Each pipeline stage's modelled activations and compute, how unequal they are, and a split of the
     layers that evens them out (`evened`)."""
-    from shardplan.checks.layout import human_bytes
+    from shardplan.core.layout import human_bytes
 
     times, kept = cost.stage_compute_s, cost.stage_activation_bytes
     if len(times) < 2 or len(kept) != len(times):

@@ -11,13 +11,13 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shardplan.checks.context import check_context, context_inputs
-from shardplan.checks.layout import zero1_layout, zero1_spec
-from shardplan.checks.paths import join_path, node_at, set_node_at
-from shardplan.checks.report import Report
+from shardplan.context.check import check_context, context_inputs
+from shardplan.core.layout import zero1_layout, zero1_spec
+from shardplan.core.paths import join_path, node_at, set_node_at
+from shardplan.review.report import Report
 from shardplan.compose.check import check
-from shardplan.checks.stages import check_microbatches
-from shardplan.checks.validate import data_axes, validate_inputs, validate_optimizer
+from shardplan.pipeline.stages import check_microbatches
+from shardplan.core.validate import data_axes, validate_inputs, validate_optimizer
 from shardplan.run.abstract import abstract_with_roles, eval_shape, first_line, unplaced, untraceable
 from shardplan.run.optimizer import master_weights, optimizer_state, padded_state
 from shardplan.run.specs import partition_spec, pin
@@ -33,7 +33,7 @@ def apply_plan(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh, *, exampl
     state, batch statistics) are replicated. Under a pipeline plan only the layer list is
     replaced (by `PipelinedLayers`): the model keeps its class and its forward; `example`
     (see `shardplan.check`) checks first that the forward can run its layers as a pipeline. Works on `nnx.eval_shape` models too: their
-    shapes then carry the planned shardings. `roles` (`shardplan.checks.roles.recognise`) tell context
+    shapes then carry the planned shardings. `roles` (`shardplan.core.roles.recognise`) tell context
     parallelism which matrices are an attention's queries, keys and values when the model is abstract
     (its state then sorted by name, not in definition order); a live model's are read from it.
 
@@ -77,7 +77,7 @@ def apply_plan(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh, *, exampl
 
 
 def _warn_remat_in_effect(plan: Plan, mesh, report: Report) -> None:
-    from shardplan.checks.schedules import on_tables
+    from shardplan.pipeline.schedules import on_tables
     from shardplan.run.flags import remat_in_effect
 
     split = plan.context is not None and dict(zip(mesh.axis_names, mesh.devices.shape)).get(plan.context.axis, 1) > 1

@@ -1,4 +1,4 @@
-"""`check`: a plan against a model and a mesh — the pure checks of `shardplan.checks` and what needs
+"""`check`: a plan against a model and a mesh — the pure checks of `shardplan.core` and what needs
 the model's own code: how it calls its layers (pipelines), whether its MoE blocks can run
 expert-parallel (`experts/contract.py`) and whether its attention allows the context split
 (`context/contract.py`), each by an abstract trace."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from shardplan.checks.report import Report, check_params
+from shardplan.review.report import Report, check_params
 from shardplan.plan.schema import Plan
 
 
@@ -26,7 +26,7 @@ def check(
     Never raises for plan mistakes: they are in `report.diagnostics`. A pipeline plan is also
     checked against how the model calls its layers, by tracing one call abstractly: `example`
     (e.g. `lambda m: m(tokens, positions)`), else zeros shaped as the plan's `inputs` give them.
-    `roles` (`shardplan.checks.roles.recognise`) name the attention projections context parallelism
+    `roles` (`shardplan.core.roles.recognise`) name the attention projections context parallelism
     reads; by default they are read from the model's definition order (an abstract model's is sorted).
 
     >>> import shardplan, minigpt_model
@@ -38,7 +38,7 @@ def check(
     """
     import jax
 
-    from shardplan.checks.paths import param_infos
+    from shardplan.core.paths import param_infos
     from shardplan.pipeline.stacked import pipeline_layers_of
 
     model = pipeline_layers_of(plan, model, in_place=False)  # (stacked layers as the list they stand for)
@@ -61,9 +61,9 @@ def with_model_checks(
     """`report` plus what needs the model itself: its module paths against the step options' rules and,
     given an example call (`example`, or the plan's input shapes), whether it can run its layers as the
     pipeline does and whether the activation specs fit the outputs they name."""
-    from shardplan.checks.calls import check_layer_calls, example_call
-    from shardplan.checks.step import check_step_modules, check_step_shapes
-    from shardplan.checks.paths import module_paths
+    from shardplan.core.calls import check_layer_calls, example_call
+    from shardplan.core.step import check_step_modules, check_step_shapes
+    from shardplan.core.paths import module_paths
 
     found = (
         check_step_modules(plan, [path for path, _ in module_paths(model)]) if plan.activations or plan.remat else []
@@ -76,7 +76,7 @@ def with_model_checks(
     if call is not None and not report.errors:
         found += check_step_shapes(plan, model, report.axes, call)
     if report.experts and not report.errors:
-        from shardplan.checks.mesh import tracing_mesh
+        from shardplan.core.mesh import tracing_mesh
         from shardplan.experts.contract import blocks_call, check_expert_calls
 
         block_call = call if call is not None else blocks_call(model, report)
@@ -90,9 +90,9 @@ def with_model_checks(
                 made_up=call is None,
             )
     if plan.context is not None and not report.errors:
-        from shardplan.checks.roles import recognise_module
+        from shardplan.core.roles import recognise_module
         from shardplan.context.contract import check_context_calls
-        from shardplan.checks.mesh import tracing_mesh
+        from shardplan.core.mesh import tracing_mesh
 
         found += check_context_calls(
             plan,
@@ -103,7 +103,7 @@ def with_model_checks(
         )
     found += _precision_checks(report, plan, model, call)
     if "explicit" in plan.mesh.types.values() and not report.errors and not any(d.severity == "error" for d in found):
-        from shardplan.checks.mesh import tracing_mesh
+        from shardplan.core.mesh import tracing_mesh
         from shardplan.run.explicit_axes import explicit_axes_diagnostics
 
         found += explicit_axes_diagnostics(
@@ -127,7 +127,7 @@ def _precision_checks(report: Report, plan: Plan, model, call: Callable | None) 
     narrow = plan.precision.compute or plan.precision.params
     if not narrow or jnp.dtype(narrow).itemsize >= 4 or report.errors or not plan.inputs:
         return []
-    from shardplan.checks.calls import call_with
+    from shardplan.core.calls import call_with
     from shardplan.run.precision import precision_diagnostics
 
     if call is None:
@@ -143,7 +143,7 @@ def _device_ids(plan: Plan, mesh) -> list[int]:
     """Device ids in mesh order: the given mesh's, else the plan's mesh over all devices if it can be built."""
     if mesh is None:
         from shardplan.plan.diagnostics import PlanError
-        from shardplan.checks.mesh import make_mesh
+        from shardplan.core.mesh import make_mesh
 
         try:
             mesh = make_mesh(plan)

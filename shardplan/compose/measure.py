@@ -38,7 +38,7 @@ def lm_loss(model: nnx.Module, tokens: jax.Array, targets: jax.Array, arguments:
     """Mean next-token cross-entropy of the model's logits (its output, or the first array of it); a
     pipelined model runs its plan's schedule. `arguments(tokens)` gives the forward's (args, kwargs);
     by default the tokens go to its `tokens` or first parameter, None to its other required ones."""
-    from shardplan.checks.calls import call_arguments
+    from shardplan.core.calls import call_arguments
     from shardplan.pipeline.pipelined import model_loss
 
     args, kwargs = arguments(tokens) if arguments else call_arguments(model, {"tokens": tokens})
@@ -67,7 +67,7 @@ def lm_train_step(
 def prepare(plan, model: nnx.Module, batch: int, seq: int, *, input_name: str | None = None, vocab: int = 2):
     """(sharded model, optimizer, tokens, targets) ready for `lm_train_step`."""
     from shardplan.compose.apply import apply_plan, shard_inputs, shard_optimizer
-    from shardplan.checks.mesh import make_mesh
+    from shardplan.core.mesh import make_mesh
 
     mesh = make_mesh(plan)
     model = apply_plan(plan, model, mesh)
@@ -90,13 +90,13 @@ def branch_share(plan) -> float:
     pipe = plan.pipeline
     if pipe is None:
         return 1.0
-    from shardplan.checks.mesh import resolve_axes
+    from shardplan.core.mesh import resolve_axes
     import jax
 
     sizes = resolve_axes(plan, jax.device_count())[0]
     stages = sizes[pipe.axis]
     split_sequence = plan.context is not None and sizes[plan.context.axis] > 1
-    from shardplan.checks.schedules import OneFOneB, ZeroBubble, ZeroBubbleV, on_tables
+    from shardplan.pipeline.schedules import OneFOneB, ZeroBubble, ZeroBubbleV, on_tables
 
     if pipe.schedule == "zb-h1":  # each of F, B and W taken once per microbatch
         return pipe.microbatches / ZeroBubble.of(stages, pipe.microbatches).ticks

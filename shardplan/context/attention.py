@@ -12,6 +12,7 @@ lengths, local windows) is refused with an error that says so; a sequence the ax
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -38,87 +39,39 @@ class Ring:
     def size(self) -> int:
         return dict(self.mesh.shape)[self.axis]
 
-    def jax_attention(
-        self,
-        query,
-        key,
-        value,
-        bias=None,
-        mask=None,
-        *,
-        scale=None,
-        is_causal=False,
-        query_seq_lengths=None,
-        key_value_seq_lengths=None,
-        local_window_size=None,
-        implementation=None,
-        return_residual=False,
-    ):
-        unsupported = [
-            name
-            for name, v in (
-                ("query_seq_lengths", query_seq_lengths),
-                ("key_value_seq_lengths", key_value_seq_lengths),
-                ("local_window_size", local_window_size),
-            )
-            if v is not None
-        ]
-        unsupported += ["return_residual"] if return_residual else []
+    def jax_attention(self, *args, **kwargs):
+        a = _arguments(_JAX_SIGNATURE, args, kwargs)
+        unsupported = _set_apart_from(_JAX_SIGNATURE, a, _JAX_HONOURED)
         if unsupported:
             raise RingUnsupported(
                 f"ring attention does not take jax.nn.dot_product_attention's "
                 f"{', '.join(unsupported)}: use context strategy all_gather"
             )
-        if not self._splits(query, key):
+        if not self._splits(a["query"], a["key"]):
             self.calls.append("unsplit")
-            return ORIGINALS[0](
-                query, key, value, bias, mask, scale=scale, is_causal=is_causal, implementation=implementation
-            )
+            return ORIGINALS[0](*args, **kwargs)
         self.calls.append("jax.nn.dot_product_attention")
-        return self._ring(query, key, value, bias, mask, scale, is_causal)
+        return self._ring(a["query"], a["key"], a["value"], a["bias"], a["mask"], a["scale"], a["is_causal"])
 
-    def nnx_attention(
-        self,
-        query,
-        key,
-        value,
-        bias=None,
-        mask=None,
-        broadcast_dropout=True,
-        dropout_rng=None,
-        dropout_rate=0.0,
-        deterministic=False,
-        dtype=None,
-        precision=None,
-        module=None,
-        promote_dtype=None,
-        is_causal=False,
-    ):
-        if dropout_rate > 0.0 and not deterministic:
+    def nnx_attention(self, *args, **kwargs):
+        a = _arguments(_NNX_SIGNATURE, args, kwargs)
+        if a["dropout_rate"] > 0.0 and not a["deterministic"]:
             raise RingUnsupported(
-                f"ring attention cannot drop attention weights (dropout_rate {dropout_rate}): "
+                f"ring attention cannot drop attention weights (dropout_rate {a['dropout_rate']}): "
                 "set the attention's dropout_rate to 0 or use context strategy all_gather"
             )
-        if not self._splits(query, key):
-            self.calls.append("unsplit")
-            return ORIGINALS[1](
-                query,
-                key,
-                value,
-                bias,
-                mask,
-                broadcast_dropout,
-                dropout_rng,
-                dropout_rate,
-                deterministic,
-                dtype,
-                precision,
-                module,
-                is_causal=is_causal,
+        unsupported = _set_apart_from(_NNX_SIGNATURE, a, _NNX_HONOURED)
+        if unsupported:
+            raise RingUnsupported(
+                f"ring attention does not take flax.nnx.dot_product_attention's "
+                f"{', '.join(unsupported)}: use context strategy all_gather"
             )
+        if not self._splits(a["query"], a["key"]):
+            self.calls.append("unsplit")
+            return ORIGINALS[1](*args, **kwargs)
         self.calls.append("flax.nnx.dot_product_attention")
-        out = self._ring(query, key, value, bias, mask, None, is_causal)
-        return out.astype(dtype) if dtype is not None else out
+        out = self._ring(a["query"], a["key"], a["value"], a["bias"], a["mask"], None, a["is_causal"])
+        return out.astype(a["dtype"]) if a["dtype"] is not None else out
 
     def _splits(self, query, key) -> bool:
         length = query.shape[-3]
@@ -160,3 +113,46 @@ def _four_dims(array):
 
 # Taken when this module is first imported, before any call is replaced.
 ORIGINALS = (jax.nn.dot_product_attention, nnx_attention_module.dot_product_attention)
+_JAX_SIGNATURE, _NNX_SIGNATURE = (inspect.signature(f) for f in ORIGINALS)
+# What the ring computes the same way or may leave aside (an implementation choice; nnx's dropout
+# arguments once dropout is off, its module for sowing weights, its dtypes and precision); any other
+# argument given a value of its own is refused, so an option a future release adds is never dropped.
+_JAX_HONOURED = frozenset({"query", "key", "value", "bias", "mask", "scale", "is_causal", "implementation"})
+_NNX_HONOURED = frozenset(
+    {
+        "query",
+        "key",
+        "value",
+        "bias",
+        "mask",
+        "broadcast_dropout",
+        "dropout_rng",
+        "dropout_rate",
+        "deterministic",
+        "dtype",
+        "precision",
+        "module",
+        "promote_dtype",
+        "is_causal",
+    }
+)
+
+
+def _arguments(signature: inspect.Signature, args, kwargs) -> dict:
+    """The call's arguments by name, defaults filled in (a call the original would refuse raises its TypeError)."""
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
+
+
+def _set_apart_from(signature: inspect.Signature, arguments: dict, honoured: frozenset) -> list[str]:
+    """The arguments outside `honoured` given anything but their default."""
+    return [
+        name
+        for name, parameter in signature.parameters.items()
+        if name not in honoured and not _is_default(arguments[name], parameter.default)
+    ]
+
+
+def _is_default(value, default) -> bool:
+    return value is default or (isinstance(value, (bool, int, float, str)) and value == default)

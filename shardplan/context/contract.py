@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shardplan.checks.context import HINT, context_inputs
+from shardplan.context.check import HINT, context_inputs
 from shardplan.plan.diagnostics import Diagnostic
 from shardplan.plan.schema import input_example
 
@@ -124,7 +124,7 @@ def _dropping_attention(model, where) -> list[Diagnostic]:
     at the first training step's trace, not here)."""
     from flax import nnx
 
-    from shardplan.checks.paths import module_paths
+    from shardplan.core.paths import module_paths
 
     dropping = [
         (path, m.dropout_rate)
@@ -189,7 +189,7 @@ def _order_free(plan, model, where) -> list[Diagnostic]:
     import jax
     from flax import nnx
 
-    from shardplan.checks.calls import call_arguments
+    from shardplan.core.calls import call_arguments
 
     split = context_inputs(plan)
     examples = {name: input_example(raw) for name, raw in plan.inputs.items()}

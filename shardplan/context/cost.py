@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from shardplan.core.transfers import Transfer, merged
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ContextCost:
-    transfers: tuple  # (kind, axes, bytes, count, what, overlap), as `shardplan.planner.cost.Transfer` takes
+    transfers: tuple[Transfer, ...]
     kept_per_token: float  # bytes kept for the backward per device token, beyond a plain step's
     caveats: tuple[str, ...]
 
@@ -49,13 +51,15 @@ def context_cost(
     # each weight's gradient is summed over the axis's parts of the sequence in an all-reduce of its
     # own, before the data-parallel reduction (XLA does not combine the two)
     transfers = [
-        ("all-reduce", (axis,), gradient_bytes, reductions, "context: gradients summed over the sequence", "backward")
+        Transfer(
+            "all-reduce", (axis,), gradient_bytes, reductions, "context: gradients summed over the sequence", "backward"
+        )
     ]
     for width in kv_widths:
         whole = int(rows * seq * width * itemsize)  # one sequence-long key (or value) tensor
         if strategy == "ring":
             transfers.append(
-                (
+                Transfer(
                     "collective-permute",
                     (axis,),
                     whole // ways,
@@ -65,10 +69,8 @@ def context_cost(
                 )
             )
         else:
-            transfers.append(
-                ("all-gather", (axis,), whole, 2 * passes, "context: keys and values gathered", "critical")
-            )
-            transfers.append(("all-reduce", (axis,), whole, 2 * passes, "context: key and value gradients", "critical"))
+            transfers.append(Transfer("all-gather", (axis,), whole, 2 * passes, "context: keys and values gathered"))
+            transfers.append(Transfer("all-reduce", (axis,), whole, 2 * passes, "context: key and value gradients"))
     # both keep the whole sequence's keys and values (the plain step keeps its own tokens' of them)
     kept = sum(2 * width * itemsize * (ways - 1) for width in kv_widths)
     caveats = ()
@@ -78,12 +80,4 @@ def context_cost(
             "grouped key/value heads before attention has their gradients reduced in the repeated width "
             "(measured: 2x the modelled all-reduce bytes at 2 query heads per key head)",
         )
-    return ContextCost(tuple(_merged(transfers)), kept, caveats)
-
-
-def _merged(transfers: list[tuple]) -> list[tuple]:
-    out: dict = {}
-    for kind, axes, nbytes, count, what, overlap in transfers:
-        key = (kind, axes, nbytes, what, overlap)
-        out[key] = out.get(key, 0) + count
-    return [(kind, axes, nbytes, count, what, overlap) for (kind, axes, nbytes, what, overlap), count in out.items()]
+    return ContextCost(tuple(merged(transfers)), kept, caveats)

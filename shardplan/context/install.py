@@ -22,8 +22,8 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shardplan.checks.paths import module_paths
-from shardplan.checks.roles import ModelRoles, recognise_module
+from shardplan.core.paths import module_paths
+from shardplan.core.roles import ModelRoles, recognise_module
 from shardplan.context.attention import ORIGINALS, Ring
 from shardplan.plan.schema import Plan
 

@@ -398,7 +398,7 @@ def whole_call(leaves: list, traced: Traced) -> list:
 
 def expert_options(plan, mesh, roles) -> dict[str, ExpertOptions]:
     """Block path -> how it runs, for the plan's MoE blocks."""
-    from shardplan.checks.validate import data_axes
+    from shardplan.core.validate import data_axes
 
     axis = plan.experts.axis
     batch = data_axes(plan, dict(mesh.shape))
@@ -413,7 +413,7 @@ def expert_options(plan, mesh, roles) -> dict[str, ExpertOptions]:
 
 def install(plan, model, mesh, roles) -> list[tuple[nnx.Module, type]]:
     """Make the plan's MoE blocks expert-parallel in place; (module, its class before) of each."""
-    from shardplan.checks.paths import module_paths
+    from shardplan.core.paths import module_paths
 
     options = expert_options(plan, mesh, roles)
     changed = []
@@ -428,7 +428,7 @@ def dropped_rows(model: nnx.Module, *args, **kwargs) -> dict[str, int]:
     """Block path -> routed rows its capacity dropped in one call `model(*args, **kwargs)` (all devices
     together; dropless blocks: 0). Each row is one (token, expert) choice whose expert output is zero.
     Not inside pipeline stages (their blocks run under the pipeline's loop)."""
-    from shardplan.checks.paths import module_paths
+    from shardplan.core.paths import module_paths
 
     graphdef, state = nnx.split(model)
 

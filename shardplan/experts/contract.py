@@ -3,7 +3,7 @@ with the blocks made expert-parallel (nothing is compiled or run)."""
 
 from __future__ import annotations
 
-from shardplan.checks.experts import expected_drop_share
+from shardplan.experts.check import expected_drop_share
 from shardplan.plan.diagnostics import Diagnostic
 
 
@@ -13,7 +13,7 @@ def check_expert_calls(plan, model, report, call, mesh, *, made_up: bool = False
     import jax
     from flax import nnx
 
-    from shardplan.checks.paths import module_paths
+    from shardplan.core.paths import module_paths
     from shardplan.experts.block import FALLBACKS, TRACED, install
     from shardplan.experts.interpret import ContractError
 
@@ -131,7 +131,7 @@ def blocks_call(model, report):
     import jax.numpy as jnp
     from flax import nnx
 
-    from shardplan.checks.paths import module_paths
+    from shardplan.core.paths import module_paths
 
     shapes = {p.path: (p.shape, p.dtype) for p in report.params}
     blocks = []

@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from shardplan.core.transfers import Transfer
+
 ASSUMED_TOP_K = 2
 # What XLA keeps for an exchange's backward beyond the slots that arrived, each matmul's output and the
 # slots sent back, per row routed (k per token, whatever the slots): fitted on MiniGPT's MoE on data 4 x
@@ -27,7 +29,7 @@ EXTRA_INNER_COPIES = 0.25
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ExpertCost:
-    transfers: tuple  # (kind, axes, bytes of one op, ops, what)
+    transfers: tuple[Transfer, ...]
     flops: float
     # (an expert weight's path, bytes per token its block keeps for the backward: the rows that arrived,
     # each matmul's output, the rows sent back; of which the matmul outputs), one block for the blocks
@@ -81,7 +83,7 @@ def expert_cost(blocks, layouts: dict, run: ExpertPasses, *, recompute, count, t
         # transposes in the backward; a forward run again in the backward exchanges again
         exchanges = (2 if not again else 3) * 2 * run.passes
         transfers.append(
-            (
+            Transfer(
                 "all-to-all",
                 (run.axis,),
                 rows * run.width * run.itemsize,
@@ -98,11 +100,11 @@ def expert_cost(blocks, layouts: dict, run: ExpertPasses, *, recompute, count, t
             fsdp = tuple(a for a in later if a in run.batch_axes)
             whole = math.prod(p.shard_shape) * p.itemsize * math.prod(run.sizes[a] for a in fsdp)
             if fsdp:
-                transfers.append(("all-gather", fsdp, whole, reductions * n, f"{p.path}: FSDP weight gathered"))
+                transfers.append(Transfer("all-gather", fsdp, whole, reductions * n, f"{p.path}: FSDP weight gathered"))
             reduce_over = tuple(a for a in run.batch_axes if a != run.axis and a not in later)
             if reduce_over:
                 transfers.append(
-                    (
+                    Transfer(
                         "all-reduce",
                         reduce_over,
                         whole if fsdp else p.bytes_per_device,

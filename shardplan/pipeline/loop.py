@@ -8,7 +8,7 @@ chunk run under `lax.scan` (compile time does not grow with depth), and activati
 stages with `ppermute`.
 
 - A training step (`shardplan.model_loss`) runs the schedule's tables (`table_schedule`, driven by the
-  static tables of `shardplan.checks.schedules.OneFOneB`): 1f1b (with `virtual` > 1 Megatron's
+  static tables of `shardplan.pipeline.schedules.OneFOneB`): 1f1b (with `virtual` > 1 Megatron's
   interleaved 1F1B), gpipe and the circular schedule (`interleaved`), forward and backward in one
   loop. The model's code before the layers runs on the first stage as each microbatch enters, the
   code after them (and the loss) on the last as it leaves; a stage keeps only the inputs of its
@@ -34,7 +34,7 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from shardplan.checks.schedules import chunk_stage
+from shardplan.pipeline.schedules import chunk_stage
 from shardplan.pipeline.residuals import LayerResiduals
 from shardplan.pipeline.constraints import pipelined_layer_code
 from shardplan.run.layer_call import LayerCall, fold_keys
@@ -472,8 +472,8 @@ class _TableCarry(NamedTuple):
 
 def table_schedule(loop: Loop, operands: Operands):
     """(loss, gradients) of the layers, head and embedding under the schedule's tables
-    (`shardplan.checks.schedules.OneFOneB`): 1f1b, interleaved 1F1B, gpipe and the circular schedule."""
-    from shardplan.checks.schedules import OneFOneB
+    (`shardplan.pipeline.schedules.OneFOneB`): 1f1b, interleaved 1F1B, gpipe and the circular schedule."""
+    from shardplan.pipeline.schedules import OneFOneB
 
     layers, axis = loop.layers, loop.axis
     stages, virtual, per_chunk = jax.tree.leaves(operands.stacked)[0].shape[:3]

@@ -18,9 +18,9 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
-from shardplan.checks.layer_contract import PipelineCallError, calling_without_updates
-from shardplan.checks.paths import join_path
-from shardplan.checks.schedules import SCHEDULES, on_tables
+from shardplan.core.layer_contract import PipelineCallError, calling_without_updates
+from shardplan.core.paths import join_path
+from shardplan.pipeline.schedules import SCHEDULES, on_tables
 from shardplan.pipeline.branch_probe import layers_permute_in_branches
 from shardplan.pipeline.loop import (
     Arrangement,

@@ -18,8 +18,8 @@ import contextvars
 import jax
 from flax import nnx
 
-from shardplan.checks.layer_contract import PipelineCallError
-from shardplan.checks.paths import node_at, set_node_at
+from shardplan.core.layer_contract import PipelineCallError
+from shardplan.core.paths import node_at, set_node_at
 
 # Inside a scan run whole: what each call of the stack returned (to check the body returned it).
 _WHOLE_STACK_CALLS: contextvars.ContextVar = contextvars.ContextVar("shardplan_whole_stack_calls", default=None)

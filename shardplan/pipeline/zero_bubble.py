@@ -1,6 +1,6 @@
 """The zero-bubble schedule (ZB-H1) inside one compiled step: each stage's backward split into the
 input gradient B, which the previous stage waits for, and the weight gradients W, which it runs later
-in ticks 1F1B leaves idle (`shardplan.checks.schedules.ZeroBubble`).
+in ticks 1F1B leaves idle (`shardplan.pipeline.schedules.ZeroBubble`).
 
 A stage keeps its forward's residuals, per layer (`residuals.LayerResiduals`), as the table schedules
 do: B then costs about what F does, and so does W, which the tables take as equal. What W reads (each
@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from shardplan.checks.schedules import ZeroBubble
+from shardplan.pipeline.schedules import ZeroBubble
 from shardplan.pipeline.loop import (
     Ends,
     Loop,

@@ -1,5 +1,5 @@
 """The V-shaped zero-bubble schedule (`zb-v`) inside one compiled step, on the tables of
-`shardplan.checks.schedules.ZeroBubbleV`: each device holds two chunks of layers, chunk d and chunk
+`shardplan.pipeline.schedules.ZeroBubbleV`: each device holds two chunks of layers, chunk d and chunk
 2S-1-d (`loop.Arrangement.v_shape`), and each tick runs one op of one of them — a forward F that keeps
 only its input, the forward again (R) rebuilding what the backward reads, the input gradient B, or the
 weight gradients W (`split_backward`).
@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from shardplan.checks.schedules import ZeroBubbleV
+from shardplan.pipeline.schedules import ZeroBubbleV
 from shardplan.pipeline.loop import (
     Ends,
     Loop,

@@ -1,7 +1,7 @@
 """`shardplan auto`: enumerate plans for a model, a device count and a memory budget; rank them. Pure.
 
 Candidates are every mesh `stage x data x model` that multiplies to the device count, each with
-rule sets built from the parameters' roles (`shardplan.checks.roles`): replicated, Megatron tensor
+rule sets built from the parameters' roles (`shardplan.core.roles`): replicated, Megatron tensor
 parallelism over `model` (with or without a vocabulary-split embedding and head), FSDP over
 `data`, ZeRO-1, and for `stage > 1` every schedule and microbatch count that fits; without a
 pipeline, gradient accumulation over microbatches. Each is checked
@@ -18,16 +18,17 @@ import math
 import re
 from typing import Any
 
-from shardplan.checks.paths import ParamInfo
-from shardplan.checks.report import Report, check_params
-from shardplan.checks.validate import REPLICATED_WARNING_BYTES, data_axes
-from shardplan.checks.expert_roles import find_blocks
-from shardplan.checks.schedules import padding_skipped, recomputes_stages
+from shardplan.core.paths import ParamInfo
+from shardplan.review.report import Report, check_params
+from shardplan.core.validate import REPLICATED_WARNING_BYTES, data_axes
+from shardplan.experts.roles import find_blocks
+from shardplan.pipeline.schedules import padding_skipped, recomputes_stages
 from shardplan.plan.schema import Plan, spec_axes
-from shardplan.planner.cost import Estimate, Workload, estimate, model_flops, schedule_bubble
+from shardplan.pipeline.cost import schedule_bubble
+from shardplan.planner.cost import Estimate, Workload, estimate, model_flops
 from shardplan.planner.profiles import Profile
 from shardplan.planner.representative import Representative, lay_out
-from shardplan.checks.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR, ModelRoles
+from shardplan.core.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR, ModelRoles
 
 # FSDP leaves matrices smaller than this replicated: gathering them costs more latency than they save.
 FSDP_MIN_BYTES = 1 << 16
@@ -883,7 +884,7 @@ def seconds(s: float) -> str:
 def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 3, measured: str = "") -> str:
     """The chosen plan as a commented YAML file, every comment saying why (`measured`: how it won a
     measurement, a sentence)."""
-    from shardplan.checks.layout import human_bytes
+    from shardplan.core.layout import human_bytes
 
     c, cost = chosen.candidate, chosen.estimate
     caveats = [f"# Approximate: {caveat}." for caveat in cost.caveats]

@@ -40,14 +40,16 @@ import dataclasses
 import functools
 import math
 
-from shardplan.checks.expert_roles import find_blocks
-from shardplan.checks.layout import ParamLayout
-from shardplan.checks.validate import data_axes
+from shardplan.experts.roles import find_blocks
+from shardplan.core.layout import ParamLayout
+from shardplan.core.transfers import Transfer
+from shardplan.core.validate import data_axes
 from shardplan.plan.schema import format_spec, spec_axes
 from shardplan.planner.overlap import exposure
 from shardplan.planner.profiles import Profile
-from shardplan.checks.schedules import on_tables, padding_skipped, recomputes_stages
-from shardplan.checks.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR, ModelRoles, Role
+from shardplan.pipeline.cost import schedule_bubble, schedule_tables, stage_transfers
+from shardplan.pipeline.schedules import on_tables, padding_skipped, recomputes_stages
+from shardplan.core.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR, ModelRoles, Role
 
 TOKEN_BYTES = 4  # tokens and targets are int32
 LOGIT_COPIES = 3  # logits, their softmax and their gradient are alive together
@@ -60,27 +62,12 @@ ELEMENTWISE_PASSES = 4  # stored activation bytes moved by elementwise work: wri
 GRADIENT_REDUCTION = "gradients, data parallel"
 WEIGHT_FLOPS = 6  # per weight and token: 2 forward, 4 backward
 ATTENTION_FLOPS = 12  # per token, key position and query width: two matmuls, each 2 forward, 4 backward
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Workload:
     batch: int  # global batch, sequences
     seq: int  # tokens per sequence
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Transfer:
-    kind: str  # one of KINDS
-    axes: tuple[str, ...]  # mesh axes the op spans
-    bytes: int  # result bytes of one op on one device
-    count: int  # ops per step
-    what: str
-    overlap: str = "critical"  # what it can run behind: one of `shardplan.planner.overlap.LANES`
-
-    @property
-    def total(self) -> int:
-        return self.bytes * self.count
 
 
 _TRANSFER_FIELDS = tuple(f.name for f in dataclasses.fields(Transfer))  # (`dataclasses.asdict` is slow at 10^4 plans)
@@ -230,7 +217,7 @@ class _Step:
 
     @property
     def tabled(self) -> bool:
-        """Whether the pipeline runs on the schedule tables (`shardplan.checks.schedules.on_tables`)."""
+        """Whether the pipeline runs on the schedule tables (`shardplan.pipeline.schedules.on_tables`)."""
         return on_tables(self.schedule, self.context is not None)
 
     @property
@@ -337,7 +324,7 @@ def estimate(
     held = [p for p in every if p.path not in expert_paths]
     transfers = _communication(held, roles, step) + (list(experts.transfers) if experts else [])
     sequence = _context_terms(held, roles, step)
-    transfers += [Transfer(*t) for t in sequence.transfers]
+    transfers += sequence.transfers
     param_bytes = sum(p.bytes_per_device * step.count(p.path) for p in resting)
     optimizer_bytes = sum(p.opt_bytes_per_device * step.count(p.path) for p in resting)
     kept = _per_token(held, roles, step, experts.kept_per_token if experts else ())
@@ -419,7 +406,9 @@ def estimate(
     matmul_flops, attention_flops, kernels = _flops(held, roles, step)
     matmul_flops += experts.flops if experts else 0.0
     flops = matmul_flops + attention_flops
-    bubble = _bubble(step)
+    bubble = (
+        0.0 if step.stage_axis is None else schedule_bubble(step.schedule, step.stages, step.microbatches, step.virtual)
+    )
     # Elementwise work (norms, activations, softmax, residual adds) is bound by memory bandwidth:
     # each stored activation is written and read once forward and once as a gradient backward.
     elementwise_s = _traffic(moved, _scores(held, roles, step), step) / profile.memory_bandwidth
@@ -490,7 +479,7 @@ def _stage_activations(kept, step: _Step, stage_map, stored: int) -> tuple[int, 
     embedding's or head's on the end stages. Outside the tables every stage keeps the same."""
     if not step.tabled:
         return (stored,) * stage_map.stages
-    from shardplan.checks.schedules import in_flight, timeline
+    from shardplan.pipeline.schedules import in_flight, timeline
 
     flight = in_flight(timeline(step.schedule, step.stages, step.microbatches, step.virtual))
     held = max(stage_map.counts)
@@ -588,7 +577,7 @@ def _expert_terms(report, held, step: _Step, top_k: int) -> _ExpertTerms | None:
     )
     return _ExpertTerms(
         frozenset(p for b in report.experts for p in b.experts),
-        tuple(Transfer(*t) for t in found.transfers),
+        found.transfers,
         found.flops,
         found.kept_per_token,
         found.caveats,
@@ -832,7 +821,17 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
     for (axes, ops), nbytes in reductions.items():
         what = GRADIENT_REDUCTION + ("" if ops == 1 else ", per microbatch")
         transfers.append(Transfer("all-reduce", axes, nbytes, ops, what, "backward"))
-    transfers += _pipeline_transfers(step)
+    if step.stage_axis is not None:
+        transfers += stage_transfers(
+            step.stage_axis,
+            step.schedule,
+            tabled=step.tabled,
+            stages=step.stages,
+            microbatches=step.microbatches,
+            virtual=step.virtual,
+            microbatch_bytes=int(step.tokens / step.microbatches * step.width * step.itemsize),
+            whole_bytes=int(step.tokens * step.width * step.itemsize),
+        )
     return _merge(transfers)
 
 
@@ -957,24 +956,6 @@ def _matrix_transfers(
     if sum(t.total for t in moved) < sum(t.total for t in gather_weight):
         return found + moved, True
     return found + gather_weight, False
-
-
-def _pipeline_transfers(step: _Step) -> list[Transfer]:
-    if step.stage_axis is None:
-        return []
-    b, axis = step.itemsize, (step.stage_axis,)
-    microbatch = int(step.tokens / step.microbatches * step.width * b)
-    whole = int(step.tokens * step.width * b)
-    if step.tabled:
-        ticks = _tables(step)[0]
-        # (the code around the layers runs in the loop: nothing enters or leaves it whole)
-        return [Transfer("collective-permute", axis, microbatch, 2 * ticks, "activations and their gradients")]
-    ticks = step.virtual * step.microbatches + step.stages - 1
-    return [
-        Transfer("collective-permute", axis, microbatch, 2 * ticks, "activations and their gradients"),
-        Transfer("collective-permute", axis, whole, 2, "inputs to the first stage, gradients back"),
-        Transfer("all-reduce", axis, whole, 2, "last stage's outputs and their gradients shared"),
-    ]
 
 
 def _merge(transfers: list[Transfer]) -> list[Transfer]:
@@ -1238,7 +1219,7 @@ def _activations(kept: tuple[dict, dict, dict], step: _Step, on: _OnStage | None
         # zb-v: chunk inputs, one chunk's forward run again) and what waits beside it (gpipe: each loss
         # gradient until its backward); zero-bubble: residuals of the first stage's S microbatches and
         # its two one-slot inboxes
-        _, slots, beside = _tables(step)
+        _, slots, beside = schedule_tables(step.schedule, step.stages, step.microbatches, step.virtual)
         slots -= on.fewer_in_flight if on is not None else 0
         if step.schedule == "zb-v":
             # each slot's chunk input and one chunk's weight-matmul outputs (kept from R until W) stay
@@ -1324,7 +1305,7 @@ def model_flops(
     recomputed: what `_flops` counts, before any split. A MoE block's experts count for the rows routed to
     them: k of E experts per token (k read off the code, `roles.code.top_k`; at least 1 where it was not),
     times `capacity` where that is below 1 (slots for fewer rows than are routed). `blocks`: the MoE blocks
-    (`shardplan.checks.expert_roles.find_blocks`), where the caller has them."""
+    (`shardplan.experts.roles.find_blocks`), where the caller has them."""
     tokens = workload.batch * workload.seq
     routed = {
         path: max(1, roles.code.top_k) * min(1.0, capacity) / b.count
@@ -1363,34 +1344,6 @@ def _first_columns(held, roles) -> dict:
     return _LAST_COLUMNS[2]
 
 
-def _tables(step: _Step) -> tuple[int, int, int]:
-    """(ticks, stash slots, microbatch activations kept beside them: the last stage's loss gradients
-    until their backward, and the circular schedule's two buffers of M; zero-bubble: residual sets
-    and inboxes) of the step's schedule tables
-    (`shardplan.checks.schedules.OneFOneB`); gpipe's and the circular schedule's in closed form, as
-    `auto` costs thousands of (stages, microbatches) pairs and building each table takes time in
-    stages x ticks."""
-    if step.schedule in ("gpipe", "interleaved"):  # every forward (of every chunk) before any backward
-        forwards = step.virtual * step.microbatches
-        return 2 * (forwards + step.stages - 1), forwards, step.microbatches * (3 if step.virtual > 1 else 1)
-    if step.schedule == "zb-h1":  # (residual sets in flight, inboxes; ticks of one F, B or W each)
-        from shardplan.checks.schedules import ZeroBubble
-
-        if step.microbatches >= step.stages:
-            return 3 * step.microbatches + step.stages - 1, step.stages, 2
-        tables = ZeroBubble.of(step.stages, step.microbatches)
-        return tables.ticks, tables.slots[0], 2
-    if step.schedule == "zb-v":  # (inputs until R, arrivals and what moves; ticks of one chunk's op each)
-        from shardplan.checks.schedules import ZeroBubbleV
-
-        tables = ZeroBubbleV.of(step.stages, step.microbatches)
-        return tables.ticks, tables.slots[1], tables.slots[0] + 3
-    from shardplan.checks.schedules import OneFOneB
-
-    tables = OneFOneB.of(step.stages, step.microbatches, step.virtual)
-    return tables.ticks, tables.slots, tables.microbatches * tables.head_waits
-
-
 def _update_bytes(every: list[ParamLayout], step: _Step) -> float:
     """Bytes AdamW moves per device: it reads each gradient, parameter and optimizer state and writes
     the parameter and the state back, for the part of each parameter its optimizer state holds
@@ -1400,28 +1353,6 @@ def _update_bytes(every: list[ParamLayout], step: _Step) -> float:
         shard = step.ways(tuple(a for a in spec_axes(p.opt_spec) if a not in spec_axes(p.spec)))
         total += (2 * p.opt_bytes_per_device + 3 * p.bytes_per_device / shard) * step.count(p.path)
     return total
-
-
-def _bubble(step: _Step) -> float:
-    return (
-        0.0 if step.stage_axis is None else schedule_bubble(step.schedule, step.stages, step.microbatches, step.virtual)
-    )
-
-
-@functools.lru_cache(maxsize=256)
-def schedule_bubble(schedule: str, stages: int, microbatches: int, virtual: int) -> float:
-    """The schedule's bubble: its timeline's, in closed form where the tests hold the two equal (`auto`
-    asks for stages and microbatches in the thousands, whose timelines take seconds to build)."""
-    from shardplan.checks.schedules import bubble_fraction, timeline
-
-    S, M = stages, microbatches
-    V = virtual if schedule in ("1f1b", "interleaved") else 1
-    if schedule == "zb-h1" and M >= S:
-        return (S - 1) / (3 * M + S - 1)
-    whole_groups = M >= S if schedule == "interleaved" else M % S == 0
-    if schedule in ("gpipe", "1f1b", "interleaved") and (V == 1 or whole_groups):
-        return (S - 1) / (V * M + S - 1)
-    return bubble_fraction(timeline(schedule, stages, microbatches, virtual))
 
 
 def _seconds(t: Transfer, step: _Step, profile: Profile, hosts: dict[str, int]) -> float:

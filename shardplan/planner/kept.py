@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from shardplan.checks.jaxprs import equations
-from shardplan.checks.roles import COLUMN, CodeCopies, ModelRoles
+from shardplan.core.jaxprs import equations
+from shardplan.core.roles import COLUMN, CodeCopies, ModelRoles
 
 # What a plain transformer's code keeps, in copies (traced on MiniGPT and the LLaMA-style model): per
 # attention layer the masked scores, their exponent and the probabilities, and a boolean mask (a
@@ -36,7 +36,7 @@ def traced_copies(model, call: Callable, roles: ModelRoles, seq: int, params: li
     from flax import nnx
     from jax.extend import core as jax_core
 
-    from shardplan.checks.paths import param_infos
+    from shardplan.core.paths import param_infos
     from shardplan.run.abstract import short_tracer_errors
 
     infos = param_infos(model) if params is None else params
@@ -93,7 +93,7 @@ def traced_copies(model, call: Callable, roles: ModelRoles, seq: int, params: li
 def _top_k(jaxpr, params: list) -> int:
     """How many experts a token's rows go to: the largest `k` of a `top_k` over a MoE block's expert
     count anywhere in the traced code (0: none; the parameters do not show it)."""
-    from shardplan.checks.expert_roles import find_blocks
+    from shardplan.experts.roles import find_blocks
 
     chosen = [eqn for eqn in equations(jaxpr) if eqn.primitive.name == "top_k" and eqn.invars]
     if not chosen:  # (finding the blocks takes seconds on a deep model: only when there is a top_k)
@@ -142,8 +142,8 @@ def with_code(
 
     import jax.numpy as jnp
 
-    from shardplan.checks.calls import call_arguments
-    from shardplan.checks.paths import param_infos
+    from shardplan.core.calls import call_arguments
+    from shardplan.core.paths import param_infos
 
     params = param_infos(model) if params is None else params
     length = trace_length(params, seq)

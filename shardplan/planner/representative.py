@@ -11,13 +11,13 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from shardplan.checks.layout import ParamLayout, param_layout
-from shardplan.checks.paths import ParamInfo
-from shardplan.checks.schedules import chunk_stage
-from shardplan.checks.stages import StageMap, balanced_stages
-from shardplan.checks.validate import data_axes
+from shardplan.core.layout import ParamLayout, param_layout
+from shardplan.core.paths import ParamInfo
+from shardplan.pipeline.schedules import chunk_stage
+from shardplan.pipeline.stages import StageMap, balanced_stages
+from shardplan.core.validate import data_axes
 from shardplan.plan.schema import Plan, normalize_spec
-from shardplan.checks.roles import ModelRoles
+from shardplan.core.roles import ModelRoles
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -92,7 +92,7 @@ def lay_out(
     counts = {path: held for path in rep.layer_paths} if rep.layer_count else None
     experts = ()
     if plan.experts is not None:
-        from shardplan.checks.expert_roles import find_blocks
+        from shardplan.experts.roles import find_blocks
 
         experts = tuple(find_blocks(rep.params))
     return Layout(plan, sizes, stage_map, layouts, experts), counts

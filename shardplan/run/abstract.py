@@ -13,8 +13,8 @@ import contextlib
 
 from flax import nnx
 
-from shardplan.checks.paths import param_infos
-from shardplan.checks.roles import ModelRoles, definition_order, recognise
+from shardplan.core.paths import param_infos
+from shardplan.core.roles import ModelRoles, definition_order, recognise
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ import dataclasses
 import re
 from typing import Any
 
-from shardplan.checks.paths import ParamInfo, param_infos
+from shardplan.core.paths import ParamInfo, param_infos
 
 # Below this many layers the model is built as it is: the probe's two builds would cost as much.
 SHALLOW_ENOUGH = 16

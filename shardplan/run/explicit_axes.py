@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from shardplan.checks.calls import call_arguments
-from shardplan.checks.paths import join_path
+from shardplan.core.calls import call_arguments
+from shardplan.core.paths import join_path
 from shardplan.plan.diagnostics import Diagnostic
 from shardplan.plan.schema import Plan, input_example, input_spec, normalize_spec
 from shardplan.run.specs import partition_spec

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardplan.checks.layer_contract import (
+from shardplan.core.layer_contract import (
     PipelineCallError,
     calling_without_updates,
     carried_dtype,

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardplan.checks.jaxprs import equations
-from shardplan.checks.paths import module_paths
+from shardplan.core.jaxprs import equations
+from shardplan.core.paths import module_paths
 from shardplan.plan.diagnostics import Diagnostic
 
 

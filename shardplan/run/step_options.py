@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from shardplan.checks.paths import module_paths
+from shardplan.core.paths import module_paths
 from shardplan.run.precision import floating, follow_plan_dtype
 from shardplan.run.specs import partition_spec, pin
 from shardplan.plan.matching import first_module_rule

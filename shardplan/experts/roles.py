@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardplan.checks.paths import ParamInfo
+from shardplan.core.paths import ParamInfo
 
 
 @dataclasses.dataclass(frozen=True)

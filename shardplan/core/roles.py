@@ -17,7 +17,7 @@ import functools
 import math
 import re
 
-from shardplan.checks.paths import ParamInfo
+from shardplan.core.paths import ParamInfo
 
 EMBEDDING, COLUMN, ROW, MATMUL, BIAS, VECTOR = "embedding", "column", "row", "matmul", "bias", "vector"
 # Head size assumed when a model keeps heads flattened into one dim (only attention-score bytes use it).
@@ -221,7 +221,7 @@ def recognise(params: list[ParamInfo], order: list[str] | None = None) -> ModelR
 
 def recognise_module(module) -> ModelRoles:
     """`recognise` for a live module (its definition order is still there)."""
-    from shardplan.checks.paths import param_infos
+    from shardplan.core.paths import param_infos
 
     return recognise(param_infos(module), definition_order(module))
 

@@ -90,8 +90,8 @@ def check_step_shapes(plan: Plan, model, sizes: dict[str, int], call: Callable) 
     import jax
     from flax import nnx
 
-    from shardplan.checks.calls import record_calls
-    from shardplan.checks.paths import join_path
+    from shardplan.core.calls import record_calls
+    from shardplan.core.paths import join_path
     from shardplan.plan.matching import first_module_rule
 
     if not plan.activations:

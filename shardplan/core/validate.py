@@ -10,8 +10,8 @@ import difflib
 import math
 from collections import defaultdict
 
-from shardplan.checks.layout import human_bytes, trim_spec
-from shardplan.checks.paths import ParamInfo
+from shardplan.core.layout import human_bytes, trim_spec
+from shardplan.core.paths import ParamInfo
 from shardplan.plan.diagnostics import Diagnostic
 from shardplan.plan.matching import NormalSpec, Rule, matches_of
 from shardplan.plan.schema import UNSHARDED, Plan, format_spec, normalize_spec, spec_axes

@@ -13,7 +13,7 @@ import dataclasses
 import inspect
 from typing import Any, Callable
 
-from shardplan.checks.paths import node_at
+from shardplan.core.paths import node_at
 from shardplan.plan.diagnostics import Diagnostic
 from shardplan.plan.schema import Plan
 
@@ -84,7 +84,7 @@ def record_calls(model, targets: dict[int, str], call: Callable, on_call=None) -
     import jax
     from flax import nnx
 
-    from shardplan.checks.paths import join_path
+    from shardplan.core.paths import join_path
 
     calls: list[_Call] = []
     paths = {
@@ -146,7 +146,7 @@ def record_calls(model, targets: dict[int, str], call: Callable, on_call=None) -
 
 def check_layer_calls(plan: Plan, model, call: Callable) -> list[Diagnostic]:
     """Trace `call(model)` abstractly and check the pipeline can run the layers as the model calls them."""
-    from shardplan.checks.layer_contract import PipelineCallError, calling_without_updates
+    from shardplan.core.layer_contract import PipelineCallError, calling_without_updates
 
     pipe = plan.pipeline
     line, column = plan.locate("pipeline", "layers")
@@ -184,7 +184,7 @@ def _analyse(name: str, calls: list[_Call], count: int, problem) -> list[Diagnos
     import jax
     from flax import nnx
 
-    from shardplan.checks.layer_contract import PipelineCallError, describe_value, is_array
+    from shardplan.core.layer_contract import PipelineCallError, describe_value, is_array
 
     order = [c.layer for c in calls]
     if order != list(range(count)):
@@ -244,7 +244,7 @@ def _analyse(name: str, calls: list[_Call], count: int, problem) -> list[Diagnos
                     hint=FIX,
                 )
     try:
-        from shardplan.checks.layer_contract import check_output
+        from shardplan.core.layer_contract import check_output
 
         check_output(first.output, first.args[0], f"{name}/0")
     except PipelineCallError as error:

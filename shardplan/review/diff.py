@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from shardplan.checks.layout import ParamLayout, device_coords, index_ranges
-from shardplan.checks.report import Report
+from shardplan.core.layout import ParamLayout, device_coords, index_ranges
+from shardplan.review.report import Report
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -55,8 +55,8 @@ def layout_diff(report_a: Report, report_b: Report) -> list[ParamChange]:
     """Per parameter (present in both), the specs and the bytes moved; both reports must cover the same devices.
 
     >>> from shardplan.plan.loader import parse_plan
-    >>> from shardplan.checks.paths import ParamInfo
-    >>> from shardplan.checks.report import check_params
+    >>> from shardplan.core.paths import ParamInfo
+    >>> from shardplan.review.report import check_params
     >>> import numpy as np
     >>> params = [ParamInfo("w", (8, 4), np.dtype("float32"))]
     >>> dp = parse_plan("version: 1\\nmesh: {axes: {data: 2}}\\nparams: [{match: '.*', spec: []}]")

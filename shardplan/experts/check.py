@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 
-from shardplan.checks.paths import ParamInfo
-from shardplan.checks.expert_roles import BlockRoles, block_roles, find_blocks, module_prefixes
-from shardplan.checks.validate import RuleProblems
+from shardplan.core.paths import ParamInfo
+from shardplan.experts.roles import BlockRoles, block_roles, find_blocks, module_prefixes
+from shardplan.core.validate import RuleProblems
 from shardplan.plan.diagnostics import Diagnostic
 from shardplan.plan.matching import checked_pattern
 from shardplan.plan.schema import Plan

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardplan.checks.layout import DeviceTotals, ParamLayout, device_totals, imbalance, param_layout
-from shardplan.checks.mesh import check_given_mesh, check_hosts, resolve_axes
-from shardplan.checks.paths import ParamInfo
-from shardplan.checks.stages import StageMap, check_microbatches, plan_stages
-from shardplan.checks.step import check_step_axes
-from shardplan.checks.validate import (
+from shardplan.core.layout import DeviceTotals, ParamLayout, device_totals, imbalance, param_layout
+from shardplan.core.mesh import check_given_mesh, check_hosts, resolve_axes
+from shardplan.core.paths import ParamInfo
+from shardplan.pipeline.stages import StageMap, check_microbatches, plan_stages
+from shardplan.core.step import check_step_axes
+from shardplan.core.validate import (
     Placement,
     data_axes,
     idle_axes,
@@ -19,15 +19,15 @@ from shardplan.checks.validate import (
     validate_optimizer,
     validate_params,
 )
-from shardplan.checks.combinations import (
+from shardplan.core.combinations import (
     degenerate_sections,
     explicit_with_sections,
     pipeline_fsdp,
     remat_recomputed_anyway,
     tensor_overlap_without_effect,
 )
-from shardplan.checks.context import check_context
-from shardplan.checks.experts import check_experts, expert_blocks
+from shardplan.context.check import check_context
+from shardplan.experts.check import check_experts, expert_blocks
 from shardplan.plan.diagnostics import Diagnostic
 from shardplan.plan.matching import checked_pattern, compile_rules
 from shardplan.plan.schema import Plan
@@ -87,7 +87,7 @@ class Report:
 def _pipeline_json(report: "Report") -> dict | None:
     if report.stage_map is None:
         return None
-    from shardplan.checks.schedules import bubble_fraction, timeline
+    from shardplan.pipeline.schedules import bubble_fraction, timeline
 
     pipe, stage_map = report.plan.pipeline, report.stage_map
     grid = timeline(pipe.schedule, stage_map.stages, pipe.microbatches, stage_map.virtual)

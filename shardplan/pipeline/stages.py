@@ -7,8 +7,8 @@ import difflib
 import re
 from collections import Counter, defaultdict
 
-from shardplan.checks.paths import ParamInfo
-from shardplan.checks.schedules import chunk_stage, padding_skipped
+from shardplan.core.paths import ParamInfo
+from shardplan.pipeline.schedules import chunk_stage, padding_skipped
 from shardplan.plan.diagnostics import Diagnostic
 from shardplan.plan.matching import checked_pattern
 from shardplan.plan.schema import Plan
