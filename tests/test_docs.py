@@ -28,6 +28,7 @@ MODULES = [
     "shardplan.plan.matching",
     "shardplan.planner.profiles",
     "shardplan.plan.inert",
+    "shardplan.plan.writer",
     "shardplan.run.models",
     "shardplan.pipeline.loop",
     "shardplan.review.diff",

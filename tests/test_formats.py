@@ -494,3 +494,24 @@ def test_a_misspelt_logical_name_is_reported_as_one_with_a_suggestion(write_plan
         and "neither a mesh axis (data, model) nor a logical name (haeds, embed)" in found.message
         and found.hint == "did you mean 'haeds' (a logical name)?"
     ), found.format()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"axes": {"data": 4, "model": 2}, "spec": [None, ["data", "fsdp"]]},
+        {"factory": "minigpt_model:MiniGPT", "config": {"dropout_rate": 0.1, "tie": True, "name": "a: b, c"}},
+        ["null", "yes", "NO", "on", "~", "1e3", "0x10", "-", "it's", "[x]", "{y}", "#z", "*a", "&b", "!c", "%d"],
+        {"transformer_blocks/\\d+/mha/(query|key)/kernel": ["model"], "on": 1, "": None},
+        [1, 2.5, -3, 1e-12, 3e20, -2.5e-7, float("inf"), False, None, ""],
+    ],
+)
+def test_written_values_load_back_as_they_were(value):
+    """`auto` and `convert` write plans with `plan.writer`: whatever they write, YAML reads back the same."""
+    import yaml
+
+    from shardplan.plan.writer import flow, quoted
+
+    assert yaml.safe_load(f"value: {flow(value)}") == {"value": value}
+    for text in ("it's", "a: b", "transformer_blocks/\\d+/mha/(query|key)/kernel"):
+        assert yaml.safe_load(f"- match: {quoted(text)}") == [{"match": text}]

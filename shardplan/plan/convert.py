@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from shardplan.plan.schema import Plan, normalize_spec
+from shardplan.plan.writer import flow, quoted
 
 SPEC_CALLS = {"PS", "P", "PartitionSpec"}
 
@@ -267,21 +268,21 @@ def plan_text(
     added = [a for name, axes in logical or [] for a in _listed(axes) if a not in mesh]
     mesh = {**mesh, **{a: 1 for a in dict.fromkeys(added)}}
     lines.append(
-        f"  axes: {_flow(mesh)}"
+        f"  axes: {flow(mesh)}"
         + (f"        # size 1, as MaxText runs axes not given: {', '.join(dict.fromkeys(added))}" if added else "")
     )
     if logical is not None:
         lines.append(
             f"logical_rules:                # from {logical_source}, in order; resolved per array as flax does"
         )
-        lines += [f"  - [{name}, {_flow(axes)}]" for name, axes in logical]
+        lines += [f"  - [{name}, {flow(axes)}]" for name, axes in logical]
     if input_spec is not None:
-        lines += ["inputs:", f"  tokens: {_flow(input_spec)}"]
+        lines += ["inputs:", f"  tokens: {flow(input_spec)}"]
     lines.append("params:")
     for pattern, spec in rules:
         lines += [
-            f"  - match: {_quoted(searched(pattern))}        # was {pattern!r}",
-            f"    spec: {_flow([_entry(e) for e in spec]) if spec else 'replicated'}",
+            f"  - match: {quoted(searched(pattern))}        # was {pattern!r}",
+            f"    spec: {flow([_entry(e) for e in spec]) if spec else 'replicated'}",
         ]
     if not rules or searched(rules[-1][0]) != ".*":
         lines += [
@@ -301,7 +302,7 @@ def export_rules(plan: Plan, fmt: str = "python") -> str:
     pairs = [(f"^(?:{rule.match})$", normalize_spec(rule.spec)) for rule in plan.params]
     if fmt == "yaml":
         body = "\n".join(
-            f"- [{_quoted(p)}, {_flow([None if e is None else e[0] if len(e) == 1 else list(e) for e in s])}]"
+            f"- [{quoted(p)}, {flow([None if e is None else e[0] if len(e) == 1 else list(e) for e in s])}]"
             for p, s in pairs
         )
         return f"# {plan.name or 'plan'}: rules for re.search (first match wins), from shardplan export\n{body}\n"
@@ -320,17 +321,3 @@ def export_rules(plan: Plan, fmt: str = "python") -> str:
 
 def _entry(entry):
     return entry if entry is None or isinstance(entry, str) else list(entry)
-
-
-def _quoted(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
-
-
-def _flow(value) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, (str, int)):
-        return str(value)
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {_flow(v)}" for k, v in value.items()) + "}"
-    return "[" + ", ".join(_flow(v) for v in value) + "]"

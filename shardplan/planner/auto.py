@@ -24,6 +24,7 @@ from shardplan.core.validate import REPLICATED_WARNING_BYTES, data_axes
 from shardplan.experts.roles import find_blocks
 from shardplan.pipeline.schedules import padding_skipped, recomputes_stages
 from shardplan.plan.schema import Plan, spec_axes
+from shardplan.plan.writer import flow, quoted
 from shardplan.pipeline.cost import schedule_bubble
 from shardplan.planner.cost import Estimate, Workload, estimate, model_flops
 from shardplan.planner.profiles import Profile
@@ -915,11 +916,11 @@ def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 
     lines += ["version: 1", f"name: auto-{_slug(c)}"]
     model = chosen.plan.model
     if model is not None:
-        lines += ["model:", f"  factory: {model.factory}", f"  config: {_flow(model.config)}"]
-    lines += ["mesh:", f"  axes: {_flow(c.axes)}"]
+        lines += ["model:", f"  factory: {flow(model.factory)}", f"  config: {flow(model.config)}"]
+    lines += ["mesh:", f"  axes: {flow(c.axes)}"]
     if c.hosts:
-        lines.append(f"  hosts: {_flow(c.hosts)}            # these axes cross hosts; 'model' stays inside one")
-    lines += ["inputs:"] + [f"  {name}: {_flow(spec)}" for name, spec in chosen.plan.inputs.items()]
+        lines.append(f"  hosts: {flow(c.hosts)}            # these axes cross hosts; 'model' stays inside one")
+    lines += ["inputs:"] + [f"  {name}: {flow(spec)}" for name, spec in chosen.plan.inputs.items()]
     if c.zero1:
         lines.append("optimizer: zero1            # AdamW moments also split over 'data'")
     if c.accumulate > 1:
@@ -931,13 +932,13 @@ def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 
         experts = chosen.plan.experts
         lines += [
             "experts:                     # each device holds its share of the experts; tokens reach them by all-to-all",
-            f"  blocks: '{experts.blocks}'",
+            f"  blocks: {quoted(experts.blocks)}",
             f"  axis: {experts.axis}",
             f"  dispatch: {experts.dispatch}",
         ]
         if experts.capacity_factor is not None:
             lines += [
-                f"  capacity_factor: {experts.capacity_factor:g}   # slots per (device, expert): this many "
+                f"  capacity_factor: {flow(experts.capacity_factor)}   # slots per (device, expert): this many "
                 "times the even share of routed rows; rows past them are dropped"
             ]
     if c.schedule:
@@ -951,7 +952,7 @@ def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 
                 + " ms)"
             )
             lines += [
-                f"    - {{match: '{rule['match']}', stage: {rule['stage']}}}"
+                f"    - {{match: {quoted(rule['match'])}, stage: {rule['stage']}}}"
                 for rule in stage_rules(found.roles.layers, c.split)
             ]
         else:
@@ -972,14 +973,14 @@ def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 
         )
     )
     for pattern, spec, comment in rules(c, found.roles, found.params):
-        lines += [f"  - match: '{pattern}'   # {comment}", f"    spec: {_flow(spec)}"]
+        lines += [f"  - match: {quoted(pattern)}   # {comment}", f"    spec: {flow(spec)}"]
     plan = chosen.plan
     if plan.activations:
         lines.append(
             "activations:                 # sequence parallelism: norm outputs split over the sequence on 'model'"
         )
         for rule in plan.activations:
-            lines += [f"  - match: '{rule.match}'", f"    spec: {_flow(rule.spec)}"]
+            lines += [f"  - match: {quoted(rule.match)}", f"    spec: {flow(rule.spec)}"]
     if plan.tensor_overlap:
         lines.append(
             "tensor_overlap: true         # collective matmul on GPUs: the sequence-parallel gathers and "
@@ -991,7 +992,7 @@ def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 
             "dots": "keep the matmul outputs, recompute the elementwise work",
         }[c.remat]
         lines += [f"remat:                       # {what}"] + [
-            f"  - match: '{rule.match}'\n    policy: {rule.policy}" for rule in plan.remat
+            f"  - match: {quoted(rule.match)}\n    policy: {rule.policy}" for rule in plan.remat
         ]
     if plan.precision.master:
         lines += [
@@ -1024,18 +1025,6 @@ def _stage_sizes(c: Candidate, roles: ModelRoles) -> str:
     if layers % stages == 0:
         return "equal"
     return f"{layers // stages} or {layers // stages + 1} (the first stages one longer, each padded to the longest)"
-
-
-def _flow(value) -> str:
-    import json
-
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {_flow(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join("null" if v is None else _flow(v) for v in value) + "]"
-    return json.dumps(value)
 
 
 def total_devices(axes: dict[str, int]) -> int:
