@@ -302,6 +302,9 @@ def test_a_full_ranking_checks_the_first_in_full_and_costs_the_rest_the_same():
         assert checked.rejected is None
         assert checked.estimate.step_s == pytest.approx(item.estimate.step_s, rel=1e-9)
         assert checked.estimate.peak_bytes == item.estimate.peak_bytes
+        # what auto writes loads back to the plan it checked (the CLI relies on it instead of checking again)
+        written = shardplan.parse_plan(auto.plan_text(checked, found, command="test"))
+        assert written.model_dump(exclude={"name"}) == checked.plan.model_dump(exclude={"name"})
     steps = [round(item.estimate.step_s, 12) for item in found.ranked]
     assert steps == sorted(steps)
 
