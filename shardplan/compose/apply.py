@@ -23,7 +23,7 @@ from shardplan.run.optimizer import master_weights, optimizer_state, padded_stat
 from shardplan.run.specs import partition_spec, pin
 from shardplan.run.step_options import apply_step_options
 from shardplan.plan.diagnostics import Diagnostic, PlanError, PlanWarning, warn
-from shardplan.plan.schema import Plan, normalize_spec, spec_axes
+from shardplan.plan.schema import Plan, spec_axes
 
 
 def apply_plan(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh, *, example=None, roles=None) -> nnx.Module:
@@ -168,7 +168,7 @@ def _manual_batch_axes(plan: Plan, report: Report, specs: dict) -> tuple[str, ..
 def _idle_axes(plan: Plan, report: Report, specs: dict) -> tuple[str, ...]:
     """Axes of size > 1 that no parameter, input or section uses (an `idle-axis` warning)."""
     used = {a for spec in specs.values() for a in spec_axes(spec)}
-    used |= {a for raw in plan.inputs.values() for a in spec_axes(normalize_spec(raw))}
+    used |= {a for spec in plan.input_specs.values() for a in spec_axes(spec)}
     used |= {section.axis for section in (plan.pipeline, plan.experts, plan.context) if section is not None}
     return tuple(a for a, size in report.axes.items() if size > 1 and a not in used)
 
@@ -564,7 +564,7 @@ def _balanced(plan: Plan, batch: dict, mesh, names: dict | None = None) -> dict:
 
 
 def _input_sharding(plan: Plan, name: str, mesh) -> NamedSharding:
-    return NamedSharding(mesh, partition_spec(normalize_spec(plan.inputs[name])))
+    return NamedSharding(mesh, partition_spec(plan.input_specs[name]))
 
 
 def _check_named(plan: Plan, shapes: dict, mesh) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from shardplan.plan.diagnostics import Diagnostic
-from shardplan.plan.schema import Plan, normalize_spec
+from shardplan.plan.schema import Plan
 
 HINT = "see docs/context.md"
 
@@ -14,8 +14,8 @@ def context_inputs(plan: Plan) -> dict[str, int]:
         return {}
     return {
         name: dim
-        for name, raw in plan.inputs.items()
-        for dim, entry in enumerate(normalize_spec(raw))
+        for name, spec in plan.input_specs.items()
+        for dim, entry in enumerate(spec)
         if entry and plan.context.axis in entry
     }
 

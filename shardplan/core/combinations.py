@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from shardplan.plan.diagnostics import Diagnostic
 from shardplan.plan.matching import checked_pattern
-from shardplan.plan.schema import Plan, normalize_spec, spec_axes
+from shardplan.plan.schema import Plan, spec_axes
 
 # a section naming an axis -> what it does over that axis
 _SECTIONS = {"pipeline": "cut the layers into stages", "experts": "split the experts", "context": "split the sequence"}
@@ -101,7 +101,7 @@ def tensor_overlap_without_effect(
             if a not in batch_axes and a not in others and sizes.get(a, 1) > 1
         )
     )
-    sequence = {a for rule in plan.activations for a in spec_axes(normalize_spec(rule.spec)[1:2])}
+    sequence = {a for rule in plan.activations for a in spec_axes(rule.normal[1:2])}
     line, column = plan.locate("tensor_overlap")
     if not tensor:
         return [

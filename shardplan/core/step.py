@@ -10,7 +10,7 @@ from typing import Callable
 
 from shardplan.plan.diagnostics import Diagnostic
 from shardplan.plan.matching import checked_pattern
-from shardplan.plan.schema import Plan, format_spec, normalize_spec, spec_axes
+from shardplan.plan.schema import Plan, format_spec, spec_axes
 
 
 def check_step_axes(plan: Plan, sizes: dict[str, int]) -> list[Diagnostic]:
@@ -24,7 +24,7 @@ def check_step_axes(plan: Plan, sizes: dict[str, int]) -> list[Diagnostic]:
             )
             found += [problem] if problem else []
     for k, rule in enumerate(plan.activations):
-        spec, (line, column) = normalize_spec(rule.spec), plan.locate("activations", k, "spec")
+        spec, (line, column) = rule.normal, plan.locate("activations", k, "spec")
         axes = spec_axes(spec)
         for axis in dict.fromkeys(axes):
             if axis not in sizes:
@@ -109,7 +109,7 @@ def check_step_shapes(plan: Plan, model, sizes: dict[str, int], call: Callable) 
     for recorded in calls:
         rule = first_module_rule(plan.activations, recorded.layer)
         k = plan.activations.index(rule)
-        spec = normalize_spec(rule.spec)
+        spec = rule.normal
         for leaf in jax.tree.leaves(recorded.output):
             shape = tuple(getattr(leaf, "shape", ()))
             problem = _spec_problem(spec, shape, sizes)

@@ -441,7 +441,7 @@ def _replicated_large(plan: Plan, placements: list[Placement], sizes: dict[str, 
 def idle_axes(plan: Plan, placements: list[Placement], sizes: dict[str, int]) -> list[Diagnostic]:
     """Axes that split nothing: their devices hold the same copies and do the same work."""
     used = {a for p in placements for a in spec_axes(p.spec)}
-    used |= {a for raw in plan.inputs.values() for a in spec_axes(normalize_spec(raw))}
+    used |= {a for spec in plan.input_specs.values() for a in spec_axes(spec)}
     used |= {plan.pipeline.axis} if plan.pipeline else set()
     idle = [axis for axis, size in sizes.items() if size > 1 and axis not in used]
     line, col = plan.locate("mesh", "axes")
@@ -481,8 +481,7 @@ def validate_inputs(
     """Input specs against the mesh, and against the batch's shapes when given."""
     found = []
     shapes = plan.example_shapes() if shapes is None else shapes
-    for name, raw in plan.inputs.items():
-        spec = normalize_spec(raw)
+    for name, spec in plan.input_specs.items():
         line, col = plan.locate("inputs", name)
         subject = f"input {name!r} spec {format_spec(spec)}"
         for axis in dict.fromkeys(spec_axes(spec)):
@@ -581,8 +580,7 @@ def data_axes(plan: Plan, sizes: dict[str, int]) -> tuple[str, ...]:
     inputs is taken to split its batch over an axis named `data`, if it has one. (A declared input
     whose batch dim is whole means no data axis, whatever the axes are called: one named `data`
     may hold the sequence or the stages.)"""
-    for raw in plan.inputs.values():
-        spec = normalize_spec(raw)
+    for spec in plan.input_specs.values():
         if spec and spec[0]:
             return tuple(a for a in spec[0] if a in sizes)
     return ("data",) if "data" in sizes and not plan.inputs else ()

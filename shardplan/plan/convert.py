@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from shardplan.plan.schema import Plan, normalize_spec
+from shardplan.plan.schema import Plan
 from shardplan.plan.writer import flow, quoted
 
 SPEC_CALLS = {"PS", "P", "PartitionSpec"}
@@ -299,7 +299,7 @@ def _listed(axes) -> list[str]:
 
 def export_rules(plan: Plan, fmt: str = "python") -> str:
     """The plan's parameter rules as `(regex, PartitionSpec(...))` pairs for `re.search` users."""
-    pairs = [(f"^(?:{rule.match})$", normalize_spec(rule.spec)) for rule in plan.params]
+    pairs = [(f"^(?:{rule.match})$", rule.normal) for rule in plan.params]
     if fmt == "yaml":
         body = "\n".join(
             f"- [{quoted(p)}, {flow([None if e is None else e[0] if len(e) == 1 else list(e) for e in s])}]"

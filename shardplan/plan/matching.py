@@ -22,9 +22,7 @@ from re._constants import (
 import re2
 
 from shardplan.plan.diagnostics import Diagnostic
-from shardplan.plan.schema import Plan, normalize_spec
-
-NormalSpec = tuple[tuple[str, ...] | None, ...]
+from shardplan.plan.schema import NormalSpec, Plan
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -123,7 +121,7 @@ def compile_rules(plan: Plan) -> tuple[list[Rule], list[Diagnostic]]:
             rule.match, f"rule #{index + 1}", file=plan.file, line=line, column=col, rule=index
         )
         diagnostics += [problem] if problem else []
-        rules.append(Rule(index, pattern, rule.match, normalize_spec(rule.spec), line, rule.spec == "annotated"))
+        rules.append(Rule(index, pattern, rule.match, rule.normal, line, rule.spec == "annotated"))
     return rules, diagnostics
 
 

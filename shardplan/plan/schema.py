@@ -112,6 +112,11 @@ class ParamRule(_Strict):
     def _spec_shape(cls, spec: Any) -> Any:
         return spec if spec == "annotated" else check_spec_shape(spec, allow_replicated=True)
 
+    @property
+    def normal(self) -> NormalSpec:
+        """The spec as per-dim axis tuples (`normalize_spec`; 'annotated': ())."""
+        return normalize_spec(self.spec)
+
 
 DTYPES = ("int32", "int64", "uint8", "bool", "float32", "float16", "bfloat16")
 
@@ -232,6 +237,11 @@ class ActivationRule(_Strict):
     @classmethod
     def _spec_shape(cls, spec: Any) -> Any:
         return check_spec_shape(spec, allow_replicated=False)
+
+    @property
+    def normal(self) -> NormalSpec:
+        """The spec as per-dim axis tuples (`normalize_spec`)."""
+        return normalize_spec(self.spec)
 
 
 class RematRule(_Strict):
@@ -498,6 +508,11 @@ class Plan(_Strict):
                     check_spec_shape(spec, allow_replicated=False)
         return inputs
 
+    @property
+    def input_specs(self) -> dict[str, NormalSpec]:
+        """Input name -> its spec as per-dim axis tuples (`normalize_spec`)."""
+        return {name: normalize_spec(raw) for name, raw in self.inputs.items()}
+
     def example_shapes(self) -> dict[str, tuple[int, ...]] | None:
         """Input name -> shape of the example batch, for the inputs that give one; None if none does."""
         return {name: found[0] for name, raw in self.inputs.items() if (found := input_example(raw))} or None
@@ -538,7 +553,10 @@ def check_spec_shape(spec: Any, *, allow_replicated: bool) -> Any:
     return spec
 
 
-def normalize_spec(spec: "str | list[SpecEntry] | InputSpec") -> tuple[tuple[str, ...] | None, ...]:
+NormalSpec = tuple[tuple[str, ...] | None, ...]  # per dim: the axes that split it, or None
+
+
+def normalize_spec(spec: "str | list[SpecEntry] | InputSpec") -> NormalSpec:
     """Spec as a tuple of per-dim axis tuples (None: not sharded).
 
     >>> normalize_spec([None, "model", ["data", "model"], "_"])

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from shardplan.core.calls import call_arguments
 from shardplan.core.paths import join_path
 from shardplan.plan.diagnostics import Diagnostic
-from shardplan.plan.schema import Plan, input_example, input_spec, normalize_spec
+from shardplan.plan.schema import Plan, input_example
 from shardplan.run.specs import partition_spec
 from shardplan.run.step_options import apply_step_options
 
@@ -57,7 +57,7 @@ def _typed_inputs(plan: Plan, sizes: dict[str, int], mesh) -> dict:
     a few tokens for its first input (as many rows as its batch dim is split)."""
     arrays = {}
     for name, raw in plan.inputs.items():
-        spec = normalize_spec(input_spec(raw))
+        spec = plan.input_specs[name]
         found = input_example(raw)
         if found is None and arrays:
             continue

@@ -23,7 +23,7 @@ from shardplan.core.paths import module_paths
 from shardplan.run.precision import floating, follow_plan_dtype
 from shardplan.run.specs import partition_spec, pin
 from shardplan.plan.matching import first_module_rule
-from shardplan.plan.schema import Plan, normalize_spec
+from shardplan.plan.schema import Plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +42,7 @@ def planned_options(plan: Plan, model, mesh) -> dict[int, Options]:
     for path, module in module_paths(model):
         activation, remat = first_module_rule(plan.activations, path), first_module_rule(plan.remat, path)
         options = Options(
-            sharding=NamedSharding(mesh, partition_spec(normalize_spec(activation.spec))) if activation else None,
+            sharding=NamedSharding(mesh, partition_spec(activation.normal)) if activation else None,
             remat=remat.policy if remat and remat.policy != "none" else None,
             compute=plan.precision.compute if path == "" else None,
             accumulate=plan.accumulate if path == "" else 1,
