@@ -817,11 +817,11 @@ def _inspect(args, console: Console) -> int:
             data["device"] = render.device_detail_json(report, args.device)
         if cost is not None:
             data["estimate"] = {
-                "batch": cost[0].batch,
-                "seq": cost[0].seq,
-                "profile": cost[1].name,
-                **cost[2].to_json(),
-                "code_keeps": dataclasses.asdict(cost[3]),
+                "batch": cost.workload.batch,
+                "seq": cost.workload.seq,
+                "profile": cost.profile.name,
+                **cost.estimate.to_json(),
+                "code_keeps": dataclasses.asdict(cost.code),
             }
         print(json.dumps(data, indent=2))
         return EXIT_OK if report.ok else EXIT_INVALID
@@ -830,10 +830,16 @@ def _inspect(args, console: Console) -> int:
     render.render_context(console, report)
     render.render_devices(console, report)
     render.render_pipeline(console, report)
-    render.render_experts(console, report, cost[2] if cost is not None else None)
+    render.render_experts(console, report, cost.estimate if cost is not None else None)
     if cost is not None:
         render.render_estimate(
-            console, *cost[:3], accumulate=report.plan.accumulate, code=cost[3], evened=_evened_stages(report, cost[2])
+            console,
+            cost.workload,
+            cost.profile,
+            cost.estimate,
+            accumulate=report.plan.accumulate,
+            code=cost.code,
+            evened=_evened_stages(report, cost.estimate),
         )
     render.render_params(console, report, collapse=not args.all_params)
     if args.device is not None and report.devices:  # no per-device layout when the mesh does not fit
@@ -1160,9 +1166,17 @@ def _evened_stages(report, cost):
     return evened_out(len(stage_map.stage_of), stage_map.stages, cost)
 
 
-def _estimate(args, report, order: list[str], model, deep=None):
-    """(workload, profile, estimate, what the model's code keeps) of the cost model for inspect; a deep
-    model's code is traced at its shallow depth (the residuals per layer are the same)."""
+@dataclasses.dataclass(frozen=True)
+class _InspectCost:
+    workload: object  # shardplan.planner.cost.Workload
+    profile: object  # shardplan.planner.profiles.Profile
+    estimate: object  # shardplan.planner.cost.Estimate
+    code: object  # what the model's code keeps (shardplan.planner.kept)
+
+
+def _estimate(args, report, order: list[str], model, deep=None) -> _InspectCost:
+    """The cost model's figures for inspect; a deep model's code is traced at its shallow depth (the
+    residuals per layer are the same)."""
     from shardplan.planner.cost import Workload, estimate
     from shardplan.planner.kept import with_code
     from shardplan.planner.profiles import get_profile
@@ -1181,7 +1195,7 @@ def _estimate(args, report, order: list[str], model, deep=None):
         traced, model, workload.seq, input_name=next(iter(report.plan.inputs), "tokens"), params=infos
     ).code
     roles = dataclasses.replace(roles, code=code)
-    return workload, profile, estimate(report, roles, workload, profile, per_stage=True), roles.code
+    return _InspectCost(workload, profile, estimate(report, roles, workload, profile, per_stage=True), roles.code)
 
 
 def _deep_model(args, plan: Plan, order: list[str]):

@@ -274,9 +274,9 @@ def _pipeline(report: Report, y: float) -> tuple[list[str], float]:
     pipe, stage_map = report.plan.pipeline, report.stage_map
     grid = timeline(pipe.schedule, stage_map.stages, pipe.microbatches, stage_map.virtual)
     idle = sum(not cell for tick in grid for cell in tick)
-    split = pipe.schedule in ("zb-h1", "zb-v")
+    split = pipe.zero_bubble
     lasting = (
-        ("R, B and W" if pipe.schedule == "zb-v" else "B and W") + " each as long as a forward"
+        ("R, B and W" if pipe.v_shaped else "B and W") + " each as long as a forward"
         if split
         else "a backward lasting two forwards (a cell holding one is that much longer)"
     )
@@ -327,7 +327,7 @@ def _pipeline(report: Report, y: float) -> tuple[list[str], float]:
                     _text(x0 + cell_w / 2, y0 + 16, label, size=int(size), anchor="middle", fill="#111", mono=True)
                 )
     y += stage_map.stages * cell_h + 8
-    again = "r<m>: the forward again; " if pipe.schedule == "zb-v" else ""
+    again = "r<m>: the forward again; " if pipe.v_shaped else ""
     legend = (
         (
             "F<m>: forward of microbatch m (solid); "

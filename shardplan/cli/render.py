@@ -260,11 +260,10 @@ def render_pipeline(console: Console, report: Report) -> None:
         return
     grid = timeline(pipe.schedule, stage_map.stages, pipe.microbatches, stage_map.virtual)
     kept = in_flight(grid)
-    named = {"1f1b": "interleaved 1f1b", "interleaved": "circular", "zb-v": "zb-v"}.get(pipe.schedule, pipe.schedule)
     schedule = (
         pipe.schedule
         if stage_map.virtual == 1
-        else f"{named}, {stage_map.virtual} chunks per stage" + (" in a V" if stage_map.v_shape else "")
+        else f"{pipe.label}, {stage_map.virtual} chunks per stage" + (" in a V" if stage_map.v_shape else "")
     )
     table = Table(
         title=f"Pipeline over axis {pipe.axis!r}: {schedule}, {pipe.microbatches} microbatches (bytes per device)",

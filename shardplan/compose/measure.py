@@ -100,7 +100,7 @@ def branch_share(plan) -> float:
 
     if pipe.schedule == "zb-h1":  # each of F, B and W taken once per microbatch
         return pipe.microbatches / ZeroBubble.of(stages, pipe.microbatches).ticks
-    if pipe.schedule == "zb-v":  # each of F, R, B and W taken once per microbatch and chunk
+    if pipe.v_shaped:  # each of F, R, B and W taken once per microbatch and chunk
         return 2 * pipe.microbatches / ZeroBubbleV.of(stages, pipe.microbatches).ticks
     if on_tables(pipe.schedule, split_sequence):
         tables = OneFOneB.of(stages, pipe.microbatches, pipe.virtual_stages, pipe.schedule)

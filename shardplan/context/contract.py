@@ -152,7 +152,8 @@ def _ring_calls(plan, model, roles, call, mesh, where) -> list[Diagnostic]:
     from flax import nnx
 
     from shardplan.context.attention import Ring, RingUnsupported
-    from shardplan.context.install import install, uninstall
+    from shardplan.context.install import install
+    from shardplan.core.changes import undo
 
     context = plan.context
     ring = Ring(mesh, context.axis, context.load_balance)
@@ -165,7 +166,7 @@ def _ring_calls(plan, model, roles, call, mesh, where) -> list[Diagnostic]:
     except Exception:  # the example call's own failure is reported by the other model checks
         return []
     finally:
-        uninstall(changed)
+        undo(changed)
     replaced = [c for c in ring.calls if c != "unsplit"]
     expected = len(roles.attention)
     if replaced and len(replaced) >= expected:

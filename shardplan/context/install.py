@@ -22,6 +22,7 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from shardplan.core.changes import Change
 from shardplan.core.paths import module_paths
 from shardplan.core.roles import ModelRoles, recognise_module
 from shardplan.context.attention import ORIGINALS, Ring
@@ -37,9 +38,9 @@ class SequenceSplit:
     split: bool
 
 
-def install(plan: Plan, model, mesh, roles: ModelRoles | None = None, *, ring: Ring | None = None) -> list[tuple]:
-    """Put the plan's context parallelism on `model`; return what was changed as (module, attribute,
-    old value), for `uninstall`. `roles` default to the live model's (its definition order); `ring`
+def install(plan: Plan, model, mesh, roles: ModelRoles | None = None, *, ring: Ring | None = None) -> list[Change]:
+    """Put the plan's context parallelism on `model`; return what was changed, for
+    `shardplan.core.changes.undo`. `roles` default to the live model's (its definition order); `ring`
     (default: a new one) records the attention calls it replaces."""
     context = plan.context
     if context is None or dict(mesh.shape)[context.axis] == 1:
@@ -47,14 +48,6 @@ def install(plan: Plan, model, mesh, roles: ModelRoles | None = None, *, ring: R
     if context.strategy == "ring":
         return _install_ring(model, ring or Ring(mesh, context.axis, context.load_balance))
     return _install_gathers(model, mesh, context.axis, roles or recognise_module(model))
-
-
-def uninstall(changed: list[tuple]) -> None:
-    for module, attribute, old in reversed(changed):
-        if attribute == "__class__":
-            module.__class__ = old
-        else:
-            setattr(module, attribute, old)
 
 
 def attention_projections(roles: ModelRoles) -> tuple[set[str], set[str]]:
@@ -67,12 +60,12 @@ def attention_projections(roles: ModelRoles) -> tuple[set[str], set[str]]:
     return queries, others
 
 
-def _install_gathers(model, mesh, axis: str, roles: ModelRoles) -> list[tuple]:
+def _install_gathers(model, mesh, axis: str, roles: ModelRoles) -> list[Change]:
     queries, others = attention_projections(roles)
     changed = []
     for path, module in module_paths(model):
         if path in queries or path in others:
-            changed.append((module, "__class__", type(module)))
+            changed.append(Change(module, "__class__", type(module)))
             module.__class__ = _constrained_class(type(module), SequenceSplit(mesh, axis, path in queries))
     return changed
 
@@ -119,13 +112,13 @@ def sequence_dim(shape: tuple[int, ...], batch: int, length: int) -> int | None:
     return next((d for d in range(lead + 1, len(shape)) if shape[d] == length), None)
 
 
-def _install_ring(model, ring: Ring) -> list[tuple]:
+def _install_ring(model, ring: Ring) -> list[Change]:
     changed = []
     for _, module in module_paths(model):
         if isinstance(module, nnx.MultiHeadAttention) and module.attention_fn is ORIGINALS[1]:
-            changed.append((module, "attention_fn", module.attention_fn))
+            changed.append(Change(module, "attention_fn", module.attention_fn))
             module.attention_fn = ring.nnx_attention
-    changed.append((model, "__class__", type(model)))
+    changed.append(Change(model, "__class__", type(model)))
     model.__class__ = _ring_class(type(model), ring)
     return changed
 

@@ -166,7 +166,7 @@ def remat_recomputed_anyway(plan: Plan, layer_paths: list[str]) -> list[Diagnost
     decides only what that second forward keeps for B and W, not whether the forward runs again.
     `layer_paths`: module paths inside the pipelined layers (`blocks/0`, `blocks/0/attn`, ...)."""
     pipe = plan.pipeline
-    if pipe is None or pipe.schedule != "zb-v" or plan.context is not None:
+    if pipe is None or not pipe.v_shaped or plan.context is not None:
         return []
     found = []
     for k, rule in enumerate(plan.remat):

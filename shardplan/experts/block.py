@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from shardplan.core.changes import Change
 from shardplan.experts import interpret
 from shardplan.experts.pinned import run_pinned
 
@@ -411,15 +412,15 @@ def expert_options(plan, mesh, roles) -> dict[str, ExpertOptions]:
     return found
 
 
-def install(plan, model, mesh, roles) -> list[tuple[nnx.Module, type]]:
-    """Make the plan's MoE blocks expert-parallel in place; (module, its class before) of each."""
+def install(plan, model, mesh, roles) -> list[Change]:
+    """Make the plan's MoE blocks expert-parallel in place; what changed, for `shardplan.core.changes.undo`."""
     from shardplan.core.paths import module_paths
 
     options = expert_options(plan, mesh, roles)
     changed = []
     for path, module in module_paths(model):
         if path in options and not hasattr(type(module), "_shardplan_experts"):
-            changed.append((module, type(module)))
+            changed.append(Change(module, "__class__", type(module)))
             make_expert_parallel(module, options[path])
     return changed
 

@@ -13,6 +13,7 @@ def check_expert_calls(plan, model, report, call, mesh, *, made_up: bool = False
     import jax
     from flax import nnx
 
+    from shardplan.core.changes import undo
     from shardplan.core.paths import module_paths
     from shardplan.experts.block import FALLBACKS, TRACED, install
     from shardplan.experts.interpret import ContractError
@@ -20,7 +21,10 @@ def check_expert_calls(plan, model, report, call, mesh, *, made_up: bool = False
     paths = {id(m): p for p, m in module_paths(model)}
     changed = install(plan, model, mesh, report.experts)
     # the traced call runs on a copy of the model: its blocks are known by their class
-    names = {type(m): ", ".join(paths[id(o)] for o, _ in changed if type(o) is type(m)) for m, _ in changed}
+    names = {
+        type(c.module): ", ".join(paths[id(o.module)] for o in changed if type(o.module) is type(c.module))
+        for c in changed
+    }
     seen: list = []
     fallbacks: list = []
     token, fallback_token = TRACED.set(seen), FALLBACKS.set(fallbacks)
@@ -49,15 +53,14 @@ def check_expert_calls(plan, model, report, call, mesh, *, made_up: bool = False
     finally:
         TRACED.reset(token)
         FALLBACKS.reset(fallback_token)
-        for module, cls in changed:
-            module.__class__ = cls
+        undo(changed)
     if failed is not None:
         try:  # the example call's own failure is reported by the other model checks
             graphdef, state = nnx.split(model)
             jax.eval_shape(lambda s: call(nnx.merge(graphdef, s)), state)
         except Exception:
             return []
-        blocks = ", ".join(sorted({paths[id(m)] for m, _ in changed}))
+        blocks = ", ".join(sorted({paths[id(c.module)] for c in changed}))
         return [
             Diagnostic(
                 "experts-contract",

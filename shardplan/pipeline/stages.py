@@ -132,7 +132,7 @@ def plan_stages(
         )
         return None, [where("pipeline-no-layers", ("pipeline", "layers"), stacked, hint=hint)]
     stages = sizes[pipe.axis]
-    virtual = 2 if pipe.schedule == "zb-v" else pipe.virtual_stages if pipe.schedule in ("interleaved", "1f1b") else 1
+    virtual = pipe.chunks
     found = _axis_in_layer_specs(plan, pipe.axis, specs, where) + _layers_differ(pipe.layers, layers, specs, where)
     if pipe.schedule == "1f1b" and virtual > 1 and pipe.microbatches % stages:
         found.append(
@@ -153,7 +153,7 @@ def plan_stages(
                 hint=f"set microbatches: {stages} or more",
             )
         )
-    if pipe.schedule in ("zb-h1", "zb-v") and plan.context is not None and sizes.get(plan.context.axis, 1) > 1:
+    if pipe.zero_bubble and plan.context is not None and sizes.get(plan.context.axis, 1) > 1:
         found.append(
             where(
                 "pipeline-schedule-context",
@@ -168,7 +168,7 @@ def plan_stages(
     found += assign_found
     if stage_of is None:
         return None, found
-    stage_map = StageMap(pipe.layers, tuple(stage_of), stages, virtual, pipe.schedule == "zb-v")
+    stage_map = StageMap(pipe.layers, tuple(stage_of), stages, virtual, pipe.v_shaped)
     split_sequence = plan.context is not None and sizes.get(plan.context.axis, 1) > 1
     found += _check_layout(plan, stage_map, where, padding_skipped(pipe.schedule, virtual, split_sequence))
     return (None if any(d.severity == "error" for d in found) else stage_map), found
@@ -304,7 +304,7 @@ def _assign(plan, indices: list[int], stages: int, virtual: int, where) -> tuple
         if count % stages and virtual == 1:
             return balanced_stages(count, stages), []
         per_chunk = count // (stages * virtual)
-        return [chunk_stage(i // per_chunk, stages, pipe.schedule == "zb-v") for i in range(count)], []
+        return [chunk_stage(i // per_chunk, stages, pipe.v_shaped) for i in range(count)], []
     compiled = []
     for k, rule in enumerate(pipe.stages):
         line, col = plan.locate("pipeline", "stages", k, "match")

@@ -193,6 +193,29 @@ class PipelineConfig(_Strict):
         "zb-v two.",
     )
 
+    @property
+    def chunks(self) -> int:
+        """Chunks of layers per device: zb-v's two, else `virtual_stages` (1 where the schedule has one)."""
+        return 2 if self.v_shaped else self.virtual_stages
+
+    @property
+    def v_shaped(self) -> bool:
+        """zb-v: each device's two chunks in a V (the first going down the stages, the second back up)."""
+        return self.schedule == "zb-v"
+
+    @property
+    def zero_bubble(self) -> bool:
+        """zb-h1 and zb-v: each backward split into its input and weight gradients, run apart."""
+        return self.schedule in ("zb-h1", "zb-v")
+
+    @property
+    def label(self) -> str:
+        """The schedule as the field calls it: `1f1b` with chunks is Megatron's interleaved 1F1B, and
+        `interleaved` with chunks the circular schedule."""
+        if self.virtual_stages > 1:
+            return {"1f1b": "interleaved 1f1b", "interleaved": "circular"}.get(self.schedule, self.schedule)
+        return self.schedule
+
     @model_validator(mode="after")
     def _chunks_need_a_schedule_for_them(self) -> "PipelineConfig":
         if self.schedule in ("gpipe", "zb-h1") and self.virtual_stages > 1:

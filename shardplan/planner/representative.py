@@ -69,7 +69,7 @@ def lay_out(
     per stage (one chunk each), where not `stages: even`."""
     pipe = plan.pipeline
     stages = sizes[pipe.axis] if pipe else 1
-    virtual = (2 if pipe.schedule == "zb-v" else pipe.virtual_stages) if pipe else 1
+    virtual = pipe.chunks if pipe else 1
     stage_map = None
     if pipe:
         per_chunk = roles.layer_count // (stages * virtual)
@@ -78,8 +78,8 @@ def lay_out(
         elif roles.layer_count % (stages * virtual):
             stage_of = balanced_stages(roles.layer_count, stages)
         else:
-            stage_of = [chunk_stage(i // per_chunk, stages, pipe.schedule == "zb-v") for i in range(roles.layer_count)]
-        stage_map = StageMap(pipe.layers, tuple(stage_of), stages, virtual, pipe.schedule == "zb-v")
+            stage_of = [chunk_stage(i // per_chunk, stages, pipe.v_shaped) for i in range(roles.layer_count)]
+        stage_map = StageMap(pipe.layers, tuple(stage_of), stages, virtual, pipe.v_shaped)
     longest = stage_map.longest if stage_map else None
     data = data_axes(plan, sizes) if plan.optimizer == "zero1" else ()
     layouts = []
