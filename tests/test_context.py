@@ -354,3 +354,24 @@ def test_ring_refuses_attention_dropout_before_training():
     (found,) = _diagnostics(plan, lambda: model)
     assert found.code == "context-ring-attention" and found.path == "layers/1/attention"
     assert "dropout_rate 0.1" in found.message and "all_gather" in found.hint
+
+
+def test_ring_takes_the_originals_arguments_and_refuses_by_name_what_it_cannot_honour():
+    from jax.sharding import Mesh
+
+    from shardplan.context.attention import Ring, RingUnsupported
+
+    ring = Ring(Mesh(np.array(jax.devices()[:2]), ("context",)), "context", load_balance=False)
+    q = jnp.ones((1, 4, 2, 8))
+    with pytest.raises(RingUnsupported, match="local_window_size.*all_gather"):
+        ring.jax_attention(q, q, q, local_window_size=(1, 1))
+    with pytest.raises(RingUnsupported, match="return_residual"):
+        ring.jax_attention(q, q, q, None, None, return_residual=True)
+    with pytest.raises(TypeError):  # as the original refuses it
+        ring.jax_attention(q, q, q, no_such_option=1)
+    odd = jnp.linspace(0, 1, 48).reshape(1, 3, 2, 8)  # a length the axis does not divide: the original runs
+    for call, original in ((ring.jax_attention, jax.nn.dot_product_attention), (ring.nnx_attention, None)):
+        got = call(odd, odd, odd, is_causal=True) if original else call(odd, odd, odd, None, None, dtype=jnp.float32)
+        want = original(odd, odd, odd, is_causal=True) if original else nnx.dot_product_attention(odd, odd, odd)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert ring.calls == ["unsplit", "unsplit"]

@@ -65,7 +65,8 @@ def api_reference() -> str:
         "(`SHARDPLAN_UPDATE_GOLDEN=1 python -m pytest tests/test_docs.py -k api`; a test keeps it equal), and "
         "every `>>>` example below runs in the test suite on 8 simulated CPU devices. The plan file itself is "
         "described in [plan-format.md](plan-format.md), the step options in [step.md](step.md), a worked "
-        "example with your own model and loop in [your-model.md](your-model.md).",
+        "example with your own model and loop in [your-model.md](your-model.md). These names are the "
+        "interface; the modules under `shardplan/` that they come from are internal and may change.",
         "",
     ]
     for name in shardplan.__all__:
@@ -261,3 +262,25 @@ def test_the_shipped_plans_and_the_docs_whole_plans_validate_with_their_model_in
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("valid: 0 warning(s)") == len(files), result.stdout[-3000:]
+
+
+def test_the_example_trainer_uses_the_public_names_alone():
+    """`minigpt_model`, the trainer users copy, imports from `shardplan`, `shardplan.training` and
+    `shardplan.terminal` only, and only names they export."""
+    import ast
+
+    import shardplan
+
+    public = {"shardplan": set(shardplan.__all__)}
+    for space in ("training", "terminal"):
+        public[f"shardplan.{space}"] = set(getattr(shardplan, space).__all__)
+    used = []
+    for file in sorted((REPO / "minigpt_model").glob("*.py")):
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("shardplan"):
+                used += [(file.name, node.module, alias.name) for alias in node.names]
+            elif isinstance(node, ast.Import):
+                used += [(file.name, a.name, None) for a in node.names if a.name.startswith("shardplan.")]
+    assert used, "the trainer imports nothing of shardplan?"
+    outside = [u for u in used if u[1] not in public or (u[2] is not None and u[2] not in public[u[1]])]
+    assert outside == []
