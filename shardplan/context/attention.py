@@ -40,13 +40,7 @@ class Ring:
         return dict(self.mesh.shape)[self.axis]
 
     def jax_attention(self, *args, **kwargs):
-        a = _arguments(_JAX_SIGNATURE, args, kwargs)
-        unsupported = _set_apart_from(_JAX_SIGNATURE, a, _JAX_HONOURED)
-        if unsupported:
-            raise RingUnsupported(
-                f"ring attention does not take jax.nn.dot_product_attention's "
-                f"{', '.join(unsupported)}: use context strategy all_gather"
-            )
+        a = _honoured_arguments(0, args, kwargs)
         if not self._splits(a["query"], a["key"]):
             self.calls.append("unsplit")
             return ORIGINALS[0](*args, **kwargs)
@@ -54,18 +48,7 @@ class Ring:
         return self._ring(a["query"], a["key"], a["value"], a["bias"], a["mask"], a["scale"], a["is_causal"])
 
     def nnx_attention(self, *args, **kwargs):
-        a = _arguments(_NNX_SIGNATURE, args, kwargs)
-        if a["dropout_rate"] > 0.0 and not a["deterministic"]:
-            raise RingUnsupported(
-                f"ring attention cannot drop attention weights (dropout_rate {a['dropout_rate']}): "
-                "set the attention's dropout_rate to 0 or use context strategy all_gather"
-            )
-        unsupported = _set_apart_from(_NNX_SIGNATURE, a, _NNX_HONOURED)
-        if unsupported:
-            raise RingUnsupported(
-                f"ring attention does not take flax.nnx.dot_product_attention's "
-                f"{', '.join(unsupported)}: use context strategy all_gather"
-            )
+        a = _honoured_arguments(1, args, kwargs)
         if not self._splits(a["query"], a["key"]):
             self.calls.append("unsplit")
             return ORIGINALS[1](*args, **kwargs)
@@ -138,20 +121,30 @@ _NNX_HONOURED = frozenset(
 )
 
 
-def _arguments(signature: inspect.Signature, args, kwargs) -> dict:
-    """The call's arguments by name, defaults filled in (a call the original would refuse raises its TypeError)."""
+def _honoured_arguments(which: int, args, kwargs) -> dict:
+    """The call's arguments to `ORIGINALS[which]` by name, defaults filled in (a call the original would
+    refuse raises its TypeError); `RingUnsupported` where one asks what the ring cannot compute the same
+    way: dropout on the attention weights, or an argument outside what it honours given a value."""
+    signature, honoured = ((_JAX_SIGNATURE, _JAX_HONOURED), (_NNX_SIGNATURE, _NNX_HONOURED))[which]
     bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
-    return bound.arguments
-
-
-def _set_apart_from(signature: inspect.Signature, arguments: dict, honoured: frozenset) -> list[str]:
-    """The arguments outside `honoured` given anything but their default."""
-    return [
+    a = bound.arguments
+    if a.get("dropout_rate", 0.0) > 0.0 and not a["deterministic"]:
+        raise RingUnsupported(
+            f"ring attention cannot drop attention weights (dropout_rate {a['dropout_rate']}): "
+            "set the attention's dropout_rate to 0 or use context strategy all_gather"
+        )
+    unsupported = [
         name
         for name, parameter in signature.parameters.items()
-        if name not in honoured and not _is_default(arguments[name], parameter.default)
+        if name not in honoured and not _is_default(a[name], parameter.default)
     ]
+    if unsupported:
+        name = ("jax.nn", "flax.nnx")[which] + ".dot_product_attention"
+        raise RingUnsupported(
+            f"ring attention does not take {name}'s {', '.join(unsupported)}: use context strategy all_gather"
+        )
+    return a
 
 
 def _is_default(value, default) -> bool:

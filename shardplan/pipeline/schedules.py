@@ -16,6 +16,23 @@ import math
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 
 
+# the per-device, per-tick tables of `ZeroBubbleV`, as its loop reads them
+V_TABLES = (
+    "op",
+    "chunk",
+    "micro",
+    "read",
+    "stash",
+    "keep",
+    "until_b",
+    "crossed",
+    "loss_to",
+    "take_up",
+    "take_down",
+    "take_local",
+)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Work:
     kind: str  # "F", "B", "W" (zero-bubble: B the input gradient, W the weight gradients), "R" (zb-v)
@@ -370,20 +387,7 @@ class ZeroBubbleV:
 
     @staticmethod
     def _with_slots(S, M, ticks, done) -> "ZeroBubbleV":
-        names = (
-            "op",
-            "chunk",
-            "micro",
-            "read",
-            "stash",
-            "keep",
-            "until_b",
-            "crossed",
-            "loss_to",
-            "take_up",
-            "take_down",
-            "take_local",
-        )
+        names = V_TABLES
         empty = {name: -1 if name in ("loss_to", "take_up", "take_down", "take_local") else 0 for name in names}
         tables = {name: [[empty[name]] * ticks for _ in range(S)] for name in names}
         for (kind, k, m), t in done.items():

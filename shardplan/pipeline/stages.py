@@ -305,20 +305,9 @@ def _assign(plan, indices: list[int], stages: int, virtual: int, where) -> tuple
             return balanced_stages(count, stages), []
         per_chunk = count // (stages * virtual)
         return [chunk_stage(i // per_chunk, stages, pipe.v_shaped) for i in range(count)], []
-    compiled = []
-    for k, rule in enumerate(pipe.stages):
-        line, col = plan.locate("pipeline", "stages", k, "match")
-        pattern, problem = checked_pattern(
-            rule.match,
-            f"stage rule #{k + 1}",
-            invalid_code="stage-invalid-regex",
-            file=plan.file,
-            line=line,
-            column=col,
-        )
-        if problem:
-            return None, [problem]
-        compiled.append((k, pattern, rule.stage))
+    compiled, problems = stage_patterns(plan)
+    if problems:
+        return None, problems[:1]
     stage_of, found = [], []
     for i in range(count):
         path = f"{pipe.layers}/{i}"
@@ -486,3 +475,24 @@ def check_microbatches(plan: Plan, batch: int, sizes: dict[str, int], data: tupl
             )
         )
     return found
+
+
+def stage_patterns(plan: Plan) -> tuple[list[tuple[int, object, int]], list[Diagnostic]]:
+    """(rule index, compiled pattern, stage) of each stage rule, and a diagnostic for each rule whose
+    pattern does not compile."""
+    compiled, problems = [], []
+    for k, rule in enumerate(plan.pipeline.stages if plan.pipeline.stages != "even" else []):
+        line, col = plan.locate("pipeline", "stages", k, "match")
+        pattern, problem = checked_pattern(
+            rule.match,
+            f"stage rule #{k + 1}",
+            invalid_code="stage-invalid-regex",
+            file=plan.file,
+            line=line,
+            column=col,
+        )
+        if problem:
+            problems.append(problem)
+        else:
+            compiled.append((k, pattern, rule.stage))
+    return compiled, problems

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from shardplan.pipeline.schedules import ZeroBubbleV
+from shardplan.pipeline.schedules import V_TABLES, ZeroBubbleV
 from shardplan.pipeline.loop import (
     Ends,
     Loop,
@@ -37,20 +37,6 @@ from shardplan.pipeline.loop import (
 from shardplan.pipeline.residuals import LayerResiduals
 from shardplan.run.layer_call import fold_keys
 
-_TABLES = (
-    "op",
-    "chunk",
-    "micro",
-    "read",
-    "stash",
-    "keep",
-    "until_b",
-    "crossed",
-    "loss_to",
-    "take_up",
-    "take_down",
-    "take_local",
-)
 _F, _R, _B, _W = 1, 2, 3, 4
 
 
@@ -78,7 +64,7 @@ def zero_bubble_v_schedule(loop: Loop, operands: Operands):
         raise ValueError("zb-v runs two chunks of layers per stage, placed in a V")
     micro = operands.targets.shape[0]
     plan = ZeroBubbleV.of(stages, micro)
-    tables = {name: jnp.asarray(getattr(plan, name), jnp.int32) for name in _TABLES}
+    tables = {name: jnp.asarray(getattr(plan, name), jnp.int32) for name in V_TABLES}
     box_slots, stash_slots, keep_slots, until_b_slots, crossed_slots = plan.slots
     axis = loop.axis
 

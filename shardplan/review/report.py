@@ -7,7 +7,7 @@ import dataclasses
 from shardplan.core.layout import DeviceTotals, ParamLayout, device_totals, imbalance, param_layout
 from shardplan.core.mesh import check_given_mesh, check_hosts, resolve_axes
 from shardplan.core.paths import ParamInfo
-from shardplan.pipeline.stages import StageMap, check_microbatches, plan_stages
+from shardplan.pipeline.stages import StageMap, check_microbatches, plan_stages, stage_patterns
 from shardplan.core.step import check_step_axes
 from shardplan.core.validate import (
     Placement,
@@ -220,17 +220,7 @@ def check_plan_only(plan: Plan, device_count: int) -> list[Diagnostic]:
         # Without parameters plan_stages stops after the axis check, so the stage regexes are compiled here.
         _, staging = plan_stages(plan, [], sizes, {})
         diagnostics += [d for d in staging if d.code != "pipeline-no-layers"]
-        for k, rule in enumerate(plan.pipeline.stages if plan.pipeline.stages != "even" else []):
-            line, col = plan.locate("pipeline", "stages", k, "match")
-            _, problem = checked_pattern(
-                rule.match,
-                f"stage rule #{k + 1}",
-                invalid_code="stage-invalid-regex",
-                file=plan.file,
-                line=line,
-                column=col,
-            )
-            diagnostics += [problem] if problem else []
+        diagnostics += stage_patterns(plan)[1]
     diagnostics += check_context(plan, sizes, plan.example_shapes()) if not mesh_diagnostics else []
     if plan.experts is not None:
         diagnostics += check_experts(plan, [], {}, sizes) if not mesh_diagnostics else []
