@@ -86,7 +86,7 @@ def _spread(profile, refitted, rounds: int) -> list[dict]:
     from shardplan.planner.cost import Workload
     from shardplan.planner.kept import with_code
     from shardplan.planner.profiles import PROFILES
-    from shardplan.run.models import build_model
+    from shardplan.model.factory import build_model
 
     order: list[str] = []
     model = build_model(FACTORY, CONFIG, on_built=lambda m: order.extend(definition_order(m)))

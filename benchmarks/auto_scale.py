@@ -37,7 +37,7 @@ def point(devices: int, layers: int, seq: int = 4096) -> dict:
     from shardplan.planner.cost import Workload
     from shardplan.planner.kept import with_code
     from shardplan.planner.profiles import get_profile
-    from shardplan.run.abstract import abstract_with_roles
+    from shardplan.model.abstract import abstract_with_roles
 
     started = time.perf_counter()
     model, roles = abstract_with_roles(lambda: Llama(**SHAPE, layers=layers, rngs=nnx.Rngs(0)))

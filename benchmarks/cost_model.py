@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-from shardplan.run.devices import simulate_cpu_devices  # noqa: E402
+from shardplan.processes.devices import simulate_cpu_devices  # noqa: E402
 
 simulate_cpu_devices(8)
 
@@ -36,7 +36,7 @@ from shardplan.core.paths import param_infos  # noqa: E402
 from shardplan.planner.profiles import get_profile  # noqa: E402
 from shardplan.planner.kept import with_code  # noqa: E402
 from shardplan.core.roles import recognise_module  # noqa: E402
-from shardplan.run.abstract import abstract_with_roles  # noqa: E402
+from shardplan.model.abstract import abstract_with_roles  # noqa: E402
 
 PLANS = [
     "minigpt_dp.yaml",

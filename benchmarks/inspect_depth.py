@@ -1,7 +1,7 @@
 """`shardplan inspect` and `validate` time and memory against depth: a MiniGPT of 250 to 2,000 blocks.
 
 Each command runs in a fresh process, as a user runs it (start-up included). Deep models are read
-from builds at depths 2 and 3 (`shardplan/run/depth.py`), so time should barely grow with depth.
+from builds at depths 2 and 3 (`shardplan/model/depth.py`), so time should barely grow with depth.
 
     python benchmarks/inspect_depth.py [--json FILE]
 """

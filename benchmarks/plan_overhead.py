@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-from shardplan.run.devices import simulate_cpu_devices  # noqa: E402
+from shardplan.processes.devices import simulate_cpu_devices  # noqa: E402
 
 simulate_cpu_devices(8)
 
@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 import shardplan  # noqa: E402
 from shardplan.cli import render  # noqa: E402
-from shardplan.run.models import build_model  # noqa: E402
+from shardplan.model.factory import build_model  # noqa: E402
 from shardplan.core.paths import ParamInfo  # noqa: E402
 from shardplan.review.report import check_params  # noqa: E402
 

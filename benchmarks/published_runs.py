@@ -69,7 +69,7 @@ from shardplan.planner.kept import with_code  # noqa: E402
 from shardplan.planner.profiles import load_profile  # noqa: E402
 from shardplan.planner.representative import Representative  # noqa: E402
 from shardplan.core.roles import definition_order, recognise  # noqa: E402
-from shardplan.run.models import build_model  # noqa: E402
+from shardplan.model.factory import build_model  # noqa: E402
 
 TARGET = 0.25
 # Every row ran on "80GB" devices, which hold 80 GiB: nvidia-smi shows 81,920 MiB on an A100 80GB and

@@ -18,7 +18,7 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
-from shardplan.run.devices import simulate_cpu_devices  # noqa: E402
+from shardplan.processes.devices import simulate_cpu_devices  # noqa: E402
 
 simulate_cpu_devices(8)
 

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-from shardplan.run.devices import simulate_cpu_devices  # noqa: E402
+from shardplan.processes.devices import simulate_cpu_devices  # noqa: E402
 
 simulate_cpu_devices(8)
 

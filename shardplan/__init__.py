@@ -68,11 +68,11 @@ def __getattr__(name: str):
 
         return getattr(apply, name)
     if name == "simulate_cpu_devices":  # must run before JAX starts: importing it starts nothing
-        from shardplan.run.devices import simulate_cpu_devices
+        from shardplan.processes.devices import simulate_cpu_devices
 
         return simulate_cpu_devices
     if name in ("performance_flags", "set_performance_flags"):  # the same: plain Python
-        from shardplan.run import flags
+        from shardplan.processes import flags
 
         return getattr(flags, name)
     if name == "jit_step":

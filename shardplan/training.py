@@ -9,13 +9,13 @@ do not depend on the plan, and building a model named on the command line.
 
 from shardplan.pipeline.loop import cross_entropy
 from shardplan.pipeline.pipelined import pipelined_tree, plain_tree
-from shardplan.run.abstract import eval_shape
-from shardplan.run.devices import DeviceSetupError, has_accelerator
-from shardplan.run.distributed import SIBLING_GRACE_S, initialize, lost_a_peer
-from shardplan.run.interrupts import interrupt_once, interrupts_deferred
-from shardplan.run.models import ModelLoadError, parse_overrides
+from shardplan.model.abstract import eval_shape
+from shardplan.processes.devices import DeviceSetupError, has_accelerator
+from shardplan.processes.distributed import SIBLING_GRACE_S, initialize, lost_a_peer
+from shardplan.processes.interrupts import interrupt_once, interrupts_deferred
+from shardplan.model.factory import ModelLoadError, parse_overrides
 from shardplan.run.optimizer import load_plain_state, plain_abstract, plain_state
-from shardplan.run.preemption import EXIT_PREEMPTED, Preempted, PreemptionWatch
+from shardplan.processes.preemption import EXIT_PREEMPTED, Preempted, PreemptionWatch
 
 __all__ = [
     "EXIT_PREEMPTED",

@@ -35,7 +35,7 @@ os.environ["XLA_FLAGS"] = " ".join(
     ]
 ).strip()
 
-from shardplan.run.devices import simulate_cpu_devices  # noqa: E402
+from shardplan.processes.devices import simulate_cpu_devices  # noqa: E402
 
 simulate_cpu_devices(8)  # as a user's program does: 8 devices, and threads for their collectives
 

@@ -19,7 +19,7 @@ from shardplan.compose.measure import measure, prepare, lm_train_step, lm_loss
 from shardplan.core.paths import param_infos
 from shardplan.planner.profiles import get_profile, parse_bytes
 from shardplan.core.roles import COLUMN, ROW, recognise_module
-from shardplan.run.abstract import abstract_with_roles
+from shardplan.model.abstract import abstract_with_roles
 from shardplan.plan.schema import spec_axes
 
 from minigpt_model.llama import Llama

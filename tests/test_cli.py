@@ -138,7 +138,7 @@ def test_console_entry_simulates_devices_in_a_fresh_process():
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="threads are counted in /proc")
 def test_simulated_devices_get_threads_for_collectives_in_flight():
     """XLA:CPU's pool holds one thread per waiting collective; as many threads as devices deadlocked a
-    pipeline beside a context all-gather (`run/devices.py`). A user's own PJRT_NPROC stands."""
+    pipeline beside a context all-gather (`processes/devices.py`). A user's own PJRT_NPROC stands."""
     script = (
         "import os, shardplan\nshardplan.simulate_cpu_devices(6)\nimport jax\njax.devices()\n"
         "print(sum(open(f'/proc/self/task/{t}/comm').read().strip().endswith('XLAEigen')\n"
@@ -189,7 +189,7 @@ def test_json_schema_carries_the_bounds(capsys):
 def test_a_deep_model_read_from_shallow_builds_lays_out_as_the_whole_build(capsys, monkeypatch):
     """`inspect` builds 2 and 3 layers when a config key sets the depth; the layout, the diagnostics and
     the estimate equal those of the model built whole (SHALLOW_ENOUGH raised: nothing is read shallow)."""
-    import shardplan.run.depth as depth
+    import shardplan.model.depth as depth
 
     argv = [
         "inspect",
@@ -215,8 +215,8 @@ def test_a_deep_model_read_from_shallow_builds_lays_out_as_the_whole_build(capsy
     assert code == code_whole == 0 and found[1] is None
     assert json.loads(shallow) == json.loads(whole)
     monkeypatch.undo()
-    from shardplan.run.depth import read_deep
-    from shardplan.run.models import build_model
+    from shardplan.model.depth import read_deep
+    from shardplan.model.factory import build_model
 
     builds = []
 

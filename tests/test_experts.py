@@ -206,6 +206,28 @@ def test_capacity_dispatch_equals_one_device_when_nothing_drops_and_warns_when_i
     assert found and all("on an example batch: the plan's inputs give no shapes" in t for t in found), found
 
 
+def test_explicit_axes_over_a_ragged_dot_block_are_refused_by_check_not_by_jax():
+    """JAX has no explicit-sharding rule for ragged_dot: a plan that makes an axis explicit over a model
+    whose experts run through it is refused with the operation named (it used to pass check and fail
+    when the step was first traced)."""
+    text = (
+        "version: 1\nmesh: {axes: {z: 8}, types: {z: explicit}}\n"
+        "inputs: {tokens: {spec: [null, null], shape: [8, 16]}}\n"  # (rows split: the routing's sort refuses first)
+        "params:\n  - {match: 'layers/\\d+/attn/(query|key|value)/kernel', spec: [z]}\n"
+        "  - {match: '.*', spec: replicated}\n"
+        "activations:\n  - {match: embed, spec: [null, null, null]}\n"  # (the embedding's gather resolves)
+    )
+    found = [
+        d
+        for d in shardplan.check(shardplan.parse_plan(text), MoEDecoder(SortedMoE, rngs=nnx.Rngs(0))).diagnostics
+        if d.code == "explicit-axes-unresolved"
+    ]
+    assert found and found[0].severity == "error", found
+    message = " ".join(found[0].format().split())
+    assert "mesh.types makes 'z' explicit" in message and "ragged_dot_general" in message, message
+    assert "leave these axes auto" in message, message
+
+
 def test_expected_drop_share_matches_a_simulated_uniform_router():
     from shardplan.experts.check import expected_drop_share
 

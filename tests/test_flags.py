@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 import shardplan
-from shardplan.run import flags
+from shardplan.processes import flags
 
 
 def test_nothing_is_set_without_a_gpu(monkeypatch):

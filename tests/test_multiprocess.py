@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from minigpt_model.trainer import train
-from shardplan.run.distributed import SIBLING_GRACE_S
+from shardplan.processes.distributed import SIBLING_GRACE_S
 
 from conftest import REPO
 from test_training import TINY_ARGS, tiny_config

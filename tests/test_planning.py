@@ -23,7 +23,7 @@ from shardplan.planner.profiles import get_profile
 from shardplan.planner.kept import with_code
 from shardplan.planner.representative import Representative
 from shardplan.core.roles import CodeCopies, recognise_module
-from shardplan.run.abstract import abstract_with_roles
+from shardplan.model.abstract import abstract_with_roles
 from shardplan.compose.measure import measure
 
 from minigpt_model.llama import Llama

@@ -10,7 +10,7 @@ import os
 import pytest
 
 import shardplan
-from shardplan.run.models import build_model
+from shardplan.model.factory import build_model
 
 from conftest import PLANS, REPO
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from minigpt_model.checkpoint import CHECKSUMS, Checkpoints
 from minigpt_model.trainer import RunLock
-from shardplan.run.preemption import EXIT_PREEMPTED
+from shardplan.processes.preemption import EXIT_PREEMPTED
 
 from conftest import REPO
 from test_multiprocess import FAILURE_BOUND_S, LAUNCH, env, losses_of, train_args, uninterrupted

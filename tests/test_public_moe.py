@@ -233,7 +233,7 @@ def test_the_cost_model_reads_how_many_experts_a_token_takes_off_the_public_code
     """The parameters do not show k; the traced code's `top_k` does (3 here, not the assumed 2)."""
     import public_moe_models
     from shardplan.planner.kept import with_code
-    from shardplan.run.abstract import abstract_with_roles
+    from shardplan.model.abstract import abstract_with_roles
 
     monkeypatch.setattr(public_moe_models, "TOP_K", 3)
     model, roles = abstract_with_roles(lambda: MoEBlockDecoder(BLOCKS[kind], rngs=nnx.Rngs(0)))

@@ -193,7 +193,7 @@ def test_a_stack_of_layers_is_not_taken_for_a_moe_block():
     from shardplan.experts.roles import find_blocks
     from shardplan.core.paths import param_infos
 
-    assert find_blocks(param_infos(ScannedLlama(rngs=nnx.Rngs(0)))) == []
+    assert find_blocks(param_infos(ScannedLlama(rngs=nnx.Rngs(0)))) == ()
 
 
 def test_auto_says_why_it_proposes_no_pipeline_for_stacked_layers(tmp_path, capsys):

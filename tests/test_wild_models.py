@@ -442,7 +442,7 @@ def test_auto_splits_heads_first_attention_and_proposes_no_pipeline_it_cannot_ru
     from shardplan.core.paths import param_infos
     from shardplan.cli import main
     from shardplan.planner.auto import Candidate, specs
-    from shardplan.run.abstract import abstract_with_roles
+    from shardplan.model.abstract import abstract_with_roles
 
     out = tmp_path / "auto.yaml"
     assert (

@@ -53,8 +53,9 @@ def run_auto(console: Console, request: AutoRequest, usage_error) -> int:
     if request.as_json:  # stdout carries the JSON document alone: every line said beside it goes to stderr
         console = consoles()[1]
     capacity = request.capacity  # (dropped below when the model has no MoE blocks)
-    from shardplan.run.models import ModelLoadError, build_model
+    from shardplan.model.factory import ModelLoadError, build_model
     from shardplan.core.paths import param_infos
+    from shardplan.experts.roles import find_blocks
     from shardplan.planner.kept import with_code
     from shardplan.core.roles import definition_order, recognise
 
@@ -81,7 +82,7 @@ def run_auto(console: Console, request: AutoRequest, usage_error) -> int:
             )
         )
     if capacity is not None:
-        if not planner.moe_blocks(roles, params):  # (the search reuses them)
+        if not find_blocks(params):  # (found once: the search asks again with the same list)
             console.print(
                 Text.assemble(
                     ("--capacity-factor changes nothing: ", "bold"),
@@ -279,7 +280,7 @@ def _measure(
     more than token ids, the compiler fails, memory runs out) is reported and skipped: the search goes on."""
     import jax
     from shardplan.compose.measure import compile_step, time_interleaved
-    from shardplan.run.models import build_model
+    from shardplan.model.factory import build_model
 
     ready = {}
     for index, ranked in enumerate(found.ranked[:k]):

@@ -481,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     # thresholds the collector walks them again and again (`auto` of a 70B-class model for 16,384
     # devices: 45 s, 35 s with these).
     gc.set_threshold(50_000, 50, 100)
-    from shardplan.run.interrupts import interrupt_once
+    from shardplan.processes.interrupts import interrupt_once
 
     with interrupt_once(), inert_streams():  # input text never drives the terminal, whatever prints it
         return _main(argv)
@@ -691,7 +691,7 @@ def _profiles(args, console: Console) -> int:
 def _calibrate(args, console: Console) -> int:
     from shardplan.cli.render import render_profiles
     from shardplan.compose.calibrate import calibrate, profile_text
-    from shardplan.run.devices import has_accelerator
+    from shardplan.processes.devices import has_accelerator
 
     if not args.output.lower().endswith((".yaml", ".yml")):
         raise UsageError(f"calibrate writes a YAML profile; name the output .yaml or .yml, not {args.output!r}")
@@ -703,7 +703,7 @@ def _calibrate(args, console: Console) -> int:
                 {"version": 1, "mesh": {"axes": {"data": 1}}, "params": [{"match": ".*", "spec": "replicated"}]}
             ),
         )
-    from shardplan.run.distributed import initialize
+    from shardplan.processes.distributed import initialize
 
     initialize(coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
     import jax
@@ -951,7 +951,7 @@ def _expert_role_text(plan, params, path: str) -> str:
 
 def _model_params(factory: str, config_pairs: list[str], order: list[str] | None = None, paths=()):
     """Parameter infos of the model `factory` builds abstractly (the user typed it: consent)."""
-    from shardplan.run.models import ModelLoadError, build_model, parse_overrides
+    from shardplan.model.factory import ModelLoadError, build_model, parse_overrides
     from shardplan.core.paths import param_infos
     from shardplan.core.roles import definition_order
 
@@ -1082,7 +1082,7 @@ def _auto(args, console: Console) -> int:
                 }
             ),
         )
-    from shardplan.run.models import ModelLoadError, parse_overrides
+    from shardplan.model.factory import ModelLoadError, parse_overrides
 
     try:
         config = parse_overrides(args.config)
@@ -1125,7 +1125,7 @@ def _checked_model(args, order: list[str]):
     no JAX devices are needed to lay a plan out, so none are simulated.
     """
     plan = load_plan(args.plan)
-    from shardplan.run.devices import has_accelerator
+    from shardplan.processes.devices import has_accelerator
     from shardplan.core.paths import param_infos
     from shardplan.review.report import check_params
     from shardplan.compose.check import check, with_model_checks
@@ -1199,8 +1199,8 @@ def _estimate(args, report, order: list[str], model, deep=None) -> _InspectCost:
 
 
 def _deep_model(args, plan: Plan, order: list[str]):
-    """The model read from shallow builds when a config key sets a large depth (see `run/depth.py`), else None."""
-    from shardplan.run.depth import read_deep
+    """The model read from shallow builds when a config key sets a large depth (see `model/depth.py`), else None."""
+    from shardplan.model.depth import read_deep
 
     factory, config = _factory_and_config(args, plan)
 
@@ -1209,7 +1209,7 @@ def _deep_model(args, plan: Plan, order: list[str]):
 
         return pipeline_layers_of(plan, _build(args, factory, probe_config, probe_order), in_place=True)
 
-    from shardplan.run.models import ModelLoadError
+    from shardplan.model.factory import ModelLoadError
 
     try:
         deep = read_deep(build, config)
@@ -1229,7 +1229,7 @@ def _abstract_model(args, plan: Plan, order: list[str]):
 
 def _factory_and_config(args, plan: Plan) -> tuple[str, dict]:
     """The model the command builds (with consent) and its config, the plan's with --config over it."""
-    from shardplan.run.models import ModelLoadError, consented, parse_overrides
+    from shardplan.model.factory import ModelLoadError, consented, parse_overrides
 
     factory = args.model or (plan.model.factory if plan.model else None)
     if factory is None:
@@ -1251,7 +1251,7 @@ def _factory_and_config(args, plan: Plan) -> tuple[str, dict]:
 
 def _build(args, factory: str, config: dict, order: list[str]):
     from shardplan.core.roles import definition_order
-    from shardplan.run.models import ModelLoadError, build_model
+    from shardplan.model.factory import ModelLoadError, build_model
 
     try:
         return build_model(
@@ -1272,7 +1272,7 @@ def _notice(message: str) -> None:
 
 
 def _setup_devices(requested: int | None, plan: Plan) -> None:
-    from shardplan.run.devices import DeviceSetupError, has_accelerator, simulate_cpu_devices
+    from shardplan.processes.devices import DeviceSetupError, has_accelerator, simulate_cpu_devices
 
     if requested is None and has_accelerator():
         return

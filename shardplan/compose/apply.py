@@ -18,7 +18,7 @@ from shardplan.review.report import Report
 from shardplan.compose.check import check
 from shardplan.pipeline.stages import check_microbatches
 from shardplan.core.validate import data_axes, validate_inputs, validate_optimizer
-from shardplan.run.abstract import abstract_with_roles, eval_shape, first_line, unplaced, untraceable
+from shardplan.model.abstract import abstract_with_roles, eval_shape, first_line, unplaced, untraceable
 from shardplan.run.optimizer import master_weights, optimizer_state, padded_state
 from shardplan.run.specs import partition_spec, pin
 from shardplan.run.step_options import apply_step_options
@@ -52,7 +52,7 @@ def apply_plan(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh, *, exampl
 
         pipeline_layers_of(plan, model, in_place=True)
     if plan.tensor_overlap:
-        from shardplan.run.flags import tensor_overlap_in_effect
+        from shardplan.processes.flags import tensor_overlap_in_effect
 
         why = tensor_overlap_in_effect(mesh.devices.flat[0].platform)
         warn([Diagnostic("tensor-overlap-no-effect", "warning", why, file=plan.file)] if why else [], stacklevel=3)
@@ -78,7 +78,7 @@ def apply_plan(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh, *, exampl
 
 def _warn_remat_in_effect(plan: Plan, mesh, report: Report) -> None:
     from shardplan.pipeline.schedules import on_tables
-    from shardplan.run.flags import remat_in_effect
+    from shardplan.processes.flags import remat_in_effect
 
     split = plan.context is not None and dict(zip(mesh.axis_names, mesh.devices.shape)).get(plan.context.axis, 1) > 1
     tables = report.stage_map is not None and on_tables(plan.pipeline.schedule, split)

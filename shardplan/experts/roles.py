@@ -86,10 +86,20 @@ def block_roles(block: str, params: list[ParamInfo], router=None, weights=None) 
     return BlockRoles(block, None, (), None)
 
 
-def find_blocks(params: list[ParamInfo]) -> list[BlockRoles]:
+_LAST: list = [None, ()]  # the last (params, blocks): a model's check, cost and search ask with one list
+
+
+def find_blocks(params: list[ParamInfo]) -> tuple[BlockRoles, ...]:
     """The MoE blocks of a model, found from shapes alone: the nearest module above a router weight (a
     raw parameter, or the kernel of a router submodule up to two levels down) that holds experts the
-    router scores."""
+    router scores. Worked out once per parameter list (seconds on a deep model; `param_infos` lists are
+    not changed once built), however many checks and candidates ask."""
+    if _LAST[0] is not params:
+        _LAST[:] = [params, tuple(_blocks(params))]
+    return _LAST[1]
+
+
+def _blocks(params: list[ParamInfo]) -> list[BlockRoles]:
     found: dict[str, BlockRoles] = {}
     for router in (p for p in params if len(p.shape) == 2):
         parts = router.path.split("/")[:-1]

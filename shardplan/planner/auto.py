@@ -189,8 +189,8 @@ def search(
     budget = memory if memory is not None else profile.memory_bytes
     usable = int(budget * (1 - margin))
     rep = Representative.of(params, roles)
-    blocks = moe_blocks(roles, params)
-    bounds = _Bounds.of(params, roles, workload, profile, compute, devices, capacity, blocks)
+    blocks = find_blocks(params)
+    bounds = _Bounds.of(params, roles, workload, profile, compute, devices, capacity)
     listed = sorted(
         (
             (bounds.step(c), n, c)
@@ -408,9 +408,8 @@ class _Bounds:
         compute: str | None,
         devices: int,
         capacity: float | None = None,
-        blocks=None,
     ) -> "_Bounds":
-        layer, other = model_flops(params, roles, workload, capacity=capacity or 1.0, blocks=blocks)
+        layer, other = model_flops(params, roles, workload, capacity=capacity or 1.0)
         dtype = compute or (params[0].dtype.name if params else "float32")
         # the faster of the two rates keeps it a bound when attention runs at another efficiency
         efficiency = max(profile.matmul_efficiency, profile.attention_efficiency)
@@ -623,11 +622,6 @@ def specs(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo]) -> d
 _SHARED: dict = {}  # key -> (roles, params, value): work shared across one search's candidates
 
 
-def moe_blocks(roles: ModelRoles, params: list[ParamInfo]) -> list:
-    """The model's MoE blocks (`find_blocks`: seconds on a deep model), found once per search."""
-    return _shared(("moe blocks",), roles, params, lambda: find_blocks(params))
-
-
 def _rule_set(candidate: Candidate) -> tuple:
     """What a candidate's parameter specs depend on (`_specs` reads nothing else)."""
     return (
@@ -657,7 +651,7 @@ def _shared(key, roles: ModelRoles, params: list[ParamInfo], make):
 def _specs(candidate: Candidate, roles: ModelRoles, params: list[ParamInfo]) -> dict[str, list]:
     sizes = candidate.axes
     out: dict[str, list] = {}
-    stacked = {path for b in moe_blocks(roles, params) for path in b.experts} if candidate.experts else set()
+    stacked = {path for b in find_blocks(params) for path in b.experts} if candidate.experts else set()
     for p in params:
         if p.path in stacked:
             out[p.path] = [_expert_axis(candidate)]  # each device its own experts; their other dims whole
@@ -751,7 +745,7 @@ def plan_document(
     if candidate.accumulate > 1:
         document["accumulate"] = candidate.accumulate
     if candidate.experts:
-        blocks = sorted({_fold_layer(b.block + "/", roles.layers)[:-1] for b in moe_blocks(roles, params)})
+        blocks = sorted({_fold_layer(b.block + "/", roles.layers)[:-1] for b in find_blocks(params)})
         document["experts"] = {
             "blocks": blocks[0] if len(blocks) == 1 else "(" + "|".join(blocks) + ")",
             "axis": _expert_axis(candidate),

@@ -1298,18 +1298,15 @@ def _flops(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> tuple[flo
     return total, attention_total, kernels
 
 
-def model_flops(
-    params, roles: ModelRoles, workload: Workload, *, capacity: float = 1.0, blocks=None
-) -> tuple[float, float]:
+def model_flops(params, roles: ModelRoles, workload: Workload, *, capacity: float = 1.0) -> tuple[float, float]:
     """(in the repeated layers, elsewhere) matmul FLOPs of one step of the whole model, nothing
     recomputed: what `_flops` counts, before any split. A MoE block's experts count for the rows routed to
     them: k of E experts per token (k read off the code, `roles.code.top_k`; at least 1 where it was not),
-    times `capacity` where that is below 1 (slots for fewer rows than are routed). `blocks`: the MoE blocks
-    (`shardplan.experts.roles.find_blocks`), where the caller has them."""
+    times `capacity` where that is below 1 (slots for fewer rows than are routed)."""
     tokens = workload.batch * workload.seq
     routed = {
         path: max(1, roles.code.top_k) * min(1.0, capacity) / b.count
-        for b in (find_blocks(params) if blocks is None else blocks)
+        for b in find_blocks(params)
         if b.count
         for path in b.experts
     }

@@ -37,7 +37,7 @@ def traced_copies(model, call: Callable, roles: ModelRoles, seq: int, params: li
     from jax.extend import core as jax_core
 
     from shardplan.core.paths import param_infos
-    from shardplan.run.abstract import short_tracer_errors
+    from shardplan.model.abstract import short_tracer_errors
 
     infos = param_infos(model) if params is None else params
     graph, params, rest = nnx.split(model, nnx.Param, ...)

@@ -14,7 +14,7 @@ result is not needed at once runs beside compute. Each transfer says what it can
   layer's compute; hidden behind the compute the gradient reductions left. The first layer's gather
   has no layer before it; that one gather is not counted apart.
 - `attention`: a ring step's key and value permutes run while that step's block is scored.
-- `tensor`: with a plan's `tensor_overlap` (collective matmul, GPU flags in `shardplan.run.flags`)
+- `tensor`: with a plan's `tensor_overlap` (collective matmul, GPU flags in `shardplan.processes.flags`)
   and sequence parallelism, a layer matrix's tensor collective is an all-gather before its matmul or
   a reduce-scatter after it, which XLA splits into a ring of n pieces run beside the matmul's n
   parts: hidden behind up to (n-1)/n of the matmuls' time (the first piece waits), on the tensor

@@ -47,9 +47,17 @@ def explicit_axes_diagnostics(
         with within(mesh):
             jax.eval_shape(forward, typed, arrays)
     except Exception as exc:
-        # jax 0.10 keeps ShardingTypeError private (jax._src.core): known by its name
-        return [_unresolved(plan, explicit, exc, state, specs)] if type(exc).__name__ == "ShardingTypeError" else []
+        return [_unresolved(plan, explicit, exc, state, specs)] if _is_unresolved_sharding(exc) else []
     return []
+
+
+def _is_unresolved_sharding(exc: Exception) -> bool:
+    """JAX's refusal to type an operation's output under explicit axes: a ShardingTypeError (private in
+    jax 0.10, jax._src.core: known by its name), or, for operations with no sharding rule yet (such as
+    `ragged_dot_general`), a NotImplementedError that asks for an out_sharding."""
+    if type(exc).__name__ == "ShardingTypeError":
+        return True
+    return isinstance(exc, NotImplementedError) and "out_sharding" in str(exc)
 
 
 def _typed_inputs(plan: Plan, sizes: dict[str, int], mesh) -> dict:

@@ -26,7 +26,7 @@ def worker_script(module: str, function: str) -> str:
     printed after MARK; an exception the function raises is the case's finding, not the worker's end."""
     return f"""
 import json, sys
-from shardplan.run.devices import simulate_cpu_devices
+from shardplan.processes.devices import simulate_cpu_devices
 simulate_cpu_devices(int(sys.argv[1]))
 from {module} import {function}
 import traceback

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from flax import nnx
 
-from shardplan.run.abstract import eval_shape, first_line, untraceable
+from shardplan.model.abstract import eval_shape, first_line, untraceable
 
 
 class ModelLoadError(Exception):

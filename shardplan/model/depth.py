@@ -60,7 +60,7 @@ def read_deep(build, config: dict[str, Any]) -> Deep | None:
             if layers[0] is not None and layers[0] == layers[1]:
                 (model, order, _), (outside, prefix, layer) = builds[0], layers[0]
                 if len(outside) + depth * len(layer) > MAX_PARAM_ARRAYS:
-                    from shardplan.run.models import ModelLoadError
+                    from shardplan.model.factory import ModelLoadError
 
                     raise ModelLoadError(
                         f"{key}={depth:,} gives the model {depth * len(layer):,} parameter arrays in "
