@@ -191,6 +191,8 @@ def main() -> None:
             f" GB/s, latency {profile.collective_latency * 1e6:.0f} us, attention at {profile.attention_efficiency:.0%}"
             f", shared compute: {profile.shared_compute}"
         )
+        shares = ", ".join(f"{kind} {share:.2f}" for kind, share in profile.collective_shares.items())
+        print(f"  share of the link each collective reaches: {shares}")
         print(f"\nauto --measure 8 (MiniGPT {CONFIG}, batch {BATCH} x {SEQ})", flush=True)
         top = _auto_top(str(path), folder)
         timed = [r for r in top if "measured" in r]

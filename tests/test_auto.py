@@ -167,6 +167,13 @@ def test_data_parallel_estimate_is_one_all_reduce_of_the_parameters():
     assert cost.by_kind() == {"all-reduce": (1, weights)}
     assert cost.argument_bytes == 3 * weights + 2 * BATCH * SEQ * 4 // 8
     assert cost.flops > 0 and cost.step_s > cost.compute_s
+    # a profile whose all-reduces reach a quarter of its links (as `calibrate` measures per kind): the
+    # one all-reduce takes four times as long beyond its fixed cost; other kinds are not slowed
+    h200 = get_profile("h200")
+    slow = dataclasses.replace(h200, collective_shares={"all-reduce": 0.25, "all-gather": 1.0})
+    slowed = estimate(report, roles, Workload(BATCH, SEQ), slow)
+    fixed = h200.collective_latency
+    assert slowed.communication_s - fixed == pytest.approx(4 * (cost.communication_s - fixed), rel=1e-6)
 
 
 def test_executed_collectives_count_loop_trips():
@@ -379,6 +386,11 @@ def test_calibrate_writes_a_profile_of_what_it_measured(tmp_path, capsys):
     assert 0 < profile.attention_efficiency <= 1 and profile.matmul_efficiency == 1.0
     text = path.read_text()
     assert "calibration:" in text and "matmuls_rows_inner_columns_s" in text and "not measured: inter_host" in text
+    # every kind of collective the cost model counts is timed; the fastest is the link, the others a share
+    kinds = {"all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all"}
+    assert set(profile.collective_shares) == kinds and max(profile.collective_shares.values()) == 1.0
+    assert all(0 < share <= 1 for share in profile.collective_shares.values())
+    assert "share of the link each kind of collective reaches" in " ".join(capsys.readouterr().out.split())
     assert (
         main(
             [

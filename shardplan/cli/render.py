@@ -707,5 +707,8 @@ def render_profiles(console: Console, profiles) -> None:
     print_fitted(console, "device profiles", columns, rows)
     for p in profiles:
         print_wrapped(console, Text.assemble((f"{p.name}", "bold"), f" ({p.source}): {p.description}"))
+        if p.collective_shares:
+            shares = ", ".join(f"{kind} {share:.2g}" for kind, share in p.collective_shares.items())
+            print_wrapped(console, f"  share of the link each kind of collective reaches: {shares}")
         if p.defaults_line():
             print_wrapped(console, Text(f"  {p.defaults_line()}", style="yellow"))

@@ -3,8 +3,10 @@
 Every figure the cost model turns work into time with is timed here with all devices working at once
 (on simulated CPU devices they share the cores, and a device's rate is its share): matmuls over the
 shapes a transformer's layers use (fitted as `time = flops / rate + per-kernel overhead`), an
-elementwise pass (memory bandwidth), all-gathers and all-reduces over the devices of a host and, run as
-one process per host, over the hosts (bandwidth and latency, from a small and a large message), and attention
+elementwise pass (memory bandwidth), each kind of collective the cost model counts (all-reduce,
+all-gather, reduce-scatter, permute, all-to-all) over the devices of a host and, run as one process per
+host, over the hosts (bandwidth and latency, from a small and a large message: the fastest kind is the
+link's rate, and each other kind reaches its measured share of it), and attention
 (`jax.nn.dot_product_attention`), and whether the devices share their compute (the largest product on
 one device alone against all at once). Each measurement is the median of a few timed runs after a warm-up.
 """
@@ -165,14 +167,35 @@ def _elementwise(mesh, elements: int, dtype, dispatch: float) -> tuple[int, floa
 
 
 def _collective(mesh, kind: str, over: str, elements: int, dispatch: float) -> float:
-    """Seconds of one all-gather or all-reduce of `elements` float32 per device over `over`."""
+    """Seconds of one collective of `kind` on `elements` float32 per device over `over` (its result
+    brought back to the input's shape, so every kind runs in the same frame)."""
     both = P(("hosts", "host"))
+    n = mesh.shape[over]
     x = _filled(mesh, (mesh.size * elements,), jnp.float32, 1.0)
-    if kind == "all-reduce":
-        body = lambda a: jax.lax.psum(a, over)  # noqa: E731
-    else:
-        body = lambda a: jax.lax.all_gather(a, over, tiled=True)[: a.shape[0]]  # noqa: E731
-    return timed(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=both, out_specs=both)), x, dispatch=dispatch)
+    body = {
+        "all-reduce": lambda a: jax.lax.psum(a, over),
+        "all-gather": lambda a: jax.lax.all_gather(a, over, tiled=True)[: a.shape[0]],
+        "reduce-scatter": lambda a: jnp.tile(jax.lax.psum_scatter(a, over, tiled=True), n),
+        "collective-permute": lambda a: jax.lax.ppermute(a, over, [(i, (i + 1) % n) for i in range(n)]),
+        "all-to-all": lambda a: jax.lax.all_to_all(a.reshape(n, -1), over, 0, 0, tiled=True).reshape(-1),
+    }[kind]
+    timed_call = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=both, out_specs=both, check_vma=False))
+    return timed(timed_call, x, dispatch=dispatch)
+
+
+def _ring(kind: str, n: int, elements: int) -> tuple[int, float]:
+    """(bytes the cost model counts for one op of `kind` on `elements` float32 per device: its result,
+    the bytes a ring moves per counted byte) as `shardplan.planner.cost` times a transfer."""
+    return {
+        "all-reduce": (4 * elements, 2 * (n - 1) / n),
+        "all-gather": (4 * elements * n, (n - 1) / n),
+        "reduce-scatter": (4 * elements // n, float(n - 1)),
+        "collective-permute": (4 * elements, 1.0),
+        "all-to-all": (4 * elements, (n - 1) / n),
+    }[kind]
+
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
 
 def _attention(mesh, shape: tuple[int, int, int, int], dtype, dispatch: float) -> float:
@@ -251,27 +274,28 @@ def calibrate(
     elementwise = _elementwise(mesh, elements, kind, dispatch)
     collectives = []
     sizes = (1 << 10, 1 << 20) if backend == "cpu" else (1 << 10, 1 << 26)
-    links = {}
+    links: dict[str, dict[str, tuple[float, float]]] = {}
     for over in ("host", "hosts"):
         if mesh.shape[over] == 1:
             continue
         n = mesh.shape[over]
-        for kind_name, factor in (("all-gather", (n - 1) / n), ("all-reduce", 2 * (n - 1) / n)):
+        for kind_name in COLLECTIVES:
             progress(f"{kind_name} over the {'devices of a host' if over == 'host' else 'hosts'}")
-            # (the bytes a transfer of the cost model counts: the gathered whole, the reduced buffer)
-            whole = n if kind_name == "all-gather" else 1
-            points = [(4 * e * whole, _collective(mesh, kind_name, over, e, dispatch)) for e in sizes]
+            points = []
+            for e in sizes:
+                counted, factor = _ring(kind_name, n, e)
+                points.append((counted, _collective(mesh, kind_name, over, e, dispatch)))
             collectives += [(kind_name, over, b, s) for b, s in points]
-            links.setdefault(over, []).append(_link(points, factor))
+            links.setdefault(over, {})[kind_name] = _link(points, factor)
     progress("attention (jax.nn.dot_product_attention)")
     shape = (1, 512, 4, 64) if backend == "cpu" else (4, 4096, 32, 128)
     attention_s = _attention(mesh, shape, kind, dispatch)
     b, t, h, d = shape
     attention_rate = 4.0 * b * t * t * h * d / attention_s
-    intra = _median_link(links.get("host"))
-    inter = _median_link(links.get("hosts"))
+    intra, inter = _fastest(links.get("host")), _fastest(links.get("hosts"))
+    shares = _shares(links.get("host") or links.get("hosts"))
     bandwidth = elementwise[0] / elementwise[1]
-    latency = statistics.median([lat for pairs in links.values() for _, lat in pairs]) if links else 10e-6
+    latency = statistics.median([lat for kinds in links.values() for _, lat in kinds.values()]) if links else 10e-6
     when = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
     profile = Profile(
         name,
@@ -293,6 +317,7 @@ def calibrate(
         shared_compute=shared,
         source="measured",
         attention="fused" if backend == "gpu" else "materialised",
+        collective_shares=shares,
     )
     return Calibration(
         profile,
@@ -311,10 +336,18 @@ def calibrate(
     )
 
 
-def _median_link(pairs: list[tuple[float, float]] | None) -> tuple[float, float] | None:
-    if not pairs:
-        return None
-    return statistics.median(bw for bw, _ in pairs), statistics.median(lat for _, lat in pairs)
+def _fastest(kinds: dict[str, tuple[float, float]] | None) -> tuple[float, float] | None:
+    """(bandwidth, latency) of the kind of collective that moves its bytes fastest: the link's rate,
+    which every other kind reaches a share of."""
+    return max(kinds.values()) if kinds else None
+
+
+def _shares(kinds: dict[str, tuple[float, float]] | None) -> dict[str, float]:
+    """Each kind's bandwidth as a share of the fastest kind's."""
+    if not kinds:
+        return {}
+    fastest = max(bw for bw, _ in kinds.values())
+    return {kind: max(bw / fastest, 1e-3) for kind, (bw, _) in kinds.items()}
 
 
 def profile_text(calibration: Calibration, *, unmeasured: list[str] = ()) -> str:

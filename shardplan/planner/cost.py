@@ -1362,7 +1362,8 @@ def _seconds(t: Transfer, step: _Step, profile: Profile, hosts: dict[str, int]) 
         "reduce-scatter": float(n - 1),
         "collective-permute": 1.0,
     }[t.kind]
-    return t.count * (profile.collective_latency + factor * t.bytes / _bandwidth(t.axes, n, profile, hosts))
+    bandwidth = _bandwidth(t.axes, n, profile, hosts) * profile.collective_shares.get(t.kind, 1.0)
+    return t.count * (profile.collective_latency + factor * t.bytes / bandwidth)
 
 
 def _bandwidth(axes: tuple[str, ...], n: int, profile: Profile, hosts: dict[str, int]) -> float:

@@ -52,6 +52,9 @@ class Profile:
     # the devices share one pool of compute (simulated CPU devices on the host's cores): a device idle in a
     # pipeline's bubble lends its share to the others, so a step costs the devices' work added up
     shared_compute: bool = False
+    # share of the link bandwidth each kind of collective reaches (`calibrate` times each kind: on CPU a
+    # gather moves its bytes 5-10x slower than a permute); a kind not named reaches the whole link
+    collective_shares: dict[str, float] = dataclasses.field(default_factory=dict)
     source: str = "built in"
     defaults: tuple[str, ...] = ()  # a profile file's settings it left to their defaults, as `name=value`
 
@@ -181,6 +184,9 @@ Bandwidth = Annotated[float, BeforeValidator(_number), Field(ge=1e3, le=1e16, al
 Latency = Annotated[float, BeforeValidator(_number), Field(ge=1e-9, le=10, allow_inf_nan=False)]
 
 
+CollectiveKind = Literal["all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"]
+
+
 class ProfileFile(BaseModel):
     """The profile file format (`shardplan schema --profile` prints it as JSON Schema)."""
 
@@ -237,6 +243,11 @@ class ProfileFile(BaseModel):
         "a device idle in a pipeline's bubble lends its share to the others (`calibrate` "
         "measures it: one device alone against all at once)",
     )
+    collective_shares: dict[CollectiveKind, Share] = Field(
+        default_factory=dict,
+        description="share of the link bandwidth each kind of collective reaches, e.g. {all-to-all: 0.5} "
+        "(`shardplan calibrate` measures them; a kind not named reaches the whole link)",
+    )
     calibration: dict | None = Field(
         None,
         description="what `shardplan calibrate` measured to write this profile (kept for the record; the "
@@ -281,7 +292,7 @@ def load_profile(path: str | Path) -> Profile:
         for name, field in ProfileFile.model_fields.items()
         if not field.is_required()
         and name not in data
-        and name not in ("description", "peak_flops_by_dtype", "calibration")
+        and name not in ("description", "peak_flops_by_dtype", "collective_shares", "calibration")
     ]
     defaults = tuple(f"{name}={values[name]}" for name in left)
     return Profile(**values, source=f"{path} (measured)" if calibrated else str(path), defaults=defaults)
@@ -315,6 +326,8 @@ def profile_file_text(profile: Profile, comments: list[str], record: dict | None
         "shared_compute": profile.shared_compute,
         "attention": profile.attention,
     }
+    if profile.collective_shares:
+        values["collective_shares"] = {k: round(v, 3) for k, v in profile.collective_shares.items()}
     if record is not None:
         values["calibration"] = record
     return "".join(f"# {line}\n" for line in comments) + yaml.safe_dump(values, sort_keys=False, width=100)
