@@ -282,7 +282,7 @@ def calibrate(
         for kind_name in COLLECTIVES:
             progress(f"{kind_name} over the {'devices of a host' if over == 'host' else 'hosts'}")
             points = []
-            for e in sizes:
+            for e in (size // n * n for size in sizes):  # (a scatter or all-to-all splits it n ways)
                 counted, factor = _ring(kind_name, n, e)
                 points.append((counted, _collective(mesh, kind_name, over, e, dispatch)))
             collectives += [(kind_name, over, b, s) for b, s in points]
