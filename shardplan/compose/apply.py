@@ -21,7 +21,7 @@ from shardplan.core.validate import data_axes, validate_inputs, validate_optimiz
 from shardplan.model.abstract import abstract_with_roles, eval_shape, first_line, unplaced, untraceable
 from shardplan.run.optimizer import master_weights, optimizer_state, padded_state
 from shardplan.run.specs import partition_spec, pin
-from shardplan.run.step_options import apply_step_options
+from shardplan.core.subject import ModelUnderPlan
 from shardplan.plan.diagnostics import Diagnostic, PlanError, PlanWarning, warn
 from shardplan.plan.schema import Plan, spec_axes
 
@@ -59,21 +59,25 @@ def apply_plan(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh, *, exampl
     if plan.remat:
         _warn_remat_in_effect(plan, mesh, report)
     specs = {layout.path: layout.spec for layout in report.params}
-    if report.experts:  # before the step options, so remat and constraints wrap the exchange
-        from shardplan.experts.block import install
-
-        install(plan, model, mesh, report.experts)
-    if plan.context is not None:
-        from shardplan.context.install import install as install_context
-
-        install_context(plan, model, mesh, roles)
-    apply_step_options(plan, model, mesh)
+    subject = ModelUnderPlan(plan, model, report, given_mesh=mesh, given_roles=roles)
+    for install_on_model in _installs():
+        install_on_model(subject)
     if report.stage_map is not None:
         return _pipelined(plan, model, mesh, report, specs, plain_graphdef)
     for keys, variable in nnx.to_flat_state(nnx.state(model)):
         spec = specs.get(join_path(keys), ()) if isinstance(variable, nnx.Param) else ()
         _place(variable, NamedSharding(mesh, partition_spec(spec)))
     return model
+
+
+def _installs() -> tuple:
+    """Each feature's changes to the live model, in the order they are made: the experts' before the
+    step options, so that remat and constraints wrap the exchange. Imported here: they bring JAX."""
+    from shardplan.context import install as context
+    from shardplan.experts import block as experts
+    from shardplan.run import step_options
+
+    return (experts.install_on_model, context.install_on_model, step_options.install_on_model)
 
 
 def _warn_remat_in_effect(plan: Plan, mesh, report: Report) -> None:

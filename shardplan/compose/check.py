@@ -58,81 +58,39 @@ def check(
 def with_model_checks(
     report: Report, plan: Plan, model, example: Callable | None = None, mesh=None, roles=None
 ) -> Report:
-    """`report` plus what needs the model itself: its module paths against the step options' rules and,
-    given an example call (`example`, or the plan's input shapes), whether it can run its layers as the
-    pipeline does and whether the activation specs fit the outputs they name."""
-    from shardplan.core.calls import check_layer_calls, example_call
-    from shardplan.core.step import check_step_modules, check_step_shapes
-    from shardplan.core.paths import module_paths
+    """`report` plus what needs the model itself: each feature's `model_checks` in turn (the step
+    options' modules and activation shapes, whether the model runs its layers as the pipeline does,
+    its MoE blocks expert-parallel, its attention split by context, a narrow precision, explicit axes),
+    on one `ModelUnderPlan` that works out the example call, mesh and roles once."""
+    from shardplan.core.subject import ModelUnderPlan
 
-    found = (
-        check_step_modules(plan, [path for path, _ in module_paths(model)]) if plan.activations or plan.remat else []
-    )
-    call = None
-    if report.stage_map is not None or plan.activations or report.experts or plan.context:
-        call = example if example is not None else example_call(plan, model)
-    if call is not None and report.stage_map is not None:
-        found += check_layer_calls(plan, model, call)
-    if call is not None and not report.errors:
-        found += check_step_shapes(plan, model, report.axes, call)
-    if report.experts and not report.errors:
-        from shardplan.core.mesh import tracing_mesh
-        from shardplan.experts.contract import blocks_call, check_expert_calls
-
-        block_call = call if call is not None else blocks_call(model, report)
-        if block_call is not None:  # (checked for devices this machine need not have, as the layout is)
-            found += check_expert_calls(
-                plan,
-                model,
-                report,
-                block_call,
-                mesh if mesh is not None else tracing_mesh(plan, report.axes),
-                made_up=call is None,
-            )
-    if plan.context is not None and not report.errors:
-        from shardplan.core.roles import recognise_module
-        from shardplan.context.contract import check_context_calls
-        from shardplan.core.mesh import tracing_mesh
-
-        found += check_context_calls(
-            plan,
-            model,
-            roles or recognise_module(model),
-            call,
-            mesh if mesh is not None else tracing_mesh(plan, report.axes),
-        )
-    found += _precision_checks(report, plan, model, call)
-    if "explicit" in plan.mesh.types.values() and not report.errors and not any(d.severity == "error" for d in found):
-        from shardplan.core.mesh import tracing_mesh
-        from shardplan.run.explicit_axes import explicit_axes_diagnostics
-
-        found += explicit_axes_diagnostics(
-            plan,
-            model,
-            {layout.path: layout.spec for layout in report.params},
-            report.axes,
-            mesh if mesh is not None else tracing_mesh(plan, report.axes),
-        )
+    subject = ModelUnderPlan(plan, model, report, example, mesh, roles)
+    found = []
+    for model_check in _model_checks():
+        found += model_check(subject, found)
     if not found:
         return report
     stage_map = None if any(d.severity == "error" for d in found) else report.stage_map
     return dataclasses.replace(report, diagnostics=report.diagnostics + found, stage_map=stage_map)
 
 
-def _precision_checks(report: Report, plan: Plan, model, call: Callable | None) -> list:
-    """Whether a narrow `precision` reaches the model's matmuls, on the example call or, without one,
-    on a few zero tokens for the plan's first input (a model that cannot take them is not judged)."""
-    import jax.numpy as jnp
+def _model_checks() -> tuple:
+    """Every feature's checks that need the model, in the order they run (explicit axes last: they are
+    judged only where nothing before found an error). Imported here, not at the top: they bring JAX."""
+    from shardplan.context import contract as context
+    from shardplan.core import step
+    from shardplan.experts import contract as experts
+    from shardplan.pipeline import stages as pipeline
+    from shardplan.run import explicit_axes, precision
 
-    narrow = plan.precision.compute or plan.precision.params
-    if not narrow or jnp.dtype(narrow).itemsize >= 4 or report.errors or not plan.inputs:
-        return []
-    from shardplan.core.calls import call_with
-    from shardplan.run.precision import precision_diagnostics
-
-    if call is None:
-        call = call_with(model, {next(iter(plan.inputs)): jnp.zeros((1, 8), jnp.int32)})
-    return precision_diagnostics(plan, model, call)
+    return (
+        step.model_checks,
+        pipeline.model_checks,
+        experts.model_checks,
+        context.model_checks,
+        precision.model_checks,
+        explicit_axes.model_checks,
+    )
 
 
 def _axis_types(mesh) -> dict[str, str]:

@@ -89,6 +89,13 @@ _UNIFORM = frozenset(
 _ORDERED = frozenset(("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "rev", "pad", "conv_general_dilated"))
 
 
+def model_checks(subject, found: list[Diagnostic]) -> list[Diagnostic]:
+    """Whether the model's attention allows the context split (`subject`: a `ModelUnderPlan`)."""
+    if subject.plan.context is None or subject.plan_errors:
+        return []
+    return check_context_calls(subject.plan, subject.model, subject.roles, subject.call, subject.mesh)
+
+
 def check_context_calls(plan, model, roles, call, mesh) -> list[Diagnostic]:
     context = plan.context
     line, col = plan.locate("context", "strategy" if context.strategy == "ring" else "axis")

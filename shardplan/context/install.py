@@ -38,6 +38,13 @@ class SequenceSplit:
     split: bool
 
 
+def install_on_model(subject) -> list[Change]:
+    """The plan's context parallelism put on the model (`subject`: a `ModelUnderPlan`), if it has any."""
+    if subject.plan.context is None:
+        return []
+    return install(subject.plan, subject.model, subject.mesh, subject.given_roles)
+
+
 def install(plan: Plan, model, mesh, roles: ModelRoles | None = None, *, ring: Ring | None = None) -> list[Change]:
     """Put the plan's context parallelism on `model`; return what was changed, for
     `shardplan.core.changes.undo`. `roles` default to the live model's (its definition order); `ring`

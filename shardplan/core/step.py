@@ -59,6 +59,16 @@ def check_step_axes(plan: Plan, sizes: dict[str, int]) -> list[Diagnostic]:
     return found
 
 
+def model_checks(subject, found: list[Diagnostic]) -> list[Diagnostic]:
+    """The step options' checks that need the model (`subject`: a `ModelUnderPlan`): the modules their
+    rules name, and, on the example call, whether each activation spec fits the output it names."""
+    plan = subject.plan
+    out = check_step_modules(plan, subject.module_paths) if plan.activations or plan.remat else []
+    if subject.call is not None and not subject.plan_errors:
+        out += check_step_shapes(plan, subject.model, subject.report.axes, subject.call)
+    return out
+
+
 def check_step_modules(plan: Plan, paths: list[str]) -> list[Diagnostic]:
     """Rules that match no module path (a typo, or a path that is a parameter's, not a module's)."""
     found = []

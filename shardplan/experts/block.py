@@ -412,6 +412,12 @@ def expert_options(plan, mesh, roles) -> dict[str, ExpertOptions]:
     return found
 
 
+def install_on_model(subject) -> list[Change]:
+    """The plan's MoE blocks made expert-parallel (`subject`: a `ModelUnderPlan`), if it has any."""
+    report = subject.report
+    return install(subject.plan, subject.model, subject.mesh, report.experts) if report.experts else []
+
+
 def install(plan, model, mesh, roles) -> list[Change]:
     """Make the plan's MoE blocks expert-parallel in place; what changed, for `shardplan.core.changes.undo`."""
     from shardplan.core.paths import module_paths

@@ -7,6 +7,18 @@ from shardplan.experts.check import expected_drop_share
 from shardplan.plan.diagnostics import Diagnostic
 
 
+def model_checks(subject, found: list[Diagnostic]) -> list[Diagnostic]:
+    """Whether the MoE blocks can run expert-parallel, on the example call or, where the plan's inputs
+    give no shapes, on a made-up call of the blocks alone (`subject`: a `ModelUnderPlan`)."""
+    report = subject.report
+    if not report.experts or report.errors:
+        return []
+    call = subject.call if subject.call is not None else blocks_call(subject.model, report)
+    if call is None:
+        return []
+    return check_expert_calls(subject.plan, subject.model, report, call, subject.mesh, made_up=subject.call is None)
+
+
 def check_expert_calls(plan, model, report, call, mesh, *, made_up: bool = False) -> list[Diagnostic]:
     """`made_up`: `call` is `blocks_call`'s (the plan's inputs give no shapes), so its token count is not
     the user's and the capacity warning says so."""

@@ -496,3 +496,13 @@ def stage_patterns(plan: Plan) -> tuple[list[tuple[int, object, int]], list[Diag
         else:
             compiled.append((k, pattern, rule.stage))
     return compiled, problems
+
+
+def model_checks(subject, found: list[Diagnostic]) -> list[Diagnostic]:
+    """Whether the model calls its layers as the pipeline runs them, on the example call (`subject`: a
+    `ModelUnderPlan`)."""
+    if subject.report.stage_map is None or subject.call is None:
+        return []
+    from shardplan.core.calls import check_layer_calls
+
+    return check_layer_calls(subject.plan, subject.model, subject.call)

@@ -22,6 +22,15 @@ from shardplan.run.specs import partition_spec
 from shardplan.run.step_options import apply_step_options
 
 
+def model_checks(subject, found: list[Diagnostic]) -> list[Diagnostic]:
+    """Under explicit mesh axes, whether the forward resolves every output's sharding (`subject`: a
+    `ModelUnderPlan`); not judged where the plan or another model check has an error already."""
+    plan = subject.plan
+    if "explicit" not in plan.mesh.types.values() or subject.plan_errors or any(d.severity == "error" for d in found):
+        return []
+    return explicit_axes_diagnostics(plan, subject.model, subject.specs, subject.report.axes, subject.mesh)
+
+
 def explicit_axes_diagnostics(
     plan: Plan, model, specs: dict[str, tuple], sizes: dict[str, int], mesh
 ) -> list[Diagnostic]:

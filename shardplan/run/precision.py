@@ -109,6 +109,21 @@ def floating(a) -> bool:
     return hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)
 
 
+def model_checks(subject, found: list[Diagnostic]) -> list[Diagnostic]:
+    """Whether a narrow `precision` reaches the model's matmuls, on the example call or, without one,
+    on a few zero tokens for the plan's first input (a model that cannot take them is not judged)."""
+    plan = subject.plan
+    narrow = plan.precision.compute or plan.precision.params
+    if not narrow or jnp.dtype(narrow).itemsize >= 4 or subject.plan_errors or not plan.inputs:
+        return []
+    call = subject.call
+    if call is None:
+        from shardplan.core.calls import call_with
+
+        call = call_with(subject.model, {next(iter(plan.inputs)): jnp.zeros((1, 8), jnp.int32)})
+    return precision_diagnostics(plan, subject.model, call)
+
+
 def precision_diagnostics(plan, model, call: Callable):
     """`precision-not-applied` where the forward `call(model)` runs matmuls wider than the plan's
     narrow precision (none when it cannot be traced: other checks say why)."""

@@ -58,6 +58,13 @@ def accumulation(model) -> int:
     return options.accumulate if options is not None else 1
 
 
+def install_on_model(subject) -> list:
+    """The plan's step options put on the model (`subject`: a `ModelUnderPlan`); classes wrapped for
+    good (nothing to undo: the model is the plan's from now on)."""
+    apply_step_options(subject.plan, subject.model, subject.mesh)
+    return []
+
+
 def apply_step_options(plan: Plan, model, mesh) -> None:
     """Wrap, in place, the calls of the modules the plan's step options name; cast stored parameters
     to `precision.params`; modules that compute in their parameters' dtype compute in the plan's."""
