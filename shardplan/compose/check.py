@@ -42,10 +42,11 @@ def check(
     from shardplan.pipeline.stacked import pipeline_layers_of
 
     model = pipeline_layers_of(plan, model, in_place=False)  # (stacked layers as the list they stand for)
+    params = param_infos(model)
     device_ids = _device_ids(plan, mesh)
     report = check_params(
         plan,
-        param_infos(model),
+        params,
         device_ids,
         input_shapes=input_shapes,
         processes=jax.process_count(),
