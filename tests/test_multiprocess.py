@@ -159,6 +159,27 @@ def test_a_survivors_native_dump_is_told_from_its_own_lines():
     assert not is_native_dump("train 3/10: loss 5.1")
 
 
+def test_calibrate_on_six_devices_times_every_kind_of_collective(tmp_path):
+    """Not a power of two: each message is a multiple of the group, so a scatter and an all-to-all over
+    6 devices split it evenly, and every kind gets its share of the link."""
+    from shardplan.planner.profiles import load_profile
+
+    out = tmp_path / "six.yaml"
+    done = subprocess.run(
+        [sys.executable, "-m", "shardplan", "calibrate", "-o", str(out), "--quick", "--devices", "6"],
+        cwd=REPO,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=600,  # (a bound on the work, not its time)
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    profile = load_profile(out)
+    assert profile.devices_per_host == 6
+    kinds = {"all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all"}
+    assert set(profile.collective_shares) == kinds and max(profile.collective_shares.values()) == 1.0
+
+
 def test_calibrate_over_two_processes_measures_the_links_between_hosts(tmp_path):
     """Two real `jax.distributed` processes of 4 simulated devices each (one per "host"): every process
     measures, the first writes a profile whose link between hosts was measured, not assumed."""

@@ -11,7 +11,7 @@ def model_checks(subject, found: list[Diagnostic]) -> list[Diagnostic]:
     """Whether the MoE blocks can run expert-parallel, on the example call or, where the plan's inputs
     give no shapes, on a made-up call of the blocks alone (`subject`: a `ModelUnderPlan`)."""
     report = subject.report
-    if not report.experts or report.errors:
+    if not report.experts or subject.plan_errors:
         return []
     call = subject.call if subject.call is not None else blocks_call(subject.model, report)
     if call is None:
