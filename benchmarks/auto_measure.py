@@ -2,8 +2,9 @@
 
 On 8 simulated CPU devices, in one run:
 
-1. `shardplan calibrate` measures the profile (matmul rate and per-kernel cost, memory bandwidth,
-   collectives, attention, whether the devices share their compute).
+1. `shardplan calibrate` measures the profile (matmul rate and per-kernel cost, collectives,
+   attention, whether the devices share their compute, and from a reference GPT's steps the rate of a
+   step's memory-bound work and the cost of a pipeline's tick).
 2. `shardplan auto --measure 8 --calibrate` on that profile for MiniGPT: its 8 best candidates compiled
    and timed; the written plan must be the measured fastest. These are near-ties by construction (the
    best plans of one search), so their order is mostly measurement noise: their ranking is printed, not
@@ -189,7 +190,7 @@ def main() -> None:
             f"  {profile.peak_flops / 1e9:.1f} GFLOP/s per device, {profile.matmul_overhead * 1e6:.0f} us per "
             f"kernel, memory {profile.memory_bandwidth / 1e9:.2f} GB/s, links {profile.intra_host_bandwidth / 1e9:.2f}"
             f" GB/s, latency {profile.collective_latency * 1e6:.0f} us, attention at {profile.attention_efficiency:.0%}"
-            f", shared compute: {profile.shared_compute}"
+            f", {profile.tick_overhead * 1e3:.1f} ms per pipeline tick, shared compute: {profile.shared_compute}"
         )
         shares = ", ".join(f"{kind} {share:.2f}" for kind, share in profile.collective_shares.items())
         print(f"  share of the link each collective reaches: {shares}")

@@ -385,12 +385,31 @@ def test_calibrate_writes_a_profile_of_what_it_measured(tmp_path, capsys):
     assert 1e6 < profile.peak_flops < 1e13 and profile.memory_bandwidth > 1e6 and profile.intra_host_bandwidth > 1e5
     assert 0 < profile.attention_efficiency <= 1 and profile.matmul_efficiency == 1.0
     text = path.read_text()
-    assert "calibration:" in text and "matmuls_rows_inner_columns_s" in text and "not measured: inter_host" in text
+    assert "calibration:" in text and "matmuls_form_rows_inner_columns_s" in text and "not measured: inter_host" in text
     # every kind of collective the cost model counts is timed; the fastest is the link, the others a share
     kinds = {"all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all"}
     assert set(profile.collective_shares) == kinds and max(profile.collective_shares.values()) == 1.0
     assert all(0 < share <= 1 for share in profile.collective_shares.values())
     assert "share of the link each kind of collective reaches" in " ".join(capsys.readouterr().out.split())
+    # the memory bandwidth and the cost per tick are what the reference GPT's steps ran at: the profile
+    # written costs both steps at the times they were measured (the rate never above one elementwise pass's)
+    import yaml
+
+    from shardplan.compose.reference import Shape, modelled_step
+
+    record = yaml.safe_load(text)["calibration"]
+    reference = record["reference_steps"]
+    shape = Shape(**{field: reference[field] for field in ("vocab", "width", "heads", "layers", "seq", "batch")})
+    passed = record["elementwise_bytes_s"][0] / record["elementwise_bytes_s"][1]
+    assert profile.memory_bandwidth <= passed * 1.001
+    assert record["tick_overhead_from"] == "the pipelined reference step" and reference["pipelined_1f1b_two_stages"]
+    if record["memory_bandwidth_from"] == "the reference step":
+        assert modelled_step(shape, profile) == pytest.approx(reference["data_parallel"]["measured_s"], rel=0.01)
+        if profile.tick_overhead > 0:  # (zero: the pipelined step took no longer than its work)
+            pipelined = modelled_step(shape, profile, pipelined=True)
+            assert pipelined == pytest.approx(reference["pipelined_1f1b_two_stages"]["measured_s"], rel=0.01)
+    else:  # a machine so loaded that the rest of the step took it all: said, not hidden
+        assert record["memory_bandwidth_from"].startswith("the elementwise pass (")
     assert (
         main(
             [
@@ -519,8 +538,9 @@ def test_auto_gives_the_end_stages_fewer_layers_where_the_head_outweighs_a_layer
     def build():
         return minigpt_model.MiniGPT(**config, rngs=nnx.Rngs(0))
 
-    # (devices with compute of their own: simulated ones share the cores, and there evening out gains nothing)
-    own = dataclasses.replace(get_profile("cpu"), shared_compute=False)
+    # (devices with compute of their own: simulated ones share the cores, and there evening out gains
+    # nothing; ticks free, so the step is its slowest stage's work)
+    own = dataclasses.replace(get_profile("cpu"), shared_compute=False, tick_overhead=0.0)
     found, _, roles = _search(
         build,
         profile=own,

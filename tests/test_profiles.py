@@ -27,6 +27,7 @@ def test_a_minimal_profile_file_loads_with_the_documented_defaults(tmp_path):
     assert profile.peak_flops == 312e12 and profile.memory_bytes == 80 * 2**30
     assert profile.matmul_efficiency == 0.8 and profile.link_efficiency == 0.8
     assert profile.collective_latency == 10e-6 and profile.attention == "materialised"
+    assert profile.tick_overhead == 30e-6
     assert profile.flops_for("float32") == 312e12  # no per-dtype figure: the peak
 
 
@@ -56,6 +57,7 @@ def test_shipped_profile_files_load(name):
         (("devices_per_host: 8", "devices_per_host: 0"), "invalid-value", (7, "devices_per_host")),
         (("devices_per_host: 8", "devices_per_host: 8\nlink_efficiency: 1.5"), "invalid-value", (8, "link_efficiency")),
         (("inter_host_bandwidth: 25e9\n", ""), "missing-key", (None, "inter_host_bandwidth")),
+        (("devices_per_host: 8", "devices_per_host: 8\ntick_overhead: -1e-3"), "invalid-value", (8, "tick_overhead")),
     ],
 )
 def test_bad_profiles_are_diagnostics_at_their_lines(tmp_path, edit, code, where):

@@ -401,9 +401,11 @@ def build_parser() -> argparse.ArgumentParser:
         "calibrate",
         help="measure a device profile on the devices at hand and write it as a profile file",
         description="Time, with every device working at once, what the cost model turns work into time\n"
-        "with: matmuls over a transformer's shapes (rate and per-kernel overhead), an elementwise\n"
-        "pass (memory bandwidth), all-gathers and all-reduces over the devices (and, one process\n"
-        "per host with --coordinator, the hosts) for bandwidth and latency, and attention.\n"
+        "with: matmuls over a transformer's shapes as the forward and both gradients run them (rate\n"
+        "and per-kernel overhead), each kind of collective over the devices (and, one process per\n"
+        "host with --coordinator, the hosts) for bandwidth and latency, attention, and a reference\n"
+        "GPT's training step, for the rate a step runs its memory-bound work at (norms, softmax,\n"
+        "activations, the update) beside all the above.\n"
         "Writes a profile file for --profile of `auto` and `inspect` that says what was measured,\n"
         "how and when. Without an accelerator it measures N simulated CPU devices (they share\n"
         "the cores).",

@@ -2,13 +2,16 @@
 
 Every figure the cost model turns work into time with is timed here with all devices working at once
 (on simulated CPU devices they share the cores, and a device's rate is its share): matmuls over the
-shapes a transformer's layers use (fitted as `time = flops / rate + per-kernel overhead`), an
-elementwise pass (memory bandwidth), each kind of collective the cost model counts (all-reduce,
+shapes a transformer's layers use, each as the forward and both gradients run it (fitted as
+`time = flops / rate + per-kernel overhead`), an elementwise pass (a bound on memory bandwidth), each
+kind of collective the cost model counts (all-reduce,
 all-gather, reduce-scatter, permute, all-to-all) over the devices of a host and, run as one process per
 host, over the hosts (bandwidth and latency, from a small and a large message: the fastest kind is the
 link's rate, and each other kind reaches its measured share of it), and attention
 (`jax.nn.dot_product_attention`), and whether the devices share their compute (the largest product on
 one device alone against all at once). Each measurement is the median of a few timed runs after a warm-up.
+Last, a reference model's training step gives the rate a step runs its memory-bound work at
+(`shardplan.compose.reference`), which the profile keeps as its memory bandwidth.
 """
 
 from __future__ import annotations
@@ -25,12 +28,17 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardplan.compose.reference import CPU_SHAPE, GPU_SHAPE, QUICK_CPU_SHAPE, ReferenceSteps, time_reference_steps
 from shardplan.planner.profiles import Profile, profile_file_text
 
 # (rows, inner, columns) per device: rows are tokens; the others a layer's widths. Each list spans
-# the shapes its backend runs in the tests and benchmarks, small kernels to large.
+# the shapes its backend runs in the tests and benchmarks, small kernels to large: on CPU down to a
+# pipeline's microbatch of 64 rows, which pins the per-kernel cost (without them the fit put a
+# millisecond on every kernel, where a 64-row product takes under half of one).
 CPU_SHAPES = (
+    (64, 256, 256),
     (256, 256, 256),
+    (128, 256, 1024),
     (1024, 256, 256),
     (1024, 256, 1024),
     (1024, 1024, 256),
@@ -56,7 +64,7 @@ class Calibration:
     """What was measured, and the profile it makes."""
 
     profile: Profile
-    matmuls: tuple[tuple[int, int, int, float], ...]  # (rows, inner, columns, seconds) per device
+    matmuls: tuple[tuple[str, int, int, int, float], ...]  # (form, rows, inner, columns, seconds) per device
     elementwise: tuple[int, float]  # (bytes moved per device, seconds)
     collectives: tuple[tuple[str, str, int, float], ...]  # (kind, over: "host"/"hosts", bytes per device, seconds)
     attention: tuple[tuple[int, ...], float]  # ((batch, seq, heads, head dim) per device, seconds)
@@ -68,6 +76,7 @@ class Calibration:
     alone: float  # the largest product on one device, the others idle
     seconds: float  # how long the calibration took
     dispatch: float  # seconds of launching a call, taken off each timing
+    reference: ReferenceSteps  # the steps the memory-bound rate and the cost per tick are solved from
 
     def record(self) -> dict:
         """The measurements, as the profile file keeps them (`calibration:`)."""
@@ -80,12 +89,25 @@ class Calibration:
             "took_s": round(self.seconds, 1),
             "dispatch_s_taken_off": _round(self.dispatch),
             "how": "median of timed runs after a warm-up, every device working at once",
-            "matmuls_rows_inner_columns_s": [[m, k, n, _round(s)] for m, k, n, s in self.matmuls],
+            "matmuls_form_rows_inner_columns_s": [[f, m, k, n, _round(s)] for f, m, k, n, s in self.matmuls],
             "elementwise_bytes_s": [self.elementwise[0], _round(self.elementwise[1])],
             "collectives_kind_over_bytes_s": [[kind, over, b, _round(s)] for kind, over, b, s in self.collectives],
             "attention_shape_s": [list(self.attention[0]), _round(self.attention[1])],
             "largest_matmul_alone_s": _round(self.alone),
+            "reference_steps": self.reference.record(),
+            "memory_bandwidth_from": self._bandwidth_from(),
+            "tick_overhead_from": "the pipelined reference step"
+            if self.reference.tick_overhead is not None
+            else "the default (no pipelined reference step on an odd device count)",
         }
+
+    def _bandwidth_from(self) -> str:
+        passed = self.elementwise[0] / self.elementwise[1]
+        if self.reference.bandwidth is None:
+            return "the elementwise pass (the reference step left no time for memory-bound work)"
+        if self.reference.bandwidth > passed:
+            return "the elementwise pass (the reference step's rate was above it)"
+        return "the reference step"
 
 
 def _round(seconds: float) -> float:
@@ -129,33 +151,47 @@ def _filled(mesh, shape: tuple[int, ...], dtype, value: float) -> jax.Array:
     )
 
 
-def _matmul(mesh, m: int, k: int, n: int, dtype, dispatch: float, chain: int = 4) -> float:
-    """Seconds of an (m, k) x (k, n) product on every device at once: `chain` of them inside one compiled
-    loop (each on its own scaled input, so none is hoisted), as a step runs its kernels back to back."""
-    both = P(("hosts", "host"))
-    x, w = _filled(mesh, (mesh.size * m, k), dtype, 1.0), _filled(mesh, (mesh.size * k, n), dtype, 0.01)
+# The three products a layer's (m, k) x (k, n) matmul makes in a training step, each 2mkn FLOPs from
+# operands laid out as the step holds them: forward x @ w, the input's gradient dy @ w.T and the
+# weight's x.T @ dy (x: (m, k) activations, w: (k, n) weights, dy: (m, n) gradients), as (first
+# operand's shape, second's, the product). XLA's CPU kernels run the transposed ones up to a third slower.
+FORMS = {
+    "forward": (lambda m, k, n: ((m, k), (k, n)), lambda a, b: a @ b),
+    "input-gradient": (lambda m, k, n: ((m, n), (k, n)), lambda a, b: a @ b.T),
+    "weight-gradient": (lambda m, k, n: ((m, k), (m, n)), lambda a, b: a.T @ b),
+}
+
+
+def _chain(multiply: Callable, chain: int) -> Callable:
+    """`chain` of `multiply(a, b)` inside one compiled loop, each on its own scaled input (so none is
+    hoisted), as a step runs its kernels back to back."""
 
     def products(a, b):
-        return jax.lax.fori_loop(
-            0, chain, lambda i, acc: acc + (a * i.astype(a.dtype)) @ b, jnp.zeros((a.shape[0], b.shape[1]), a.dtype)
-        )
+        out = jax.eval_shape(multiply, a, b)
+        scaled = lambda i, acc: acc + multiply(a * i.astype(a.dtype), b)  # noqa: E731
+        return jax.lax.fori_loop(0, chain, scaled, jnp.zeros(out.shape, a.dtype))
 
-    product = jax.jit(jax.shard_map(products, mesh=mesh, in_specs=(both, both), out_specs=both, check_vma=False))
-    return timed(product, x, w, dispatch=dispatch) / chain
+    return products
+
+
+def _matmul(mesh, form: str, m: int, k: int, n: int, dtype, dispatch: float, chain: int = 4) -> float:
+    """Seconds of an (m, k) x (k, n) layer's product in `form` (see `FORMS`) on every device at once."""
+    both = P(("hosts", "host"))
+    shapes, multiply = FORMS[form]
+    a_shape, b_shape = shapes(m, k, n)
+    x = _filled(mesh, (mesh.size * a_shape[0], a_shape[1]), dtype, 1.0)
+    w = _filled(mesh, (mesh.size * b_shape[0], b_shape[1]), dtype, 0.01)
+    chained = _chain(multiply, chain)
+    timed_call = jax.jit(jax.shard_map(chained, mesh=mesh, in_specs=(both, both), out_specs=both, check_vma=False))
+    return timed(timed_call, x, w, dispatch=dispatch) / chain
 
 
 def _alone(m: int, k: int, n: int, dtype, dispatch: float, chain: int = 4) -> float:
-    """Seconds of the same product on the first device while the others are idle."""
+    """Seconds of the forward product on the first device while the others are idle."""
     device = jax.local_devices()[0]
     x = jax.device_put(jnp.ones((m, k), dtype), device)
     w = jax.device_put(jnp.ones((k, n), dtype) * 0.01, device)
-
-    def products(a, b):
-        return jax.lax.fori_loop(
-            0, chain, lambda i, acc: acc + (a * i.astype(a.dtype)) @ b, jnp.zeros((a.shape[0], b.shape[1]), a.dtype)
-        )
-
-    return timed(jax.jit(products), x, w, dispatch=dispatch) / chain
+    return timed(jax.jit(_chain(FORMS["forward"][1], chain)), x, w, dispatch=dispatch) / chain
 
 
 def _elementwise(mesh, elements: int, dtype, dispatch: float) -> tuple[int, float]:
@@ -260,12 +296,14 @@ def calibrate(
     dispatch = _dispatch(mesh)
     matmuls = []
     for i, (m, k, n) in enumerate(shapes):
-        progress(f"matmul {i + 1}/{len(shapes)}: ({m} x {k}) x ({k} x {n}) per device")
-        matmuls.append((m, k, n, _matmul(mesh, m, k, n, kind, dispatch)))
-    rate, overhead = fit_rate([(2.0 * m * k * n, s) for m, k, n, s in matmuls])
+        progress(f"matmul {i + 1}/{len(shapes)}: ({m} x {k}) x ({k} x {n}) per device, forward and both gradients")
+        matmuls += [(form, m, k, n, _matmul(mesh, form, m, k, n, kind, dispatch)) for form in FORMS]
+    rate, overhead = fit_rate([(2.0 * m * k * n, s) for _, m, k, n, s in matmuls])
     # Devices with compute of their own run a product as fast side by side as alone; devices that share
     # the host's cores take about `devices` times longer side by side.
-    m, k, n, together = max(matmuls, key=lambda shape: shape[0] * shape[1] * shape[2])
+    _, m, k, n, together = max(
+        (shape for shape in matmuls if shape[0] == "forward"), key=lambda shape: shape[1] * shape[2] * shape[3]
+    )
     progress("the same product on one device alone (do the devices share their compute?)")
     alone = _alone(m, k, n, kind, dispatch)
     shared = devices > 1 and together > 2 * alone
@@ -319,6 +357,16 @@ def calibrate(
         attention="fused" if backend == "gpu" else "materialised",
         collective_shares=shares,
     )
+    # a step's own memory-bound rate and cost per tick, solved with every figure above in place; the
+    # rate never above one pass's
+    progress("a reference GPT's training steps, data parallel and pipelined (memory-bound work, ticks)")
+    reference = time_reference_steps(
+        (QUICK_CPU_SHAPE if quick else CPU_SHAPE) if backend == "cpu" else GPU_SHAPE, profile
+    )
+    if reference.bandwidth:
+        profile = dataclasses.replace(profile, memory_bandwidth=min(reference.bandwidth, bandwidth))
+    if reference.tick_overhead is not None:
+        profile = dataclasses.replace(profile, tick_overhead=min(reference.tick_overhead, 10.0))
     return Calibration(
         profile,
         tuple(matmuls),
@@ -333,6 +381,7 @@ def calibrate(
         alone,
         time.perf_counter() - started,
         dispatch,
+        reference,
     )
 
 
@@ -356,8 +405,9 @@ def profile_text(calibration: Calibration, *, unmeasured: list[str] = ()) -> str
         f"Measured by `shardplan calibrate` at {calibration.when} on {calibration.devices} "
         f"{calibration.backend} device(s), {calibration.processes} process(es), {calibration.dtype}.",
         "peak_flops is the measured matmul rate (so matmul_efficiency is 1); matmul_overhead the fitted",
-        "fixed cost per kernel; memory_bandwidth from one elementwise pass; link figures from all-gathers",
-        "and all-reduces of a small and a large message. `calibration:` keeps the raw timings.",
+        "fixed cost per kernel; memory_bandwidth the rate a reference GPT's step ran its memory-bound work",
+        "at; link figures from each kind of collective at a small and a large message. `calibration:`",
+        "keeps the raw timings.",
     ]
     head += [f"not measured: {what}" for what in unmeasured]
     return profile_file_text(calibration.profile, head, calibration.record())

@@ -426,6 +426,10 @@ def estimate(
     # devices sharing one pool of compute (simulated CPU devices) lend their idle ticks to each other: the
     # step costs the stages' work added up, spread over all of them, and no bubble
     compute_s = sum(stage_s) / len(stage_s) if profile.shared_compute else max(stage_s) / (1.0 - bubble)
+    if pipe:  # what each tick of the schedule's loop costs beyond its work (`Profile.tick_overhead`)
+        compute_s += schedule_tables(step.schedule, step.stages, step.microbatches, step.virtual)[0] * (
+            profile.tick_overhead
+        )
     timed = [(t.overlap, _seconds(t, step, profile, plan.mesh.hosts)) for t in transfers]
     communication_s = sum(seconds for _, seconds in timed)
     overlapped = exposure(

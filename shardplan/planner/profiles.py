@@ -28,6 +28,13 @@ DEFAULT_LINK_EFFICIENCY = 0.8  # NCCL bus bandwidth reaches about 80% of the lin
 # ones take 6.4 and 4.4 us longer. So small matmuls (small models, thin tensor-parallel shards,
 # microbatches of one sequence) run below the large-GEMM rate; large ones do not notice.
 DEFAULT_MATMUL_OVERHEAD = 5e-6
+# Seconds each tick of a pipeline's schedule costs beyond its work: the loop's iteration (on a GPU XLA
+# reads a while loop's condition back to the host), the branch a stage takes, the stash's slices and
+# the stages' hand-over in step. Not from a datasheet: a few kernel launches and one host round trip,
+# about 30 us on a GPU; `calibrate` measures it (about 10 ms on 8 simulated CPU devices, whose ticks
+# wait for each other on 2 cores). Small beside a large model's ticks, it decides between microbatch
+# counts of a small one.
+DEFAULT_TICK_OVERHEAD = 30e-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +53,7 @@ class Profile:
     link_efficiency: float = DEFAULT_LINK_EFFICIENCY  # share of link bandwidth a large collective reaches
     attention_efficiency: float = DEFAULT_MATMUL_EFFICIENCY  # share of peak the attention's own matmuls reach
     matmul_overhead: float = DEFAULT_MATMUL_OVERHEAD  # seconds per matmul kernel beyond its FLOPs
+    tick_overhead: float = DEFAULT_TICK_OVERHEAD  # seconds per tick of a pipeline's schedule beyond its work
     attention: str = "materialised"  # "materialised": scores written to memory (XLA's attention); "fused": on chip
     low_precision_native: bool = True  # bf16 compute keeps activations and their collectives in 2 bytes
     overlap: bool = True  # collectives run asynchronously beside compute (see `shardplan.planner.overlap`)
@@ -218,6 +226,12 @@ class ProfileFile(BaseModel):
         description="seconds each matmul kernel costs beyond its FLOPs (launch, prologue, "
         "the last partial wave): what slows small matmuls (0 to 1)",
     )
+    tick_overhead: Annotated[float, BeforeValidator(_number), Field(ge=0, le=10, allow_inf_nan=False)] = Field(
+        DEFAULT_TICK_OVERHEAD,
+        description="seconds each tick of a pipeline's schedule costs beyond its work: the loop's "
+        "iteration, the branch taken, the stash's slices, the hand-over between stages (0 to 10; "
+        "`shardplan calibrate` measures it)",
+    )
     attention_efficiency: Share | None = Field(
         None, description="share of peak the attention's score and value matmuls reach (default: matmul_efficiency)"
     )
@@ -321,6 +335,7 @@ def profile_file_text(profile: Profile, comments: list[str], record: dict | None
         "link_efficiency": round(profile.link_efficiency, 3),
         "attention_efficiency": round(profile.attention_efficiency, 3),
         "matmul_overhead": figure(profile.matmul_overhead),
+        "tick_overhead": figure(profile.tick_overhead),
         "low_precision_native": profile.low_precision_native,
         "overlap": profile.overlap,
         "shared_compute": profile.shared_compute,
