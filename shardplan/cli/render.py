@@ -689,7 +689,7 @@ def render_profiles(console: Console, profiles) -> None:
                 f"{p.intra_host_bandwidth / 1e9:g} / {p.inter_host_bandwidth / 1e9:g}",
                 str(p.devices_per_host),
                 f"{p.matmul_efficiency:g} / {p.attention_efficiency:g} / {p.link_efficiency:g}",
-                f"{p.collective_latency * 1e6:g} / {p.matmul_overhead * 1e6:g}",
+                f"{p.collective_latency * 1e6:.3g} / {p.matmul_overhead * 1e6:.3g} / {p.tick_overhead * 1e6:.3g}",
                 p.attention + (", shared compute" if p.shared_compute else ""),
             ]
         )
@@ -701,7 +701,7 @@ def render_profiles(console: Console, profiles) -> None:
         "links GB/s (host / between)",
         "per host",
         "share: matmul / attention / link",
-        "us: collective / matmul",
+        "us: collective / matmul / tick",
         "attention",
     ]
     print_fitted(console, "device profiles", columns, rows)

@@ -105,6 +105,7 @@ class ReferenceGPT(nnx.Module):
 class Timed:
     """One reference step, measured and as the cost model splits it."""
 
+    shape: Shape
     measured_s: float  # fastest of its rounds
     other_s: float  # modelled with the memory-bound work and the ticks free
     counted_bytes: float  # the memory-bound bytes the cost model counts in it
@@ -112,6 +113,8 @@ class Timed:
 
     def record(self) -> dict:
         return {
+            "seq": self.shape.seq,
+            "batch": self.shape.batch,
             "measured_s": float(f"{self.measured_s:.4g}"),
             "modelled_without_memory_bound_work_or_ticks_s": float(f"{self.other_s:.4g}"),
             "memory_bound_bytes_counted": int(self.counted_bytes),
@@ -134,7 +137,9 @@ class ReferenceSteps:
             "model": "GPT-2-style: pre-LN, attention, GELU MLP x4, untied head",
             **self.shape.record(),
             "data_parallel": self.plain.record(),
-            "pipelined_1f1b_two_stages": self.pipelined.record() if self.pipelined else "not run: an odd device count",
+            "pipelined_1f1b_two_stages_one_sequence_per_microbatch": self.pipelined.record()
+            if self.pipelined
+            else "not run: an odd device count",
         }
 
 
@@ -164,21 +169,24 @@ def _checked(shape: Shape, plan_text: str):
     return model, report, roles, workload
 
 
-def _plans(shape: Shape) -> list[str]:
-    """The data-parallel plan, and the pipelined one where the devices split into two stages (one
-    sequence per microbatch: each data rank holds 2 x `shape.batch`)."""
-    return [PLAN] + ([PIPELINED % (2 * shape.batch)] if jax.device_count() % 2 == 0 else [])
+def _plans(shape: Shape) -> list[tuple[Shape, str]]:
+    """(shape, plan) of the data-parallel step, and of the pipelined one where the devices split into
+    two stages: the same tokens as sequences half as long, one per microbatch (each data rank holds
+    2 x its batch), so its ticks are many (4 x `shape.batch` + 2) and their cost stands out of the noise."""
+    halved = dataclasses.replace(shape, seq=shape.seq // 2, batch=shape.batch * 2)
+    pipelined = [(halved, PIPELINED % (2 * halved.batch))] if jax.device_count() % 2 == 0 else []
+    return [(shape, PLAN)] + pipelined
 
 
 def modelled_step(shape: Shape, profile: Profile, *, pipelined: bool = False) -> float:
     """Seconds of a reference step of `shape` on the devices at hand, as `profile` costs it."""
     from shardplan.planner.cost import estimate
 
-    _, report, roles, workload = _checked(shape, _plans(shape)[int(pipelined)])
+    _, report, roles, workload = _checked(*_plans(shape)[int(pipelined)])
     return estimate(report, roles, workload, profile).step_s
 
 
-def time_reference_steps(shape: Shape, profile: Profile, *, rounds: int = 5) -> ReferenceSteps:
+def time_reference_steps(shape: Shape, profile: Profile, *, rounds: int = 7) -> ReferenceSteps:
     """Time the reference steps of `shape` on every device, in interleaved rounds, and solve the
     memory-bound rate that makes `profile` cost the data-parallel one as measured, then the cost per
     tick that makes it cost the pipelined one so (its other figures as measured)."""
@@ -188,20 +196,20 @@ def time_reference_steps(shape: Shape, profile: Profile, *, rounds: int = 5) -> 
 
     free = dataclasses.replace(profile, memory_bandwidth=float("inf"), tick_overhead=0.0)
     costed, ready = [], []
-    for text in _plans(shape):
-        model, report, roles, workload = _checked(shape, text)
+    for timed_shape, text in _plans(shape):
+        model, report, roles, workload = _checked(timed_shape, text)
         # the modelled step is linear in 1 / memory_bandwidth: cost it with the work free, then at 1 byte/s
         other = estimate(report, roles, workload, free).step_s
         counted = estimate(report, roles, workload, dataclasses.replace(free, memory_bandwidth=1.0)).step_s - other
         pipe = report.plan.pipeline
         ticks = schedule_tables(pipe.schedule, 2, pipe.microbatches, 1)[0] if pipe else 0
-        costed.append((other, counted, ticks))
-        ready.append(compile_step(report.plan, model, workload.batch, shape.seq))
+        costed.append((timed_shape, other, counted, ticks))
+        ready.append(compile_step(report.plan, model, workload.batch, timed_shape.seq))
     measured = time_interleaved(ready, rounds)
     for seconds in measured:
         if isinstance(seconds, Exception):
             raise seconds
-    timed = [Timed(seconds, *figures) for seconds, figures in zip(measured, costed)]
+    timed = [Timed(figures[0], seconds, *figures[1:]) for seconds, figures in zip(measured, costed)]
     plain, pipelined = timed[0], (timed[1] if len(timed) > 1 else None)
     left = plain.measured_s - plain.other_s
     # below a tenth of the step the difference of two timings is mostly noise: no figure from it
