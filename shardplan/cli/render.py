@@ -675,6 +675,12 @@ def _render_code(console: Console, code) -> None:
         )
 
 
+def _microseconds(seconds: float) -> str:
+    """Whole microseconds from 100 up (a CPU's tick takes thousands), else three digits."""
+    value = seconds * 1e6
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
 def render_profiles(console: Console, profiles) -> None:
     """One row per device profile, then where each one's figures come from."""
     rows = []
@@ -689,7 +695,7 @@ def render_profiles(console: Console, profiles) -> None:
                 f"{p.intra_host_bandwidth / 1e9:g} / {p.inter_host_bandwidth / 1e9:g}",
                 str(p.devices_per_host),
                 f"{p.matmul_efficiency:g} / {p.attention_efficiency:g} / {p.link_efficiency:g}",
-                f"{p.collective_latency * 1e6:.3g} / {p.matmul_overhead * 1e6:.3g} / {p.tick_overhead * 1e6:.3g}",
+                " / ".join(_microseconds(s) for s in (p.collective_latency, p.matmul_overhead, p.tick_overhead)),
                 p.attention + (", shared compute" if p.shared_compute else ""),
             ]
         )

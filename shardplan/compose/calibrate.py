@@ -10,8 +10,8 @@ host, over the hosts (bandwidth and latency, from a small and a large message: t
 link's rate, and each other kind reaches its measured share of it), and attention
 (`jax.nn.dot_product_attention`), and whether the devices share their compute (the largest product on
 one device alone against all at once). Each measurement is the median of a few timed runs after a warm-up.
-Last, a reference model's training step gives the rate a step runs its memory-bound work at
-(`shardplan.compose.reference`), which the profile keeps as its memory bandwidth.
+Last, a reference model's training steps (`shardplan.compose.reference`) give the rate a step runs its
+memory-bound work at, which the profile keeps as its memory bandwidth, and what a pipeline's tick costs.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def _filled(mesh, shape: tuple[int, ...], dtype, value: float) -> jax.Array:
 # The three products a layer's (m, k) x (k, n) matmul makes in a training step, each 2mkn FLOPs from
 # operands laid out as the step holds them: forward x @ w, the input's gradient dy @ w.T and the
 # weight's x.T @ dy (x: (m, k) activations, w: (k, n) weights, dy: (m, n) gradients), as (first
-# operand's shape, second's, the product). XLA's CPU kernels run the transposed ones up to a third slower.
+# operand's shape, second's, the product). XLA's CPU kernels run the weight's up to half as fast.
 FORMS = {
     "forward": (lambda m, k, n: ((m, k), (k, n)), lambda a, b: a @ b),
     "input-gradient": (lambda m, k, n: ((m, n), (k, n)), lambda a, b: a @ b.T),
@@ -307,7 +307,7 @@ def calibrate(
     progress("the same product on one device alone (do the devices share their compute?)")
     alone = _alone(m, k, n, kind, dispatch)
     shared = devices > 1 and together > 2 * alone
-    progress("elementwise pass (memory bandwidth)")
+    progress("elementwise pass (an upper bound on memory bandwidth)")
     elements = (1 << 20 if backend == "cpu" else 1 << 28) // (4 if quick else 1)
     elementwise = _elementwise(mesh, elements, kind, dispatch)
     collectives = []

@@ -5,8 +5,8 @@ A step spends the time its matmuls do not take on norms, softmax, activations, r
 and the optimizer update. `shardplan.planner.cost` counts that work in bytes (each stored activation
 written and read forward, and again as a gradient) at the profile's `memory_bandwidth`. One
 elementwise pass times a bound no step reaches: on simulated CPU devices the ops of a step ran their
-bytes 2-4x slower than one fused pass (transcendentals, reductions, unfused layouts), and on GPUs the
-analytic models of Megatron also put a layer's memory-bound kernels below the streaming rate.
+bytes 2-4x slower than one fused pass (transcendentals, reductions, unfused layouts); a datasheet's
+bandwidth is likewise a bound for a GPU's kernels around the matmuls.
 
 So `calibrate` times the data-parallel training step of a small, standard GPT-2-style model (pre-LN
 blocks, attention with its scores written out, a GELU MLP four times as wide, an untied head), not the
@@ -15,8 +15,8 @@ bytes into time with: everything else (matmuls, attention, per-kernel cost, the 
 is costed with the rates measured before it. Then the same model over two pipeline stages (1F1B, one
 sequence per microbatch): what that step takes beyond its modelled work, per tick of its schedule, is
 the profile's `tick_overhead` (the loop, the branch, the stash, the hand-over: on 8 simulated CPU
-devices about 10 ms a tick, which the model did not count, and pipelines of many microbatches were
-modelled at 0.6 of their measured steps).
+devices 5-13 ms a tick; before it was counted, pipelines of many microbatches were modelled at 0.6 of
+their measured steps).
 """
 
 from __future__ import annotations
