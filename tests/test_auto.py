@@ -374,6 +374,32 @@ def test_measure_times_the_top_candidates_and_writes_the_measured_fastest(tmp_pa
     assert main(["validate", str(out)]) == 0
 
 
+def test_calibrate_whose_reference_steps_fail_still_writes_the_profile_and_says_so(tmp_path, capsys, monkeypatch):
+    """A device too small for the reference GPT (its step runs out of memory): the profile keeps one
+    elementwise pass's rate and the default tick, and the file and the output say why."""
+    import yaml
+
+    from shardplan.cli import main
+    from shardplan.compose import calibrate
+    from shardplan.planner.profiles import DEFAULT_TICK_OVERHEAD, load_profile
+
+    def out_of_memory(*_, **__):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4.00GiB.\n(more)")
+
+    monkeypatch.setattr(calibrate, "time_reference_steps", out_of_memory)
+    path = tmp_path / "measured.yaml"
+    assert main(["calibrate", "-o", str(path), "--quick"]) == 0
+    profile = load_profile(path)
+    record = yaml.safe_load(path.read_text())["calibration"]
+    passed = record["elementwise_bytes_s"][0] / record["elementwise_bytes_s"][1]
+    assert profile.memory_bandwidth == pytest.approx(passed, rel=0.01)
+    assert profile.tick_overhead == DEFAULT_TICK_OVERHEAD
+    assert record["reference_steps"] == {
+        "failed": "RuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4.00GiB."
+    }
+    assert "not measured: the rate of a step's memory-bound work" in " ".join(capsys.readouterr().out.split())
+
+
 def test_calibrate_writes_a_profile_of_what_it_measured(tmp_path, capsys):
     from shardplan.cli import main
     from shardplan.planner.profiles import load_profile
@@ -410,7 +436,7 @@ def test_calibrate_writes_a_profile_of_what_it_measured(tmp_path, capsys):
             pipelined = modelled_step(shape, profile, pipelined=True)
             assert pipelined == pytest.approx(pipelined_step["measured_s"], rel=0.01)
     else:  # a machine so loaded that the rest of the step took it all: said, not hidden
-        assert record["memory_bandwidth_from"].startswith("the elementwise pass (")
+        assert record["memory_bandwidth_from"].startswith("the elementwise pass (the reference step")
     assert (
         main(
             [

@@ -727,6 +727,11 @@ def _calibrate(args, console: Console) -> int:
     )
     if found.devices == 1:
         unmeasured.append("collectives (one device)")
+    if found.reference is None:
+        unmeasured.append(
+            "the rate of a step's memory-bound work and a pipeline tick's cost (the reference steps failed: "
+            f"{found.reference_failure}; memory_bandwidth is one elementwise pass's, an upper bound)"
+        )
     if jax.process_index() != 0:
         return EXIT_OK  # (every process measures; the first writes)
     from shardplan.cli.autorun import _write_atomically

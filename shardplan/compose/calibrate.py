@@ -76,7 +76,8 @@ class Calibration:
     alone: float  # the largest product on one device, the others idle
     seconds: float  # how long the calibration took
     dispatch: float  # seconds of launching a call, taken off each timing
-    reference: ReferenceSteps  # the steps the memory-bound rate and the cost per tick are solved from
+    reference: ReferenceSteps | None  # the steps the memory-bound rate and the cost per tick are solved from
+    reference_failure: str | None = None  # why there are none (the profile then keeps the pass's rate)
 
     def record(self) -> dict:
         """The measurements, as the profile file keeps them (`calibration:`)."""
@@ -94,15 +95,22 @@ class Calibration:
             "collectives_kind_over_bytes_s": [[kind, over, b, _round(s)] for kind, over, b, s in self.collectives],
             "attention_shape_s": [list(self.attention[0]), _round(self.attention[1])],
             "largest_matmul_alone_s": _round(self.alone),
-            "reference_steps": self.reference.record(),
+            "reference_steps": self.reference.record() if self.reference else {"failed": self.reference_failure},
             "memory_bandwidth_from": self._bandwidth_from(),
-            "tick_overhead_from": "the pipelined reference step"
-            if self.reference.tick_overhead is not None
-            else "the default (no pipelined reference step on an odd device count)",
+            "tick_overhead_from": self._tick_from(),
         }
+
+    def _tick_from(self) -> str:
+        if self.reference is None:
+            return f"the default (the reference steps failed: {self.reference_failure})"
+        if self.reference.tick_overhead is None:
+            return "the default (no pipelined reference step on an odd device count)"
+        return "the pipelined reference step"
 
     def _bandwidth_from(self) -> str:
         passed = self.elementwise[0] / self.elementwise[1]
+        if self.reference is None:
+            return f"the elementwise pass (the reference steps failed: {self.reference_failure})"
         if self.reference.bandwidth is None:
             return "the elementwise pass (the reference step left no time for memory-bound work)"
         if self.reference.bandwidth > passed:
@@ -360,12 +368,16 @@ def calibrate(
     # a step's own memory-bound rate and cost per tick, solved with every figure above in place; the
     # rate never above one pass's
     progress("a reference GPT's training steps, data parallel and pipelined (memory-bound work, ticks)")
-    reference = time_reference_steps(
-        (QUICK_CPU_SHAPE if quick else CPU_SHAPE) if backend == "cpu" else GPU_SHAPE, profile
-    )
-    if reference.bandwidth:
+    reference, failure = None, None
+    try:
+        reference = time_reference_steps(
+            (QUICK_CPU_SHAPE if quick else CPU_SHAPE) if backend == "cpu" else GPU_SHAPE, profile
+        )
+    except Exception as error:  # noqa: BLE001 (a device short of memory: the profile keeps the bounds, and says so)
+        failure = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
+    if reference and reference.bandwidth:
         profile = dataclasses.replace(profile, memory_bandwidth=min(reference.bandwidth, bandwidth))
-    if reference.tick_overhead is not None:
+    if reference and reference.tick_overhead is not None:
         profile = dataclasses.replace(profile, tick_overhead=min(reference.tick_overhead, 10.0))
     return Calibration(
         profile,
@@ -382,6 +394,7 @@ def calibrate(
         time.perf_counter() - started,
         dispatch,
         reference,
+        failure,
     )
 
 
