@@ -104,7 +104,7 @@ class Calibration:
         if self.reference is None:
             return f"the default (the reference steps failed: {self.reference_failure})"
         if self.reference.tick_overhead is None:
-            return "the default (no pipelined reference step on an odd device count)"
+            return "the default (no pipelined reference step: its two stages need an even number of devices)"
         return "the pipelined reference step"
 
     def _bandwidth_from(self) -> str:

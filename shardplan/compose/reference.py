@@ -139,7 +139,7 @@ class ReferenceSteps:
             "data_parallel": self.plain.record(),
             "pipelined_1f1b_two_stages_one_sequence_per_microbatch": self.pipelined.record()
             if self.pipelined
-            else "not run: an odd device count",
+            else "not run: its two stages need an even number of devices",
         }
 
 
