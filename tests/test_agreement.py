@@ -25,6 +25,9 @@ def test_refit_recovers_the_scales_that_made_the_measurements():
     assert fitted.link_scale == pytest.approx(1.5, rel=0.03)
     assert fitted.error_after < 0.01 < fitted.error_before
     assert fitted.profile.peak_flops == pytest.approx(profile.peak_flops * fitted.compute_scale)
+    # every term of the modelled compute scales alike: the per-kernel and per-tick costs too
+    assert fitted.profile.tick_overhead == pytest.approx(profile.tick_overhead / fitted.compute_scale)
+    assert fitted.profile.matmul_overhead == pytest.approx(profile.matmul_overhead / fitted.compute_scale)
     assert fitted.profile.intra_host_bandwidth == pytest.approx(profile.intra_host_bandwidth * fitted.link_scale)
     assert any("compute rates" in said and "x0.8" in said for said in fitted.moved())
 

@@ -40,7 +40,8 @@ def kendall_tau(modelled: list[float], measured: list[float]) -> float:
 @dataclasses.dataclass(frozen=True)
 class Refit:
     profile: Profile
-    compute_scale: float  # the profile's compute rates (FLOP/s, memory bandwidth) multiplied by this
+    compute_scale: float  # the profile's compute rates (FLOP/s, memory bandwidth) multiplied by this, its
+    #                       per-kernel and per-tick costs divided
     link_scale: float  # its link bandwidths multiplied by this (latency divided)
     error_before: float  # median |modelled / measured - 1| over the points
     error_after: float
@@ -84,6 +85,7 @@ def refit(profile: Profile, points: list[tuple[float, float, float]]) -> Refit:
         peak_flops_by_dtype={k: v * c for k, v in profile.peak_flops_by_dtype.items()},
         memory_bandwidth=profile.memory_bandwidth * c,
         matmul_overhead=profile.matmul_overhead / c,
+        tick_overhead=profile.tick_overhead / c,  # (part of the modelled compute, as the kernels' cost)
         intra_host_bandwidth=profile.intra_host_bandwidth * link,
         inter_host_bandwidth=profile.inter_host_bandwidth * link,
         collective_latency=profile.collective_latency / link,
