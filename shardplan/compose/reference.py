@@ -209,7 +209,10 @@ def time_reference_steps(shape: Shape, profile: Profile, *, rounds: int = 7) -> 
     for seconds in measured:
         if isinstance(seconds, Exception):
             raise seconds
-    timed = [Timed(figures[0], seconds, *figures[1:]) for seconds, figures in zip(measured, costed)]
+    timed = [
+        Timed(timed_shape, seconds, other, counted, ticks)
+        for seconds, (timed_shape, other, counted, ticks) in zip(measured, costed)
+    ]
     plain, pipelined = timed[0], (timed[1] if len(timed) > 1 else None)
     left = plain.measured_s - plain.other_s
     # below a tenth of the step the difference of two timings is mostly noise: no figure from it
