@@ -180,6 +180,33 @@ def test_calibrate_on_six_devices_times_every_kind_of_collective(tmp_path):
     assert set(profile.collective_shares) == kinds and max(profile.collective_shares.values()) == 1.0
 
 
+def test_calibrate_on_three_devices_keeps_the_default_tick_and_says_why(tmp_path):
+    """An odd device count cannot make the pipelined reference's two stages: the profile keeps the
+    default cost per tick and the file says why; the memory-bound rate still comes from the plain step."""
+    import yaml
+
+    from shardplan.planner.profiles import DEFAULT_TICK_OVERHEAD, load_profile
+
+    out = tmp_path / "three.yaml"
+    done = subprocess.run(
+        [sys.executable, "-m", "shardplan", "calibrate", "-o", str(out), "--quick", "--devices", "3"],
+        cwd=REPO,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=600,  # (a bound on the work, not its time)
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    profile = load_profile(out)
+    record = yaml.safe_load(out.read_text())["calibration"]
+    assert profile.tick_overhead == DEFAULT_TICK_OVERHEAD
+    assert (
+        record["tick_overhead_from"]
+        == "the default (no pipelined reference step: its two stages need an even number of devices)"
+    )
+    assert "data_parallel" in record["reference_steps"]
+
+
 def test_calibrate_over_two_processes_measures_the_links_between_hosts(tmp_path):
     """Two real `jax.distributed` processes of 4 simulated devices each (one per "host"): every process
     measures, the first writes a profile whose link between hosts was measured, not assumed."""
