@@ -3,6 +3,12 @@
 import os
 
 os.environ["JAX_PLATFORMS"] = "cpu"
+# The CLI's width is the test's, not the terminal's: 80 columns (rich's width without a terminal, what CI
+# sees), for the tests' processes and every process they start, whatever terminal runs the suite (rich and
+# `shutil.get_terminal_size` read a terminal's width from stdin too, which the workers inherit). Tests of
+# another width set COLUMNS themselves; tests/test_terminal.py runs the CLIs in pseudo-terminals without it.
+os.environ["COLUMNS"] = "80"
+os.environ.pop("LINES", None)
 
 import atexit  # noqa: E402
 import shutil  # noqa: E402

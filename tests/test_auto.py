@@ -316,6 +316,36 @@ def test_a_full_ranking_checks_the_first_in_full_and_costs_the_rest_the_same():
     assert steps == sorted(steps)
 
 
+@pytest.mark.parametrize("model", ["minigpt", "llama"])
+def test_every_runner_up_states_a_gap_that_its_terms_add_up_to(model):
+    """`auto`'s "why it lost": the modelled gap to the winner, split into the estimate's own terms, which
+    add up to it (each number with its unit); under `--measure`, the measured gap first."""
+    import re
+
+    build = (
+        (lambda: minigpt_model.MiniGPT(**MINIGPT, rngs=nnx.Rngs(0)))
+        if model == "minigpt"
+        else (lambda: Llama(**LLAMA, rngs=nnx.Rngs(0)))
+    )
+    found, _, _ = _search(build, keep=60, check=1)
+    winner = found.ranked[0]
+    assert len(found.ranked) > 20
+    for item in found.ranked[1:]:
+        gaps = auto.step_gap(item, winner)
+        assert sum(gaps.values()) == pytest.approx(item.estimate.step_s - winner.estimate.step_s, abs=1e-12)
+        assert sum(item.estimate.time_terms().values()) == pytest.approx(item.estimate.step_s, rel=1e-12)
+        text = auto.why_lost(item, winner)
+        head = re.match(r"modelled ([-+]\d+\.\d\d) (ms|us)(?: = (.*) (?:ms|us))?(?::|$)", text)
+        assert head, text
+        total = float(head.group(1))
+        terms = [float(n) for n in re.findall(r" ([-+]\d+\.\d\d)", head.group(3) or "")]
+        scale = 1e3 if head.group(2) == "ms" else 1e6
+        assert total == pytest.approx((item.estimate.step_s - winner.estimate.step_s) * scale, abs=0.006)
+        assert sum(terms) == pytest.approx(total, abs=0.006 * (len(terms) + 1)), text
+    measured = auto.why_lost(found.ranked[1], winner, measured_gap=0.0123)
+    assert measured.startswith("measured +12.30 ms; modelled ")
+
+
 def test_inspect_json_carries_the_estimate(capsys):
     from shardplan.cli import main
     import json

@@ -444,6 +444,13 @@ def _print_table(console: Console, found: planner.Search, measured: dict, top: i
     columns += ["why it lost"]
     best = found.best
     rows, claims = [], None
+
+    def _gap(item: planner.Ranked, winner: planner.Ranked) -> float | None:
+        mine, theirs = measured.get(_key(item)), measured.get(_key(winner)) if winner else None
+        if mine is None or theirs is None or mine.step_s is None or theirs.step_s is None:
+            return None
+        return mine.step_s - theirs.step_s
+
     for rank, item in enumerate(found.ranked[:top], 1):
         cost = item.estimate
         mfu = model_flops_utilisation(found, item)
@@ -462,10 +469,11 @@ def _print_table(console: Console, found: planner.Search, measured: dict, top: i
             got = measured.get(_key(item))
             row.append(planner.seconds(got.step_s) if got and got.step_s is not None else "-")
             row.append(f"{human_bytes(got.collectives.total_bytes)} / {human_bytes(got.peak_bytes)}" if got else "-")
-        rows.append(row + ["chosen" if item is best else planner.why_lost(item, best)])
+        rows.append(row + ["chosen" if item is best else planner.why_lost(item, best, measured_gap=_gap(item, best))])
     widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
     if sum(widths) + 3 * len(columns) + 1 <= console.width:
-        table = Table(title=title, title_justify="left")
+        print_wrapped(console, Text(title, style="bold"))
+        table = Table()
         for column in columns:
             table.add_column(column, justify="right" if column in ("#", "bytes/device", "communication") else "left")
         for row in rows:

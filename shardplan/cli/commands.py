@@ -805,19 +805,7 @@ def _render_assumed(console: Console, args, plan: Plan, devices: int) -> None:
 def _inspect(args, console: Console) -> int:
     from shardplan.cli import render
 
-    order: list[str] = []
-    report, model, deep = _checked_model(args, order)
-    if report.ok:  # the estimate's batch must split as the plan's microbatches do
-        from dataclasses import replace
-
-        from shardplan.pipeline.stages import check_microbatches
-        from shardplan.core.validate import data_axes
-
-        found = check_microbatches(report.plan, _batch(args, report), report.axes, data_axes(report.plan, report.axes))
-        report = replace(report, diagnostics=report.diagnostics + found)
-    if args.device is not None and args.device not in report.device_ids:  # (before the estimate's work)
-        raise UsageError(f"--device requires one of the mesh's device ids {report.device_ids}, but got {args.device}")
-    cost = _estimate(args, report, order, model, deep) if report.ok else None
+    report, cost = inspected(args)
     if args.json:
         data = report.to_json()
         if args.device is not None and report.devices:
@@ -832,7 +820,42 @@ def _inspect(args, console: Console) -> int:
             }
         print(json.dumps(data, indent=2))
         return EXIT_OK if report.ok else EXIT_INVALID
-    # The summary first (mesh, per-device totals, pipeline, estimate), then the tables.
+    render_inspect(console, report, cost, device=args.device, all_params=args.all_params)
+    if args.svg:
+        from shardplan.cli.picture import render_svg
+
+        try:
+            with open(args.svg, "w", encoding="utf-8") as handle:
+                handle.write(render_svg(report))
+        except OSError as exc:
+            raise UsageError(f"cannot write --svg {args.svg}: {exc.strerror or exc}") from None
+        console.print(f"drew {args.svg}")
+    return EXIT_OK if report.ok else EXIT_INVALID
+
+
+def inspected(args):
+    """(report, estimate or None) of `shardplan inspect ARGS`: the plan checked against the model, and
+    the cost model's figures where it is valid."""
+    order: list[str] = []
+    report, model, deep = _checked_model(args, order)
+    if report.ok:  # the estimate's batch must split as the plan's microbatches do
+        from dataclasses import replace
+
+        from shardplan.pipeline.stages import check_microbatches
+        from shardplan.core.validate import data_axes
+
+        found = check_microbatches(report.plan, _batch(args, report), report.axes, data_axes(report.plan, report.axes))
+        report = replace(report, diagnostics=report.diagnostics + found)
+    if args.device is not None and args.device not in report.device_ids:  # (before the estimate's work)
+        raise UsageError(f"--device requires one of the mesh's device ids {report.device_ids}, but got {args.device}")
+    return report, (_estimate(args, report, order, model, deep) if report.ok else None)
+
+
+def render_inspect(console: Console, report, cost, *, device: int | None = None, all_params: bool = False) -> None:
+    """What `inspect` prints: the summary first (mesh, per-device totals, pipeline, estimate), then the
+    tables and the diagnostics."""
+    from shardplan.cli import render
+
     render.render_mesh(console, report)
     render.render_context(console, report)
     render.render_devices(console, report)
@@ -848,21 +871,11 @@ def _inspect(args, console: Console) -> int:
             code=cost.code,
             evened=_evened_stages(report, cost.estimate),
         )
-    render.render_params(console, report, collapse=not args.all_params)
-    if args.device is not None and report.devices:  # no per-device layout when the mesh does not fit
-        render.render_device_detail(console, report, args.device, collapse=not args.all_params)
+    render.render_params(console, report, collapse=not all_params)
+    if device is not None and report.devices:  # no per-device layout when the mesh does not fit
+        render.render_device_detail(console, report, device, collapse=not all_params)
     render.render_diagnostics(console, report.diagnostics)
     render.render_verdict(console, report)
-    if args.svg:
-        from shardplan.cli.picture import render_svg
-
-        try:
-            with open(args.svg, "w", encoding="utf-8") as handle:
-                handle.write(render_svg(report))
-        except OSError as exc:
-            raise UsageError(f"cannot write --svg {args.svg}: {exc.strerror or exc}") from None
-        console.print(f"drew {args.svg}")
-    return EXIT_OK if report.ok else EXIT_INVALID
 
 
 def _explain(args, console: Console) -> int:

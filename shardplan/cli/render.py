@@ -200,7 +200,10 @@ def render_devices(console: Console, report: Report) -> None:
     state = "AdamW, 2 moments" + (
         f" and {report.plan.precision.master} masters" if report.plan.precision.master else ""
     )
-    table = Table(title=f"Per device (optimizer state: {state})", header_style="bold")
+    # (titles printed above the table, wrapped at spaces: a table's own title is centred over the table
+    # and wraps at its width, leaving an orphan word centred below)
+    print_wrapped(console, Text(f"Per device (optimizer state: {state})", style="bold"))
+    table = Table(header_style="bold")
     for column in ("devices", "params", "opt state", "total"):
         table.add_column(column, justify="left" if column == "devices" else "right")
     for (param_bytes, opt_bytes), ids in groups.items():
@@ -265,10 +268,14 @@ def render_pipeline(console: Console, report: Report) -> None:
         if stage_map.virtual == 1
         else f"{pipe.label}, {stage_map.virtual} chunks per stage" + (" in a V" if stage_map.v_shape else "")
     )
-    table = Table(
-        title=f"Pipeline over axis {pipe.axis!r}: {schedule}, {pipe.microbatches} microbatches (bytes per device)",
-        header_style="bold",
+    print_wrapped(
+        console,
+        Text(
+            f"Pipeline over axis {pipe.axis!r}: {schedule}, {pipe.microbatches} microbatches (bytes per device)",
+            style="bold",
+        ),
     )
+    table = Table(header_style="bold")
     for column in ("stage", "layers", "devices", "params", "opt state", "kept"):
         # (the devices folded into runs take as many lines at 16,384 devices as at 1,024)
         table.add_column(
@@ -352,23 +359,23 @@ def render_experts(console: Console, report: Report, cost=None) -> None:
 def print_fitted(
     console: Console, title: str, columns: list[str], rows: list[list[str]], *, right: tuple[str, ...] = ()
 ) -> None:
-    """A table whose cells are never cut: a spec or a shape is never shown as `P('mode…`.
+    """A table whose cells are never cut or broken: a spec or a shape is never shown as `P('mode…`, and a
+    path never spans two lines (a broken path cannot be pasted into a rule).
 
-    The first column (a path) folds when space is short; on a console too narrow for the other
-    columns plus a readable path, each row is printed as its path over an indented line of the rest.
+    When the longest path and the other columns fit the console side by side, one table; otherwise each
+    row is printed as its path on a line of its own over an indented line of the rest.
     """
     rows = [[inert(cell) for cell in row] for row in rows]  # escaped before they are measured
     widths = [max([len(column)] + [len(row[index]) for row in rows]) for index, column in enumerate(columns)]
     rest = sum(widths[1:]) + 3 * (len(columns) - 1)  # padding on both sides and a separator
     print_wrapped(console, Text(title, style="bold"))
-    path_width = min(widths[0], console.width - rest - 3)
-    if path_width >= 24:
+    if widths[0] + rest <= console.width:
         table = Table(header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
-        table.add_column(columns[0], overflow="fold", width=path_width)
+        table.add_column(columns[0], no_wrap=True, min_width=widths[0])
         for column, width in zip(columns[1:], widths[1:]):
             table.add_column(column, no_wrap=True, min_width=width, justify="right" if column in right else "left")
         for row in rows:
-            table.add_row(_fold_path(row[0], path_width), *row[1:])
+            table.add_row(*row)
         print_table(console, table)
         return
 
@@ -393,17 +400,6 @@ def print_fitted(
     for row in rows:
         print_wrapped(console, Text(row[0], style="cyan"))
         console.print(line(row[1:]), soft_wrap=True)
-
-
-def _fold_path(path: str, width: int) -> str:
-    """A path broken after '/' into lines of at most `width` (a segment longer than that is cut by the table)."""
-    lines, current = [], ""
-    for segment in re.findall(r"[^/]*/|[^/]+$", path):
-        if current and len(current) + len(segment) > width:
-            lines.append(current)
-            current = ""
-        current += segment
-    return "\n".join(lines + [current])
 
 
 def render_param_list(console: Console, params, roles, rules=None, *, collapse: bool = True) -> None:
@@ -585,18 +581,26 @@ def render_estimate(console: Console, workload, profile, cost, *, accumulate: in
         print_table(console, table)
     else:
         print_wrapped(console, "  no collectives")
-    bubble = f", pipeline bubble {cost.bubble:.3f}" if cost.bubble else ""
     behind = {
         "backward": "gradient reductions behind the backward",
         "prefetch": "FSDP gathers behind the layer before",
         "attention": "ring steps behind their scores",
     }
     hidden = ", ".join(f"{behind[lane]} {seconds * 1e3:.2f} ms" for lane, seconds in cost.hidden)
+    terms = " + ".join(
+        f"{term} {seconds * 1e3:.2f} ms"
+        for term, seconds in cost.time_terms().items()
+        if seconds or term in ("compute", "communication", "optimizer update")
+    )
+    idle = (
+        f"; the schedule leaves {cost.bubble:.1%} of its ticks idle"
+        + (", which devices sharing compute lend each other" if not cost.bubble_s else "")
+        if cost.bubble
+        else ""
+    )
     print_wrapped(
         console,
-        f"  {cost.flops / 1e12:.3f} TFLOP; modelled step {cost.step_s * 1e3:.2f} ms = compute "
-        f"{cost.compute_s * 1e3:.2f} ms{bubble} + communication {cost.exposed_communication_s * 1e3:.2f} ms"
-        f" + optimizer update {cost.update_s * 1e3:.2f} ms"
+        f"  {cost.flops / 1e12:.3f} TFLOP; modelled step {cost.step_s * 1e3:.2f} ms = {terms}{idle}"
         + (f" (more runs during compute: {hidden})" if hidden else ""),
     )
     _render_stage_costs(console, cost, evened)

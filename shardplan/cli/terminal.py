@@ -95,7 +95,7 @@ def print_table(console: Console, table) -> None:
 
 def print_wrapped(console: Console, text: Text | str, *, indent: int = 4) -> None:
     """`text` broken at spaces into lines no wider than the console, lines after the first indented by
-    `indent` (a word longer than a line is split); styles are kept."""
+    `indent` (a word longer than a line is never split: it overruns); styles are kept."""
     text = Text(text) if isinstance(text, str) else text
     width = max(console.width, 2 * indent + 20)
     for number, (start, end) in enumerate(_lines(text.plain, width, indent)):
@@ -110,18 +110,15 @@ _WORD = re.compile(r"(?:[(\[]?[-+]?\d[\d.,]*\s(?:[KMGTPE]i?B|B|[mµn]?s|%|TFLOP/
 
 def _lines(plain: str, width: int, indent: int) -> list[tuple[int, int]]:
     """(start, end) of each line of `plain` wrapped greedily at spaces (not between a number and its
-    unit); `indent` takes room after the first."""
+    unit, never inside a word); `indent` takes room after the first."""
     spans, start, end, room = [], 0, 0, width
     for word in _WORD.finditer(plain):
         w_start, bare_end = word.start(), word.start() + len(word.group().rstrip())
         if end > start and bare_end - start > room:  # the word does not fit on this line
             spans.append((start, end))
             start, room = w_start, width - indent
-        while bare_end - start > room:  # a word longer than a line: break after a '/'
-            slash = plain.rfind("/", start, start + room)
-            cut = slash + 1 if slash - start >= room // 2 else start + room
-            spans.append((start, cut))
-            start, room = cut, width - indent
+        # a word longer than a line (a path, a `file:line:col`) stays whole on a line of its own: a path
+        # broken across lines could not be pasted into a rule, and the terminal shows it whole anyway
         end = bare_end
     if end > start or not spans:
         spans.append((start, max(end, start)))

@@ -853,23 +853,31 @@ def describe_value(role) -> str:
     return role.kind
 
 
-def why_lost(loser: Ranked, winner: Ranked) -> str:
-    """The biggest reason a candidate's modelled time exceeds the winner's."""
+def step_gap(loser: Ranked, winner: Ranked) -> dict[str, float]:
+    """How much longer `loser`'s modelled step is than `winner`'s, by the estimate's own terms (seconds;
+    negative where the loser is faster): they add up to the difference of the two modelled steps."""
+    mine, theirs = loser.estimate.time_terms(), winner.estimate.time_terms()
+    return {term: mine[term] - theirs[term] for term in mine}
+
+
+def why_lost(loser: Ranked, winner: Ranked, *, measured_gap: float | None = None) -> str:
+    """Why a candidate ranks below the winner: the modelled gap and every term of it that shows at the
+    printed precision (the terms add up to the gap); `measured_gap`: the gap between their timed steps,
+    which decides under `--measure`."""
     if loser.rejected:
         return loser.rejected
-    a, b = loser.estimate, winner.estimate
     if loser is winner:
         return "chosen"
-    gaps = {
-        "communication": a.exposed_communication_s - b.exposed_communication_s,
-        "pipeline bubble": a.compute_s - a.compute_s * (1 - a.bubble) - (b.compute_s - b.compute_s * (1 - b.bubble)),
-        "compute": a.compute_s * (1 - a.bubble) - b.compute_s * (1 - b.bubble),
-        "optimizer update": a.update_s - b.update_s,
-    }
-    reason, gap = max(gaps.items(), key=lambda kv: kv[1])
-    if gap <= 0:
-        return "ties; simpler or fewer bytes moved wins"
-    return f"{reason} +{seconds(gap)}"
+    gaps = step_gap(loser, winner)
+    total = sum(gaps.values())
+    unit, scale = ("ms", 1e3) if max(abs(total), *map(abs, gaps.values())) >= 1e-3 else ("us", 1e6)
+    shown = [f"{term} {gap * scale:+.2f}" for term, gap in gaps.items() if round(gap * scale, 2)]
+    modelled = f"modelled {total * scale:+.2f} {unit}" + (f" = {', '.join(shown)} {unit}" if shown else "")
+    if measured_gap is not None:
+        return f"measured {measured_gap * 1e3:+.2f} ms; {modelled}"
+    if round(total * scale, 2) <= 0:
+        return f"{modelled}: ties; simpler or fewer bytes moved wins"
+    return modelled
 
 
 def seconds(s: float) -> str:

@@ -104,6 +104,18 @@ class Estimate:
     layer_s: float = 0.0  # one layer's compute per step on its stage, bubble excluded
     ends_s: tuple[float, float] = (0.0, 0.0)  # the code before / after the layers, the same way
     stage_activation_bytes: tuple[int, ...] = ()  # each stage's `activation_bytes` (asked for: `per_stage`)
+    bubble_s: float = 0.0  # of `compute_s`: the pipeline's idle ticks (none where devices share compute)
+    tick_s: float = 0.0  # of `compute_s`: the schedule's ticks' own cost (`Profile.tick_overhead`)
+
+    def time_terms(self) -> dict[str, float]:
+        """The modelled step as named terms, in seconds, that add up to `step_s`."""
+        return {
+            "compute": self.compute_s - self.bubble_s - self.tick_s,
+            "pipeline bubble": self.bubble_s,
+            "pipeline ticks": self.tick_s,
+            "communication": self.exposed_communication_s,
+            "optimizer update": self.update_s,
+        }
 
     @property
     def grad_bytes(self) -> int:
@@ -175,6 +187,7 @@ class Estimate:
             "hidden_communication_s": dict(self.hidden),
             "bubble": self.bubble,
             "step_s": self.step_s,
+            "time_terms_s": self.time_terms(),
             "caveats": list(self.caveats),
             "stage_compute_s": list(self.stage_compute_s),
             "stage_activation_bytes": list(self.stage_activation_bytes),
@@ -425,11 +438,15 @@ def estimate(
     layer_s, stage_s = _stage_seconds(body_s, ends_s, step, stage_map if pipe else None)
     # devices sharing one pool of compute (simulated CPU devices) lend their idle ticks to each other: the
     # step costs the stages' work added up, spread over all of them, and no bubble
-    compute_s = sum(stage_s) / len(stage_s) if profile.shared_compute else max(stage_s) / (1.0 - bubble)
-    if pipe:  # what each tick of the schedule's loop costs beyond its work (`Profile.tick_overhead`)
-        compute_s += schedule_tables(step.schedule, step.stages, step.microbatches, step.virtual)[0] * (
-            profile.tick_overhead
-        )
+    work_s = sum(stage_s) / len(stage_s) if profile.shared_compute else max(stage_s)
+    bubble_s = 0.0 if profile.shared_compute else work_s * bubble / (1.0 - bubble)
+    # what each tick of the schedule's loop costs beyond its work (`Profile.tick_overhead`)
+    tick_s = (
+        schedule_tables(step.schedule, step.stages, step.microbatches, step.virtual)[0] * profile.tick_overhead
+        if pipe
+        else 0.0
+    )
+    compute_s = work_s + bubble_s + tick_s
     timed = [(t.overlap, _seconds(t, step, profile, plan.mesh.hosts)) for t in transfers]
     communication_s = sum(seconds for _, seconds in timed)
     overlapped = exposure(
@@ -471,6 +488,8 @@ def estimate(
         update_s=update_s,
         hidden=overlapped.hidden,
         stage_compute_s=tuple(t / (1.0 - bubble) for t in stage_s) if pipe else (),
+        bubble_s=bubble_s,
+        tick_s=tick_s,
         layer_s=layer_s,
         ends_s=ends_s,
         stage_activation_bytes=tuple(a + stored - loop_stored for a in stage_stored),
