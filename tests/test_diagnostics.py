@@ -785,3 +785,25 @@ def test_remat_rules_take_effect_under_the_schedules_that_keep_residuals(tmp_pat
     assert "remat-recomputed" not in codes("zb-v", "full")
     assert "remat-recomputed" not in codes("zb-h1", "none")
     assert "remat-recomputed" not in codes("1f1b", "none")
+
+
+def test_a_misspelt_mesh_axis_is_fixed_where_it_is_declared(tmp_path):
+    """`modle` declared and `model` named by every rule: each error's hint points at the declaration's
+    line (not "did you mean 'modle'?", which would spread the typo); a typo in one rule still gets the
+    declared name."""
+    (tmp_path / "plan.yaml").write_text(
+        "version: 1\nmesh:\n  axes: {data: 4, modle: 2}\ninputs: {tokens: [data, null]}\nparams:\n"
+        "  - {match: 'blocks/.*/attn/kernel', spec: [null, model]}\n  - {match: 'head/kernel', spec: [model]}\n"
+        "  - {match: '.*', spec: replicated}\n"
+    )
+    report = check_params(shardplan.load_plan(tmp_path / "plan.yaml"), PARAMS, list(range(8)))
+    hints = {d.hint for d in report.errors if d.code == "unknown-axis"}
+    assert hints == {
+        "mesh axis 'modle' (line 3) looks like a misspelling of 'model', which 2 spec(s) name: rename it where "
+        "the mesh declares it"
+    }
+    (tmp_path / "plan.yaml").write_text(
+        HEAD + "params:\n  - {match: '.*attn/kernel', spec: [null, modle]}\n  - {match: '.*', spec: [model]}\n"
+    )
+    report = check_params(shardplan.load_plan(tmp_path / "plan.yaml"), PARAMS, list(range(8)))
+    assert [d.hint for d in report.errors if d.code == "unknown-axis"] == ["did you mean 'model'?"]

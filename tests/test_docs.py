@@ -284,3 +284,22 @@ def test_the_example_trainer_uses_the_public_names_alone():
     assert used, "the trainer imports nothing of shardplan?"
     outside = [u for u in used if u[1] not in public or (u[2] is not None and u[2] not in public[u[1]])]
     assert outside == []
+
+
+def test_the_readmes_inspect_sample_is_what_inspect_prints(capsys, monkeypatch):
+    """The README's `inspect` block, cut at its `...` lines, is the command's own output at 80 columns: each
+    part the lines it prints, in its order."""
+    from shardplan.cli import main
+
+    readme = (REPO / "README.md").read_text()
+    command = "$ shardplan inspect plans/minigpt_dp_tp.yaml\n"
+    block = readme[readme.index(command) + len(command) :].split("```", 1)[0]
+    parts = [part.strip("\n").split("\n") for part in block.split("...\n") if part.strip()]
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["inspect", "plans/minigpt_dp_tp.yaml"]) == 0
+    printed, at = capsys.readouterr().out.split("\n"), 0
+    assert len(parts) >= 3 and sum(map(len, parts)) >= 12
+    for part in parts:
+        starts = [k for k in range(at, len(printed)) if printed[k : k + len(part)] == part]
+        assert starts, "the README shows lines inspect does not print in this order:\n" + "\n".join(part)
+        at = starts[0] + len(part)

@@ -163,13 +163,24 @@ def test_inspect_svg_draws_the_mesh_the_blocks_and_the_pipeline(tmp_path, capsys
     # token embedding split over 'model': rows 0:25152 on model=0 devices, the rest on model=1
     assert "0,2,4,6" in texts and "1,3,5,7" in texts
     # a stage-0 layer split over 'model' lives on devices 0-3 only
-    assert "transformer_blocks/0/linear1/kernel (stage 0)" in texts and "0,2" in texts
+    assert "transformer_blocks/0/linear1/kernel" in texts and "(256, 256) P(None, 'model'), stage 0" in texts
+    assert "0,2" in texts
     assert "Pipeline over 'stage': 1f1b, 8 microbatches, 10 ticks" in texts
     assert any(t and t.startswith("2 of 20 cells idle; bubble 11.1% of stage time") for t in texts), texts
     assert "F0" in texts and "b7" in texts
     assert "http" not in text.replace("http://www.w3.org/2000/svg", "")  # nothing fetched
+    assert_text_fits(root)
+    # the README's picture is this one (regenerate with SHARDPLAN_UPDATE_GOLDEN=1)
+    shown = Path(__file__).parents[1] / "docs" / "minigpt_3d.svg"
+    if os.environ.get("SHARDPLAN_UPDATE_GOLDEN"):
+        shown.write_text(text)
+    assert shown.read_text() == text
+
+
+def assert_text_fits(root) -> None:
+    """No two texts of the picture overlap, and each lies inside its width."""
     width = float(root.get("width"))
-    boxes = [_text_box(t) for t in root.iter(f"{ns}text") if t.text]
+    boxes = [_text_box(t) for t in root.iter("{http://www.w3.org/2000/svg}text") if t.text]
     assert all(0 <= box[0] and box[2] <= width for box in boxes), [b for b in boxes if b[2] > width or b[0] < 0]
     overlapping = [
         (a[4], b[4])
@@ -178,18 +189,26 @@ def test_inspect_svg_draws_the_mesh_the_blocks_and_the_pipeline(tmp_path, capsys
         if a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
     ]
     assert not overlapping
-    # the README's picture is this one (regenerate with SHARDPLAN_UPDATE_GOLDEN=1)
-    shown = Path(__file__).parents[1] / "docs" / "minigpt_3d.svg"
-    if os.environ.get("SHARDPLAN_UPDATE_GOLDEN"):
-        shown.write_text(text)
-    assert shown.read_text() == text
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in PLANS.iterdir()))
+def test_no_text_of_a_shipped_plans_picture_overlaps_another_or_leaves_it(name):
+    import xml.etree.ElementTree as ET
+
+    from shardplan.cli.commands import build_parser, inspected
+    from shardplan.cli.picture import render_svg
+
+    report, _ = inspected(build_parser().parse_args(["inspect", str(PLANS / name)]))
+    assert_text_fits(ET.fromstring(render_svg(report)))
 
 
 def _text_box(element) -> tuple[float, float, float, float, str]:
-    """(left, top, right, bottom, text) of an SVG text, its width from the font's average advance (DejaVu Sans
-    Mono: 0.602 em; DejaVu Sans, whose advances vary: 0.58 em over these labels)."""
+    """(left, top, right, bottom, text) of an SVG text, its width from a wide font's average advance: the
+    fonts named may be missing, and a fallback's (Courier, Liberation; bold) runs wider than DejaVu's
+    0.602 em (Mono) and 0.58 em (Sans, over these labels)."""
     size, text = float(element.get("font-size")), element.text
-    width = len(text) * size * (0.61 if "Mono" in element.get("font-family") else 0.58)
+    bold = element.get("font-weight") == "bold"
+    width = len(text) * size * (0.68 if "Mono" in element.get("font-family") else 0.66 if bold else 0.6)
     x, y = float(element.get("x")), float(element.get("y"))
     left = {"middle": x - width / 2, "end": x - width}.get(element.get("text-anchor"), x)
     return left, y - 0.8 * size, left + width, y + 0.2 * size, text

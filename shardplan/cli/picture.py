@@ -195,10 +195,17 @@ def _array_tile(report: Report, p, x0: float, y0: float, box_w: float, box_h: fl
         block = tuple(_block_index(p.spec[d] if d < len(p.spec) else None, report.axes, coords) for d in dims)
         block = block + (0,) * (2 - len(block))
         holders.setdefault(block, []).append(device_id)
-    title = p.path + (f" (stage {p.stage})" if p.stage is not None else "")
+    stage = f", stage {p.stage}" if p.stage is not None else ""
     parts = [
-        _text(x0, y0 + 12, _shorten(title, 46), size=11, weight="bold", mono=True),
-        _text(x0, y0 + 26, f"{tuple(p.shape)} {format_spec(p.spec)}", size=10, mono=True, fill="#555"),
+        _text(x0, y0 + 12, _shorten(p.path, _chars(box_w, 11)), size=11, weight="bold", mono=True),
+        _text(
+            x0,
+            y0 + 26,
+            _shorten(f"{tuple(p.shape)} {format_spec(p.spec)}{stage}", _chars(box_w, 10)),
+            size=10,
+            mono=True,
+            fill="#555",
+        ),
     ]
     top = y0 + 34
     rows, columns = splits
@@ -262,6 +269,13 @@ def _device_label(devices: list[int]) -> str:
     if len(devices) > 2 and devices == list(range(devices[0], devices[-1] + 1)):
         return f"{devices[0]}-{devices[-1]}"
     return ",".join(map(str, devices)) if len(devices) <= 4 else f"{devices[0]},…({len(devices)})"
+
+
+def _chars(width_px: float, size: int) -> int:
+    """How many characters of a monospaced font of `size` fit in `width_px`, with room to spare: the
+    fonts named may be missing, and the fallback (Courier, Liberation Mono; bold) runs wider than
+    DejaVu Sans Mono's 0.6 em."""
+    return int(width_px / (size * 0.68))
 
 
 def _shorten(text: str, width: int) -> str:

@@ -8,6 +8,7 @@ import difflib
 import math
 from typing import Callable
 
+from shardplan.core.validate import misspelt_declaration
 from shardplan.plan.diagnostics import Diagnostic
 from shardplan.plan.matching import checked_pattern
 from shardplan.plan.schema import Plan, format_spec, spec_axes
@@ -39,7 +40,8 @@ def check_step_axes(plan: Plan, sizes: dict[str, int]) -> list[Diagnostic]:
                         line=line,
                         column=column,
                         rule=k,
-                        hint=f"did you mean {close[0]!r}?" if close else f"mesh axes are {', '.join(sizes)}",
+                        hint=misspelt_declaration(plan, axis, sizes)
+                        or (f"did you mean {close[0]!r}?" if close else f"mesh axes are {', '.join(sizes)}"),
                     )
                 )
         for axis in [a for a in dict.fromkeys(axes) if axes.count(a) > 1 and a in sizes]:

@@ -118,6 +118,7 @@ def rule_level(plan: Plan, rules: list[Rule], sizes: dict[str, int]) -> list[Dia
                         line,
                         col,
                         logical=_logical_names(plan),
+                        plan=plan,
                         rule=rule.index,
                     )
                 )
@@ -141,12 +142,55 @@ def rule_level(plan: Plan, rules: list[Rule], sizes: dict[str, int]) -> list[Dia
 MAX_SUGGESTIONS = 20  # unused rules given a "paths look like" hint
 
 
+def misspelt_declaration(plan: Plan, axis: str, sizes: dict[str, int]) -> str | None:
+    """A hint that fixes an unknown axis at its source: when several specs agree on `axis` and the
+    declared mesh axis close to it is named by none, the declaration is the misspelling, not every rule
+    that names `axis` (one spec against one declaration: "did you mean" stands)."""
+    close = difflib.get_close_matches(axis, list(sizes), n=1, cutoff=0.5)
+    if not close:
+        return None
+    uses = axis_uses(plan)
+    if uses.get(close[0]) or uses.get(axis, 0) < 2:
+        return None
+    line, _ = plan.locate("mesh", "axes", close[0])
+    where = f" (line {line})" if line else ""
+    return (
+        f"mesh axis {close[0]!r}{where} looks like a misspelling of {axis!r}, which {uses.get(axis, 0)} "
+        f"spec(s) name: rename it where the mesh declares it"
+    )
+
+
+def axis_uses(plan: Plan) -> dict[str, int]:
+    """Axis or logical name -> how many of the plan's specs (parameter rules, inputs, activation rules)
+    name it, plus one for each section that runs over it (pipeline, experts, context)."""
+    specs = [rule.normal for rule in plan.params] + list(plan.input_specs.values())
+    specs += [rule.normal for rule in plan.activations]
+    uses: dict[str, int] = defaultdict(int)
+    for spec in specs:
+        for axis in dict.fromkeys(spec_axes(spec)):
+            uses[axis] += 1
+    for section in (plan.pipeline, plan.experts, plan.context):
+        if section is not None:
+            uses[section.axis] += 1
+    return dict(uses)
+
+
 def _unknown_axis(
-    code: str, subject: str, axis: str, sizes: dict[str, int], file, line, col, logical: list[str] = (), **where
+    code: str,
+    subject: str,
+    axis: str,
+    sizes: dict[str, int],
+    file,
+    line,
+    col,
+    logical: list[str] = (),
+    plan: Plan | None = None,
+    **where,
 ) -> Diagnostic:
     close = difflib.get_close_matches(axis, list(sizes) + list(logical), n=1, cutoff=0.5)
+    at_source = misspelt_declaration(plan, axis, sizes) if plan is not None else None
     if not logical:
-        hint = f"did you mean {close[0]!r}?" if close else f"mesh axes are {', '.join(sizes)}"
+        hint = at_source or (f"did you mean {close[0]!r}?" if close else f"mesh axes are {', '.join(sizes)}")
         return Diagnostic(
             code,
             "error",
@@ -158,7 +202,7 @@ def _unknown_axis(
             **where,
         )
     kind = lambda name: "a logical name" if name in logical else "a mesh axis"  # noqa: E731
-    hint = (
+    hint = at_source or (
         f"did you mean {close[0]!r} ({kind(close[0])})?"
         if close
         else f"mesh axes are {', '.join(sizes)}; logical names are {', '.join(logical)}"
@@ -496,6 +540,7 @@ def validate_inputs(
                         line,
                         col,
                         logical=_logical_names(plan),
+                        plan=plan,
                         path=name,
                     )
                 )
