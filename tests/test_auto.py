@@ -356,6 +356,7 @@ def test_inspect_json_carries_the_estimate(capsys):
     assert {t["kind"] for t in estimate_json["collectives"]} == {"all-reduce"}
 
 
+@pytest.mark.filterwarnings("ignore:.*warning\\[remat-no-memory-effect\\]")  # expected here, not what is tested
 def test_measure_times_the_top_candidates_and_writes_the_measured_fastest(tmp_path, capsys):
     import json
 

@@ -104,6 +104,11 @@ TOKENS = np.asarray(jax.random.randint(jax.random.key(1), (8, 8), 0, 64))
 SEEDS = [None] + list(range(4))
 
 
+@pytest.mark.filterwarnings("ignore:.*warning\\[unused-rule\\]")  # expected here, not what is tested
+@pytest.mark.filterwarnings("ignore:.*warning\\[experts-fallback\\]")  # expected here, not what is tested
+@pytest.mark.filterwarnings(
+    "ignore::shardplan.experts.block.ExpertFallbackWarning"
+)  # expected here, not what is tested
 @pytest.mark.parametrize("seed", SEEDS)
 def test_a_random_moe_block_computes_one_devices_numbers(seed):
     recipe = (

@@ -134,6 +134,7 @@ def collectives(text: str) -> dict[str, list[str]]:
     return found
 
 
+@pytest.mark.filterwarnings("ignore:.*warning\\[shadowed-rule\\]")  # expected here, not what is tested
 @pytest.mark.parametrize("layout, model", CASES)
 def test_expert_parallel_step_equals_one_device_and_moves_only_tokens(layout, model):
     kind = MODELS[model]
@@ -173,7 +174,8 @@ def test_capacity_dispatch_equals_one_device_when_nothing_drops_and_warns_when_i
     assert shardplan.dropped_rows(model, tokens) == {"layers/0/moe": 0, "layers/1/moe": 0}
 
     tight = moe_plan("ep4", ", dispatch: capacity, capacity_factor: 1.0")
-    model = shardplan.apply_plan(tight, MoEDecoder(SortedMoE, rngs=nnx.Rngs(0)), mesh)
+    with pytest.warns(shardplan.PlanWarning, match=r"warning\[experts-capacity-drops\]"):
+        model = shardplan.apply_plan(tight, MoEDecoder(SortedMoE, rngs=nnx.Rngs(0)), mesh)
     dropped = shardplan.dropped_rows(model, tokens)
     assert set(dropped) == {"layers/0/moe", "layers/1/moe"} and all(0 < n < 16 * 16 * 2 for n in dropped.values())
     np.testing.assert_raises(
@@ -336,6 +338,7 @@ STEP_OPTIONS = {
 }
 
 
+@pytest.mark.filterwarnings("ignore:.*warning\\[remat-no-memory-effect\\]")  # expected here, not what is tested
 @pytest.mark.parametrize("options", sorted(STEP_OPTIONS))
 def test_step_options_wrap_the_exchange_as_any_module(options):
     """Remat around the block's call, microbatches through `model_loss`, bf16 compute: EP equals data
@@ -435,6 +438,7 @@ def test_experts_inside_pipeline_stages_with_tensor_parallelism_train_like_one_d
     assert not any(f"[{shard}]" in line for line in ops.get("all-gather", []) + ops.get("collective-permute", []))
 
 
+@pytest.mark.filterwarnings("ignore:.*warning\\[pipeline-fsdp-gathered\\]")  # expected here, not what is tested
 def test_experts_in_stages_keep_their_split_while_other_weights_on_the_same_axis_enter_gathered():
     """The loop runs the experts' axis manually: the expert weights enter split over it, an attention
     weight FSDP-split over the same axis enters gathered (and only it is warned of), three AdamW steps give

@@ -306,6 +306,7 @@ def test_plan_text_and_hints_are_printed_verbatim(tmp_path, capsys):
 # ----------------------------------------------------------------------------- the mesh given is checked
 
 
+@pytest.mark.filterwarnings("ignore:.*warning\\[idle-axis\\]")  # expected here, not what is tested
 def test_the_mesh_given_is_the_mesh_checked():
     from flax import nnx
 

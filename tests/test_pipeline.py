@@ -362,6 +362,7 @@ def _adamw_steps(plan, config: dict, batches):
         full("minigpt_pp4.yaml", "zb-v", 2),
     ],
 )
+@pytest.mark.filterwarnings("ignore:the plan's pipeline schedule")  # expected here, not what is tested
 def test_five_adamw_steps_match_one_device(base, schedule, virtual):
     batches = np.random.default_rng(1).integers(0, 128, size=(5, 16, 17), dtype=np.int32)
     plan = _plan(base, schedule, virtual)
@@ -397,6 +398,7 @@ def test_pipeline_for_a_llama_style_model(write_plan):
 
 
 # (zb-h1: the same head and embedding code; its layers FSDP-split, their batch axis left to XLA)
+@pytest.mark.filterwarnings("ignore:.*warning\\[pipeline-fsdp-gathered\\]")  # expected here, not what is tested
 @pytest.mark.parametrize("schedule", ["1f1b", full("zb-h1")])
 def test_one_f_one_b_head_split_over_a_batch_axis_enters_whole(schedule, write_plan):
     """1F1B runs the head inside the loop. Split over tensor axes only it keeps its split (the shipped
@@ -559,6 +561,7 @@ def _weights_per_tick(saved: list[tuple[int, ...]], stacked: list, ticks: int) -
     return [s for s in saved for m in matrices if len(s) > len(m) and s[-len(m) :] == m and s[0] >= ticks]
 
 
+@pytest.mark.filterwarnings("ignore:the plan's pipeline schedule")  # expected here, not what is tested
 @pytest.mark.parametrize("case", ["interleaved", "layers of two kinds"])
 def test_the_loop_keeps_no_weights_per_tick(case, write_plan):
     """The circular loop's backward needs each tick's weights: slices of the stacked weights picked by a
@@ -639,6 +642,8 @@ def test_one_chunk_schedules_with_chunks_are_refused_rather_than_ignored(schedul
     assert error.code == "invalid-value" and "would do nothing" in error.message and schedule in error.message
 
 
+@pytest.mark.filterwarnings("ignore:.*warning\\[shadowed-rule\\]")  # expected here, not what is tested
+@pytest.mark.filterwarnings("ignore:.*warning\\[pipeline-fsdp-gathered\\]")  # expected here, not what is tested
 def test_the_3d_plan_with_an_fsdp_rule_trains_like_one_device():
     """`plans/minigpt_3d.yaml` plus one FSDP rule aborted the process inside XLA's partitioner (the data axis
     was left automatic in the loop). The layer weight now enters the loop gathered over `data`, `check`

@@ -73,8 +73,14 @@ def test_bad_profiles_are_diagnostics_at_their_lines(tmp_path, edit, code, where
 
 
 def test_cli_lists_profiles_and_rejects_a_bad_file(tmp_path, capsys):
+    shipped = sorted(path.stem for path in (Path(__file__).parents[1] / "profiles").glob("*.yaml"))
     assert main(["profiles", "--json"]) == 0
-    assert [p["name"] for p in json.loads(capsys.readouterr().out)] == list(PROFILES)
+    assert [p["name"] for p in json.loads(capsys.readouterr().out)] == list(PROFILES) + shipped
+    assert main(["profiles"]) == 0
+    listed = " ".join(capsys.readouterr().out.split())
+    assert "profile files shipped in profiles: " + ", ".join(f"{name}.yaml" for name in shipped) in listed
+    assert "not on the machine at hand" in listed and "this machine's" not in listed
+    assert "989 (" in listed and "0.0275" in listed  # three significant figures, not `0.0275000`-style noise
     path = tmp_path / "bad.yaml"
     path.write_text(MINIMAL.replace("peak_flops: 312e12", "peak_flops: -1"))
     assert main(["profiles", str(path)]) == 1

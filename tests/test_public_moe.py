@@ -140,6 +140,11 @@ CASES = [
 ]
 
 
+@pytest.mark.filterwarnings("ignore:.*warning\\[annotation-overridden\\]")  # expected here, not what is tested
+@pytest.mark.filterwarnings("ignore:.*warning\\[experts-fallback\\]")  # expected here, not what is tested
+@pytest.mark.filterwarnings(
+    "ignore::shardplan.experts.block.ExpertFallbackWarning"
+)  # expected here, not what is tested
 @pytest.mark.parametrize("kind, layout", CASES)
 def test_a_public_moe_layer_is_expert_parallel_and_trains_like_one_device(kind, layout):
     plan = shardplan.parse_plan(plan_text(kind, layout))

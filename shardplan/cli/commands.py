@@ -682,12 +682,31 @@ def _profiles(args, console: Console) -> int:
     from shardplan.cli.render import render_profiles
     from shardplan.planner.profiles import PROFILES, load_profile
 
-    shown = [load_profile(args.file)] if args.file else list(PROFILES.values())
+    shipped = [] if args.file else shipped_profile_files()
+    shown = [load_profile(args.file)] if args.file else list(PROFILES.values()) + [load_profile(f) for f in shipped]
     if args.json:
         print(json.dumps([dataclasses.asdict(p) for p in shown], indent=2))
     else:
         render_profiles(console, shown)
+        if shipped:
+            print_wrapped(
+                console,
+                f"profile files shipped in {shipped[0].parent}: {', '.join(f.name for f in shipped)} "
+                "(pass the file's path as --profile; `shardplan calibrate` writes one for the devices at hand)",
+            )
     return EXIT_OK
+
+
+def shipped_profile_files() -> list:
+    """The profile files the project ships (`profiles/` beside the package, in a checkout), by name."""
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[2] / "profiles"
+    if not folder.is_dir():
+        return []
+    if folder.is_relative_to(Path.cwd()):  # as the user would type it
+        folder = folder.relative_to(Path.cwd())
+    return sorted(folder.glob("*.yaml"))
 
 
 def _calibrate(args, console: Console) -> int:

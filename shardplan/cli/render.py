@@ -685,20 +685,28 @@ def _microseconds(seconds: float) -> str:
     return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
 
 
+def _figure(value: float) -> str:
+    """A rate to three significant figures (what a datasheet or a timing supports), thousands whole:
+    `989`, `4800`, `0.0184`, `1.83`."""
+    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
+
+
 def render_profiles(console: Console, profiles) -> None:
     """One row per device profile, then where each one's figures come from."""
     rows = []
     for p in profiles:
-        by_dtype = ", ".join(f"{d} {f / 1e12:g}" for d, f in p.peak_flops_by_dtype.items())
+        by_dtype = ", ".join(f"{d} {_figure(f / 1e12)}" for d, f in p.peak_flops_by_dtype.items())
         rows.append(
             [
                 p.name,
-                f"{p.peak_flops / 1e12:g}" + (f" ({by_dtype})" if by_dtype else ""),
+                _figure(p.peak_flops / 1e12) + (f" ({by_dtype})" if by_dtype else ""),
                 human_bytes(p.memory_bytes),
-                f"{p.memory_bandwidth / 1e9:g}",
-                f"{p.intra_host_bandwidth / 1e9:g} / {p.inter_host_bandwidth / 1e9:g}",
+                _figure(p.memory_bandwidth / 1e9),
+                f"{_figure(p.intra_host_bandwidth / 1e9)} / {_figure(p.inter_host_bandwidth / 1e9)}",
                 str(p.devices_per_host),
-                f"{p.matmul_efficiency:g} / {p.attention_efficiency:g} / {p.link_efficiency:g}",
+                " / ".join(
+                    f"{share:.2g}" for share in (p.matmul_efficiency, p.attention_efficiency, p.link_efficiency)
+                ),
                 " / ".join(_microseconds(s) for s in (p.collective_latency, p.matmul_overhead, p.tick_overhead)),
                 p.attention + (", shared compute" if p.shared_compute else ""),
             ]
@@ -716,7 +724,8 @@ def render_profiles(console: Console, profiles) -> None:
     ]
     print_fitted(console, "device profiles", columns, rows)
     for p in profiles:
-        print_wrapped(console, Text.assemble((f"{p.name}", "bold"), f" ({p.source}): {p.description}"))
+        source = "" if p.source in p.description else f" ({p.source})"  # (a measured profile says so itself)
+        print_wrapped(console, Text.assemble((f"{p.name}", "bold"), f"{source}: {p.description}"))
         if p.collective_shares:
             shares = ", ".join(f"{kind} {share:.2g}" for kind, share in p.collective_shares.items())
             print_wrapped(console, f"  share of the link each kind of collective reaches: {shares}")

@@ -113,9 +113,10 @@ PROFILES = {
     ),
     "cpu": Profile(
         "cpu",
-        "this machine's 2 CPU cores shared by 8 simulated devices (measured: a 2048^3 f32 matmul at "
-        "220 GFLOP/s for all devices together, copies at 4.8 GB/s), 24 GiB memory shared; collectives are "
-        "copies through memory",
+        "8 simulated CPU devices sharing a 2-core machine, as measured once on such a machine (a 2048^3 "
+        "f32 matmul at 220 GFLOP/s for all devices together, copies at 4.8 GB/s, 24 GiB memory shared; "
+        "collectives are copies through memory), not on the machine at hand: `shardplan calibrate` "
+        "measures that",
         peak_flops=220e9 / 8,
         memory_bytes=24 * GiB // 8,
         memory_bandwidth=4.8e9,
