@@ -28,7 +28,19 @@ from shardplan.training import load_plain_state, plain_abstract, plain_state
 
 
 class CheckpointError(Exception):
-    """A checkpoint cannot be used (message says why)."""
+    """A checkpoint cannot be used (message says why; `detail`: the reader's whole message, shown with
+    --debug)."""
+
+    def __init__(self, message: str, detail: str | None = None):
+        super().__init__(message)
+        self.detail = detail
+
+
+def _first_line(exc: Exception, limit: int = 200) -> str:
+    """An exception as one line: orbax's messages carry whole trees (68 lines for one mismatched shape)."""
+    lines = str(exc).strip().splitlines() or [""]
+    first = lines[0] if len(lines[0]) <= limit else lines[0][: limit - 1] + "…"
+    return f"{type(exc).__name__}: {first}" + (" (--debug shows the whole message)" if len(lines) > 1 else "")
 
 
 class DiskFull(CheckpointError):
@@ -156,7 +168,8 @@ class Checkpoints:
             meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as exc:  # garbage, a missing item or an empty step directory
             raise CheckpointError(
-                f"checkpoint step {step} in {self.directory} cannot be read: {type(exc).__name__}: {exc}"
+                f"checkpoint step {step} in {self.directory} cannot be read: {_first_line(exc)}",
+                detail=f"{type(exc).__name__}: {exc}",
             ) from None
         problem = _meta_problem(meta)
         if problem:
@@ -210,8 +223,8 @@ class Checkpoints:
             restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(), **items))
         except Exception as exc:  # a different shape, or files damaged without checksums to tell
             raise CheckpointError(
-                f"checkpoint {self.directory / str(step)} cannot be restored into this model: "
-                f"{type(exc).__name__}: {exc}"
+                f"checkpoint {self.directory / str(step)} cannot be restored into this model: {_first_line(exc)}",
+                detail=f"{type(exc).__name__}: {exc}",
             ) from None
         for name, node in nodes.items():
             tree = restored[name]

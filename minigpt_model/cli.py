@@ -257,6 +257,8 @@ def _main(argv: list[str] | None) -> int:
         return 1
     except (RunError, DataError, CheckpointError, TokenizerUnavailable) as exc:
         print_error(err, str(exc))
+        if getattr(args, "debug", False) and getattr(exc, "detail", None):
+            err.print(exc.detail, soft_wrap=True)
         return 1
     except _sharding_type_error() as exc:
         # a plan problem: explicit mesh axes, and an op whose output sharding JAX cannot infer

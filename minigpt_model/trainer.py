@@ -602,16 +602,22 @@ class _Metrics:
     def records(self) -> list[dict]:
         if not self.path.exists():
             return []
-        records = []
+        records, torn = [], []
         for number, line in enumerate(self.path.read_text(errors="replace").splitlines(), start=1):
             try:
                 record = json.loads(line) if line.strip() else None
             except ValueError:
                 record = None
-                if self.warn:
-                    self.warn(f"{self.path}:{number} is not a complete record (a write cut short?); dropped")
+                torn.append(number)
             if isinstance(record, dict) and isinstance(record.get("step"), int):
                 records.append(record)
+        if torn and self.warn:  # one line for them all: a file of garbage is not a page of warnings
+            what = (
+                f"line {torn[0]} is not a complete record"
+                if len(torn) == 1
+                else f"{len(torn)} lines ({_line_list(torn)}) are not complete records"
+            )
+            self.warn(f"{self.path}: {what} (a write cut short?); dropped")
         return records
 
     def append(self, record: dict) -> None:
@@ -627,6 +633,11 @@ def _why(exc: OSError) -> str:
 
 def _kind(path: Path) -> str:
     return "a directory" if path.is_dir() else "a FIFO" if path.is_fifo() else "a special file"
+
+
+def _line_list(numbers: list[int], shown: int = 3) -> str:
+    """[4, 9, 12, 30, 31] -> '4, 9, 12, ...'."""
+    return ", ".join(map(str, numbers[:shown])) + (", ..." if len(numbers) > shown else "")
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -53,3 +53,21 @@ class PositionedDecoder(nnx.Module):
         for layer in self.layers:
             x = layer(x, mask)
         return self.head(x)
+
+
+class SlowToTrace(nnx.Module):
+    """A small language model whose forward on a batch of more than one sequence takes `seconds` each time
+    it runs in Python (every trace): a candidate of `auto --measure` that hangs as far as its time limit
+    is concerned (the planner's own trace, of one sequence, does not wait)."""
+
+    def __init__(self, vocab=64, dim=32, seconds=120.0, *, rngs: nnx.Rngs):
+        self.seconds = seconds
+        self.embed = nnx.Embed(vocab, dim, rngs=rngs)
+        self.head = nnx.Linear(dim, vocab, rngs=rngs)
+
+    def __call__(self, tokens):
+        import time
+
+        if tokens.shape[0] > 1:
+            time.sleep(self.seconds)
+        return self.head(self.embed(tokens))

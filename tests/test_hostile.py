@@ -20,7 +20,7 @@ from minigpt_model.checkpoint import verify
 from minigpt_model.trainer import RunError, TrainConfig, train
 from shardplan.cli import commands as shardplan_cli
 
-from conftest import PLANS, REPO, full
+from conftest import PLANS, REPO, TINY_MINIGPT, full
 
 TINY = dict(maxlen=32, embed_dim=64, num_heads=8, feed_forward_dim=128, num_transformer_blocks=2, dropout_rate=0.0)
 TINY_ARGS = [f"--config={k}={v}" for k, v in TINY.items()]
@@ -1170,3 +1170,137 @@ def test_running_out_of_memory_says_so_not_a_bug(tmp_path):
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
     assert "out of memory" in result.stderr and "--config" in result.stderr, result.stderr[-2000:]
     assert "internal error" not in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "umask, replaced, expected", [(0o022, None, 0o644), (0o027, None, 0o640), (0o077, 0o644, 0o644)]
+)
+def test_written_files_take_the_users_umask_or_the_replaced_files_mode(tmp_path, umask, replaced, expected):
+    """`auto -o`, `--calibrate` and `calibrate` write through a private temporary file: the result has the
+    mode a plain write would give (the umask's), or the mode of the file it replaces, never 0600."""
+    from shardplan.cli.autorun import _write_atomically
+
+    target = tmp_path / "plan.yaml"
+    if replaced is not None:
+        target.write_text("old")
+        target.chmod(replaced)
+    previous = os.umask(umask)
+    try:
+        _write_atomically(target, "new: 1\n")
+    finally:
+        os.umask(previous)
+    assert target.read_text() == "new: 1\n" and (target.stat().st_mode & 0o777) == expected
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_auto_refuses_one_file_for_two_outputs_and_an_unbounded_measure_before_any_work(tmp_path, capsys):
+    base = ["auto", "--model", "minigpt_model:MiniGPT", "--devices", "8", "--profile", "cpu"]
+    same = tmp_path / "x.yaml"
+    code, text = call(shardplan_cli.main, capsys, *base, "--measure", "1", "--calibrate", same, "-o", same)
+    assert code == 2 and "--calibrate and -o both name" in text and "candidates" not in text, text
+    assert not same.exists()
+    code, text = call(shardplan_cli.main, capsys, *base, "--measure", "100000000000000000000", "-o", same)
+    assert code == 2 and "--measure requires at most 32 candidates" in text and "held" in text, text
+    code, text = call(shardplan_cli.main, capsys, *base, "--measure", "1", "--measure-timeout", "0", "-o", same)
+    assert code == 2 and "--measure-timeout requires seconds" in text, text
+    no_bug(code, text)
+
+
+def test_a_candidate_past_the_measure_timeout_is_named_and_skipped(tmp_path, capsys):
+    """A candidate whose trace does not end (here: it sleeps two minutes) is stopped at `--measure-timeout`,
+    reported by name, and the command goes on to write the plan the model ranked first."""
+    from shardplan.cli.autorun import TimeLimit, time_limit
+
+    with pytest.raises(TimeLimit, match="too slow"):
+        with time_limit(0.2, "too slow"):
+            import time
+
+            time.sleep(30)
+    out = tmp_path / "plan.yaml"
+    code, text = call(
+        shardplan_cli.main,
+        capsys,
+        "auto",
+        "--model",
+        "models:SlowToTrace",
+        "--path",
+        REPO / "tests",
+        "--devices",
+        "8",
+        "--profile",
+        "cpu",
+        "--batch",
+        "16",
+        "--seq",
+        "8",
+        "--measure",
+        "1",
+        "--measure-timeout",
+        "1",
+        "-o",
+        out,
+    )
+    no_bug(code, text)
+    assert code == 0 and out.exists(), text
+    assert "could not measure" in text and "TimeLimit: took more than 1 s to build and compile" in text, text
+
+
+def test_a_checkpoint_of_another_model_is_one_line_and_a_garbage_metrics_file_one_warning(tmp_path):
+    """orbax's message for a mismatched tree runs to dozens of lines: the error is its first, the rest kept
+    for --debug; a metrics file of garbage lines is one warning, not one per line."""
+    import optax
+    from flax import nnx
+
+    from minigpt_model.checkpoint import CheckpointError, Checkpoints
+    from minigpt_model.trainer import _Metrics
+
+    def linear(width):
+        model = nnx.Linear(4, width, rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    saved = Checkpoints(tmp_path / "checkpoints")
+    saved.save(1, *linear(4), meta={"step": 1, "data_step": 1, "model": {"width": 4}})
+    with pytest.raises(CheckpointError) as caught:
+        Checkpoints(tmp_path / "checkpoints").restore(*linear(8), step=1)
+    assert len(str(caught.value).splitlines()) == 1 and len(str(caught.value)) < 600, str(caught.value)
+    assert "cannot be restored into this model" in str(caught.value)
+    assert caught.value.detail and len(caught.value.detail) >= len(str(caught.value).split(": ", 1)[-1]) - 40
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "loss": 2.0}\n' + "".join(f"garbage {k} {{\n" for k in range(69)))
+    heard: list[str] = []
+    records = _Metrics(metrics, keep_until=10, write=False, warn=heard.append).records()
+    assert [r["step"] for r in records] == [1]
+    assert heard == [f"{metrics}: 69 lines (2, 3, 4, ...) are not complete records (a write cut short?); dropped"]
+
+
+def test_a_refitted_profile_that_cannot_be_written_fails_the_command(small_disk, tmp_path, capsys):
+    """`auto --measure --calibrate` into a full file system: the plan is written, the profile is not, and
+    the exit status says so (it was 0)."""
+    _fill(small_disk)
+    out = tmp_path / "plan.yaml"
+    code, text = call(
+        shardplan_cli.main,
+        capsys,
+        "auto",
+        "--model",
+        "minigpt_model:MiniGPT",
+        *[arg for pair in (("--config", f"{k}={v}") for k, v in TINY_MINIGPT.items()) for arg in pair],
+        "--devices",
+        "8",
+        "--profile",
+        "cpu",
+        "--batch",
+        "16",
+        "--seq",
+        "16",
+        "--measure",
+        "1",
+        "--calibrate",
+        small_disk / "refit.yaml",
+        "-o",
+        out,
+    )
+    no_bug(code, text)
+    assert code == 2 and "cannot write the refitted profile" in text and out.exists(), text
+    assert not (small_disk / "refit.yaml").exists()

@@ -79,3 +79,60 @@ def test_a_donating_step_trains_the_same_and_frees_the_old_state():
     old = donated._variables[0].get_raw_value()
     assert [float(kept(x)) for _ in range(3)] == [float(donated(x)) for _ in range(3)]
     assert old.is_deleted()
+
+
+def test_a_step_or_optimizer_made_before_a_re_plan_refuses_instead_of_training_the_old_layout():
+    """A step built before a pipeline plan replaced the layer list would train the old layers (it holds their
+    variables); an optimizer made for one plan would put its layout back after another; a pipelined model
+    cannot be placed again. Each says so, naming the plans."""
+    _, model, optimizer, (tokens, targets) = placed("minigpt_dp.yaml")
+    step = shardplan.jit_step(train_update, model, optimizer, static_argnames=("training",))
+    float(step(tokens, targets, jax.random.key(0), training=False))
+    tp = shardplan.load_plan(PLANS / "minigpt_dp_tp.yaml")
+    shardplan.apply_plan(tp, model, shardplan.make_mesh(tp))
+    with pytest.raises(
+        ValueError, match="built for the model as plan 'minigpt-dp' placed it, but plan 'minigpt-dp-tp'"
+    ):
+        float(step(tokens, targets, jax.random.key(0), training=False))
+    grads = jax.tree.map(jax.numpy.zeros_like, nnx.state(model, nnx.Param))
+    with pytest.raises(ValueError, match="this optimizer was made for the model as plan 'minigpt-dp' placed it"):
+        optimizer.update(model, grads)
+    optimizer = shardplan.shard_optimizer(tp, model, optax.adamw(1e-3), shardplan.make_mesh(tp))
+    step = shardplan.jit_step(train_update, model, optimizer, static_argnames=("training",))
+    assert np.isfinite(float(step(tokens, targets, jax.random.key(0), training=False)))
+
+    pipeline = shardplan.load_plan(PLANS / "minigpt_3d.yaml")
+    shardplan.apply_plan(pipeline, model, shardplan.make_mesh(pipeline))
+    with pytest.raises(ValueError, match=r"plan 'minigpt-3d' \(a pipeline: the layer list replaced\) has placed"):
+        step(tokens, targets, jax.random.key(0), training=False)
+    with pytest.raises(ValueError, match="apply_plan requires a model no pipeline plan has placed"):
+        shardplan.apply_plan(tp, model, shardplan.make_mesh(tp))
+
+
+def test_an_abstract_model_a_changed_shape_and_a_donated_alias_are_refused_by_name():
+    plan = shardplan.load_plan(PLANS / "minigpt_dp.yaml")
+    mesh = shardplan.make_mesh(plan)
+    abstract = shardplan.apply_plan(plan, nnx.eval_shape(lambda: MiniGPT(**TINY_MINIGPT, rngs=nnx.Rngs(0))), mesh)
+    with pytest.raises(ValueError, match="shard_optimizer requires a model of real arrays, but .* are abstract"):
+        shardplan.shard_optimizer(plan, abstract, optax.adamw(1e-3), mesh)
+
+    model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    def train(model, optimizer, x):
+        loss, grads = nnx.value_and_grad(lambda m: (m(x) ** 2).mean())(model)
+        optimizer.update(model, grads)
+        return loss
+
+    step = shardplan.jit_step(train, model, optimizer)
+    step(jax.numpy.ones((2, 4)))
+    model.kernel.set_value(jax.numpy.ones((5, 4)))
+    with pytest.raises(ValueError, match=r"0/kernel was \(4, 4\) float32 when the step was built and is \(5, 4\)"):
+        step(jax.numpy.ones((2, 4)))
+
+    model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = shardplan.jit_step(lambda m, o, x: (m(x) ** 2).mean(), model, optimizer, donate=True)
+    with pytest.raises(ValueError, match="one argument is the array of 0/kernel, which the step donates"):
+        step(model.kernel.get_raw_value())
+    assert np.isfinite(float(step(jax.numpy.ones((2, 4)))))

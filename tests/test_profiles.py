@@ -58,6 +58,19 @@ def test_shipped_profile_files_load(name):
         (("devices_per_host: 8", "devices_per_host: 8\nlink_efficiency: 1.5"), "invalid-value", (8, "link_efficiency")),
         (("inter_host_bandwidth: 25e9\n", ""), "missing-key", (None, "inter_host_bandwidth")),
         (("devices_per_host: 8", "devices_per_host: 8\ntick_overhead: -1e-3"), "invalid-value", (8, "tick_overhead")),
+        # each value valid alone, together slower than any device (their product underflowed to a division by 0)
+        (
+            (
+                "inter_host_bandwidth: 25e9\ndevices_per_host: 8",
+                "inter_host_bandwidth: 1e4\ndevices_per_host: 8\nlink_efficiency: 1e-3\ncollective_shares: {all-reduce: 1e-3}",
+            ),
+            "invalid-value",
+            (8, "the share of all-reduce"),
+        ),
+        (("devices_per_host: 8", "devices_per_host: 8\nmatmul_efficiency: 1e-300"), "invalid-value", (8, "0.001")),
+        (("devices_per_host: 8", "devices_per_host: true"), "invalid-value", (7, "devices_per_host")),
+        (("devices_per_host: 8", "devices_per_host: " + "8" * 5000), "invalid-value", (7, "5,000 characters")),
+        (("peak_flops: 312e12", "peak_flops: 3" + "1" * 300 + "e-290"), "invalid-value", (2, "characters")),
     ],
 )
 def test_bad_profiles_are_diagnostics_at_their_lines(tmp_path, edit, code, where):
@@ -70,6 +83,26 @@ def test_bad_profiles_are_diagnostics_at_their_lines(tmp_path, edit, code, where
     assert found.code == code and name in found.message
     if line:
         assert found.line == line
+
+
+def test_a_long_number_in_a_toml_profile_or_plan_is_refused_at_its_line(tmp_path):
+    import shardplan
+
+    path = tmp_path / "long.toml"
+    path.write_text(
+        'name = "t"\npeak_flops = 1e12\nmemory_bytes = 80e9\nmemory_bandwidth = 3e12\n'
+        "intra_host_bandwidth = 450e9\ninter_host_bandwidth = 50e9\ndevices_per_host = " + "8" * 5000 + "\n"
+    )
+    with pytest.raises(PlanError) as caught:
+        load_profile(path)
+    assert [(d.code, d.line) for d in caught.value.diagnostics] == [("invalid-value", 7)]
+    for digits in (100, 5000):
+        plan = tmp_path / "plan.toml"
+        plan.write_text(f"version = 1\n[mesh.axes]\ndata = {'1' * digits}\n[[params]]\nmatch = '.*'\nspec = []\n")
+        with pytest.raises(PlanError) as caught:
+            shardplan.load_plan(plan)
+        assert [(d.code, d.line) for d in caught.value.diagnostics] == [("invalid-value", 3)]
+        assert f"{digits:,} characters" in caught.value.diagnostics[0].message
 
 
 def test_cli_lists_profiles_and_rejects_a_bad_file(tmp_path, capsys):

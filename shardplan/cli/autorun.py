@@ -47,6 +47,7 @@ class AutoRequest:
     margin: float | None = None
     capacity: float | None = None
     refit_to: str | None = None  # --calibrate: the profile to write
+    measure_timeout: float = 300.0  # seconds one candidate may take to build, trace and compile
 
 
 def run_auto(console: Console, request: AutoRequest, usage_error) -> int:
@@ -132,7 +133,14 @@ def run_auto(console: Console, request: AutoRequest, usage_error) -> int:
     measured = {}
     if request.measure and found.ranked:
         measured = _measure(
-            console, found, request.factory, request.config, request.measure, request.paths, request.input_name
+            console,
+            found,
+            request.factory,
+            request.config,
+            request.measure,
+            request.paths,
+            request.input_name,
+            timeout=request.measure_timeout,
         )
         modelled_order = list(found.ranked)
         found = _rerank(found, measured)
@@ -142,8 +150,9 @@ def run_auto(console: Console, request: AutoRequest, usage_error) -> int:
         _print_table(console, found, measured, request.top)
         if measured:
             _print_agreement(console, modelled_order, measured)
+    refit_failed = None
     if request.refit_to and measured:
-        _write_refit(console, found, modelled_order, measured, request.refit_to)
+        refit_failed = _write_refit(console, found, modelled_order, measured, request.refit_to)
     elif request.refit_to:
         print_wrapped(consoles()[1], f"--calibrate: no candidate was timed, so {request.refit_to} was not written")
     if not found.ranked:
@@ -152,7 +161,7 @@ def run_auto(console: Console, request: AutoRequest, usage_error) -> int:
                 (f"no candidate fits {human_bytes(found.usable)} per device", "bold red"),
                 f" (the budget {human_bytes(found.memory)} less the safety margin; "
                 f"{len(found.rejected)} tried); raise --memory-per-device, add devices, "
-                "lower --batch/--seq or try --compute-dtype bfloat16",
+                "lower --batch/--seq" + ("" if request.compute == "bfloat16" else " or try --compute-dtype bfloat16"),
             )
         )
         return EXIT_NOTHING_FITS
@@ -185,6 +194,8 @@ def run_auto(console: Console, request: AutoRequest, usage_error) -> int:
                 f": {found.best.candidate.label()}, {found.best.candidate.rules_label()}; check it with `{check}`",
             )
         )
+    if refit_failed:  # (the plan is written; the refitted profile is not, and the exit status says so)
+        raise usage_error(refit_failed)
     return EXIT_OK
 
 
@@ -246,10 +257,13 @@ def _stacked_layers(model) -> list[tuple[str, int]]:
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    """Write `text` to `path` whole or not at all (a temporary file beside it, renamed; removed on failure)."""
+    """Write `text` to `path` whole or not at all (a temporary file beside it, renamed; removed on failure),
+    with the mode of the file it replaces, or else the one the user's umask gives a new file (a private
+    temporary file's 0600 would otherwise lock others out of it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, _mode_for(path))
         with os.fdopen(fd, "w") as handle:
             handle.write(inert(text))
         os.replace(tmp, path)
@@ -257,6 +271,18 @@ def _write_atomically(path: Path, text: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _mode_for(path: Path) -> int:
+    """The permission bits a file written at `path` should have: the replaced file's, else 0666 less the umask."""
+    import stat
+
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 def _key(item: planner.Ranked) -> tuple[str, str]:
@@ -274,10 +300,13 @@ def _measure(
     k: int,
     paths: tuple[str, ...] = (),
     input_name: str = "tokens",
+    *,
+    timeout: float = 300.0,
 ) -> dict:
     """Compile the top k candidates, then time them in `MEASURED_ROUNDS` interleaved rounds (the fastest);
     {candidate key: Measured}. A candidate whose step cannot be built or run (the model's forward needs
-    more than token ids, the compiler fails, memory runs out) is reported and skipped: the search goes on."""
+    more than token ids, the compiler fails, memory runs out) or takes more than `timeout` seconds to
+    build and compile is reported and skipped: the search goes on."""
     import jax
     from shardplan.compose.measure import compile_step, time_interleaved
     from shardplan.model.factory import build_model
@@ -296,11 +325,12 @@ def _measure(
             f"{ranked.candidate.label()}, {ranked.candidate.rules_label()}"
         ):
             try:
-                model = build_model(factory, config, abstract=False, paths=paths)
-                ready[_key(ranked)] = compile_step(
-                    ranked.plan, model, found.workload.batch, found.workload.seq, input_name=input_name
-                )
-            except Exception as error:  # the model's own code on token ids, the compiler, memory
+                with time_limit(timeout, f"took more than {timeout:g} s to build and compile (--measure-timeout)"):
+                    model = build_model(factory, config, abstract=False, paths=paths)
+                    ready[_key(ranked)] = compile_step(
+                        ranked.plan, model, found.workload.batch, found.workload.seq, input_name=input_name
+                    )
+            except Exception as error:  # the model's own code on token ids, the compiler, memory, the time limit
                 _skipped(console, ranked, error)
     keys = list(ready)
     with console.status("timing") as status:
@@ -319,6 +349,34 @@ def _measure(
         else:
             results[key] = dataclasses.replace(ready[key].figures, step_s=got)
     return results
+
+
+class TimeLimit(Exception):
+    """A candidate's work ran past `--measure-timeout`."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float, message: str):
+    """Raise `TimeLimit(message)` in the main thread once `seconds` of wall time pass inside the block (a
+    trace that loops in Python is stopped there; a call inside the compiler when it returns). Elsewhere
+    than the main thread of a POSIX process, no limit."""
+    import signal
+    import threading
+
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TimeLimit(message)
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _skipped(console: Console, ranked: planner.Ranked, error: Exception) -> None:
@@ -387,8 +445,9 @@ def _print_agreement(console: Console, modelled_order: list[planner.Ranked], mea
 
 def _write_refit(
     console: Console, found: planner.Search, modelled_order: list[planner.Ranked], measured: dict, path: str
-) -> None:
-    """`--calibrate FILE`: the profile's rates refitted to the timed steps, written to FILE."""
+) -> str | None:
+    """`--calibrate FILE`: the profile's rates refitted to the timed steps, written to FILE; why it could
+    not be written, or None."""
     from shardplan.planner.agreement import refit
     from shardplan.planner.profiles import profile_file_text
 
@@ -398,7 +457,7 @@ def _write_refit(
         for item, _, seen in rows
     ]
     if not points:
-        return
+        return None
     fitted = refit(found.profile, points)
     lines = [
         f"{found.profile.name} ({found.profile.source}) refitted by `shardplan auto --measure --calibrate` to "
@@ -410,13 +469,13 @@ def _write_refit(
     try:
         _write_atomically(Path(path), profile_file_text(fitted.profile, lines))
     except OSError as exc:
-        print_wrapped(console, f"cannot write {path}: {exc.strerror or exc}")
-        return
+        return f"cannot write the refitted profile {path}: {exc.strerror or exc}"
     print_wrapped(
         console,
         f"wrote {path}: " + "; ".join(fitted.moved()) + f" (median error on the timed steps "
         f"{fitted.error_before:.0%} -> {fitted.error_after:.0%})",
     )
+    return None
 
 
 def model_flops_utilisation(found: planner.Search, item: planner.Ranked) -> float:

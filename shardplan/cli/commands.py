@@ -7,6 +7,7 @@ import dataclasses
 import gc
 import json
 import math
+import os
 import sys
 import traceback
 
@@ -55,6 +56,8 @@ examples:
 # Bounds on the workload a cost estimate is asked for: beyond them a shape-only estimate still traced
 # arrays of that length (--seq 1e9: 4.2 GB) or overflowed XLA's shapes.
 MAX_SEQ, MAX_BATCH = 1 << 20, 1 << 24
+# Candidates `auto --measure` compiles and holds at once: their steps are timed in interleaved rounds.
+MAX_MEASURED = 32
 
 
 def _count(minimum: int, maximum: int | None = None):
@@ -384,7 +387,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="compile the top K candidates and time a few steps of each on the devices at hand "
         "(N simulated CPU devices without an accelerator; builds the model; the K candidates' "
         "states are held together, as their steps are timed in turn), print modelled against "
-        "measured, and write the measured fastest",
+        f"measured, and write the measured fastest (at most {MAX_MEASURED})",
+    )
+    auto.add_argument(
+        "--measure-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="seconds one candidate may take to build, trace and compile under --measure (default 300); "
+        "one past it is reported and skipped, and the search goes on",
     )
     auto.add_argument(
         "--calibrate",
@@ -1092,6 +1103,13 @@ def _auto(args, console: Console) -> int:
             f"--capacity-factor is a multiple of the even share in (0, 64] (as the plan's "
             f"`experts: capacity_factor`), but got {args.capacity_factor}"
         )
+    if args.measure > MAX_MEASURED:
+        raise UsageError(
+            f"--measure requires at most {MAX_MEASURED} candidates, but got {args.measure}: each one's compiled "
+            "step and state are held until all are timed in turn (the model ranks the rest)"
+        )
+    if not 0 < args.measure_timeout <= 86_400:
+        raise UsageError(f"--measure-timeout requires seconds in (0, 86400], but got {args.measure_timeout}")
     if args.measure and args.devices > 64:
         raise UsageError(
             f"--measure compiles every candidate on {args.devices} simulated CPU devices; "
@@ -1110,6 +1128,10 @@ def _auto(args, console: Console) -> int:
         if not args.calibrate.lower().endswith((".yaml", ".yml")):
             raise UsageError(f"--calibrate writes a YAML profile; name it .yaml or .yml, not {args.calibrate!r}")
         _writable(args.calibrate, make_folder=True)
+        if os.path.realpath(args.calibrate) == os.path.realpath(args.output):
+            raise UsageError(
+                f"--calibrate and -o both name {args.output}: one would overwrite the other; give two files"
+            )
     if args.measure:
         _setup_devices(
             args.devices,
@@ -1141,6 +1163,7 @@ def _auto(args, console: Console) -> int:
         output=args.output,
         top=args.top,
         measure=args.measure,
+        measure_timeout=args.measure_timeout,
         compute=args.compute_dtype,
         margin=args.memory_margin,
         capacity=args.capacity_factor,

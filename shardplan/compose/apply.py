@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from shardplan.context.check import check_context, context_inputs
 from shardplan.core.layout import zero1_layout, zero1_spec
 from shardplan.core.paths import join_path, node_at, set_node_at
+from shardplan.core.placement import placement_of, record
 from shardplan.review.report import Report
 from shardplan.compose.check import check
 from shardplan.pipeline.stages import check_microbatches
@@ -45,7 +46,25 @@ def apply_plan(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh, *, exampl
     >>> model.output_layer.kernel.sharding.spec
     P(None, 'model')
     """
+    earlier = placement_of(model)
+    if earlier is not None and earlier.pipelined:
+        raise ValueError(
+            f"apply_plan requires a model no pipeline plan has placed, but this one was placed by {earlier}; "
+            f"build the model again (or restore its checkpoint into a fresh one) and apply "
+            f"{plan_label(plan)!r} to that"
+        )
     report = _checked(plan, model, mesh, example, roles)
+    placed = _placed(plan, model, mesh, report, example, roles)
+    record(placed, plan_label(plan), pipelined=report.stage_map is not None)
+    return placed
+
+
+def plan_label(plan: Plan) -> str:
+    """How messages name a plan: its name, else its file."""
+    return plan.name or plan.file or "a plan"
+
+
+def _placed(plan: Plan, model: nnx.Module, mesh, report: Report, example, roles) -> nnx.Module:
     plain_graphdef = nnx.graphdef(model) if report.stage_map is not None else None
     if report.stage_map is not None:  # layers stacked by nnx.vmap / nnx.scan become the list they stand for
         from shardplan.pipeline.stacked import pipeline_layers_of
@@ -55,7 +74,7 @@ def apply_plan(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh, *, exampl
         from shardplan.processes.flags import tensor_overlap_in_effect
 
         why = tensor_overlap_in_effect(mesh.devices.flat[0].platform)
-        warn([Diagnostic("tensor-overlap-no-effect", "warning", why, file=plan.file)] if why else [], stacklevel=3)
+        warn([Diagnostic("tensor-overlap-no-effect", "warning", why, file=plan.file)] if why else [], stacklevel=4)
     if plan.remat:
         _warn_remat_in_effect(plan, mesh, report)
     specs = {layout.path: layout.spec for layout in report.params}
@@ -87,7 +106,7 @@ def _warn_remat_in_effect(plan: Plan, mesh, report: Report) -> None:
     split = plan.context is not None and dict(zip(mesh.axis_names, mesh.devices.shape)).get(plan.context.axis, 1) > 1
     tables = report.stage_map is not None and on_tables(plan.pipeline.schedule, split)
     why = remat_in_effect(mesh.devices.flat[0].platform, plan.remat, tables)
-    warn([Diagnostic("remat-no-memory-effect", "warning", why, file=plan.file)] if why else [], stacklevel=4)
+    warn([Diagnostic("remat-no-memory-effect", "warning", why, file=plan.file)] if why else [], stacklevel=5)
 
 
 def _pipelined(plan: Plan, model: nnx.Module, mesh, report: Report, specs: dict, plain_graphdef):
@@ -181,7 +200,9 @@ def _checked(plan: Plan, model, mesh, example=None, roles=None) -> Report:
     report = check(plan, model, mesh, example=example, roles=roles)
     if report.errors:
         raise PlanError(report.diagnostics)
-    warn(report.diagnostics, stacklevel=4)
+    # a model placed before carries the earlier plan's specs as its annotations: not the model's own
+    placed_before = placement_of(model) is not None
+    warn([d for d in report.diagnostics if not (placed_before and d.code == "annotation-overridden")], stacklevel=4)
     return report
 
 
@@ -327,6 +348,17 @@ def shard_optimizer(
     >>> opt.opt_state[0].mu["output_layer"]["kernel"].sharding.spec
     P(None, 'model')
     """
+    abstract = [
+        join_path(keys)
+        for keys, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))
+        if isinstance(variable.get_raw_value(), jax.ShapeDtypeStruct)
+    ]
+    if abstract:
+        raise ValueError(
+            f"shard_optimizer requires a model of real arrays, but {abstract[0]} (and {len(abstract) - 1} more) "
+            "are abstract (nnx.eval_shape): the optimizer's state would be allocated in full; build the "
+            "model on the mesh first (shardplan.init), or read the state's size from `shardplan inspect`"
+        )
     sizes = dict(mesh.shape)
     problems = validate_optimizer(plan, sizes)
     if problems:
@@ -377,6 +409,7 @@ class PlannedOptimizer(nnx.Optimizer):
     def __init__(self, model, tx, *, wrt=nnx.Param):
         super().__init__(model, tx, wrt=wrt)
         self.model = model
+        self.made_for = placement_of(model)  # (static: a step compiled for one placement is not reused)
 
     def update(self, *args, **kwargs):
         if len(args) == 1:
@@ -385,6 +418,13 @@ class PlannedOptimizer(nnx.Optimizer):
             model, grads = args
         else:
             raise TypeError(f"update takes (grads) or (model, grads), but got {len(args)} positional arguments")
+        now = placement_of(model)
+        if now != self.made_for:
+            raise ValueError(
+                f"this optimizer was made for the model as {self.made_for or 'no plan'} placed it, but "
+                f"{now or 'no plan'} has placed it since: its state and layout are the old plan's; make "
+                "the optimizer again with shardplan.shard_optimizer(plan, model, tx, mesh)"
+            )
         updates = super().update(model, grads, **kwargs)
         constrain(model, self)
         return updates

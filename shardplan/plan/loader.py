@@ -23,6 +23,9 @@ Positions = dict[tuple, tuple[int, int]]
 MAX_PLAN_BYTES = 1 << 20  # the longest shipped plan is under 3 KiB
 MAX_NODES = 100_000  # YAML values after expanding aliases (an alias "bomb" expands exponentially)
 MAX_DEPTH = 32  # nesting of mappings and lists; a plan needs about 6
+# Digits of a number: a device count or a byte size needs under 20; past Python's own limit (4,300) reading
+# one was an internal error, and a 300-digit figure printed a 300-digit step time.
+MAX_NUMBER_CHARS = 64
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -159,7 +162,34 @@ def read_mapping(text: str, *, file: str | None, fmt: str, what: str) -> tuple[d
                 )
             ]
         )
+    long = [(keys, value) for keys, value in _numbers(data, ()) if len(str(abs(value))) > MAX_NUMBER_CHARS]
+    if long:
+        raise PlanError([_too_long(len(str(abs(value))), file, *_lookup(positions, keys)) for keys, value in long])
     return data, positions
+
+
+def _numbers(data: Any, keys: tuple):
+    """(key path, value) of every integer in parsed data (booleans aside)."""
+    if isinstance(data, dict):
+        for key, value in data.items():
+            yield from _numbers(value, keys + (key,))
+    elif isinstance(data, list):
+        for index, value in enumerate(data):
+            yield from _numbers(value, keys + (index,))
+    elif isinstance(data, int) and not isinstance(data, bool):
+        yield keys, data
+
+
+def _too_long(chars: int, file: str | None, line: int | None, column: int | None) -> Diagnostic:
+    return Diagnostic(
+        "invalid-value",
+        "error",
+        f"a number written with {chars:,} characters; numbers here take at most {MAX_NUMBER_CHARS}",
+        file=file,
+        line=line,
+        column=column,
+        hint="write a large figure with an exponent (e.g. 989e12) or a unit (e.g. 80GiB)",
+    )
 
 
 def validate_mapping(schema: type[BaseModel], data: dict, *, file: str | None, positions: Positions):
@@ -184,6 +214,7 @@ def _parse_yaml(text: str, file: str | None) -> tuple[Any, Positions]:
         node = loader.get_single_node()
         if node is None:
             return None, {}
+        _refuse_long_numbers(node, file)  # (before the constructor turns their text into numbers)
         data = loader.construct_document(node)
     except yaml.MarkedYAMLError as exc:
         if "nesting depth" in str(exc.problem):  # libyaml's own limit: the same as ours, sooner
@@ -210,6 +241,28 @@ def _parse_yaml(text: str, file: str | None) -> tuple[Any, Positions]:
     if duplicates:
         raise PlanError(duplicates)
     return data, positions
+
+
+_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+
+
+def _refuse_long_numbers(root: yaml.Node, file: str | None) -> None:
+    """A `PlanError` at the first number whose text is longer than `MAX_NUMBER_CHARS` (each node is seen
+    once, however many aliases point to it)."""
+    stack, seen = [root], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.ScalarNode):
+            if node.tag in _NUMBER_TAGS and len(node.value) > MAX_NUMBER_CHARS:
+                mark = node.start_mark
+                raise PlanError([_too_long(len(node.value), file, mark.line + 1, mark.column + 1)])
+        elif isinstance(node, yaml.MappingNode):
+            stack += [n for pair in node.value for n in pair]
+        elif isinstance(node, yaml.SequenceNode):
+            stack += node.value
 
 
 def _walk_yaml(
@@ -283,7 +336,14 @@ _TOML_KEY = re.compile(
 def _parse_toml(text: str, file: str | None) -> tuple[Any, Positions]:
     try:
         data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
+    except ValueError as exc:
+        if not isinstance(exc, tomllib.TOMLDecodeError):  # an integer past Python's own limit on digits
+            digits = max(re.finditer(r"[\d_]+", text), key=lambda m: len(m.group()), default=None)
+            if digits is None:
+                raise
+            line = text.count("\n", 0, digits.start()) + 1
+            column = digits.start() - text.rfind("\n", 0, digits.start())
+            raise PlanError([_too_long(len(digits.group()), file, line, column)]) from None
         found = _TOML_ERROR_AT.search(str(exc))
         line, col = (int(found.group(1)), int(found.group(2))) if found else (None, None)
         message = _TOML_ERROR_AT.sub("", str(exc)).strip()

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from shardplan.plan.diagnostics import Diagnostic, PlanError
+from shardplan.plan.loader import MAX_NUMBER_CHARS
 
 GiB = 2**30
 MAX_PROFILE_BYTES = 1 << 16
@@ -139,6 +140,10 @@ def _number(value):
     """A number, also written as a string: YAML reads `312e12` (no dot) as a string, and `1_000` is allowed."""
     if isinstance(value, str):
         text = value.strip().replace("_", "")
+        if len(text) > MAX_NUMBER_CHARS:
+            raise ValueError(
+                f"a number written with {len(text):,} characters; numbers here take at most {MAX_NUMBER_CHARS}"
+            )
         try:
             return float(text)
         except ValueError:
@@ -186,7 +191,9 @@ def _size(value):
 
 
 Positive = Annotated[float, BeforeValidator(_number), Field(gt=0, allow_inf_nan=False)]
-Share = Annotated[float, BeforeValidator(_number), Field(gt=0, le=1, allow_inf_nan=False)]
+# A share of a peak no device runs below (0.1%): 1e-300 passed (0, 1] and made the modelled time overflow.
+MIN_SHARE = 1e-3
+Share = Annotated[float, BeforeValidator(_number), Field(ge=MIN_SHARE, le=1, allow_inf_nan=False)]
 # What a device can be: a figure outside these ranges is a typo (1e-300 FLOP/s made every step `inf ms`).
 Flops = Annotated[float, BeforeValidator(_number), Field(ge=1e6, le=1e18, allow_inf_nan=False)]
 Bandwidth = Annotated[float, BeforeValidator(_number), Field(ge=1e3, le=1e16, allow_inf_nan=False)]
@@ -211,7 +218,7 @@ class ProfileFile(BaseModel):
     memory_bandwidth: Bandwidth = Field(description="device memory bandwidth, bytes/s (1e3 to 1e16)")
     intra_host_bandwidth: Bandwidth = Field(description="bytes/s one device sends over the links inside a host")
     inter_host_bandwidth: Bandwidth = Field(description="bytes/s one device sends to other hosts")
-    devices_per_host: int = Field(gt=0, le=131072)
+    devices_per_host: int = Field(gt=0, le=131072, strict=True, description="devices per host (a whole number)")
     peak_flops_by_dtype: dict[Literal["float32", "bfloat16", "float16", "float8"], Flops] = Field(
         default_factory=dict, description="dense matmul FLOP/s per compute dtype; others use peak_flops"
     )
@@ -298,6 +305,22 @@ def load_profile(path: str | Path) -> Profile:
     data, positions = read_mapping(text, file=str(path), fmt=fmt, what="profile")
     found = validate_mapping(ProfileFile, data, file=str(path), positions=positions)
     values = found.model_dump()
+    slow = implausible_rates(values)
+    if slow:
+        raise PlanError(
+            [
+                Diagnostic(
+                    "invalid-value",
+                    "error",
+                    message,
+                    file=str(path),
+                    line=positions.get((key,), (None, None))[0],
+                    column=positions.get((key,), (None, None))[1],
+                    hint="each figure is checked alone and their products together: raise the one that is too small",
+                )
+                for key, message in slow
+            ]
+        )
     calibrated = values.pop("calibration") is not None
     values["memory_bytes"] = int(values["memory_bytes"])
     if values["attention_efficiency"] is None:
@@ -311,6 +334,43 @@ def load_profile(path: str | Path) -> Profile:
     ]
     defaults = tuple(f"{name}={values[name]}" for name in left)
     return Profile(**values, source=f"{path} (measured)" if calibrated else str(path), defaults=defaults)
+
+
+# The slowest rates a device's figures may multiply to (each figure alone has its bounds in `ProfileFile`).
+MIN_FLOPS, MIN_BANDWIDTH = 1e6, 1e3
+
+
+def implausible_rates(values: dict) -> list[tuple[str, str]]:
+    """(key to blame, message) for each rate the cost model derives from several figures that comes out
+    slower than any device: a matmul or attention rate under `MIN_FLOPS`, a collective's rate (link x
+    efficiency x its kind's share) under `MIN_BANDWIDTH` bytes/s."""
+    found = []
+    peak = min([values["peak_flops"], *values.get("peak_flops_by_dtype", {}).values()])
+    attention = values.get("attention_efficiency") or values["matmul_efficiency"]
+    for key, share in (("matmul_efficiency", values["matmul_efficiency"]), ("attention_efficiency", attention)):
+        if peak * share < MIN_FLOPS:
+            found.append(
+                (
+                    key,
+                    f"{key} {share:.3g} x the lowest peak {peak:.3g} FLOP/s is {peak * share:.3g} "
+                    f"FLOP/s, under the slowest rate a device has ({MIN_FLOPS:g})",
+                )
+            )
+    link = min(values["intra_host_bandwidth"], values["inter_host_bandwidth"])
+    shares = values.get("collective_shares") or {}
+    kind, share = min(shares.items(), key=lambda item: item[1]) if shares else ("every collective", 1.0)
+    rate = link * values["link_efficiency"] * share
+    if rate < MIN_BANDWIDTH:
+        key = "collective_shares" if share < values["link_efficiency"] else "link_efficiency"
+        found.append(
+            (
+                key,
+                f"the slowest link {link:.3g} B/s x link_efficiency {values['link_efficiency']:.3g} x "
+                f"the share of {kind} {share:.3g} is {rate:.3g} B/s, under the slowest rate a link has "
+                f"({MIN_BANDWIDTH:g} B/s)",
+            )
+        )
+    return found
 
 
 def profile_file_text(profile: Profile, comments: list[str], record: dict | None = None) -> str:

@@ -14,6 +14,8 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
+from shardplan.core.placement import placement_of
+
 
 class JitStep:
     """`fn(*nodes, *args, **kwargs)` compiled once per value of its static arguments; each call updates the
@@ -21,19 +23,54 @@ class JitStep:
 
     def __init__(self, fn: Callable, nodes: tuple, *, donate: bool = False, static_argnames: tuple[str, ...] = ()):
         self._fn, self._donate, self._static = fn, donate, frozenset(static_argnames)
+        self._nodes = nodes
+        self._placements = [placement_of(node) for node in nodes]
         self._graphdef, state = nnx.split(nodes)
-        self._variables = [variable for _, variable in nnx.to_flat_state(state)]
+        flat = nnx.to_flat_state(state)
+        self._paths = ["/".join(map(str, keys)) for keys, _ in flat]
+        self._variables = [variable for _, variable in flat]
         self._treedef = jax.tree.structure(state)
         if self._treedef.num_leaves != len(self._variables):
             raise TypeError("jit_step needs nodes whose variables each hold one array")
+        self._avals = [_aval(variable.get_raw_value()) for variable in self._variables]
         self._compiled: dict[tuple, Callable] = {}
 
     def __call__(self, *args, **kwargs) -> Any:
+        self._check_placement()
         values = [variable.get_raw_value() for variable in self._variables]
-        out, new = self._program(kwargs)(values, args, kwargs)
+        if self._donate:
+            _refuse_donated_aliases(values, self._paths, args, kwargs)
+        try:
+            out, new = self._program(kwargs)(values, args, kwargs)
+        except Exception:
+            self._check_shapes(values)  # (only once the call failed: no cost on the way that works)
+            raise
         for variable, value in zip(self._variables, new):
             variable.set_raw_value(value, _unsafe_bypass_check=True)
         return out
+
+    def _check_placement(self) -> None:
+        """A plan applied since this step was built: the step holds the model as it was (a pipeline's new
+        layer list is not among its variables; its optimizer keeps the old layout). Refuse, naming both."""
+        for node, then in zip(self._nodes, self._placements):
+            now = placement_of(node)
+            if now != then:
+                replaced = ", replacing its variables: the step would train the old ones" if now.pipelined else ""
+                raise ValueError(
+                    f"this step was built for the model as {then or 'no plan'} placed it, but {now} has "
+                    f"placed it since{replaced}; build the step (and its optimizer) again after apply_plan"
+                )
+
+    def _check_shapes(self, values: list) -> None:
+        """A variable given another shape or dtype since the step was built (`nnx.update`), named."""
+        for path, then, value in zip(self._paths, self._avals, values):
+            now = _aval(value)
+            if now != then:
+                raise ValueError(
+                    f"jit_step requires each variable to keep its shape and dtype, but {path} was "
+                    f"{then[0]} {then[1]} when the step was built and is {now[0]} {now[1]} now; build the "
+                    "step again after changing the model"
+                )
 
     def lower(self, *args, **kwargs):
         """The `jax.jit` lowering of the step on these arguments (for its HLO and memory analysis)."""
@@ -63,6 +100,23 @@ class JitStep:
             return out, jax.tree.leaves(after)
 
         return pure
+
+
+def _aval(value) -> tuple:
+    return tuple(getattr(value, "shape", ())), str(getattr(value, "dtype", type(value).__name__))
+
+
+def _refuse_donated_aliases(values: list, paths: list[str], args: tuple, kwargs: dict) -> None:
+    """An argument that is one of the state's own arrays would be donated and read at once (XLA then reads
+    freed memory: the process dies): refuse it, naming the variable."""
+    held = {id(value): path for value, path in zip(values, paths)}
+    for leaf in jax.tree.leaves((args, kwargs)):
+        if id(leaf) in held:
+            raise ValueError(
+                f"jit_step(donate=True) requires arguments that are not the state's own arrays, but one "
+                f"argument is the array of {held[id(leaf)]}, which the step donates; pass a copy "
+                "(jnp.copy) or build the step without donate"
+            )
 
 
 def jit_step(fn: Callable, *nodes, donate: bool = False, static_argnames: tuple[str, ...] = ()) -> JitStep:

@@ -112,7 +112,34 @@ WORDS = [
     "os.system('x')",
     "def f(:",
 ]
-NUMBERS = ["0", "-1", "1", "2", "3", "7", "1023", "65536", "1e300", "99999999999999999999", "0.5", "-0.0"]
+NUMBERS = [
+    "0",
+    "-1",
+    "1",
+    "2",
+    "3",
+    "7",
+    "1023",
+    "65536",
+    "1e300",
+    "99999999999999999999",
+    "0.5",
+    "-0.0",
+    "1e-300",
+    "9" * 80,  # longer than any figure needs
+    "9" * 5000,  # past Python's own limit on an integer's digits
+]
+# Profile figures each valid alone (or nearly) that multiply to a rate no device has.
+TINY_FIGURES = {
+    "link_efficiency": [1e-3, 1e-200, 0.5],
+    "matmul_efficiency": [1e-3, 1e-300, 0.9],
+    "attention_efficiency": [1e-3, 1e-300],
+    "collective_shares": [{"all-reduce": 1e-3}, {"all-to-all": 1e-200}, {"all-gather": 1e-300}],
+    "intra_host_bandwidth": [1e3, 1e4],
+    "inter_host_bandwidth": [1e3, 1e4],
+    "peak_flops": [1e6, 2e6],
+    "devices_per_host": [True, 8.0, "8"],
+}
 
 PLANS = ["plans/minigpt_dp.yaml", "plans/minigpt_tp.yaml"]
 PATHS = [
@@ -197,6 +224,21 @@ def mutate_tree(text: str, rng: random.Random, suffix: str) -> str:
     return yaml.safe_dump(tree, sort_keys=False)
 
 
+def combine_figures(text: str, rng: random.Random) -> str:
+    """A profile with 2-4 of its figures set to small values at once (`TINY_FIGURES`)."""
+    import yaml
+
+    try:
+        tree = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if not isinstance(tree, dict):
+        return text
+    for key in rng.sample(sorted(TINY_FIGURES), rng.randint(2, 4)):
+        tree[key] = rng.choice(TINY_FIGURES[key])
+    return yaml.safe_dump(tree, sort_keys=False)
+
+
 def mutate(text: str, rng: random.Random) -> str:
     """1–4 edits: a word inserted or put in place of a span, a line dropped, doubled or moved, a number
     replaced by another, a character flipped, or the file cut short."""
@@ -278,6 +320,8 @@ def draw_call(rng: random.Random, number: int, files: dict[str, list[tuple[str, 
     suffix = ".yaml" if structured else suffix
     name = f"mutated{suffix}"
     mutated = mutate_tree(text, rng, Path(source).suffix) if structured else mutate(text, rng)
+    if kind == "profile" and rng.random() < 0.3:
+        name, mutated = "combined.yaml", combine_figures(text, rng)
     if kind == "plan":
         command = rng.choice(["validate", "inspect", "explain", "diff", "params", "export"])
         argv = {

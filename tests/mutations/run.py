@@ -44,6 +44,8 @@ def run_call(call: dict) -> dict:
         problems.append("a traceback or bug report")
     if _CONTROL.search(text):
         problems.append(f"control character {_CONTROL.search(text).group()!r} in the output")
+    if re.search(r"\d{100}", text):  # (a figure no reader can use: a 300-digit step time)
+        problems.append("a number of 100 digits or more in the output")
     if len(text) > MAX_OUTPUT_CHARS:
         problems.append(f"{len(text)} characters of output")
     if cpu > MAX_CPU_S:
