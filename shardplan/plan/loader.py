@@ -422,6 +422,8 @@ def _diagnostic_from(err: dict, file: str | None, positions: Positions, root: ty
         close = difflib.get_close_matches(got, re.findall(r"'([^']*)'", expected), n=1, cutoff=0.5)
         hint = f"did you mean {close[0]!r}?" if close else None
     shown = repr(got) if not isinstance(got, (dict, list)) or len(repr(got)) < 80 else type(got).__name__
+    if len(shown) > 80:  # (the line's excerpt below shows where; a 5,000-digit echo shows nothing more)
+        shown = f"{shown[:40]}… ({len(shown):,} characters)"
     message = err["msg"].removeprefix("Value error, ")
     # (a section's own check names the values it refused; "but got dict" would only add noise)
     if ", but got" not in message and not (kind == "value_error" and isinstance(got, dict)):
