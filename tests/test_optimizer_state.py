@@ -141,3 +141,71 @@ def test_master_weights_over_float32_parameters_are_refused_with_the_line():
         )
     found = exc.value.errors[0]
     assert found.code == "invalid-value" and found.line == 5 and "set `params` to bfloat16" in found.message
+
+
+class LoRADecoder(nnx.Module):
+    """Frozen base weights with LoRA adapters beside them (`nnx.LoRALinear`, as flax's LoRA guide builds it)."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(64, 32, rngs=rngs)
+        self.up = nnx.LoRALinear(32, 64, lora_rank=4, rngs=rngs)
+        self.head = nnx.LoRALinear(64, 64, lora_rank=4, rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.head(nnx.relu(self.up(self.embed(tokens))))
+
+
+LORA_PLAN = """version: 1
+mesh: {axes: {data: 4, model: 2}}
+inputs: {tokens: [data, null]}
+params:
+  - {match: 'up/kernel', spec: [null, model]}
+  - {match: 'head/kernel', spec: [model]}
+  - {match: '.*', spec: replicated}
+optimizer: zero1
+"""
+
+
+def _lora_steps(model, optimizer, batches) -> list[float]:
+    def loss_of(model, tokens, targets):
+        return optax.softmax_cross_entropy_with_integer_labels(model(tokens), targets).mean()
+
+    @nnx.jit
+    def step(model, optimizer, tokens, targets):  # the LoRA guide's step: gradients of the adapters alone
+        loss, grads = nnx.value_and_grad(loss_of, argnums=nnx.DiffState(0, nnx.LoRAParam))(model, tokens, targets)
+        optimizer.update(model, grads)
+        return loss
+
+    return [float(step(model, optimizer, tokens, targets)) for tokens, targets in batches]
+
+
+def test_lora_adapters_train_alone_under_a_plan_like_one_device_and_the_base_never_moves():
+    """`shard_optimizer(..., wrt=nnx.LoRAParam)`: moments for the adapters only, one device's losses and
+    adapter weights after 3 steps, the base weights bit-identical and on their planned sharding."""
+    rows = np.random.default_rng(0).integers(0, 64, size=(3, 16, 9), dtype=np.int32)
+    batches = [(r[:, :-1], r[:, 1:]) for r in rows]
+    one = LoRADecoder(rngs=nnx.Rngs(0))
+    single_losses = _lora_steps(one, nnx.Optimizer(one, optax.adamw(1e-2), wrt=nnx.LoRAParam), batches)
+
+    plan = shardplan.parse_plan(LORA_PLAN)
+    mesh = shardplan.make_mesh(plan)
+    model = shardplan.apply_plan(plan, LoRADecoder(rngs=nnx.Rngs(0)), mesh)
+    base = {path: v.get_value() for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)) if type(v) is nnx.Param}
+    placed = {path: value.sharding for path, value in base.items()}
+    optimizer = shardplan.shard_optimizer(plan, model, optax.adamw(1e-2), mesh, wrt=nnx.LoRAParam)
+    moments = {"/".join(map(str, k)) for k, _ in nnx.to_flat_state(nnx.state(optimizer.opt_state)) if "mu" in k}
+    assert {m.split("mu/")[1] for m in moments} == {
+        f"{layer}/lora/lora_{ab}" for layer in ("up", "head") for ab in "ab"
+    }, moments
+    sharded = [shardplan.shard_inputs(plan, {"tokens": tokens}, mesh)["tokens"] for tokens, _ in batches]
+    losses = _lora_steps(model, optimizer, [(t, targets) for t, (_, targets) in zip(sharded, batches)])
+
+    np.testing.assert_allclose(losses, single_losses, rtol=1e-5)
+    assert losses[-1] < losses[0]
+    for path, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
+        want = dict(nnx.to_flat_state(nnx.state(one, nnx.LoRAParam)))[path].get_value()
+        np.testing.assert_allclose(np.asarray(v.get_value()), np.asarray(want), rtol=1e-5, atol=1e-6)
+    for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if type(v) is nnx.Param:
+            assert np.array_equal(np.asarray(v.get_value()), np.asarray(base[path])), path
+            assert v.get_value().sharding.is_equivalent_to(placed[path], v.get_value().ndim), path

@@ -328,7 +328,7 @@ class _PipelineInit:
 
 
 def shard_optimizer(
-    plan: Plan, model: nnx.Module, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh
+    plan: Plan, model: nnx.Module, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh, *, wrt=nnx.Param
 ) -> nnx.Optimizer:
     """An `nnx.Optimizer` over the model's parameters, its state placed per the plan's `optimizer`; its
     `update` keeps the model and the state on the plan's layout (a plain `nnx.jit` step needs no `constrain`).
@@ -338,6 +338,8 @@ def shard_optimizer(
     `same`: each state leaf shaped like a parameter gets that parameter's spec; `zero1`: also
     split over the data axis, and each parameter so split records it as flax's `optimizer_sharding`
     metadata (an `nnx.Optimizer` you build yourself then follows it). Scalars (step counts) are replicated.
+    `wrt` chooses what is trained, as `nnx.Optimizer`'s does (e.g. `nnx.LoRAParam`: state for the
+    adapters alone; the other parameters keep their placement and are never updated).
 
     >>> import optax, shardplan, minigpt_model
     >>> from flax import nnx
@@ -367,11 +369,11 @@ def shard_optimizer(
     planned = _planned_specs(model, sizes, data)
     if plan.precision.master:
         tx = master_weights(tx, jnp.dtype(plan.precision.master))
-    leaves = jax.tree.flatten_with_path(nnx.as_pure(nnx.state(model, nnx.Param)))[0]
+    leaves = jax.tree.flatten_with_path(nnx.as_pure(nnx.state(model, wrt)))[0]
     widths = [_padding(planned[join_path(path).removesuffix("/.value")]) for path, _ in leaves]
     if any(widths):
         tx = padded_state(tx, widths)
-    optimizer = _unplaced_optimizer(model, tx)
+    optimizer = _unplaced_optimizer(model, tx, wrt)
     # All of the optimizer's state, its step counter included, must live on the mesh.
     for keys, variable in nnx.to_flat_state(optimizer_state(optimizer)):
         shape = tuple(getattr(variable.get_value(), "shape", ()))
@@ -430,7 +432,7 @@ class PlannedOptimizer(nnx.Optimizer):
         return updates
 
 
-def _unplaced_optimizer(model: nnx.Module, tx) -> nnx.Optimizer:
+def _unplaced_optimizer(model: nnx.Module, tx, wrt=nnx.Param) -> nnx.Optimizer:
     """`nnx.Optimizer` built without the parameters' placement metadata, which it would copy onto its state
     and apply itself (Flax refuses meshes that mix Auto and Explicit axes); the caller places the state."""
     params = [variable for _, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))]
@@ -439,7 +441,7 @@ def _unplaced_optimizer(model: nnx.Module, tx) -> nnx.Optimizer:
     for variable in params:
         variable.set_metadata(out_sharding=None, mesh=None, optimizer_sharding=None)
     try:
-        return PlannedOptimizer(model, tx, wrt=nnx.Param)
+        return PlannedOptimizer(model, tx, wrt=wrt)
     finally:
         for variable, metadata in zip(params, saved):
             variable.del_metadata("optimizer_sharding")
