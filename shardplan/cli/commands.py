@@ -772,10 +772,9 @@ def _calibrate(args, console: Console) -> int:
     except OSError as exc:
         raise UsageError(f"cannot write {args.output}: {exc.strerror or exc}") from None
     render_profiles(console, [found.profile])
-    console.print(
-        f"measured in {found.seconds:.0f} s; wrote {args.output}"
-        + "".join(f"\nnot measured: {what}" for what in unmeasured)
-    )
+    print_wrapped(console, f"measured in {found.seconds:.0f} s; wrote {args.output}")
+    for what in unmeasured:
+        print_wrapped(console, f"not measured: {what}")
     return EXIT_OK
 
 
