@@ -125,7 +125,9 @@ def jit_step(fn: Callable, *nodes, donate: bool = False, static_argnames: tuple[
     in place, without the graph walk `nnx.jit` does on every call (the host work that made a step of a
     tiny MiniGPT cost 1.24-1.39x a `jax.jit` of the same step here: `benchmarks/step_overhead.py`).
     `donate` lets XLA reuse the state's buffers for the new state (less memory; the old arrays are gone
-    after each call); `static_argnames` name keyword arguments that choose a program, as `jax.jit`'s do.
+    after each call; an argument that is one of those arrays is refused); `static_argnames` name keyword
+    arguments that choose a program, as `jax.jit`'s do. A step built before `apply_plan` placed its model
+    again is refused when called (build it anew), as is a variable whose shape or dtype changed.
 
     >>> import jax, optax, shardplan
     >>> from flax import nnx
