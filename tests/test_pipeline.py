@@ -362,7 +362,6 @@ def _adamw_steps(plan, config: dict, batches):
         full("minigpt_pp4.yaml", "zb-v", 2),
     ],
 )
-@pytest.mark.filterwarnings("ignore:the plan's pipeline schedule")  # expected here, not what is tested
 def test_five_adamw_steps_match_one_device(base, schedule, virtual):
     batches = np.random.default_rng(1).integers(0, 128, size=(5, 16, 17), dtype=np.int32)
     plan = _plan(base, schedule, virtual)
@@ -561,7 +560,6 @@ def _weights_per_tick(saved: list[tuple[int, ...]], stacked: list, ticks: int) -
     return [s for s in saved for m in matrices if len(s) > len(m) and s[-len(m) :] == m and s[0] >= ticks]
 
 
-@pytest.mark.filterwarnings("ignore:the plan's pipeline schedule")  # expected here, not what is tested
 @pytest.mark.parametrize("case", ["interleaved", "layers of two kinds"])
 def test_the_loop_keeps_no_weights_per_tick(case, write_plan):
     """The circular loop's backward needs each tick's weights: slices of the stacked weights picked by a

@@ -215,7 +215,6 @@ def _reference(name):
 ERRORS: dict[str, dict] = {}
 
 
-@pytest.mark.filterwarnings("ignore:the plan's pipeline schedule")  # expected here, not what is tested
 @pytest.mark.parametrize("name, schedule, mesh", CASES)
 def test_pipelined_model_is_the_original_model(name, schedule, mesh, references):
     factory, layers, *_, batch = MODELS[name]
