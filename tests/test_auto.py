@@ -346,6 +346,23 @@ def test_every_runner_up_states_a_gap_that_its_terms_add_up_to(model):
     assert measured.startswith("measured +12.30 ms; modelled ")
 
 
+def test_a_context_parallel_plan_is_written_as_it_was_checked():
+    """At long sequences auto offers context parallelism; the plan it writes for such a candidate loads
+    back to the plan it checked, `context:` section included (it was left out: an internal error at
+    131,072 tokens on 16,384 devices)."""
+    model, roles = abstract_with_roles(lambda: Llama(**LLAMA, rngs=nnx.Rngs(0)))
+    params = param_infos(model)
+    request = auto.SearchRequest(devices=8, workload=Workload(2, 32768), profile=get_profile("h200"))
+    found = auto.search(params, roles, request, keep=10_000, check=1)
+    with_context = [item for item in found.ranked if "context" in item.candidate.axes]
+    assert with_context, [item.candidate.label() for item in found.ranked[:10]]
+    for item in with_context[:: max(1, len(with_context) // 4)]:
+        checked = auto._checked(item.candidate, roles, params, 8, 1, found.workload, found.profile, "tokens", None)
+        written = shardplan.parse_plan(auto.plan_text(checked, found, command="test"))
+        assert written.context is not None and written.context.strategy == checked.plan.context.strategy
+        assert written.model_dump(exclude={"name"}) == checked.plan.model_dump(exclude={"name"})
+
+
 def test_inspect_json_carries_the_estimate(capsys):
     from shardplan.cli import main
     import json

@@ -187,12 +187,13 @@ def run_auto(console: Console, request: AutoRequest, usage_error) -> int:
                 *(f"--path {shlex.quote(p)}" for p in request.paths),
             ]
         )
-        console.print(
+        print_wrapped(
+            console,
             Text.assemble(
                 "wrote ",
                 (request.output, "bold"),
                 f": {found.best.candidate.label()}, {found.best.candidate.rules_label()}; check it with `{check}`",
-            )
+            ),
         )
     if refit_failed:  # (the plan is written; the refitted profile is not, and the exit status says so)
         raise usage_error(refit_failed)

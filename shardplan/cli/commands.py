@@ -534,9 +534,10 @@ def report_bug(console: Console, exc: BaseException, *, debug: bool, program: st
     if debug:
         traceback.print_exc()
     print_error(console, f"{type(exc).__name__}: {exc}", label=f"internal error (a bug in {program})")
-    console.print(
+    print_wrapped(
+        console,
         f"Please report it with the command line you ran and the output of the same command with "
-        f"--debug{'' if debug else ' (which adds the traceback)'}."
+        f"--debug{'' if debug else ' (which adds the traceback)'}.",
     )
     return EXIT_BUG
 

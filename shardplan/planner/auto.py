@@ -925,6 +925,15 @@ def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 
     lines += ["inputs:"] + [f"  {name}: {flow(spec)}" for name, spec in chosen.plan.inputs.items()]
     if c.zero1:
         lines.append("optimizer: zero1            # AdamW moments also split over 'data'")
+    if chosen.plan.context is not None:
+        context = chosen.plan.context
+        how = "ring attention: keys and values pass round" if context.strategy == "ring" else "keys and values gathered"
+        lines += [
+            f"context:                     # each sequence split over '{context.axis}'; {how}",
+            f"  axis: {context.axis}",
+            f"  strategy: {context.strategy}",
+            f"  load_balance: {flow(context.load_balance)}",
+        ]
     if c.accumulate > 1:
         lines.append(
             f"accumulate: {c.accumulate}                # gradient accumulation: the batch runs as "
