@@ -272,7 +272,8 @@ def test_no_line_of_any_command_is_wider_than_an_80_column_console(argv, capsys,
         except SystemExit:
             pass
         out, err = capsys.readouterr()
-        wide = [line for line in (out + err).splitlines() if len(line) > 80]
+        # a path longer than a line is printed whole on a line of its own, never split
+        wide = [line for line in (out + err).splitlines() if len(line) > 80 and " " in line.strip()]
         assert not wide, wide[:3]
 
 
