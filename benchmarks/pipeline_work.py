@@ -44,7 +44,8 @@ sys.path.insert(0, str(REPO))
 import shardplan  # noqa: E402
 from minigpt_model.model import MiniGPT  # noqa: E402
 from minigpt_model.steps import train_update  # noqa: E402
-from shardplan.pipeline.schedules import OneFOneB  # noqa: E402
+from shardplan.pipeline.schedules import OneFOneB, ZeroBubble, unit_ticks  # noqa: E402
+import shardplan.pipeline.pipelined as pipelined  # noqa: E402
 from shardplan.pipeline.residuals import BACKWARD_SCOPE, FORWARD_SCOPE  # noqa: E402
 from shardplan.run.hlo import dot_flops  # noqa: E402
 
@@ -90,6 +91,7 @@ VARIANTS = {
     "dp selective": (None, SELECTIVE, 1),
     "gpipe": ("gpipe", "none", 1),
     "1f1b": ("1f1b", "none", 1),
+    "1f1b one-tick": ("1f1b", "none", 1),
     "1f1b v=2": ("1f1b", "none", 2),
     "circular v=2": ("interleaved", "none", 2),
     "zb-h1": ("zb-h1", "none", 1),
@@ -112,14 +114,20 @@ class Step:
         batch = shardplan.shard_inputs(plan, {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}, mesh)
         self.tokens, self.targets = batch["tokens"], batch["targets"]
         self.step = shardplan.jit_step(train_update, self.model, self.optimizer)
-        start = time.perf_counter()
-        compiled = self.step.lower(self.tokens, self.targets).compile()
-        self.compile_s = time.perf_counter() - start
-        self.flops = _matmul_flops(compiled.as_text(), schedule, virtual)
+        one_tick = name.endswith("one-tick")
+        if one_tick:  # the baseline: 1F1B on ticks of a forward and a backward each, as it ran before unit ticks
+            pipelined.unit_ticks = lambda *_, **__: False
+        try:
+            start = time.perf_counter()
+            compiled = self.step.lower(self.tokens, self.targets).compile()
+            self.compile_s = time.perf_counter() - start
+            self.run()  # warm: the first call compiles (or loads) it
+        finally:
+            pipelined.unit_ticks = unit_ticks
+        self.flops = None if one_tick else _matmul_flops(compiled.as_text(), schedule, virtual)
         self.modelled, self.modelled_peak, self.compiled_peak = _against_the_model(plan)
         self.temp = compiled.memory_analysis().temp_size_in_bytes
         self.times: list[tuple[float, float]] = []
-        self.run()  # warm: the first call compiles (or loads) it
 
     def run(self) -> tuple[float, float]:
         """(wall seconds, CPU seconds of this process) of one step."""
@@ -132,12 +140,15 @@ class Step:
 def _matmul_flops(hlo: str, schedule: str | None, virtual: int) -> tuple[float, float, float] | None:
     """(all, the stage forward's, the stage backward's) matmul FLOPs per device and step, counted in the
     HLO as often as they run: a tick's work branch runs on the schedule's ops out of its ticks. None
-    where the tables are not 1F1B's (zb-h1, zb-v)."""
+    for zb-v."""
     if schedule is None:
         return dot_flops(hlo), 0.0, 0.0
-    if schedule not in ("gpipe", "1f1b", "interleaved"):
+    if unit_ticks(schedule, virtual):  # F, B and W each on M of the ticks
+        share = MICROBATCHES / ZeroBubble.of(2, MICROBATCHES, schedule).ticks
+    elif schedule in ("gpipe", "1f1b", "interleaved"):
+        share = MICROBATCHES * virtual / OneFOneB.of(2, MICROBATCHES, virtual, schedule).ticks
+    else:
         return None
-    share = MICROBATCHES * virtual / OneFOneB.of(2, MICROBATCHES, virtual, schedule).ticks
     return tuple(dot_flops(hlo, branch_share=share, scope=scope) for scope in (None, FORWARD_SCOPE, BACKWARD_SCOPE))
 
 

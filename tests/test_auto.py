@@ -636,7 +636,7 @@ def test_auto_gives_the_end_stages_fewer_layers_where_the_head_outweighs_a_layer
         found.workload,
         found.profile,
     )[1]
-    assert max(best.estimate.stage_compute_s) < max(even.stage_compute_s) == even.compute_s
+    assert max(best.estimate.stage_compute_s) < max(even.stage_compute_s) == pytest.approx(even.compute_s)
     # the stages' work is within one layer of each other, where the even split left the last a head behind
     spread = max(best.estimate.stage_compute_s) - min(best.estimate.stage_compute_s)
     assert spread <= best.estimate.layer_s / (1 - best.estimate.bubble) * 1.01

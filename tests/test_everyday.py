@@ -165,9 +165,10 @@ def test_inspect_svg_draws_the_mesh_the_blocks_and_the_pipeline(tmp_path, capsys
     # a stage-0 layer split over 'model' lives on devices 0-3 only
     assert "transformer_blocks/0/linear1/kernel" in texts and "(256, 256) P(None, 'model'), stage 0" in texts
     assert "0,2" in texts
-    assert "Pipeline over 'stage': 1f1b, 8 microbatches, 10 ticks" in texts
-    assert any(t and t.startswith("2 of 20 cells idle; bubble 11.1% of stage time") for t in texts), texts
-    assert "F0" in texts and "b7" in texts
+    # (1f1b on unit ticks: 3M + 2(S - 1) of one F, B or W each)
+    assert "Pipeline over 'stage': 1f1b, 8 microbatches, 26 ticks" in texts
+    assert any(t and t.startswith("4 of 52 cells idle; bubble 7.7% of stage time") for t in texts), texts
+    assert "F0" in texts and "b7" in texts and "w7" in texts
     assert "http" not in text.replace("http://www.w3.org/2000/svg", "")  # nothing fetched
     assert_text_fits(root)
     # the README's picture is this one (regenerate with SHARDPLAN_UPDATE_GOLDEN=1)

@@ -288,7 +288,7 @@ def _pipeline(report: Report, y: float) -> tuple[list[str], float]:
     pipe, stage_map = report.plan.pipeline, report.stage_map
     grid = timeline(pipe.schedule, stage_map.stages, pipe.microbatches, stage_map.virtual)
     idle = sum(not cell for tick in grid for cell in tick)
-    split = pipe.zero_bubble
+    split = any(w.kind == "W" for tick in grid for cell in tick for w in cell)
     lasting = (
         ("R, B and W" if pipe.v_shaped else "B and W") + " each as long as a forward"
         if split

@@ -296,17 +296,18 @@ def render_pipeline(console: Console, report: Report) -> None:
         )
     print_table(console, table)
     console.print(render_timeline(grid, width=console.width))
-    kinds = {
-        "zb-h1": "b<m> input gradient, w<m> weight gradients",
-        "zb-v": "r<m> forward again, b<m> input gradient, w<m> weight gradients",
-    }.get(pipe.schedule, "b<m> backward")
-    counted = {"zb-h1": "b and w each counted as a forward", "zb-v": "r, b and w each counted as a forward"}.get(
-        pipe.schedule, "a backward counted as 2 forwards"
-    )
+    ops = {w.kind for tick in grid for cell in tick for w in cell}
+    if "R" in ops:
+        kinds, counted = "r<m> forward again, b<m> input gradient, w<m> weight gradients", "r, b and w"
+    elif "W" in ops:
+        kinds, counted = "b<m> input gradient, w<m> weight gradients", "b and w"
+    else:
+        kinds, counted = "b<m> backward", ""
+    counted = f"{counted} each counted as a forward" if counted else "a backward counted as 2 forwards"
     console.print(
         f"F<m> forward, {kinds} of microbatch m ('c: chunk c); {len(grid)} ticks; bubble "
         f"{bubble_fraction(grid):.1%} ({counted}) vs {article_bubble(stage_map.stages):.1%} "
-        f"for the article's stage-after-stage pipeline; a stage keeps the inputs (zb-h1: the residuals) "
+        f"for the article's stage-after-stage pipeline; a stage keeps what the backward reads "
         f"of at most {max(kept)} microbatches between ticks (per stage: `kept`)"
     )
 

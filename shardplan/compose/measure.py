@@ -96,10 +96,10 @@ def branch_share(plan) -> float:
     sizes = resolve_axes(plan, jax.device_count())[0]
     stages = sizes[pipe.axis]
     split_sequence = plan.context is not None and sizes[plan.context.axis] > 1
-    from shardplan.pipeline.schedules import OneFOneB, ZeroBubble, ZeroBubbleV, on_tables
+    from shardplan.pipeline.schedules import OneFOneB, ZeroBubble, ZeroBubbleV, on_tables, unit_ticks
 
-    if pipe.schedule == "zb-h1":  # each of F, B and W taken once per microbatch
-        return pipe.microbatches / ZeroBubble.of(stages, pipe.microbatches).ticks
+    if unit_ticks(pipe.schedule, pipe.virtual_stages, split_sequence):  # each of F, B and W once per microbatch
+        return pipe.microbatches / ZeroBubble.of(stages, pipe.microbatches, pipe.schedule).ticks
     if pipe.v_shaped:  # each of F, R, B and W taken once per microbatch and chunk
         return 2 * pipe.microbatches / ZeroBubbleV.of(stages, pipe.microbatches).ticks
     if on_tables(pipe.schedule, split_sequence):

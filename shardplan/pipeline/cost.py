@@ -8,30 +8,36 @@ from __future__ import annotations
 import functools
 
 from shardplan.core.transfers import Transfer
-from shardplan.pipeline.schedules import OneFOneB, ZeroBubble, ZeroBubbleV, bubble_fraction, timeline
+from shardplan.pipeline.schedules import OneFOneB, ZeroBubble, ZeroBubbleV, bubble_fraction, timeline, unit_ticks
 
 
 @functools.lru_cache(maxsize=256)
-def schedule_bubble(schedule: str, stages: int, microbatches: int, virtual: int) -> float:
+def schedule_bubble(schedule: str, stages: int, microbatches: int, virtual: int, sequence_split: bool = False) -> float:
     """The schedule's bubble: its timeline's."""
     S, M = stages, microbatches
     V = virtual if schedule in ("1f1b", "interleaved") else 1
     if schedule == "zb-h1" and M >= S:
         return (S - 1) / (3 * M + S - 1)
+    if unit_ticks(schedule, V, sequence_split):
+        return 2 * (S - 1) / (3 * M + 2 * (S - 1))
     whole_groups = M >= S if schedule == "interleaved" else M % S == 0
     if schedule in ("gpipe", "1f1b", "interleaved") and (V == 1 or whole_groups):
         return (S - 1) / (V * M + S - 1)
-    return bubble_fraction(timeline(schedule, stages, microbatches, virtual))
+    return bubble_fraction(timeline(schedule, stages, microbatches, virtual, sequence_split))
 
 
-def schedule_tables(schedule: str, stages: int, microbatches: int, virtual: int) -> tuple[int, int, int]:
+def schedule_tables(
+    schedule: str, stages: int, microbatches: int, virtual: int, sequence_split: bool = False
+) -> tuple[int, int, int]:
     """(ticks, stash slots, microbatch activations kept beside them: the last stage's loss gradients
     until their backward, and the circular schedule's two buffers of M; zero-bubble: residual sets
     and inboxes) of the schedule's tables (`shardplan.pipeline.schedules.OneFOneB`)."""
     if schedule in ("gpipe", "interleaved"):  # every forward (of every chunk) before any backward
         forwards = virtual * microbatches
         return 2 * (forwards + stages - 1), forwards, microbatches * (3 if virtual > 1 else 1)
-    if schedule == "zb-h1":  # (residual sets in flight, inboxes; ticks of one F, B or W each)
+    if unit_ticks(schedule, virtual, sequence_split):  # (residual sets in flight, inboxes; ticks of one F, B or W each)
+        if schedule == "1f1b":
+            return 3 * microbatches + 2 * (stages - 1), min(stages, microbatches), 2
         if microbatches >= stages:
             return 3 * microbatches + stages - 1, stages, 2
         tables = ZeroBubble.of(stages, microbatches)

@@ -20,7 +20,7 @@ from flax import nnx
 
 from shardplan.core.layer_contract import PipelineCallError, calling_without_updates
 from shardplan.core.paths import join_path
-from shardplan.pipeline.schedules import SCHEDULES, on_tables
+from shardplan.pipeline.schedules import SCHEDULES, on_tables, unit_ticks
 from shardplan.pipeline.branch_probe import layers_permute_in_branches
 from shardplan.pipeline.loop import (
     Arrangement,
@@ -355,7 +355,10 @@ class PipelinedLayers(nnx.Module):
             micro(request.targets),
             (keys, head_keys),
         )
-        runner = {"zb-h1": zero_bubble_schedule, "zb-v": zero_bubble_v_schedule}.get(self.schedule)
+        # (1F1B on unit ticks takes its branches: without them every stage would compute F, B and W at every tick)
+        virtual = jax.tree.leaves(state)[0].shape[1]
+        unit = unit_ticks(self.schedule, virtual) and (branches or self.schedule == "zb-h1")
+        runner = zero_bubble_schedule if unit else {"zb-v": zero_bubble_v_schedule}.get(self.schedule)
         return one_f_one_b_loss(loop, operands, runner)
 
     def _permutes_in_branches(

@@ -57,6 +57,16 @@ def recomputes_stages(schedule: str | None, sequence_split: bool = False) -> boo
     return on_tables(schedule, sequence_split) and schedule == "zb-v"
 
 
+def unit_ticks(schedule: str | None, virtual: int = 1, sequence_split: bool = False) -> bool:
+    """Whether the schedule runs on ticks of one F, B (input gradient) or W (weight gradients) each
+    (`ZeroBubble`'s tables): zb-h1, and 1f1b with one chunk per stage. One tick of a forward and a
+    backward per stage (`OneFOneB`) moves a microbatch one stage per tick each way, so stage s keeps
+    2(S-1-s)+1 microbatches; on unit ticks the stages work out of phase, as Megatron's 1F1B does, and
+    stage s keeps S - s. Not where a context axis splits the sequence (every stage then computes every
+    part at every tick: the one-tick tables do a third of the work)."""
+    return schedule == "zb-h1" or (schedule == "1f1b" and virtual == 1 and not sequence_split)
+
+
 def padding_skipped(schedule: str | None, virtual: int, sequence_split: bool = False) -> bool:
     """Whether a stage holding fewer layers than the longest skips its padding slots (the table
     schedules with one chunk per stage branch round them, `shardplan.pipeline.residuals.LayerResiduals`)
@@ -69,12 +79,14 @@ def forward_tick(stage: int, microbatch: int, repeat: int, microbatches: int) ->
     return repeat * microbatches + microbatch + stage
 
 
-def timeline(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> list[list[list[Work]]]:
+def timeline(
+    schedule: str, stages: int, microbatches: int, virtual: int = 1, sequence_split: bool = False
+) -> list[list[list[Work]]]:
     """grid[tick][stage] -> the work done there (empty: idle)."""
+    if unit_ticks(schedule, virtual, sequence_split):
+        return ZeroBubble.of(stages, microbatches, schedule).grid()
     if schedule == "1f1b":
         return _one_f_one_b(stages, microbatches, virtual)
-    if schedule == "zb-h1":
-        return ZeroBubble.of(stages, microbatches).grid()
     if schedule == "zb-v":
         return ZeroBubbleV.of(stages, microbatches).grid()
     virtual = virtual if schedule == "interleaved" else 1
@@ -225,6 +237,10 @@ class ZeroBubble:
     between forward and B, and s more waiting for W, with only what W reads (each weight matmul's
     input and output gradient) kept after B.
 
+    `of(S, M, "1f1b")`: 1F1B on the same ticks, each W right after its B: stage s keeps S - s
+    microbatches (Megatron's count) and what one B hands its W; the step lasts 3M + 2(S - 1) ticks
+    (the last stage's B follows its forward's loss at once).
+
     Buffers, as slots: `keep` (F to W: what W reads of the forward, then of B), `until_b` (F to B: what
     B alone reads), `inbox` (each stage's input from the previous stage, from arrival to its forward)
     and `cot` (the gradient from the next stage, or at the last stage the loss gradient its forward
@@ -246,15 +262,16 @@ class ZeroBubble:
 
     @staticmethod
     @functools.lru_cache(maxsize=64)
-    def of(stages: int, microbatches: int) -> "ZeroBubble":
+    def of(stages: int, microbatches: int, schedule: str = "zb-h1") -> "ZeroBubble":
         S, M = stages, microbatches
+        delayed = schedule == "zb-h1"
         orders = []
         for s in range(S):
             warm = min(S - s, M)
             seq, next_w = [("F", m) for m in range(warm)], 0
             for m in range(M):
                 seq.append(("B", m))
-                while next_w <= m - s:
+                while next_w <= m - (s if delayed else 0):
                     seq.append(("W", next_w))
                     next_w += 1
                 if warm < M:

@@ -56,15 +56,18 @@ class _Carry(NamedTuple):
 
 
 def zero_bubble_schedule(loop: Loop, operands: Operands):
-    """(loss, gradients) of the layers, head and embedding under ZB-H1 (`loop.schedule` "zb-h1"); as
-    `loop.table_schedule`."""
+    """(loss, gradients) of the layers, head and embedding under ZB-H1 (`loop.schedule` "zb-h1"), or
+    1F1B on its ticks ("1f1b": each W right after its B); as `loop.table_schedule`."""
     stages, virtual, per_chunk = jax.tree.leaves(operands.stacked)[0].shape[:3]
     if virtual != 1:
-        raise ValueError("zb-h1 runs one chunk of layers per stage")
+        raise ValueError(f"{loop.schedule} on unit ticks runs one chunk of layers per stage")
     micro = operands.targets.shape[0]
-    plan = ZeroBubble.of(stages, micro)
+    plan = ZeroBubble.of(stages, micro, loop.schedule)
     tables = {name: jnp.asarray(getattr(plan, name), jnp.int32) for name in _TABLES}
     keep_slots, until_b_slots, inbox_slots, cot_slots = plan.slots
+    # what B hands W waits in W's slot of `keep` (zb-h1), or for one tick, W's right after B (1f1b)
+    delayed = loop.schedule == "zb-h1"
+    handed_slots = keep_slots if delayed else 1
     axis = loop.axis
 
     def per_device(mine: Operands):
@@ -113,13 +116,15 @@ def zero_bubble_schedule(loop: Loop, operands: Operands):
             gx, crossed = in_branch(
                 loop.branches,
                 b_on,
-                lambda crossed: parts.input_gradient(chunk, first, size, kept, slot, until_b, b_slot, crossed, cot),
+                lambda crossed: parts.input_gradient(
+                    chunk, first, size, kept, slot, until_b, b_slot, crossed, cot, None if delayed else 0
+                ),
                 lambda: jnp.zeros_like(h_in),
                 carry.crossed,
             )
             g_layers, _ = ends.summed(
                 w_on,
-                lambda: (parts.weight_gradient(chunk, first, size, kept, slot, crossed), ()),
+                lambda: (parts.weight_gradient(chunk, first, size, kept, slot, crossed, None if delayed else 0), ()),
                 lambda: (jax.tree.map(jnp.zeros_like, chunk), ()),
                 carry.g_layers,
             )
@@ -145,7 +150,7 @@ def zero_bubble_schedule(loop: Loop, operands: Operands):
             inbox=jnp.zeros((max(inbox_slots, 1), *like.shape), like.dtype),
             cotbox=jnp.zeros((max(cot_slots, 1), *like.shape), like.dtype),
             kept=LayerResiduals.empty(parts.like, keep_slots, per_chunk),
-            crossed=LayerResiduals.empty(parts.handed, keep_slots, per_chunk),
+            crossed=LayerResiduals.empty(parts.handed, handed_slots, per_chunk),
             until_b=LayerResiduals.empty(parts.until_b, until_b_slots, per_chunk),
             g_layers=running_sum(chunk),
             g_head=running_sum(mine.head_params),

@@ -48,7 +48,7 @@ from shardplan.plan.schema import format_spec, spec_axes
 from shardplan.planner.overlap import exposure
 from shardplan.planner.profiles import Profile
 from shardplan.pipeline.cost import schedule_bubble, schedule_tables, stage_transfers
-from shardplan.pipeline.schedules import on_tables, padding_skipped, recomputes_stages
+from shardplan.pipeline.schedules import on_tables, padding_skipped, recomputes_stages, unit_ticks
 from shardplan.core.roles import BIAS, COLUMN, EMBEDDING, MATMUL, ROW, VECTOR, ModelRoles, Role
 
 TOKEN_BYTES = 4  # tokens and targets are int32
@@ -234,9 +234,14 @@ class _Step:
         return on_tables(self.schedule, self.context is not None)
 
     @property
+    def unit_ticks(self) -> bool:
+        """Whether the pipeline runs on ticks of one F, B or W (`shardplan.pipeline.schedules.unit_ticks`)."""
+        return unit_ticks(self.schedule, self.virtual, self.context is not None)
+
+    @property
     def logit_copies(self) -> int:
         """Copies of a microbatch's logits alive at once where the head runs."""
-        return TICK_LOGIT_COPIES if self.tabled and self.schedule != "zb-h1" else LOGIT_COPIES
+        return TICK_LOGIT_COPIES if self.tabled and not self.unit_ticks else LOGIT_COPIES
 
     def recomputes(self, staged: bool, in_layer: bool) -> bool:
         """Whether the backward runs this forward again (tabled stages but zero-bubble's; layers
@@ -353,8 +358,8 @@ def estimate(
     if step.tabled:
         # the head runs inside the loop: its weights (gathered, when they enter whole) and the running
         # sum of their gradients (XLA adds each microbatch's into it in place: buffer assignment of
-        # 1F1B steps; zb-h1's W makes each microbatch's apart first)
-        apart = step.schedule == "zb-h1"
+        # 1F1B steps; on unit ticks W makes each microbatch's apart first)
+        apart = step.unit_ticks
         whole_head = sum(
             ((2 + apart) * _head_ways(p, roles, step) - 1) * p.bytes_per_device * step.count(p.path)
             for p in held
@@ -420,7 +425,7 @@ def estimate(
     matmul_flops += experts.flops if experts else 0.0
     flops = matmul_flops + attention_flops
     bubble = (
-        0.0 if step.stage_axis is None else schedule_bubble(step.schedule, step.stages, step.microbatches, step.virtual)
+        0.0 if step.stage_axis is None else schedule_bubble(step.schedule, step.stages, step.microbatches, step.virtual, step.context is not None)
     )
     # Elementwise work (norms, activations, softmax, residual adds) is bound by memory bandwidth:
     # each stored activation is written and read once forward and once as a gradient backward.
@@ -442,7 +447,7 @@ def estimate(
     bubble_s = 0.0 if profile.shared_compute else work_s * bubble / (1.0 - bubble)
     # what each tick of the schedule's loop costs beyond its work (`Profile.tick_overhead`)
     tick_s = (
-        schedule_tables(step.schedule, step.stages, step.microbatches, step.virtual)[0] * profile.tick_overhead
+        schedule_tables(step.schedule, step.stages, step.microbatches, step.virtual, step.context is not None)[0] * profile.tick_overhead
         if pipe
         else 0.0
     )
@@ -504,7 +509,7 @@ def _stage_activations(kept, step: _Step, stage_map, stored: int) -> tuple[int, 
         return (stored,) * stage_map.stages
     from shardplan.pipeline.schedules import in_flight, timeline
 
-    flight = in_flight(timeline(step.schedule, step.stages, step.microbatches, step.virtual))
+    flight = in_flight(timeline(step.schedule, step.stages, step.microbatches, step.virtual, step.context is not None))
     held = max(stage_map.counts)
     skips = padding_skipped(step.schedule, step.virtual, step.context is not None)
     last = 0 if stage_map.v_shape else stage_map.stages - 1
@@ -1242,7 +1247,7 @@ def _activations(kept: tuple[dict, dict, dict], step: _Step, on: _OnStage | None
         # zb-v: chunk inputs, one chunk's forward run again) and what waits beside it (gpipe: each loss
         # gradient until its backward); zero-bubble: residuals of the first stage's S microbatches and
         # its two one-slot inboxes
-        _, slots, beside = schedule_tables(step.schedule, step.stages, step.microbatches, step.virtual)
+        _, slots, beside = schedule_tables(step.schedule, step.stages, step.microbatches, step.virtual, step.context is not None)
         slots -= on.fewer_in_flight if on is not None else 0
         if step.schedule == "zb-v":
             # each slot's chunk input and one chunk's weight-matmul outputs (kept from R until W) stay
@@ -1255,17 +1260,23 @@ def _activations(kept: tuple[dict, dict, dict], step: _Step, on: _OnStage | None
             stored = tokens * kept + max(tokens * layers / step.virtual - step.tokens * outside, 0.0)
         else:
             # each slot holds one chunk's residuals, as autodiff keeps them under the layers' remat (a
-            # rematerialised layer's own activations live once, while it runs again); zb-h1's slots also
-            # hold what B hands W, each weight matmul's output gradient
+            # rematerialised layer's own activations live once, while it runs again); on unit ticks what B
+            # hands W, each weight matmul's output gradient, waits beside them: in each slot (zb-h1), or one
+            # set for the tick from B to W (1f1b)
             again = biggest if step.remat != "none" else 0.0
-            handed = sum(dots[layer] * stands_for[layer] for layer in full) if step.schedule == "zb-h1" else 0.0
-            stored = tokens * (slots * (layers - again + handed) / step.virtual + again + beside * step.width * b)
+            handed = sum(dots[layer] * stands_for[layer] for layer in full) if step.unit_ticks else 0.0
+            handed_sets = slots if step.schedule == "zb-h1" else 1
+            stored = tokens * (
+                (slots * (layers - again) + handed_sets * handed) / step.virtual + again + beside * step.width * b
+            )
     else:
         # every tick runs one of the stage's `virtual` chunks and keeps its activations (the whole-batch
         # gpipe's idle ticks too: they compute on and drop what they compute)
         ticks = step.virtual * step.microbatches + step.stages - 1
         stored = tokens * ticks * layers / step.virtual
-    remat = tokens * (2 * step.stages - 1) * step.width * b + tokens * biggest
+    # rematerialised layers: the stage inputs of the microbatches in flight (outside the tables, 1F1B's 2S - 1)
+    flight = slots if step.tabled else 2 * step.stages - 1
+    remat = tokens * flight * step.width * b + tokens * biggest
     outside += head
     return int(stored + step.tokens * outside), int(remat + step.tokens * outside), *microbatch
 
