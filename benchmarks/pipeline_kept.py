@@ -73,10 +73,7 @@ def main() -> None:
                 "megatron_kept": STAGES,
             }
         )
-        print(
-            f"{name:<15}{temp / 2**20:>10.2f}{kept:>17.2f}{max_in_flight(grid):>10}{STAGES:>10}"
-            f"{kept / STAGES:>6.2f}"
-        )
+        print(f"{name:<15}{temp / 2**20:>10.2f}{kept:>17.2f}{max_in_flight(grid):>10}{STAGES:>10}{kept / STAGES:>6.2f}")
     print("target: 1f1b keeps at most 1.25 S microbatches by its compiled temp bytes")
     if args.json:
         Path(args.json).write_text(json.dumps({"ruler": ruler, "rows": rows}, indent=2))

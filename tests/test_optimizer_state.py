@@ -48,6 +48,27 @@ def test_zero1_on_a_data_size_dividing_no_dim_splits_every_state_and_matches_one
             np.testing.assert_allclose(value, reference[path], atol=1e-5, err_msg=path)
 
 
+def test_zero1_splits_the_state_over_data_and_context_as_megatrons_distributed_optimizer(one_device):
+    """A context axis sums the same parameters' gradients as the data axes do, so `zero1` splits optimizer
+    state over data x context (Megatron's distributed optimizer over DP x CP): each of the 8 devices holds
+    an eighth of every moment, and three AdamW steps match one device."""
+    plan = shardplan.parse_plan(
+        "version: 1\nmesh: {axes: {data: 2, context: 4}}\ninputs: {tokens: [data, context]}\n"
+        "context: {axis: context}\nparams:\n  - {match: '.*', spec: []}\noptimizer: zero1\n"
+    )
+    model, optimizer, losses = train(plan, jax.devices()[:8])
+    assert state_split(optimizer, ("data", "context")) == []
+    moments = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(optimizer.opt_state)) if v.get_value().ndim]
+    total = sum(m.nbytes for m in moments)
+    on_device = sum(m.addressable_shards[0].data.nbytes for m in moments)
+    assert on_device <= total / 8 * 1.02, (on_device, total)
+    reference, reference_losses = one_device
+    np.testing.assert_allclose(losses, reference_losses, rtol=1e-5)
+    for path, value in _params(model).items():  # (the context split's own rounding: 1.2e-5 under `same` too)
+        if "['key']['bias']" not in path:  # (as above)
+            np.testing.assert_allclose(value, reference[path], atol=2e-5, err_msg=path)
+
+
 def test_zero1_on_twelve_data_ranks_in_a_process_of_its_own(one_device):
     run = subprocess.run(
         [sys.executable, str(REPO / "tests" / "zero_runs.py"), "12"],

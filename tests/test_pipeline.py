@@ -17,7 +17,15 @@ import minigpt_model
 import shardplan
 from minigpt_model.steps import loss_fn, train_step
 from shardplan.pipeline.loop import stack, unstack
-from shardplan.pipeline.schedules import OneFOneB, _one_f_one_b, article_bubble, bubble_fraction, in_flight, max_in_flight, timeline
+from shardplan.pipeline.schedules import (
+    OneFOneB,
+    _one_f_one_b,
+    article_bubble,
+    bubble_fraction,
+    in_flight,
+    max_in_flight,
+    timeline,
+)
 
 from conftest import PLANS, full
 

@@ -18,7 +18,7 @@ from shardplan.core.placement import placement_of, record
 from shardplan.review.report import Report
 from shardplan.compose.check import check
 from shardplan.pipeline.stages import check_microbatches
-from shardplan.core.validate import data_axes, validate_inputs, validate_optimizer
+from shardplan.core.validate import data_axes, validate_inputs, validate_optimizer, zero1_axes
 from shardplan.model.abstract import abstract_with_roles, eval_shape, first_line, unplaced, untraceable
 from shardplan.run.optimizer import master_weights, optimizer_state, padded_state
 from shardplan.run.specs import partition_spec, pin
@@ -365,7 +365,7 @@ def shard_optimizer(
     problems = validate_optimizer(plan, sizes)
     if problems:
         raise PlanError(problems)
-    data = data_axes(plan, sizes) if plan.optimizer == "zero1" else ()
+    data = zero1_axes(plan, sizes)
     planned = _planned_specs(model, sizes, data)
     if plan.precision.master:
         tx = master_weights(tx, jnp.dtype(plan.precision.master))

@@ -631,6 +631,20 @@ def data_axes(plan: Plan, sizes: dict[str, int]) -> tuple[str, ...]:
     return ("data",) if "data" in sizes and not plan.inputs else ()
 
 
+def zero1_axes(plan: Plan, sizes: dict[str, int]) -> tuple[str, ...]:
+    """The axes `optimizer: zero1` splits optimizer state over: every axis gradients are reduced over,
+    the data axes and the context axis (each of its devices holds a part of every sequence, so it
+    sums the same parameters' gradients), as Megatron's distributed optimizer splits over data x
+    context; () under `optimizer: same`."""
+    if plan.optimizer != "zero1":
+        return ()
+    data = data_axes(plan, sizes)
+    context = plan.context.axis if plan.context is not None else None
+    if context in sizes and sizes[context] > 1 and context not in data:
+        return (*data, context)
+    return data
+
+
 def validate_optimizer(plan: Plan, sizes: dict[str, int]) -> list[Diagnostic]:
     """The optimizer and the step's own microbatches against the mesh and the pipeline."""
     found = []

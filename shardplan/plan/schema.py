@@ -396,7 +396,8 @@ class Plan(_Strict):
     )
     optimizer: Literal["same", "zero1"] = Field(
         default="same",
-        description="same: optimizer state mirrors its parameter; zero1: also shard it over the data axis.",
+        description="same: optimizer state mirrors its parameter; zero1: also shard it over the data axes "
+        "(and the context axis, which sums the same gradients).",
     )
     pipeline: PipelineConfig | None = Field(
         default=None, description="Pipeline stages (needs a mesh axis named by `axis`)."

@@ -425,7 +425,9 @@ def estimate(
     matmul_flops += experts.flops if experts else 0.0
     flops = matmul_flops + attention_flops
     bubble = (
-        0.0 if step.stage_axis is None else schedule_bubble(step.schedule, step.stages, step.microbatches, step.virtual, step.context is not None)
+        0.0
+        if step.stage_axis is None
+        else schedule_bubble(step.schedule, step.stages, step.microbatches, step.virtual, step.context is not None)
     )
     # Elementwise work (norms, activations, softmax, residual adds) is bound by memory bandwidth:
     # each stored activation is written and read once forward and once as a gradient backward.
@@ -447,7 +449,8 @@ def estimate(
     bubble_s = 0.0 if profile.shared_compute else work_s * bubble / (1.0 - bubble)
     # what each tick of the schedule's loop costs beyond its work (`Profile.tick_overhead`)
     tick_s = (
-        schedule_tables(step.schedule, step.stages, step.microbatches, step.virtual, step.context is not None)[0] * profile.tick_overhead
+        schedule_tables(step.schedule, step.stages, step.microbatches, step.virtual, step.context is not None)[0]
+        * profile.tick_overhead
         if pipe
         else 0.0
     )
@@ -1247,7 +1250,9 @@ def _activations(kept: tuple[dict, dict, dict], step: _Step, on: _OnStage | None
         # zb-v: chunk inputs, one chunk's forward run again) and what waits beside it (gpipe: each loss
         # gradient until its backward); zero-bubble: residuals of the first stage's S microbatches and
         # its two one-slot inboxes
-        _, slots, beside = schedule_tables(step.schedule, step.stages, step.microbatches, step.virtual, step.context is not None)
+        _, slots, beside = schedule_tables(
+            step.schedule, step.stages, step.microbatches, step.virtual, step.context is not None
+        )
         slots -= on.fewer_in_flight if on is not None else 0
         if step.schedule == "zb-v":
             # each slot's chunk input and one chunk's weight-matmul outputs (kept from R until W) stay

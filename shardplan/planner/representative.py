@@ -15,7 +15,7 @@ from shardplan.core.layout import ParamLayout, param_layout
 from shardplan.core.paths import ParamInfo
 from shardplan.pipeline.schedules import chunk_stage
 from shardplan.pipeline.stages import StageMap, balanced_stages
-from shardplan.core.validate import data_axes
+from shardplan.core.validate import zero1_axes
 from shardplan.plan.schema import Plan, normalize_spec
 from shardplan.core.roles import ModelRoles
 
@@ -81,7 +81,7 @@ def lay_out(
             stage_of = [chunk_stage(i // per_chunk, stages, pipe.v_shaped) for i in range(roles.layer_count)]
         stage_map = StageMap(pipe.layers, tuple(stage_of), stages, virtual, pipe.v_shaped)
     longest = stage_map.longest if stage_map else None
-    data = data_axes(plan, sizes) if plan.optimizer == "zero1" else ()
+    data = zero1_axes(plan, sizes)
     layouts = []
     for p in rep.params:
         spec = normalize_spec(specs[p.path])

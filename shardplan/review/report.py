@@ -18,6 +18,7 @@ from shardplan.core.validate import (
     validate_inputs,
     validate_optimizer,
     validate_params,
+    zero1_axes,
 )
 from shardplan.core.combinations import (
     degenerate_sections,
@@ -183,7 +184,7 @@ def check_params(
     if input_shapes:
         batch = next(iter(input_shapes.values()))[0]
         diagnostics += check_microbatches(plan, batch, sizes, data_axes(plan, sizes))
-    data = data_axes(plan, sizes) if plan.optimizer == "zero1" else ()
+    data = zero1_axes(plan, sizes)
     layouts = [_layout(p, sizes, data, stage_map, plan.precision) for p in placements]
     axis = plan.pipeline.axis if stage_map else None
     devices = (
