@@ -750,3 +750,35 @@ def test_rematerialised_layers_keep_their_inputs_split_by_sequence_parallelism()
     }
     inputs = BATCH * SEQ // 4 * config["embed_dim"] * 4 * 16  # minigpt_dp_tp: data 4 x model 2, float32
     assert kept["remat"].activation_bytes - kept["remat+sp"].activation_bytes >= inputs / 2
+
+
+@pytest.mark.parametrize("head", ["replicated", "vocabulary split"])
+def test_zero1_moves_nothing_that_grows_with_the_data_size(head):
+    """ZeRO-1 at two data sizes with the same rows per device: XLA gathers the head's input activations
+    only where they are smaller than the gradient it would reduce, so no collective of the compiled
+    step outgrows the gradients as the data size grows; the model charges that gather only there too,
+    and its all-gather bytes are the compiled step's."""
+    config = dict(MINIGPT, maxlen=32, vocab_size=512, embed_dim=64, feed_forward_dim=128)
+    rules = (
+        "  - {match: 'output_layer/kernel', spec: [null, model]}\n  - {match: 'output_layer/bias', spec: [model]}\n"
+        if head != "replicated"
+        else ""
+    )
+
+    def plan_of(data):
+        model = 2 if rules else 1
+        mesh = f"data: {data}, model: {model}" + (f", idle: {8 // (data * model)}" if data * model < 8 else "")
+        return lambda *_: shardplan.parse_plan(
+            f"version: 1\nmesh: {{axes: {{{mesh}}}}}\ninputs: {{tokens: [data, null]}}\noptimizer: zero1\n"
+            f"params:\n{rules}  - {{match: '.*', spec: replicated}}\n"
+        )
+
+    sizes = (2, 4) if rules else (2, 8)
+    found = {data: _against_compiler(config, plan_of(data), 2 * data, 32)[1:] for data in sizes}
+    for data, (cost, compiled) in found.items():
+        modelled = sum(t.total for t in cost.transfers if t.kind == "all-gather")
+        assert modelled == pytest.approx(compiled.collectives.bytes["all-gather"], rel=0.05), data
+    large_cost, large = found[sizes[1]]
+    assert not [t.what for t in large_cost.transfers if "head activations gathered" in t.what]
+    # the batch grows with the data size; what the step moves does not (the gradients and parameters do not)
+    assert sum(large.collectives.bytes.values()) <= 1.1 * sum(found[sizes[0]][1].collectives.bytes.values())
