@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from rich.console import Console
@@ -119,7 +120,8 @@ def train(
     mesh = shardplan.make_mesh(plan, devices=devices)
     tokenizer = get_tokenizer(config.tokenizer)
     model_config = config.model_config(tokenizer.vocab_size, plan)
-    report = shardplan.check(plan, _abstract_model(model_config), mesh)
+    tokens = jnp.zeros((config.batch_size, model_config["maxlen"]), jnp.int32)  # (traced abstractly: nothing runs)
+    report = shardplan.check(plan, _abstract_model(model_config), mesh, example=lambda m: m(tokens))
     if report.errors:  # the command prints them, once
         raise shardplan.PlanError(report.diagnostics)
     render_summary(console, report)

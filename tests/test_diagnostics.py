@@ -627,6 +627,7 @@ def trigger(tmp_path: Path, code: str) -> list[shardplan.Diagnostic]:
 # test_tutorials.py.
 MODEL_CASES = {
     "pipeline-layer-call",
+    "pipeline-not-traced",
     "example-call-failed",
     "step-rule-unused",
     "activation-shape",

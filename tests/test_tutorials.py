@@ -341,6 +341,38 @@ def test_the_vits_nested_blocks_pipeline_and_train_like_one_device(schedule, own
     assert_close(params_of(shardplan.to_plain(model)), want_params, "parameters after two steps")
 
 
+def test_a_forward_that_keeps_every_blocks_output_is_refused_by_check():
+    """The UNETR tutorial's ViT returns every block's output and its decoder reads blocks 3, 6 and 9: a
+    pipeline hands what passes between its layers straight on, so the step would fail inside the model
+    (IndexError); `check` runs the forward with the layers standing as the pipeline stands and refuses."""
+    ns = tutorial_code.unetr()
+    model = ns["UNETR"](out_channels=3, img_size=32, hidden_size=16, mlp_dim=32, num_heads=2, feature_size=4)
+    text = (
+        "version: 1\nmesh: {axes: {stage: 2, data: 4}}\n"
+        "inputs: {INPUT: {spec: [data, null, null, null], shape: [8, 32, 32, 3]}}\n"
+        "pipeline: {axis: stage, layers: LAYERS, microbatches: 2}\nparams:\n  - {match: '.*', spec: replicated}\n"
+    )
+    plan = shardplan.parse_plan(text.replace("INPUT", "x_in").replace("LAYERS", "vit/blocks"))
+    (error,) = shardplan.check(plan, model).errors
+    assert error.code == "pipeline-layer-call" and error.path == "vit/blocks/0", error.format()
+    assert "IndexError" in error.message and "one call" in error.message, error.format()
+    # the ViT alone returns the list itself: one entry under a pipeline where it had twelve
+    vit_plan = shardplan.parse_plan(text.replace("INPUT", "x").replace("LAYERS", "blocks"))
+    (error,) = shardplan.check(vit_plan, model.vit).errors
+    assert error.code == "pipeline-layer-call" and "keeps something per layer of blocks" in error.message, (
+        error.format()
+    )
+    # without input shapes or an example nothing is traced, and check says so where the shapes would go
+    untraced = shardplan.parse_plan(
+        text.replace("INPUT", "x_in").replace("LAYERS", "vit/blocks").replace(", shape: [8, 32, 32, 3]", "")
+    )
+    report = shardplan.check(untraced, model)
+    (said,) = [d for d in report.diagnostics if d.code == "pipeline-not-traced"]
+    assert report.ok and said.line == 3 and "vit/blocks" in said.message and "example=" in said.hint
+    example = lambda m: m(np.zeros((8, 32, 32, 3), np.float32))  # noqa: E731
+    assert [d.code for d in shardplan.check(untraced, model, example=example).errors] == ["pipeline-layer-call"]
+
+
 def test_a_pipeline_that_names_no_list_says_which_lists_the_model_has():
     ns = tutorial_code.vit()
     plan = shardplan.parse_plan(VIT_PIPELINE.replace("SCHEDULE", "gpipe").replace("encoder/layers", "encoder/blocks"))

@@ -430,9 +430,23 @@ def test_layers_that_update_their_state_are_refused():
     tokens = jnp.zeros((8, 4), jnp.int32)
     text = _only(shardplan.check(plan, _Normed(rngs=nnx.Rngs(0)), example=lambda m: m(tokens)), "pipeline-layer-call")
     assert "layers/0 updates its state during the call (mean and 1 more" in text and "batch statistics" in text
-    model = shardplan.apply_plan(plan, _Normed(rngs=nnx.Rngs(0)), shardplan.make_mesh(plan))
+    # the plan gives no input shapes: a model that embeds tokens is traced on a few all the same
+    assert "updates its state" in _only(shardplan.check(plan, _Normed(rngs=nnx.Rngs(0))), "pipeline-layer-call")
+    # one that takes other inputs is not traced: check warns so, and the step refuses when it first runs
+    report = shardplan.check(plan, _NormedFeatures(rngs=nnx.Rngs(0)))
+    assert report.ok and [d.code for d in report.warnings] == ["pipeline-not-traced"]
+    model = shardplan.apply_plan(plan, _NormedFeatures(rngs=nnx.Rngs(0)), shardplan.make_mesh(plan))
     with pytest.raises(PipelineCallError, match="updates its state"):
-        model(tokens)
+        model(jnp.zeros((8, 4, 16)))
+
+
+class _NormedFeatures(_Normed):
+    """The same layers on features given as they are."""
+
+    def __call__(self, features):
+        for layer in self.layers:
+            features = layer(features)
+        return features
 
 
 # ------------------------------------------------------------------------------ auto on such models

@@ -6,6 +6,9 @@ Only definitions are taken: the cells' other statements download data or build f
   `rngs=nnx.Rngs(0)` arguments), its loss and its `train_step` (`nnx.ModelAndOptimizer`'s `update(grads)`).
 - `translation()`: the jax-ai-stack encoder-decoder translation `TransformerModel` and its `train_step`.
 - `segmentation()`: the jax-ai-stack UNETR tutorial's blocks (submodules built with a default `nnx.Rngs(0)`).
+- `unetr()`: that tutorial's whole `UNETR`, whose decoder reads four of its ViT's block outputs. Its ViT
+  and up-sampling blocks keep their blocks in plain Python lists, which flax 0.12 refuses on a pytree
+  module; the classes are taken as written and declared `pytree=False` by subclassing, flax's own advice.
 - `gspmd()`: the flax guide "Scale up on multiple devices": `DotReluDot` (annotated with
   `nnx.with_partitioning`, built under flax's eager sharding), the explicit-axes `ExplicitDotReluDot`, and
   the guide's `jax.jit` `train_step`.
@@ -91,6 +94,31 @@ def segmentation() -> dict:
         "JAX_examples_image_segmentation.md",
         ["Conv2dNormActivation", "InstanceNorm", "UnetResBlock", "UnetrBasicBlock"],
     )
+
+
+def unetr() -> dict:
+    from flax import nnx
+
+    ns = definitions(
+        "JAX_examples_image_segmentation.md",
+        [
+            "PatchEmbeddingBlock",
+            "MLPBlock",
+            "ViTEncoderBlock",
+            "ViT",
+            "Conv2dNormActivation",
+            "InstanceNorm",
+            "UnetResBlock",
+            "UnetrBasicBlock",
+            "UnetrPrUpBlock",
+            "UnetrUpBlock",
+            "UNETR",
+        ],
+    )
+    for name in ("ViT", "UnetrPrUpBlock", "UNETR"):  # (the classes' code finds these by name in `ns`)
+        ns[name] = type(name, (ns[name],), {}, pytree=False)
+    assert issubclass(ns["ViT"], nnx.Module)
+    return ns
 
 
 def gspmd() -> dict:

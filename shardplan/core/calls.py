@@ -177,7 +177,7 @@ def check_layer_calls(plan: Plan, model, call: Callable) -> list[Diagnostic]:
         )
     if updates:
         return problem("pipeline-layer-call", updates[0], path=f"{pipe.layers}/0")
-    return _analyse(pipe.layers, calls, len(layers), problem)
+    return _analyse(pipe.layers, calls, len(layers), problem) or _as_one_call(pipe.layers, model, call, problem)
 
 
 def _analyse(name: str, calls: list[_Call], count: int, problem) -> list[Diagnostic]:
@@ -255,6 +255,91 @@ def _analyse(name: str, calls: list[_Call], count: int, problem) -> list[Diagnos
             hint="call the model without a cache, or pipeline layers that return only the activation",
         )
     return []
+
+
+def _as_one_call(name: str, model, call: Callable, problem) -> list[Diagnostic]:
+    """Trace `call(model)` again with the list at `name` standing as a pipeline stands there (a list of
+    one entry whose call runs every layer): a forward that keeps what passes between its layers (every
+    block's output, for a decoder's skip connections) fails or returns something else."""
+    import jax
+    from flax import nnx
+
+    from shardplan.core.layer_contract import describe_value
+
+    if getattr(node_at(model, name), "runs_whole_stack", False):
+        return []  # (layers stacked by nnx.vmap: the forward's scan runs them whole either way)
+    found: dict = {}
+
+    def shapes(out):
+        return jax.tree.map(lambda a: (tuple(a.shape), str(a.dtype)) if hasattr(a, "shape") else a, out)
+
+    def both(model):
+        found["plain"] = shapes(call(model))
+        parent, _, attribute = name.rpartition("/")
+        parent = node_at(model, parent) if parent else model
+        layers = getattr(parent, attribute)
+        # (past the module's own attribute checks: the stand-in is there only for this trace)
+        object.__setattr__(parent, attribute, _OneCall(list(layers)))
+        try:
+            found["one call"] = shapes(call(model))
+        except Exception as error:
+            found["error"] = f"{type(error).__name__}: {_first_line(error)}"
+        finally:
+            object.__setattr__(parent, attribute, layers)
+
+    try:
+        nnx.eval_shape(both, model)
+    except Exception:
+        return []  # (what the plain call does is checked above; a list that cannot be swapped is not ours)
+    hint = (
+        "keep only the last layer's output (a pipeline hands what passes between its layers straight on), "
+        "or pipeline a list whose layers' outputs the rest of the model does not use"
+    )
+    if "error" in found:
+        return problem(
+            "pipeline-layer-call",
+            f"the model's forward uses {name} as more than a loop over every layer: with the layers run as "
+            f"one call, as a pipeline runs them, it fails ({found['error']})",
+            path=f"{name}/0",
+            hint=hint,
+        )
+    if found["one call"] != found["plain"]:
+        return problem(
+            "pipeline-layer-call",
+            f"the model's forward keeps something per layer of {name}: with the layers run as one call, as a "
+            f"pipeline runs them, it returns {describe_value(found['one call'])} where it returns "
+            f"{describe_value(found['plain'])}",
+            path=f"{name}/0",
+            hint=hint,
+        )
+    return []
+
+
+class _OneCall:
+    """The layers as a pipeline stands in their place: a list of one entry that runs them all in turn."""
+
+    def __init__(self, layers: list):
+        self._layers = layers
+
+    def __len__(self) -> int:
+        return 1
+
+    def __iter__(self):
+        yield self
+
+    def __getitem__(self, index):
+        if isinstance(index, int) and index in (0, -1):
+            return self
+        raise IndexError(f"the model takes layer [{index!r}] of a pipeline, which runs its layers as one call")
+
+    def __call__(self, x, *args, **kwargs):
+        import jax
+
+        out = x
+        for layer in self._layers:
+            out = layer(x, *args, **kwargs)
+            x = jax.tree.leaves(out)[0]
+        return out
 
 
 def _equal(a, b) -> bool:

@@ -501,8 +501,52 @@ def stage_patterns(plan: Plan) -> tuple[list[tuple[int, object, int]], list[Diag
 def model_checks(subject, found: list[Diagnostic]) -> list[Diagnostic]:
     """Whether the model calls its layers as the pipeline runs them, on the example call (`subject`: a
     `ModelUnderPlan`)."""
-    if subject.report.stage_map is None or subject.call is None:
+    if subject.report.stage_map is None:
         return []
     from shardplan.core.calls import check_layer_calls
 
-    return check_layer_calls(subject.plan, subject.model, subject.call)
+    call = subject.call if subject.call is not None else _token_call(subject.plan, subject.model, subject.report.axes)
+    if call is None:
+        plan = subject.plan
+        line, column = plan.locate("inputs")
+        return [
+            Diagnostic(
+                "pipeline-not-traced",
+                "warning",
+                f"the plan's inputs give no shapes, no example call was given and the model does not take a few "
+                f"tokens, so the forward was not traced: "
+                f"whether it runs {plan.pipeline.layers} as a pipeline does (every layer once, in order, each "
+                "output straight to the next and nothing else kept of it) is found only when the step first runs",
+                file=plan.file,
+                line=line,
+                column=column,
+                path=f"{plan.pipeline.layers}/0",
+                hint="give each input its shape (inputs: {tokens: {spec: [data, null], shape: [8, 256]}}), or pass "
+                "example= to shardplan.check and apply_plan",
+            )
+        ]
+    return check_layer_calls(subject.plan, subject.model, call)
+
+
+def _token_call(plan: Plan, model, axes: dict[str, int]):
+    """For a plan whose inputs give no shapes: a call on int32 tokens [rows, 8] for its first input, rows
+    the microbatches times the devices its batch dim is split over. Only for a model that embeds tokens
+    (an `nnx.Embed`): the layers then see what they see in training, where tokens fed to a model without
+    one would reach its layers as no real batch does. None where the model does not take them."""
+    import math
+
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from shardplan.core.calls import call_with
+
+    if not plan.inputs or not any(isinstance(node, nnx.Embed) for _, node in nnx.iter_graph(model)):
+        return None
+    name, spec = next(iter(plan.input_specs.items()))
+    rows = plan.pipeline.microbatches * math.prod(axes.get(axis, 1) for axis in ((spec[0] or ()) if spec else ()))
+    try:
+        call = call_with(model, {name: jnp.zeros((rows, 8), jnp.int32)})
+        nnx.eval_shape(call, model)
+    except Exception:
+        return None
+    return call

@@ -66,6 +66,8 @@ CODES: dict[str, str] = {
     "stage-not-circular": "chunks are not placed as the schedule runs them (circularly, or in a V for zb-v)",
     "stage-layers-differ": "layers differ in parameters, shapes or specs and cannot be stacked",
     "pipeline-layer-call": "the model calls its layers in a way a pipeline cannot run (per-layer arguments, code between layers, caches)",
+    "pipeline-not-traced": "a pipeline plan checked without an example call (no input shapes, no `example=`): how the "
+    "forward calls its layers is not checked",
     "example-call-failed": "the model fails on the example inputs (the plan's input shapes or `example=`)",
     # experts
     "experts-invalid-regex": "`experts.blocks` is not a valid regular expression",
