@@ -131,6 +131,50 @@ def test_a_scan_body_that_does_more_than_run_the_layer_is_refused_by_check(body,
     assert type(model.layers).__name__ == "LlamaBlock"
 
 
+class _NormedBlock(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(16, 16, rngs=rngs)
+        self.bn = nnx.BatchNorm(16, rngs=rngs)
+
+    def __call__(self, x):
+        return nnx.gelu(self.bn(self.linear(x)))
+
+
+class ScannedNormedStack(nnx.Module):
+    """Flax's scan-over-layers form (`split_rngs`, `nnx.vmap` to build, `nnx.scan` to run) with batch
+    statistics in every block, updated by each training call."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(128, 16, rngs=rngs)
+
+        @nnx.split_rngs(splits=4)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create_block(rngs):
+            return _NormedBlock(rngs)
+
+        self.blocks = create_block(rngs)
+
+    def __call__(self, tokens):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def forward(x, block):
+            return block(x)
+
+        return forward(self.embed(tokens), self.blocks)
+
+
+def test_a_scanned_stack_that_updates_batch_statistics_is_refused_with_what_it_does():
+    """The body returns the carry alone: `check` once said it "returns a value per layer besides the carry"
+    (the statistics' update leaves the scan as per-layer output), and without input shapes said ok. It
+    names the statistics now, from the plan's inputs alone (the model embeds tokens: traced on a few)."""
+    plan = shardplan.parse_plan(
+        "version: 1\nmesh: {axes: {stage: 2, data: 4}}\ninputs: {tokens: [data, null]}\n"
+        "pipeline: {axis: stage, layers: blocks, microbatches: 2}\nparams: [{match: '.*', spec: replicated}]\n"
+    )
+    errors = shardplan.check(plan, ScannedNormedStack(nnx.Rngs(0))).errors
+    assert [d.code for d in errors] == ["pipeline-layer-call"], [d.format() for d in errors]
+    assert "hold BatchStat variables" in errors[0].message and "running statistics" in errors[0].message
+
+
 class WidensItsCarry(nnx.Module):
     """Stacked layers whose scan body hands back float32 whatever it is given: fine as the model is, a type
     error for the scan once its parameters (and so its carry) are bfloat16."""

@@ -168,11 +168,35 @@ def _scan(f, init, xs=None, length=None, reverse=False, unroll=1, **kwargs):
         )
     inputs = {id(a) for a in jax.tree.leaves(xs)}
     if any(id(a) not in inputs for a in jax.tree.leaves(ys)):
+        kinds = _state_kinds(xs)
+        if kinds:  # (their updates leave the scan as its per-layer output, as a value the body returns would)
+            raise PipelineCallError(
+                f"the layers of the model's scan over its stacked layers hold {', '.join(kinds)} variables, and the "
+                "scan hands out new arrays per layer besides the carry: the layers update that state during the "
+                "call (batch statistics, a stored RNG stream or a cache), or the body returns a value per layer. "
+                "A pipeline keeps no per-layer state between microbatches and hands on only the last layer's "
+                "output: use normalisation without running statistics, pass `rngs=` to the call instead of "
+                "storing a stream, return (x, None) from the body, or run without a pipeline"
+            )
         raise PipelineCallError(
             "the model's scan over its stacked layers returns a value per layer besides the carry; a pipeline hands "
             "on only the last layer's output (return (x, None) from the body)"
         )
     return carry, ys
+
+
+def _state_kinds(xs) -> list[str]:
+    """The kinds of variable other than parameters that a scan's stack holds (`BatchStat`, `RngCount`):
+    variables are pytree nodes of their own type in what `nnx.scan` hands `jax.lax.scan`."""
+    kinds: set[str] = set()
+    pending = [jax.tree_util.tree_structure(xs)]
+    while pending:
+        node = pending.pop()
+        data = node.node_data()
+        if data is not None and isinstance(data[0], type) and issubclass(data[0], nnx.Variable):
+            kinds.add(data[0].__name__)
+        pending += node.children()
+    return sorted(kind for kind in kinds if not kind.endswith("Param"))
 
 
 def _divert_scans() -> None:
