@@ -628,6 +628,7 @@ def trigger(tmp_path: Path, code: str) -> list[shardplan.Diagnostic]:
 MODEL_CASES = {
     "pipeline-layer-call",
     "pipeline-not-traced",
+    "variable-in-pipeline",  # (tests/test_variables.py)
     "example-call-failed",
     "step-rule-unused",
     "activation-shape",

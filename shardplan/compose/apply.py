@@ -31,7 +31,7 @@ def apply_plan(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh, *, exampl
     """Place every parameter of `model` on `mesh` as the plan says; raise `PlanError` listing every error.
 
     The model is updated in place and returned. Variables that are not parameters (RNG
-    state, batch statistics) are replicated. Under a pipeline plan only the layer list is
+    state, batch statistics, caches) are placed by the plan's `variables:` rules, else replicated. Under a pipeline plan only the layer list is
     replaced (by `PipelinedLayers`): the model keeps its class and its forward; `example`
     (see `shardplan.check`) checks first that the forward can run its layers as a pipeline. Works on `nnx.eval_shape` models too: their
     shapes then carry the planned shardings. `roles` (`shardplan.core.roles.recognise`) tell context
@@ -83,9 +83,39 @@ def _placed(plan: Plan, model: nnx.Module, mesh, report: Report, example, roles)
         install_on_model(subject)
     if report.stage_map is not None:
         return _pipelined(plan, model, mesh, report, specs, plain_graphdef)
-    for keys, variable in nnx.to_flat_state(nnx.state(model)):
-        spec = specs.get(join_path(keys), ()) if isinstance(variable, nnx.Param) else ()
-        _place(variable, NamedSharding(mesh, partition_spec(spec)))
+    for keys, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        _place(variable, NamedSharding(mesh, partition_spec(specs.get(join_path(keys), ()))))
+    return place_variables(plan, model, mesh)
+
+
+def place_variables(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Module:
+    r"""Place the variables of `model` that are not parameters as the plan's `variables:` rules say, the
+    rest replicated; `apply_plan` does so for those the model has. Call it for variables made later: a
+    decode cache from `init_cache`, before the first decoding step. Variables inside pipelined layers
+    follow their layer. Raises `PlanError` for a rule that cannot place them (a spec longer than a
+    cache's rank, a dim it does not divide); returns the model, updated in place.
+
+    >>> import shardplan
+    >>> from flax import nnx
+    >>> plan = shardplan.parse_plan(
+    ...     "version: 1\nmesh: {axes: {data: 2, model: 4}}\nparams: [{match: '.*', spec: replicated}]\n"
+    ...     "variables: [{match: 'cached_(key|value)', spec: [data, null, model]}]\n")
+    >>> attention = nnx.MultiHeadAttention(4, 32, decode=True, rngs=nnx.Rngs(0))
+    >>> attention.init_cache((2, 8, 32))
+    >>> mesh = shardplan.make_mesh(plan)
+    >>> shardplan.place_variables(plan, attention, mesh).cached_key.sharding.spec
+    P('data', None, 'model')
+    """
+    from shardplan.core.variables import variable_infos, variable_specs
+
+    specs, problems = variable_specs(plan, variable_infos(model), dict(mesh.shape))
+    if problems:
+        raise PlanError(problems)
+    layers = plan.pipeline.layers + "/" if plan.pipeline is not None else None
+    for keys, variable in nnx.to_flat_state(nnx.state(model, nnx.Not(nnx.Param))):
+        path = join_path(keys)
+        if layers is None or not path.startswith(layers):  # (the pipeline stacks its layers' own)
+            _place(variable, NamedSharding(mesh, partition_spec(specs.get(path, ()))))
     return model
 
 
@@ -148,11 +178,11 @@ def _pipelined(plan: Plan, model: nnx.Module, mesh, report: Report, specs: dict,
     prefix = pipe.layers + "/"
     for keys, variable in nnx.to_flat_state(nnx.state(model)):
         path = join_path(keys)
-        spec = specs.get(path, ()) if isinstance(variable, nnx.Param) else ()
         if path.startswith(prefix):
-            spec = stacked_spec(path.removeprefix(prefix))
-        _place(variable, NamedSharding(mesh, partition_spec(spec)))
-    return model
+            _place(variable, NamedSharding(mesh, partition_spec(stacked_spec(path.removeprefix(prefix)))))
+        elif isinstance(variable, nnx.Param):
+            _place(variable, NamedSharding(mesh, partition_spec(specs.get(path, ()))))
+    return place_variables(plan, model, mesh)
 
 
 def _expert_weights(plan: Plan, report: Report) -> frozenset:

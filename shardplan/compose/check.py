@@ -53,6 +53,11 @@ def check(
         given_mesh=None if mesh is None else dict(mesh.shape),
         given_types=None if mesh is None else _axis_types(mesh),
     )
+    if set(plan.mesh.axes) <= set(report.axes):  # (the mesh resolved: specs can be judged)
+        from shardplan.core.variables import variable_checks, variable_infos
+
+        diagnostics = variable_checks(plan, variable_infos(model), report.axes, report.diagnostics)
+        report = dataclasses.replace(report, diagnostics=diagnostics)
     return with_model_checks(report, plan, model, example, mesh, roles)
 
 

@@ -36,6 +36,7 @@ CODES: dict[str, str] = {
     "mesh-hosts-mismatch": "the hosts in `mesh.hosts` do not match the processes or devices",
     "unmatched-param": "a parameter no rule matches",
     "unused-rule": "a rule that matches no parameter",
+    "variable-in-pipeline": "a `variables:` rule places a variable inside the pipelined layers (they follow their layer)",
     "shadowed-rule": "a rule whose every match is taken by earlier rules",
     "input-unknown-axis": "an input spec names an axis the mesh does not have",
     "input-axis-repeated": "an input spec uses the same mesh axis twice",

@@ -118,6 +118,26 @@ class ParamRule(_Strict):
         return normalize_spec(self.spec)
 
 
+class VariableRule(_Strict):
+    match: str = Field(
+        description="Regular expression that must fully match the path of a variable that is not a parameter: "
+        "a cache (`blocks/\\d+/attn/cached_(key|value)`), batch statistics (`bn/mean`), RNG state, or a "
+        "user's own `nnx.Variable` kind."
+    )
+    spec: Union[Literal["replicated"], list[SpecEntry]] = Field(
+        description="One entry per leading dim, as for parameters. Variables no rule matches are replicated."
+    )
+
+    @field_validator("spec", mode="before")
+    @classmethod
+    def _spec_shape(cls, spec: Any) -> Any:
+        return check_spec_shape(spec, allow_replicated=True)
+
+    @property
+    def normal(self) -> NormalSpec:
+        return normalize_spec(self.spec)
+
+
 DTYPES = ("int32", "int64", "uint8", "bool", "float32", "float16", "bfloat16")
 
 
@@ -393,6 +413,12 @@ class Plan(_Strict):
     params: list[ParamRule] = Field(min_length=1, description="Ordered rules; the first full match wins.")
     unmatched: Literal["error", "warn", "replicate"] = Field(
         default="error", description="What happens to a parameter no rule matches."
+    )
+    variables: list[VariableRule] = Field(
+        default_factory=list,
+        description="Ordered rules for the variables that are not parameters (caches, batch statistics, RNG "
+        "state, a user's own kinds); the first full match wins; the rest are replicated. Caches a model "
+        "makes later (`init_cache`) are placed by `shardplan.place_variables`.",
     )
     optimizer: Literal["same", "zero1"] = Field(
         default="same",

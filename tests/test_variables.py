@@ -1,0 +1,146 @@
+"""Variables that are not parameters: a decode cache placed by the plan's `variables:` rules (and greedy
+decoding under data x tensor parallelism giving one device's tokens), a cache rule written under
+`params:` told where it belongs, and each way a `variables:` rule can be wrong."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import shardplan
+
+BATCH, LENGTH, WIDTH, HEADS, VOCAB = 4, 8, 32, 4, 64
+
+
+class DecodingLM(nnx.Module):
+    """An embedding, one causal attention layer that decodes with flax's own KV cache, and a head."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(VOCAB, WIDTH, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(HEADS, WIDTH, decode=True, rngs=rngs)
+        self.head = nnx.Linear(WIDTH, VOCAB, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        return self.head(x + self.attn(x))
+
+
+PLAN = """version: 1
+mesh: {axes: {data: 2, model: 4}}
+inputs: {tokens: [data, null]}
+params:
+  - {match: 'attn/(query|key|value)/kernel', spec: [null, model]}   # heads over model
+  - {match: 'attn/out/kernel', spec: [model]}
+  - {match: '.*', spec: replicated}
+variables:
+  - {match: 'attn/cached_(key|value)', spec: [data, null, model]}    # [batch, length, heads, head_dim]
+"""
+
+
+@nnx.jit
+def _next_token(model, token):
+    return jnp.argmax(model(token)[:, -1], axis=-1)[:, None].astype(jnp.int32)
+
+
+def _greedy(model, first, steps):
+    tokens = [first]
+    for _ in range(steps):
+        tokens.append(_next_token(model, tokens[-1]))
+    return np.concatenate([np.asarray(t) for t in tokens], axis=1)
+
+
+def test_a_cache_rule_places_the_cache_and_greedy_decoding_gives_one_devices_tokens():
+    """The cache exists only once decoding starts (`init_cache`): `place_variables` places it by the plan,
+    it stays so through the jitted decode steps, and the tokens are one device's."""
+    plan = shardplan.parse_plan(PLAN)
+    mesh = shardplan.make_mesh(plan)
+    first = np.random.default_rng(0).integers(0, VOCAB, size=(BATCH, 1)).astype(np.int32)
+
+    plain = DecodingLM(rngs=nnx.Rngs(0))
+    plain.attn.init_cache((BATCH, LENGTH, WIDTH))
+    want = _greedy(plain, first, LENGTH - 1)
+
+    model = shardplan.apply_plan(plan, DecodingLM(rngs=nnx.Rngs(0)), mesh)  # (no cache yet: nothing to place)
+    model.attn.init_cache((BATCH, LENGTH, WIDTH))
+    assert model.attn.cached_key.sharding.is_fully_replicated  # (as flax makes it)
+    shardplan.place_variables(plan, model, mesh)
+    spec = jax.sharding.PartitionSpec("data", None, "model")
+    for cache in (model.attn.cached_key, model.attn.cached_value):
+        assert cache.sharding.spec == spec
+        assert cache.addressable_shards[0].data.shape == (BATCH // 2, LENGTH, HEADS // 4, WIDTH // HEADS)
+    assert model.attn.query.kernel.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+
+    got = _greedy(model, shardplan.shard_inputs(plan, first, mesh), LENGTH - 1)
+    np.testing.assert_array_equal(got, want)
+    assert model.attn.cached_key.sharding.spec == spec  # (where the plan put it, after every step)
+    np.testing.assert_allclose(
+        np.asarray(model.attn.cached_value), np.asarray(plain.attn.cached_value), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_a_cache_rule_under_params_is_told_where_it_belongs():
+    """It once said only "matches no parameter", with a hint about typos."""
+    text = PLAN.replace("variables:\n", "").replace(
+        "  - {match: 'attn/cached_(key|value)', spec: [data, null, model]}    # [batch, length, heads, head_dim]\n",
+        "",
+    )
+    text = text.replace("params:\n", "params:\n  - {match: 'attn/cached_(key|value)', spec: [data, null, model]}\n")
+    model = DecodingLM(rngs=nnx.Rngs(0))
+    model.attn.init_cache((BATCH, LENGTH, WIDTH))
+    report = shardplan.check(shardplan.parse_plan(text), model)
+    (said,) = [d for d in report.diagnostics if d.code == "unused-rule"]
+    assert said.line == 5 and "rule #1" in said.message, said.format()
+    assert "only variables that are not parameters (Cache: attn/cached_key and 1 more)" in said.message
+    assert "variables:" in said.hint
+
+
+@pytest.mark.parametrize(
+    "rule, code, needles",
+    [
+        ("{match: 'attn/cached_key', spec: [data, null, model, null, data]}", "spec-too-long", ["rank 4"]),
+        ("{match: 'attn/cached_key', spec: [[data, model, head]]}", "not-divisible", ["dim 0", "4 is not"]),
+        ("{match: 'attn/cached_key', spec: [dta]}", "unknown-axis", ["'dta'"]),
+        ("{match: 'attn/cached_(key', spec: [data]}", "invalid-regex", ["variables rule #1"]),
+    ],
+)
+def test_each_way_a_variables_rule_is_wrong_names_the_rule_and_the_variable(rule, code, needles):
+    model = DecodingLM(rngs=nnx.Rngs(0))
+    model.attn.init_cache((BATCH, LENGTH, WIDTH))
+    text = PLAN.split("variables:")[0].replace("model: 4", "model: 2, head: 2") + f"variables:\n  - {rule}\n"
+    plan = shardplan.parse_plan(text, file="cache.yaml")
+    errors = [d for d in shardplan.check(plan, model).errors if d.code == code]
+    assert errors, [d.format() for d in shardplan.check(plan, model).diagnostics]
+    text = errors[0].format()
+    assert errors[0].line == 9 and "variables rule #1" in text, text
+    for needle in needles:
+        assert needle in text, text
+    if code in ("spec-too-long", "not-divisible"):
+        assert errors[0].path == "attn/cached_key"
+        with pytest.raises(shardplan.PlanError, match=code):
+            shardplan.place_variables(plan, model, shardplan.make_mesh(plan))
+
+
+class _NormedLayers(nnx.Module):
+    def __init__(self, *, rngs):
+        self.embed = nnx.Embed(VOCAB, 16, rngs=rngs)
+        self.layers = nnx.List([nnx.BatchNorm(16, use_running_average=True, rngs=rngs) for _ in range(2)])
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_variables_rule_inside_the_pipelined_layers_is_refused():
+    plan = shardplan.parse_plan(
+        "version: 1\nmesh: {axes: {stage: 2, data: 4}}\ninputs: {tokens: [data, null]}\n"
+        "pipeline: {axis: stage, layers: layers, microbatches: 2}\nparams: [{match: '.*', spec: replicated}]\n"
+        "variables: [{match: 'layers/\\d+/mean', spec: [data]}]\n",
+        file="stats.yaml",
+    )
+    (error,) = shardplan.check(plan, _NormedLayers(rngs=nnx.Rngs(0))).errors
+    assert error.code == "variable-in-pipeline" and error.path == "layers/0/mean" and error.line == 6
+    assert "variables rule #1" in error.message and "BatchStat" in error.message
+    assert "the same holds for 1 more: layers/1/mean" in error.message
