@@ -143,6 +143,17 @@ class PipelinedLayers(nnx.Module):
             "...`)"
         )
 
+    def __getattr__(self, name: str):
+        # (only for names the stacked layers do not have: a layer's own methods, `init_cache` of a sampler)
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise AttributeError(
+            f"{type(self).__name__} has no attribute {name!r}: the layers at {self._setup.name} are pipelined (one "
+            "call runs them all, stage by stage), so a layer's own methods are not there. To decode, or to call "
+            "a layer by itself, take the plain model back (`plain = shardplan.to_plain(model)`) and place it "
+            "with a plan without `pipeline:` (docs/pipelines.md, Decoding)"
+        )
+
     def _layer_call(self, state, args: tuple, kwargs: dict):
         """The call's description, checked on one layer of each kind."""
         described = None
