@@ -158,7 +158,7 @@ def check_layer_calls(plan: Plan, model, call: Callable) -> list[Diagnostic]:
 
     def without_updates(layer, run, index):
         try:
-            return calling_without_updates(layer, run, f"{pipe.layers}/{index}")
+            return calling_without_updates(layer, run, f"{pipe.layers}/{index}", streams=True)
         except PipelineCallError as error:
             updates.append(str(error))
             return run()

@@ -17,13 +17,15 @@ def is_array(value) -> bool:
     return isinstance(value, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) or isinstance(value, jax.core.Tracer)
 
 
-def calling_without_updates(module, call, where: str, what: str = "its layers"):
+def calling_without_updates(module, call, where: str, what: str = "its layers", *, streams: bool = False):
     """`call()`, refusing a module that updates its own state (batch statistics, a stored RNG stream's
     counter, a cache) during the call: a pipeline runs each layer on every microbatch and keeps no
-    per-layer state between them, so such updates would be lost."""
+    per-layer state between them, so such updates would be lost. `streams`: a stored RNG stream may
+    count on (the pipeline gives the layers streams of their own, `pipeline/streams.py`)."""
     from flax import nnx
 
-    before = nnx.to_flat_state(nnx.state(module, nnx.Not(nnx.Param)))
+    kept = nnx.Not(nnx.Any(nnx.Param, nnx.RngState)) if streams else nnx.Not(nnx.Param)
+    before = nnx.to_flat_state(nnx.state(module, kept))
     values = [variable.get_value() for _, variable in before]
     out = call()
     changed = [keys for (keys, variable), value in zip(before, values) if variable.get_value() is not value]

@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 from shardplan.pipeline.schedules import chunk_stage
 from shardplan.pipeline.residuals import LayerResiduals
 from shardplan.pipeline.constraints import pipelined_layer_code
+from shardplan.pipeline.streams import KEY as STREAMS_KEY, StoredStreams
 from shardplan.run.layer_call import LayerCall, fold_keys
 from shardplan.run.widen import narrowed, widened
 
@@ -97,6 +98,7 @@ class Layers:
     kind_of: tuple[int, ...]
     call: LayerCall
     arrangement: Arrangement = Arrangement()
+    streams: StoredStreams | None = None  # the RNG streams the layers keep, put back into each call (`streams.py`)
 
     def chunk(self, stage, repeat, stages: int, per_chunk: int):
         """(model index of the first layer of stage `stage`'s chunk `repeat`, how many of its slots hold
@@ -113,8 +115,13 @@ class Layers:
 
         def branch(graphdef):
             def run(layer_state, h, split, whole, keys):
-                layer = nnx.merge(graphdef, layer_state)
-                args, kwargs = self.call.arguments(h, split, whole, fold_keys(keys, index))
+                keys = fold_keys(keys, index)
+                if self.streams is None:
+                    layer = nnx.merge(graphdef, layer_state)
+                else:  # (the call's last key is the stored streams', folded for this microbatch and layer)
+                    keys, stored = keys[:-1], keys[-1][STREAMS_KEY]
+                    layer = nnx.merge(graphdef, layer_state, self.streams.filled(stored))
+                args, kwargs = self.call.arguments(h, split, whole, keys)
                 with pipelined_layer_code():
                     return self.call.activation(layer(*args, **kwargs))
 

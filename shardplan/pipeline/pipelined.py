@@ -19,6 +19,7 @@ import jax
 from flax import nnx
 
 from shardplan.core.layer_contract import PipelineCallError, calling_without_updates
+from shardplan.pipeline.streams import KEY as STREAMS_KEY, StoredStreams, advance, fresh_streams, step_key
 from shardplan.core.paths import join_path
 from shardplan.pipeline.schedules import SCHEDULES, on_tables, unit_ticks
 from shardplan.pipeline.branch_probe import layers_permute_in_branches
@@ -181,8 +182,14 @@ class PipelinedLayers(nnx.Module):
         state = nnx.state(self)
         call, split, whole, rngs = self._layer_call(state, args, kwargs)
         args = (call.entering(args[0]), *args[1:])
-        layers = Layers(self._pipeline_kinds, self._pipeline_kind_of, call, self._pipeline_arrangement)
         keys = draw_keys(rngs)
+        stored = nnx.state(self, nnx.RngState)
+        streams = StoredStreams.of(jax.tree.map(lambda a: a.reshape(-1)[0], stored))
+        if streams is not None:  # (the schedules carry floats only; each layer call gets streams of its own)
+            state = nnx.state(self, nnx.Not(nnx.RngState))
+            keys = [*keys, {STREAMS_KEY: step_key(stored)}]
+            advance(self)
+        layers = Layers(self._pipeline_kinds, self._pipeline_kind_of, call, self._pipeline_arrangement, streams)
         request = _LOSS_REQUEST.get()
         stages, virtual = jax.tree.leaves(state)[0].shape[:2]
         micro = self._fit(args[0].shape[0])[0]
@@ -259,6 +266,9 @@ class PipelinedLayers(nnx.Module):
         mesh = self._setup.mesh
         call = layers.call
         head_keys = draw_keys(model_rngs)
+        model_streams = nnx.state(request.model, nnx.RngState)
+        if jax.tree.leaves(model_streams):  # (streams the model keeps: each microbatch's replay gets its own)
+            head_keys = [*head_keys, {STREAMS_KEY: step_key(model_streams)}]
         outside = [i for i, inside in enumerate(in_layers) if not inside]
 
         def replayed(head_params, rest_leaves, layers_return, split, whole, keys, used):
@@ -269,6 +279,8 @@ class PipelinedLayers(nnx.Module):
                 given[i] if i in given else 0 if in_layers[i] else jax.numpy.zeros(leaves[i].shape, leaves[i].dtype)
                 for i in range(len(in_layers))
             ]
+            if keys and STREAMS_KEY in keys[-1]:  # (folded for this microbatch; the whole-batch forward counted on)
+                keys, rest_leaves = keys[:-1], fresh_streams(rest_leaves, keys[-1][STREAMS_KEY])
             model = nnx.merge(graphdef, jax.tree.unflatten(params_def, full), jax.tree.unflatten(rest_def, rest_leaves))
             args, kwargs = model_call.rebuild(split, whole, keys)
             token = _REPLAY.set(layers_return)
@@ -279,6 +291,7 @@ class PipelinedLayers(nnx.Module):
                         lambda: model(*args, **kwargs),
                         "the model",
                         "under 1f1b (which replays its forward per microbatch) it",
+                        streams=True,
                     )
             finally:
                 _REPLAY.reset(token)
@@ -493,16 +506,16 @@ def pipelined_tree(model: nnx.Module, plain: dict, like: dict) -> dict:
 
 
 def _differentiable(state) -> bool:
-    """Whether every array of the stacked layers is a float (layers that keep RNG keys or counters, as an
-    `nnx.Dropout(rngs=...)` does, are not: the tables' gradient sums cannot hold them yet)."""
+    """Whether every array of the stacked layers (their RNG streams taken out, `streams.py`) is a float: the
+    tables' gradient sums cannot hold integer variables of a layer's own."""
     return all(jax.numpy.issubdtype(a.dtype, jax.numpy.inexact) for a in jax.tree.leaves(state))
 
 
 @functools.cache
 def _warn_fixed_state(name: str, schedule: str) -> None:
     warnings.warn(
-        f"pipeline {name!r}: its layers keep state that is not a float (RNG keys or counters, e.g. an "
-        f"nnx.Dropout built with rngs=), which the {schedule} schedule's tables cannot run yet; the step "
+        f"pipeline {name!r}: its layers keep state that is neither a float nor an RNG stream (an integer "
+        f"variable of their own), which the {schedule} schedule's tables cannot run yet; the step "
         "runs the circular (gpipe) forward with autodiff instead: the same numbers, every microbatch's "
         "activations kept until the backward",
         PlanWarning,

@@ -127,7 +127,7 @@ def describe_layer_call(layer: nnx.Module, args: tuple, kwargs: dict, where: str
 
     def one_layer(layer, x, split, whole):
         out_args, out_kwargs = rest.rebuild(split, whole, keys)
-        return calling_without_updates(layer, lambda: layer(x, *out_args, **out_kwargs), where)
+        return calling_without_updates(layer, lambda: layer(x, *out_args, **out_kwargs), where, streams=True)
 
     def traced(x):
         try:
