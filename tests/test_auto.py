@@ -2,6 +2,7 @@
 more bytes than the hand-written plans on the same mesh; a memory budget is honoured by the compiler."""
 
 import dataclasses
+import re
 from pathlib import Path
 
 import jax
@@ -245,8 +246,19 @@ def test_cli_auto_writes_a_plan_that_validate_accepts(tmp_path, capsys, monkeypa
         )
         == 1
     )
-    assert "no candidate fits" in capsys.readouterr().out.replace("\n", " ")
+    said = capsys.readouterr().out.replace("\n", " ")
+    assert "no candidate fits" in said
+    # the nearest candidate's peak and its largest part: what to shrink
+    assert re.search(
+        r"the smallest peak found is [\d.]+ [KMG]i?B per device \(.*\): [a-z ]+ [\d.]+ [KMG]i?B, ", said
+    ), said
+    assert "--compute-dtype bfloat16" in said
     assert not (tmp_path / "none.yaml").exists()
+    # an option already given is not suggested again
+    given = ["--compute-dtype", "bfloat16", "--memory-per-device", "1KiB", "-o", str(tmp_path / "none.yaml")]
+    assert main(["auto", "--model", "minigpt_model:MiniGPT", *config, "--devices", "8", *given]) == 1
+    said = capsys.readouterr().out.replace("\n", " ")
+    assert "no candidate fits" in said and "--compute-dtype" not in said
     assert (
         main(
             [
@@ -290,7 +302,6 @@ def test_cli_auto_writes_a_plan_that_validate_accepts(tmp_path, capsys, monkeypa
     out = capsys.readouterr().out.replace("\n", " ")
     assert "activations counted as a plain transformer's" in out
     # its closing hint is a command that works for the model it searched
-    import re
     import shlex
 
     hint = re.search(r"check it with `shardplan ([^`]*)`", " ".join(out.split())).group(1)
@@ -320,7 +331,6 @@ def test_a_full_ranking_checks_the_first_in_full_and_costs_the_rest_the_same():
 def test_every_runner_up_states_a_gap_that_its_terms_add_up_to(model):
     """`auto`'s "why it lost": the modelled gap to the winner, split into the estimate's own terms, which
     add up to it (each number with its unit); under `--measure`, the measured gap first."""
-    import re
 
     build = (
         (lambda: minigpt_model.MiniGPT(**MINIGPT, rngs=nnx.Rngs(0)))

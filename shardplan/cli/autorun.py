@@ -164,6 +164,9 @@ def run_auto(console: Console, request: AutoRequest, usage_error) -> int:
                 "lower --batch/--seq" + ("" if request.compute == "bfloat16" else " or try --compute-dtype bfloat16"),
             )
         )
+        nearest = planner.smallest_peak(found)
+        if nearest:
+            print_wrapped(console, nearest)
         return EXIT_NOTHING_FITS
     claim = beyond_evidence(model_flops_utilisation(found, found.best), found.profile)
     note = " ".join(filter(None, [_measured_line(found, measured), claim and f"Note: {claim}."]))

@@ -841,6 +841,30 @@ def _fold_layer(path: str, layers: str | None) -> str:
     return re.escape(path)
 
 
+def smallest_peak(found: Search) -> str | None:
+    """For a search where nothing fits: the peak of the candidate nearest to fitting and its parts at that
+    peak, largest first (what to shrink); None if no candidate was costed."""
+    from shardplan.core.layout import human_bytes
+
+    costed = [r for r in found.rejected if r.estimate is not None]
+    if not costed:
+        return None
+    nearest = min(costed, key=lambda r: r.estimate.peak_bytes)
+    e = nearest.estimate
+    parts = {"parameters": e.param_bytes, "optimizer state": e.optimizer_bytes, "inputs": e.input_bytes}
+    parts["compute copy"] = e.compute_copy_bytes
+    backward = e.activation_bytes + e.early_grad_bytes + e.gathered_bytes
+    if backward >= e.grad_bytes + e.updated_bytes + e.regathered_bytes:  # (the high point peak_bytes takes)
+        parts |= {"activations": e.activation_bytes, "early gradients": e.early_grad_bytes}
+        parts["gathered weights"] = e.gathered_bytes
+    else:
+        parts |= {"gradients": e.grad_bytes, "new optimizer state": e.updated_bytes}
+        parts["regathered parameters"] = e.regathered_bytes
+    shown = ", ".join(f"{name} {human_bytes(b)}" for name, b in sorted(parts.items(), key=lambda kv: -kv[1]) if b)
+    label = f"{nearest.candidate.label()}, {nearest.candidate.rules_label()}"
+    return f"the smallest peak found is {human_bytes(e.peak_bytes)} per device ({label}): {shown}"
+
+
 def describe_value(role) -> str:
     if role.kind == COLUMN:
         return "reads the residual stream (column)" if role.closes else "output head (column)"
