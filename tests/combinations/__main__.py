@@ -28,6 +28,7 @@ FOCUS = {
     "explicit-axes": lambda case: "types" in case["plan"]["mesh"],
     "nested": lambda case: case["config"].get("nested", False),
     "stacked": lambda case: bool(case["config"].get("stacked")),
+    "streams": lambda case: bool(case["config"].get("streams")),
 }
 
 

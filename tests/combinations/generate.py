@@ -131,7 +131,16 @@ def draw(rng: random.Random, index: int, schedule: str | None = None) -> dict:
         _break(case, sizes, roles, rng)
     _nested(case)
     _stacked(case)
+    _streams(case)
     return case
+
+
+def _streams(case: dict) -> None:
+    """A GPT-2 model whose blocks keep an RNG stream (a dropout built with `rngs=`), in about one case in
+    three: a pipeline takes the streams out of what its schedule carries and puts fresh ones back."""
+    own = random.Random(f"streams:{case['id']}:{json.dumps(case['plan'], sort_keys=True)}")
+    if case["kind"] == "gpt2" and own.random() < 1 / 3:
+        case["config"]["streams"] = True
 
 
 def _stacked(case: dict) -> None:

@@ -142,26 +142,30 @@ class Llama(nnx.Module):
 
 
 class GPT2Block(nnx.Module):
-    def __init__(self, *, rngs: nnx.Rngs):
+    def __init__(self, *, streams: bool = False, rngs: nnx.Rngs):
         self.ln1 = nnx.LayerNorm(DIM, rngs=rngs)
         self.attn = nnx.MultiHeadAttention(num_heads=HEADS, in_features=DIM, decode=False, rngs=rngs)
         self.ln2 = nnx.LayerNorm(DIM, rngs=rngs)
         self.fc = nnx.Linear(DIM, HIDDEN, rngs=rngs)
         self.proj = nnx.Linear(HIDDEN, DIM, rngs=rngs)
+        # (a stream kept in the block, as nnx.Dropout(rate, rngs=rngs) keeps it; at rate 0 it draws nothing,
+        # so training stays one device's while the pipeline carries the block's RNG state)
+        self.drop = nnx.Dropout(0.0, rngs=rngs) if streams else None
 
     keep_dtype = False
 
     def __call__(self, x, mask):
         y = x + self.attn(self.ln1(x), mask=mask)
         y = y + self.proj(nnx.gelu(self.fc(self.ln2(y))))
+        y = self.drop(y) if self.drop is not None else y
         return y.astype(x.dtype) if self.keep_dtype else y
 
 
 class GPT2(nnx.Module):
-    def __init__(self, *, nested: bool = False, stacked: str | None = None, rngs: nnx.Rngs):
+    def __init__(self, *, nested: bool = False, stacked: str | None = None, streams: bool = False, rngs: nnx.Rngs):
         self.wte = nnx.Embed(VOCAB, DIM, rngs=rngs)
         self.wpe = nnx.Embed(SEQ, DIM, rngs=rngs)
-        _placed(self, lambda rngs: GPT2Block(rngs=rngs), rngs, nested, stacked)
+        _placed(self, lambda rngs: GPT2Block(streams=streams, rngs=rngs), rngs, nested, stacked)
         self.ln_f = nnx.LayerNorm(DIM, rngs=rngs)
 
     def __call__(self, tokens, positions):
