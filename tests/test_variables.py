@@ -207,3 +207,26 @@ def test_a_pipelined_model_decodes_through_its_plain_form_to_one_devices_tokens(
         got.append(np.asarray(_next_decoded(plain, got[-1])))
         want.append(np.asarray(_next_decoded(reference, want[-1])))
     np.testing.assert_array_equal(np.concatenate(got, axis=1), np.concatenate(want, axis=1))
+
+
+def test_inspect_counts_the_variables_that_are_not_parameters():
+    """Batch statistics split by a `variables:` rule: the report, its JSON and inspect's per-device block
+    count them (they were not counted at all)."""
+    from rich.console import Console
+
+    from shardplan.cli.render import render_devices
+
+    plan = shardplan.parse_plan(
+        "version: 1\nmesh: {axes: {data: 4, model: 2}}\ninputs: {tokens: [data, null]}\n"
+        "params: [{match: '.*', spec: replicated}]\nvariables: [{match: 'layers/\\d+/mean', spec: [data]}]\n"
+    )
+    report = shardplan.check(plan, _NormedLayers(rngs=nnx.Rngs(0)))
+    found = {v["path"]: v for v in report.to_json()["variables"]}
+    assert sorted(found) == ["layers/0/mean", "layers/0/var", "layers/1/mean", "layers/1/var"]
+    assert found["layers/0/mean"]["spec"] == ["data"] and found["layers/0/mean"]["bytes_per_device"] == 16
+    assert found["layers/0/var"]["spec"] == [] and found["layers/0/var"]["bytes_per_device"] == 64
+    console = Console(width=200, record=True)
+    render_devices(console, report)
+    assert "and 4 variables that are not parameters (BatchStat 4): 256 B in all, 160 B per device" in (
+        console.export_text()
+    )

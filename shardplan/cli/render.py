@@ -216,6 +216,16 @@ def render_devices(console: Console, report: Report) -> None:
         f"model {human_bytes(full)} in {len(report.params)} parameters; "
         f"imbalance (max/min per-device total) {imbalance(report.devices):.2f}"
     )
+    if report.variables:
+        kinds = collections.Counter(v.info.kind for v in report.variables)
+        print_wrapped(
+            console,
+            f"and {len(report.variables)} variables that are not parameters ("
+            + ", ".join(f"{kind} {count}" for kind, count in sorted(kinds.items()))
+            + f"): {human_bytes(sum(v.info.nbytes for v in report.variables))} in all, "
+            f"{human_bytes(sum(v.bytes_per_device for v in report.variables))} per device as `variables:` "
+            "places them (replicated where no rule does); caches made later are not counted",
+        )
 
 
 def _host_devices(ids: list[int], count: int, per_host: int) -> str:

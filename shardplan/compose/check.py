@@ -54,10 +54,12 @@ def check(
         given_types=None if mesh is None else _axis_types(mesh),
     )
     if set(plan.mesh.axes) <= set(report.axes):  # (the mesh resolved: specs can be judged)
-        from shardplan.core.variables import variable_checks, variable_infos
+        from shardplan.core.variables import variable_checks, variable_infos, variable_layouts
 
-        diagnostics = variable_checks(plan, variable_infos(model), report.axes, report.diagnostics)
-        report = dataclasses.replace(report, diagnostics=diagnostics)
+        variables = variable_infos(model)
+        diagnostics = variable_checks(plan, variables, report.axes, report.diagnostics)
+        layouts = variable_layouts(plan, variables, report.axes)
+        report = dataclasses.replace(report, diagnostics=diagnostics, variables=layouts)
     return with_model_checks(report, plan, model, example, mesh, roles)
 
 

@@ -141,6 +141,31 @@ def _spec_problem(variable: VariableInfo, spec: NormalSpec, sizes: dict[str, int
     return None
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class VariableLayout:
+    """Where the plan puts one variable that is not a parameter, and what each device holds of it."""
+
+    info: VariableInfo
+    spec: NormalSpec
+    bytes_per_device: int
+
+
+def variable_layouts(plan: Plan, variables: list[VariableInfo], sizes: dict[str, int]) -> tuple[VariableLayout, ...]:
+    """Each variable's spec (its `variables:` rule's, else replicated) and bytes per device; inside the
+    pipelined layers, each stage holds its own layers' share."""
+    specs, _ = variable_specs(plan, variables, sizes)
+    layers = plan.pipeline.layers + "/" if plan.pipeline is not None else None
+    stages = sizes.get(plan.pipeline.axis, 1) if plan.pipeline is not None else 1
+    out = []
+    for v in variables:
+        spec = specs.get(v.path, ())
+        split = math.prod(sizes.get(axis, 1) for entry in spec if entry for axis in entry)
+        if layers is not None and v.path.startswith(layers):
+            split *= stages
+        out.append(VariableLayout(v, spec, -(-v.nbytes // split)))
+    return tuple(out)
+
+
 def variable_checks(
     plan: Plan, variables: list[VariableInfo], sizes: dict[str, int], diagnostics: list[Diagnostic]
 ) -> list[Diagnostic]:

@@ -46,6 +46,7 @@ class Report:
     devices: list[DeviceTotals]
     stage_map: StageMap | None = None
     experts: tuple = ()  # BlockRoles of the plan's MoE blocks
+    variables: tuple = ()  # VariableLayout of the model's variables that are not parameters (`check` with a model)
 
     @property
     def errors(self) -> list[Diagnostic]:
@@ -69,6 +70,17 @@ class Report:
             "plan": {"name": self.plan.name, "file": self.plan.file},
             "mesh": {"axes": self.axes, "device_ids": self.device_ids, "hosts": self.plan.mesh.hosts},
             "params": [_param_json(p) for p in self.params],
+            "variables": [
+                {
+                    "path": v.info.path,
+                    "kind": v.info.kind,
+                    "shape": list(v.info.shape),
+                    "dtype": str(v.info.dtype),
+                    "spec": spec_json(v.spec),
+                    "bytes_per_device": v.bytes_per_device,
+                }
+                for v in self.variables
+            ],
             "devices": [
                 {
                     "position": d.position,
