@@ -449,6 +449,69 @@ class _NormedFeatures(_Normed):
         return features
 
 
+class _Offset(nnx.Variable):
+    """An integer variable of the layer's own: read, never updated."""
+
+
+class _Shifted(nnx.Module):
+    def __init__(self, shift: int, *, rngs):
+        self.linear = nnx.Linear(16, 16, rngs=rngs)
+        self.shift = _Offset(jnp.asarray(shift, jnp.int32))
+
+    def __call__(self, x):
+        return jnp.tanh(self.linear(x)) + self.shift[...].astype(x.dtype) * 0.01
+
+
+class _ShiftedStack(nnx.Module):
+    def __init__(self, *, rngs):
+        self.embed = nnx.Embed(128, 16, rngs=rngs)
+        self.layers = nnx.List([_Shifted(i, rngs=rngs) for i in range(4)])
+        self.head = nnx.Linear(16, 128, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_layers_with_integer_variables_of_their_own_run_1f1b_as_gpipe_and_say_so():
+    """The tables sum gradients over what the layers hold; an integer variable (neither a float nor an
+    RNG stream, which are taken out) cannot be summed: the step runs the GPipe forward, warns, and
+    gives one device's loss and gradients."""
+    plan = shardplan.parse_plan(
+        "version: 1\nmesh: {axes: {stage: 2, data: 4}}\ninputs: {tokens: [data, null]}\n"
+        "pipeline: {axis: stage, layers: layers, microbatches: 2, schedule: 1f1b}\n"
+        "params: [{match: '.*', spec: replicated}]\n"
+    )
+    tokens = np.random.default_rng(3).integers(0, 128, size=(8, 5)).astype(np.int32)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    def loss(model):
+        return shardplan.model_loss(model, _ce, y, x)
+
+    want_loss, want_grads = nnx.value_and_grad(lambda m: _ce(m(x), y))(_ShiftedStack(rngs=nnx.Rngs(0)))
+    model = shardplan.apply_plan(plan, _ShiftedStack(rngs=nnx.Rngs(0)), shardplan.make_mesh(plan))
+    from shardplan.pipeline.pipelined import _warn_fixed_state
+
+    _warn_fixed_state.cache_clear()  # (said once per process and pipeline)
+    with pytest.warns(shardplan.PlanWarning, match="neither a float nor an RNG stream"):
+        got_loss, got_grads = nnx.jit(nnx.value_and_grad(loss))(model)
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
+    got = shardplan.plain_tree(model, nnx.to_pure_dict(got_grads))
+    for path in ("head/kernel", "embed/embedding"):
+        a, b = got, nnx.to_pure_dict(want_grads)
+        for key in path.split("/"):
+            a, b = a[key], b[key]
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(got["layers"][3]["linear"]["kernel"]),
+        np.asarray(nnx.to_pure_dict(want_grads)["layers"][3]["linear"]["kernel"]),
+        rtol=1e-4,
+        atol=1e-6,
+    )
+
+
 # ------------------------------------------------------------------------------ auto on such models
 
 
