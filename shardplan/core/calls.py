@@ -315,11 +315,10 @@ def _as_one_call(name: str, model, call: Callable, problem) -> list[Diagnostic]:
     return []
 
 
-class _OneCall:
-    """The layers as a pipeline stands in their place: a list of one entry that runs them all in turn."""
-
-    def __init__(self, layers: list):
-        self._layers = layers
+class OneEntryList:
+    """What a pipeline stands in a layer list's place as: a list of one entry, itself, whose call runs
+    every layer, so the model's own loop over its layers calls the pipeline once. `_taken(index)` is the
+    exception for any other index the model asks for."""
 
     def __len__(self) -> int:
         return 1
@@ -330,7 +329,17 @@ class _OneCall:
     def __getitem__(self, index):
         if isinstance(index, int) and index in (0, -1):
             return self
-        raise IndexError(f"the model takes layer [{index!r}] of a pipeline, which runs its layers as one call")
+        raise self._taken(index)
+
+    def _taken(self, index) -> Exception:
+        return IndexError(f"the model takes layer [{index!r}] of a pipeline, which runs its layers as one call")
+
+
+class _OneCall(OneEntryList):
+    """The layers as a pipeline stands in their place: a list of one entry that runs them all in turn."""
+
+    def __init__(self, layers: list):
+        self._layers = layers
 
     def __call__(self, x, *args, **kwargs):
         import jax

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
+from shardplan.core.calls import OneEntryList
 from shardplan.core.layer_contract import PipelineCallError, calling_without_updates
 from shardplan.pipeline.streams import KEY as STREAMS_KEY, StoredStreams, advance, fresh_streams, step_key
 from shardplan.core.paths import join_path
@@ -90,7 +91,7 @@ class PipelineSetup:
     expert_weights: frozenset = frozenset()  # their paths within a layer
 
 
-class PipelinedLayers(nnx.Module):
+class PipelinedLayers(OneEntryList, nnx.Module):
     """The layer list of a pipelined model (see the module docstring)."""
 
     runs_whole_stack = True  # a scan over it (layers stacked by nnx.vmap) runs it once: `stacked.py`
@@ -128,17 +129,8 @@ class PipelinedLayers(nnx.Module):
         """Where each layer sits in the stacked arrays."""
         return self._pipeline_arrangement
 
-    # A list of one entry: the model's loop over its layers calls the whole pipeline once.
-    def __len__(self) -> int:
-        return 1
-
-    def __iter__(self):
-        yield self
-
-    def __getitem__(self, index):
-        if isinstance(index, int) and index in (0, -1):
-            return self
-        raise PipelineCallError(
+    def _taken(self, index) -> Exception:  # (`OneEntryList`: the model's loop calls the pipeline once)
+        return PipelineCallError(
             f"the model takes {self._setup.name}[{index!r}], but its layers are pipelined and run as one call: a "
             f"pipeline needs the forward to call every layer in order (`for layer in self.{self._setup.name}: "
             "...`)"
