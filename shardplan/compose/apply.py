@@ -85,7 +85,8 @@ def _placed(plan: Plan, model: nnx.Module, mesh, report: Report, example, roles)
         return _pipelined(plan, model, mesh, report, specs, plain_graphdef)
     for keys, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         _place(variable, NamedSharding(mesh, partition_spec(specs.get(join_path(keys), ()))))
-    return place_variables(plan, model, mesh)
+    _placed_variables(plan, model, mesh)
+    return model
 
 
 def place_variables(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Module:
@@ -106,17 +107,23 @@ def place_variables(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh) -> n
     >>> shardplan.place_variables(plan, attention, mesh).cached_key.sharding.spec
     P('data', None, 'model')
     """
+    warn(_placed_variables(plan, model, mesh), stacklevel=3)
+    return model
+
+
+def _placed_variables(plan: Plan, model: nnx.Module, mesh) -> list[Diagnostic]:
+    """`place_variables` without its warnings, which it returns (`apply_plan`'s check has said them)."""
     from shardplan.core.variables import variable_infos, variable_specs
 
     specs, problems = variable_specs(plan, variable_infos(model), dict(mesh.shape))
-    if problems:
+    if any(d.severity == "error" for d in problems):
         raise PlanError(problems)
     layers = plan.pipeline.layers + "/" if plan.pipeline is not None else None
     for keys, variable in nnx.to_flat_state(nnx.state(model, nnx.Not(nnx.Param))):
         path = join_path(keys)
         if layers is None or not path.startswith(layers):  # (the pipeline stacks its layers' own)
             _place(variable, NamedSharding(mesh, partition_spec(specs.get(path, ()))))
-    return model
+    return problems
 
 
 def _installs() -> tuple:
@@ -182,7 +189,8 @@ def _pipelined(plan: Plan, model: nnx.Module, mesh, report: Report, specs: dict,
             _place(variable, NamedSharding(mesh, partition_spec(stacked_spec(path.removeprefix(prefix)))))
         elif isinstance(variable, nnx.Param):
             _place(variable, NamedSharding(mesh, partition_spec(specs.get(path, ()))))
-    return place_variables(plan, model, mesh)
+    _placed_variables(plan, model, mesh)
+    return model
 
 
 def _expert_weights(plan: Plan, report: Report) -> frozenset:

@@ -54,12 +54,15 @@ def check(
         given_types=None if mesh is None else _axis_types(mesh),
     )
     if set(plan.mesh.axes) <= set(report.axes):  # (the mesh resolved: specs can be judged)
-        from shardplan.core.variables import variable_checks, variable_infos, variable_layouts
+        from shardplan.core.variables import retold_unused_rules, variable_infos, variable_layouts, variable_specs
 
         variables = variable_infos(model)
-        diagnostics = variable_checks(plan, variables, report.axes, report.diagnostics)
-        layouts = variable_layouts(plan, variables, report.axes)
-        report = dataclasses.replace(report, diagnostics=diagnostics, variables=layouts)
+        specs, problems = variable_specs(plan, variables, report.axes)
+        report = dataclasses.replace(
+            report,
+            diagnostics=retold_unused_rules(plan, variables, report.diagnostics) + problems,
+            variables=variable_layouts(plan, variables, specs, report.axes),
+        )
     return with_model_checks(report, plan, model, example, mesh, roles)
 
 

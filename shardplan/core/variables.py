@@ -91,6 +91,22 @@ def variable_specs(
             specs[variable.path] = trim_spec(spec)
         else:
             problems.setdefault((index, problem[0]), []).append((variable, *problem[1:]))
+    matched = {i for v in variables for i, p in enumerate(patterns) if p is not None and p.fullmatch(v.path)}
+    for index, pattern in enumerate(patterns):
+        if pattern is not None and index not in matched:
+            line, column = plan.locate("variables", index, "match")
+            found.append(
+                Diagnostic(
+                    "unused-rule",
+                    "warning",
+                    f"variables rule #{index + 1} '{plan.variables[index].match}' matches no variable the model has now",
+                    file=plan.file,
+                    line=line,
+                    column=column,
+                    hint="a cache the model makes later (init_cache) is placed, and this rule checked, by "
+                    "shardplan.place_variables; otherwise run `shardplan inspect --json` to list the paths",
+                )
+            )
     for (index, code), ((variable, message, hint), *more) in problems.items():
         line, column = plan.locate("variables", index, "spec")
         also = f"; the same holds for {len(more)} more: {', '.join(v.path for v, _, _ in more[:3])}" if more else ""
@@ -150,10 +166,11 @@ class VariableLayout:
     bytes_per_device: int
 
 
-def variable_layouts(plan: Plan, variables: list[VariableInfo], sizes: dict[str, int]) -> tuple[VariableLayout, ...]:
-    """Each variable's spec (its `variables:` rule's, else replicated) and bytes per device; inside the
-    pipelined layers, each stage holds its own layers' share."""
-    specs, _ = variable_specs(plan, variables, sizes)
+def variable_layouts(
+    plan: Plan, variables: list[VariableInfo], specs: dict[str, NormalSpec], sizes: dict[str, int]
+) -> tuple[VariableLayout, ...]:
+    """Each variable's spec (`specs`, from `variable_specs`; else replicated) and bytes per device;
+    inside the pipelined layers, each stage holds its own layers' share."""
     layers = plan.pipeline.layers + "/" if plan.pipeline is not None else None
     stages = sizes.get(plan.pipeline.axis, 1) if plan.pipeline is not None else 1
     out = []
@@ -166,11 +183,9 @@ def variable_layouts(plan: Plan, variables: list[VariableInfo], sizes: dict[str,
     return tuple(out)
 
 
-def variable_checks(
-    plan: Plan, variables: list[VariableInfo], sizes: dict[str, int], diagnostics: list[Diagnostic]
-) -> list[Diagnostic]:
-    """`diagnostics` (the parameters' report) with the `variables:` rules' problems added, and a
-    `params` rule that matches no parameter but the model's other variables told so."""
+def retold_unused_rules(plan: Plan, variables: list[VariableInfo], diagnostics: list[Diagnostic]) -> list[Diagnostic]:
+    """`diagnostics` (the parameters' report) with a `params` rule that matches no parameter, but the
+    model's other variables, told so."""
     out = []
     for d in diagnostics:
         named = _named_variables(plan, d.rule, variables) if d.code == "unused-rule" and d.rule is not None else []
@@ -184,7 +199,7 @@ def variable_checks(
                 "batch statistics and RNG state (replicated where no rule matches)",
             )
         out.append(d)
-    return out + variable_specs(plan, variables, sizes)[1]
+    return out
 
 
 def _named_variables(plan: Plan, rule: int, variables: list[VariableInfo]) -> list[VariableInfo]:

@@ -175,10 +175,10 @@ class PipelinedLayers(OneEntryList, nnx.Module):
         call, split, whole, rngs = self._layer_call(state, args, kwargs)
         args = (call.entering(args[0]), *args[1:])
         keys = draw_keys(rngs)
-        stored = nnx.state(self, nnx.RngState)
+        stored, rest = nnx.state(self, nnx.RngState, ...)
         streams = StoredStreams.of(jax.tree.map(lambda a: a.reshape(-1)[0], stored))
         if streams is not None:  # (the schedules carry floats only; each layer call gets streams of its own)
-            state = nnx.state(self, nnx.Not(nnx.RngState))
+            state = rest
             keys = [*keys, {STREAMS_KEY: step_key(stored)}]
             advance(self)
         layers = Layers(self._pipeline_kinds, self._pipeline_kind_of, call, self._pipeline_arrangement, streams)
