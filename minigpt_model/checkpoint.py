@@ -23,7 +23,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from shardplan.training import interrupts_deferred, pipelined_tree, plain_tree
+from shardplan.training import interrupts_deferred, pipelined_tree, plain_tree, restore_checkpoint
 from shardplan.training import load_plain_state, plain_abstract, plain_state
 
 
@@ -117,11 +117,6 @@ def _pure(node) -> dict:
     return nnx.to_pure_dict(nnx.state(node))
 
 
-def _abstract(tree: dict) -> dict:
-    """Shapes, dtypes and *current* shardings: restoring into them reshards the saved arrays."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
-
 class Checkpoints:
     def __init__(self, directory: str | Path, *, keep: int = 3):
         self.directory = Path(directory).absolute()
@@ -213,26 +208,23 @@ class Checkpoints:
         self._manager.reload()
 
     def restore(self, model: nnx.Module, optimizer: nnx.Optimizer | None = None, *, step: int | None = None) -> dict:
-        """Load a checkpoint into `model` (and `optimizer`), each array taking the layout it has now."""
+        """Load a checkpoint into `model` (and `optimizer`), each array taking the layout it has now; the
+        model a layer at a time, so that no device holds more than its share and one layer beside it."""
         step = self._step(step)
-        nodes = {"model": model} | ({"optimizer": optimizer} if optimizer is not None else {})
-        # (the optimizer's state as checkpoints keep it: ZeRO-1 padding cut)
-        current = {"model": _abstract(_pure(model))} | ({"optimizer": plain_abstract(optimizer)} if optimizer else {})
-        items = {name: ocp.args.StandardRestore(plain_tree(model, tree)) for name, tree in current.items()}
+        items = {}
+        if optimizer is not None:  # (its state as checkpoints keep it: ZeRO-1 padding cut)
+            abstract = plain_abstract(optimizer)
+            items["optimizer"] = ocp.args.StandardRestore(plain_tree(model, abstract))
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(), **items))
+            restore_checkpoint(model, self.directory / str(step) / "model")
         except Exception as exc:  # a different shape, or files damaged without checksums to tell
             raise CheckpointError(
                 f"checkpoint {self.directory / str(step)} cannot be restored into this model: {_first_line(exc)}",
                 detail=f"{type(exc).__name__}: {exc}",
             ) from None
-        for name, node in nodes.items():
-            tree = restored[name]
-            tree = pipelined_tree(model, tree, current[name])
-            if name == "model":
-                _update(node, tree)
-            else:
-                load_plain_state(node, tree)
+        if optimizer is not None:
+            load_plain_state(optimizer, pipelined_tree(model, restored["optimizer"], abstract))
         return restored["meta"]
 
     def _step(self, step: int | None) -> int:
@@ -288,12 +280,6 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-def _update(node, pure: dict) -> None:
-    state = nnx.state(node)
-    nnx.replace_by_pure_dict(state, pure)
-    nnx.update(node, state)
 
 
 def restore_for_inference(run_dir: str | Path, *, warn=None):

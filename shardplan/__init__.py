@@ -37,6 +37,7 @@ __all__ = [
     "performance_flags",
     "place_variables",
     "plain_tree",
+    "restore_checkpoint",
     "set_performance_flags",
     "shard_inputs",
     "shard_local_inputs",
@@ -81,6 +82,10 @@ def __getattr__(name: str):
         from shardplan.run.jit_step import jit_step
 
         return jit_step
+    if name == "restore_checkpoint":
+        from shardplan.compose.restore import restore_checkpoint
+
+        return restore_checkpoint
     if name == "dropped_rows":
         from shardplan.experts.block import dropped_rows
 

@@ -7,6 +7,7 @@ do not depend on the plan, and building a model named on the command line.
 75
 """
 
+from shardplan.compose.restore import CheckpointMismatch, restore_checkpoint
 from shardplan.pipeline.loop import cross_entropy
 from shardplan.pipeline.pipelined import pipelined_tree, plain_tree
 from shardplan.model.abstract import eval_shape
@@ -18,6 +19,7 @@ from shardplan.run.optimizer import load_plain_state, plain_abstract, plain_stat
 from shardplan.processes.preemption import EXIT_PREEMPTED, Preempted, PreemptionWatch
 
 __all__ = [
+    "CheckpointMismatch",
     "EXIT_PREEMPTED",
     "SIBLING_GRACE_S",
     "DeviceSetupError",
@@ -37,4 +39,5 @@ __all__ = [
     "plain_abstract",
     "plain_state",
     "plain_tree",
+    "restore_checkpoint",
 ]

@@ -22,6 +22,7 @@ MODULES = [
     "shardplan.plan.loader",
     "shardplan.compose.check",
     "shardplan.compose.apply",
+    "shardplan.compose.restore",
     "shardplan.run.specs",
     "shardplan.core.roles",
     "shardplan.planner.auto",

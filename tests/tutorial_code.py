@@ -9,6 +9,8 @@ Only definitions are taken: the cells' other statements download data or build f
 - `unetr()`: that tutorial's whole `UNETR`, whose decoder reads four of its ViT's block outputs. Its ViT
   and up-sampling blocks keep their blocks in plain Python lists, which flax 0.12 refuses on a pytree
   module; the classes are taken as written and declared `pytree=False` by subclassing, flax's own advice.
+- `cell(notebook, line)`: the whole code cell holding `line`, to run as published (flax's checkpointing
+  guide's save cell writes a checkpoint of any model given as `model`).
 - `gspmd()`: the flax guide "Scale up on multiple devices": `DotReluDot` (annotated with
   `nnx.with_partitioning`, built under flax's eager sharding), the explicit-axes `ExplicitDotReluDot`, and
   the guide's `jax.jit` `train_step`.
@@ -45,17 +47,29 @@ IMPORTS = dict(
 )
 
 
+def _cells(notebook: str) -> list[str]:
+    out = []
+    for text in re.findall(r"```\{code-cell\}[^\n]*\n(.*?)```", (HERE / notebook).read_text(), re.S):
+        out.append(text.split("\n---\n", 1)[1] if text.startswith("---\n") else text)  # (a cell's metadata)
+    return out
+
+
+def cell(notebook: str, line: str) -> str:
+    """The code cell of `notebook` that holds `line`, as published."""
+    found = [c for c in _cells(notebook) if line in c.splitlines()]
+    assert len(found) == 1, f"{notebook} has {len(found)} code cells holding {line!r}"
+    return found[0]
+
+
 def definitions(notebook: str, names: list[str]) -> dict:
     """A namespace holding `names`, defined by the notebook's own source text, in the order given."""
     found = {}
-    for cell in re.findall(r"```\{code-cell\}[^\n]*\n(.*?)```", (HERE / notebook).read_text(), re.S):
-        if cell.startswith("---\n"):  # a cell's own metadata block
-            cell = cell.split("\n---\n", 1)[1]
+    for source in _cells(notebook):
         try:
-            tree = ast.parse(cell)
+            tree = ast.parse(source)
         except SyntaxError:  # a cell of notebook magics (%%timeit)
             continue
-        lines = cell.splitlines()
+        lines = source.splitlines()
         for node in tree.body:
             if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name in names:
                 start = node.decorator_list[0].lineno if node.decorator_list else node.lineno

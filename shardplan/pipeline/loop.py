@@ -795,6 +795,15 @@ def cross_entropy(logits, targets):
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
+def layer_positions(count: int, stages: int, virtual: int, arrangement: Arrangement = Arrangement()) -> list:
+    """[stage, chunk, slot] of each of `count` layers, in model order, in the stacked arrays."""
+    counts = arrangement.counts
+    if counts is not None and len(set(counts)) > 1:
+        return [(s, 0, j) for s, n in enumerate(counts) for j in range(n)]
+    per_chunk = count // (stages * virtual)  # layer i is layer i % per_chunk of chunk i // per_chunk
+    return [(*arrangement.stage_of_chunk(i // per_chunk, stages), i % per_chunk) for i in range(count)]
+
+
 def stack(
     layers: list[dict],
     stages: int,
@@ -814,9 +823,7 @@ def stack(
     per_chunk = max(counts) if uneven else len(layers) // (stages * virtual)
     if uneven:
         starts = [sum(counts[:s]) for s in range(stages)]
-        positions = [(s, 0, j) for s, n in enumerate(counts) for j in range(n)]
-    else:  # layer i is layer i % per_chunk of chunk i // per_chunk
-        positions = [(*arrangement.stage_of_chunk(i // per_chunk, stages), i % per_chunk) for i in range(len(layers))]
+    positions = layer_positions(len(layers), stages, virtual, arrangement)
 
     flat = [jax.tree.flatten_with_path(layer)[0] for layer in layers]
     concrete = all(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(layers))
