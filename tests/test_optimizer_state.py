@@ -230,3 +230,77 @@ def test_lora_adapters_train_alone_under_a_plan_like_one_device_and_the_base_nev
         if type(v) is nnx.Param:
             assert np.array_equal(np.asarray(v.get_value()), np.asarray(base[path])), path
             assert v.get_value().sharding.is_equivalent_to(placed[path], v.get_value().ndim), path
+
+
+COOKBOOK = "flax_optimization_cookbook.md"
+COOKBOOK_PLAN = """
+version: 1
+mesh:
+  axes: {data: 4, model: 2}
+inputs:
+  x: [data, null]
+  y: [data, null]
+params:
+  - match: 'layers/\\d+/(base_module/kernel|lora_b)'
+    spec: [null, model]
+  - match: '.*'
+    spec: replicated
+"""
+
+
+def _cookbook_lora(plan=None) -> dict:
+    """Flax's optimization cookbook, LoRA section, run from its own cells (tests/tutorials/): the setup
+    cell less two lines (the device count, which this suite sets before JAX starts, to the same 8; and
+    the plotting import), the fake data cell, the cell wrapping every `nnx.Linear` in `nnx.LoRA`, and its
+    50-step training cell as written, or, given a plan, with its one optimizer line replaced by
+    `shard_optimizer` and `x`, `y` placed by `shard_inputs`."""
+    from tests.tutorial_code import cell
+
+    ns: dict = {}
+    setup = cell(COOKBOOK, "rngs = nnx.Rngs(0)").splitlines()
+    dropped = ["jax.config.update('jax_num_cpu_devices', 8)", "import matplotlib.pyplot as plt"]
+    assert all(line in setup for line in dropped)
+    exec("\n".join(line for line in setup if line not in dropped), ns)
+    exec(cell(COOKBOOK, "x = rngs.normal((32, 2))"), ns)
+    exec(cell(COOKBOOK, "model = nnx.recursive_map(add_rank2_lora, base_model)").replace("nnx.display(model)", ""), ns)
+    training = cell(COOKBOOK, "optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.LoRAParam)")
+    if plan is not None:
+        mesh = shardplan.make_mesh(plan)
+        ns["model"] = shardplan.apply_plan(plan, ns["model"], mesh)
+        ns["base"] = {
+            p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(ns["model"], nnx.Param)) if type(v) is nnx.Param
+        }
+        ns["x"], ns["y"] = shardplan.shard_inputs(plan, (ns["x"], ns["y"]), mesh)
+        ns.update(shardplan=shardplan, plan=plan, mesh=mesh)
+        training = training.replace(
+            "optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.LoRAParam)",
+            "optimizer = shardplan.shard_optimizer(plan, model, optax.adam(1e-3), mesh, wrt=nnx.LoRAParam)",
+        )
+    exec(training, ns)
+    return ns
+
+
+def test_the_cookbooks_lora_trains_under_a_plan_as_on_one_device():
+    """The cookbook's own step differentiates every parameter and hands all the gradients to an optimizer
+    that trains the adapters only: under a DP x TP plan its 50 losses and adapters are one device's, the
+    frozen base never moves from its values or its placement."""
+    one = _cookbook_lora()
+    planned = _cookbook_lora(shardplan.parse_plan(COOKBOOK_PLAN))
+
+    np.testing.assert_allclose([float(v) for v in planned["losses"]], [float(v) for v in one["losses"]], rtol=1e-5)
+    assert float(one["losses"][-1]) < float(one["losses"][0])
+    adapters = dict(nnx.to_flat_state(nnx.state(one["model"], nnx.LoRAParam)))
+    for path, v in nnx.to_flat_state(nnx.state(planned["model"], nnx.LoRAParam)):
+        np.testing.assert_allclose(
+            np.asarray(v.get_value()), np.asarray(adapters[path].get_value()), rtol=1e-5, atol=1e-6
+        )
+    moments = {"/".join(map(str, k)) for k, _ in nnx.to_flat_state(nnx.state(planned["optimizer"].opt_state))}
+    adapter_paths = {f"layers/{i}/lora_{ab}" for i in (0, 1) for ab in "ab"}
+    assert moments == {"0/count"} | {f"0/{m}/{p}" for m in ("mu", "nu") for p in adapter_paths}, moments
+    for path, v in nnx.to_flat_state(nnx.state(planned["model"], nnx.Param)):
+        if type(v) is nnx.Param:
+            before = planned["base"][path]
+            assert np.array_equal(np.asarray(v.get_value()), np.asarray(before)), path
+            assert v.get_value().sharding.is_equivalent_to(before.sharding, before.ndim), path
+    kernel = planned["model"].layers[0].base_module.kernel.get_value()
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "model")

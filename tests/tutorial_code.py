@@ -10,7 +10,8 @@ Only definitions are taken: the cells' other statements download data or build f
   and up-sampling blocks keep their blocks in plain Python lists, which flax 0.12 refuses on a pytree
   module; the classes are taken as written and declared `pytree=False` by subclassing, flax's own advice.
 - `cell(notebook, line)`: the whole code cell holding `line`, to run as published (flax's checkpointing
-  guide's save cell writes a checkpoint of any model given as `model`).
+  guide's save cell writes a checkpoint of any model given as `model`; flax's optimization cookbook's
+  LoRA cells wrap its toy model and train the adapters).
 - `gspmd()`: the flax guide "Scale up on multiple devices": `DotReluDot` (annotated with
   `nnx.with_partitioning`, built under flax's eager sharding), the explicit-axes `ExplicitDotReluDot`, and
   the guide's `jax.jit` `train_step`.
@@ -48,8 +49,10 @@ IMPORTS = dict(
 
 
 def _cells(notebook: str) -> list[str]:
+    """The notebook's code cells: MyST `{code-cell}` blocks, or the `python` blocks of jupytext markdown."""
     out = []
-    for text in re.findall(r"```\{code-cell\}[^\n]*\n(.*?)```", (HERE / notebook).read_text(), re.S):
+    found = re.findall(r"```\{code-cell\}[^\n]*\n(.*?)```|```python\n(.*?)```", (HERE / notebook).read_text(), re.S)
+    for text in (myst or plain for myst, plain in found):
         out.append(text.split("\n---\n", 1)[1] if text.startswith("---\n") else text)  # (a cell's metadata)
     return out
 
