@@ -820,3 +820,24 @@ def test_a_selective_remat_policy_inside_1f1b_recomputes_only_what_it_does_not_s
     assert found["none"][1] == pytest.approx(2 * forward, rel=0.02)
     assert found["full"][1] == pytest.approx(3 * forward, rel=0.02)
     assert found["none"][1] < found["dots_with_no_batch_dims_saveable"][1] < found["full"][1]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_stage_send_carries_each_tensor_ranks_share(schedule):
+    """Megatron's scatter-gather: on stage 2 x data 2 x model 2 (minigpt_3d), every activation and gradient
+    crossing a stage boundary in the compiled step is the microbatch's, its width split over the tensor
+    axis (each device sends 1/2 and its tensor group gathers the rest on arrival); numbers as one device's
+    (`test_five_adamw_steps_match_one_device`)."""
+    plan = _plan("minigpt_3d.yaml", schedule)
+    mesh = shardplan.make_mesh(plan)
+    model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0)), mesh)
+    optimizer = shardplan.shard_optimizer(plan, model, optax.adamw(1e-3), mesh)
+    tokens = shardplan.shard_inputs(plan, {"tokens": np.zeros((16, 16), np.int32)}, mesh)["tokens"]
+    hlo = train_step.lower(model, optimizer, tokens, tokens, training=False).compile().as_text()
+    rows = 16 // (plan.pipeline.microbatches * plan.mesh.axes["data"])
+    sends = re.findall(r"= f32\[(\d+),(\d+),(\d+)\]\{[\d,]*\} collective-permute(?:-start)?\(", hlo)
+    whole, share = (rows, 16, CONFIG["embed_dim"]), (rows, 16, CONFIG["embed_dim"] // 2)
+    shapes = {tuple(map(int, s)) for s in sends}
+    assert share in shapes and whole not in shapes, shapes
+    gathers = re.findall(r"= f32\[(\d+),(\d+),(\d+)\]\{[\d,]*\} all-gather(?:-start)?\(", hlo)
+    assert whole in {tuple(map(int, g)) for g in gathers}

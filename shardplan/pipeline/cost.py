@@ -59,15 +59,31 @@ def stage_transfers(
     virtual: int,
     microbatch_bytes: int,
     whole_bytes: int,
+    tensor_axes: tuple[str, ...] = (),
+    tensor_ways: int = 1,
 ) -> list[Transfer]:
     """The sends between stages of one step: each microbatch's activations forward and their gradients
     back every tick; outside the tables (gpipe's whole-batch loop) also the batch into the first
-    stage and the last stage's outputs shared (`whole_bytes`)."""
+    stage and the last stage's outputs shared (`whole_bytes`). On the tables, with tensor axes, each
+    device sends its 1/T share and its tensor group gathers the rest on arrival (`loop._sent`)."""
     axes = (axis,)
     if tabled:
         ticks = schedule_tables(schedule, stages, microbatches, virtual)[0]
         # (the code around the layers runs in the loop: nothing enters or leaves it whole)
-        return [Transfer("collective-permute", axes, microbatch_bytes, 2 * ticks, "activations and their gradients")]
+        sends = [
+            Transfer(
+                "collective-permute",
+                axes,
+                microbatch_bytes // tensor_ways,
+                2 * ticks,
+                "activations and their gradients",
+            )
+        ]
+        if tensor_ways > 1:
+            sends.append(
+                Transfer("all-gather", tensor_axes, microbatch_bytes, 2 * ticks, "stage sends gathered on arrival")
+            )
+        return sends
     ticks = virtual * microbatches + stages - 1
     return [
         Transfer("collective-permute", axes, microbatch_bytes, 2 * ticks, "activations and their gradients"),

@@ -168,12 +168,36 @@ def _not_slices(prim, *_, **__) -> bool:
     return prim.name not in _SLICES
 
 
-def to_next_stage(x, axis, stages):
-    return jax.lax.ppermute(x, axis, [(i, (i + 1) % stages) for i in range(stages)])
+def to_next_stage(x, axis, stages, split_over: tuple[str, ...] = ()):
+    """`x` to the next stage; `split_over` (`Loop.send_axes`): each device sends its share only."""
+    return _sent(x, axis, [(i, (i + 1) % stages) for i in range(stages)], split_over)
 
 
-def to_previous_stage(x, axis, stages):
-    return jax.lax.ppermute(x, axis, [(i, (i - 1) % stages) for i in range(stages)])
+def to_previous_stage(x, axis, stages, split_over: tuple[str, ...] = ()):
+    return _sent(x, axis, [(i, (i - 1) % stages) for i in range(stages)], split_over)
+
+
+def _sent(x, axis, pairs, split_over: tuple[str, ...]):
+    """`ppermute` of `x` over the stage axis; with `split_over`, Megatron's scatter-gather: each device of
+    a tensor group sends its 1/T share of the (tensor-replicated) activation and the group gathers it on
+    arrival, explicitly (split by a sharding constraint instead, XLA kept the split inside the layers and
+    gathered it at every read)."""
+    sizes = jax.sharding.get_abstract_mesh().shape
+    ways = math.prod(sizes[a] for a in split_over)
+    if ways == 1 or not x.ndim or x.shape[-1] % ways:
+        return jax.lax.ppermute(x, axis, pairs)
+
+    def scatter_send_gather(x):
+        index = 0
+        for name in split_over:
+            index = index * sizes[name] + jax.lax.axis_index(name)
+        width = x.shape[-1] // ways
+        mine = jax.lax.dynamic_slice_in_dim(x, index * width, width, axis=x.ndim - 1)
+        return jax.lax.all_gather(jax.lax.ppermute(mine, axis, pairs), split_over, axis=x.ndim - 1, tiled=True)
+
+    return jax.shard_map(scatter_send_gather, in_specs=P(), out_specs=P(), axis_names=set(split_over), check_vma=False)(
+        x
+    )
 
 
 def _batch_spec(batch_axes: tuple[str, ...], *leading) -> P:
@@ -448,6 +472,7 @@ class Loop:
     embed_branch: bool
     branches: bool
     leaf_specs: tuple | None = None  # how the stacked layers enter (`stage_specs`)
+    send_axes: tuple[str, ...] = ()  # the tensor axes a stage send is split over (`to_next_stage`)
 
 
 class Operands(NamedTuple):
@@ -569,8 +594,8 @@ def table_schedule(loop: Loop, operands: Operands):
             )
             g_embed = ends.embed_gradients(b_on & (s == 0) & (vb == 0), mb_, gx, carry.g_embed)
             return _TableCarry(
-                to_next_stage(h, axis, stages),
-                to_previous_stage(gx, axis, stages),
+                to_next_stage(h, axis, stages, loop.send_axes),
+                to_previous_stage(gx, axis, stages, loop.send_axes),
                 stash,
                 waiting,
                 loops,

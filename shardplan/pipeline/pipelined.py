@@ -360,6 +360,7 @@ class PipelinedLayers(OneEntryList, nnx.Module):
             embed_branch=every_batch_axis_manual and branches,
             branches=branches,
             leaf_specs=leaf_specs,
+            send_axes=self._send_axes(mesh, batch_axes) if every_batch_axis_manual and branches else (),
         )
         operands = Operands(
             state,
@@ -376,6 +377,12 @@ class PipelinedLayers(OneEntryList, nnx.Module):
         unit = unit_ticks(self.schedule, virtual) and (branches or self.schedule == "zb-h1")
         runner = zero_bubble_schedule if unit else {"zb-v": zero_bubble_v_schedule}.get(self.schedule)
         return one_f_one_b_loss(loop, operands, runner)
+
+    def _send_axes(self, mesh, batch_axes) -> tuple[str, ...]:
+        """The axes a stage send is split over: those the loop leaves to XLA that split neither the batch
+        nor the sequence (the tensor axes)."""
+        skip = {self._setup.axis, *batch_axes, *self._setup.data_axes, self._setup.context_axis}
+        return tuple(n for n in mesh.axis_names if n not in skip and mesh.shape[n] > 1)
 
     def _permutes_in_branches(
         self,

@@ -130,8 +130,8 @@ def zero_bubble_schedule(loop: Loop, operands: Operands):
             )
             g_embed = ends.embed_gradients(b_on & (s == 0), m, gx, carry.g_embed)
             return _Carry(
-                to_next_stage(y, axis, stages),
-                to_previous_stage(gx, axis, stages),
+                to_next_stage(y, axis, stages, loop.send_axes),
+                to_previous_stage(gx, axis, stages, loop.send_axes),
                 inbox,
                 cotbox,
                 kept,

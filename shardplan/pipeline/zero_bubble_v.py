@@ -155,8 +155,8 @@ def zero_bubble_v_schedule(loop: Loop, operands: Operands):
             up = (f_on & (v == 0)) | (b_on & (v == 1))
             zeros = jnp.zeros_like(out)
             return _Carry(
-                to_next_stage(jnp.where(up, out, zeros), axis, stages),
-                to_previous_stage(jnp.where(up, zeros, out), axis, stages),
+                to_next_stage(jnp.where(up, out, zeros), axis, stages, loop.send_axes),
+                to_previous_stage(jnp.where(up, zeros, out), axis, stages, loop.send_axes),
                 out,
                 box,
                 stash,

@@ -221,6 +221,14 @@ class _Step:
     #                                 run beside the matmuls they feed (`Plan.tensor_overlap` on an overlapping device)
     on_stages: frozenset = frozenset()  # parameters around the layers split over the stage axis at rest
 
+    def send_axes(self) -> tuple[str, ...]:
+        """The tensor axes a stage send is split over (`PipelinedLayers._send_axes`): none with a context
+        axis, or where they do not divide the width."""
+        if self.stage_axis is None or self.context is not None:
+            return ()
+        axes = tuple(a for a, n in self.sizes.items() if n > 1 and a != self.stage_axis and a not in self.batch_axes)
+        return axes if self.width % math.prod(self.sizes[a] for a in axes) == 0 else ()
+
     def widening(self, p: ParamLayout) -> float:
         """How much larger than the stored parameter its gradient moves (float32 on a widening backend)."""
         return max(4, p.itemsize) / p.itemsize if self.widened else 1.0
@@ -868,6 +876,8 @@ def _communication(held: list[ParamLayout], roles: ModelRoles, step: _Step) -> l
             virtual=step.virtual,
             microbatch_bytes=int(step.tokens / step.microbatches * step.width * step.itemsize),
             whole_bytes=int(step.tokens * step.width * step.itemsize),
+            tensor_axes=step.send_axes(),
+            tensor_ways=math.prod(step.sizes[a] for a in step.send_axes()),
         )
     return _merge(transfers)
 
