@@ -20,7 +20,9 @@ import argparse
 import gc
 import json
 import math
+import sys
 import tempfile
+from pathlib import Path
 
 import shardplan
 
@@ -33,19 +35,11 @@ from flax import nnx  # noqa: E402
 import minigpt_model  # noqa: E402
 from shardplan.training import pipelined_tree  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.test_restore import per_device_bytes  # noqa: E402  (live buffers per device, each once)
+
 CONFIG = dict(vocab_size=4096, num_transformer_blocks=16, embed_dim=512, num_heads=8, feed_forward_dim=2048)
 PLANS = ["minigpt_pp4.yaml", "minigpt_3d.yaml", "minigpt_dp_tp.yaml", "minigpt_fsdp.toml"]
-
-
-def per_device_bytes() -> dict:
-    buffers = {}
-    for array in jax.live_arrays():
-        for shard in array.addressable_shards:
-            buffers[shard.device, shard.data.unsafe_buffer_pointer()] = shard.data.nbytes
-    found: dict = {}
-    for (device, _), size in buffers.items():
-        found[device] = found.get(device, 0) + size
-    return found
 
 
 def extra(before: dict) -> int:

@@ -119,3 +119,27 @@ def test_what_the_checkpoint_lacks_is_named(saved, tmp_path):
         shardplan.restore_checkpoint(wider, directory)
     with pytest.raises(CheckpointMismatch, match="holds no orbax checkpoint of a model's state"):
         shardplan.restore_checkpoint(model, tmp_path / "nothing-here")
+
+
+def test_a_model_that_stacks_its_layers_restores_onto_a_pipeline(tmp_path):
+    """A model whose blocks `nnx.vmap` built (Flax's scan-over-layers form) is saved with each leaf stacked
+    over its layers; onto a pipeline plan each such leaf is read whole and written layer by layer into the
+    stages' slots (a leaf of every layer beside the share, not the whole model)."""
+    from tests.test_stacked_layers import ScannedLlama, _plan
+
+    reference = ScannedLlama(rngs=nnx.Rngs(0))
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "state", nnx.state(reference))
+    plan = _plan("1f1b")
+    model = shardplan.apply_plan(plan, ScannedLlama(rngs=nnx.Rngs(1)), shardplan.make_mesh(plan))
+    gc.collect()
+    before = per_device_bytes()
+    peaks = []
+    shardplan.restore_checkpoint(
+        model, tmp_path / "state", progress=lambda *_: peaks.append(max(per_device_bytes().values()))
+    )
+    got = shardplan.plain_tree(model, nnx.to_pure_dict(nnx.state(model)))
+    want = nnx.to_pure_dict(nnx.state(reference))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got, want)
+    largest_leaf = max(a.nbytes for a in jax.tree.leaves(want["layers"]))
+    assert max(peaks) - max(before.values()) <= largest_leaf

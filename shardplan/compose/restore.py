@@ -42,13 +42,22 @@ class _Slot:
     position: tuple[int, int, int]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Stack:
+    """Where a saved (layers, ...) array goes, from a model that stacks its layers itself (`nnx.vmap`): each
+    layer into its slot of the stacked leaf."""
+
+    stacked: Path_
+    positions: tuple
+
+
 @dataclasses.dataclass
 class _Read:
     """One group of saved leaves read together: each with its saved path, its shape struct (placed as it will
     be held) and where it goes (a model leaf's path, or a slot of a stacked leaf)."""
 
     name: str
-    leaves: list[tuple[Path_, jax.ShapeDtypeStruct, Path_ | _Slot]] = dataclasses.field(default_factory=list)
+    leaves: list[tuple[Path_, jax.ShapeDtypeStruct, Path_ | _Slot | _Stack]] = dataclasses.field(default_factory=list)
 
     def bytes_per_device(self) -> int:
         return sum(_bytes_per_device(struct) for _, struct, _ in self.leaves)
@@ -110,6 +119,8 @@ def _write(model, state, keys: dict, current: dict, read: _Read, values: list) -
     for (_, _, goes), value in zip(read.leaves, values):
         if isinstance(goes, _Slot):
             slots.setdefault(goes.stacked, []).append((value, goes.position))
+        elif isinstance(goes, _Stack):
+            slots[goes.stacked] = _layers_of(value, goes.positions)
         else:
             updates[goes] = value
     values.clear()
@@ -119,6 +130,12 @@ def _write(model, state, keys: dict, current: dict, read: _Read, values: list) -
     return updates
 
 
+def _layers_of(stack: jax.Array, positions: tuple):
+    """(layer i of a saved (layers, ...) array, its position): sliced one at a time, as written."""
+    for i, position in enumerate(positions):
+        yield stack[i], position
+
+
 def _plan_reads(model, current: dict[Path_, jax.Array], saved: dict[Path_, _Saved]) -> tuple[list[_Read], list]:
     """The groups to read, in order, and the leaves the checkpoint does not hold: (the path it would have,
     the model's leaf)."""
@@ -126,10 +143,26 @@ def _plan_reads(model, current: dict[Path_, jax.Array], saved: dict[Path_, _Save
     layers = _layer_slots(found, current) if found is not None else {}
     missing = []
     by_layer: dict[int, _Read] = {}
-    rest: list[tuple[Path_, jax.ShapeDtypeStruct, Path_]] = []
+    rest: list[tuple[Path_, jax.ShapeDtypeStruct, Path_ | _Stack]] = []
     for path, array in current.items():
         if jax.dtypes.issubdtype(array.dtype, jax.dtypes.prng_key):  # (an RNG key: not what checkpoints hold)
             missing.append((path, path))
+            continue
+        if (
+            path in layers.get("stacked", ()) and layers["restack"]
+        ):  # (saved as (layers, ...), as the model stacks them)
+            inner = _layer_struct(array)
+            struct = jax.ShapeDtypeStruct(
+                (layers["count"], *inner.shape),
+                inner.dtype,
+                sharding=NamedSharding(inner.sharding.mesh, PartitionSpec(None, *inner.sharding.spec)),
+            )
+            where = saved.get(path)
+            if where is None:
+                missing.append((path, path))
+            else:
+                stack = _Stack(path, tuple(layers["positions"]))
+                rest.append((_same_shape(where, struct, path), struct, stack))
             continue
         if path in layers.get("stacked", ()):
             count, positions, prefix = layers["count"], layers["positions"], layers["prefix"]
@@ -164,16 +197,20 @@ def _same_shape(saved: _Saved, struct, path: Path_) -> Path_:
 
 def _layer_slots(found, current: dict[Path_, jax.Array]) -> dict:
     """The pipelined layer list's stacked leaves, the layers' count and where each sits. A model that stacks
-    its layers itself (`nnx.vmap`) has one saved array per leaf for all layers: it is read a leaf at a time
-    (`_packed`), not a layer at a time."""
+    its layers itself (`nnx.vmap`, `restack`) has one saved array per leaf for all layers: it is read a leaf
+    at a time (`_packed`), not a layer at a time, so a device holds that leaf of every layer beside its share."""
     name, layers = found
-    if layers._setup.restack:
-        return {}
     prefix = tuple(name.split("/"))
     count = len(layers._pipeline_kind_of)
     positions = layer_positions(count, layers._setup.stages, layers._setup.virtual, layers.arrangement)
     stacked = {p for p in current if p[: len(prefix)] == prefix}
-    return {"stacked": stacked, "count": count, "positions": positions, "prefix": prefix}
+    return {
+        "stacked": stacked,
+        "count": count,
+        "positions": positions,
+        "prefix": prefix,
+        "restack": layers._setup.restack,
+    }
 
 
 def _layer_struct(stacked: jax.Array) -> jax.ShapeDtypeStruct:
@@ -187,12 +224,13 @@ def _bytes_per_device(struct) -> int:
     return math.prod(struct.sharding.shard_shape(struct.shape)) * jnp.dtype(struct.dtype).itemsize
 
 
-def _largest_layer(leaves: list[tuple[Path_, jax.ShapeDtypeStruct, Path_]]) -> int:
+def _largest_layer(leaves: list) -> int:
     """The per-device bytes of the largest entry of a layer list outside a pipeline (leaves under a numbered
     key), or of the largest leaf: what one read may hold."""
     layers: dict[Path_, int] = {}
     largest = 0
-    for _, struct, path in leaves:
+    for _, struct, goes in leaves:
+        path = goes.stacked if isinstance(goes, _Stack) else goes
         size = _bytes_per_device(struct)
         largest = max(largest, size)
         numbered = next((i for i, key in enumerate(path) if key.isdigit()), None)
@@ -201,7 +239,7 @@ def _largest_layer(leaves: list[tuple[Path_, jax.ShapeDtypeStruct, Path_]]) -> i
     return max([largest, *layers.values()])
 
 
-def _packed(leaves: list[tuple[Path_, jax.ShapeDtypeStruct, Path_]], budget: int) -> list[_Read]:
+def _packed(leaves: list, budget: int) -> list[_Read]:
     """The leaves in model order, in groups of at most `budget` bytes a device (a larger leaf alone)."""
     reads: list[_Read] = []
     for leaf in leaves:
@@ -210,7 +248,7 @@ def _packed(leaves: list[tuple[Path_, jax.ShapeDtypeStruct, Path_]], budget: int
             reads.append(_Read(""))
         reads[-1].leaves.append(leaf)
     for read in reads:
-        names = ["/".join(path) for _, _, path in read.leaves]
+        names = ["/".join(goes.stacked if isinstance(goes, _Stack) else goes) for _, _, goes in read.leaves]
         read.name = names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more"
     return reads
 
