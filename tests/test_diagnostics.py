@@ -340,6 +340,16 @@ CASES = {
         ["zb-h1", "context axis 'context' (2 devices)"],
         8,
     ),
+    "pipeline-context-split-ends": (
+        "version: 1\nmesh: {axes: {stage: 2, model: 2, context: 2}}\ninputs: {tokens: [null, context]}\n"
+        "context: {axis: context}\npipeline:\n  axis: stage\n  layers: layers\n  schedule: 1f1b\n"
+        "params:\n  - {match: head/kernel, spec: [null, model]}\n  - {match: '.*', spec: replicated}\n",
+        PIPE_PARAMS,
+        8,
+        None,
+        ["head/kernel is split over 'model'", "context axis 'context'", "replicate head/kernel"],
+        8,
+    ),
     "accumulate-microbatches": (
         HEAD + "params: [{match: '.*', spec: []}]\naccumulate: 3\n",
         PARAMS,

@@ -253,3 +253,20 @@ def test_auto_says_why_it_proposes_no_pipeline_for_stacked_layers(tmp_path, caps
     printed = capsys.readouterr()
     json.loads(printed.out)  # the note goes beside the JSON document, to stderr
     assert "no pipeline candidates" in printed.err
+
+
+def test_stacked_layers_that_keep_rng_streams_are_refused_by_check():
+    """Blocks built by `nnx.vmap` that keep a dropout stream (`nnx.Dropout(rate, rngs=rngs)`): the model's
+    scan hands their RNG state out per layer, which the pipeline refused only at the first step after `check`
+    said ok (the combination tester, seed 8501). `check` refuses it now, naming the kinds."""
+    from tests.combinations.models import GPT2
+
+    plan = shardplan.parse_plan(
+        "version: 1\nmesh: {axes: {stage: 2, data: 4}}\n"
+        "inputs: {tokens: {spec: [data, null], shape: [8, 16]}, positions: {spec: [data, null], shape: [8, 16]}}\n"
+        "pipeline: {axis: stage, layers: blocks, microbatches: 2}\nparams: [{match: '.*', spec: replicated}]\n"
+    )
+    errors = shardplan.check(plan, GPT2(stacked="nnx", streams=True, rngs=nnx.Rngs(0))).errors
+    assert [d.code for d in errors] == ["pipeline-layer-call"], [d.format() for d in errors]
+    assert "stacked by nnx.vmap and keep RNG streams of their own (RngCount, RngKey" in errors[0].message
+    assert not shardplan.check(plan, GPT2(stacked="nnx", rngs=nnx.Rngs(0))).errors

@@ -163,7 +163,19 @@ def check_layer_calls(plan: Plan, model, call: Callable) -> list[Diagnostic]:
             updates.append(str(error))
             return run()
 
-    layers = list(node_at(model, pipe.layers))
+    stack = node_at(model, pipe.layers)
+    layers = list(stack)
+    streams = _stored_streams(layers) if getattr(stack, "runs_whole_stack", False) else []
+    if streams:  # (the model's scan hands the stack's RNG state out per layer: `stacked._scan` refuses it)
+        return problem(
+            "pipeline-layer-call",
+            f"the layers at {pipe.layers} are one module stacked by nnx.vmap and keep RNG streams of their own "
+            f"({', '.join(streams)}, as nnx.Dropout(rate, rngs=rngs) keeps them); the model's scan hands that state "
+            "out per layer, which a pipeline over a stacked module cannot carry",
+            path=f"{pipe.layers}/0",
+            hint="pass rngs= to the layers' call instead of storing a stream, build the layers as a list (a "
+            "pipeline runs the streams a list's layers keep), or run without a pipeline",
+        )
     try:
         calls = record_calls(model, {id(layer): i for i, layer in enumerate(layers)}, call, without_updates)
     except PipelineCallError as error:  # (its scan over stacked layers does more than run them)
@@ -178,6 +190,13 @@ def check_layer_calls(plan: Plan, model, call: Callable) -> list[Diagnostic]:
     if updates:
         return problem("pipeline-layer-call", updates[0], path=f"{pipe.layers}/0")
     return _analyse(pipe.layers, calls, len(layers), problem) or _as_one_call(pipe.layers, model, call, problem)
+
+
+def _stored_streams(layers) -> list[str]:
+    """The kinds of RNG state the layers keep (`RngCount`, `RngKey`)."""
+    from flax import nnx
+
+    return sorted({type(v).__name__ for layer in layers for _, v in nnx.to_flat_state(nnx.state(layer, nnx.RngState))})
 
 
 def _analyse(name: str, calls: list[_Call], count: int, problem) -> list[Diagnostic]:

@@ -164,6 +164,7 @@ def plan_stages(
                 hint="use schedule 1f1b (its stages then run every part on every tick), or drop the context split",
             )
         )
+    found += _ends_split_beside_context(plan, sizes, specs, where)
     stage_of, assign_found = _assign(plan, sorted(layers), stages, virtual, where)
     found += assign_found
     if stage_of is None:
@@ -172,6 +173,37 @@ def plan_stages(
     split_sequence = plan.context is not None and sizes.get(plan.context.axis, 1) > 1
     found += _check_layout(plan, stage_map, where, padding_skipped(pipe.schedule, virtual, split_sequence))
     return (None if any(d.severity == "error" for d in found) else stage_map), found
+
+
+def _ends_split_beside_context(plan, sizes: dict[str, int], specs, where) -> list[Diagnostic]:
+    """1F1B with the sequence split over a context axis runs every part on every tick without branches;
+    a weight around the layers split over another axis (a tensor axis) then left XLA:CPU's collective
+    permutes waiting for devices that never came (jax 0.10.2: the process aborts after 40 s; found by
+    the combination tester, seed 8501, on a LLaMA-style and a GPT-2 decoder)."""
+    from shardplan.core.validate import data_axes
+
+    pipe, context = plan.pipeline, plan.context
+    if pipe.schedule != "1f1b" or context is None or sizes.get(context.axis, 1) < 2:
+        return []
+    allowed = {pipe.axis, context.axis, *data_axes(plan, sizes)}
+    prefix = pipe.layers + "/"
+    for path, spec in specs.items():
+        split = [a for entry in spec for a in (entry or ()) if a not in allowed and sizes.get(a, 1) > 1]
+        if split and not path.startswith(prefix):
+            return [
+                where(
+                    "pipeline-context-split-ends",
+                    ("pipeline", "schedule"),
+                    f"{path} is split over {split[0]!r}, but 1f1b with the sequence split over the context axis "
+                    f"{context.axis!r} runs the code around the layers on every device at every tick, where a "
+                    "weight split over a tensor axis makes XLA's collectives wait for devices that never join "
+                    "(the process aborts)",
+                    path=path,
+                    hint=f"replicate {path} over {split[0]!r} (or split it over the stage axis), or drop the "
+                    "context split",
+                )
+            ]
+    return []
 
 
 def _locator(plan: Plan):

@@ -54,6 +54,7 @@ CODES: dict[str, str] = {
     "pipeline-axis-order": "a parameter around the layers split over the stage axis before another axis in one dim",
     "pipeline-microbatches": "the microbatch count does not divide each data shard's batch",
     "pipeline-schedule-context": "zb-h1 or zb-v with the sequence split over a context axis",
+    "pipeline-context-split-ends": "1f1b with a context split, and a weight around the layers split over a tensor axis",
     "pipeline-fsdp-gathered": "layer weights split over a batch axis inside a pipeline enter its loop gathered",
     "remat-recomputed": "a `remat` rule other than full on layers the zb-v schedule runs forward again anyway",
     "remat-no-memory-effect": "`remat` outside a pipeline's schedule tables on cpu, where XLA keeps the activations anyway",

@@ -24,7 +24,8 @@ compiled HLO (`benchmarks/cost_model.py` keeps it honest):
 - gradients are all-reduced over the batch axes a parameter is not split on, in one combined op;
   under ZeRO-1 the updated parameter is then all-gathered, and (outside a tabled loop) an output
   head's gradient shard is computed whole from gathered activations instead of all-reduced;
-- pipelines send one microbatch activation per tick each way; on the schedule tables (1F1B, and
+- pipelines send one microbatch activation per tick each way (on the tables with tensor axes, each
+  device 1/T of it, gathered in its tensor group on arrival: Megatron's scatter-gather); on the schedule tables (1F1B, and
   gpipe and the circular schedule unless the sequence is split: `_Step.tabled`) each stage keeps its
   layers' residuals (zb-v: runs its forward again) and the after-layer modules move between the stages; a
   head split over
