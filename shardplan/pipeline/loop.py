@@ -591,6 +591,9 @@ def table_schedule(loop: Loop, operands: Operands):
                 lambda: (jax.tree.map(jnp.zeros_like, b_chunk()), jnp.zeros_like(h)),
                 carry.g_layers,
                 lambda total, g: add_to_chunk(total, vb, g),
+                lambda sums: kept.backward(
+                    b_chunk(), mb_, first_b, size_b, stash, b_at, cot, into=(sums, (vb if virtual > 1 else 0,))
+                ),
             )
             g_embed = ends.embed_gradients(b_on & (s == 0) & (vb == 0), mb_, gx, carry.g_embed)
             return _TableCarry(
@@ -718,13 +721,17 @@ class Ends:
             return self.summed(done, backward, elsewhere, g_embed)[0]
         return add_into(g_embed, jax.tree.map(lambda g, z: jnp.where(done, g, z), backward()[0], elsewhere()[0]))
 
-    def summed(self, on, compute, otherwise, total, add=None):
+    def summed(self, on, compute, otherwise, total, add=None, into=None):
         """(`total` plus the gradients of `compute()` -> (gradients, rest), rest) where `on`; else (`total`,
         the rest of `otherwise()`). Where every mesh axis is manual the sum is taken inside the branch: an
         idle tick then neither makes zeros nor adds them (each a pass over the gradients' memory per tick:
-        a third of gpipe's step on benchmarks/pipeline_work.py). Where XLA has axes of its own, the sum
-        stays outside (re-tiling a sum there can put a collective in a branch some stages skip)."""
+        a third of gpipe's step on benchmarks/pipeline_work.py), and by `into(total)` -> (total plus the
+        gradients, rest) where given: the layers' gradients added one layer at a time as they are made.
+        Where XLA has axes of its own, the sum stays outside (re-tiling a sum there can put a collective in
+        a branch some stages skip)."""
         add = add or add_into
+        if self.sums_inside and into is not None:
+            return jax.lax.cond(on, into, lambda total: (total, otherwise()[1]), total)
         if self.sums_inside:
 
             def run(total):

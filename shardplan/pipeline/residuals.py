@@ -182,21 +182,27 @@ class LayerResiduals:
         (h, stash, until_b), _ = self._scan(body, (h, stash, list(until_b)), chunk_state, FORWARD_SCOPE)
         return h, stash, until_b
 
-    def backward(self, chunk_state, m, first, size, stash: list, slot, cot):
-        """(the chunk's weight gradients, its input's gradient) of the microbatch kept at `slot`."""
+    def backward(self, chunk_state, m, first, size, stash: list, slot, cot, into=None):
+        """(the chunk's weight gradients, its input's gradient) of the microbatch kept at `slot`.
+        `into`: (running sums, index of the chunk's sums in them): each layer's gradients are added to
+        its sums as the backward makes them, and the sums are returned in place of the chunk's gradients
+        (one layer's gradients alive beside the sums, as in Megatron's one buffer, not a chunk's)."""
 
-        def body(g, inputs):
+        def body(carry, inputs):
             layer_state, i = inputs
 
-            def run(g):
+            def run(g, sums):
                 gl, gx = self._parts.gradients(jax.tree.leaves(layer_state), [b[slot, i] for b in stash], g)
-                return jax.tree.unflatten(self._def, gl), gx
+                return gx, _added(sums, into, i, gl) if into is not None else jax.tree.unflatten(self._def, gl)
 
-            gl, gx = self._unless_padding(size, i, run, lambda g: (jax.tree.map(jnp.zeros_like, layer_state), g), g)
-            return gx, gl
+            def skip(g, sums):
+                return g, sums if into is not None else jax.tree.map(jnp.zeros_like, layer_state)
 
-        gx, gl = self._scan(body, cot, chunk_state, BACKWARD_SCOPE, reverse=True)
-        return gl, gx
+            gx, out = self._unless_padding(size, i, run, skip, *carry)
+            return (gx, out if into is not None else None), None if into is not None else out
+
+        (gx, sums), gl = self._scan(body, (cot, into and into[0]), chunk_state, BACKWARD_SCOPE, reverse=True)
+        return (sums if into is not None else gl), gx
 
     def input_gradient(
         self, chunk_state, first, size, stash: list, slot, until_b: list, b_slot, handed: list, cot, h_slot=None
@@ -219,22 +225,33 @@ class LayerResiduals:
         (gx, handed), _ = self._scan(body, (cot, handed), chunk_state, BACKWARD_SCOPE, reverse=True)
         return gx, handed
 
-    def weight_gradient(self, chunk_state, first, size, stash: list, slot, handed: list, h_slot=None):
-        """Split: the chunk's weight gradients of the microbatch kept at `slot` (B's at `h_slot`)."""
+    def weight_gradient(self, chunk_state, first, size, stash: list, slot, handed: list, h_slot=None, into=None):
+        """Split: the chunk's weight gradients of the microbatch kept at `slot` (B's at `h_slot`); `into`:
+        as `backward`'s (the sums returned, each layer's gradients added as W makes them)."""
         h_slot = slot if h_slot is None else h_slot
 
-        def body(_, inputs):
+        def body(sums, inputs):
             layer_state, i = inputs
 
-            def run():
+            def run(sums):
                 gl = self._parts.weight_gradient(
                     jax.tree.leaves(layer_state), [b[slot, i] for b in stash], [b[h_slot, i] for b in handed]
                 )
-                return jax.tree.unflatten(self._def, gl)
+                return _added(sums, into, i, gl) if into is not None else jax.tree.unflatten(self._def, gl)
 
+            if into is not None:
+                return self._unless_padding(size, i, run, lambda sums: sums, sums), None
             if size is None:
-                return None, run()
-            return None, self._when(i < size, run, lambda: jax.tree.map(jnp.zeros_like, layer_state))
+                return None, run(None)
+            return None, self._when(i < size, lambda: run(None), lambda: jax.tree.map(jnp.zeros_like, layer_state))
 
-        _, gl = self._scan(body, None, chunk_state, BACKWARD_SCOPE)
-        return gl
+        sums, gl = self._scan(body, into and into[0], chunk_state, BACKWARD_SCOPE)
+        return sums if into is not None else gl
+
+
+def _added(sums, into, layer, gradients: list):
+    """`sums` with one layer's `gradients` (leaves, in the layer state's order) added at [*at, layer], for
+    `into` = (sums, at)."""
+    leaves, tree = jax.tree.flatten(sums)
+    at = (*into[1], layer)
+    return jax.tree.unflatten(tree, [t.at[at].add(g.astype(t.dtype)) for t, g in zip(leaves, gradients)])

@@ -127,6 +127,12 @@ def zero_bubble_schedule(loop: Loop, operands: Operands):
                 lambda: (parts.weight_gradient(chunk, first, size, kept, slot, crossed, None if delayed else 0), ()),
                 lambda: (jax.tree.map(jnp.zeros_like, chunk), ()),
                 carry.g_layers,
+                into=lambda sums: (
+                    parts.weight_gradient(
+                        chunk, first, size, kept, slot, crossed, None if delayed else 0, into=(sums, ())
+                    ),
+                    (),
+                ),
             )
             g_embed = ends.embed_gradients(b_on & (s == 0), m, gx, carry.g_embed)
             return _Carry(

@@ -148,6 +148,10 @@ def zero_bubble_v_schedule(loop: Loop, operands: Operands):
                 lambda: (jax.tree.map(jnp.zeros_like, chunk), ()),
                 carry.g_layers,
                 lambda total, gl: jax.tree.map(lambda t, g: t.at[v].add(g.astype(t.dtype)), total, gl),
+                lambda sums: (
+                    parts.weight_gradient(chunk, first, None, kept, slot, crossed, c_slot, into=(sums, (v,))),
+                    (),
+                ),
             )
             g_embed = ends.embed_gradients(b_on & (s == 0) & (v == 0), m, gx, carry.g_embed)
 

@@ -854,11 +854,11 @@ def smallest_peak(found: Search) -> str | None:
     parts = {"parameters": e.param_bytes, "optimizer state": e.optimizer_bytes, "inputs": e.input_bytes}
     parts["compute copy"] = e.compute_copy_bytes
     backward = e.activation_bytes + e.early_grad_bytes + e.gathered_bytes
-    if backward >= e.grad_bytes + e.updated_bytes + e.regathered_bytes:  # (the high point peak_bytes takes)
+    if backward >= e.grad_bytes + e.reduced_copy_bytes + e.updated_bytes + e.regathered_bytes:  # (peak_bytes')
         parts |= {"activations": e.activation_bytes, "early gradients": e.early_grad_bytes}
         parts["gathered weights"] = e.gathered_bytes
     else:
-        parts |= {"gradients": e.grad_bytes, "new optimizer state": e.updated_bytes}
+        parts |= {"gradients": e.grad_bytes + e.reduced_copy_bytes, "new optimizer state": e.updated_bytes}
         parts["regathered parameters"] = e.regathered_bytes
     shown = ", ".join(f"{name} {human_bytes(b)}" for name, b in sorted(parts.items(), key=lambda kv: -kv[1]) if b)
     label = f"{nearest.candidate.label()}, {nearest.candidate.rules_label()}"

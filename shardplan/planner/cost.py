@@ -96,6 +96,9 @@ class Estimate:
     regathered_bytes: int = 0  # ZeRO-1: updated parameters gathered whole before they replace the old
     exposed_communication_s: float = 0.0
     updated_bytes: int = 0  # new optimizer state alive at once at the update
+    # a tabled pipeline's gradient sums and their mean over the batch axes, made into new buffers after
+    # the loop: both alive at once (the sums' size, counted beside `grad_bytes`)
+    reduced_copy_bytes: int = 0
     caveats: tuple[str, ...] = ()  # what this layout has that the model does not know: figures approximate
     update_s: float = 0.0  # the optimizer's update, bound by memory bandwidth (in step_s)
     hidden: tuple[tuple[str, float], ...] = ()  # (overlap lane, seconds of communication hidden behind compute)
@@ -139,7 +142,7 @@ class Estimate:
             + self.compute_copy_bytes
             + max(
                 self.activation_bytes + self.early_grad_bytes + self.gathered_bytes,
-                self.grad_bytes + self.updated_bytes + self.regathered_bytes,
+                self.grad_bytes + self.reduced_copy_bytes + self.updated_bytes + self.regathered_bytes,
             )
         )
 
@@ -180,6 +183,7 @@ class Estimate:
             "gathered_bytes": self.gathered_bytes,
             "regathered_bytes": self.regathered_bytes,
             "updated_bytes": self.updated_bytes,
+            "reduced_copy_bytes": self.reduced_copy_bytes,
             "flops": self.flops,
             "compute_s": self.compute_s,
             "communication_s": self.communication_s,
@@ -229,6 +233,17 @@ class _Step:
             return ()
         axes = tuple(a for a, n in self.sizes.items() if n > 1 and a != self.stage_axis and a not in self.batch_axes)
         return axes if self.width % math.prod(self.sizes[a] for a in axes) == 0 else ()
+
+    @property
+    def sums_in_branches(self) -> bool:
+        """Whether a tabled pipeline adds each layer's gradients to its running sums as its backward makes
+        them (`shardplan.pipeline.loop.Ends.summed`): where every mesh axis is the stage's or a batch axis
+        (all of them manual) and the stages branch (no context axis)."""
+        return (
+            self.stage_axis is not None
+            and self.context is None
+            and all(a == self.stage_axis or a in self.batch_axes for a, n in self.sizes.items() if n > 1)
+        )
 
     def widening(self, p: ParamLayout) -> float:
         """How much larger than the stored parameter its gradient moves (float32 on a widening backend)."""
@@ -390,8 +405,22 @@ def estimate(
         compute_copy = sum(math.prod(p.shard_shape) * step.count(p.path) for p in every) * options.compute_itemsize
     # the head's gradients, made as the backward starts (a tied embedding's second use too)
     early_grads = sum(p.bytes_per_device for p in held if p.path in roles.after_layers | roles.tied)
+    reduced_copy = 0
     if step.accumulate > 1:  # the running sum of the gradients, and each microbatch's before it is added
         early_grads = 2 * param_bytes
+    elif step.tabled and step.sums_in_branches:
+        # the stage's layers' running sums, float32 at least, and one layer's gradients (in the stored dtype:
+        # the cast to the compute dtype is inside the call) as the backward adds them in, one layer at a time
+        sums, layer_grads = 0, {}
+        for p in every:
+            if p.stage is not None:
+                size = math.prod(p.shard_shape) * _loop_ways(p, step, expert_paths)
+                sums += size * step.count(p.path) * max(4, p.itemsize)
+                layer = roles.layer_of(p.path)
+                layer_grads[layer] = layer_grads.get(layer, 0) + size * p.itemsize
+        early_grads = sums + max(layer_grads.values(), default=0)
+        # their mean over the batch axes after the loop, into new buffers (XLA's all-reduce: measured)
+        reduced_copy = sums if step.ways(step.batch_axes) > 1 else 0
     elif step.tabled:
         # the same for the stage's layers, inside the loop (the head's: above): each microbatch's in
         # the compute dtype, their running sum in float32 at least (`shardplan.pipeline.loop`)
@@ -498,6 +527,7 @@ def estimate(
         # after a pipeline XLA updates in place, parameter by parameter (measured on 1F1B steps of two
         # sizes); outside one it did not always
         updated_bytes=max((p.opt_bytes_per_device for p in resting), default=0) if step.stage_axis else optimizer_bytes,
+        reduced_copy_bytes=reduced_copy,
         caveats=options.caveats
         + _layout_caveats(held, roles, step)
         + (experts.caveats if experts else ())
