@@ -113,7 +113,8 @@ def test_cost_model_on_one_f_one_b_matches_the_compiled_step(ends_on_stages, com
     """The shipped 3-D plan (1F1B, vocabulary-parallel head). The head runs inside the loop with its
     vocabulary still split (it once entered whole: the compiled step then moved 1.9x the bytes at
     article size), beside the running sum of its gradients and each microbatch's, and the stage's
-    layer gradients twice (measured in XLA's buffers). Collective bytes within 2%; the backward's
+    layer gradients' sums with one layer's being added to them (the branch adds each layer's as the
+    backward makes it, under the tensor axis XLA keeps too), and after the loop their mean beside them. Collective bytes within 2%; the backward's
     start and the modelled peak within 10% of the compiled peak (measured +6.6%, since the stages keep
     their layers' residuals rather than recompute: the stash is modelled as autodiff's per-layer sets;
     after a pipeline XLA updates the optimizer state in place; counting all new moments at once gave
