@@ -120,6 +120,14 @@ def step_variant(name: str, changes: dict | None, config: dict) -> shardplan.Pla
     return shardplan.parse_plan(yaml.safe_dump(document))
 
 
+def _plan_of(ranked, roles, abstract) -> shardplan.Plan:
+    """The ranked candidate's plan: as checked, or written now where `search` ranked it on one layer
+    (`Ranked.plan` None past its first few; the same modelled cost)."""
+    from shardplan.planner.auto import build_plan
+
+    return ranked.plan or build_plan(ranked.candidate, roles, param_infos(abstract))
+
+
 def held_out(count: int, batch: int, seq: int) -> list[dict]:
     """Plans the model was not fitted on: `auto`'s top candidates for the LLaMA-style test model,
     plus its best candidate of each pipeline schedule, with and without FSDP."""
@@ -135,7 +143,7 @@ def held_out(count: int, batch: int, seq: int) -> list[dict]:
         roles,
         SearchRequest(devices=8, workload=Workload(batch, seq), profile=get_profile("cpu")),
         keep=10_000,
-    )  # every candidate checked in full: the pipelines are picked from them
+    )  # every candidate ranked: the pipelines are picked from them
     picked, seen = [], set()
     for ranked in found.ranked:
         key = (
@@ -159,7 +167,7 @@ def held_out(count: int, batch: int, seq: int) -> list[dict]:
                 picked.append(best)
     rows = []
     for ranked in picked:
-        compiled = measure(ranked.plan, Llama(**config, rngs=nnx.Rngs(0)), batch, seq)
+        compiled = measure(_plan_of(ranked, roles, abstract), Llama(**config, rngs=nnx.Rngs(0)), batch, seq)
         rows.append(row(f"{ranked.candidate.label()}, {ranked.candidate.rules_label()}", ranked.estimate, compiled))
     return rows
 
@@ -180,7 +188,7 @@ def heads_first(count: int, batch: int, seq: int) -> list[dict]:
         roles,
         SearchRequest(devices=8, workload=Workload(batch, seq), profile=get_profile("cpu")),
         keep=10_000,
-    )  # every candidate checked in full: the pipelines are picked from them
+    )  # every candidate ranked: the pipelines are picked from them
     picked = []
     for ranked in found.ranked:
         if ranked.candidate.schedule is None and len(picked) < count:
@@ -190,7 +198,8 @@ def heads_first(count: int, batch: int, seq: int) -> list[dict]:
         picked += [best] if best is not None else []
     rows = []
     for ranked in picked:
-        compiled = measure(ranked.plan, GemmaLike(config, rngs=nnx.Rngs(0)), batch, seq, arguments=_gemma_arguments)
+        plan = _plan_of(ranked, roles, abstract)
+        compiled = measure(plan, GemmaLike(config, rngs=nnx.Rngs(0)), batch, seq, arguments=_gemma_arguments)
         rows.append(row(f"{ranked.candidate.label()}, {ranked.candidate.rules_label()}", ranked.estimate, compiled))
     return rows
 
