@@ -671,7 +671,6 @@ class Ends:
         (self._split, self._whole), self._targets = mine.head_inputs, mine.targets
         self._keys = shard_keys(mine.keys[1], loop.mesh, loop.batch_axes)
         self.like = jax.eval_shape(self.entering, self._embed_params, 0)
-        self.branches = loop.branches
         self.sums_inside = loop.branches and all(
             name in (loop.axis, *loop.batch_axes) or size == 1 for name, size in loop.mesh.shape.items()
         )
@@ -728,11 +727,12 @@ class Ends:
         idle tick then neither makes zeros nor adds them (each a pass over the gradients' memory per tick:
         a third of gpipe's step on benchmarks/pipeline_work.py), and by `into(total)` -> (total plus the
         gradients, rest) where given: the layers' gradients added one layer at a time as they are made.
-        Otherwise, where XLA has axes of its own, the sum stays outside (re-tiling a sum there can put a
-        collective in a branch some stages skip; the layers' `into` adds only each layer's gradients, made
-        in its own layout, and runs in the branch wherever the stages branch)."""
+        Where XLA has axes of its own, the sum stays outside, and `into` is not used: re-tiling a sum there
+        can put a collective in a branch some stages skip (adding each layer's gradients in the branch
+        under an axis left to XLA did: `python -m tests.combinations --seed 9102`, cases 366 and 496, a
+        weight split over that axis, XLA:CPU's collective-permute waiting for stages that never came)."""
         add = add or add_into
-        if self.branches and into is not None:
+        if self.sums_inside and into is not None:
             return jax.lax.cond(on, into, lambda total: (total, otherwise()[1]), total)
         if self.sums_inside:
 

@@ -237,8 +237,13 @@ class _Step:
     @property
     def sums_in_branches(self) -> bool:
         """Whether a tabled pipeline adds each layer's gradients to its running sums as its backward makes
-        them (`shardplan.pipeline.loop.Ends.summed`): where the stages branch (no context axis)."""
-        return self.stage_axis is not None and self.context is None
+        them (`shardplan.pipeline.loop.Ends.summed`): where every mesh axis is the stage's or a batch axis
+        (all of them manual) and the stages branch (no context axis)."""
+        return (
+            self.stage_axis is not None
+            and self.context is None
+            and all(a == self.stage_axis or a in self.batch_axes for a, n in self.sizes.items() if n > 1)
+        )
 
     def widening(self, p: ParamLayout) -> float:
         """How much larger than the stored parameter its gradient moves (float32 on a widening backend)."""
