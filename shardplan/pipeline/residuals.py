@@ -201,7 +201,9 @@ class LayerResiduals:
             gx, out = self._unless_padding(size, i, run, skip, *carry)
             return (gx, out if into is not None else None), None if into is not None else out
 
-        (gx, sums), gl = self._scan(body, (cot, into and into[0]), chunk_state, BACKWARD_SCOPE, reverse=True)
+        (gx, sums), gl = self._scan(
+            body, (cot, None if into is None else into[0]), chunk_state, BACKWARD_SCOPE, reverse=True
+        )
         return (sums if into is not None else gl), gx
 
     def input_gradient(
@@ -245,7 +247,7 @@ class LayerResiduals:
                 return None, run(None)
             return None, self._when(i < size, lambda: run(None), lambda: jax.tree.map(jnp.zeros_like, layer_state))
 
-        sums, gl = self._scan(body, into and into[0], chunk_state, BACKWARD_SCOPE)
+        sums, gl = self._scan(body, None if into is None else into[0], chunk_state, BACKWARD_SCOPE)
         return sums if into is not None else gl
 
 
