@@ -26,6 +26,7 @@ from shardplan.planner.representative import Representative
 from shardplan.core.roles import CodeCopies, recognise_module
 from shardplan.model.abstract import abstract_with_roles
 from shardplan.compose.measure import measure
+from shardplan.review.report import check_params
 
 from minigpt_model.llama import Llama
 from wild_models import GemmaConfig, GemmaLike, gemma_inputs
@@ -752,6 +753,49 @@ def test_long_sequences_get_context_parallelism_and_the_written_plan_checks():
     tiny = lambda: Llama(vocab=64, dim=32, heads=4, kv_heads=2, hidden=64, layers=2, rngs=nnx.Rngs(0))  # noqa: E731
     report = shardplan.check(
         small, tiny(), input_shapes={"tokens": (2, 32)}, example=lambda m: m(jnp.zeros((2, 32), jnp.int32))
+    )
+    assert report.ok, [d.format() for d in report.errors]
+
+
+def test_a_405b_class_question_at_8k_tokens_offers_the_published_context_parallel_layout():
+    """NeMo's and Megatron Bridge's Llama 3.1 405B recipe on 1,024 H100s splits its 8,192-token sequences
+    over context 2 (tensor 8 x pipeline 8 x context 2 x data 8): that layout is among auto's candidates
+    (16 of the 126 layers, to bound the work: the candidates do not depend on the depth beyond the stages)."""
+    model, roles = abstract_with_roles(
+        lambda: Llama(vocab=128256, dim=16384, heads=128, kv_heads=8, hidden=53248, layers=16, rngs=nnx.Rngs(0))
+    )
+    published = {"stage": 8, "data": 8, "context": 2, "model": 8}
+    offered = [
+        c for c in auto.candidates(roles, 1024, 128, Workload(512, 8192), compute="bfloat16") if c.axes == published
+    ]
+    assert offered and {c.schedule for c in offered} >= {"1f1b", "interleaved"}
+    # at 4,096 tokens a split would leave shards of 2,048 or fewer: not offered
+    assert all("context" not in c.axes for c in auto.candidates(roles, 1024, 128, Workload(512, 4096)))
+
+
+def test_a_131k_token_question_on_16384_devices_writes_a_context_parallel_plan_that_validates(tmp_path):
+    """Llama 3's 128K stage at 70B-class width (20 layers, to bound the work) on 16,384 H200s: auto's
+    written plan splits the sequence over a context axis and reads back without a diagnostic."""
+    model, roles = abstract_with_roles(
+        lambda: Llama(vocab=32000, dim=8192, heads=64, kv_heads=8, hidden=28672, layers=20, rngs=nnx.Rngs(0))
+    )
+    found = auto.search(
+        param_infos(model),
+        roles,
+        auto.SearchRequest(
+            devices=16384,
+            workload=Workload(256, 131072),
+            profile=get_profile("h200"),
+            hosts=2048,
+            compute="bfloat16",
+        ),
+    )
+    assert found.best is not None and found.best.candidate.axes.get("context", 1) > 1, found.best
+    plan = _written(found, tmp_path)
+    assert plan.context is not None and plan.mesh.axes["context"] == found.best.candidate.axes["context"]
+    # as `shardplan validate --devices 16384` checks it
+    report = check_params(
+        plan, param_infos(model), list(range(16384)), input_shapes={"tokens": (256, 131072)}, processes=2048
     )
     assert report.ok, [d.format() for d in report.errors]
 

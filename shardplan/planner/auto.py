@@ -49,6 +49,7 @@ KEEP = 8  # candidates checked in full and shown
 # Context parallelism is offered for sequences this long, over at most this many devices (Llama 3's
 # 128K-token stage ran 16; MaxText and torchtitan document 8 to 32).
 LONG_SEQUENCE = 16384
+CONTEXT_SHARD = 4096  # tokens each device keeps of a sequence split below LONG_SEQUENCE
 MAX_CONTEXT = 64
 
 
@@ -571,13 +572,19 @@ def _schedules(base: Candidate, stage: int, data: int, roles: ModelRoles, worklo
 
 
 def _context_sizes(devices: int, workload: Workload, roles: ModelRoles) -> list[int]:
-    """Context axis sizes offered: for sequences of LONG_SEQUENCE tokens and more (shorter ones fit
-    without, as published runs train them), the powers of two up to MAX_CONTEXT that divide the
-    devices and the sequence, for a model with attention."""
+    """Context axis sizes offered, for a model with attention: the powers of two up to MAX_CONTEXT that
+    divide the devices and the sequence; below LONG_SEQUENCE tokens only those that leave each device
+    CONTEXT_SHARD tokens or more (published runs split 8k sequences in two: Llama 3.1 405B at CP 2 in
+    NeMo's and Megatron Bridge's recipes; shorter shards leave the ring's blocks too small to hide its
+    sends)."""
     sizes = [1]
-    if workload.seq >= LONG_SEQUENCE and roles.attention:
+    if roles.attention:
         sizes += [
-            c for c in (2**k for k in range(1, MAX_CONTEXT.bit_length())) if devices % c == 0 and workload.seq % c == 0
+            c
+            for c in (2**k for k in range(1, MAX_CONTEXT.bit_length()))
+            if devices % c == 0
+            and workload.seq % c == 0
+            and (workload.seq >= LONG_SEQUENCE or workload.seq // c >= CONTEXT_SHARD)
         ]
     return sizes
 
