@@ -163,6 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("--json", action="store_true", help="print the layout as JSON instead of tables")
     inspect.add_argument(
+        "--explain-time",
+        action="store_true",
+        help="also print the modelled step time term by term (weight matmuls, their kernels' fixed cost, "
+        "attention, memory-bound work, pipeline bubble and ticks, each kind of collective less what runs "
+        "behind compute, the optimizer update), what each is computed from, and that they add up to the "
+        "step (in --json: estimate.time_explained)",
+    )
+    inspect.add_argument(
         "--svg",
         metavar="FILE",
         help="also draw the plan as an SVG picture: the mesh with each "
@@ -850,7 +858,9 @@ def _inspect(args, console: Console) -> int:
             }
         print(json.dumps(data, indent=2))
         return EXIT_OK if report.ok else EXIT_INVALID
-    render_inspect(console, report, cost, device=args.device, all_params=args.all_params)
+    render_inspect(
+        console, report, cost, device=args.device, all_params=args.all_params, explain_time=args.explain_time
+    )
     if args.svg:
         from shardplan.cli.picture import render_svg
 
@@ -881,7 +891,15 @@ def inspected(args):
     return report, (_estimate(args, report, order, model, deep) if report.ok else None)
 
 
-def render_inspect(console: Console, report, cost, *, device: int | None = None, all_params: bool = False) -> None:
+def render_inspect(
+    console: Console,
+    report,
+    cost,
+    *,
+    device: int | None = None,
+    all_params: bool = False,
+    explain_time: bool = False,
+) -> None:
     """What `inspect` prints: the summary first (mesh, per-device totals, pipeline, estimate), then the
     tables and the diagnostics."""
     from shardplan.cli import render
@@ -901,6 +919,8 @@ def render_inspect(console: Console, report, cost, *, device: int | None = None,
             code=cost.code,
             evened=_evened_stages(report, cost.estimate),
         )
+        if explain_time:
+            render.render_time_terms(console, cost.profile, cost.estimate)
     render.render_params(console, report, collapse=not all_params)
     if device is not None and report.devices:  # no per-device layout when the mesh does not fit
         render.render_device_detail(console, report, device, collapse=not all_params)

@@ -619,6 +619,20 @@ def render_estimate(console: Console, workload, profile, cost, *, accumulate: in
         print_wrapped(console, Text.assemble(("  approximate: ", "bold yellow"), caveat))
 
 
+def render_time_terms(console: Console, profile, cost) -> None:
+    """The modelled step term by term (`Estimate.time_explained`), each with its share and what it is
+    computed from, and their sum."""
+    table = Table(box=None, pad_edge=False, title=f"Modelled step time, term by term ({profile.name} profile)")
+    for column in ("term", "ms", "share", "computed from"):
+        table.add_column(column, justify="right" if column in ("ms", "share") else "left", overflow="fold")
+    step = cost.step_s or 1.0
+    for term in cost.time_explained:
+        table.add_row(term.name, f"{term.seconds * 1e3:.3f}", f"{term.seconds / step:.1%}", term.basis)
+    total = sum(term.seconds for term in cost.time_explained)
+    table.add_row("step", f"{total * 1e3:.3f}", f"{total / step:.1%}", "the terms added up")
+    print_table(console, table)
+
+
 def _render_stage_costs(console: Console, cost, evened=None) -> None:
     """Each pipeline stage's modelled activations and compute, how unequal they are, and a split of the
     layers that evens them out (`evened`)."""

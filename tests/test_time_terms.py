@@ -1,0 +1,102 @@
+"""The modelled step as named terms (`Estimate.time_explained`, `shardplan inspect --explain-time`): on
+every shipped plan and profile they add up to the step and agree with the coarser sums; the compute
+terms count the FLOPs the compiled program runs; the command prints them within the terminal's width."""
+
+import re
+
+import pytest
+from flax import nnx
+
+import minigpt_model
+import shardplan
+from shardplan.compose.measure import compile_step
+from shardplan.core.roles import recognise_module
+from shardplan.model.factory import build_model
+from shardplan.planner.cost import Workload, estimate
+from shardplan.planner.profiles import get_profile, load_profile
+
+from conftest import PLANS, REPO
+
+SHIPPED = sorted(p.name for p in PLANS.iterdir() if p.suffix in (".yaml", ".toml"))
+PROFILES = {
+    "h200": get_profile("h200"),
+    "cpu": get_profile("cpu"),
+    "tpu-v5e": get_profile("tpu-v5e"),
+    "h100 file": load_profile(REPO / "profiles" / "h100-80gb-sxm.yaml"),
+}
+COMPUTE = ("weight matmuls", "matmul kernels' fixed cost", "attention", "memory-bound work")
+PIPELINE = ("pipeline bubble", "pipeline ticks")
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_the_terms_add_up_to_the_step_on_every_shipped_plan_and_profile(name):
+    plan = shardplan.load_plan(PLANS / name)
+    model = build_model(plan.model.factory, plan.model.config)
+    report = shardplan.check(plan, model)
+    roles = recognise_module(model)
+    for profile_name, profile in PROFILES.items():
+        cost = estimate(report, roles, Workload(32, 128), profile)
+        terms = {t.name: t for t in cost.time_explained}
+        where = f"{name} on {profile_name}"
+        assert len(terms) == len(cost.time_explained), where  # each named once
+        assert sum(t.seconds for t in terms.values()) == pytest.approx(cost.step_s, rel=1e-12), where
+        assert all(t.seconds >= -1e-12 * cost.step_s and t.basis for t in terms.values()), where
+        # the same step as the coarse sums `auto` compares candidates by
+        coarse = cost.time_terms()
+        assert sum(terms[n].seconds for n in COMPUTE) == pytest.approx(coarse["compute"], rel=1e-9, abs=1e-15)
+        lanes = [t.seconds for n, t in terms.items() if n not in (*COMPUTE, *PIPELINE, "optimizer update")]
+        assert sum(lanes) == pytest.approx(coarse["communication"], rel=1e-9, abs=1e-15), where
+        assert terms["optimizer update"].seconds == coarse["optimizer update"]
+        assert (plan.pipeline is not None) == all(n in terms for n in PIPELINE), where
+        if plan.pipeline is not None:
+            assert terms["pipeline bubble"].seconds == coarse["pipeline bubble"]
+            assert (
+                terms["pipeline sends"].seconds > 0 and "collective-permute over stage" in terms["pipeline sends"].basis
+            )
+
+
+@pytest.mark.parametrize("name", ["minigpt_dp_tp.yaml", "minigpt_fsdp.toml"])
+def test_the_compute_terms_count_the_flops_the_compiled_step_runs(name):
+    """The FLOPs behind the matmul and attention terms (their seconds times the rate they are timed at)
+    against XLA's count for the compiled step on this machine's devices, which adds the elementwise
+    work's own FLOPs (norms, softmax, GELU): 94-98% of it on these layouts. (A pipeline's loop body is
+    counted once by XLA, so pipelines are compared by their collectives and memory elsewhere.)"""
+
+    def build():
+        return minigpt_model.MiniGPT(
+            maxlen=32,
+            vocab_size=512,
+            embed_dim=128,
+            num_heads=4,
+            feed_forward_dim=256,
+            num_transformer_blocks=4,
+            rngs=nnx.Rngs(0),
+        )
+
+    plan = shardplan.load_plan(PLANS / name)
+    compiled = compile_step(plan, build(), 16, 32).compiled.cost_analysis()["flops"]
+    profile = get_profile("cpu")
+    cost = estimate(shardplan.check(plan, build()), recognise_module(build()), Workload(16, 32), profile)
+    terms = {t.name: t.seconds for t in cost.time_explained}
+    peak = profile.flops_for("float32")
+    modelled = (
+        terms["weight matmuls"] * peak * profile.matmul_efficiency
+        + terms["attention"] * peak * profile.attention_efficiency
+    )
+    assert 0.9 * compiled <= modelled <= compiled, (modelled, compiled)
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_inspect_explain_time_prints_every_term_and_their_sum(width, capsys, monkeypatch):
+    from shardplan.cli import main
+
+    monkeypatch.setenv("COLUMNS", str(width))
+    assert main(["inspect", "plans/minigpt_pp4.yaml", "--explain-time"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("Modelled step time, term by term") : out.index("Parameters,")]
+    assert all(len(line) <= width for line in table.splitlines())
+    for term in (*COMPUTE, *PIPELINE, "pipeline sends", "gradient reductions", "optimizer update"):
+        assert term.split()[0] in table, term
+    step = re.search(r"modelled step ([\d.]+) ms", " ".join(out.split())).group(1)
+    row = re.search(r"^step\s+([\d.]+)\s+100\.0%", table, re.MULTILINE)
+    assert row and float(row.group(1)) == pytest.approx(float(step), abs=0.005), table
