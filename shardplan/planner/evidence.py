@@ -1,9 +1,17 @@
 """What published training runs reached on each class of hardware, so that `auto` marks a modelled plan
 that claims more (pure data).
 
-Model FLOPs utilisation (MFU): the model's matmul FLOPs of a step, nothing recomputed, by Megatron's
-count (`shardplan.planner.cost.model_flops`), over the step time and the devices' dense peak. A class is
-the dense bf16 peak a profile gives (a datasheet profile of an A100 and the shipped one are one class).
+Model FLOPs utilisation (MFU): the model's matmul FLOPs of a step, nothing recomputed, by this project's
+count (`shardplan.planner.cost.model_flops`: 6 per matmul weight and token, 12 per token, key position
+and query width of attention, the whole square), over the step time and the devices' dense peak. Each
+record is worked out here from the run's own published figures (its matmul weights, shape and tokens
+per second), so a plan and a record are measured by one count; where a source gives only its own MFU,
+its count is the same as this one (said at the record). A class is the dense bf16 peak a profile
+gives, and its memory where two classes share a peak (H100 and H200).
+
+Only bf16 (or fp16) runs count: shardplan models no fp8 compute, and an fp8 run's "model TFLOP/s" over
+the bf16 peak says nothing of what a bf16 plan can reach. Classes without a record (B200: no published
+bf16 dense training run was found) are not marked.
 """
 
 from __future__ import annotations
@@ -12,32 +20,85 @@ import dataclasses
 
 from shardplan.planner.profiles import Profile
 
+WEIGHT_FLOPS = 6  # per matmul weight and token (as `shardplan.planner.cost.compute`)
+ATTENTION_FLOPS = 12  # per token, key position and query width
+
 
 @dataclasses.dataclass(frozen=True)
 class Published:
     hardware: str
-    peak_flops: float  # dense bf16 FLOP/s of the class
-    mfu: float  # the best model FLOPs utilisation published for it
+    peak_flops: float  # dense bf16 FLOP/s of one device of the class
+    memory_bytes: int  # of one device: tells classes of one peak apart
+    mfu: float  # the best model FLOPs utilisation published for it, by this project's count
     source: str
+    date: str  # when the figures were published
+
+
+def dense_decoder_mfu(
+    matmul_weights: float, layers: int, width: int, seq: int, tokens_per_s: float, peak_flops: float
+) -> float:
+    """MFU of a dense decoder run by `model_flops`'s count: `matmul_weights` the parameters of its
+    matmuls (the head's too, not the embedding's lookup), `width` the attention's query width."""
+    per_token = WEIGHT_FLOPS * matmul_weights + ATTENTION_FLOPS * layers * seq * width
+    return per_token * tokens_per_s / peak_flops
+
+
+def _llama_weights(layers: int, width: int, kv_width: int, hidden: int, vocab: int) -> int:
+    """A LLaMA decoder's matmul weights: q and o (width^2 each), k and v (width x kv_width each), the
+    gated MLP (3 x width x hidden) per layer, and the untied head."""
+    return layers * (2 * width * width + 2 * width * kv_width + 3 * width * hidden) + width * vocab
 
 
 BEST_PUBLISHED = (
-    # 1T-parameter GPT on 512 A100 with sequence parallelism and selective recomputation: 71.49 s an
-    # iteration of 512 x 2048 tokens, 56.3% by the paper's formula (and by `model_flops`, within 0.1%)
-    Published("A100", 312e12, 0.563, "Korthikanti et al. 2022, Table 5 (1T GPT on 512 A100)"),
-    # MPT-7B (FSDP, flash attention) at 10,643 tokens/s per H100: (6 x 6.7e9 + 12 x 32 x 4096 x 2048) FLOPs a
-    # token x 10,643 / 989e12 = 47%; Llama 3 405B reports 38-43% on 8-16K H100 (Dubey et al. 2024, Table 4)
-    Published("H100/H200", 989e12, 0.47, "MosaicML llm-foundry's H100 table (MPT-7B on 8 H100)"),
+    # torchtitan (FSDP2, bf16) on 64 A100 80GB: Llama 2 13B, local batch 2 of 4,096 tokens, no activation
+    # checkpointing, 2,162 tokens/s per GPU (61.1% by torchtitan's count, which also counts the embedding's
+    # weights); above Korthikanti et al. 2022's 1T GPT on 512 A100 (56.3%)
+    Published(
+        "A100",
+        312e12,
+        80 * 2**30,
+        dense_decoder_mfu(_llama_weights(40, 5120, 5120, 13824, 32000), 40, 5120, 4096, 2162, 312e12),
+        "torchtitan docs/performance.md (Llama 2 13B, FSDP2 on 64 A100)",
+        "2024",
+    ),
+    # MPT-7B (FSDP, flash attention) at 10,643 tokens/s per H100: (6 x 6.7e9 + 12 x 32 x 4096 x 2048) FLOPs
+    # a token. Megatron-Core's README gives "up to 47%" for its 2B-462B weak-scaling runs on up to 6,144
+    # H100s by its own count; Llama 3 405B 38-43% on 8-16K H100 (Dubey et al. 2024, Table 4); NeMo
+    # AutoModel's Llama 3 70B (FSDP, CP 2, 64 H100) 866.77 tokens/s per GPU, 42.8% by this count
+    Published(
+        "H100",
+        989e12,
+        80 * 2**30,
+        dense_decoder_mfu(6.7e9, 32, 4096, 2048, 10643, 989e12),
+        "MosaicML llm-foundry's H100 table (MPT-7B on 8 H100)",
+        "2023",
+    ),
+    # the H200 has the H100 SXM's tensor cores at the same clocks (989 TFLOP/s dense bf16) and more, faster
+    # memory; no bf16 training run on H200 above the H100 record was found, so that record stands for it
+    Published(
+        "H200",
+        989e12,
+        141 * 10**9,
+        dense_decoder_mfu(6.7e9, 32, 4096, 2048, 10643, 989e12),
+        "the H100 record (same tensor cores and clocks): MPT-7B on 8 H100",
+        "2023",
+    ),
+    # MaxText's README, TPU v5e: a 32B model on one v5e-256 slice at 132 TFLOP/s per chip, 66.86% (MaxText
+    # counts attention over the whole square, as this count does)
+    Published("TPU v5e", 197e12, 16 * 10**9, 0.6686, "MaxText README (32B on 1x v5e-256)", "2024"),
+    # the same README, TPU v5p: a 64B model on v5p-128 at 323 TFLOP/s per chip, 70.31%
+    Published("TPU v5p", 459e12, 95 * 10**9, 0.7031, "MaxText README (64B on v5p-128)", "2024"),
 )
 
 
 def best_published(profile: Profile) -> Published | None:
-    """The record of the profile's class (its dense bf16 peak within 5%), None for a class with none."""
+    """The record of the profile's class: its dense bf16 peak within 5%, and of two such, the one whose
+    memory is nearer the profile's; None for a class with none."""
     peak = profile.peak_flops_by_dtype.get("bfloat16", profile.peak_flops)
-    for record in BEST_PUBLISHED:
-        if abs(peak / record.peak_flops - 1) <= 0.05:
-            return record
-    return None
+    same_peak = [r for r in BEST_PUBLISHED if abs(peak / r.peak_flops - 1) <= 0.05]
+    if not same_peak:
+        return None
+    return min(same_peak, key=lambda r: abs(r.memory_bytes - profile.memory_bytes))
 
 
 def beyond_evidence(mfu: float, profile: Profile) -> str | None:
@@ -48,5 +109,5 @@ def beyond_evidence(mfu: float, profile: Profile) -> str | None:
         return None
     return (
         f"modelled at {mfu:.0%} MFU, above the best published run on {record.hardware} ({record.mfu:.0%}: "
-        f"{record.source}): a claim without evidence"
+        f"{record.source}, {record.date}): a claim without evidence"
     )

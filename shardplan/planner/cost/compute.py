@@ -16,11 +16,7 @@ from shardplan.planner.cost.step import Step, Workload, attention_ways, split_ax
 from shardplan.planner.profiles import Profile
 
 ELEMENTWISE_PASSES = 4  # stored activation bytes moved by elementwise work: written and read, forward and back
-
-
 WEIGHT_FLOPS = 6  # per weight and token: 2 forward, 4 backward
-
-
 ATTENTION_FLOPS = 12  # per token, key position and query width: two matmuls, each 2 forward, 4 backward
 
 

@@ -16,11 +16,7 @@ from shardplan.plan.schema import format_spec, spec_axes
 from shardplan.planner.profiles import Profile
 
 TOKEN_BYTES = 4  # tokens and targets are int32
-
-
 LOGIT_COPIES = 3  # logits, their softmax and their gradient are alive together
-
-
 # in a pipeline's tick one microbatch's logits and their gradient (XLA writes the softmax into the
 # gradient's buffer; read in the buffer assignment of 1F1B steps at vocabularies 1,024 to 8,192);
 # zb-h1's W takes the head's weight gradient apart from B, and keeps the three
