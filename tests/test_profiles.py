@@ -69,6 +69,11 @@ def test_shipped_profile_files_load(name):
         ),
         (("devices_per_host: 8", "devices_per_host: 8\nmatmul_efficiency: 1e-300"), "invalid-value", (8, "0.001")),
         (("devices_per_host: 8", "devices_per_host: true"), "invalid-value", (7, "devices_per_host")),
+        (
+            ("devices_per_host: 8", "devices_per_host: 8\nmatmul_points: [[1024, 0, 1024, 1e-5]]"),
+            "invalid-value",
+            (8, "matmul_points"),
+        ),
         (("devices_per_host: 8", "devices_per_host: " + "8" * 5000), "invalid-value", (7, "5,000 characters")),
         (("peak_flops: 312e12", "peak_flops: 3" + "1" * 300 + "e-290"), "invalid-value", (2, "characters")),
     ],

@@ -100,3 +100,43 @@ def test_inspect_explain_time_prints_every_term_and_their_sum(width, capsys, mon
     step = re.search(r"modelled step ([\d.]+) ms", " ".join(out.split())).group(1)
     row = re.search(r"^step\s+([\d.]+)\s+100\.0%", table, re.MULTILINE)
     assert row and float(row.group(1)) == pytest.approx(float(step), abs=0.005), table
+
+
+def test_matmuls_are_timed_by_the_measured_efficiency_of_their_shapes(tmp_path):
+    """A profile's measured GEMMs (the H100 file carries 26 measured on an H200): a measured shape takes
+    its measured time; between shapes the nearest decide; outside the measured sizes the profile's two
+    figures (efficiency and a fixed cost per kernel) time it. The points survive a profile file's round
+    trip, and `inspect --explain-time` says the matmuls were timed by shape."""
+    from shardplan.planner.cost.compute import gemm_efficiency, matmul_shapes
+    from shardplan.planner.profiles import profile_file_text
+
+    profile = PROFILES["h100 file"]
+    peak = profile.flops_for("bfloat16")
+    share = matmul_shapes(profile, "bfloat16", peak)
+    assert matmul_shapes(profile, "float32", profile.flops_for("float32")) is None  # measured in bf16 only
+    for m, k, n, seconds in profile.matmul_points:
+        assert 2 * m * k * n / (share(m, k, n) * peak) == pytest.approx(seconds, rel=1e-9)
+    # between 4096^3 (0.72) and its neighbours of 1024 and 16384 tokens
+    near = [2 * m * k * n / (s * peak) for m, k, n, s in profile.matmul_points if (k, n) == (4096, 4096)]
+    assert min(near) <= share(8192, 4096, 4096) <= max(near)
+    # 64 tokens: below the measured sizes, so at 0.73 of the peak plus 7.9 us a kernel
+    flops = 2 * 64 * 4096 * 4096
+    assert flops / (share(64, 4096, 4096) * peak) == pytest.approx(flops / (peak * 0.73) + 7.9e-6)
+    assert gemm_efficiency(((1024, 1024, 1024, 1e-5),), peak, 0.5, 0.0)(1024, 1024, 1024) == pytest.approx(
+        2 * 1024**3 / (1e-5 * peak)
+    )
+    written = tmp_path / "again.yaml"
+    written.write_text(profile_file_text(profile, ["round trip"]))
+    assert load_profile(written).matmul_points == profile.matmul_points
+
+
+def test_a_bf16_step_on_a_profile_with_points_names_them(capsys, monkeypatch):
+    from shardplan.cli import main
+
+    monkeypatch.setenv("COLUMNS", "120")
+    profile = str(REPO / "profiles" / "h100-80gb-sxm.yaml")
+    argv = ["inspect", "plans/minigpt_dp_tp_sp.yaml", "--explain-time", "--profile", profile, "--seq", "2048"]
+    assert main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "at the measured efficiency of each kernel's shape (26 matmul_points" in out
+    assert "included in the measured points" in out

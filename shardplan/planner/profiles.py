@@ -64,6 +64,11 @@ class Profile:
     # share of the link bandwidth each kind of collective reaches (`calibrate` times each kind: on CPU a
     # gather moves its bytes 5-10x slower than a permute); a kind not named reaches the whole link
     collective_shares: dict[str, float] = dataclasses.field(default_factory=dict)
+    # measured (m, k, n, seconds) of single GEMMs (m x k by k x n) in the 16-bit dtype of most training:
+    # where given, each matmul kernel within the measured sizes is timed at the measured efficiency of its
+    # shape (between the points, `shardplan.planner.cost.compute.gemm_efficiency`), fixed cost included;
+    # `matmul_efficiency` and `matmul_overhead` then time float32 matmuls and shapes outside those sizes
+    matmul_points: tuple[tuple[int, int, int, float], ...] = ()
     source: str = "built in"
     defaults: tuple[str, ...] = ()  # a profile file's settings it left to their defaults, as `name=value`
 
@@ -76,6 +81,38 @@ class Profile:
     def flops_for(self, dtype: str) -> float:
         """Dense matmul FLOP/s for `dtype` ('float32', 'bfloat16', ...): its own figure, else `peak_flops`."""
         return self.peak_flops_by_dtype.get(dtype, self.peak_flops)
+
+
+# One H200 SXM through XLA, bf16 (`python benchmarks/gpu_check.py --gemms`, 2026-12-04,
+# benchmarks/results/gpu_check_h200.json): (m, k, n, seconds of one product)
+H200_GEMMS = (
+    (1024, 1024, 1024, 9.932e-06),
+    (1024, 1024, 4096, 2.152e-05),
+    (1024, 2304, 2304, 1.95e-05),
+    (1024, 4096, 4096, 5.343e-05),
+    (1024, 4096, 16384, 0.0001952),
+    (1024, 8192, 8192, 0.0001821),
+    (1024, 12288, 12288, 0.0004394),
+    (4096, 1024, 1024, 1.793e-05),
+    (4096, 1024, 4096, 5.112e-05),
+    (4096, 2304, 2304, 6.395e-05),
+    (4096, 4096, 4096, 0.0001928),
+    (4096, 4096, 16384, 0.0008081),
+    (4096, 8192, 8192, 0.0008099),
+    (4096, 12288, 12288, 0.001819),
+    (16384, 1024, 1024, 5.542e-05),
+    (16384, 1024, 4096, 0.0001936),
+    (16384, 2304, 2304, 0.0002435),
+    (16384, 4096, 4096, 0.0007979),
+    (16384, 4096, 16384, 0.003103),
+    (16384, 8192, 8192, 0.003164),
+    (16384, 12288, 12288, 0.007111),
+    (32768, 8192, 8192, 0.006191),
+    (8192, 16384, 16384, 0.006364),
+    (512, 4096, 4096, 3.17e-05),
+    (256, 4096, 4096, 2.423e-05),
+    (128, 4096, 4096, 2.255e-05),
+)
 
 
 PROFILES = {
@@ -99,6 +136,8 @@ PROFILES = {
         # reading the weights bounds them, which this model does not count
         matmul_efficiency=0.73,
         matmul_overhead=7.9e-6,
+        # the 26 shapes themselves, each timed at its own measured efficiency (0.22 for 1024^3 to 0.76)
+        matmul_points=H200_GEMMS,
     ),
     "tpu-v5e": Profile(
         "tpu-v5e",
@@ -198,6 +237,7 @@ Share = Annotated[float, BeforeValidator(_number), Field(ge=MIN_SHARE, le=1, all
 Flops = Annotated[float, BeforeValidator(_number), Field(ge=1e6, le=1e18, allow_inf_nan=False)]
 Bandwidth = Annotated[float, BeforeValidator(_number), Field(ge=1e3, le=1e16, allow_inf_nan=False)]
 Latency = Annotated[float, BeforeValidator(_number), Field(ge=1e-9, le=10, allow_inf_nan=False)]
+GemmSize = Annotated[int, Field(ge=1, le=2**24, strict=True)]
 
 
 CollectiveKind = Literal["all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"]
@@ -265,6 +305,14 @@ class ProfileFile(BaseModel):
         "a device idle in a pipeline's bubble lends its share to the others (`calibrate` "
         "measures it: one device alone against all at once)",
     )
+    matmul_points: list[tuple[GemmSize, GemmSize, GemmSize, Latency]] = Field(
+        default_factory=list,
+        max_length=1024,
+        description="measured single GEMMs in the 16-bit dtype of most training, each [m, k, n, seconds] "
+        "(m x k by k x n): each matmul kernel is then timed at the measured efficiency of its shape "
+        "(between the points, weighted by their distance in log size), fixed cost included; "
+        "matmul_efficiency and matmul_overhead then time float32 matmuls and shapes outside the measured sizes",
+    )
     collective_shares: dict[CollectiveKind, Share] = Field(
         default_factory=dict,
         description="share of the link bandwidth each kind of collective reaches, e.g. {all-to-all: 0.5} "
@@ -323,6 +371,7 @@ def load_profile(path: str | Path) -> Profile:
         )
     calibrated = values.pop("calibration") is not None
     values["memory_bytes"] = int(values["memory_bytes"])
+    values["matmul_points"] = tuple(tuple(point) for point in values["matmul_points"])
     if values["attention_efficiency"] is None:
         values["attention_efficiency"] = values["matmul_efficiency"]
     left = [
@@ -330,7 +379,7 @@ def load_profile(path: str | Path) -> Profile:
         for name, field in ProfileFile.model_fields.items()
         if not field.is_required()
         and name not in data
-        and name not in ("description", "peak_flops_by_dtype", "collective_shares", "calibration")
+        and name not in ("description", "peak_flops_by_dtype", "collective_shares", "calibration", "matmul_points")
     ]
     defaults = tuple(f"{name}={values[name]}" for name in left)
     return Profile(**values, source=f"{path} (measured)" if calibrated else str(path), defaults=defaults)
@@ -404,6 +453,8 @@ def profile_file_text(profile: Profile, comments: list[str], record: dict | None
     }
     if profile.collective_shares:
         values["collective_shares"] = {k: round(v, 3) for k, v in profile.collective_shares.items()}
+    if profile.matmul_points:
+        values["matmul_points"] = [[m, k, n, figure(seconds)] for m, k, n, seconds in profile.matmul_points]
     if record is not None:
         values["calibration"] = record
     return "".join(f"# {line}\n" for line in comments) + yaml.safe_dump(values, sort_keys=False, width=100)

@@ -5,7 +5,9 @@ work, the code around the layers, each pipeline stage's share, and the optimizer
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 
 from shardplan.core.layout import ParamLayout
 from shardplan.core.roles import COLUMN, MATMUL, ROW, ModelRoles
@@ -34,12 +36,17 @@ def elementwise_bytes(kept: tuple[dict, dict, dict], scores: float, step: Step) 
     return step.tokens * moved
 
 
-def step_flops(held: list[ParamLayout], roles: ModelRoles, step: Step) -> tuple[float, float, float]:
+def step_flops(
+    held: list[ParamLayout], roles: ModelRoles, step: Step, efficiency: Callable[[int, int, int], float] | None = None
+) -> tuple[float, float, float, float | None]:
     """(weight matmul, attention) FLOPs per device per step: 2 per weight and token forward, 4
     backward; a forward run again in the backward adds its 2. Third: the weight matmul kernels run
     (per pass, one forward, two backward, one more when the forward runs again). A tied embedding's
-    logits are a matmul too."""
+    logits are a matmul too. Fourth, with `efficiency` (of a GEMM of m tokens by k inputs by n
+    outputs): the weight matmuls' FLOPs each over the efficiency of its kernels' shape (the backward's
+    two products have the forward's three sizes), else None."""
     total = attention_total = kernels = 0.0
+    at_shapes = 0.0
     stands_for: dict = {}
     for p in held:
         role = roles.roles.get(p.path)
@@ -50,8 +57,12 @@ def step_flops(held: list[ParamLayout], roles: ModelRoles, step: Step) -> tuple[
         passes, tokens = step.passes(p.stage is not None)
         recompute = 8 / 6 if step.recomputes(p.stage is not None, layer is not None) else 1.0
         tensor = step.ways(split_axes(p, tuple(range(len(p.shape))), step.batch_axes))
-        total += WEIGHT_FLOPS * passes * tokens * math.prod(p.shape) / tensor * recompute * step.count(p.path)
+        flops = WEIGHT_FLOPS * passes * tokens * math.prod(p.shape) / tensor * recompute * step.count(p.path)
+        total += flops
         kernels += passes * (4 if recompute > 1 else 3) * step.count(p.path)
+        if efficiency is not None:
+            inputs = math.prod(p.shape[d] for d in role.in_dims) if role.in_dims else min(p.shape)
+            at_shapes += flops / efficiency(tokens, inputs, max(1, math.prod(p.shape) // inputs // tensor))
     for attention in roles.attention:
         if attention.layer in stands_for:
             passes, tokens = step.passes(step.stage_axis is not None)
@@ -68,7 +79,37 @@ def step_flops(held: list[ParamLayout], roles: ModelRoles, step: Step) -> tuple[
                 * stands_for[attention.layer]
                 / attention_ways(attention, held, roles, step)
             )
-    return total, attention_total, kernels
+    return total, attention_total, kernels, (at_shapes if efficiency is not None else None)
+
+
+def gemm_efficiency(
+    points: tuple[tuple[int, int, int, float], ...], peak: float, efficiency: float, overhead: float
+) -> Callable[[int, int, int], float]:
+    """The share of `peak` a GEMM of m x k by k x n reaches, read off measured `points` (m, k, n,
+    seconds of one product): a measured shape's own share; between them the points' shares weighted by
+    the inverse fourth power of their distance in log2(m, k, n), so the nearest measured shapes decide.
+    Outside the measured sizes (a size below the smallest or above the largest measured): the share of
+    `efficiency` with `overhead` seconds of fixed cost, as profiles without points time every kernel."""
+    logs = [(math.log2(m), math.log2(k), math.log2(n)) for m, k, n, _ in points]
+    shares = [2.0 * m * k * n / (seconds * peak) for m, k, n, seconds in points]
+    low = [min(axis) for axis in zip(*logs)]
+    high = [max(axis) for axis in zip(*logs)]
+
+    @functools.lru_cache(maxsize=4096)
+    def share(m: int, k: int, n: int) -> float:
+        at = [math.log2(max(1, v)) for v in (m, k, n)]
+        if any(not lo <= a <= hi for a, lo, hi in zip(at, low, high)):
+            flops = 2.0 * m * k * n
+            return flops / peak / (flops / (peak * efficiency) + overhead)
+        weights = []
+        for point, measured in zip(logs, shares):
+            distance = sum((a - b) ** 2 for a, b in zip(at, point))
+            if distance < 1e-12:
+                return measured
+            weights.append(1.0 / distance**2)
+        return sum(w * measured for w, measured in zip(weights, shares)) / sum(weights)
+
+    return share
 
 
 def model_flops(params, roles: ModelRoles, workload: Workload, *, capacity: float = 1.0) -> tuple[float, float]:
@@ -105,6 +146,7 @@ class ComputeParts:
     kernels: float = 0.0
     attention: float = 0.0
     elementwise: float = 0.0
+    matmul_flops: float = 0.0  # behind `matmuls` (not seconds: not in `total`)
 
     @property
     def total(self) -> float:
@@ -119,23 +161,42 @@ class ComputeParts:
     def scaled(self, factor: float) -> ComputeParts:
         return ComputeParts(*(a * factor for a in self.fields()))
 
-    def fields(self) -> tuple[float, float, float, float]:
-        return (self.matmuls, self.kernels, self.attention, self.elementwise)
+    def fields(self) -> tuple[float, float, float, float, float]:
+        return (self.matmuls, self.kernels, self.attention, self.elementwise, self.matmul_flops)
 
 
 def compute_parts(
-    matmul_flops: float, attention_flops: float, kernels: float, moved_bytes: float, profile: Profile, peak: float
+    matmul_flops: float,
+    attention_flops: float,
+    kernels: float,
+    moved_bytes: float,
+    profile: Profile,
+    peak: float,
+    at_shapes: float | None = None,
 ) -> ComputeParts:
-    """The seconds of that much work on `profile` (`peak`: its FLOP/s in the compute dtype)."""
+    """The seconds of that much work on `profile` (`peak`: its FLOP/s in the compute dtype). `at_shapes`:
+    the matmul FLOPs each over its shape's measured efficiency (`gemm_efficiency`), whose kernels' fixed
+    cost the measured points include; None: at `matmul_efficiency`, plus `matmul_overhead` a kernel."""
     return ComputeParts(
-        matmuls=matmul_flops / (peak * profile.matmul_efficiency),
-        kernels=kernels * profile.matmul_overhead,
+        matmuls=matmul_flops / (peak * profile.matmul_efficiency) if at_shapes is None else at_shapes / peak,
+        kernels=kernels * profile.matmul_overhead if at_shapes is None else 0.0,
         attention=attention_flops / (peak * profile.attention_efficiency),
         elementwise=moved_bytes / profile.memory_bandwidth,
+        matmul_flops=matmul_flops,
     )
 
 
-def ends_parts(held, kept, roles: ModelRoles, step: Step, profile: Profile, peak: float) -> tuple[ComputeParts, ...]:
+def matmul_shapes(profile: Profile, compute_dtype: str, peak: float) -> Callable[[int, int, int], float] | None:
+    """The efficiency of a GEMM by its shape where the profile has measured points in this dtype (they
+    are measured in the 16-bit dtype of most training), else None (`gemm_efficiency`)."""
+    if not profile.matmul_points or compute_dtype not in ("bfloat16", "float16"):
+        return None
+    return gemm_efficiency(profile.matmul_points, peak, profile.matmul_efficiency, profile.matmul_overhead)
+
+
+def ends_parts(
+    held, kept, roles: ModelRoles, step: Step, profile: Profile, peak: float, efficiency=None
+) -> tuple[ComputeParts, ...]:
     """Compute per step of the code before and after the repeated layers (embedding; head and loss, a
     tied embedding's logits included): their matmuls and kernels, and their elementwise work."""
     full = kept[0]
@@ -146,9 +207,10 @@ def ends_parts(held, kept, roles: ModelRoles, step: Step, profile: Profile, peak
             for p in held
             if roles.layer_of(p.path) is None and (p.path in roles.after_layers or p.path in roles.tied) == after
         ]
-        matmul, attention, kernels = step_flops(mine, roles, step)
+        matmul, attention, kernels, at_shapes = step_flops(mine, roles, step, efficiency)
         stored = full.get("after" if after else None, 0.0)
-        out.append(compute_parts(matmul, attention, kernels, step.tokens * ELEMENTWISE_PASSES * stored, profile, peak))
+        moved = step.tokens * ELEMENTWISE_PASSES * stored
+        out.append(compute_parts(matmul, attention, kernels, moved, profile, peak, at_shapes))
     return tuple(out)
 
 

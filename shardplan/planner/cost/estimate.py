@@ -16,6 +16,7 @@ from shardplan.planner.cost.compute import (
     compute_parts,
     elementwise_bytes,
     ends_parts,
+    matmul_shapes,
     stage_parts,
     step_flops,
     update_bytes,
@@ -329,8 +330,12 @@ def estimate(
             gathered += math.prod(p.shard_shape) * fsdp * min(p.itemsize, itemsize)
         if p.opt_spec != p.spec:
             regathered += p.bytes_per_device * step.count(p.path)
-    matmul_flops, attention_flops, kernels = step_flops(held, roles, step)
+    peak = profile.flops_for(options.compute_dtype)
+    shapes = matmul_shapes(profile, options.compute_dtype, peak)
+    matmul_flops, attention_flops, kernels, at_shapes = step_flops(held, roles, step, shapes)
     matmul_flops += experts.flops if experts else 0.0
+    if at_shapes is not None and experts:  # (the experts' grouped products at the large-matmul rate)
+        at_shapes += experts.flops / profile.matmul_efficiency
     flops = matmul_flops + attention_flops
     bubble = (
         0.0
@@ -340,11 +345,10 @@ def estimate(
     # Elementwise work (norms, activations, softmax, residual adds) is bound by memory bandwidth:
     # each stored activation is written and read once forward and once as a gradient backward.
     moved_bytes = elementwise_bytes(moved, score_bytes(held, roles, step), step)
-    peak = profile.flops_for(options.compute_dtype)
     # each matmul kernel also costs a fixed time (launch, prologue, the last partial wave of tiles):
     # what makes small matmuls slower than large ones (`Profile.matmul_overhead`)
-    body = compute_parts(matmul_flops, attention_flops, kernels, moved_bytes, profile, peak)
-    ends = ends_parts(held, moved, roles, step, profile, peak)
+    body = compute_parts(matmul_flops, attention_flops, kernels, moved_bytes, profile, peak, at_shapes)
+    ends = ends_parts(held, moved, roles, step, profile, peak, shapes)
     layer, stages = stage_parts(body, ends, step, stage_map if pipe else None)
     stage_s = [part.total for part in stages]
     # devices sharing one pool of compute (simulated CPU devices) lend their idle ticks to each other: the
@@ -371,7 +375,7 @@ def estimate(
         attention_s=attention_flops / (peak * profile.attention_efficiency),
         asynchronous=profile.overlap,
         pipelined=step.stage_axis is not None,
-        matmul_s=matmul_flops / (peak * profile.matmul_efficiency) * (1 - 1 / step.sequence_ways),
+        matmul_s=body.matmuls * (1 - 1 / step.sequence_ways),
     )
     exposed = overlapped.exposed_s
     updated = update_bytes(resting, step)
@@ -389,6 +393,7 @@ def estimate(
         profile,
         peak,
         paced_by=paced_by,
+        shaped=shapes is not None,
         bubble=bubble,
         bubble_s=bubble_s,
         ticks=ticks,

@@ -34,6 +34,7 @@ def explained(
     peak: float,
     *,
     paced_by: str,
+    shaped: bool,
     bubble: float,
     bubble_s: float,
     ticks: int,
@@ -44,21 +45,28 @@ def explained(
     update_bytes: float,
 ) -> tuple[TimeTerm, ...]:
     """Each term of the modelled step. `work`: the compute of the device (or pipeline stage) that sets
-    the pace, `paced_by` says which ("" outside a pipeline); `timed`: each transfer with its seconds;
+    the pace, `paced_by` says which ("" outside a pipeline); `shaped`: its matmuls are timed by their
+    shapes' measured efficiency (`Profile.matmul_points`); `timed`: each transfer with its seconds;
     `hidden`: the seconds of each overlap lane that run behind compute."""
     pace = f"; {paced_by}" if paced_by else ""
-    kernels = (
-        f"{work.kernels / profile.matmul_overhead:,.0f} kernels x {profile.matmul_overhead * 1e6:.3g} us (matmul_overhead)"
-        if profile.matmul_overhead
-        else "none in this profile (matmul_overhead 0)"
-    )
+    flops = f"{work.matmul_flops / 1e12:.4g} TFLOP"
+    if shaped:
+        average = work.matmul_flops / (work.matmuls * peak) if work.matmuls else 0.0
+        matmuls = (
+            f"{flops} at the measured efficiency of each kernel's shape ({len(profile.matmul_points)} "
+            f"matmul_points; {average:.0%} on average here) of {peak / 1e12:.4g} TFLOP/s{pace}"
+        )
+        kernels = "included in the measured points"
+    else:
+        matmuls = f"{flops} at {profile.matmul_efficiency:.0%} (matmul_efficiency) of {peak / 1e12:.4g} TFLOP/s{pace}"
+        kernels = (
+            f"{work.kernels / profile.matmul_overhead:,.0f} kernels x {profile.matmul_overhead * 1e6:.3g} us "
+            "(matmul_overhead)"
+            if profile.matmul_overhead
+            else "none in this profile (matmul_overhead 0)"
+        )
     terms = [
-        TimeTerm(
-            "weight matmuls",
-            work.matmuls,
-            f"{work.matmuls * peak * profile.matmul_efficiency / 1e12:.4g} TFLOP at {profile.matmul_efficiency:.0%} "
-            f"(matmul_efficiency) of {peak / 1e12:.4g} TFLOP/s{pace}",
-        ),
+        TimeTerm("weight matmuls", work.matmuls, matmuls),
         TimeTerm("matmul kernels' fixed cost", work.kernels, kernels),
         TimeTerm(
             "attention",
