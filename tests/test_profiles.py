@@ -184,3 +184,17 @@ def test_a_profile_file_says_which_settings_it_left_to_the_defaults(tmp_path):
     path.write_text(path.read_text() + "attention: fused\noverlap: false\n")
     line = load_profile(path).defaults_line()
     assert "attention=" not in line and "overlap=" not in line and "link_efficiency=0.8" in line
+
+
+def test_no_accelerator_profile_carries_what_the_cpu_backend_taught():
+    """bf16 computed in float32, collectives that wait, devices sharing cores and per-kind link shares are
+    what XLA's CPU backend does (the `cpu` profile, or one `calibrate` measures on CPU); the built-in and
+    shipped accelerator profiles say none of it."""
+    cpu = get_profile("cpu")
+    assert not cpu.low_precision_native and not cpu.overlap and cpu.shared_compute
+    accelerators = [PROFILES["h200"], PROFILES["tpu-v5e"]] + [
+        load_profile(path) for path in sorted((ROOT / "profiles").glob("*.yaml"))
+    ]
+    for profile in accelerators:
+        assert profile.low_precision_native and not profile.shared_compute, profile.name
+        assert not profile.collective_shares and profile.tick_overhead < 1e-3, profile.name
