@@ -703,24 +703,23 @@ def test_auto_with_bf16_compute_writes_precision_and_stays_close(tmp_path):
     np.testing.assert_allclose(_losses(plan, build), _single_device_losses(build), rtol=1e-2)
 
 
+def _seventy_b_on_16384_h200s(workload: Workload):
+    """A 70B-class LLaMA width (20 of its 80 layers, to bound the suite's work) asked of 16,384 H200s in
+    2,048 hosts with bf16 compute: the abstract model and auto's answer."""
+    model, roles = abstract_with_roles(
+        lambda: Llama(vocab=32000, dim=8192, heads=64, kv_heads=8, hidden=28672, layers=20, rngs=nnx.Rngs(0))
+    )
+    request = auto.SearchRequest(
+        devices=16384, workload=workload, profile=get_profile("h200"), hosts=2048, compute="bfloat16"
+    )
+    return model, auto.search(param_infos(model), roles, request)
+
+
 def test_search_is_bounded_and_answers_large_clusters_quickly():
     """A 70B-class width (20 of its 80 layers, to bound the suite's work) on 16,384 devices: candidates
     costed on one layer, the best checked in full (`benchmarks/auto_scale.py` times every size up to
     131,072 devices, all 80 layers)."""
-    model, roles = abstract_with_roles(
-        lambda: Llama(vocab=32000, dim=8192, heads=64, kv_heads=8, hidden=28672, layers=20, rngs=nnx.Rngs(0))
-    )
-    found = auto.search(
-        param_infos(model),
-        roles,
-        auto.SearchRequest(
-            devices=16384,
-            workload=Workload(4 * 16384, 4096),
-            profile=get_profile("h200"),
-            hosts=2048,
-            compute="bfloat16",
-        ),
-    )
+    model, found = _seventy_b_on_16384_h200s(Workload(4 * 16384, 4096))
     assert found.best is not None and found.best.report.ok
     assert found.best.estimate.peak_bytes <= found.usable < found.memory
     # the bound on the work (the benchmark reports the time): only the best few checked in full, and
@@ -776,20 +775,7 @@ def test_a_405b_class_question_at_8k_tokens_offers_the_published_context_paralle
 def test_a_131k_token_question_on_16384_devices_writes_a_context_parallel_plan_that_validates(tmp_path):
     """Llama 3's 128K stage at 70B-class width (20 layers, to bound the work) on 16,384 H200s: auto's
     written plan splits the sequence over a context axis and reads back without a diagnostic."""
-    model, roles = abstract_with_roles(
-        lambda: Llama(vocab=32000, dim=8192, heads=64, kv_heads=8, hidden=28672, layers=20, rngs=nnx.Rngs(0))
-    )
-    found = auto.search(
-        param_infos(model),
-        roles,
-        auto.SearchRequest(
-            devices=16384,
-            workload=Workload(256, 131072),
-            profile=get_profile("h200"),
-            hosts=2048,
-            compute="bfloat16",
-        ),
-    )
+    model, found = _seventy_b_on_16384_h200s(Workload(256, 131072))
     assert found.best is not None and found.best.candidate.axes.get("context", 1) > 1, found.best
     plan = _written(found, tmp_path)
     assert plan.context is not None and plan.mesh.axes["context"] == found.best.candidate.axes["context"]
