@@ -488,18 +488,11 @@ def test_calibrate_writes_a_profile_of_what_it_measured(tmp_path, capsys):
     assert profile.memory_bandwidth <= passed * 1.001
     pipelined_step = reference["pipelined_1f1b_two_stages_one_sequence_per_microbatch"]
     assert record["tick_overhead_from"] == "the pipelined reference step" and pipelined_step["ticks"] > 0
-    # and the wait of each tensor collective inside a pipeline's loop, from the same step over tensor ranks
-    tensor_step = reference["the_same_with_two_tensor_ranks"]
-    assert tensor_step["tensor_collectives_in_the_loop"] > 0 and pipelined_step["tensor_collectives_in_the_loop"] == 0
-    assert record["loop_collective_wait_from"] == "the pipelined reference step over tensor ranks"
     if record["memory_bandwidth_from"] == "the reference step":
         assert modelled_step(shape, profile) == pytest.approx(reference["data_parallel"]["measured_s"], rel=0.01)
         if profile.tick_overhead > 0:  # (zero: the pipelined step took no longer than its work)
             pipelined = modelled_step(shape, profile, pipelined=True)
             assert pipelined == pytest.approx(pipelined_step["measured_s"], rel=0.01)
-            if profile.loop_collective_wait > 0:  # (zero: its collectives waited no longer than alone)
-                tensor = modelled_step(shape, profile, tensor=True)
-                assert tensor == pytest.approx(tensor_step["measured_s"], rel=0.01)
     else:  # a machine so loaded that the rest of the step took it all: said, not hidden
         assert record["memory_bandwidth_from"].startswith("the elementwise pass (the reference step")
     assert (

@@ -98,9 +98,6 @@ class Calibration:
             "reference_steps": self.reference.record() if self.reference else {"failed": self.reference_failure},
             "memory_bandwidth_from": self._bandwidth_from(),
             "tick_overhead_from": self._tick_from(),
-            "loop_collective_wait_from": "the pipelined reference step over tensor ranks"
-            if self.reference is not None and self.reference.loop_collective_wait is not None
-            else "not measured (0: no pipelined reference step over tensor ranks)",
         }
 
     def _tick_from(self) -> str:
@@ -382,8 +379,6 @@ def calibrate(
         profile = dataclasses.replace(profile, memory_bandwidth=min(reference.bandwidth, bandwidth))
     if reference and reference.tick_overhead is not None:
         profile = dataclasses.replace(profile, tick_overhead=min(reference.tick_overhead, 10.0))
-    if reference and reference.loop_collective_wait is not None:
-        profile = dataclasses.replace(profile, loop_collective_wait=min(reference.loop_collective_wait, 10.0))
     return Calibration(
         profile,
         tuple(matmuls),

@@ -16,12 +16,7 @@ is costed with the rates measured before it. Then the same model over two pipeli
 sequence per microbatch): what that step takes beyond its modelled work, per tick of its schedule, is
 the profile's `tick_overhead` (the loop, the branch, the stash, the hand-over: on 8 simulated CPU
 devices 5-13 ms a tick; before it was counted, pipelines of many microbatches were modelled at 0.6 of
-their measured steps). Last, the pipelined step with each stage's layers split over two tensor ranks
-(Megatron's rules): what it takes beyond that, per tensor collective its loop runs, is the profile's
-`loop_collective_wait` (on 8 simulated CPU devices about 0.8 ms: inside the loop each collective waits
-for every device's thread on the shared cores; before it was counted, pipelines with a tensor axis were
-modelled at 0.62-0.83 of their measured steps, and a tensor-parallel step outside a pipeline showed no
-such wait).
+their measured steps).
 """
 
 from __future__ import annotations
@@ -43,16 +38,6 @@ mesh: {axes: {data: -1}}
 inputs: {tokens: [data, null]}
 params: [{match: '.*', spec: replicated}]
 """
-TENSOR_RULES = """\
-params:
-  - {match: '.*/attention/(query|key|value)/kernel', spec: [null, model, null]}
-  - {match: '.*/attention/(query|key|value)/bias', spec: [model, null]}
-  - {match: '.*/attention/out/kernel', spec: [model, null, null]}
-  - {match: '.*/up/kernel', spec: [null, model]}
-  - {match: '.*/up/bias', spec: [model]}
-  - {match: '.*/down/kernel', spec: [model, null]}
-  - {match: '.*', spec: replicated}
-"""
 PIPELINED = """\
 version: 1
 name: calibrate-reference-pipelined
@@ -61,11 +46,6 @@ inputs: {tokens: [data, null]}
 pipeline: {axis: stage, layers: blocks, stages: even, microbatches: %d, schedule: 1f1b}
 params: [{match: '.*', spec: replicated}]
 """
-PIPELINED_TENSOR = (
-    PIPELINED.replace("{stage: 2, data: -1}", "{stage: 2, data: -1, model: 2}")
-    .replace("reference-pipelined", "reference-pipelined-tensor")
-    .replace("params: [{match: '.*', spec: replicated}]\n", TENSOR_RULES)
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,20 +107,18 @@ class Timed:
 
     shape: Shape
     measured_s: float  # fastest of its rounds
-    other_s: float  # modelled with the memory-bound work, the ticks and the loop's collective waits free
+    other_s: float  # modelled with the memory-bound work and the ticks free
     counted_bytes: float  # the memory-bound bytes the cost model counts in it
     ticks: int  # of its pipeline's schedule (0: none)
-    in_loop: int = 0  # collectives its pipeline's loop runs over an axis it leaves to XLA
 
     def record(self) -> dict:
         return {
             "seq": self.shape.seq,
             "batch": self.shape.batch,
             "measured_s": float(f"{self.measured_s:.4g}"),
-            "modelled_without_memory_bound_work_ticks_or_loop_waits_s": float(f"{self.other_s:.4g}"),
+            "modelled_without_memory_bound_work_or_ticks_s": float(f"{self.other_s:.4g}"),
             "memory_bound_bytes_counted": int(self.counted_bytes),
             "ticks": self.ticks,
-            "tensor_collectives_in_the_loop": self.in_loop,
         }
 
 
@@ -153,8 +131,6 @@ class ReferenceSteps:
     pipelined: Timed | None  # None: the devices do not split into two stages
     bandwidth: float | None  # plain's counted bytes over the time the rest of it leaves
     tick_overhead: float | None  # what the pipelined step takes beyond its work, per tick
-    tensor: Timed | None = None  # the pipelined step with a tensor axis (None: the devices do not split so)
-    loop_collective_wait: float | None = None  # what that step takes beyond its work, per tensor collective
 
     def record(self) -> dict:
         return {
@@ -164,9 +140,6 @@ class ReferenceSteps:
             "pipelined_1f1b_two_stages_one_sequence_per_microbatch": self.pipelined.record()
             if self.pipelined
             else "not run: its two stages need an even number of devices",
-            "the_same_with_two_tensor_ranks": self.tensor.record()
-            if self.tensor
-            else "not run: two stages of two tensor ranks need a multiple of 4 devices",
         }
 
 
@@ -197,23 +170,19 @@ def _checked(shape: Shape, plan_text: str):
 
 
 def _plans(shape: Shape) -> list[tuple[Shape, str]]:
-    """(shape, plan) of the data-parallel step, of the pipelined one where the devices split into two
-    stages (the same tokens as sequences half as long, one per microbatch: each data rank holds 2 x its
-    batch, so its ticks are many, 4 x `shape.batch` + 2, and their cost stands out of the noise), and of
-    that one with each stage split over two tensor ranks where the devices split so."""
+    """(shape, plan) of the data-parallel step, and of the pipelined one where the devices split into
+    two stages: the same tokens as sequences half as long, one per microbatch (each data rank holds
+    2 x its batch), so its ticks are many (4 x `shape.batch` + 2) and their cost stands out of the noise."""
     halved = dataclasses.replace(shape, seq=shape.seq // 2, batch=shape.batch * 2)
-    devices = jax.device_count()
-    pipelined = [(halved, PIPELINED % (2 * halved.batch))] if devices % 2 == 0 else []
-    tensor = [(halved, PIPELINED_TENSOR % (2 * halved.batch))] if devices % 4 == 0 else []
-    return [(shape, PLAN)] + pipelined + tensor
+    pipelined = [(halved, PIPELINED % (2 * halved.batch))] if jax.device_count() % 2 == 0 else []
+    return [(shape, PLAN)] + pipelined
 
 
-def modelled_step(shape: Shape, profile: Profile, *, pipelined: bool = False, tensor: bool = False) -> float:
-    """Seconds of a reference step of `shape` on the devices at hand (data parallel; pipelined; pipelined
-    over tensor ranks too), as `profile` costs it."""
+def modelled_step(shape: Shape, profile: Profile, *, pipelined: bool = False) -> float:
+    """Seconds of a reference step of `shape` on the devices at hand, as `profile` costs it."""
     from shardplan.planner.cost import estimate
 
-    _, report, roles, workload = _checked(*_plans(shape)[2 if tensor else int(pipelined)])
+    _, report, roles, workload = _checked(*_plans(shape)[int(pipelined)])
     return estimate(report, roles, workload, profile).step_s
 
 
@@ -225,38 +194,33 @@ def time_reference_steps(shape: Shape, profile: Profile, *, rounds: int = 7) -> 
     from shardplan.pipeline.cost import schedule_tables
     from shardplan.planner.cost import estimate
 
-    free = dataclasses.replace(profile, memory_bandwidth=float("inf"), tick_overhead=0.0, loop_collective_wait=0.0)
+    free = dataclasses.replace(profile, memory_bandwidth=float("inf"), tick_overhead=0.0)
     costed, ready = [], []
     for timed_shape, text in _plans(shape):
         model, report, roles, workload = _checked(timed_shape, text)
         # the modelled step is linear in 1 / memory_bandwidth: cost it with the work free, then at 1 byte/s
-        cost = estimate(report, roles, workload, free)
-        counted = (
-            estimate(report, roles, workload, dataclasses.replace(free, memory_bandwidth=1.0)).step_s - cost.step_s
-        )
+        other = estimate(report, roles, workload, free).step_s
+        counted = estimate(report, roles, workload, dataclasses.replace(free, memory_bandwidth=1.0)).step_s - other
         pipe = report.plan.pipeline
         ticks = schedule_tables(pipe.schedule, 2, pipe.microbatches, 1)[0] if pipe else 0
-        in_loop = sum(t.count for t in cost.transfers if t.in_loop)
-        costed.append((timed_shape, cost.step_s, counted, ticks, in_loop))
+        costed.append((timed_shape, other, counted, ticks))
         ready.append(compile_step(report.plan, model, workload.batch, timed_shape.seq))
     measured = time_interleaved(ready, rounds)
     for seconds in measured:
         if isinstance(seconds, Exception):
             raise seconds
-    timed = [Timed(timed_shape, seconds, *rest) for seconds, (timed_shape, *rest) in zip(measured, costed)]
-    plain = timed[0]
-    pipelined = timed[1] if len(timed) > 1 else None
-    tensor = timed[2] if len(timed) > 2 else None
+    timed = [
+        Timed(timed_shape, seconds, other, counted, ticks)
+        for seconds, (timed_shape, other, counted, ticks) in zip(measured, costed)
+    ]
+    plain, pipelined = timed[0], (timed[1] if len(timed) > 1 else None)
     left = plain.measured_s - plain.other_s
     # below a tenth of the step the difference of two timings is mostly noise: no figure from it
     bandwidth = plain.counted_bytes / left if left > 0.1 * plain.measured_s and plain.counted_bytes > 0 else None
-    # (the rate the profile will hold: never above the one it came with, one elementwise pass's)
-    rate = min(bandwidth or profile.memory_bandwidth, profile.memory_bandwidth)
-    tick = wait = None
+    tick = None
     if pipelined is not None:
+        # (the rate the profile will hold: never above the one it came with, one elementwise pass's)
+        rate = min(bandwidth or profile.memory_bandwidth, profile.memory_bandwidth)
         beyond = pipelined.measured_s - pipelined.other_s - pipelined.counted_bytes / rate
         tick = max(0.0, beyond / pipelined.ticks)  # (below zero: the ticks cost nothing to be seen)
-    if tensor is not None and tensor.in_loop:
-        beyond = tensor.measured_s - tensor.other_s - tensor.counted_bytes / rate - tensor.ticks * tick
-        wait = max(0.0, beyond / tensor.in_loop)  # (below zero: no wait to be seen)
-    return ReferenceSteps(shape, plain, pipelined, bandwidth, tick, tensor, wait)
+    return ReferenceSteps(shape, plain, pipelined, bandwidth, tick)

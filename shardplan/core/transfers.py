@@ -13,7 +13,6 @@ class Transfer:
     count: int  # ops per step
     what: str
     overlap: str = "critical"  # what it can run behind: one of `shardplan.planner.overlap.LANES`
-    in_loop: bool = False  # runs in every tick of a pipeline's loop, over an axis the loop leaves to XLA
 
     @property
     def total(self) -> int:

@@ -55,10 +55,6 @@ class Profile:
     attention_efficiency: float = DEFAULT_MATMUL_EFFICIENCY  # share of peak the attention's own matmuls reach
     matmul_overhead: float = DEFAULT_MATMUL_OVERHEAD  # seconds per matmul kernel beyond its FLOPs
     tick_overhead: float = DEFAULT_TICK_OVERHEAD  # seconds per tick of a pipeline's schedule beyond its work
-    # seconds each collective inside a pipeline's loop waits beyond its own time (a stage's tensor
-    # collectives, over an axis the loop leaves to XLA): on simulated CPU devices each waits for every
-    # device's thread on the shared cores (`calibrate` measures it, about 0.8 ms); not measured on a GPU
-    loop_collective_wait: float = 0.0
     attention: str = "materialised"  # "materialised": scores written to memory (XLA's attention); "fused": on chip
     low_precision_native: bool = True  # bf16 compute keeps activations and their collectives in 2 bytes
     overlap: bool = True  # collectives run asynchronously beside compute (see `shardplan.planner.overlap`)
@@ -284,11 +280,6 @@ class ProfileFile(BaseModel):
         "iteration, the branch taken, the stash's slices, the hand-over between stages (0 to 10; "
         "`shardplan calibrate` measures it)",
     )
-    loop_collective_wait: Annotated[float, BeforeValidator(_number), Field(ge=0, le=10, allow_inf_nan=False)] = Field(
-        0.0,
-        description="seconds each collective inside a pipeline's loop (a stage's tensor collectives) waits beyond "
-        "its own time (0 to 10; `shardplan calibrate` measures it: about 0.8 ms on 8 simulated CPU devices)",
-    )
     attention_efficiency: Share | None = Field(
         None, description="share of peak the attention's score and value matmuls reach (default: matmul_efficiency)"
     )
@@ -455,7 +446,6 @@ def profile_file_text(profile: Profile, comments: list[str], record: dict | None
         "attention_efficiency": round(profile.attention_efficiency, 3),
         "matmul_overhead": figure(profile.matmul_overhead),
         "tick_overhead": figure(profile.tick_overhead),
-        "loop_collective_wait": figure(profile.loop_collective_wait),
         "low_precision_native": profile.low_precision_native,
         "overlap": profile.overlap,
         "shared_compute": profile.shared_compute,

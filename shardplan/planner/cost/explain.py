@@ -112,9 +112,6 @@ def explained(
         more = f" and {len(largest) - 3} more kinds" if len(largest) > 3 else ""
         moved = sum(t.total for t, _ in lanes[lane])
         basis = f"{ops}{more}: {moved / 2**20:,.1f} MiB a step, {total * 1e3:.3g} ms on the links"
-        waits = sum(t.count for t, _ in lanes[lane] if t.in_loop) * profile.loop_collective_wait
-        if waits:
-            basis += f" (of it {waits * 1e3:.3g} ms waiting in the pipeline's loop: loop_collective_wait)"
         if behind:
             basis += f", {behind * 1e3:.3g} ms of it {where}"
         else:

@@ -46,7 +46,7 @@ def collectives_of(held: list[ParamLayout], roles: ModelRoles, step: Step) -> li
             )
         elif role.kind in (EMBEDDING, COLUMN, ROW, MATMUL):
             found, moved_activations = matrix_transfers(p, role, step, staged, in_layer)
-            mine += [dataclasses.replace(t, in_loop=True) if in_the_loop(t, staged, step) else t for t in found]
+            mine += found
             if p.path in roles.tied and any(a in step.batch_axes for a in spec_axes(p.spec)):
                 # its second use, the logits, is a head whose vocabulary the batch axes split: XLA moves
                 # that head's activations as for any FSDP-split head
@@ -149,12 +149,6 @@ def collectives_of(held: list[ParamLayout], roles: ModelRoles, step: Step) -> li
             tensor_ways=math.prod(step.sizes[a] for a in step.send_axes()),
         )
     return merge_transfers(transfers)
-
-
-def in_the_loop(t: Transfer, staged: bool, step: Step) -> bool:
-    """A staged layer's tensor collective: the pipeline's loop runs it in every tick, over an axis it
-    leaves to XLA (not the batch's, not the stages')."""
-    return staged and step.stage_axis is not None and not set(t.axes) & {step.stage_axis, *step.batch_axes}
 
 
 def repeated(transfers: list[Transfer], n: int) -> list[Transfer]:
@@ -355,8 +349,7 @@ def context_terms(held: list[ParamLayout], roles: ModelRoles, step: Step):
 
 
 def transfer_seconds(t: Transfer, step: Step, profile: Profile, hosts: dict[str, int]) -> float:
-    """Ring algorithms: an all-reduce sends 2(n-1)/n of its bytes, a gather or all-to-all (n-1)/n. One in
-    a pipeline's loop also waits `Profile.loop_collective_wait`."""
+    """Ring algorithms: an all-reduce sends 2(n-1)/n of its bytes, a gather or all-to-all (n-1)/n."""
     n = step.ways(t.axes)
     factor = {
         "all-reduce": 2 * (n - 1) / n,
@@ -366,8 +359,7 @@ def transfer_seconds(t: Transfer, step: Step, profile: Profile, hosts: dict[str,
         "collective-permute": 1.0,
     }[t.kind]
     bandwidth = link_bandwidth(t.axes, n, profile, hosts) * profile.collective_shares.get(t.kind, 1.0)
-    latency = profile.collective_latency + (profile.loop_collective_wait if t.in_loop else 0.0)
-    return t.count * (latency + factor * t.bytes / bandwidth)
+    return t.count * (profile.collective_latency + factor * t.bytes / bandwidth)
 
 
 def link_bandwidth(axes: tuple[str, ...], n: int, profile: Profile, hosts: dict[str, int]) -> float:
