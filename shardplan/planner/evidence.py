@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from shardplan.planner.cost.compute import ATTENTION_FLOPS, WEIGHT_FLOPS
 from shardplan.planner.profiles import Profile
-
-WEIGHT_FLOPS = 6  # per matmul weight and token (as `shardplan.planner.cost.compute`)
-ATTENTION_FLOPS = 12  # per token, key position and query width
 
 
 @dataclasses.dataclass(frozen=True)
