@@ -48,6 +48,11 @@ def test_the_terms_add_up_to_the_step_on_every_shipped_plan_and_profile(name):
         assert sum(lanes) == pytest.approx(coarse["communication"], rel=1e-9, abs=1e-15), where
         assert terms["optimizer update"].seconds == coarse["optimizer update"]
         assert (plan.pipeline is not None) == all(n in terms for n in PIPELINE), where
+        # the peak memory the same way
+        memory = cost.memory_explained()
+        assert sum(t.bytes for t in memory) == cost.peak_bytes, where
+        assert [t.name for t in memory[:4]] == ["parameters", "optimizer state", "inputs", "compute copy"]
+        assert "the peak is at" in memory[-1].basis, where
         if plan.pipeline is not None:
             assert terms["pipeline bubble"].seconds == coarse["pipeline bubble"]
             assert (
@@ -93,13 +98,18 @@ def test_inspect_explain_time_prints_every_term_and_their_sum(width, capsys, mon
     monkeypatch.setenv("COLUMNS", str(width))
     assert main(["inspect", "plans/minigpt_pp4.yaml", "--explain-time"]) == 0
     out = capsys.readouterr().out
-    table = out[out.index("Modelled step time, term by term") : out.index("Parameters,")]
+    table = out[out.index("Modelled step time, term by term") : out.index("Modelled peak memory per device")]
     assert all(len(line) <= width for line in table.splitlines())
     for term in (*COMPUTE, *PIPELINE, "pipeline sends", "gradient reductions", "optimizer update"):
         assert term.split()[0] in table, term
     step = re.search(r"modelled step ([\d.]+) ms", " ".join(out.split())).group(1)
     row = re.search(r"^step\s+([\d.]+)\s+100\.0%", table, re.MULTILINE)
     assert row and float(row.group(1)) == pytest.approx(float(step), abs=0.005), table
+    memory = out[out.index("Modelled peak memory per device, term by term") : out.index("Parameters,")]
+    assert all(len(line) <= width for line in memory.splitlines())
+    peak = re.search(r"peak ([\d.]+) MiB", " ".join(out.split())).group(1)
+    row = re.search(r"^peak\s+([\d,.]+)\s+100\.0%", memory, re.MULTILINE)
+    assert row and float(row.group(1).replace(",", "")) == pytest.approx(float(peak), abs=0.1), memory
 
 
 def test_matmuls_are_timed_by_the_measured_efficiency_of_their_shapes(tmp_path):

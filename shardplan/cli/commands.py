@@ -168,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="also print the modelled step time term by term (weight matmuls, their kernels' fixed cost, "
         "attention, memory-bound work, pipeline bubble and ticks, each kind of collective less what runs "
         "behind compute, the optimizer update), what each is computed from, and that they add up to the "
-        "step (in --json: estimate.time_explained)",
+        "step; then the peak memory per device the same way (in --json: estimate.time_explained and "
+        "estimate.memory_explained)",
     )
     inspect.add_argument(
         "--svg",

@@ -620,8 +620,8 @@ def render_estimate(console: Console, workload, profile, cost, *, accumulate: in
 
 
 def render_time_terms(console: Console, profile, cost) -> None:
-    """The modelled step term by term (`Estimate.time_explained`), each with its share and what it is
-    computed from, and their sum."""
+    """The modelled step and peak memory term by term (`Estimate.time_explained`, `memory_explained`),
+    each with its share and what it is computed from, and their sums."""
     table = Table(box=None, pad_edge=False, title=f"Modelled step time, term by term ({profile.name} profile)")
     for column in ("term", "ms", "share", "computed from"):
         table.add_column(column, justify="right" if column in ("ms", "share") else "left", overflow="fold")
@@ -630,6 +630,16 @@ def render_time_terms(console: Console, profile, cost) -> None:
         table.add_row(term.name, f"{term.seconds * 1e3:.3f}", f"{term.seconds / step:.1%}", term.basis)
     total = sum(term.seconds for term in cost.time_explained)
     table.add_row("step", f"{total * 1e3:.3f}", f"{total / step:.1%}", "the terms added up")
+    print_table(console, table)
+    table = Table(box=None, pad_edge=False, title="Modelled peak memory per device, term by term")
+    for column in ("term", "MiB", "share", "computed from"):
+        table.add_column(column, justify="right" if column in ("MiB", "share") else "left", overflow="fold")
+    peak = cost.peak_bytes or 1
+    memory = cost.memory_explained()
+    for term in memory:
+        table.add_row(term.name, f"{term.bytes / 2**20:,.1f}", f"{term.bytes / peak:.1%}", term.basis)
+    total = sum(term.bytes for term in memory)
+    table.add_row("peak", f"{total / 2**20:,.1f}", f"{total / peak:.1%}", "the terms added up")
     print_table(console, table)
 
 

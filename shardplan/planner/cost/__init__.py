@@ -42,7 +42,7 @@ attention, memory-bound work, stages, the update), `experts` (what a MoE block a
 
 from shardplan.planner.cost.compute import model_flops
 from shardplan.planner.cost.estimate import Estimate, estimate
-from shardplan.planner.cost.explain import TimeTerm
+from shardplan.planner.cost.explain import MemoryTerm, TimeTerm
 from shardplan.planner.cost.step import Workload
 
-__all__ = ["Estimate", "TimeTerm", "Workload", "estimate", "model_flops"]
+__all__ = ["Estimate", "MemoryTerm", "TimeTerm", "Workload", "estimate", "model_flops"]

@@ -21,7 +21,7 @@ from shardplan.planner.cost.compute import (
     step_flops,
     update_bytes,
 )
-from shardplan.planner.cost.explain import TimeTerm, explained
+from shardplan.planner.cost.explain import MemoryTerm, TimeTerm, explained
 from shardplan.planner.cost.experts import expert_terms
 from shardplan.planner.cost.memory import kept_activations, per_token, score_bytes, stage_activations
 from shardplan.planner.cost.step import (
@@ -116,6 +116,36 @@ class Estimate:
                 self.grad_bytes + self.reduced_copy_bytes + self.updated_bytes + self.regathered_bytes,
             )
         )
+
+    def memory_explained(self) -> tuple[MemoryTerm, ...]:
+        """`peak_bytes` as named terms that add up to it: the arguments, the compute copy, and the parts
+        of whichever high point is the larger (the other's size is said in the last term's words)."""
+        backward = (
+            ("activations kept", self.activation_bytes, "what the backward reads, as the schedule stores it"),
+            ("gradients made early", self.early_grad_bytes, "the head's, and a pipeline's running sums"),
+            ("weights gathered", self.gathered_bytes, "FSDP layers gathered whole; ends gathered over stages"),
+        )
+        update = (
+            ("gradients", self.grad_bytes, "every parameter's, in its layout"),
+            ("gradients reduced", self.reduced_copy_bytes, "their mean over the batch axes beside the sums"),
+            ("new optimizer state", self.updated_bytes, "the moments written before the old are freed"),
+            ("parameters gathered", self.regathered_bytes, "ZeRO-1: updated shards gathered whole"),
+        )
+        first, second = (sum(size for _, size, _ in high) for high in (backward, update))
+        at, other = (backward, "the update") if first >= second else (update, "the backward's start")
+        terms = [
+            MemoryTerm("parameters", self.param_bytes, "in their stored dtype, this device's shards"),
+            MemoryTerm("optimizer state", self.optimizer_bytes, "AdamW's moments (and masters), this device's shards"),
+            MemoryTerm("inputs", self.input_bytes, "tokens and targets"),
+            MemoryTerm("compute copy", self.compute_copy_bytes, "the parameters cast to the compute dtype"),
+        ]
+        terms += [MemoryTerm(name, size, basis) for name, size, basis in at if size]
+        where = "the backward's start" if at is backward else "the update"
+        terms[-1] = dataclasses.replace(
+            terms[-1],
+            basis=f"{terms[-1].basis} (the peak is at {where}; {other} holds {min(first, second) / 2**20:,.1f} MiB)",
+        )
+        return tuple(terms)
 
     @property
     def collective_bytes(self) -> int:

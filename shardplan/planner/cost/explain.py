@@ -1,5 +1,5 @@
-"""The modelled step time as named terms that add up to it, each with what it was computed from: what
-`shardplan inspect --explain-time` prints. Pure."""
+"""The modelled step time, and peak memory, as named terms that add up to them, each with what it was
+computed from: what `shardplan inspect --explain-time` prints. Pure."""
 
 from __future__ import annotations
 
@@ -19,6 +19,13 @@ LANE_TERMS = {
     "critical": ("collectives the next op waits for", ""),
 }
 SENDS = "pipeline sends"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MemoryTerm:
+    name: str
+    bytes: int  # of the modelled peak: the terms add up to `Estimate.peak_bytes`
+    basis: str
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
