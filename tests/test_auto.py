@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+import yaml
 from flax import nnx
 
 import minigpt_model
@@ -456,6 +457,27 @@ def test_calibrate_whose_reference_steps_fail_still_writes_the_profile_and_says_
         "failed": "RuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4.00GiB."
     }
     assert "not measured: the rate of a step's memory-bound work" in " ".join(capsys.readouterr().out.split())
+
+
+def test_calibrate_in_a_16_bit_dtype_writes_the_products_it_measured(tmp_path):
+    """In the dtype of most training, `calibrate` also writes the products it timed (`matmul_points`, the
+    mean of each product's three forms), so a bf16 step's matmuls are timed by their shapes; in float32
+    (the CPU's default) it writes none, as the points time 16-bit matmuls only."""
+    from shardplan.cli import main
+    from shardplan.compose.calibrate import CPU_SHAPES
+    from shardplan.planner.cost.compute import matmul_shapes
+    from shardplan.planner.profiles import load_profile
+
+    path = tmp_path / "bf16.yaml"
+    assert main(["calibrate", "-o", str(path), "--quick", "--dtype", "bfloat16"]) == 0
+    profile = load_profile(path)
+    assert [point[:3] for point in profile.matmul_points] == list(CPU_SHAPES[:4])
+    record = yaml.safe_load(path.read_text())["calibration"]["matmuls_form_rows_inner_columns_s"]
+    for m, k, n, seconds in profile.matmul_points:
+        forms = [row[-1] for row in record if tuple(row[1:4]) == (m, k, n)]
+        assert len(forms) == 3 and seconds == pytest.approx(sum(forms) / 3, rel=1e-3)
+        share = matmul_shapes(profile, "bfloat16", profile.flops_for("bfloat16"))(m, k, n)
+        assert 2 * m * k * n / (share * profile.flops_for("bfloat16")) == pytest.approx(seconds, rel=1e-9)
 
 
 def test_calibrate_writes_a_profile_of_what_it_measured(tmp_path, capsys):

@@ -307,6 +307,15 @@ def calibrate(
         progress(f"matmul {i + 1}/{len(shapes)}: ({m} x {k}) x ({k} x {n}) per device, forward and both gradients")
         matmuls += [(form, m, k, n, _matmul(mesh, form, m, k, n, kind, dispatch)) for form in FORMS]
     rate, overhead = fit_rate([(2.0 * m * k * n, s) for _, m, k, n, s in matmuls])
+    # in the 16-bit dtype of most training, the products themselves too: the cost model then times each
+    # matmul by its shape between them (`Profile.matmul_points`), the mean of its three forms
+    products = (
+        tuple(
+            (m, k, n, statistics.mean(s for _, *shape, s in matmuls if tuple(shape) == (m, k, n))) for m, k, n in shapes
+        )
+        if dtype in ("bfloat16", "float16")
+        else ()
+    )
     # Devices with compute of their own run a product as fast side by side as alone; devices that share
     # the host's cores take about `devices` times longer side by side.
     _, m, k, n, together = max(
@@ -358,6 +367,7 @@ def calibrate(
         link_efficiency=1.0,
         attention_efficiency=min(1.0, attention_rate / rate),
         matmul_overhead=min(overhead, 1.0),
+        matmul_points=products,
         low_precision_native=backend != "cpu",
         overlap=backend != "cpu",
         shared_compute=shared,
@@ -422,5 +432,10 @@ def profile_text(calibration: Calibration, *, unmeasured: list[str] = ()) -> str
         "at; link figures from each kind of collective at a small and a large message. `calibration:`",
         "keeps the raw timings.",
     ]
+    if calibration.profile.matmul_points:
+        head.append(
+            "matmul_points: the products measured (the mean of the forward and both gradients), by which "
+            "each matmul of their sizes is timed"
+        )
     head += [f"not measured: {what}" for what in unmeasured]
     return profile_file_text(calibration.profile, head, calibration.record())
