@@ -449,6 +449,7 @@ def test_calibrate_whose_reference_steps_fail_still_writes_the_profile_and_says_
     path = tmp_path / "measured.yaml"
     assert main(["calibrate", "-o", str(path), "--quick"]) == 0
     profile = load_profile(path)
+    assert profile.matmul_points == ()  # (float32, the CPU's default: the points time 16-bit matmuls only)
     record = yaml.safe_load(path.read_text())["calibration"]
     passed = record["elementwise_bytes_s"][0] / record["elementwise_bytes_s"][1]
     assert profile.memory_bandwidth == pytest.approx(passed, rel=0.01)
@@ -459,15 +460,20 @@ def test_calibrate_whose_reference_steps_fail_still_writes_the_profile_and_says_
     assert "not measured: the rate of a step's memory-bound work" in " ".join(capsys.readouterr().out.split())
 
 
-def test_calibrate_in_a_16_bit_dtype_writes_the_products_it_measured(tmp_path):
+def test_calibrate_in_a_16_bit_dtype_writes_the_products_it_measured(tmp_path, monkeypatch):
     """In the dtype of most training, `calibrate` also writes the products it timed (`matmul_points`, the
-    mean of each product's three forms), so a bf16 step's matmuls are timed by their shapes; in float32
-    (the CPU's default) it writes none, as the points time 16-bit matmuls only."""
+    mean of each product's three forms), so a bf16 step's matmuls are timed by their shapes (the
+    reference steps, which do not touch them, are left out to bound the work)."""
     from shardplan.cli import main
+    from shardplan.compose import calibrate
     from shardplan.compose.calibrate import CPU_SHAPES
     from shardplan.planner.cost.compute import matmul_shapes
     from shardplan.planner.profiles import load_profile
 
+    def left_out(*_, **__):
+        raise RuntimeError("left out")
+
+    monkeypatch.setattr(calibrate, "time_reference_steps", left_out)
     path = tmp_path / "bf16.yaml"
     assert main(["calibrate", "-o", str(path), "--quick", "--dtype", "bfloat16"]) == 0
     profile = load_profile(path)

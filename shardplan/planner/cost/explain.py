@@ -110,7 +110,7 @@ def explained(
         total = sum(seconds for _, seconds in lanes[lane])
         behind = hidden.get(lane, 0.0)
         name, where = LANE_TERMS.get(lane, (SENDS, ""))
-        kinds: dict[tuple[str, tuple[str, ...]], list] = {}
+        kinds: dict[tuple[str, tuple[str, ...]], tuple[int, float]] = {}
         for t, seconds in lanes[lane]:
             ops, time = kinds.get((t.kind, t.axes), (0, 0.0))
             kinds[(t.kind, t.axes)] = (ops + t.count, time + seconds)
