@@ -63,6 +63,19 @@ def test_malformed_plans_exit_one_with_position(capsys, tmp_path, text, name, li
     assert line in err and "Traceback" not in err + out
 
 
+def test_model_naming_the_plans_own_factory_keeps_the_plans_config(capsys, tmp_path):
+    """`--model` naming the plan's own model.factory (the consent `auto`'s written plans ask for) builds it
+    with the plan's model.config; another factory is another model, built with its defaults."""
+    plan = tmp_path / "two_blocks.yaml"
+    plan.write_text(
+        (PLANS / "minigpt_dp.yaml").read_text().replace("num_transformer_blocks: 8", "num_transformer_blocks: 2")
+    )
+    code, out, _ = run(capsys, "inspect", str(plan), "--model", "minigpt_model:MiniGPT")
+    assert code == 0 and "transformer_blocks/{0..1}/" in "".join(out.split()), out
+    code, out, _ = run(capsys, "inspect", str(plan), "--model", "minigpt_model.llama:Llama")
+    assert code == 0 and "transformer_blocks" not in out and "layers/{0..1}/" in "".join(out.split())
+
+
 def test_unreadable_and_usage_errors_exit_two(capsys, tmp_path):
     code, _, err = run(capsys, "validate", str(tmp_path / "nope.yaml"))
     assert code == 2 and "cannot read" in " ".join(err.split())  # (wrapped where the path is long)

@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument(
             "--model",
             help="model factory module:callable, imported from the installed packages or "
-            "the working directory (default: the plan's model.factory, with consent)",
+            "the working directory (default: the plan's model.factory, with consent); naming the plan's own "
+            "factory builds it with the plan's model.config",
         )
         sub.add_argument(
             "--trust-plan",
@@ -1324,7 +1325,10 @@ def _factory_and_config(args, plan: Plan) -> tuple[str, dict]:
             "otherwise name the model you mean yourself with --model module:callable, or check only "
             "what needs no model with --plan-only"
         )
-    config = dict(plan.model.config) if plan.model and not args.model else {}
+    # (--model naming the plan's own factory is consent to build it, as `auto`'s written plans suggest:
+    # the plan's config still applies; another factory is another model, whose config the plan cannot know)
+    same = plan.model is not None and args.model in (None, plan.model.factory)
+    config = dict(plan.model.config) if same else {}
     try:
         config.update(parse_overrides(args.config))
     except ModelLoadError as exc:
