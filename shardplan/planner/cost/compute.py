@@ -82,6 +82,7 @@ def step_flops(
     return total, attention_total, kernels, (at_shapes if efficiency is not None else None)
 
 
+@functools.lru_cache(maxsize=16)  # (one reading of a profile's points for every step it costs)
 def gemm_efficiency(
     points: tuple[tuple[int, int, int, float], ...], peak: float, efficiency: float, overhead: float
 ) -> Callable[[int, int, int], float]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 from shardplan.core.roles import ModelRoles
 from shardplan.core.transfers import Transfer
@@ -80,7 +81,8 @@ class Estimate:
     stage_activation_bytes: tuple[int, ...] = ()  # each stage's `activation_bytes` (asked for: `per_stage`)
     bubble_s: float = 0.0  # of `compute_s`: the pipeline's idle ticks (none where devices share compute)
     tick_s: float = 0.0  # of `compute_s`: the schedule's ticks' own cost (`Profile.tick_overhead`)
-    time_explained: tuple[TimeTerm, ...] = ()  # every term of `step_s`, with what it is computed from
+    # every term of `step_s`, with what it is computed from (`time_explained`)
+    explanation: Callable[[], tuple[TimeTerm, ...]] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def time_terms(self) -> dict[str, float]:
         """The modelled step as named terms, in seconds, that add up to `step_s`."""
@@ -116,6 +118,11 @@ class Estimate:
                 self.grad_bytes + self.reduced_copy_bytes + self.updated_bytes + self.regathered_bytes,
             )
         )
+
+    @property
+    def time_explained(self) -> tuple[TimeTerm, ...]:
+        """`step_s` as named terms that add up to it, each with what it is computed from."""
+        return self.explanation() if self.explanation else ()
 
     def memory_explained(self) -> tuple[MemoryTerm, ...]:
         """`peak_bytes` as named terms that add up to it: the arguments, the compute copy, and the parts
@@ -418,7 +425,9 @@ def estimate(
         if profile.shared_compute
         else f"stage {slowest}'s work, the slowest (the stages run in lockstep)"
     )
-    terms = explained(
+    # (worded only when asked for: `auto` costs tens of thousands of candidates and shows a few)
+    terms = functools.partial(
+        explained,
         work,
         profile,
         peak,
@@ -462,7 +471,7 @@ def estimate(
         + sequence.caveats,
         update_s=update_s,
         hidden=overlapped.hidden,
-        time_explained=terms,
+        explanation=terms,
         stage_compute_s=tuple(t / (1.0 - bubble) for t in stage_s) if pipe else (),
         bubble_s=bubble_s,
         tick_s=tick_s,
