@@ -150,3 +150,13 @@ def test_a_bf16_step_on_a_profile_with_points_names_them(capsys, monkeypatch):
     out = " ".join(capsys.readouterr().out.split())
     assert "at the measured efficiency of each kernel's shape (26 matmul_points" in out
     assert "included in the measured points" in out
+
+
+def test_explain_time_on_a_plan_with_errors_says_there_is_nothing_to_explain(capsys, tmp_path):
+    from shardplan.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: 1\nmesh: {axes: {data: 3}}\nparams: [{match: '.*', spec: [data]}]\n")
+    assert main(["inspect", str(bad), "--explain-time", "--model", "minigpt_model:MiniGPT"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--explain-time: no modelled step for a plan with errors" in out and "term by term" not in out

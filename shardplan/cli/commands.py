@@ -923,6 +923,13 @@ def render_inspect(
         )
         if explain_time:
             render.render_time_terms(console, cost.profile, cost.estimate)
+    elif explain_time:  # (asked for, and nothing to show: say why rather than leave it out)
+        from shardplan.cli.terminal import print_wrapped
+
+        print_wrapped(
+            console,
+            "--explain-time: no modelled step for a plan with errors (below); the cost model needs a plan that checks",
+        )
     render.render_params(console, report, collapse=not all_params)
     if device is not None and report.devices:  # no per-device layout when the mesh does not fit
         render.render_device_detail(console, report, device, collapse=not all_params)
