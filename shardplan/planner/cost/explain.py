@@ -136,7 +136,7 @@ def explained(
 
 def _why_exposed(lane: str, profile: Profile, stage_axis: str | None) -> str:
     if not profile.overlap:
-        return "this profile runs collectives on the cores that compute"
+        return "this profile overlaps no collective with compute (overlap: false)"
     if lane in ("critical", SENDS):
         return "what comes next waits for it"
     if lane == "backward" and stage_axis is not None:
