@@ -12,11 +12,16 @@ is split over such an axis, one chunk of the layers is compiled alone, forward a
 devices of one stage, and the schedule runs without branches (every stage computes at every tick and
 keeps its own work: the same numbers, more computation) when that program holds a permute.
 Accelerators keep the branches: their permutes meet only their own pairs.
+
+The same holds for the running sums of the layers' gradients: each layer's gradients are added into
+them inside the branch (Megatron's one buffer) unless, on CPU, taking a chunk of the stacked weights
+and adding its gradients into the sums there needs a permute; then they are added outside it.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardplan.pipeline.loop import run_chunk
@@ -39,12 +44,38 @@ def layers_permute_in_branches(
     keys) for one microbatch, the first two split over `batch_axes` — needs a collective-permute over
     the axes of `mesh` left to XLA, on XLA:CPU (`leaf_specs`: how the leaves enter the loop, see
     `shardplan.pipeline.loop.stage_specs`). Always false on accelerators."""
+    return _permutes(False, layers, state, specs, inputs, mesh, axis, batch_axes, leaf_specs)
+
+
+def sums_permute_in_branches(
+    layers,
+    state,
+    specs: list[PartitionSpec],
+    inputs: tuple,
+    mesh: Mesh,
+    axis: str,
+    batch_axes: tuple[str, ...],
+    leaf_specs: tuple | None = None,
+) -> bool:
+    """Whether taking a chunk of the stacked weights and adding each layer's gradients into its slot of
+    the float32 running sums, inside a branch as the schedules do where the sums stay in the branch
+    (`shardplan.pipeline.loop.Ends.summed`), needs a collective-permute on XLA:CPU: re-tiling a gradient
+    to its sum's layout, or the slice's transpose, can (`python -m tests.combinations --seed 9102`,
+    cases 366 and 496: a layer weight split over an axis left to XLA). Arguments as
+    `layers_permute_in_branches`'; always false on accelerators."""
+    return _permutes(True, layers, state, specs, inputs, mesh, axis, batch_axes, leaf_specs)
+
+
+def _permutes(summed, layers, state, specs, inputs, mesh, axis, batch_axes, leaf_specs) -> bool:
     if jax.default_backend() != "cpu":
         return False
     manual = {axis, *batch_axes}
     chunk_specs = [
-        PartitionSpec(axis, None, *(_left_to_xla(entry, manual) for entry in tuple(spec)[3:])) for spec in specs
+        PartitionSpec(axis, *(_left_to_xla(entry, manual) for entry in tuple(spec)[1 if summed else 3 :]))
+        for spec in specs
     ]
+    if not summed:
+        chunk_specs = [PartitionSpec(axis, None, *tuple(spec)[1:]) for spec in chunk_specs]
     if not any(
         entry is not None and mesh.shape[name] > 1
         for spec in chunk_specs
@@ -53,9 +84,13 @@ def layers_permute_in_branches(
     ):
         return False
     leaves, treedef = jax.tree.flatten(state)
-    chunk = [jax.ShapeDtypeStruct((leaf.shape[0], *leaf.shape[2:]), leaf.dtype) for leaf in leaves]
+    # one chunk (stages, layers, ...), or for the sums the device's whole stack (stages, chunks, layers, ...)
+    chunk = [
+        jax.ShapeDtypeStruct(leaf.shape if summed else (leaf.shape[0], *leaf.shape[2:]), leaf.dtype) for leaf in leaves
+    ]
     h, split, whole, keys = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), inputs)
     key = (
+        summed,
         layers,
         treedef,
         tuple(chunk),
@@ -84,26 +119,76 @@ def layers_permute_in_branches(
         out, vjp = jax.vjp(forward, [leaf[0] for leaf in chunk], h)
         return vjp(out)
 
-    entering = (
-        PartitionSpec(axis) if leaf_specs is None else [PartitionSpec(axis, *tuple(spec)[2:]) for spec in leaf_specs]
-    )
-    probe = jax.shard_map(
-        forward_and_backward,
-        mesh=mesh,
-        in_specs=(entering, rows, rows, PartitionSpec(), PartitionSpec()),
-        out_specs=PartitionSpec(),
-        axis_names=manual,
-        check_vma=False,
-    )
-    shardings = [NamedSharding(mesh, spec) for spec in chunk_specs]
-    try:
-        compiled = (
-            jax.jit(probe, in_shardings=(shardings, *(NamedSharding(mesh, s) for s in (rows, rows)), None, None))
-            .lower(chunk, h, split, whole, keys)
-            .compile()
+    def summed_in_branch(stack, sums, h, split, whole, keys):
+        # as the tables run it: chunk v of the device's stack taken and each layer's gradients added into
+        # its slot of the sums (laid out as the weights: they leave the step as their gradients), layer by
+        # layer in the backward's order, in a branch some devices skip
+        stack, sums = [leaf[0] for leaf in stack], [leaf[0] for leaf in sums]  # (chunks, layers, ...)
+        s = jax.lax.axis_index(axis)
+        v = s % stack[0].shape[0]
+
+        def run(sums):
+            def layer(carry, inputs):
+                g, sums = carry
+                layer_leaves, i = inputs
+                out, vjp = jax.vjp(
+                    lambda ls, x: layers.run(jax.tree.unflatten(treedef, ls), i, x, split, whole, keys), layer_leaves, h
+                )
+                gl, gx = vjp(g)
+                return (gx.astype(g.dtype), [t.at[v, i].add(d.astype(t.dtype)) for t, d in zip(sums, gl)]), None
+
+            chunk = [leaf[v] for leaf in stack]
+            (_, sums), _ = jax.lax.scan(layer, (h, sums), (chunk, jnp.arange(chunk[0].shape[0])), reverse=True)
+            return sums
+
+        return [leaf[None] for leaf in jax.lax.cond(s == 0, run, lambda sums: sums, sums)]
+
+    if summed:
+        entering = (
+            PartitionSpec(axis)
+            if leaf_specs is None
+            else [PartitionSpec(axis, *tuple(spec)[1:]) for spec in leaf_specs]
         )
-    except Exception:  # a chunk that cannot be compiled alone: the step keeps its branches, as before the probe
-        return False
+        probe = jax.shard_map(
+            summed_in_branch,
+            mesh=mesh,
+            in_specs=(entering, entering, rows, rows, PartitionSpec(), PartitionSpec()),
+            out_specs=entering,
+            axis_names=manual,
+            check_vma=False,
+        )
+    else:
+        entering = (
+            PartitionSpec(axis)
+            if leaf_specs is None
+            else [PartitionSpec(axis, *tuple(spec)[2:]) for spec in leaf_specs]
+        )
+        probe = jax.shard_map(
+            forward_and_backward,
+            mesh=mesh,
+            in_specs=(entering, rows, rows, PartitionSpec(), PartitionSpec()),
+            out_specs=PartitionSpec(),
+            axis_names=manual,
+            check_vma=False,
+        )
+    shardings = [NamedSharding(mesh, spec) for spec in chunk_specs]
+    inputs = (rows, rows)
+    if summed:  # the running sums beside the weights, float32 at least, laid out as they are
+        sums = [jax.ShapeDtypeStruct(a.shape, jnp.promote_types(a.dtype, jnp.float32)) for a in chunk]
+        probe = jax.jit(
+            probe,
+            in_shardings=(shardings, shardings, *(NamedSharding(mesh, s) for s in inputs), None, None),
+            out_shardings=shardings,
+        )
+        arguments = (chunk, sums, h, split, whole, keys)
+    else:
+        probe = jax.jit(probe, in_shardings=(shardings, *(NamedSharding(mesh, s) for s in inputs), None, None))
+        arguments = (chunk, h, split, whole, keys)
+    try:
+        compiled = probe.lower(*arguments).compile()
+    except Exception:  # a chunk that cannot be compiled alone
+        # (the branches stay, as before the probe; the sums stay outside them, as before the one buffer)
+        return summed
     found = "collective-permute" in compiled.as_text()
     if key is not None:
         _SEEN[key] = found

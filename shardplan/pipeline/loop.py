@@ -472,6 +472,7 @@ class Loop:
     embed_branch: bool
     branches: bool
     leaf_specs: tuple | None = None  # how the stacked layers enter (`stage_specs`)
+    sums_in_branches: bool = False  # each layer's gradients added into the running sums inside the branch
     send_axes: tuple[str, ...] = ()  # the tensor axes a stage send is split over (`to_next_stage`)
 
 
@@ -533,11 +534,11 @@ def table_schedule(loop: Loop, operands: Operands):
         ends = Ends(loop, mine, when)
         like = ends.like
 
-        # A chunk's weights are taken, and its gradients added back, inside the tick's branches only where
-        # every mesh axis is manual (`Ends.summed`; an idle tick then slices nothing): elsewhere the
-        # transpose of that slice can re-tile a weight split over an axis left to XLA with a
-        # collective-permute, which XLA:CPU runs only when every device of the program arrives — and the
-        # stages idle on that tick never do. `chunk_of(v)()`: the chunk's weights, where the branch needs them.
+        # A chunk's weights are taken, and its gradients added back, inside the tick's branches where the
+        # sums are (`Ends.summed`; an idle tick then slices nothing): elsewhere, on CPU, the transpose of
+        # that slice can re-tile a weight split over an axis left to XLA with a collective-permute, which
+        # XLA:CPU runs only when every device of the program arrives — and the stages idle on that tick
+        # never do (`branch_probe.sums_permute_in_branches` finds out). `chunk_of(v)()`: the chunk's weights, where the branch needs them.
         def chunk_of(v):
             if ends.sums_inside:
                 return lambda: chunk_of_state(state, v if virtual > 1 else 0)
@@ -671,9 +672,7 @@ class Ends:
         (self._split, self._whole), self._targets = mine.head_inputs, mine.targets
         self._keys = shard_keys(mine.keys[1], loop.mesh, loop.batch_axes)
         self.like = jax.eval_shape(self.entering, self._embed_params, 0)
-        self.sums_inside = loop.branches and all(
-            name in (loop.axis, *loop.batch_axes) or size == 1 for name, size in loop.mesh.shape.items()
-        )
+        self.sums_inside = loop.sums_in_branches
 
     def entering(self, embed_params, m):
         """Microbatch m's input to the layers."""
@@ -723,14 +722,14 @@ class Ends:
 
     def summed(self, on, compute, otherwise, total, add=None, into=None):
         """(`total` plus the gradients of `compute()` -> (gradients, rest), rest) where `on`; else (`total`,
-        the rest of `otherwise()`). Where every mesh axis is manual the sum is taken inside the branch: an
-        idle tick then neither makes zeros nor adds them (each a pass over the gradients' memory per tick:
-        a third of gpipe's step on benchmarks/pipeline_work.py), and by `into(total)` -> (total plus the
-        gradients, rest) where given: the layers' gradients added one layer at a time as they are made.
-        Where XLA has axes of its own, the sum stays outside, and `into` is not used: re-tiling a sum there
-        can put a collective in a branch some stages skip (adding each layer's gradients in the branch
-        under an axis left to XLA did: `python -m tests.combinations --seed 9102`, cases 366 and 496, a
-        weight split over that axis, XLA:CPU's collective-permute waiting for stages that never came)."""
+        the rest of `otherwise()`). Where the loop allows (`Loop.sums_in_branches`) the sum is taken inside
+        the branch: an idle tick then neither makes zeros nor adds them (each a pass over the gradients'
+        memory per tick: a third of gpipe's step on benchmarks/pipeline_work.py), and by `into(total)` ->
+        (total plus the gradients, rest) where given: the layers' gradients added one layer at a time as
+        they are made. Elsewhere the sum stays outside, and `into` is not used: with a batch axis left to
+        XLA, or where on CPU re-tiling a sum would put a collective-permute in a branch some stages skip
+        (`python -m tests.combinations --seed 9102`, cases 366 and 496: a weight split over an axis left
+        to XLA; `branch_probe` tells those layouts)."""
         add = add or add_into
         if self.sums_inside and into is not None:
             return jax.lax.cond(on, into, lambda total: (total, otherwise()[1]), total)

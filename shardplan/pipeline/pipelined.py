@@ -23,7 +23,7 @@ from shardplan.core.layer_contract import PipelineCallError, calling_without_upd
 from shardplan.pipeline.streams import KEY as STREAMS_KEY, StoredStreams, advance, fresh_streams, step_key
 from shardplan.core.paths import join_path
 from shardplan.pipeline.schedules import SCHEDULES, on_tables, unit_ticks
-from shardplan.pipeline.branch_probe import layers_permute_in_branches
+from shardplan.pipeline.branch_probe import layers_permute_in_branches, sums_permute_in_branches
 from shardplan.pipeline.loop import (
     Arrangement,
     Layers,
@@ -349,6 +349,22 @@ class PipelinedLayers(OneEntryList, nnx.Module):
         branches = self._setup.context_axis is None and not self._permutes_in_branches(
             layers, state, x, split, whole, keys, microbatches, batch_axes, leaf_specs
         )
+        # each layer's gradients added into the running sums inside the branch (one buffer), where XLA
+        # has no batch axis of its own there and, on CPU, needs no permute for it (`branch_probe`)
+        sums_in_branches = (
+            branches
+            and every_batch_axis_manual
+            and not sums_permute_in_branches(
+                layers,
+                state,
+                _specs(state),
+                self._one_microbatch(x, split, whole, keys, microbatches),
+                self._setup.mesh,
+                self._setup.axis,
+                batch_axes,
+                leaf_specs,
+            )
+        )
         loop = Loop(
             layers,
             functools.partial(head_loss, used=used_at),
@@ -359,6 +375,7 @@ class PipelinedLayers(OneEntryList, nnx.Module):
             self.schedule,
             embed_branch=every_batch_axis_manual and branches,
             branches=branches,
+            sums_in_branches=sums_in_branches,
             leaf_specs=leaf_specs,
             send_axes=self._send_axes(mesh, batch_axes) if every_batch_axis_manual and branches else (),
         )
@@ -384,6 +401,16 @@ class PipelinedLayers(OneEntryList, nnx.Module):
         skip = {self._setup.axis, *batch_axes, *self._setup.data_axes, self._setup.context_axis}
         return tuple(n for n in mesh.axis_names if n not in skip and mesh.shape[n] > 1)
 
+    @staticmethod
+    def _one_microbatch(x, split: list, whole, keys, microbatches: int) -> tuple:
+        """(activation, split inputs, whole inputs, keys) of one microbatch, as shapes."""
+        rows = x.shape[0] // microbatches
+
+        def one_microbatch(a):
+            return jax.ShapeDtypeStruct((rows, *a.shape[1:]), a.dtype)
+
+        return one_microbatch(x), [one_microbatch(a) for a in split], whole, keys
+
     def _permutes_in_branches(
         self,
         layers,
@@ -398,15 +425,9 @@ class PipelinedLayers(OneEntryList, nnx.Module):
     ) -> bool:
         """Whether the schedule must run without branches on this backend (see `branch_probe`), said once
         per pipeline and layout."""
-        rows = x.shape[0] // microbatches
-
-        def one_microbatch(a):
-            return jax.ShapeDtypeStruct((rows, *a.shape[1:]), a.dtype)
-
-        specs = _specs(state)
-        inputs = (one_microbatch(x), [one_microbatch(a) for a in split], whole, keys)
+        inputs = self._one_microbatch(x, split, whole, keys, microbatches)
         if not layers_permute_in_branches(
-            layers, state, specs, inputs, self._setup.mesh, self._setup.axis, batch_axes, leaf_specs
+            layers, state, _specs(state), inputs, self._setup.mesh, self._setup.axis, batch_axes, leaf_specs
         ):
             return False
         if (self._setup.name, batch_axes) not in _SAID_LOCKSTEP:

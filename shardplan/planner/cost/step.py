@@ -67,13 +67,10 @@ class Step:
     @property
     def sums_in_branches(self) -> bool:
         """Whether a tabled pipeline adds each layer's gradients to its running sums as its backward makes
-        them (`shardplan.pipeline.loop.Ends.summed`): where every mesh axis is the stage's or a batch axis
-        (all of them manual) and the stages branch (no context axis)."""
-        return (
-            self.stage_axis is not None
-            and self.context is None
-            and all(a == self.stage_axis or a in self.batch_axes for a, n in self.sizes.items() if n > 1)
-        )
+        them (`shardplan.pipeline.loop.Ends.summed`): wherever the stages branch (no context axis), tensor
+        axes too. (On CPU a layout whose sums XLA re-tiles with a collective-permute adds them outside the
+        branch instead, `shardplan.pipeline.branch_probe`, which no plan tells: not modelled.)"""
+        return self.stage_axis is not None and self.context is None
 
     def widening(self, p: ParamLayout) -> float:
         """How much larger than the stored parameter its gradient moves (float32 on a widening backend)."""
