@@ -371,6 +371,7 @@ def calibrate(
         low_precision_native=backend != "cpu",
         overlap=backend != "cpu",
         shared_compute=shared,
+        remat_frees=backend != "cpu",
         source="measured",
         attention="fused" if backend == "gpu" else "materialised",
         collective_shares=shares,

@@ -61,6 +61,10 @@ class Profile:
     # the devices share one pool of compute (simulated CPU devices on the host's cores): a device idle in a
     # pipeline's bubble lends its share to the others, so a step costs the devices' work added up
     shared_compute: bool = False
+    # XLA keeps jax.checkpoint's optimization barriers through its scheduling, so a rematerialised layer frees
+    # what it recomputes and an FSDP layer's backward gathers its weights again (false: XLA:CPU expands them
+    # before its last CSE, which merges the recomputation back into the forward)
+    remat_frees: bool = True
     # share of the link bandwidth each kind of collective reaches (`calibrate` times each kind: on CPU a
     # gather moves its bytes 5-10x slower than a permute); a kind not named reaches the whole link
     collective_shares: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -171,6 +175,7 @@ PROFILES = {
         low_precision_native=False,  # XLA on CPU computes and reduces bf16 in float32 (measured)
         overlap=False,  # its collectives are copies on the cores that compute
         shared_compute=True,
+        remat_frees=False,  # its compiler expands jax.checkpoint's barriers early (cpu_compiler.cc)
     ),  # the 8 devices run on the same 2 cores
 }
 
@@ -304,6 +309,13 @@ class ProfileFile(BaseModel):
         description="the devices share one pool of compute, as simulated CPU devices share the host's cores: "
         "a device idle in a pipeline's bubble lends its share to the others (`calibrate` "
         "measures it: one device alone against all at once)",
+    )
+    remat_frees: bool = Field(
+        True,
+        description="XLA keeps jax.checkpoint's optimization barriers through its scheduling: a "
+        "rematerialised layer frees what it recomputes and an FSDP layer's backward gathers its weights "
+        "again (false: XLA on CPU expands them before its last CSE, which merges the recomputation back "
+        "into the forward)",
     )
     matmul_points: list[tuple[GemmSize, GemmSize, GemmSize, Latency]] = Field(
         default_factory=list,
@@ -449,6 +461,7 @@ def profile_file_text(profile: Profile, comments: list[str], record: dict | None
         "low_precision_native": profile.low_precision_native,
         "overlap": profile.overlap,
         "shared_compute": profile.shared_compute,
+        "remat_frees": profile.remat_frees,
         "attention": profile.attention,
     }
     if profile.collective_shares:

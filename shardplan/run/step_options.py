@@ -1,6 +1,10 @@
 """The plan's step options on any NNX model, without touching its code: the output sharding of
 modules (`activations:`), rematerialisation (`remat:`), compute precision (`precision:`) and the
-microbatches `shardplan.model_loss` accumulates gradients over (`accumulate:`, read back by `accumulation`).
+microbatches `shardplan.model_loss` accumulates gradients over (`accumulate:`, read back by `accumulation`);
+and, for repeated layers whose weights are split over a batch axis (FSDP) and not rematerialised, their
+weights gathered in the layer's call and gathered again for its backward instead of kept from the
+forward (PyTorch FSDP's reshard after forward: one layer's whole weights alive at a time, not every
+layer's until its backward).
 
 A module a rule names gets, in place, a subclass of its own class whose `__call__` wraps the
 original: remat around the call, a sharding constraint on its output; the root module, when a
@@ -13,13 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 
-from shardplan.core.paths import module_paths
+from shardplan.core.paths import join_path, module_paths
 from shardplan.run.precision import floating, follow_plan_dtype
 from shardplan.run.specs import partition_spec, pin
 from shardplan.plan.matching import first_module_rule
@@ -34,10 +40,17 @@ class Options:
     remat: str | None = None  # "full" or a jax.checkpoint_policies name
     compute: str | None = None  # root only: dtype the call runs in
     accumulate: int = 1  # root only: microbatches `model_loss` runs in turn
+    # FSDP-split weights the call gathers itself, then again for its backward: (path within the module,
+    # the weight's sharding with the batch axes left out)
+    regather: tuple[tuple[str, NamedSharding], ...] = ()
 
 
-def planned_options(plan: Plan, model, mesh) -> dict[int, Options]:
-    """id(module) -> its options, for every module the plan's step options name."""
+GATHERED = "shardplan_fsdp_gathered"  # the name the gathered weights carry for the remat policy
+
+
+def planned_options(plan: Plan, model, mesh, regather: dict | None = None) -> dict[int, Options]:
+    """id(module) -> its options, for every module the plan's step options name (`regather`: module path
+    -> its `Options.regather`, see `fsdp_regathers`)."""
     found = {}
     for path, module in module_paths(model):
         activation, remat = first_module_rule(plan.activations, path), first_module_rule(plan.remat, path)
@@ -46,6 +59,7 @@ def planned_options(plan: Plan, model, mesh) -> dict[int, Options]:
             remat=remat.policy if remat and remat.policy != "none" else None,
             compute=plan.precision.compute if path == "" else None,
             accumulate=plan.accumulate if path == "" else 1,
+            regather=(regather or {}).get(path, ()) if not (remat and remat.policy != "none") else (),
         )
         if options != Options():
             found[id(module)] = options
@@ -60,14 +74,45 @@ def accumulation(model) -> int:
 
 def install_on_model(subject) -> list:
     """The plan's step options put on the model (`subject`: a `ModelUnderPlan`); classes wrapped for
-    good (nothing to undo: the model is the plan's from now on)."""
-    apply_step_options(subject.plan, subject.model, subject.mesh)
+    good (nothing to undo: the model is the plan's from now on). FSDP layers gather again for their
+    backward where the platform keeps jax.checkpoint's barriers: XLA:CPU merges the two gathers back
+    into one (its peak then only grows, by the remat's bookkeeping), so there they keep the forward's."""
+    mesh = subject.mesh
+    keeps_barriers = mesh.devices.flat[0].platform != "cpu" if hasattr(mesh, "devices") else False
+    regather = fsdp_regathers(subject.plan, subject.report, subject.roles.layers, mesh) if keeps_barriers else {}
+    apply_step_options(subject.plan, subject.model, mesh, regather)
     return []
 
 
-def apply_step_options(plan: Plan, model, mesh) -> None:
-    """Wrap, in place, the calls of the modules the plan's step options name; cast stored parameters
-    to `precision.params`; modules that compute in their parameters' dtype compute in the plan's."""
+def fsdp_regathers(plan: Plan, report, layers: str | None, mesh) -> dict[str, tuple[tuple[str, NamedSharding], ...]]:
+    """Layer path -> its weights split over a batch axis (FSDP), with their shardings gathered over it:
+    the repeated layers (`layers`: the path of their list) of a plan without a pipeline (whose loop
+    gathers a stage's layers once) on a mesh of automatic axes, the experts' weights left split (they
+    stay on their devices)."""
+    from shardplan.core.validate import data_axes
+
+    if report.stage_map is not None or layers is None or _explicit_axes(mesh):
+        return {}
+    batch = {a for a in data_axes(plan, report.axes) if report.axes[a] > 1}
+    experts = {path for r in report.experts or () for path in r.experts}
+    found: dict[str, list] = {}
+    for layout in report.params:
+        layer = re.match(rf"({re.escape(layers)}/\d+)/(.+)", layout.path)
+        if not layer or layout.path in experts or not any(a in batch for e in layout.spec for a in _axes(e)):
+            continue
+        gathered = tuple(_without(entry, batch) for entry in layout.spec)
+        found.setdefault(layer.group(1), []).append((layer.group(2), NamedSharding(mesh, partition_spec(gathered))))
+    return {path: tuple(pairs) for path, pairs in found.items()}
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def apply_step_options(plan: Plan, model, mesh, regather: dict | None = None) -> None:
+    """Wrap, in place, the calls of the modules the plan's step options name (and the FSDP layers that
+    gather their weights again for the backward, `regather`); cast stored parameters to
+    `precision.params`; modules that compute in their parameters' dtype compute in the plan's."""
     computes_in = plan.precision.compute or plan.precision.params
     if computes_in:
         follow_plan_dtype(model, jnp.dtype(computes_in))
@@ -81,7 +126,7 @@ def apply_step_options(plan: Plan, model, mesh) -> None:
                     if not isinstance(value, jax.ShapeDtypeStruct)
                     else jax.ShapeDtypeStruct(value.shape, dtype, sharding=value.sharding)
                 )
-    options = planned_options(plan, model, mesh)
+    options = planned_options(plan, model, mesh, regather)
     for _, module in module_paths(model):
         if id(module) in options and not hasattr(type(module), "_shardplan_options"):
             module.__class__ = _wrapped_class(type(module), options[id(module)])
@@ -108,6 +153,8 @@ def _call(original, options: Options, module, args: tuple, kwargs: dict):
 
     if options.remat:
         run = _rematerialised(run, options.remat)
+    elif options.regather:
+        run = _regathered(run, dict(options.regather))
     if options.compute:
         run = _in_dtype(run, jnp.dtype(options.compute))
     if options.sharding is not None and _explicit_axes(options.sharding.mesh):
@@ -192,9 +239,12 @@ def _fitted(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
     return NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*entries))
 
 
-def _rematerialised(run, policy: str):
-    """`run` under `nnx.remat`: arrays and Rngs are its arguments, Python values stay static."""
-    saving = None if policy == "full" else getattr(jax.checkpoint_policies, policy)
+def _rematerialised(run, policy):
+    """`run` under `nnx.remat`: arrays and Rngs are its arguments, Python values stay static. `policy`:
+    "full", a `jax.checkpoint_policies` name, or a policy."""
+    saving = (
+        None if policy == "full" else getattr(jax.checkpoint_policies, policy) if isinstance(policy, str) else policy
+    )
 
     def remat_run(module, args, kwargs):
         leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=lambda v: isinstance(v, nnx.Rngs))
@@ -210,6 +260,33 @@ def _rematerialised(run, policy: str):
         return nnx.remat(inner, policy=saving)(module, [leaves[i] for i in dynamic])
 
     return remat_run
+
+
+def _regathered(run, gathered: dict):
+    """`run` on the module's FSDP-split weights gathered over the batch axes (`gathered`: path within
+    the module -> the sharding to gather to), under `nnx.remat` whose policy saves everything but them:
+    the forward keeps what it would keep and the backward gathers the weights again, as PyTorch's FSDP
+    does, instead of every layer's gathered weights staying alive until its backward (the partitioner
+    gathers a weight once for its forward and backward products). XLA:CPU expands the remat's
+    optimization barriers before its last CSE and merges the two gathers back into one; accelerators
+    keep them apart (`remat-no-memory-effect`)."""
+    policy = jax.checkpoint_policies.save_anything_except_these_names(GATHERED)
+
+    def gather(path, value):
+        sharding = gathered.get(join_path(path).removesuffix("/.value"))
+        return value if sharding is None else checkpoint_name(_constrain(value, sharding), GATHERED)
+
+    def gathered_run(module, args, kwargs):
+        graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+        copy = nnx.merge(graphdef, jax.tree.map_with_path(gather, params), rest)
+        before = jax.tree.leaves(rest)
+        out = run(copy, args, kwargs)
+        after = nnx.state(copy, nnx.Not(nnx.Param))
+        if any(a is not b for a, b in zip(jax.tree.leaves(after), before)):
+            nnx.update(module, after)  # batch statistics, RNG counters
+        return out
+
+    return _rematerialised(gathered_run, policy)
 
 
 def _in_dtype(run, dtype):

@@ -260,6 +260,8 @@ def estimate(
         context=context,
         ring=bool(context) and plan.context.strategy == "ring",
         tensor_overlap=plan.tensor_overlap and profile.overlap,
+        # (`shardplan.run.step_options.fsdp_regathers`: outside a pipeline, on a mesh of automatic axes)
+        regathers=pipe is None and profile.remat_frees and "explicit" not in plan.mesh.types.values(),
     )
     # The device holding the most layers: stages are padded to the longest, so every stage holds as
     # many layer slots (and stage 0 keeps the most microbatches in flight: an upper bound where they differ)
@@ -350,13 +352,14 @@ def estimate(
         fsdp = step.ways(tuple(a for a in spec_axes(p.spec) if a in batch_axes))
         layer = roles.layer_of(p.path)
         if fsdp > 1 and layer is not None:
-            # gathered whole in the compute dtype. The backward reads the gathered weight of a layer
-            # that is not rematerialised (autodiff keeps it, as any matmul operand): every layer's is
-            # kept. A rematerialised layer gathers again; a good schedule holds two layers' at a time.
-            # A pipeline's stage enters its loop with its layers gathered, whole for the step.
-            # (An FSDP embedding or head moves activations instead, see `matrix_transfers`.)
+            # gathered whole in the compute dtype. A layer gathers its weights again for the backward
+            # (rematerialised, or `step.regathers`); a good schedule holds two layers' at a time. Where
+            # XLA merges the backward's gather into the forward's (XLA:CPU), the backward reads the
+            # forward's, so every layer's is kept. A pipeline's stage enters its loop with its layers
+            # gathered, whole for the step. (An FSDP embedding or head moves activations instead, see
+            # `matrix_transfers`.)
             count = step.count(p.path)
-            if step.remat == "none" or step.stage_axis is not None:
+            if (step.remat == "none" and not step.regathers) or step.stage_axis is not None:
                 held_whole = count
             else:
                 held_whole = min(2, count) if count > 1 else int(own_layers.index(layer) < 2)  # one for all, or each

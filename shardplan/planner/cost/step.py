@@ -52,6 +52,7 @@ class Step:
     widened: bool = False  # narrow gradients are reduced in float32 (XLA on CPU)
     context: str | None = None  # the context axis (it splits the sequence, so it counts as a batch axis)
     ring: bool = False  # context strategy ring: no scores kept
+    regathers: bool = False  # FSDP layers not rematerialised gather their weights again for the backward
     tensor_overlap: bool = False  # collective matmul: the layers' sequence-parallel tensor collectives
     #                                 run beside the matmuls they feed (`Plan.tensor_overlap` on an overlapping device)
     on_stages: frozenset = frozenset()  # parameters around the layers split over the stage axis at rest

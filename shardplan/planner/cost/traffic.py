@@ -240,8 +240,9 @@ def matrix_transfers(
     # Inside a pipeline loop the weight is gathered again for the backward (1F1B: also for the
     # recomputed forward) and its gradient reduced per microbatch; gradient accumulation gathers
     # and reduces once per microbatch. A rematerialised layer gathers again as its forward reruns
-    # (the gathered weight is neither kept nor a saved matmul output).
-    gathers = (3 if step.tabled else 2) if staged else 1 + (in_layer and step.remat != "none")
+    # (the gathered weight is neither kept nor a saved matmul output), and so does one that is not
+    # where the device keeps the remat's barriers (`step.regathers`).
+    gathers = (3 if step.tabled else 2) if staged else 1 + (in_layer and (step.remat != "none" or step.regathers))
     gather_weight = [
         Transfer("all-gather", fsdp, whole, gathers * passes, f"{p.path}: FSDP weight gathered", "prefetch"),
         Transfer("all-reduce", fsdp, whole, passes, f"{p.path}: FSDP gradient", "backward"),
