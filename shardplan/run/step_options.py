@@ -78,10 +78,15 @@ def install_on_model(subject) -> list:
     backward where the platform keeps jax.checkpoint's barriers: XLA:CPU merges the two gathers back
     into one (its peak then only grows, by the remat's bookkeeping), so there they keep the forward's."""
     mesh = subject.mesh
-    keeps_barriers = mesh.devices.flat[0].platform != "cpu" if hasattr(mesh, "devices") else False
-    regather = fsdp_regathers(subject.plan, subject.report, subject.roles.layers, mesh) if keeps_barriers else {}
+    regather = fsdp_regathers(subject.plan, subject.report, subject.roles.layers, mesh) if keeps_barriers(mesh) else {}
     apply_step_options(subject.plan, subject.model, mesh, regather)
     return []
+
+
+def keeps_barriers(mesh) -> bool:
+    """Whether XLA keeps jax.checkpoint's optimization barriers on the mesh's platform until it has
+    scheduled the step (not XLA:CPU, which expands them before its last CSE)."""
+    return hasattr(mesh, "devices") and mesh.devices.flat[0].platform != "cpu"
 
 
 def fsdp_regathers(plan: Plan, report, layers: str | None, mesh) -> dict[str, tuple[tuple[str, NamedSharding], ...]]:

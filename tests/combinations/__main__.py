@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import random
 import sys
 import time
@@ -16,7 +17,7 @@ from .generate import SCHEDULES, draw
 from .matrix import matrix, render
 from .minimise import minimise
 from .pool import Pool, run_all
-from .run import plan_text
+from .run import REGATHER_ENV, plan_text
 
 FAILURES = ("wrong", "failed", "abort", "hang", "not-refused", "refused-otherwise")
 
@@ -90,7 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only", choices=sorted(FOCUS), help="run only the drawn cases of this kind (ids stay the seed's)"
     )
+    parser.add_argument(
+        "--regather",
+        action="store_true",
+        help="FSDP layers gather again for their backward on CPU too, as on accelerators (numbers only)",
+    )
     args = parser.parse_args(argv)
+    if args.regather:
+        os.environ[REGATHER_ENV] = "1"  # (the workers inherit it)
     if args.replay:
         try:
             case = read_case(args.replay)

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import json
 import math
+import os
 import traceback
 
 import numpy as np
@@ -43,12 +44,25 @@ def plan_text(case: dict) -> str:
     return header + yaml.safe_dump(case["plan"], sort_keys=False, default_flow_style=None, width=100)
 
 
+def _regather_on_cpu() -> None:
+    """`--regather` (`REGATHER_ENV` set): FSDP layers gather again for their backward here too, as on
+    accelerators (XLA:CPU merges the gathers back, so only the numbers are tested, not the memory)."""
+    if os.environ.get(REGATHER_ENV):
+        from shardplan.run import step_options
+
+        step_options.keeps_barriers = lambda mesh: True
+
+
+REGATHER_ENV = "SHARDPLAN_TEST_REGATHER"
+
+
 def run_case(case: dict) -> dict:
     """{status, codes, detail}: status is passed, refused (a valid draw refused by check: allowed),
     wrong (other numbers), failed (an error after check said valid), not-refused (an invalid plan
     check accepted) or refused-otherwise (an invalid plan refused with other codes)."""
     import shardplan
 
+    _regather_on_cpu()
     text = plan_text(case)
     try:
         plan = shardplan.parse_plan(text)
