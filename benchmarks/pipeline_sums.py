@@ -53,13 +53,13 @@ def plan_text(schedule: str, microbatches: int) -> str:
 
 
 def compiled(plan, *, sums_inside: bool):
-    probe = pipelined.sums_permute_in_branches
+    probe = pipelined.permutes_in_branches
     if not sums_inside:  # as before the one buffer reached tensor axes: the sums outside the branch
-        pipelined.sums_permute_in_branches = lambda *_, **__: True
+        pipelined.permutes_in_branches = lambda summed, *args: summed or probe(summed, *args)
     try:
         return compile_step(plan, MiniGPT(**MODEL, rngs=nnx.Rngs(0)), BATCH, MODEL["maxlen"])
     finally:
-        pipelined.sums_permute_in_branches = probe
+        pipelined.permutes_in_branches = probe
 
 
 def main() -> None:

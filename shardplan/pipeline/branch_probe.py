@@ -29,7 +29,8 @@ from shardplan.pipeline.loop import run_chunk
 _SEEN: dict = {}
 
 
-def layers_permute_in_branches(
+def permutes_in_branches(
+    summed: bool,
     layers,
     state,
     specs: list[PartitionSpec],
@@ -39,34 +40,15 @@ def layers_permute_in_branches(
     batch_axes: tuple[str, ...],
     leaf_specs: tuple | None = None,
 ) -> bool:
-    """Whether one chunk of `layers` (stacked `state`, each leaf (stages, chunks, layers, ...) with
-    its `specs`), run forward and backward on `inputs` — (activation, split inputs, whole inputs,
-    keys) for one microbatch, the first two split over `batch_axes` — needs a collective-permute over
-    the axes of `mesh` left to XLA, on XLA:CPU (`leaf_specs`: how the leaves enter the loop, see
-    `shardplan.pipeline.loop.stage_specs`). Always false on accelerators."""
-    return _permutes(False, layers, state, specs, inputs, mesh, axis, batch_axes, leaf_specs)
-
-
-def sums_permute_in_branches(
-    layers,
-    state,
-    specs: list[PartitionSpec],
-    inputs: tuple,
-    mesh: Mesh,
-    axis: str,
-    batch_axes: tuple[str, ...],
-    leaf_specs: tuple | None = None,
-) -> bool:
-    """Whether taking a chunk of the stacked weights and adding each layer's gradients into its slot of
-    the float32 running sums, inside a branch as the schedules do where the sums stay in the branch
-    (`shardplan.pipeline.loop.Ends.summed`), needs a collective-permute on XLA:CPU: re-tiling a gradient
-    to its sum's layout, or the slice's transpose, can (`python -m tests.combinations --seed 9102`,
-    cases 366 and 496: a layer weight split over an axis left to XLA). Arguments as
-    `layers_permute_in_branches`'; always false on accelerators."""
-    return _permutes(True, layers, state, specs, inputs, mesh, axis, batch_axes, leaf_specs)
-
-
-def _permutes(summed, layers, state, specs, inputs, mesh, axis, batch_axes, leaf_specs) -> bool:
+    """Whether, on XLA:CPU, a collective-permute over the axes of `mesh` left to XLA is needed to run
+    one chunk of `layers` (stacked `state`, each leaf (stages, chunks, layers, ...) with its `specs`)
+    forward and backward on `inputs` — (activation, split inputs, whole inputs, keys) for one microbatch,
+    the first two split over `batch_axes` — or, `summed`, to take a chunk of the stacked weights and add
+    each layer's gradients into its slot of the float32 running sums inside a branch, as the schedules
+    do where the sums stay in the branch (`shardplan.pipeline.loop.Ends.summed`): re-tiling a gradient to
+    its sum's layout, or the slice's transpose, can (`python -m tests.combinations --seed 9102`, cases
+    366 and 496: a layer weight split over an axis left to XLA). `leaf_specs`: how the leaves enter the
+    loop, see `shardplan.pipeline.loop.stage_specs`. Always false on accelerators."""
     if jax.default_backend() != "cpu":
         return False
     manual = {axis, *batch_axes}

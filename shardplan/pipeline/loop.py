@@ -538,7 +538,7 @@ def table_schedule(loop: Loop, operands: Operands):
         # sums are (`Ends.summed`; an idle tick then slices nothing): elsewhere, on CPU, the transpose of
         # that slice can re-tile a weight split over an axis left to XLA with a collective-permute, which
         # XLA:CPU runs only when every device of the program arrives — and the stages idle on that tick
-        # never do (`branch_probe.sums_permute_in_branches` finds out). `chunk_of(v)()`: the chunk's weights, where the branch needs them.
+        # never do (`branch_probe.permutes_in_branches` finds out). `chunk_of(v)()`: the chunk's weights, where the branch needs them.
         def chunk_of(v):
             if ends.sums_inside:
                 return lambda: chunk_of_state(state, v if virtual > 1 else 0)

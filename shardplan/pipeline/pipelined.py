@@ -23,7 +23,7 @@ from shardplan.core.layer_contract import PipelineCallError, calling_without_upd
 from shardplan.pipeline.streams import KEY as STREAMS_KEY, StoredStreams, advance, fresh_streams, step_key
 from shardplan.core.paths import join_path
 from shardplan.pipeline.schedules import SCHEDULES, on_tables, unit_ticks
-from shardplan.pipeline.branch_probe import layers_permute_in_branches, sums_permute_in_branches
+from shardplan.pipeline.branch_probe import permutes_in_branches
 from shardplan.pipeline.loop import (
     Arrangement,
     Layers,
@@ -354,7 +354,8 @@ class PipelinedLayers(OneEntryList, nnx.Module):
         sums_in_branches = (
             branches
             and every_batch_axis_manual
-            and not sums_permute_in_branches(
+            and not permutes_in_branches(
+                True,
                 layers,
                 state,
                 _specs(state),
@@ -426,8 +427,8 @@ class PipelinedLayers(OneEntryList, nnx.Module):
         """Whether the schedule must run without branches on this backend (see `branch_probe`), said once
         per pipeline and layout."""
         inputs = self._one_microbatch(x, split, whole, keys, microbatches)
-        if not layers_permute_in_branches(
-            layers, state, _specs(state), inputs, self._setup.mesh, self._setup.axis, batch_axes, leaf_specs
+        if not permutes_in_branches(
+            False, layers, state, _specs(state), inputs, self._setup.mesh, self._setup.axis, batch_axes, leaf_specs
         ):
             return False
         if (self._setup.name, batch_axes) not in _SAID_LOCKSTEP:
