@@ -460,17 +460,31 @@ def test_on_cpu_xla_keeps_what_remat_would_free():
     assert full.memory_analysis().temp_size_in_bytes >= plain.memory_analysis().temp_size_in_bytes
 
 
-def test_fsdp_layers_gather_again_for_their_backward_with_one_devices_numbers():
+FSDP_TP = """version: 1
+mesh: {axes: {data: 4, model: 2}}
+inputs: {tokens: [data, null]}
+params:
+  - {match: 'transformer_blocks/\\d+/mha/(query|key|value)/kernel', spec: [data, model]}
+  - {match: 'transformer_blocks/\\d+/mha/out/kernel', spec: [model, null, data]}
+  - {match: 'transformer_blocks/\\d+/linear1/kernel', spec: [data, model]}
+  - {match: 'transformer_blocks/\\d+/linear2/kernel', spec: [model, data]}
+  - {match: '.*', spec: replicated}
+"""
+
+
+@pytest.mark.parametrize("name", ["minigpt_fsdp.toml", "fsdp x tensor"])
+def test_fsdp_layers_gather_again_for_their_backward_with_one_devices_numbers(name):
     """FSDP-split layers without remat gather their weights in their own call, under a remat whose policy
     saves everything but the gathered weights, so the backward gathers them again instead of keeping
     every layer's (PyTorch FSDP's reshard after forward). On accelerators `apply_plan` does so; XLA:CPU
     merges the two gathers back into one (its barrier expander runs before its last CSE), so there it is
     off and this test puts it on by hand: the same loss and gradients as the plain placement, and the
-    program handed to XLA gathers each such weight twice behind an optimization barrier per layer."""
+    program handed to XLA gathers each such weight twice behind an optimization barrier per layer; with a
+    tensor axis too, each weight is gathered over the data axis only (it stays split over the model axis)."""
     from shardplan.core.roles import recognise_module
     from shardplan.run.step_options import apply_step_options, fsdp_regathers
 
-    plan = shardplan.load_plan(PLANS / "minigpt_fsdp.toml")
+    plan = shardplan.parse_plan(FSDP_TP) if name == "fsdp x tensor" else shardplan.load_plan(PLANS / name)
     mesh = shardplan.make_mesh(plan)
     x, y = _tokens()
 
@@ -485,6 +499,10 @@ def test_fsdp_layers_gather_again_for_their_backward_with_one_devices_numbers():
             "linear1/kernel", "linear2/kernel", "mha/key/kernel", "mha/out/kernel", "mha/query/kernel",
             "mha/value/kernel",
         ]  # fmt: skip
+        if name == "fsdp x tensor":  # gathered over data, still split over model
+            shardings = dict(found["transformer_blocks/0"])
+            assert shardings["linear2/kernel"].spec == jax.sharding.PartitionSpec("model", None)
+            assert shardings["mha/out/kernel"].spec == jax.sharding.PartitionSpec("model", None, None)
         if regather:
             apply_step_options(plan, model, mesh, found)
         tokens = shardplan.shard_inputs(plan, {"tokens": x}, mesh)["tokens"]

@@ -105,7 +105,7 @@ def fsdp_regathers(plan: Plan, report, layers: str | None, mesh) -> dict[str, tu
         layer = re.match(rf"({re.escape(layers)}/\d+)/(.+)", layout.path)
         if not layer or layout.path in experts or not any(a in batch for e in layout.spec for a in _axes(e)):
             continue
-        gathered = tuple(_without(entry, batch) for entry in layout.spec)
+        gathered = tuple(tuple(a for a in _axes(entry) if a not in batch) or None for entry in layout.spec)
         found.setdefault(layer.group(1), []).append((layer.group(2), NamedSharding(mesh, partition_spec(gathered))))
     return {path: tuple(pairs) for path, pairs in found.items()}
 
