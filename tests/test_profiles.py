@@ -119,6 +119,7 @@ def test_cli_lists_profiles_and_rejects_a_bad_file(tmp_path, capsys):
     assert "profile files shipped in profiles: " + ", ".join(f"{name}.yaml" for name in shipped) in listed
     assert "not on the machine at hand" in listed and "this machine's" not in listed
     assert "989 (" in listed and "0.0275" in listed  # three significant figures, not `0.0275000`-style noise
+    assert listed.count("remat frees nothing") == 1  # the cpu profile's `remat_frees: false`, said
     path = tmp_path / "bad.yaml"
     path.write_text(MINIMAL.replace("peak_flops: 312e12", "peak_flops: -1"))
     assert main(["profiles", str(path)]) == 1

@@ -743,7 +743,9 @@ def render_profiles(console: Console, profiles) -> None:
                     f"{share:.2g}" for share in (p.matmul_efficiency, p.attention_efficiency, p.link_efficiency)
                 ),
                 " / ".join(_microseconds(s) for s in (p.collective_latency, p.matmul_overhead, p.tick_overhead)),
-                p.attention + (", shared compute" if p.shared_compute else ""),
+                p.attention
+                + (", shared compute" if p.shared_compute else "")
+                + ("" if p.remat_frees else ", remat frees nothing"),
             ]
         )
     columns = [

@@ -52,12 +52,12 @@ def permutes_in_branches(
     if jax.default_backend() != "cpu":
         return False
     manual = {axis, *batch_axes}
+    # the leaves as the probe takes them: the device's whole stack (stages, chunks, layers, ...) for the
+    # sums, else one chunk (stages, layers, ...); the stacked specs never split the chunk or layer dims
+    drop = 1 if summed else 2
     chunk_specs = [
-        PartitionSpec(axis, *(_left_to_xla(entry, manual) for entry in tuple(spec)[1 if summed else 3 :]))
-        for spec in specs
+        PartitionSpec(axis, *(_left_to_xla(entry, manual) for entry in tuple(spec)[drop:])) for spec in specs
     ]
-    if not summed:
-        chunk_specs = [PartitionSpec(axis, None, *tuple(spec)[1:]) for spec in chunk_specs]
     if not any(
         entry is not None and mesh.shape[name] > 1
         for spec in chunk_specs
@@ -66,10 +66,7 @@ def permutes_in_branches(
     ):
         return False
     leaves, treedef = jax.tree.flatten(state)
-    # one chunk (stages, layers, ...), or for the sums the device's whole stack (stages, chunks, layers, ...)
-    chunk = [
-        jax.ShapeDtypeStruct(leaf.shape if summed else (leaf.shape[0], *leaf.shape[2:]), leaf.dtype) for leaf in leaves
-    ]
+    chunk = [jax.ShapeDtypeStruct((leaf.shape[0], *leaf.shape[drop:]), leaf.dtype) for leaf in leaves]
     h, split, whole, keys = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), inputs)
     key = (
         summed,
@@ -125,47 +122,31 @@ def permutes_in_branches(
 
         return [leaf[None] for leaf in jax.lax.cond(s == 0, run, lambda sums: sums, sums)]
 
-    if summed:
-        entering = (
-            PartitionSpec(axis)
-            if leaf_specs is None
-            else [PartitionSpec(axis, *tuple(spec)[1:]) for spec in leaf_specs]
-        )
-        probe = jax.shard_map(
-            summed_in_branch,
-            mesh=mesh,
-            in_specs=(entering, entering, rows, rows, PartitionSpec(), PartitionSpec()),
-            out_specs=entering,
-            axis_names=manual,
-            check_vma=False,
-        )
-    else:
-        entering = (
-            PartitionSpec(axis)
-            if leaf_specs is None
-            else [PartitionSpec(axis, *tuple(spec)[2:]) for spec in leaf_specs]
-        )
-        probe = jax.shard_map(
-            forward_and_backward,
-            mesh=mesh,
-            in_specs=(entering, rows, rows, PartitionSpec(), PartitionSpec()),
-            out_specs=PartitionSpec(),
-            axis_names=manual,
-            check_vma=False,
-        )
+    entering = (
+        PartitionSpec(axis) if leaf_specs is None else [PartitionSpec(axis, *tuple(spec)[drop:]) for spec in leaf_specs]
+    )
     shardings = [NamedSharding(mesh, spec) for spec in chunk_specs]
-    inputs = (rows, rows)
+    batch = (NamedSharding(mesh, rows),) * 2
     if summed:  # the running sums beside the weights, float32 at least, laid out as they are
         sums = [jax.ShapeDtypeStruct(a.shape, jnp.promote_types(a.dtype, jnp.float32)) for a in chunk]
-        probe = jax.jit(
-            probe,
-            in_shardings=(shardings, shardings, *(NamedSharding(mesh, s) for s in inputs), None, None),
-            out_shardings=shardings,
-        )
-        arguments = (chunk, sums, h, split, whole, keys)
+        body, weights, out, arguments = summed_in_branch, (entering, entering), entering, (chunk, sums)
+        placed, fixed = (shardings, shardings), {"out_shardings": shardings}
     else:
-        probe = jax.jit(probe, in_shardings=(shardings, *(NamedSharding(mesh, s) for s in inputs), None, None))
-        arguments = (chunk, h, split, whole, keys)
+        body, weights, out, arguments = forward_and_backward, (entering,), PartitionSpec(), (chunk,)
+        placed, fixed = (shardings,), {}
+    probe = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(*weights, rows, rows, PartitionSpec(), PartitionSpec()),
+            out_specs=out,
+            axis_names=manual,
+            check_vma=False,
+        ),
+        in_shardings=(*placed, *batch, None, None),
+        **fixed,
+    )
+    arguments = (*arguments, h, split, whole, keys)
     try:
         compiled = probe.lower(*arguments).compile()
     except Exception:  # a chunk that cannot be compiled alone
