@@ -162,6 +162,32 @@ def test_expert_parallel_step_equals_one_device_and_moves_only_tokens(layout, mo
     assert one_device(kind)[4] / compiled.cost_analysis()["flops"] >= 0.85 * size
 
 
+def test_zero1_splits_expert_state_over_the_data_axes_their_gradients_are_reduced_over():
+    """Megatron's distributed optimizer splits an expert's state over its expert-data-parallel group: an
+    expert weight split over `expert` is still reduced over `data`, so its AdamW moments are split over
+    both (1/8 of them a device on data 2 x expert 4), the cost model counts the same bytes, and the step
+    stays one device's."""
+    plan = shardplan.parse_plan(plan_text("ep4", shape=True) + "optimizer: zero1\n")
+    _, _, got = sharded_step(plan, SortedMoE)
+    assert_equal_runs(got, one_device(SortedMoE))
+
+    mesh = shardplan.make_mesh(plan)
+    model = shardplan.apply_plan(plan, MoEDecoder(SortedMoE, rngs=nnx.Rngs(0)), mesh)
+    optimizer = shardplan.shard_optimizer(plan, model, optax.adamw(1e-3, eps=1e-6), mesh)
+    moments = {
+        "/".join(map(str, keys[1:])): v.get_value()
+        for keys, v in nnx.to_flat_state(nnx.state(optimizer.opt_state))
+        if keys[0] == 0 and keys[1] == "mu" and "moe" in keys and v.get_value().ndim == 3
+    }
+    assert moments, "no expert moments found"
+    for path, mu in moments.items():
+        shard = mu.sharding.shard_shape(mu.shape)
+        assert np.prod(shard) * 8 == np.prod(mu.shape), (path, mu.shape, shard, mu.sharding.spec)
+    report = shardplan.check(plan, MoEDecoder(SortedMoE, rngs=nnx.Rngs(0)))
+    experts = [p for p in report.params if "moe/w" in p.path and len(p.shape) == 3]
+    assert experts and all(p.opt_bytes_per_device * 8 == np.prod(p.shape) * 4 * 2 for p in experts)
+
+
 def test_capacity_dispatch_equals_one_device_when_nothing_drops_and_warns_when_it_would():
     roomy = moe_plan("ep4", ", dispatch: capacity, capacity_factor: 4.0")  # 4x the uniform share = every token
     assert shardplan.check(roomy, MoEDecoder(SortedMoE, rngs=nnx.Rngs(0))).diagnostics == []

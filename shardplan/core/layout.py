@@ -58,15 +58,21 @@ def index_ranges(
 
 
 def zero1_spec(shape: tuple[int, ...], spec: NormalSpec, sizes: dict[str, int], data: tuple[str, ...]) -> NormalSpec:
-    """The spec of a parameter's optimizer state under ZeRO-1: also split over the data axes.
+    """The spec of a parameter's optimizer state under ZeRO-1: also split over the data axes its
+    gradient is reduced over, those it is not split over already (an expert weight split over one of
+    them, or an FSDP weight, is still reduced over the rest, as Megatron's distributed optimizer splits
+    expert state over the expert-data-parallel group).
 
     The data axes go on the first unsharded dim they divide, else on the first sharded dim whose
     shard they divide; a parameter no dim of which divides stays as it is.
 
     >>> zero1_spec((64, 32), (None, ("model",)), {"data": 4, "model": 2}, ("data",))
     (('data',), ('model',))
+    >>> zero1_spec((8, 64, 32), (("expert",),), {"data": 2, "expert": 8}, ("data", "expert"))
+    (('expert',), ('data',))
     """
-    if not data or any(a in spec_axes(spec) for a in data):
+    data = _reduced_over(spec, data)
+    if not data:
         return spec
     padded = list(spec) + [None] * (len(shape) - len(spec))
     ways = math.prod(sizes[a] for a in data)
@@ -77,6 +83,12 @@ def zero1_spec(shape: tuple[int, ...], spec: NormalSpec, sizes: dict[str, int], 
                 padded[dim] = tuple(entry or ()) + tuple(data)
                 return trim_spec(tuple(padded))
     return spec
+
+
+def _reduced_over(spec: NormalSpec, data: tuple[str, ...]) -> tuple[str, ...]:
+    """The data axes a parameter of this spec is not split over: those its gradient is summed over."""
+    held = spec_axes(spec)
+    return tuple(a for a in data if a not in held)
 
 
 def zero1_layout(
@@ -92,7 +104,8 @@ def zero1_layout(
     ((), ())
     """
     found = zero1_spec(shape, spec, sizes, data)
-    if found != spec or not data or not shape or any(a in spec_axes(spec) for a in data):
+    data = _reduced_over(spec, data)
+    if found != spec or not data or not shape:
         return shape, found
     padded = list(spec) + [None] * (len(shape) - len(spec))
     ways = _ways(padded[-1], sizes) * math.prod(sizes[a] for a in data)
