@@ -791,3 +791,29 @@ def test_a_candidate_that_fails_when_run_is_reported_and_the_others_are_timed():
     seen = []
     failed, timed = time_interleaved(steps, 2, progress=seen.append)
     assert isinstance(failed, Exception) and isinstance(timed, float) and timed > 0 and seen == [0, 1, 2]
+
+
+def test_a_timed_step_pays_for_no_garbage_but_its_own():
+    """`seconds_of` times as `timeit` does: the cycle collector is off while the step runs, and what the
+    step returned is freed and collected before the next step is timed (a step timed right after a large
+    one used to pay for freeing that one's outputs)."""
+    import gc
+
+    from shardplan.compose.measure import seconds_of
+
+    events = []
+
+    class Cycle:
+        def __init__(self):
+            self.me = self
+
+        def __del__(self):
+            events.append("freed")
+
+    def step():
+        events.append(("collector on", gc.isenabled()))
+        return jax.numpy.ones(3) + 1, Cycle()
+
+    assert gc.isenabled()
+    seconds = seconds_of(step)
+    assert seconds > 0 and events == [("collector on", False), "freed"] and gc.isenabled()
