@@ -50,7 +50,10 @@ def dispatch(rows: jax.Array, r: Route) -> jax.Array:
     (expert, source device, slot); empty slots are zero."""
     local = r.experts // r.size
     tail = rows.shape[1:]
-    send = jnp.zeros((r.experts * r.capacity + 1, *tail), rows.dtype).at[r.slots].set(rows)[:-1]
+    # added, not set: the slots are distinct but the one past the end (dropped rows, cut off), so the two
+    # agree, and an added scatter is linear, where a set one keeps a mask and a float copy of the rows
+    # for its backward (which update won each slot)
+    send = jnp.zeros((r.experts * r.capacity + 1, *tail), rows.dtype).at[r.slots].add(rows)[:-1]
     send = send.reshape(r.size, local, r.capacity, *tail)
     received = jax.lax.all_to_all(send, r.axis, 0, 0, tiled=True)  # (source, local expert, slot, ...)
     return jnp.swapaxes(received, 0, 1).reshape(local * r.size * r.capacity, *tail)
