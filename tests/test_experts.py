@@ -529,3 +529,35 @@ def test_pipelined_moe_layers_step_like_one_device(model):
         lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))), after, nnx.to_pure_dict(nnx.state(reference))
     )
     assert max(jax.tree.leaves(diffs)) < 1e-5, diffs
+
+
+def test_the_exchange_keeps_one_copy_of_the_rows_for_its_backward():
+    """The dispatch writes each row into its slot by a scatter that adds into zeros: linear, so its
+    backward keeps nothing of its own (a scatter that sets keeps a mask and a float copy of the rows, to
+    tell which update won a slot: 1.5 copies of the routed rows in the compiled MoE steps). What the
+    step keeps across the exchange is the slots the next matmul reads and the route, nothing else."""
+    from jax._src.ad_checkpoint import saved_residuals
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from shardplan.experts import exchange
+
+    mesh = jax.make_mesh((2,), ("expert",), devices=jax.devices()[:2])
+    experts, capacity, width, rows = 4, 6, 16, 8
+    sizes = jnp.array([3, 1, 2, 2], jnp.int32)
+    weight = jnp.ones((width, 3))
+
+    def there_and_back(x):
+        r = exchange.route(sizes, rows, capacity, "expert", 2)
+        held = jnp.tanh(exchange.dispatch(x, r) @ weight) @ weight.T
+        return jax.lax.psum(jnp.sum(jnp.tanh(exchange.combine(held, r))), "expert")
+
+    step = jax.shard_map(there_and_back, mesh=mesh, in_specs=P("expert"), out_specs=P())
+    x = jax.device_put(jnp.ones((2 * rows, width)), NamedSharding(mesh, P("expert")))
+    kept = [(r[0].shape, str(r[0].dtype)) for r in saved_residuals(step, x)]
+    # of the rows' width: the slots the first matmul reads (with the dropped rows' one), each tanh's two
+    # (its output and 1 - output^2: (48, 3) twice and (16, 16) twice) and the constants; the scatter
+    # that set the slots also kept a (16, 16) bool mask and a (16, 16) float copy of the rows
+    assert kept.count((((2 * (experts * capacity + 1)), width), "float32")) == 1, kept
+    assert kept.count(((2 * rows, width), "float32")) == 2, kept
+    assert not any(dtype == "bool" for _, dtype in kept), kept
