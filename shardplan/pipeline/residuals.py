@@ -13,6 +13,8 @@ slot per microbatch in flight.
 
 from __future__ import annotations
 
+import math
+
 from typing import Callable
 
 import jax
@@ -137,7 +139,7 @@ class LayerResiduals:
     reads, `like`; what B alone reads, `until_b`) and what B hands W in a third (`handed`); `policy`: a
     `jax.checkpoint` policy choosing the residuals kept."""
 
-    def __init__(self, layer, layer_state, like, when, *, split: bool = False, policy=None):
+    def __init__(self, layer, layer_state, like, when, *, split: bool = False, policy=None, share: bool = False):
         self._layer, self._when = layer, when
         leaves, self._def = jax.tree.flatten(layer_state)
 
@@ -146,6 +148,13 @@ class LayerResiduals:
 
         self._parts = StageParts.of(stage, leaves, like, (jnp.int32(0), jnp.int32(0)), split=split, policy=policy)
         self.like, self.until_b, self.handed = self._parts.kept, self._parts.until_b, self._parts.handed
+        # `share`: what B alone reads and what B hands W take turns in one set of slots (`Packed`)
+        self.packed = Packed(self.until_b, self.handed) if share and self.until_b and self.handed else None
+
+    def empty_handover(self, slots: int, per_chunk: int) -> list:
+        """The buffers what B alone reads and what B hands W are kept in: one packed buffer shared by both
+        (`share`), else none of its own (`empty` makes each)."""
+        return self.packed.empty(slots, per_chunk)
 
     @staticmethod
     def empty(like: list, slots: int, per_chunk: int) -> list:
@@ -174,7 +183,7 @@ class LayerResiduals:
                 return (
                     y,
                     [b.at[slot, i].set(r) for b, r in zip(stash, kept)],
-                    [b.at[b_slot, i].set(r) for b, r in zip(until_b, alone)],
+                    _put(until_b, self.packed, b_slot, i, alone, 0),
                 )
 
             return self._unless_padding(size, i, run, lambda *c: c, *carry), None
@@ -210,17 +219,19 @@ class LayerResiduals:
         self, chunk_state, first, size, stash: list, slot, until_b: list, b_slot, handed: list, cot, h_slot=None
     ):
         """Split: (the chunk input's gradient, `handed` with what W reads of B's at `h_slot`, by default
-        `slot`)."""
+        `slot`). Shared slots (`share`): `handed` is `until_b`'s buffer, read at `b_slot` and written at
+        `h_slot`, the same slot, layer by layer."""
         h_slot = slot if h_slot is None else h_slot
 
         def body(carry, inputs):
             layer_state, i = inputs
 
             def run(g, handed):
+                alone = _get(handed if self.packed else until_b, self.packed, b_slot, i, 0)
                 gx, out = self._parts.input_gradient(
-                    jax.tree.leaves(layer_state), [b[slot, i] for b in stash], [b[b_slot, i] for b in until_b], g
+                    jax.tree.leaves(layer_state), [b[slot, i] for b in stash], alone, g
                 )
-                return gx, [b.at[h_slot, i].set(r) for b, r in zip(handed, out)]
+                return gx, _put(handed, self.packed, h_slot, i, out, 1)
 
             return self._unless_padding(size, i, run, lambda *c: c, *carry), None
 
@@ -237,7 +248,7 @@ class LayerResiduals:
 
             def run(sums):
                 gl = self._parts.weight_gradient(
-                    jax.tree.leaves(layer_state), [b[slot, i] for b in stash], [b[h_slot, i] for b in handed]
+                    jax.tree.leaves(layer_state), [b[slot, i] for b in stash], _get(handed, self.packed, h_slot, i, 1)
                 )
                 return _added(sums, into, i, gl) if into is not None else jax.tree.unflatten(self._def, gl)
 
@@ -257,3 +268,66 @@ def _added(sums, into, layer, gradients: list):
     leaves, tree = jax.tree.flatten(sums)
     at = (*into[1], layer)
     return jax.tree.unflatten(tree, [t.at[at].add(g.astype(t.dtype)) for t, g in zip(leaves, gradients)])
+
+
+def _put(buffers: list, packed: "Packed | None", slot, layer, values: list, which: int) -> list:
+    """`buffers` with one layer's `values` written at [slot, layer]: each in its own buffer, or packed as
+    set `which`."""
+    if packed is None:
+        return [b.at[slot, layer].set(v) for b, v in zip(buffers, values)]
+    return packed.put(buffers, slot, layer, values, which)
+
+
+def _get(buffers: list, packed: "Packed | None", slot, layer, which: int) -> list:
+    """One layer's values at [slot, layer]: each from its own buffer, or unpacked as set `which`."""
+    if packed is None:
+        return [b[slot, layer] for b in buffers]
+    return packed.get(buffers, slot, layer, which)
+
+
+class Packed:
+    """Two sets of values that take turns in one set of slots: what B alone reads (kept from F to B) and
+    what B hands W (from B to W). A microbatch never holds both at once, so a slot costs the larger set
+    where separate buffers cost both. (ZB-H1 keeps S - s residual sets and s hand-overs on stage s; one
+    SPMD program sizes every stage's buffers alike, so separate buffers held S of each on every stage.)
+    One flat buffer per dtype, each value at a fixed offset in its dtype's row: written and read in
+    place, never converted."""
+
+    def __init__(self, *sets: list):
+        self.sets = sets
+        self.dtypes = sorted({jnp.dtype(v.dtype) for values in sets for v in values}, key=str)
+        self.places = []  # per set, per value: (its dtype's buffer, offset)
+        for values in sets:
+            used = dict.fromkeys(self.dtypes, 0)
+            places = []
+            for v in values:
+                dtype = jnp.dtype(v.dtype)
+                places.append((self.dtypes.index(dtype), used[dtype]))
+                used[dtype] += math.prod(v.shape)
+            self.places.append(places)
+        self.width = [
+            max(sum(math.prod(v.shape) for v in values if jnp.dtype(v.dtype) == d) for values in sets)
+            for d in self.dtypes
+        ]
+
+    def empty(self, slots: int, per_chunk: int) -> list:
+        return LayerResiduals.empty(
+            [jax.ShapeDtypeStruct((n,), d) for n, d in zip(self.width, self.dtypes)], slots, per_chunk
+        )
+
+    def put(self, buffers: list, slot, layer, values: list, which: int) -> list:
+        rows = [[] for _ in self.dtypes]
+        for v, (k, _) in zip(values, self.places[which]):
+            rows[k].append(v.reshape(-1))
+        out = []
+        for b, parts, n in zip(buffers, rows, self.width):
+            row = jnp.concatenate(parts) if parts else jnp.zeros((0,), b.dtype)
+            out.append(b.at[slot, layer].set(jnp.pad(row, (0, n - row.shape[0]))))
+        return out
+
+    def get(self, buffers: list, slot, layer, which: int) -> list:
+        rows = [b[slot, layer] for b in buffers]
+        return [
+            rows[k][at : at + math.prod(like.shape)].reshape(like.shape)
+            for like, (k, at) in zip(self.sets[which], self.places[which])
+        ]

@@ -55,6 +55,12 @@ class _Carry(NamedTuple):
     loss_sum: Any
 
 
+def shares_handover(loop: Loop) -> bool:
+    """Whether every mesh axis the loop runs over is manual (the stage axis and its batch axes): then a
+    stage's buffers hold its own bytes, which may be reinterpreted."""
+    return all(n == 1 or a == loop.axis or a in loop.batch_axes for a, n in loop.mesh.shape.items())
+
+
 def zero_bubble_schedule(loop: Loop, operands: Operands):
     """(loss, gradients) of the layers, head and embedding under ZB-H1 (`loop.schedule` "zb-h1"), or
     1F1B on its ticks ("1f1b": each W right after its B); as `loop.table_schedule`."""
@@ -69,6 +75,9 @@ def zero_bubble_schedule(loop: Loop, operands: Operands):
     delayed = loop.schedule == "zb-h1"
     handed_slots = keep_slots if delayed else 1
     axis = loop.axis
+    # zb-h1 with every axis manual: what B alone reads and what B hands W share W's slots of `keep`
+    # (`residuals.Packed`: bytes reinterpreted, so never under an axis XLA splits for itself)
+    shared = delayed and shares_handover(loop)
 
     def per_device(mine: Operands):
         layer_keys = shard_keys(mine.keys[0], loop.mesh, loop.batch_axes)
@@ -90,12 +99,14 @@ def zero_bubble_schedule(loop: Loop, operands: Operands):
             )
 
         # each layer's residuals, kept per layer in the stashes as its forward runs (`LayerResiduals`)
-        parts = LayerResiduals(layer_fn, chunk_of_state(chunk, 0), like, when, split=True)
+        parts = LayerResiduals(layer_fn, chunk_of_state(chunk, 0), like, when, split=True, share=shared)
+        shared_slots = parts.packed is not None
 
         def tick(carry: _Carry, t):
             op, m = row["op"][t], row["micro"][t]
             f_on, b_on, w_on = op == 1, op == 2, op == 3
-            slot, b_slot = row["keep"][t], row["until_b"][t]
+            slot = row["keep"][t]
+            b_slot = slot if shared_slots else row["until_b"][t]
             inbox = kept_at(carry.inbox, row["take_in"][t], carry.incoming)
             cotbox = kept_at(carry.cotbox, row["take_cot"][t], carry.cot_in)
 
@@ -120,8 +131,10 @@ def zero_bubble_schedule(loop: Loop, operands: Operands):
                     chunk, first, size, kept, slot, until_b, b_slot, crossed, cot, None if delayed else 0
                 ),
                 lambda: jnp.zeros_like(h_in),
-                carry.crossed,
+                until_b if shared_slots else carry.crossed,
             )
+            # (shared: one buffer, B's hand-over now in it; the carry keeps it as `until_b`)
+            until_b, crossed = (crossed, crossed) if shared_slots else (until_b, crossed)
             g_layers, _ = ends.summed(
                 w_on,
                 lambda: (parts.weight_gradient(chunk, first, size, kept, slot, crossed, None if delayed else 0), ()),
@@ -141,7 +154,7 @@ def zero_bubble_schedule(loop: Loop, operands: Operands):
                 inbox,
                 cotbox,
                 kept,
-                crossed,
+                [] if shared_slots else crossed,
                 until_b,
                 g_layers,
                 g_head,
@@ -156,8 +169,12 @@ def zero_bubble_schedule(loop: Loop, operands: Operands):
             inbox=jnp.zeros((max(inbox_slots, 1), *like.shape), like.dtype),
             cotbox=jnp.zeros((max(cot_slots, 1), *like.shape), like.dtype),
             kept=LayerResiduals.empty(parts.like, keep_slots, per_chunk),
-            crossed=LayerResiduals.empty(parts.handed, handed_slots, per_chunk),
-            until_b=LayerResiduals.empty(parts.until_b, until_b_slots, per_chunk),
+            crossed=[] if shared_slots else LayerResiduals.empty(parts.handed, handed_slots, per_chunk),
+            until_b=(
+                parts.empty_handover(keep_slots, per_chunk)
+                if shared_slots
+                else LayerResiduals.empty(parts.until_b, until_b_slots, per_chunk)
+            ),
             g_layers=running_sum(chunk),
             g_head=running_sum(mine.head_params),
             g_embed=running_sum(mine.embed_params),

@@ -168,10 +168,12 @@ def kept_activations(kept: tuple[dict, dict, dict], step: Step, on: OnStage | No
             # set for the tick from B to W (1f1b)
             again = biggest if step.remat != "none" else 0.0
             handed = sum(dots[layer] * stands_for[layer] for layer in full) if step.unit_ticks else 0.0
-            handed_sets = slots if step.schedule == "zb-h1" else 1
-            stored = tokens * (
-                (slots * (layers - again) + handed_sets * handed) / step.virtual + again + beside * step.width * b
-            )
+            if step.shares_handover:  # zb-h1, every axis manual: the hand-over takes turns with B's reads
+                per_slot = max(layers - again, handed)
+            else:
+                handed_sets = slots if step.schedule == "zb-h1" else 1
+                per_slot = layers - again + handed * handed_sets / slots
+            stored = tokens * (slots * per_slot / step.virtual + again + beside * step.width * b)
     else:
         # every tick runs one of the stage's `virtual` chunks and keeps its activations (the whole-batch
         # gpipe's idle ticks too: they compute on and drop what they compute)

@@ -73,6 +73,18 @@ class Step:
         branch instead, `shardplan.pipeline.branch_probe`, which no plan tells: not modelled.)"""
         return self.stage_axis is not None and self.context is None
 
+    @property
+    def shares_handover(self) -> bool:
+        """Whether zb-h1 keeps what B alone reads and what B hands W in one set of slots, by turns
+        (`shardplan.pipeline.zero_bubble.shares_handover`): every axis over 1 the stage axis or a batch
+        axis. (A batch axis the loop leaves to XLA for a batch its microbatches do not divide is not
+        modelled.)"""
+        return (
+            self.schedule == "zb-h1"
+            and self.context is None
+            and all(n == 1 or a == self.stage_axis or a in self.batch_axes for a, n in self.sizes.items())
+        )
+
     def widening(self, p: ParamLayout) -> float:
         """How much larger than the stored parameter its gradient moves (float32 on a widening backend)."""
         return max(4, p.itemsize) / p.itemsize if self.widened else 1.0
