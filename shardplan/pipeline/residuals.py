@@ -14,7 +14,6 @@ slot per microbatch in flight.
 from __future__ import annotations
 
 import math
-
 from typing import Callable
 
 import jax
@@ -150,11 +149,6 @@ class LayerResiduals:
         self.like, self.until_b, self.handed = self._parts.kept, self._parts.until_b, self._parts.handed
         # `share`: what B alone reads and what B hands W take turns in one set of slots (`Packed`)
         self.packed = Packed(self.until_b, self.handed) if share and self.until_b and self.handed else None
-
-    def empty_handover(self, slots: int, per_chunk: int) -> list:
-        """The buffers what B alone reads and what B hands W are kept in: one packed buffer shared by both
-        (`share`), else none of its own (`empty` makes each)."""
-        return self.packed.empty(slots, per_chunk)
 
     @staticmethod
     def empty(like: list, slots: int, per_chunk: int) -> list:

@@ -48,7 +48,8 @@ class _Carry(NamedTuple):
     cotbox: Any  # [slot, ...]: arrived (or the loss's) gradients waiting for their B
     kept: Any  # per residual W reads, [slot, ...]: kept from F until W
     crossed: Any  # per value B hands W, [slot, ...]: kept from B until W
-    until_b: Any  # per residual only B reads, [slot, ...]: kept from F until B
+    until_b: Any  # per residual only B reads, [slot, ...]: kept from F until B (shared slots: then B's
+    #               hand-over until W, `residuals.Packed`, and `crossed` is empty)
     g_layers: Any  # the running sums of the gradients
     g_head: Any
     g_embed: Any
@@ -57,7 +58,8 @@ class _Carry(NamedTuple):
 
 def shares_handover(loop: Loop) -> bool:
     """Whether every mesh axis the loop runs over is manual (the stage axis and its batch axes): then a
-    stage's buffers hold its own bytes, which may be reinterpreted."""
+    stage's values are its own arrays, which may be flattened into shared rows (values an automatic axis
+    splits would be laid out again by XLA)."""
     return all(n == 1 or a == loop.axis or a in loop.batch_axes for a, n in loop.mesh.shape.items())
 
 
@@ -76,7 +78,7 @@ def zero_bubble_schedule(loop: Loop, operands: Operands):
     handed_slots = keep_slots if delayed else 1
     axis = loop.axis
     # zb-h1 with every axis manual: what B alone reads and what B hands W share W's slots of `keep`
-    # (`residuals.Packed`: bytes reinterpreted, so never under an axis XLA splits for itself)
+    # (`residuals.Packed`)
     shared = delayed and shares_handover(loop)
 
     def per_device(mine: Operands):
@@ -171,7 +173,7 @@ def zero_bubble_schedule(loop: Loop, operands: Operands):
             kept=LayerResiduals.empty(parts.like, keep_slots, per_chunk),
             crossed=[] if shared_slots else LayerResiduals.empty(parts.handed, handed_slots, per_chunk),
             until_b=(
-                parts.empty_handover(keep_slots, per_chunk)
+                parts.packed.empty(keep_slots, per_chunk)
                 if shared_slots
                 else LayerResiduals.empty(parts.until_b, until_b_slots, per_chunk)
             ),
