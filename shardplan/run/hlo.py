@@ -1,4 +1,4 @@
-"""Counting what a compiled step does, from HLO text: collective ops and their bytes, matmul FLOPs."""
+"""Counting what a compiled step does, from HLO text: collective ops and their bytes, matmul FLOPs and bytes."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
 _DOT = re.compile(
-    r"^\s*(?:ROOT )?%?[\w.\-]+ = (?P<out>\S+) dot\(%?(?P<lhs>[\w.\-]+), %?[\w.\-]+\).*?"
+    r"^\s*(?:ROOT )?%?[\w.\-]+ = (?P<out>\S+) dot\(%?(?P<lhs>[\w.\-]+), %?(?P<rhs>[\w.\-]+)\).*?"
     r"lhs_contracting_dims=\{(?P<contract>[\d,]*)\}"
 )
 _DEFINED = re.compile(r"^\s*(?:ROOT )?%?(?P<name>[\w.\-]+) = (?P<type>\S+) ")
@@ -86,8 +86,37 @@ def dot_flops(hlo_text: str, *, branch_share: float = 1.0, scope: str | None = N
     >>> dot_flops(text)
     128.0
     """
+    total = 0.0
+    for out, lhs, _, contract, runs in _dots(hlo_text, branch_share, scope):
+        lhs_dims = [int(d) for d in lhs.group("dims").split(",") if d]
+        contracted = math.prod(lhs_dims[int(i)] for i in contract.split(",") if i)
+        out_size = math.prod(int(d) for d in out.group("dims").split(",") if d)
+        total += 2.0 * out_size * contracted * runs
+    return total
+
+
+def dot_bytes(hlo_text: str) -> float:
+    r"""Bytes the matmuls of compiled HLO read and write per execution (both operands and the result,
+    each dot as often as it runs): what XLA's `bytes accessed` holds for them.
+
+    >>> text = "\n".join(["ENTRY %main {", "  %a = f32[8,4]{1,0} parameter(0)", "  %b = f32[4,2]{1,0} parameter(1)",
+    ...                   "  ROOT %d = f32[8,2]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}", "}"])
+    >>> dot_bytes(text)
+    224.0
+    """
+    return float(
+        sum(
+            (_array_bytes(out) + _array_bytes(lhs) + _array_bytes(rhs)) * runs
+            for out, lhs, rhs, _, runs in _dots(hlo_text, 1.0, None)
+        )
+    )
+
+
+def _dots(hlo_text: str, branch_share: float, scope: str | None):
+    """(result, lhs, rhs array matches, lhs contracting dims, runs per execution) of each dot whose
+    shapes are known, in `scope` (None: all)."""
     runs = _runs_per_computation(hlo_text, branch_share, _DOT)
-    total, shapes, computation = 0.0, {}, None
+    shapes, computation = {}, None
     for line in hlo_text.splitlines():
         header = _COMPUTATION.match(line)
         if header:
@@ -99,14 +128,13 @@ def dot_flops(hlo_text: str, *, branch_share: float = 1.0, scope: str | None = N
         found = _DOT.match(line)
         if not found or (scope is not None and scope not in line):
             continue
-        out, lhs = _ARRAY.search(found.group("out")), _ARRAY.search(shapes.get(found.group("lhs"), ""))
-        if not out or not lhs:
-            continue
-        lhs_dims = [int(d) for d in lhs.group("dims").split(",") if d]
-        contracted = math.prod(lhs_dims[int(i)] for i in found.group("contract").split(",") if i)
-        out_size = math.prod(int(d) for d in out.group("dims").split(",") if d)
-        total += 2.0 * out_size * contracted * runs.get(computation, 1)
-    return total
+        out, lhs, rhs = (
+            _ARRAY.search(found.group("out")),
+            _ARRAY.search(shapes.get(found.group("lhs"), "")),
+            _ARRAY.search(shapes.get(found.group("rhs"), "")),
+        )
+        if out and lhs and rhs:
+            yield out, lhs, rhs, found.group("contract"), runs.get(computation, 1)
 
 
 def _runs_per_computation(hlo_text: str, branch_share: float = 1.0, op: re.Pattern = _OP) -> dict[str, float]:
