@@ -16,32 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-from shardplan.processes.devices import simulate_cpu_devices  # noqa: E402
+from variant_steps import REPO, compiled, modelled_peak_mib
 
-simulate_cpu_devices(8)
+import shardplan
+import shardplan.pipeline.pipelined as pipelined
+from shardplan.compose.measure import time_interleaved
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from flax import nnx  # noqa: E402
-
-import shardplan  # noqa: E402
-import shardplan.pipeline.pipelined as pipelined  # noqa: E402
-from minigpt_model.model import MiniGPT  # noqa: E402
-from shardplan.compose.measure import compile_step, time_interleaved  # noqa: E402
-from shardplan.core.roles import recognise_module  # noqa: E402
-from shardplan.planner.cost import Workload, estimate  # noqa: E402
-from shardplan.planner.kept import with_code  # noqa: E402
-from shardplan.planner.profiles import get_profile  # noqa: E402
-
-MODEL = dict(maxlen=128, vocab_size=8192, embed_dim=256, num_heads=8, feed_forward_dim=1024, num_transformer_blocks=4)
-BATCH = 16
 SCHEDULES = (("gpipe", 4), ("1f1b", 4), ("zb-h1", 8), ("zb-v", 4))
 
 
@@ -52,14 +36,10 @@ def plan_text(schedule: str, microbatches: int) -> str:
     return re.sub(r"(?m)^  schedule: \S+", f"  schedule: {schedule}", text)
 
 
-def compiled(plan, *, sums_inside: bool):
+def sums_outside() -> tuple:
+    """As before the one buffer reached tensor axes: the sums outside the branch."""
     probe = pipelined.permutes_in_branches
-    if not sums_inside:  # as before the one buffer reached tensor axes: the sums outside the branch
-        pipelined.permutes_in_branches = lambda summed, *args: summed or probe(summed, *args)
-    try:
-        return compile_step(plan, MiniGPT(**MODEL, rngs=nnx.Rngs(0)), BATCH, MODEL["maxlen"])
-    finally:
-        pipelined.permutes_in_branches = probe
+    return (pipelined, "permutes_in_branches", lambda summed, *args: summed or probe(summed, *args))
 
 
 def main() -> None:
@@ -67,19 +47,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
-    model = MiniGPT(**MODEL, rngs=nnx.Rngs(0))
-    roles = with_code(recognise_module(model), model, MODEL["maxlen"])
     rows, ready = [], []
     for schedule, microbatches in SCHEDULES:
         plan = shardplan.parse_plan(plan_text(schedule, microbatches), file=f"{schedule}.yaml")
-        report = shardplan.check(plan, model, input_shapes={"tokens": (BATCH, MODEL["maxlen"])})
-        modelled = estimate(report, roles, Workload(BATCH, MODEL["maxlen"]), get_profile("cpu")).peak_bytes
+        modelled = modelled_peak_mib(plan)
         for inside in (True, False):
             print(f"compiling {schedule}, sums {'inside' if inside else 'outside'} the branch", file=sys.stderr)
-            ready.append(compiled(plan, sums_inside=inside))
+            ready.append(compiled(plan, None if inside else sums_outside()))
             rows.append({"schedule": schedule, "microbatches": microbatches, "sums": "inside" if inside else "outside"})
             rows[-1]["compiled_peak_mib"] = round(ready[-1].figures.peak_bytes / 2**20, 1)
-            rows[-1]["modelled_peak_mib"] = round(modelled / 2**20, 1)
+            rows[-1]["modelled_peak_mib"] = modelled
     seconds = time_interleaved(ready, args.rounds)
     print("MiniGPT 4 x 256, batch 16 x 128, stage 2 x data 2 x model 2 (Megatron's rules), 8 simulated CPU devices")
     print(f"{'schedule':<10}{'sums':>9}{'step ms':>9}{'x inside':>10}{'peak MiB':>10}{'modelled':>10}")

@@ -17,31 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-from shardplan.processes.devices import simulate_cpu_devices  # noqa: E402
+from variant_steps import compiled, modelled_peak_mib
 
-simulate_cpu_devices(8)
+import shardplan
+import shardplan.pipeline.zero_bubble as zero_bubble
+from shardplan.compose.measure import time_interleaved
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from flax import nnx  # noqa: E402
-
-import shardplan  # noqa: E402
-import shardplan.pipeline.zero_bubble as zero_bubble  # noqa: E402
-from minigpt_model.model import MiniGPT  # noqa: E402
-from shardplan.compose.measure import compile_step, time_interleaved  # noqa: E402
-from shardplan.core.roles import recognise_module  # noqa: E402
-from shardplan.planner.cost import Workload, estimate  # noqa: E402
-from shardplan.planner.kept import with_code  # noqa: E402
-from shardplan.planner.profiles import get_profile  # noqa: E402
-
-MODEL = dict(maxlen=128, vocab_size=8192, embed_dim=256, num_heads=8, feed_forward_dim=1024, num_transformer_blocks=4)
-BATCH = 16
 DATA_PARALLEL = """version: 1
 mesh: {axes: {data: 8}}
 inputs: {tokens: [data, null]}
@@ -54,16 +38,7 @@ pipeline: {axis: stage, layers: transformer_blocks, microbatches: 4, schedule: z
 params: [{match: '.*', spec: replicated}]
 """
 REMAT = "remat: [{match: 'transformer_blocks/\\d+', policy: dots_with_no_batch_dims_saveable}]\n"
-
-
-def compiled(plan, *, shared: bool):
-    decide = zero_bubble.shares_handover
-    if not shared:  # as before: separate buffers, S of each on every stage
-        zero_bubble.shares_handover = lambda loop: False
-    try:
-        return compile_step(plan, MiniGPT(**MODEL, rngs=nnx.Rngs(0)), BATCH, MODEL["maxlen"])
-    finally:
-        zero_bubble.shares_handover = decide
+SEPARATE = (zero_bubble, "shares_handover", lambda loop: False)  # as before: S of each buffer on every stage
 
 
 def main() -> None:
@@ -71,27 +46,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
-    model = MiniGPT(**MODEL, rngs=nnx.Rngs(0))
-    roles = with_code(recognise_module(model), model, MODEL["maxlen"])
     print("compiling the data-parallel step", file=sys.stderr)
     rows = [{"step": "data 8 (the limit)"}]
-    ready = [
-        compile_step(shardplan.parse_plan(DATA_PARALLEL), MiniGPT(**MODEL, rngs=nnx.Rngs(0)), BATCH, MODEL["maxlen"])
-    ]
+    ready = [compiled(shardplan.parse_plan(DATA_PARALLEL))]
     rows[0]["compiled_peak_mib"] = round(ready[0].figures.peak_bytes / 2**20, 1)
     for remat in ("none", "dots"):
         plan = shardplan.parse_plan(PIPELINE + (REMAT if remat == "dots" else ""), file=f"zb-h1-{remat}.yaml")
-        report = shardplan.check(plan, model, input_shapes={"tokens": (BATCH, MODEL["maxlen"])})
-        modelled = estimate(report, roles, Workload(BATCH, MODEL["maxlen"]), get_profile("cpu")).peak_bytes
+        modelled = modelled_peak_mib(plan)
         for shared in (True, False):
             print(f"compiling zb-h1 remat {remat}, {'shared' if shared else 'separate'} slots", file=sys.stderr)
-            ready.append(compiled(plan, shared=shared))
+            ready.append(compiled(plan, None if shared else SEPARATE))
             rows.append(
                 {
                     "step": f"zb-h1 M=4 remat {remat}",
                     "slots": "shared" if shared else "separate",
                     "compiled_peak_mib": round(ready[-1].figures.peak_bytes / 2**20, 1),
-                    "modelled_peak_mib": round(modelled / 2**20, 1) if shared else None,
+                    "modelled_peak_mib": modelled if shared else None,
                 }
             )
     seconds = time_interleaved(ready, args.rounds)
