@@ -15,7 +15,10 @@ Accelerators keep the branches: their permutes meet only their own pairs.
 
 The same holds for the running sums of the layers' gradients: each layer's gradients are added into
 them inside the branch (Megatron's one buffer) unless, on CPU, taking a chunk of the stacked weights
-and adding its gradients into the sums there needs a permute; then they are added outside it.
+and adding its gradients into the sums there needs a permute; then the schedule runs without branches
+too (with the sums outside the branch instead, such a layout could still re-tile the residuals its
+backward reads back, which one chunk compiled alone does not show: `python -m tests.combinations --seed
+9501`, case 400).
 """
 
 from __future__ import annotations

@@ -347,25 +347,11 @@ class PipelinedLayers(OneEntryList, nnx.Module):
         read_at = [i for i, read in zip(outside, before) if read]
         leaf_specs = self._leaf_specs(state, batch_axes)
         branches = self._setup.context_axis is None and not self._permutes_in_branches(
-            layers, state, x, split, whole, keys, microbatches, batch_axes, leaf_specs
+            layers, state, x, split, whole, keys, microbatches, batch_axes, leaf_specs, every_batch_axis_manual
         )
         # each layer's gradients added into the running sums inside the branch (one buffer), where XLA
-        # has no batch axis of its own there and, on CPU, needs no permute for it (`branch_probe`)
-        sums_in_branches = (
-            branches
-            and every_batch_axis_manual
-            and not permutes_in_branches(
-                True,
-                layers,
-                state,
-                _specs(state),
-                self._one_microbatch(x, split, whole, keys, microbatches),
-                self._setup.mesh,
-                self._setup.axis,
-                batch_axes,
-                leaf_specs,
-            )
-        )
+        # has no batch axis of its own there (on CPU, a layout whose sums need a permute runs in lockstep)
+        sums_in_branches = branches and every_batch_axis_manual
         loop = Loop(
             layers,
             functools.partial(head_loss, used=used_at),
@@ -423,19 +409,25 @@ class PipelinedLayers(OneEntryList, nnx.Module):
         microbatches: int,
         batch_axes: tuple[str, ...],
         leaf_specs: tuple | None,
+        sums_inside: bool,
     ) -> bool:
         """Whether the schedule must run without branches on this backend (see `branch_probe`), said once
-        per pipeline and layout."""
-        inputs = self._one_microbatch(x, split, whole, keys, microbatches)
-        if not permutes_in_branches(
-            False, layers, state, _specs(state), inputs, self._setup.mesh, self._setup.axis, batch_axes, leaf_specs
+        per pipeline and layout: where XLA:CPU needs a permute to run a chunk, or (`sums_inside`, the
+        running sums to go in the branch) to add its gradients into the sums. (A layout whose sums XLA
+        re-tiles can re-tile the residuals the backward reads back too, in ways a chunk compiled alone
+        does not show: `python -m tests.combinations --seed 9501`, case 400, aborted with its sums kept
+        outside the branch. Every stage computing at every tick gives the same numbers.)"""
+        probe = (layers, state, _specs(state), self._one_microbatch(x, split, whole, keys, microbatches))
+        where = (self._setup.mesh, self._setup.axis, batch_axes, leaf_specs)
+        if not permutes_in_branches(False, *probe, *where) and not (
+            sums_inside and permutes_in_branches(True, *probe, *where)
         ):
             return False
         if (self._setup.name, batch_axes) not in _SAID_LOCKSTEP:
             _SAID_LOCKSTEP.add((self._setup.name, batch_axes))
             warnings.warn(
-                f"pipeline {self._setup.name!r} on CPU devices: XLA splits its layers with a "
-                "collective-permute over an axis left to it, which XLA:CPU cannot run inside the "
+                f"pipeline {self._setup.name!r} on CPU devices: XLA splits its layers, or re-tiles their "
+                "gradients, with a collective-permute over an axis left to it, which XLA:CPU cannot run inside the "
                 "schedule's branches, so every stage computes at every tick and keeps its own work: the "
                 "same numbers, more computation (accelerators keep the branches)",
                 PlanWarning,
