@@ -60,14 +60,14 @@ def test_the_terms_add_up_to_the_step_on_every_shipped_plan_and_profile(name):
             )
 
 
-def _tiny_minigpt():
+def _tiny_minigpt(blocks: int = 4):
     return minigpt_model.MiniGPT(
         maxlen=32,
         vocab_size=512,
         embed_dim=128,
         num_heads=4,
         feed_forward_dim=256,
-        num_transformer_blocks=4,
+        num_transformer_blocks=blocks,
         rngs=nnx.Rngs(0),
     )
 
@@ -116,6 +116,28 @@ def test_the_memory_bound_term_counts_the_bytes_the_compiled_step_moves_beyond_i
         counted.append(next(t.seconds for t in cost.time_explained if t.name == "memory-bound work"))
     ratio = (moved[1] - moved[0]) / ((counted[1] - counted[0]) * profile.memory_bandwidth)
     assert 1.0 <= ratio <= 2.5, (name, ratio)
+
+
+@pytest.mark.parametrize(
+    "schedule, microbatches, virtual", [("1f1b", 4, 1), ("1f1b", 8, 2), ("zb-h1", 8, 1), ("zb-v", 8, 1)]
+)
+def test_the_pipeline_ticks_term_counts_the_trips_of_the_compiled_tick_loop(schedule, microbatches, virtual):
+    """The ticks behind the `pipeline ticks` term (what each tick's own cost is multiplied by) are the
+    trips of the compiled step's tick loop, the while loop whose body sends between stages: 18, 26, 27
+    and 77 on these `minigpt_pp4` layouts (stage 4 x data 2, 8 blocks)."""
+    from shardplan.run.hlo import loop_trips
+
+    text = (PLANS / "minigpt_pp4.yaml").read_text().replace("microbatches: 8", f"microbatches: {microbatches}")
+    text = re.sub(r"schedule: \S+", f"schedule: {schedule}", text)
+    if virtual > 1:
+        text = text.replace("  schedule:", f"  virtual_stages: {virtual}\n  schedule:")
+    plan = shardplan.parse_plan(text)
+    hlo = compile_step(plan, _tiny_minigpt(blocks=8), 16, 32).compiled.as_text()
+    model = _tiny_minigpt(blocks=8)
+    cost = estimate(shardplan.check(plan, model), recognise_module(model), Workload(16, 32), get_profile("cpu"))
+    basis = next(t.basis for t in cost.time_explained if t.name == "pipeline ticks")
+    ticks = int(re.match(r"(\d+) ticks x ", basis).group(1))
+    assert loop_trips(hlo, "collective-permute") == [ticks], (schedule, basis)
 
 
 @pytest.mark.parametrize("width", [80, 120])

@@ -137,6 +137,29 @@ def _dots(hlo_text: str, branch_share: float, scope: str | None):
             yield out, lhs, rhs, found.group("contract"), runs.get(computation, 1)
 
 
+def loop_trips(hlo_text: str, holding: str) -> list[int]:
+    r"""The known trip counts of the while loops whose body computation holds an op of kind `holding`
+    itself (a pipeline's tick loop: the one whose body sends between stages, `collective-permute`).
+
+    >>> text = "\n".join(["%body {", "  %p = f32[4]{0} collective-permute(%x)", "}", "ENTRY %main {",
+    ...     '  %w = f32[4]{0} while(%x), condition=%c, body=%body, backend_config={"known_trip_count":{"n":"7"}}', "}"])
+    >>> loop_trips(text, "collective-permute")
+    [7]
+    """
+    ops, computation = collections.defaultdict(str), None
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            computation = header.group("name")
+        elif computation:
+            ops[computation] += line + "\n"
+    return [
+        int(trips)
+        for body, trips in re.findall(r" while\(.*?body=%?([\w.\-]+).*?" + _TRIPS.pattern, hlo_text)
+        if re.search(rf" {re.escape(holding)}(-start)?\(", ops[body])
+    ]
+
+
 def _runs_per_computation(hlo_text: str, branch_share: float = 1.0, op: re.Pattern = _OP) -> dict[str, float]:
     """How often each computation runs per execution of the entry computation.
 
