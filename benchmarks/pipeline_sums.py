@@ -20,7 +20,7 @@ import re
 import sys
 from pathlib import Path
 
-from variant_steps import REPO, compiled, modelled_peak_mib
+from variant_steps import rounds, REPO, compiled, modelled_peak_mib
 
 import shardplan
 import shardplan.pipeline.pipelined as pipelined
@@ -44,7 +44,7 @@ def sums_outside() -> tuple:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=rounds, default=7)
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
     rows, ready = [], []

@@ -4,6 +4,7 @@ of the runtime replaced (the form before a change), and the cost model's peak fo
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import sys
@@ -51,3 +52,11 @@ def modelled_peak_mib(plan) -> float:
     roles = with_code(recognise_module(model), model, MODEL["maxlen"])
     report = shardplan.check(plan, model, input_shapes={"tokens": (BATCH, MODEL["maxlen"])})
     return round(estimate(report, roles, Workload(BATCH, MODEL["maxlen"]), get_profile("cpu")).peak_bytes / 2**20, 1)
+
+
+def rounds(text: str) -> int:
+    """`--rounds`: at least one timed round (the fastest of none is no figure)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value

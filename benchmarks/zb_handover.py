@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from variant_steps import compiled, modelled_peak_mib
+from variant_steps import rounds, compiled, modelled_peak_mib
 
 import shardplan
 import shardplan.pipeline.zero_bubble as zero_bubble
@@ -43,7 +43,7 @@ SEPARATE = (zero_bubble, "shares_handover", lambda loop: False)  # as before: S 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=rounds, default=7)
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
     print("compiling the data-parallel step", file=sys.stderr)
