@@ -2,6 +2,7 @@
 every shipped plan and profile they add up to the step and agree with the coarser sums; the compute
 terms count the FLOPs the compiled program runs; the command prints them within the terminal's width."""
 
+import dataclasses
 import re
 
 import pytest
@@ -13,6 +14,7 @@ from shardplan.compose.measure import compile_step
 from shardplan.core.roles import recognise_module
 from shardplan.model.factory import build_model
 from shardplan.planner.cost import Workload, estimate
+from shardplan.planner.cost.explain import CONTENTION
 from shardplan.planner.profiles import get_profile, load_profile
 
 from conftest import PLANS, REPO
@@ -44,9 +46,12 @@ def test_the_terms_add_up_to_the_step_on_every_shipped_plan_and_profile(name):
         # the same step as the coarse sums `auto` compares candidates by
         coarse = cost.time_terms()
         assert sum(terms[n].seconds for n in COMPUTE) == pytest.approx(coarse["compute"], rel=1e-9, abs=1e-15)
-        lanes = [t.seconds for n, t in terms.items() if n not in (*COMPUTE, *PIPELINE, "optimizer update")]
+        lanes = [t.seconds for n, t in terms.items() if n not in (*COMPUTE, *PIPELINE, CONTENTION, "optimizer update")]
         assert sum(lanes) == pytest.approx(coarse["communication"], rel=1e-9, abs=1e-15), where
         assert terms["optimizer update"].seconds == coarse["optimizer update"]
+        hidden = sum(seconds for _, seconds in cost.hidden)
+        assert (CONTENTION in terms) == (hidden > 0), where
+        assert coarse["overlap contention"] == pytest.approx(profile.overlap_slowdown * hidden, rel=1e-12), where
         assert (plan.pipeline is not None) == all(n in terms for n in PIPELINE), where
         # the peak memory the same way
         memory = cost.memory_explained()
@@ -58,6 +63,30 @@ def test_the_terms_add_up_to_the_step_on_every_shipped_plan_and_profile(name):
             assert (
                 terms["pipeline sends"].seconds > 0 and "collective-permute over stage" in terms["pipeline sends"].basis
             )
+
+
+def test_compute_beside_hidden_collectives_is_slowed_by_the_profiles_share_of_them():
+    """FSDP on an accelerator hides its gathers and reductions behind compute, which those collectives
+    slow (`overlap_slowdown`, 18.9% on GPUs by arXiv 2507.03114); on CPU nothing overlaps, so nothing is
+    slowed. The term is the share of the hidden seconds, and nothing else in the step moves with it."""
+    plan = shardplan.load_plan(PLANS / "minigpt_fsdp.toml")
+    model = build_model(plan.model.factory, plan.model.config)
+    report = shardplan.check(plan, model)
+    roles = recognise_module(model)
+    h200 = get_profile("h200")
+    costs = {
+        share: estimate(report, roles, Workload(32, 128), dataclasses.replace(h200, overlap_slowdown=share))
+        for share in (0.0, 0.189, 0.4)
+    }
+    hidden = sum(seconds for _, seconds in costs[0.0].hidden)
+    assert hidden > 0 and costs[0.0].contention_s == 0.0
+    for share, cost in costs.items():
+        assert cost.contention_s == pytest.approx(share * hidden, rel=1e-12)
+        assert cost.step_s - costs[0.0].step_s == pytest.approx(share * hidden, rel=1e-9)
+    slowed = next(t for t in costs[0.189].time_explained if t.name == CONTENTION)
+    assert "18.9% (overlap_slowdown)" in slowed.basis
+    on_cpu = estimate(report, roles, Workload(32, 128), get_profile("cpu"))
+    assert on_cpu.contention_s == 0.0 and CONTENTION not in {t.name for t in on_cpu.time_explained}
 
 
 def _tiny_minigpt(blocks: int = 4):

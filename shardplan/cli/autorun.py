@@ -457,7 +457,12 @@ def _write_refit(
 
     rows, _ = agreement(modelled_order, measured)
     points = [
-        (item.estimate.compute_s + item.estimate.update_s, item.estimate.exposed_communication_s, seen)
+        # (the contention is a share of the hidden collectives' time: it scales with the links)
+        (
+            item.estimate.compute_s + item.estimate.update_s,
+            item.estimate.exposed_communication_s + item.estimate.contention_s,
+            seen,
+        )
         for item, _, seen in rows
     ]
     if not points:

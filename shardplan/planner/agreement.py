@@ -68,8 +68,8 @@ def _grid() -> list[float]:
 
 
 def refit(profile: Profile, points: list[tuple[float, float, float]]) -> Refit:
-    """`points`: (modelled compute seconds incl. the update, modelled exposed communication seconds,
-    measured step seconds) per measured candidate. The model's compute time is inversely proportional
+    """`points`: (modelled compute seconds incl. the update, modelled exposed communication seconds and
+    compute slowed beside hidden ones, measured step seconds) per measured candidate. The model's compute time is inversely proportional
     to the compute rates and its communication to the link rates, so scaling the rates by c and l
     makes each estimate compute / c + communication / l."""
 

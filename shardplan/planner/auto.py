@@ -938,7 +938,9 @@ def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 
         f"{human_bytes(cost.activation_bytes)}),",
         f"# {human_bytes(cost.collective_bytes)} moved in {cost.collective_count} collectives, "
         f"step {seconds(cost.step_s)} (compute {seconds(cost.compute_s)}, communication not hidden by it "
-        f"{seconds(cost.exposed_communication_s)}).",
+        f"{seconds(cost.exposed_communication_s)}"
+        + (f", compute slowed beside hidden collectives {seconds(cost.contention_s)}" if cost.contention_s else "")
+        + ").",
         "# Runners-up:",
     ]
     for other in found.ranked[1 : 1 + runners_up]:

@@ -36,6 +36,11 @@ DEFAULT_MATMUL_OVERHEAD = 5e-6
 # wait for each other on 2 cores). Small beside a large model's ticks, it decides between microbatch
 # counts of a small one.
 DEFAULT_TICK_OVERHEAD = 30e-6
+# Share by which compute slows while a collective runs beside it: the collective's kernels take
+# streaming multiprocessors and memory bandwidth from the matmuls they overlap. 18.9% on average (40%
+# at most) over GPT and LLaMA training steps on A100, H100, MI250 and MI210 ("Characterizing
+# Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning", arXiv 2507.03114, 2025). Chosen from that paper, not from any published run this project compares with.
+DEFAULT_OVERLAP_SLOWDOWN = 0.189
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +63,8 @@ class Profile:
     attention: str = "materialised"  # "materialised": scores written to memory (XLA's attention); "fused": on chip
     low_precision_native: bool = True  # bf16 compute keeps activations and their collectives in 2 bytes
     overlap: bool = True  # collectives run asynchronously beside compute (see `shardplan.planner.overlap`)
+    # compute beside a hidden collective runs this share slower (`DEFAULT_OVERLAP_SLOWDOWN`)
+    overlap_slowdown: float = DEFAULT_OVERLAP_SLOWDOWN
     # the devices share one pool of compute (simulated CPU devices on the host's cores): a device idle in a
     # pipeline's bubble lends its share to the others, so a step costs the devices' work added up
     shared_compute: bool = False
@@ -174,6 +181,7 @@ PROFILES = {
         matmul_overhead=0.0,  # (measured on one large matmul; the small ones' cost is not)
         low_precision_native=False,  # XLA on CPU computes and reduces bf16 in float32 (measured)
         overlap=False,  # its collectives are copies on the cores that compute
+        overlap_slowdown=0.0,  # (nothing overlaps)
         shared_compute=True,
         remat_frees=False,  # its compiler expands jax.checkpoint's barriers early (cpu_compiler.cc)
     ),  # the 8 devices run on the same 2 cores
@@ -298,6 +306,11 @@ class ProfileFile(BaseModel):
         description="collectives run asynchronously beside compute (XLA on GPU with shardplan's performance "
         "flags, TPUs): gradient reductions hide behind the backward, FSDP gathers behind the "
         "layer before (false: every collective waits, as on CPU)",
+    )
+    overlap_slowdown: Annotated[float, BeforeValidator(_number), Field(ge=0, le=1, allow_inf_nan=False)] = Field(
+        DEFAULT_OVERLAP_SLOWDOWN,
+        description="share by which compute slows while a collective runs beside it (0 to 1; default 0.189, "
+        "the average measured on A100, H100, MI250 and MI210: arXiv 2507.03114)",
     )
     attention: Literal["fused", "materialised"] = Field(
         "materialised",
@@ -460,6 +473,7 @@ def profile_file_text(profile: Profile, comments: list[str], record: dict | None
         "tick_overhead": figure(profile.tick_overhead),
         "low_precision_native": profile.low_precision_native,
         "overlap": profile.overlap,
+        "overlap_slowdown": round(profile.overlap_slowdown, 3),
         "shared_compute": profile.shared_compute,
         "remat_frees": profile.remat_frees,
         "attention": profile.attention,

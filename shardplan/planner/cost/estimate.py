@@ -73,6 +73,7 @@ class Estimate:
     caveats: tuple[str, ...] = ()  # what this layout has that the model does not know: figures approximate
     update_s: float = 0.0  # the optimizer's update, bound by memory bandwidth (in step_s)
     hidden: tuple[tuple[str, float], ...] = ()  # (overlap lane, seconds of communication hidden behind compute)
+    contention_s: float = 0.0  # compute slowed by the collectives it hides (`Profile.overlap_slowdown`)
     # Pipelines: each stage's compute per step (its layers, and the code around them where that runs on
     # its stage), bubble included; the stages run in lockstep, so `compute_s` is the largest
     stage_compute_s: tuple[float, ...] = ()
@@ -91,6 +92,7 @@ class Estimate:
             "pipeline bubble": self.bubble_s,
             "pipeline ticks": self.tick_s,
             "communication": self.exposed_communication_s,
+            "overlap contention": self.contention_s,
             "optimizer update": self.update_s,
         }
 
@@ -418,6 +420,8 @@ def estimate(
         matmul_s=body.matmuls * (1 - 1 / step.sequence_ways),
     )
     exposed = overlapped.exposed_s
+    # compute beside the collectives it hides runs slower (`Profile.overlap_slowdown`)
+    contention_s = profile.overlap_slowdown * sum(seconds for _, seconds in overlapped.hidden)
     updated = update_bytes(resting, step)
     update_s = updated / profile.memory_bandwidth
     slowest = stage_s.index(max(stage_s))
@@ -441,6 +445,7 @@ def estimate(
         ticks=ticks,
         timed=timed,
         hidden=dict(overlapped.hidden),
+        contention_s=contention_s,
         stage_axis=step.stage_axis,
         update_s=update_s,
         update_bytes=updated,
@@ -458,7 +463,7 @@ def estimate(
         compute_s=compute_s,
         communication_s=communication_s,
         bubble=bubble,
-        step_s=compute_s + exposed + update_s,
+        step_s=compute_s + exposed + contention_s + update_s,
         compute_copy_bytes=compute_copy,
         early_grad_bytes=early_grads,
         gathered_bytes=gathered,
@@ -474,6 +479,7 @@ def estimate(
         + sequence.caveats,
         update_s=update_s,
         hidden=overlapped.hidden,
+        contention_s=contention_s,
         explanation=terms,
         stage_compute_s=tuple(t / (1.0 - bubble) for t in stage_s) if pipe else (),
         bubble_s=bubble_s,

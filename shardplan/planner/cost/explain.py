@@ -19,6 +19,7 @@ LANE_TERMS = {
     "critical": ("collectives the next op waits for", ""),
 }
 SENDS = "pipeline sends"
+CONTENTION = "compute slowed beside collectives"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,6 +48,7 @@ def explained(
     ticks: int,
     timed: list[tuple[Transfer, float]],
     hidden: dict[str, float],
+    contention_s: float,
     stage_axis: str | None,
     update_s: float,
     update_bytes: float,
@@ -54,7 +56,8 @@ def explained(
     """Each term of the modelled step. `work`: the compute of the device (or pipeline stage) that sets
     the pace, `paced_by` says which ("" outside a pipeline); `shaped`: its matmuls are timed by their
     shapes' measured efficiency (`Profile.matmul_points`); `timed`: each transfer with its seconds;
-    `hidden`: the seconds of each overlap lane that run behind compute."""
+    `hidden`: the seconds of each overlap lane that run behind compute; `contention_s`: what that
+    slows the compute beside them by."""
     pace = f"; {paced_by}" if paced_by else ""
     flops = f"{work.matmul_flops / 1e12:.4g} TFLOP"
     if shaped:
@@ -124,6 +127,15 @@ def explained(
         else:
             basis += ", none hidden: " + _why_exposed(lane, profile, stage_axis)
         terms.append(TimeTerm(name, total - behind, basis))
+    if hidden:
+        terms.append(
+            TimeTerm(
+                CONTENTION,
+                contention_s,
+                f"{profile.overlap_slowdown:.1%} (overlap_slowdown) of the {sum(hidden.values()) * 1e3:.4g} ms of "
+                "collectives hidden behind compute: their kernels take cores and memory bandwidth from it",
+            )
+        )
     terms.append(
         TimeTerm(
             "optimizer update",
