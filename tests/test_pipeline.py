@@ -3,6 +3,7 @@
 import contextlib
 import functools
 import io
+import math
 import re
 
 import jax
@@ -790,15 +791,20 @@ def _plain_grads(model, grads):
 def test_a_selective_remat_policy_inside_1f1b_recomputes_only_what_it_does_not_save():
     """The stages keep their layers' residuals: with `remat: none` a stage's backward does no forward matmul
     again (2x the forward's FLOPs), `full` recomputes the whole forward (3x), and a policy that saves the
-    weight matmuls recomputes only attention's batched ones (in between): counted in the compiled HLO."""
-    from shardplan.pipeline.schedules import OneFOneB
+    weight matmuls recomputes only attention's batched ones (in between); saving every other weight
+    matmul recomputes attention's and the others', the share the cost model counts: counted in the
+    compiled HLO."""
+    from shardplan.core.paths import param_infos
+    from shardplan.core.roles import COLUMN, ROW, recognise_module
     from shardplan.pipeline.residuals import BACKWARD_SCOPE, FORWARD_SCOPE
+    from shardplan.pipeline.schedules import OneFOneB
+    from shardplan.planner.cost.step import recomputed_matmuls
     from shardplan.run.hlo import dot_flops
 
     tokens = np.zeros((32, 65), np.int32)
     share = 4 / OneFOneB.of(2, 4, 1, "1f1b").ticks  # a tick's work branch runs on 4 of the ticks
     found = {}
-    for remat in ("none", "dots_with_no_batch_dims_saveable", "full"):
+    for remat in ("none", "dots_with_no_batch_dims_saveable", "every_other_dot_saveable", "full"):
         plan = _nested_plan("1f1b", remat)
         mesh = shardplan.make_mesh(plan)
         # (heads of 32, 64 tokens, 2 rows per microbatch: with one row XLA:CPU rewrites attention's matmuls)
@@ -820,6 +826,16 @@ def test_a_selective_remat_policy_inside_1f1b_recomputes_only_what_it_does_not_s
     assert found["none"][1] == pytest.approx(2 * forward, rel=0.02)
     assert found["full"][1] == pytest.approx(3 * forward, rel=0.02)
     assert found["none"][1] < found["dots_with_no_batch_dims_saveable"][1] < found["full"][1]
+    # every other weight matmul (key, out, the MLP's second: torchtitan's selective op) runs again too:
+    # the share of the layers' weight FLOPs the cost model counts as recomputed (`recomputed_matmuls`)
+    unplanned = minigpt_model.MiniGPT(**{**CONFIG, "maxlen": 64, "num_heads": 2}, rngs=nnx.Rngs(0))
+    roles = recognise_module(unplanned)
+    layers = [p for p in param_infos(unplanned) if roles.layer_of(p.path) is not None and p.path in roles.roles]
+    weights = {p.path: math.prod(p.shape) for p in layers if roles.roles[p.path].kind in (COLUMN, ROW)}
+    share = sum(weights[p] for p in recomputed_matmuls(roles)) / sum(weights.values())
+    assert 0 < share < 1
+    dots, every_other = found["dots_with_no_batch_dims_saveable"][1], found["every_other_dot_saveable"][1]
+    assert every_other == pytest.approx(dots + share * (found["full"][1] - dots), rel=0.02)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])

@@ -72,17 +72,51 @@ def _relative(grads, reference) -> float:
 
 
 @pytest.mark.filterwarnings("ignore:.*warning\\[remat-no-memory-effect\\]")  # expected here, not what is tested
-@pytest.mark.parametrize("policy", ["full", "dots_saveable"])
+@pytest.mark.parametrize("policy", ["full", "dots_saveable", "every_other_dot_saveable"])
 def test_remat_equals_no_remat(policy, plain):
     loss, grads = _loss_and_grads(REMAT % policy)
     assert loss == pytest.approx(plain[0], rel=1e-6)
     assert _relative(grads, plain[1]) <= 1e-6
 
 
-def test_remat_inside_a_pipeline_equals_no_remat(plain):
-    loss, grads = _loss_and_grads(REMAT % "dots_saveable", "minigpt_pp4.yaml")
+@pytest.mark.parametrize("policy", ["dots_saveable", "every_other_dot_saveable"])
+def test_remat_inside_a_pipeline_equals_no_remat(policy, plain):
+    loss, grads = _loss_and_grads(REMAT % policy, "minigpt_pp4.yaml")
     assert loss == pytest.approx(plain[0], rel=1e-6)
     assert _relative(grads, plain[1]) <= 1e-5  # the pipeline sums in another order
+
+
+def _saved_by(policy) -> collections.Counter:
+    """What a LLaMA-style block (7 weight matmuls: wq, wk, wv, wo, w1, w3, w2, in the order it runs them)
+    keeps for its backward under `policy`, stacked three deep and run in a scan as a stack of layers is,
+    in a jitted gradient: the shapes (layers, tokens, width) the forward loop hands the backward, counted."""
+    shapes = [(8, 8), (8, 2), (8, 2), (8, 8), (8, 16), (8, 16), (16, 8)]
+    weights = [jnp.full((3, *shape), 0.1) for shape in shapes]
+
+    def block(x, ws):
+        q, k, v = x @ ws[0], x @ ws[1], x @ ws[2]
+        o = (q + jnp.tile(jnp.tanh(k) * v, 4)) @ ws[3]
+        return (jax.nn.silu(o @ ws[4]) * (o @ ws[5])) @ ws[6], None
+
+    def run(x, ws):
+        return jnp.sum(jax.lax.scan(jax.checkpoint(block, policy=policy), x, ws)[0])
+
+    program = jax.make_jaxpr(jax.jit(jax.grad(run, argnums=1)))(jnp.ones((4, 8)), weights)
+    forward = next(e for e in program.jaxpr.eqns[0].params["jaxpr"].jaxpr.eqns if e.primitive.name == "scan")
+    return collections.Counter(v.aval.shape for v in forward.outvars if len(v.aval.shape) == 3)
+
+
+def test_every_other_dot_keeps_the_odd_weight_matmuls_as_torchtitans_selective_op_checkpointing():
+    """torchtitan saves every `mm` but the 2nd, 4th, ... of each block: here the outputs of wq, wv, w1 and
+    w2, recomputing wk, wo and w3. (jax consults the policy twice over this block, the scan's partial
+    evaluation running to a fixed point; the count restarts every 7 matmuls, so both passes agree.)"""
+    from shardplan.run.every_other_dot import every_other_dot
+
+    # wq (4 x 8), wv (4 x 2), w1 (4 x 16), w2 (4 x 8: also the next layer's input), for each of 3 layers
+    assert _saved_by(every_other_dot(7)) == {(3, 4, 8): 2, (3, 4, 2): 1, (3, 4, 16): 1}
+    every = _saved_by(jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    assert every == {(3, 4, 8): 3, (3, 4, 2): 2, (3, 4, 16): 2}
+    assert _saved_by(jax.checkpoint_policies.nothing_saveable) == {(3, 4, 8): 1}  # the inputs alone
 
 
 def test_sequence_parallel_activations_equal_none(plain):

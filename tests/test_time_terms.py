@@ -3,6 +3,7 @@ every shipped plan and profile they add up to the step and agree with the coarse
 terms count the FLOPs the compiled program runs; the command prints them within the terminal's width."""
 
 import dataclasses
+import math
 import re
 
 import pytest
@@ -11,6 +12,7 @@ from flax import nnx
 import minigpt_model
 import shardplan
 from shardplan.compose.measure import compile_step
+from shardplan.core.paths import param_infos
 from shardplan.core.roles import recognise_module
 from shardplan.model.factory import build_model
 from shardplan.planner.cost import Workload, estimate
@@ -87,6 +89,32 @@ def test_compute_beside_hidden_collectives_is_slowed_by_the_profiles_share_of_th
     assert "18.9% (overlap_slowdown)" in slowed.basis
     on_cpu = estimate(report, roles, Workload(32, 128), get_profile("cpu"))
     assert on_cpu.contention_s == 0.0 and CONTENTION not in {t.name for t in on_cpu.time_explained}
+
+
+def test_every_other_dot_costs_between_saving_every_matmul_and_none():
+    """`every_other_dot_saveable` (torchtitan's selective op) runs wk, wo and up again on a LLaMA block:
+    the weight matmuls' term is `dots`' plus those products' share of what `full` adds, and the layers
+    keep those three outputs fewer than under `dots` (more than under `full`)."""
+    text = (PLANS / "llama_logical.yaml").read_text()
+    model = build_model("minigpt_model.llama:Llama", shardplan.parse_plan(text).model.config)
+    roles = recognise_module(model)
+    costs = {}
+    for policy in ("dots_with_no_batch_dims_saveable", "every_other_dot_saveable", "full"):
+        plan = shardplan.parse_plan(text + f"remat: [{{match: 'layers/\\d+', policy: {policy}}}]\n")
+        cost = estimate(shardplan.check(plan, model), roles, Workload(32, 128), get_profile("h200"))
+        costs[policy] = ({t.name: t.seconds for t in cost.time_explained}, cost.activation_bytes)
+    dots, every_other, full = costs.values()
+    sizes = {p.path: math.prod(p.shape) for p in param_infos(model)}
+    block = [
+        f"layers/0/{name}/kernel"
+        for name in ("attn/wq", "attn/wk", "attn/wv", "attn/wo", "mlp/gate", "mlp/up", "mlp/down")
+    ]
+    share = sum(sizes[p] for p in block[1::2]) / sum(sizes[p] for p in block)
+    added = full[0]["weight matmuls"] - dots[0]["weight matmuls"]
+    assert added > 0 and 0.3 < share < 0.6
+    assert every_other[0]["weight matmuls"] == pytest.approx(dots[0]["weight matmuls"] + share * added, rel=1e-9)
+    assert every_other[0]["attention"] == dots[0]["attention"]  # attention's batched products run again in both
+    assert full[1] < every_other[1] < dots[1]
 
 
 def _tiny_minigpt(blocks: int = 4):

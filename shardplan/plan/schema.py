@@ -262,6 +262,8 @@ REMAT_POLICIES = (
     "everything_saveable",
     "checkpoint_dots",
     "checkpoint_dots_with_no_batch_dims",
+    # shardplan's own: torchtitan's selective op checkpointing (`shardplan.run.every_other_dot`)
+    "every_other_dot_saveable",
 )
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -292,8 +294,9 @@ class RematRule(_Strict):
         description="Regular expression that must fully match a module path (e.g. `transformer_blocks/\\d+`)."
     )
     policy: Literal[("none", "full") + REMAT_POLICIES] = Field(
-        description="none: keep what autodiff keeps; full: recompute everything in the backward; or a "
-        "jax.checkpoint_policies name (what to save)."
+        description="none: keep what autodiff keeps; full: recompute everything in the backward; a "
+        "jax.checkpoint_policies name (what to save); or every_other_dot_saveable: the 1st, 3rd, ... weight "
+        "matmuls' outputs of each layer kept, the rest recomputed (torchtitan's selective op checkpointing)."
     )
 
 

@@ -40,7 +40,7 @@ MAX_ACCUMULATE = 64  # gradient accumulation without a pipeline: counts that div
 SPLIT_GAIN = 0.01
 V_TABLES = 256  # zb-v offered up to stages x microbatches (its tables take ~0.2 s there)
 REMAT_CHOICES = ("none", "dots", "full")
-REMAT_POLICY = {"dots": "dots_with_no_batch_dims_saveable", "full": "full"}
+REMAT_POLICY = {"dots": "dots_with_no_batch_dims_saveable", "alternate": "every_other_dot_saveable", "full": "full"}
 # The budget share auto leaves free: the memory model's usual under-estimate against the compiler
 # (within 16% on most plans; -20% on a tied, soft-capped head; benchmarks/cost_model.py) plus
 # allocator slack. It does not cover an FSDP head whose activations XLA moves (-33%).
@@ -64,7 +64,7 @@ class Candidate:
     schedule: str | None = None
     microbatches: int = 1
     virtual: int = 1
-    remat: str = "none"  # rematerialisation of the repeated layers: none, dots or full
+    remat: str = "none"  # rematerialisation of the repeated layers: none, dots, alternate or full
     sequence: bool = False  # sequence parallelism over 'model' in the layers' norm regions
     compute: str | None = None  # compute dtype when not the parameters'
     accumulate: int = 1  # gradient accumulation: microbatches run in turn (no pipeline)
@@ -1034,6 +1034,7 @@ def plan_text(chosen: Ranked, found: Search, *, command: str, runners_up: int = 
         what = {
             "full": "keep each layer's input, recompute the rest in the backward",
             "dots": "keep the matmul outputs, recompute the elementwise work",
+            "alternate": "keep every other matmul output (torchtitan's selective op), recompute the rest",
         }[c.remat]
         lines += [f"remat:                       # {what}"] + [
             f"  - match: {quoted(rule.match)}\n    policy: {rule.policy}" for rule in plan.remat

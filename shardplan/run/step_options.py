@@ -26,6 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 
 from shardplan.core.paths import join_path, module_paths
+from shardplan.run import every_other_dot
 from shardplan.run.precision import floating, follow_plan_dtype
 from shardplan.run.specs import partition_spec, pin
 from shardplan.plan.matching import first_module_rule
@@ -37,7 +38,7 @@ class Options:
     """What wraps one module's call (hashable: it keys the subclass cache)."""
 
     sharding: NamedSharding | None = None  # of the module's output
-    remat: str | None = None  # "full" or a jax.checkpoint_policies name
+    remat: str | None = None  # "full", a jax.checkpoint_policies name or `every_other_dot.POLICY`
     compute: str | None = None  # root only: dtype the call runs in
     accumulate: int = 1  # root only: microbatches `model_loss` runs in turn
     # FSDP-split weights the call gathers itself, then again for its backward: (path within the module,
@@ -246,9 +247,13 @@ def _fitted(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
 
 def _rematerialised(run, policy):
     """`run` under `nnx.remat`: arrays and Rngs are its arguments, Python values stay static. `policy`:
-    "full", a `jax.checkpoint_policies` name, or a policy."""
+    "full", a `jax.checkpoint_policies` name, `every_other_dot.POLICY`, or a policy."""
     saving = (
-        None if policy == "full" else getattr(jax.checkpoint_policies, policy) if isinstance(policy, str) else policy
+        None
+        if policy in ("full", every_other_dot.POLICY)
+        else getattr(jax.checkpoint_policies, policy)
+        if isinstance(policy, str)
+        else policy
     )
 
     def remat_run(module, args, kwargs):
@@ -262,7 +267,15 @@ def _rematerialised(run, policy):
             args, kwargs = jax.tree.unflatten(treedef, full)
             return run(module, args, kwargs)
 
-        return nnx.remat(inner, policy=saving)(module, [leaves[i] for i in dynamic])
+        values = [leaves[i] for i in dynamic]
+        chosen = saving
+        if policy == every_other_dot.POLICY:
+            # the layer's weight matmuls, counted on its program (traced on copies: the module's RNG
+            # counters must not move)
+            copies = [nnx.clone(v) if isinstance(v, nnx.Rngs) else v for v in values]
+            program = jax.make_jaxpr(lambda: inner(nnx.clone(module), copies))()
+            chosen = every_other_dot.every_other_dot(every_other_dot.weight_dots(program.jaxpr))
+        return nnx.remat(inner, policy=chosen)(module, values)
 
     return remat_run
 

@@ -32,7 +32,14 @@ NAMES = (
     "y",
     "z",
 )
-REMAT = ("full", "none", "dots_saveable", "nothing_saveable", "dots_with_no_batch_dims_saveable")
+REMAT = (
+    "full",
+    "none",
+    "dots_saveable",
+    "nothing_saveable",
+    "dots_with_no_batch_dims_saveable",
+    "every_other_dot_saveable",
+)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 FACTORIES = {
     "llama": "tests.combinations.models:Llama",

@@ -14,7 +14,7 @@ from shardplan.core.roles import COLUMN, MATMUL, ROW, ModelRoles
 from shardplan.experts.roles import find_blocks
 from shardplan.pipeline.schedules import padding_skipped, recomputes_stages
 from shardplan.plan.schema import spec_axes
-from shardplan.planner.cost.step import Step, Workload, attention_ways, split_axes
+from shardplan.planner.cost.step import Step, Workload, attention_ways, recomputed_matmuls, split_axes
 from shardplan.planner.profiles import Profile
 
 ELEMENTWISE_PASSES = 4  # stored activation bytes moved by elementwise work: written and read, forward and back
@@ -48,6 +48,7 @@ def step_flops(
     total = attention_total = kernels = 0.0
     at_shapes = 0.0
     stands_for: dict = {}
+    alternate = recomputed_matmuls(roles) if step.remat == "alternate" else frozenset()
     for p in held:
         role = roles.roles.get(p.path)
         layer = roles.layer_of(p.path)
@@ -55,7 +56,8 @@ def step_flops(
         if role is None or (role.kind not in (COLUMN, ROW, MATMUL) and p.path not in roles.tied):
             continue
         passes, tokens = step.passes(p.stage is not None)
-        recompute = 8 / 6 if step.recomputes(p.stage is not None, layer is not None) else 1.0
+        again = step.recomputes(p.stage is not None, layer is not None) or p.path in alternate
+        recompute = 8 / 6 if again else 1.0
         tensor = step.ways(split_axes(p, tuple(range(len(p.shape))), step.batch_axes))
         flops = WEIGHT_FLOPS * passes * tokens * math.prod(p.shape) / tensor * recompute * step.count(p.path)
         total += flops
@@ -67,7 +69,10 @@ def step_flops(
         if attention.layer in stands_for:
             passes, tokens = step.passes(step.stage_axis is not None)
             # (a selective policy saves the weight matmuls; attention's own, with batch dims, run again)
-            again = step.recomputes(step.stage_axis is not None, attention.layer is not None) or step.remat == "dots"
+            again = step.recomputes(step.stage_axis is not None, attention.layer is not None) or step.remat in (
+                "dots",
+                "alternate",
+            )
             recompute = 8 / 6 if again else 1.0
             attention_total += (
                 ATTENTION_FLOPS

@@ -11,7 +11,7 @@ from shardplan.core.layout import ParamLayout
 from shardplan.core.roles import BIAS, COLUMN, EMBEDDING, ROW, VECTOR, ModelRoles
 from shardplan.pipeline.cost import schedule_tables
 from shardplan.pipeline.schedules import padding_skipped
-from shardplan.planner.cost.step import Step, attention_ways, head_ways, tensor_ways
+from shardplan.planner.cost.step import Step, attention_ways, head_ways, recomputed_matmuls, tensor_ways
 from shardplan.planner.cost.traffic import kv_widths, moves_activations
 
 SCORE_COPIES = 2  # attention scores and probabilities kept per head (XLA fuses the rest)
@@ -32,6 +32,8 @@ def per_token(
     dots: dict = {}
     stands_for: dict = {}
     read: set = set()
+    # (under `every_other_dot_saveable` the matmuls recomputed keep no output)
+    recomputed = recomputed_matmuls(roles) if step.remat == "alternate" else frozenset()
     for p in held:
         role = roles.roles.get(p.path)
         if role is None or role.kind == BIAS:
@@ -61,7 +63,7 @@ def per_token(
                 copies = plain + code.logits + (not whole and moves_activations(p, role, step))
                 size, out = size * plain + n_out * b * (copies - plain), out * copies
         full[layer] = full.get(layer, 0.0) + size
-        dots[layer] = dots.get(layer, 0.0) + out
+        dots[layer] = dots.get(layer, 0.0) + (0.0 if p.path in recomputed else out)
         if p.path in roles.tied:  # its second use: the logits (a 1F1B one runs whole)
             vocab = p.shape[role.in_dims[0]] / (1 if step.tabled else tensor_ways(p, role.in_dims, step))
             logits = (step.width + vocab) * b * plain + vocab * b * code.logits
@@ -136,7 +138,8 @@ def kept_activations(kept: tuple[dict, dict, dict], step: Step, on: OnStage | No
         "none": sum(size * stands_for[layer] for layer, size in full.items()),
         "full": rematerialised,
         "dots": boundary + biggest + sum(dots[layer] * stands_for[layer] for layer in full),
-    }[step.remat]
+    }
+    layers = layers[step.remat if step.remat != "alternate" else "dots"]
     passes, tokens = step.passes(bool(full) and step.stage_axis is not None)
     microbatch = int(tokens * layers), int(tokens * rematerialised)
     if step.stage_axis is None:  # (with gradient accumulation: one microbatch's)

@@ -10,7 +10,7 @@ import functools
 import math
 
 from shardplan.core.layout import ParamLayout
-from shardplan.core.roles import COLUMN, EMBEDDING, ModelRoles
+from shardplan.core.roles import COLUMN, EMBEDDING, MATMUL, ROW, ModelRoles
 from shardplan.pipeline.schedules import on_tables, recomputes_stages, unit_ticks
 from shardplan.plan.schema import format_spec, spec_axes
 from shardplan.planner.profiles import Profile
@@ -44,7 +44,8 @@ class Step:
     seq: int
     itemsize: int
     width: int
-    remat: str = "none"  # what the repeated layers keep for the backward: none, full or dots
+    # what the repeated layers keep for the backward: none, full, dots or alternate (every other dot)
+    remat: str = "none"
     sequence_ways: int = 1  # tensor ways that split the sequence between the layers' matmuls
     attention_stored: bool = True  # attention scores are written to memory (not fused on chip)
     counts: dict | None = None  # path -> how many parameters it stands for (one layer for all alike)
@@ -144,7 +145,7 @@ class Step:
 class StepOptions:
     """What a plan's `remat`, `precision` and `activations` sections mean for the cost."""
 
-    remat: str  # the repeated layers keep: none (everything), full (their inputs), dots
+    remat: str  # the repeated layers keep: none (everything), full (their inputs), dots, alternate
     compute_dtype: str
     compute_itemsize: int
     sequence_ways: int  # tensor ways splitting the sequence in the layers' norm regions
@@ -260,7 +261,21 @@ REMAT_KIND = {
     "checkpoint_dots": "dots",
     "dots_with_no_batch_dims_saveable": "dots",
     "checkpoint_dots_with_no_batch_dims": "dots",
+    "every_other_dot_saveable": "alternate",
 }
+
+
+def recomputed_matmuls(roles: ModelRoles) -> frozenset[str]:
+    """Under `every_other_dot_saveable` (remat kind "alternate"): the layers' weight matrices whose
+    products the backward runs again, the 2nd, 4th, ... of each layer. The policy counts them in the
+    order the layer runs them; here the order they were defined in stands for it (a layer defines
+    wq, wk, wv, wo, gate, up, down in the order it calls them)."""
+    by_layer: dict[int, list[str]] = {}
+    for path in roles.order:
+        role, layer = roles.roles.get(path), roles.layer_of(path)
+        if layer is not None and role is not None and role.kind in (COLUMN, ROW, MATMUL):
+            by_layer.setdefault(layer, []).append(path)
+    return frozenset(path for paths in by_layer.values() for path in paths[1::2])
 
 
 def split_axes(p: ParamLayout, dims: tuple[int, ...], exclude: tuple[str, ...] = ()) -> tuple[str, ...]:
