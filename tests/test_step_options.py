@@ -119,6 +119,23 @@ def test_every_other_dot_keeps_the_odd_weight_matmuls_as_torchtitans_selective_o
     assert _saved_by(jax.checkpoint_policies.nothing_saveable) == {(3, 4, 8): 1}  # the inputs alone
 
 
+def test_every_other_dot_restarts_its_count_each_layer_and_skips_attentions_products():
+    """Consulted twice over a layer of 3 weight matmuls, the policy saves the 1st and 3rd both times (a
+    count that ran on would save the 2nd the second time); a product with batch dimensions (attention's)
+    is neither saved nor counted, nor is anything but a matmul."""
+    from shardplan.run.every_other_dot import every_other_dot
+
+    weight = dict(dimension_numbers=(((1,), (0,)), ((), ())))
+    batched = dict(dimension_numbers=(((2,), (1,)), ((0,), (0,))))
+    policy = every_other_dot(3)
+    consulted = [policy(jax.lax.dot_general_p, **weight) for _ in range(3)]
+    consulted.append(policy(jax.lax.dot_general_p, **batched))
+    consulted.append(policy(jax.lax.exp_p))
+    consulted += [policy(jax.lax.dot_general_p, **weight) for _ in range(3)]
+    assert consulted == [True, False, True, False, False, True, False, True]
+    assert not every_other_dot(0)(jax.lax.dot_general_p, **weight)  # a layer without weight matmuls
+
+
 def test_sequence_parallel_activations_equal_none(plain):
     loss, grads = _loss_and_grads(SP)
     assert loss == pytest.approx(plain[0], rel=1e-5)
