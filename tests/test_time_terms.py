@@ -17,6 +17,7 @@ from shardplan.core.roles import recognise_module
 from shardplan.model.factory import build_model
 from shardplan.planner.cost import Workload, estimate
 from shardplan.planner.cost.explain import CONTENTION
+from shardplan.planner.cost.step import recomputed_matmuls
 from shardplan.planner.profiles import get_profile, load_profile
 
 from conftest import PLANS, REPO
@@ -96,8 +97,8 @@ def test_every_other_dot_costs_between_saving_every_matmul_and_none():
     the weight matmuls' term is `dots`' plus those products' share of what `full` adds, and the layers
     keep those three outputs fewer than under `dots` (more than under `full`)."""
     text = (PLANS / "llama_logical.yaml").read_text()
-    model = build_model("minigpt_model.llama:Llama", shardplan.parse_plan(text).model.config)
-    roles = recognise_module(model)
+    model = build_model("minigpt_model.llama:Llama", shardplan.parse_plan(text).model.config, abstract=False)
+    roles = recognise_module(model)  # (a live module: the order its layers define their matrices in)
     costs = {}
     for policy in ("dots_with_no_batch_dims_saveable", "every_other_dot_saveable", "full"):
         plan = shardplan.parse_plan(text + f"remat: [{{match: 'layers/\\d+', policy: {policy}}}]\n")
@@ -109,6 +110,7 @@ def test_every_other_dot_costs_between_saving_every_matmul_and_none():
         f"layers/0/{name}/kernel"
         for name in ("attn/wq", "attn/wk", "attn/wv", "attn/wo", "mlp/gate", "mlp/up", "mlp/down")
     ]
+    assert {p for p in recomputed_matmuls(roles) if p.startswith("layers/0/")} == set(block[1::2])
     share = sum(sizes[p] for p in block[1::2]) / sum(sizes[p] for p in block)
     added = full[0]["weight matmuls"] - dots[0]["weight matmuls"]
     assert added > 0 and 0.3 < share < 0.6
