@@ -20,7 +20,7 @@ from shardplan.run.hlo import collective_stats
 from shardplan.compose.measure import measure, prepare, lm_train_step, lm_loss
 from shardplan.core.paths import param_infos
 from shardplan.planner.profiles import get_profile, parse_bytes
-from shardplan.core.roles import COLUMN, ROW, recognise_module
+from shardplan.core.roles import COLUMN, ROW, definition_order, recognise_module
 from shardplan.model.abstract import abstract_with_roles
 from shardplan.plan.schema import spec_axes
 
@@ -156,6 +156,21 @@ def test_roles_are_read_from_structure_for_both_models():
     _, _, roles = _search(lambda: minigpt_model.MiniGPT(**{**MINIGPT, "feed_forward_dim": 64}, rngs=nnx.Rngs(0)))
     assert roles.of("transformer_blocks/0/linear1/kernel").kind == COLUMN
     assert roles.of("transformer_blocks/0/linear2/kernel").kind == ROW
+
+
+def test_an_abstract_model_keeps_the_order_its_parameters_were_defined_in():
+    """`nnx.eval_shape` hands back a model whose attributes are sorted by name (key, out, query, value),
+    so roles read from it paired key with out and found no attention: MiniGPT under `minigpt_3d` was
+    costed 12.25 ms a step against 10.42 for the live model. A model shardplan builds abstractly keeps
+    the order read while it was built."""
+    from shardplan.model.factory import build_model
+
+    config = {"vocab_size": 512, "num_transformer_blocks": 2}
+    abstract, live = (build_model("minigpt_model:MiniGPT", config, abstract=a) for a in (True, False))
+    assert definition_order(abstract) == definition_order(live)
+    assert definition_order(abstract) != sorted(definition_order(abstract))
+    roles, expected = recognise_module(abstract), recognise_module(live)
+    assert roles.roles == expected.roles and roles.attention == expected.attention and len(roles.attention) == 2
 
 
 def test_data_parallel_estimate_is_one_all_reduce_of_the_parameters():

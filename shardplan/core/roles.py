@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import functools
 import math
+import weakref
 import re
 
 from shardplan.core.paths import ParamInfo
@@ -82,12 +83,26 @@ class ModelRoles:
         return _layer_index(self.layers, path)
 
 
+# The definition order of abstract models shardplan built (`shardplan.model.abstract.eval_shape`), read
+# while they were being built: `nnx.eval_shape` returns them with their attributes sorted by name.
+_BUILT_ORDER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def remember_order(module, order: list[str]) -> None:
+    """Keep `order`, read from `module` while it was built, for the abstract copy `module` is now."""
+    _BUILT_ORDER[module] = list(order)
+
+
 def definition_order(module) -> list[str]:
-    """Parameter paths of a live module in the order its attributes were set.
+    """Parameter paths of a live module in the order its attributes were set; of an abstract model
+    shardplan built, the order read while it was built.
 
     (The state of an abstract model from `nnx.eval_shape` is sorted by name instead.)
     """
     from flax import nnx
+
+    if module in _BUILT_ORDER:
+        return list(_BUILT_ORDER[module])
 
     paths: list[str] = []
 

@@ -14,7 +14,7 @@ import contextlib
 from flax import nnx
 
 from shardplan.core.paths import param_infos
-from shardplan.core.roles import ModelRoles, definition_order, recognise
+from shardplan.core.roles import ModelRoles, definition_order, recognise, remember_order
 
 
 @contextlib.contextmanager
@@ -43,23 +43,28 @@ def unplaced():
 
 
 def eval_shape(fn, *args, **kwargs):
-    """`nnx.eval_shape(fn, *args, **kwargs)`, linear in the number of variables set, unplaced."""
+    """`nnx.eval_shape(fn, *args, **kwargs)`, linear in the number of variables set, unplaced. A module
+    it returns keeps the order its parameters were defined in (`definition_order`), read while built."""
+    order: list[str] = []
+
+    def built(*args, **kwargs):
+        module = fn(*args, **kwargs)
+        if isinstance(module, nnx.Module):
+            order.extend(definition_order(module))
+        return module
+
     with short_tracer_errors(), unplaced():
-        return nnx.eval_shape(fn, *args, **kwargs)
+        model = nnx.eval_shape(built, *args, **kwargs)
+    if isinstance(model, nnx.Module) and order:
+        remember_order(model, order)
+    return model
 
 
 def abstract_with_roles(build) -> tuple[object, ModelRoles]:
     """(abstract model, roles) from `build()` under `nnx.eval_shape`: nothing is allocated, and the
     definition order is read from the module while it is being built."""
-    order: list[str] = []
-
-    def construct():
-        module = build()
-        order.extend(definition_order(module))
-        return module
-
-    model = eval_shape(construct)
-    return model, recognise(param_infos(model), order)
+    model = eval_shape(build)
+    return model, recognise(param_infos(model), definition_order(model))
 
 
 def untraceable(exc: BaseException) -> bool:
