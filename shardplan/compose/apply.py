@@ -36,7 +36,9 @@ def apply_plan(plan: Plan, model: nnx.Module, mesh: jax.sharding.Mesh, *, exampl
     (see `shardplan.check`) checks first that the forward can run its layers as a pipeline. Works on `nnx.eval_shape` models too: their
     shapes then carry the planned shardings. `roles` (`shardplan.core.roles.recognise`) tell context
     parallelism which matrices are an attention's queries, keys and values when the model is abstract
-    (its state then sorted by name, not in definition order); a live model's are read from it.
+    and came from your own `nnx.eval_shape` (its state then sorted by name, not in definition order); a
+    live model's are read from it, and so are those of an abstract model shardplan built
+    (`shardplan.model.factory.build_model`, as the commands do), whose order is kept from its building.
 
     >>> import shardplan, minigpt_model
     >>> from flax import nnx

@@ -27,7 +27,8 @@ def check(
     checked against how the model calls its layers, by tracing one call abstractly: `example`
     (e.g. `lambda m: m(tokens, positions)`), else zeros shaped as the plan's `inputs` give them.
     `roles` (`shardplan.core.roles.recognise`) name the attention projections context parallelism
-    reads; by default they are read from the model's definition order (an abstract model's is sorted).
+    reads; by default they are read from the model's definition order (an abstract model from your own
+    `nnx.eval_shape` has lost it, its state sorted by name: pass `roles` for it; one shardplan built keeps it).
 
     >>> import shardplan, minigpt_model
     >>> from flax import nnx
