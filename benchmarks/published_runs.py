@@ -356,21 +356,19 @@ TORCHTITAN_STACK = dict(attention="fused", attention_efficiency=0.5)
 AUTOMODEL_STACK = dict(overlap=True)
 
 
+def _fsdp_everywhere(gpus: int, **options) -> auto.Candidate:
+    """FSDP over every device, no tensor or pipeline parallelism, bf16 compute (the MPT and torchtitan
+    runs), with the run's own `options` (remat, accumulation, masters)."""
+    return auto.Candidate(
+        {"data": gpus}, _hosts(1, gpus, gpus), False, False, True, False, compute="bfloat16", **options
+    )
+
+
 def fsdp_rows():
     a100 = dataclasses.replace(_profile("a100-80gb-selene.yaml"), **({} if OVERRIDE else TORCHTITAN_STACK))
     h100 = dataclasses.replace(_profile("h100-80gb-sxm.yaml"), **({} if OVERRIDE else AUTOMODEL_STACK))
     for label, shape, seq, gpus, local, remat, tokens in TORCHTITAN:
-        published = auto.Candidate(
-            {"data": gpus},
-            _hosts(1, gpus, gpus),
-            False,
-            False,
-            True,
-            False,
-            remat=remat,
-            compute="bfloat16",
-            master=True,
-        )
+        published = _fsdp_everywhere(gpus, remat=remat, master=True)
         yield (label, _llama(shape), gpus, Workload(local * gpus, seq), a100, published, float(tokens), fsdp_any)
     # NeMo AutoModel: FSDP 32 x context 2 (ring), 4 accumulation steps of one sequence each
     published = auto.Candidate(
@@ -421,17 +419,7 @@ def fsdp_only(c: auto.Candidate) -> bool:
 def mpt_rows(table=MPT):
     profile = _profile("h100-80gb-sxm.yaml")
     for name, hidden, heads, layers, gpus, microbatch, accumulate, checkpointing, tokens in table:
-        published = auto.Candidate(
-            {"data": gpus},
-            _hosts(1, gpus, gpus),
-            False,
-            False,
-            True,
-            False,
-            remat="full" if checkpointing else "none",
-            compute="bfloat16",
-            accumulate=accumulate,
-        )
+        published = _fsdp_everywhere(gpus, remat="full" if checkpointing else "none", accumulate=accumulate)
         yield (
             f"MPT {name}",
             dict(
