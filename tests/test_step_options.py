@@ -80,6 +80,21 @@ def test_remat_equals_no_remat(policy, plain):
 
 
 @pytest.mark.parametrize("policy", ["dots_saveable", "every_other_dot_saveable"])
+def test_a_rematerialised_model_samples_inside_a_loop_like_the_plain_one(policy):
+    """The sampler calls the model inside a `fori_loop`: `nnx.remat` there wrote the module's parameters
+    back at the loop's trace level, which nnx refuses (`minigpt train` ended in an internal error with any
+    remat rule on a plan without a compute dtype). The same greedy tokens as without the rule."""
+    from minigpt_model.sampling import generate
+
+    tokens = {}
+    for rule in ("", REMAT % policy):
+        plan = shardplan.parse_plan((PLANS / "minigpt_dp_tp.yaml").read_text() + rule, file="minigpt_dp_tp.yaml")
+        model = shardplan.apply_plan(plan, minigpt_model.MiniGPT(**CONFIG, rngs=nnx.Rngs(0)), shardplan.make_mesh(plan))
+        tokens[rule] = generate(model, [1, 2, 3], maxlen=CONFIG["maxlen"], max_tokens=6, temperature=0.0)
+    assert tokens[REMAT % policy] == tokens[""] and len(tokens[""]) == 6
+
+
+@pytest.mark.parametrize("policy", ["dots_saveable", "every_other_dot_saveable"])
 def test_remat_inside_a_pipeline_equals_no_remat(policy, plain):
     loss, grads = _loss_and_grads(REMAT % policy, "minigpt_pp4.yaml")
     assert loss == pytest.approx(plain[0], rel=1e-6)

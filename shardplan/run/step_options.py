@@ -246,7 +246,7 @@ def _fitted(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
 
 
 def _rematerialised(run, policy):
-    """`run` under `nnx.remat`: arrays and Rngs are its arguments, Python values stay static. `policy`:
+    """`run` under `jax.checkpoint`: arrays and Rngs are its arguments, Python values stay static. `policy`:
     "full", a `jax.checkpoint_policies` name, `every_other_dot.POLICY`, or a policy."""
     saving = (
         None
@@ -267,15 +267,28 @@ def _rematerialised(run, policy):
             args, kwargs = jax.tree.unflatten(treedef, full)
             return run(module, args, kwargs)
 
-        values = [leaves[i] for i in dynamic]
+        # jax.checkpoint on a copy merged inside it, not `nnx.remat`: that writes every variable back to
+        # the module, which nnx refuses inside a loop of the caller's (a sampler's `fori_loop`); here only
+        # the variables the call moves (RNG counters, statistics) are written back
+        graphdef, state = nnx.split((module, [leaves[i] for i in dynamic]))
         chosen = saving
-        if policy == every_other_dot.POLICY:
-            # the layer's weight matmuls, counted on its program (traced on copies: the module's RNG
-            # counters must not move)
-            copies = [nnx.clone(v) if isinstance(v, nnx.Rngs) else v for v in values]
-            program = jax.make_jaxpr(lambda: inner(nnx.clone(module), copies))()
+        if policy == every_other_dot.POLICY:  # the layer's weight matmuls, counted on its program
+            program = jax.make_jaxpr(lambda state: inner(*nnx.merge(graphdef, state)))(state)
             chosen = every_other_dot.every_other_dot(every_other_dot.weight_dots(program.jaxpr))
-        return nnx.remat(inner, policy=chosen)(module, values)
+        moved = []  # (read while tracing: whether the call moves any variable that is not a parameter)
+
+        def checkpointed(state):
+            copy = nnx.merge(graphdef, state)
+            before = jax.tree.leaves(nnx.state(copy, nnx.Not(nnx.Param)))
+            out = inner(*copy)
+            after = nnx.state(copy, nnx.Not(nnx.Param))
+            moved.append(any(a is not b for a, b in zip(jax.tree.leaves(after), before)))
+            return out, after
+
+        out, after = jax.checkpoint(checkpointed, policy=chosen)(state)
+        if moved[-1]:
+            nnx.update((module, [leaves[i] for i in dynamic]), after)
+        return out
 
     return remat_run
 
