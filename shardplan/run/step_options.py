@@ -295,7 +295,7 @@ def _rematerialised(run, policy):
 
 def _regathered(run, gathered: dict):
     """`run` on the module's FSDP-split weights gathered over the batch axes (`gathered`: path within
-    the module -> the sharding to gather to), under `nnx.remat` whose policy saves everything but them:
+    the module -> the sharding to gather to), under `jax.checkpoint` whose policy saves everything but them:
     the forward keeps what it would keep and the backward gathers the weights again, as PyTorch's FSDP
     does, instead of every layer's gathered weights staying alive until its backward (the partitioner
     gathers a weight once for its forward and backward products). XLA:CPU expands the remat's
