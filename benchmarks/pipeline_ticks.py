@@ -11,6 +11,7 @@ ticks' cost at 0, and with both: the terms are measured (`calibrate`), and this 
 them the step does not pay.
 
     python benchmarks/pipeline_ticks.py [--rounds 7] [--json out.json]
+        [--axes stage=2,data=4] [--schedules 1f1b:4,zb-v:4:2]
 """
 
 from __future__ import annotations
@@ -58,9 +59,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--json", metavar="FILE")
+    parser.add_argument(
+        "--axes", help="the mesh, as axis=size pairs (default stage=2,data=2,model=2); stage and data at least"
+    )
+    parser.add_argument("--schedules", help="schedule:microbatches[:chunks] items, comma-separated")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    try:
+        axes = {k: int(v) for k, v in (pair.split("=") for pair in args.axes.split(","))} if args.axes else AXES
+        schedules = (
+            [
+                (parts[0], int(parts[1]), int(parts[2]) if len(parts) > 2 else 1)
+                for parts in (item.split(":") for item in args.schedules.split(","))
+            ]
+            if args.schedules
+            else SCHEDULES
+        )
+    except ValueError as error:
+        parser.error(f"--axes takes axis=size pairs, --schedules schedule:microbatches[:chunks] items ({error})")
     shardplan.simulate_cpu_devices(8)
     from shardplan.compose.calibrate import calibrate, profile_text
     from shardplan.compose.measure import compile_step, time_interleaved
@@ -90,8 +107,8 @@ def main() -> None:
     roles = with_code(recognise(params, order), model, SEQ, input_name="tokens", params=params)
     workload = Workload(BATCH, SEQ)
     rows, ready = [], []
-    for schedule, microbatches, chunks in SCHEDULES:
-        candidate = auto.Candidate(AXES, {}, True, False, False, False, schedule, microbatches, chunks)
+    for schedule, microbatches, chunks in schedules:
+        candidate = auto.Candidate(axes, {}, "model" in axes, False, False, False, schedule, microbatches, chunks)
         label = f"{schedule} M={microbatches}" + (f" v{chunks}" if chunks > 1 else "")
         print(f"  compiling {label}", flush=True)
         modelled = {}
@@ -108,7 +125,7 @@ def main() -> None:
     print(f"  timing {len(ready)} steps in {args.rounds} interleaved rounds", flush=True)
     for row, seconds in zip(rows, time_interleaved(ready, args.rounds)):
         row["measured_s"] = seconds
-    print(f"\nmodelled / measured step ({AXES}, Megatron rules, batch {BATCH} x {SEQ})")
+    print(f"\nmodelled / measured step ({axes}, Megatron rules, batch {BATCH} x {SEQ})")
     print(f"  {'step':14} {'measured':>9} " + " ".join(f"{v:>13}" for v in VARIANTS) + "   ticks  sends  waits (ms)")
     for row in rows:
         terms = row["terms_s"]
@@ -121,7 +138,7 @@ def main() -> None:
     print(f"\ntook {time.perf_counter() - started:.0f} s")
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"calibration": calibration.record(), "axes": AXES, "rows": rows}, indent=1) + "\n"
+            json.dumps({"calibration": calibration.record(), "axes": axes, "rows": rows}, indent=1) + "\n"
         )
 
 

@@ -198,6 +198,34 @@ def test_the_pipeline_ticks_term_counts_the_trips_of_the_compiled_tick_loop(sche
     assert loop_trips(hlo, "collective-permute") == [pytest.approx(ticks)], schedule
 
 
+def test_ticks_whose_layers_run_collectives_are_spared_their_cost_on_devices_sharing_compute():
+    """On simulated CPU devices a tick costs its devices falling back into step; a collective inside its
+    layers does that already (`tick_seconds`). `minigpt_3d` (stage 2 x data 2 x model 2) runs Megatron's
+    all-reduces over 'model' in every tick's layers: on the cpu profile its ticks are spared, each by
+    one of them; `minigpt_pp4` (stage 4 x data 2) runs none and pays its ticks whole; on a GPU profile
+    both pay them whole."""
+    from shardplan.pipeline.cost import schedule_tables
+
+    cpu, gpu = get_profile("cpu"), get_profile("h200")
+    for name, looped_axes in (("minigpt_3d.yaml", {("model",)}), ("minigpt_pp4.yaml", set())):
+        plan = shardplan.load_plan(PLANS / name)
+        model = _tiny_minigpt(blocks=8)
+        report, roles = shardplan.check(plan, model), recognise_module(model)
+        pipe = plan.pipeline
+        ticks = schedule_tables(pipe.schedule, plan.mesh.axes["stage"], pipe.microbatches, 1)[0]
+        for profile in (cpu, gpu):
+            cost = estimate(report, roles, Workload(16, 32), profile)
+            looped = [t for t in cost.transfers if t.looped]
+            assert {t.axes for t in looped} == looped_axes, name
+            # Megatron's tensor collectives run once per microbatch: a multiple of the microbatches
+            assert all(t.count % pipe.microbatches == 0 for t in looped), name
+            spared = min(ticks, sum(t.count for t in looped)) if profile.shared_compute else 0
+            term = next(t for t in cost.time_explained if t.name == "pipeline ticks")
+            assert term.seconds == pytest.approx((ticks - spared) * profile.tick_overhead, rel=1e-9), (name, profile)
+            assert ("spared" in term.basis) == bool(spared), term.basis
+    assert sum(t.count for t in cost.transfers if t.looped) == 0  # (minigpt_pp4 on the GPU profile)
+
+
 @pytest.mark.parametrize("width", [80, 120])
 def test_inspect_explain_time_prints_every_term_and_their_sum(width, capsys, monkeypatch):
     from shardplan.cli import main

@@ -15,8 +15,8 @@ bytes into time with: everything else (matmuls, attention, per-kernel cost, the 
 is costed with the rates measured before it. Then the same model over two pipeline stages (1F1B, one
 sequence per microbatch): what that step takes beyond its modelled work, per tick of its schedule, is
 the profile's `tick_overhead` (the loop, the branch, the stash, the hand-over: on 8 simulated CPU
-devices 5-13 ms a tick; before it was counted, pipelines of many microbatches were modelled at 0.6 of
-their measured steps).
+devices 1.4-2.5 ms a tick, mostly the device threads falling back into step; before it was counted,
+pipelines of many microbatches were modelled at 0.6 of their measured steps).
 """
 
 from __future__ import annotations
@@ -222,5 +222,7 @@ def time_reference_steps(shape: Shape, profile: Profile, *, rounds: int = 7) -> 
         # (the rate the profile will hold: never above the one it came with, one elementwise pass's)
         rate = min(bandwidth or profile.memory_bandwidth, profile.memory_bandwidth)
         beyond = pipelined.measured_s - pipelined.other_s - pipelined.counted_bytes / rate
-        tick = max(0.0, beyond / pipelined.ticks)  # (below zero: the ticks cost nothing to be seen)
+        # (below zero: the ticks cost nothing to be seen; its stages hold whole layers, so no collective
+        # inside a tick takes a share of it, see `shardplan.planner.cost.estimate.tick_seconds`)
+        tick = max(0.0, beyond / pipelined.ticks)
     return ReferenceSteps(shape, plain, pipelined, bandwidth, tick)

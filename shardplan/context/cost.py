@@ -42,10 +42,12 @@ def context_cost(
     passes: int,
     gradient_bytes: int,
     reductions: int = 1,
+    looped: bool = False,
 ) -> ContextCost:
     """`kv_widths`: per attention layer held, the key (= value) width per device; `rows`: sequences per
     device per pass; `passes`: passes per step (microbatches); `gradient_bytes`: the gradients of the
-    parameters not split over the axis, reduced `reductions` times a step."""
+    parameters not split over the axis, reduced `reductions` times a step; `looped`: the layers run in
+    a pipeline's ticks (`Transfer.looped`)."""
     if ways <= 1:
         return ContextCost((), 0.0, ())
     # each weight's gradient is summed over the axis's parts of the sequence in an all-reduce of its
@@ -66,11 +68,14 @@ def context_cost(
                     4 * (ways - 1) * passes,
                     "context ring: key and value blocks",
                     "attention",
+                    looped,
                 )
             )
         else:
-            transfers.append(Transfer("all-gather", (axis,), whole, 2 * passes, "context: keys and values gathered"))
-            transfers.append(Transfer("all-reduce", (axis,), whole, 2 * passes, "context: key and value gradients"))
+            transfers += [
+                Transfer("all-gather", (axis,), whole, 2 * passes, "context: keys and values gathered", looped=looped),
+                Transfer("all-reduce", (axis,), whole, 2 * passes, "context: key and value gradients", looped=looped),
+            ]
     # both keep the whole sequence's keys and values (the plain step keeps its own tokens' of them)
     kept = sum(2 * width * itemsize * (ways - 1) for width in kv_widths)
     caveats = ()

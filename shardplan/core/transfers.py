@@ -13,6 +13,7 @@ class Transfer:
     count: int  # ops per step
     what: str
     overlap: str = "critical"  # what it can run behind: one of `shardplan.planner.overlap.LANES`
+    looped: bool = False  # inside a pipeline's stage layers: run in its ticks, once per microbatch
 
     @property
     def total(self) -> int:

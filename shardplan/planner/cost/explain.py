@@ -46,6 +46,7 @@ def explained(
     bubble: float,
     bubble_s: float,
     ticks: int,
+    tick_synced_s: float,
     timed: list[tuple[Transfer, float]],
     hidden: dict[str, float],
     contention_s: float,
@@ -100,7 +101,15 @@ def explained(
                 + (" (devices sharing compute lend them to each other)" if profile.shared_compute else ""),
             ),
             TimeTerm(
-                "pipeline ticks", ticks * profile.tick_overhead, f"{ticks} ticks x {profile.tick_overhead * 1e6:.3g} us"
+                "pipeline ticks",
+                ticks * profile.tick_overhead - tick_synced_s,
+                f"{ticks} ticks x {profile.tick_overhead * 1e6:.3g} us"
+                + (
+                    f", less {tick_synced_s * 1e3:.3g} ms spared by the collectives in their layers "
+                    "(they bring devices that share compute into step, as a tick does)"
+                    if tick_synced_s
+                    else ""
+                ),
             ),
         ]
     lanes: dict[str, list[tuple[Transfer, float]]] = {}

@@ -226,6 +226,8 @@ def matrix_transfers(
                     lane,
                 )
             )
+    if staged:
+        found = [dataclasses.replace(t, looped=True) for t in found]
     if not fsdp:
         return found, False
     ways = step.ways(fsdp)
@@ -346,6 +348,7 @@ def context_terms(held: list[ParamLayout], roles: ModelRoles, step: Step):
         passes=passes,
         gradient_bytes=gradients,
         reductions=step.reductions_per_step(),
+        looped=staged,
     )
 
 
