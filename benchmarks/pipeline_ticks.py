@@ -11,7 +11,7 @@ ticks' cost at 0, and with both: the terms are measured (`calibrate`), and this 
 them the step does not pay.
 
     python benchmarks/pipeline_ticks.py [--rounds 7] [--json out.json]
-        [--axes stage=2,data=4] [--schedules 1f1b:4,zb-v:4:2]
+        [--axes stage=2,data=4] [--schedules 1f1b:4,zb-v:4:2] [--vocab]
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ def main() -> None:
         "--axes", help="the mesh, as axis=size pairs (default stage=2,data=2,model=2); stage and data at least"
     )
     parser.add_argument("--schedules", help="schedule:microbatches[:chunks] items, comma-separated")
+    parser.add_argument("--vocab", action="store_true", help="the embedding and head split over 'model' too")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
@@ -108,7 +109,7 @@ def main() -> None:
     workload = Workload(BATCH, SEQ)
     rows, ready = [], []
     for schedule, microbatches, chunks in schedules:
-        candidate = auto.Candidate(axes, {}, "model" in axes, False, False, False, schedule, microbatches, chunks)
+        candidate = auto.Candidate(axes, {}, "model" in axes, args.vocab, False, False, schedule, microbatches, chunks)
         label = f"{schedule} M={microbatches}" + (f" v{chunks}" if chunks > 1 else "")
         print(f"  compiling {label}", flush=True)
         modelled = {}

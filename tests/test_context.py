@@ -222,6 +222,26 @@ def test_all_gather_needs_an_attention():
     assert [d.code for d in found] == ["context-no-attention"]
 
 
+def test_an_abstract_model_that_lost_its_order_is_warned_about_unless_roles_are_given():
+    """`nnx.eval_shape` sorts a model's parameters by name; the attention roles context parallelism
+    reads come from their definition order. Checked as the user built it: a `roles-order-lost` warning
+    naming the rule and the fix; built by shardplan's `eval_shape` (the order kept), or with roles
+    read from the live model: none."""
+    from shardplan.core.roles import recognise_module
+    from shardplan.model.abstract import eval_shape
+
+    plan = _plan("data: 2, context: 4", "  tokens: {spec: [data, context], shape: [2, 16]}\n", "axis: context")
+    mesh = shardplan.make_mesh(plan)
+    sorted_model = nnx.eval_shape(_llama)
+    found = [d for d in shardplan.check(plan, sorted_model, mesh).diagnostics if d.code == "roles-order-lost"]
+    assert len(found) == 1 and found[0].severity == "warning", found
+    text = found[0].format()
+    assert "roles-order-lost" in text and "nnx.eval_shape" in text and "roles=" in text, text
+    for model, roles in ((eval_shape(_llama), None), (sorted_model, recognise_module(_llama()))):
+        codes = [d.code for d in shardplan.check(plan, model, mesh, roles=roles).diagnostics]
+        assert "roles-order-lost" not in codes, codes
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_ring_kernel_equals_dense_attention(causal):
     """The ring on its own (grouped queries, a bias, a padding mask, in parts of 4 key columns, causal

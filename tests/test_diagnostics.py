@@ -649,6 +649,7 @@ MODEL_CASES = {
     "context-no-attention",
     "context-ring-attention",
     "context-positions",
+    "roles-order-lost",  # (tests/test_context.py)
     "precision-not-applied",
     "precision-breaks-forward",
     "remat-no-memory-effect",  # (at run time: tests/test_step_options.py)

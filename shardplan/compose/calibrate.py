@@ -9,7 +9,8 @@ all-gather, reduce-scatter, permute, all-to-all) over the devices of a host and,
 host, over the hosts (bandwidth and latency, from a small and a large message: the fastest kind is the
 link's rate, and each other kind reaches its measured share of it), and attention
 (`jax.nn.dot_product_attention`), and whether the devices share their compute (the largest product on
-one device alone against all at once). Each measurement is the median of a few timed runs after a warm-up.
+one device alone against all at once). Each measurement is the median of a few timed runs after a warm-up;
+matmuls and collectives run four at a time inside one compiled loop, as a step runs them.
 Last, a reference model's training steps (`shardplan.compose.reference`) give the rate a step runs its
 memory-bound work at, which the profile keeps as its memory bandwidth, and what a pipeline's tick costs.
 """
@@ -89,7 +90,8 @@ class Calibration:
             "dtype": self.dtype,
             "took_s": round(self.seconds, 1),
             "dispatch_s_taken_off": _round(self.dispatch),
-            "how": "median of timed runs after a warm-up, every device working at once",
+            "how": "median of timed runs after a warm-up, every device working at once; matmuls and "
+            "collectives 4 at a time inside one compiled loop",
             "matmuls_form_rows_inner_columns_s": [[f, m, k, n, _round(s)] for f, m, k, n, s in self.matmuls],
             "elementwise_bytes_s": [self.elementwise[0], _round(self.elementwise[1])],
             "collectives_kind_over_bytes_s": [[kind, over, b, _round(s)] for kind, over, b, s in self.collectives],
@@ -210,9 +212,12 @@ def _elementwise(mesh, elements: int, dtype, dispatch: float) -> tuple[int, floa
     return 2 * elements * jnp.dtype(dtype).itemsize, timed(scaled, x, dispatch=dispatch)
 
 
-def _collective(mesh, kind: str, over: str, elements: int, dispatch: float) -> float:
+def _collective(mesh, kind: str, over: str, elements: int, dispatch: float, chain: int = 4) -> float:
     """Seconds of one collective of `kind` on `elements` float32 per device over `over` (its result
-    brought back to the input's shape, so every kind runs in the same frame)."""
+    brought back to the input's shape, so every kind runs in the same frame): `chain` of them inside
+    one compiled loop, each on the last one's result, as a step runs them between its kernels. Timed
+    one call at a time, a small collective's latency was the difference of two figures of about the
+    same size (the call, and the dispatch of any call) and came out at 60-260 us over a day's runs."""
     both = P(("hosts", "host"))
     n = mesh.shape[over]
     x = _filled(mesh, (mesh.size * elements,), jnp.float32, 1.0)
@@ -223,8 +228,9 @@ def _collective(mesh, kind: str, over: str, elements: int, dispatch: float) -> f
         "collective-permute": lambda a: jax.lax.ppermute(a, over, [(i, (i + 1) % n) for i in range(n)]),
         "all-to-all": lambda a: jax.lax.all_to_all(a.reshape(n, -1), over, 0, 0, tiled=True).reshape(-1),
     }[kind]
-    timed_call = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=both, out_specs=both, check_vma=False))
-    return timed(timed_call, x, dispatch=dispatch)
+    chained = lambda a: jax.lax.fori_loop(0, chain, lambda _, b: body(b), a)  # noqa: E731
+    timed_call = jax.jit(jax.shard_map(chained, mesh=mesh, in_specs=both, out_specs=both, check_vma=False))
+    return timed(timed_call, x, dispatch=dispatch) / chain
 
 
 def _ring(kind: str, n: int, elements: int) -> tuple[int, float]:

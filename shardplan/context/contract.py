@@ -93,7 +93,34 @@ def model_checks(subject, found: list[Diagnostic]) -> list[Diagnostic]:
     """Whether the model's attention allows the context split (`subject`: a `ModelUnderPlan`)."""
     if subject.plan.context is None or subject.plan_errors:
         return []
-    return check_context_calls(subject.plan, subject.model, subject.roles, subject.call, subject.mesh)
+    return _roles_from_sorted_order(subject) + check_context_calls(
+        subject.plan, subject.model, subject.roles, subject.call, subject.mesh
+    )
+
+
+def _roles_from_sorted_order(subject) -> list[Diagnostic]:
+    """The attention roles of an abstract model whose definition order is gone are read from its
+    parameters sorted by name: MiniGPT's key was paired with its output projection and no attention
+    was found."""
+    from shardplan.core.roles import order_lost
+
+    if subject.given_roles is not None or not order_lost(subject.model):
+        return []
+    line, col = subject.plan.locate("context", "axis")
+    return [
+        Diagnostic(
+            "roles-order-lost",
+            "warning",
+            "context parallelism reads each attention's query, key, value and output projections from the "
+            "order the model defines its parameters in, but this abstract model (from nnx.eval_shape) has "
+            "them sorted by name, so the roles read from it may pair the wrong projections",
+            file=subject.plan.file,
+            line=line,
+            column=col,
+            hint="pass roles=shardplan.core.roles.recognise_module(live_model), or build the abstract model "
+            "with shardplan.model.abstract.eval_shape, which keeps the order",
+        )
+    ]
 
 
 def check_context_calls(plan, model, roles, call, mesh) -> list[Diagnostic]:

@@ -93,6 +93,19 @@ def remember_order(module, order: list[str]) -> None:
     _BUILT_ORDER[module] = list(order)
 
 
+def order_lost(module) -> bool:
+    """Whether `module` is an abstract model whose definition order is gone: one from the user's own
+    `nnx.eval_shape` (its state sorted by name), not one shardplan built (`remember_order`)."""
+    import jax
+    from flax import nnx
+
+    if module in _BUILT_ORDER:
+        return False
+    return any(
+        isinstance(v.get_value(), jax.ShapeDtypeStruct) for _, v in nnx.iter_graph(module) if isinstance(v, nnx.Param)
+    )
+
+
 def definition_order(module) -> list[str]:
     """Parameter paths of a live module in the order its attributes were set; of an abstract model
     shardplan built, the order read while it was built.

@@ -90,6 +90,8 @@ CODES: dict[str, str] = {
     "context-no-attention": "`all_gather` but no attention (query, key and value projections) is recognised",
     "context-ring-attention": "`ring` but some attention does not go through a function shardplan can replace",
     "context-positions": "load balancing, but the model computes positions or masks from the sequence order itself",
+    "roles-order-lost": "context parallelism on an abstract model from `nnx.eval_shape`, its parameters sorted by "
+    "name, with no `roles` given",
     # step options
     "accumulate-microbatches": "the `accumulate` count does not divide each data shard's batch",
     "accumulate-with-pipeline": "`accumulate` and a pipeline both split the batch into microbatches",
