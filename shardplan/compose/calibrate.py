@@ -10,7 +10,7 @@ host, over the hosts (bandwidth and latency, from a small and a large message: t
 link's rate, and each other kind reaches its measured share of it), and attention
 (`jax.nn.dot_product_attention`), and whether the devices share their compute (the largest product on
 one device alone against all at once). Each measurement is the median of a few timed runs after a warm-up;
-matmuls and collectives run four at a time inside one compiled loop, as a step runs them.
+matmuls and the small collectives run four at a time inside one compiled loop, as a step runs them.
 Last, a reference model's training steps (`shardplan.compose.reference`) give the rate a step runs its
 memory-bound work at, which the profile keeps as its memory bandwidth, and what a pipeline's tick costs.
 """
@@ -90,8 +90,8 @@ class Calibration:
             "dtype": self.dtype,
             "took_s": round(self.seconds, 1),
             "dispatch_s_taken_off": _round(self.dispatch),
-            "how": "median of timed runs after a warm-up, every device working at once; matmuls and "
-            "collectives 4 at a time inside one compiled loop",
+            "how": "median of timed runs after a warm-up, every device working at once; matmuls and the "
+            "small collectives 4 at a time inside one compiled loop",
             "matmuls_form_rows_inner_columns_s": [[f, m, k, n, _round(s)] for f, m, k, n, s in self.matmuls],
             "elementwise_bytes_s": [self.elementwise[0], _round(self.elementwise[1])],
             "collectives_kind_over_bytes_s": [[kind, over, b, _round(s)] for kind, over, b, s in self.collectives],
@@ -212,12 +212,10 @@ def _elementwise(mesh, elements: int, dtype, dispatch: float) -> tuple[int, floa
     return 2 * elements * jnp.dtype(dtype).itemsize, timed(scaled, x, dispatch=dispatch)
 
 
-def _collective(mesh, kind: str, over: str, elements: int, dispatch: float, chain: int = 4) -> float:
+def _collective(mesh, kind: str, over: str, elements: int, dispatch: float, chain: int = 1) -> float:
     """Seconds of one collective of `kind` on `elements` float32 per device over `over` (its result
-    brought back to the input's shape, so every kind runs in the same frame): `chain` of them inside
-    one compiled loop, each on the last one's result, as a step runs them between its kernels. Timed
-    one call at a time, a small collective's latency was the difference of two figures of about the
-    same size (the call, and the dispatch of any call) and came out at 60-260 us over a day's runs."""
+    brought back to the input's shape, so every kind runs in the same frame); with `chain`, that many
+    inside one compiled loop, each on the last one's result, as a step runs them between its kernels."""
     both = P(("hosts", "host"))
     n = mesh.shape[over]
     x = _filled(mesh, (mesh.size * elements,), jnp.float32, 1.0)
@@ -345,7 +343,13 @@ def calibrate(
             points = []
             for e in (size // n * n for size in sizes):  # (a scatter or all-to-all splits it n ways)
                 counted, factor = _ring(kind_name, n, e)
-                points.append((counted, _collective(mesh, kind_name, over, e, dispatch)))
+                # the small one (its latency) 4 at a time in a compiled loop: timed one call at a time it
+                # was the difference of two figures of about its size (the call, and any call's dispatch),
+                # 60-260 us over a day's runs here, 122-182 us chained (five runs). The large one (the link's rate)
+                # one call at a time: chained, XLA:CPU ran all-reduces and permutes of 4 MiB 2x slower
+                # and gathers of 32 MiB 2x faster, which no step was checked against
+                chain = 4 if e < max(sizes) else 1
+                points.append((counted, _collective(mesh, kind_name, over, e, dispatch, chain)))
             collectives += [(kind_name, over, b, s) for b, s in points]
             links.setdefault(over, {})[kind_name] = _link(points, factor)
     progress("attention (jax.nn.dot_product_attention)")
