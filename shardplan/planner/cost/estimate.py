@@ -407,7 +407,7 @@ def estimate(
         if pipe
         else 0
     )
-    tick_s, tick_synced_s = tick_seconds(ticks, transfers, profile)
+    tick_s, tick_spared_s = tick_seconds(ticks, transfers, profile)
     compute_s = work_s + bubble_s + tick_s
     timed = [(t, transfer_seconds(t, step, profile, plan.mesh.hosts)) for t in transfers]
     communication_s = sum(seconds for _, seconds in timed)
@@ -443,7 +443,7 @@ def estimate(
         bubble=bubble,
         bubble_s=bubble_s,
         ticks=ticks,
-        tick_synced_s=tick_synced_s,
+        tick_spared_s=tick_spared_s,
         timed=timed,
         hidden=dict(overlapped.hidden),
         contention_s=contention_s,

@@ -46,7 +46,7 @@ def explained(
     bubble: float,
     bubble_s: float,
     ticks: int,
-    tick_synced_s: float,
+    tick_spared_s: float,
     timed: list[tuple[Transfer, float]],
     hidden: dict[str, float],
     contention_s: float,
@@ -102,12 +102,12 @@ def explained(
             ),
             TimeTerm(
                 "pipeline ticks",
-                ticks * profile.tick_overhead - tick_synced_s,
+                ticks * profile.tick_overhead - tick_spared_s,
                 f"{ticks} ticks x {profile.tick_overhead * 1e6:.3g} us"
                 + (
-                    f", less {tick_synced_s * 1e3:.3g} ms spared by the collectives in their layers "
+                    f", less {tick_spared_s * 1e3:.3g} ms spared by the collectives in their layers "
                     "(they bring devices that share compute into step, as a tick does)"
-                    if tick_synced_s
+                    if tick_spared_s
                     else ""
                 ),
             ),
