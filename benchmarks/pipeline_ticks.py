@@ -11,7 +11,7 @@ ticks' cost at 0, and with both: the terms are measured (`calibrate`), and this 
 them the step does not pay.
 
     python benchmarks/pipeline_ticks.py [--rounds 7] [--json out.json]
-        [--axes stage=2,data=4] [--schedules 1f1b:4,zb-v:4:2] [--vocab]
+        [--axes stage=2,data=4] [--schedules 1f1b:4,zb-v:4:2] [--vocab] [--batch 16] [--vocab-size 8192]
 """
 
 from __future__ import annotations
@@ -64,9 +64,14 @@ def main() -> None:
     )
     parser.add_argument("--schedules", help="schedule:microbatches[:chunks] items, comma-separated")
     parser.add_argument("--vocab", action="store_true", help="the embedding and head split over 'model' too")
+    parser.add_argument("--batch", type=int, default=BATCH, help=f"sequences a step (default {BATCH})")
+    parser.add_argument(
+        "--vocab-size", type=int, default=CONFIG["vocab_size"], help=f"MiniGPT's (default {CONFIG['vocab_size']})"
+    )
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    config, batch = {**CONFIG, "vocab_size": args.vocab_size}, args.batch
     try:
         axes = {k: int(v) for k, v in (pair.split("=") for pair in args.axes.split(","))} if args.axes else AXES
         schedules = (
@@ -103,10 +108,10 @@ def main() -> None:
         flush=True,
     )
     order: list[str] = []
-    model = build_model(FACTORY, CONFIG, on_built=lambda m: order.extend(definition_order(m)))
+    model = build_model(FACTORY, config, on_built=lambda m: order.extend(definition_order(m)))
     params = param_infos(model)
     roles = with_code(recognise(params, order), model, SEQ, input_name="tokens", params=params)
-    workload = Workload(BATCH, SEQ)
+    workload = Workload(batch, SEQ)
     rows, ready = [], []
     for schedule, microbatches, chunks in schedules:
         candidate = auto.Candidate(axes, {}, "model" in axes, args.vocab, False, False, schedule, microbatches, chunks)
@@ -115,18 +120,18 @@ def main() -> None:
         modelled = {}
         for name, variant in _variants(profile).items():
             checked = auto._checked(
-                candidate, roles, params, 8, 1, workload, variant, "tokens", {"factory": FACTORY, "config": CONFIG}
+                candidate, roles, params, 8, 1, workload, variant, "tokens", {"factory": FACTORY, "config": config}
             )
             modelled[name] = checked.estimate.step_s
             if name == "as calibrated":
                 terms = {t.name: t.seconds for t in checked.estimate.time_explained}
                 plan = checked.plan
-        ready.append(compile_step(plan, build_model(FACTORY, CONFIG, abstract=False), BATCH, SEQ))
+        ready.append(compile_step(plan, build_model(FACTORY, config, abstract=False), batch, SEQ))
         rows.append({"step": label, "modelled_s": modelled, "terms_s": terms})
     print(f"  timing {len(ready)} steps in {args.rounds} interleaved rounds", flush=True)
     for row, seconds in zip(rows, time_interleaved(ready, args.rounds)):
         row["measured_s"] = seconds
-    print(f"\nmodelled / measured step ({axes}, Megatron rules, batch {BATCH} x {SEQ})")
+    print(f"\nmodelled / measured step ({axes}, Megatron rules, vocabulary {args.vocab_size}, batch {batch} x {SEQ})")
     print(f"  {'step':14} {'measured':>9} " + " ".join(f"{v:>13}" for v in VARIANTS) + "   ticks  sends  waits (ms)")
     for row in rows:
         terms = row["terms_s"]
@@ -139,7 +144,11 @@ def main() -> None:
     print(f"\ntook {time.perf_counter() - started:.0f} s")
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"calibration": calibration.record(), "axes": axes, "rows": rows}, indent=1) + "\n"
+            json.dumps(
+                {"calibration": calibration.record(), "axes": axes, "batch": batch, "config": config, "rows": rows},
+                indent=1,
+            )
+            + "\n"
         )
 
 
