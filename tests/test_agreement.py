@@ -22,7 +22,7 @@ def test_refit_recovers_the_scales_that_made_the_measurements():
     points = [(work, talk, work / 0.8 + talk / 1.5) for work, talk in ((1.0, 0.2), (2.0, 0.1), (0.5, 0.6), (1.5, 1.0))]
     fitted = refit(profile, points)
     assert fitted.compute_scale == pytest.approx(0.8, rel=0.02)
-    assert fitted.link_scale == pytest.approx(1.5, rel=0.03)
+    assert fitted.link_scale == pytest.approx(1.5, rel=0.03) and fitted.links_apart
     assert fitted.error_after < 0.01 < fitted.error_before
     assert fitted.profile.peak_flops == pytest.approx(profile.peak_flops * fitted.compute_scale)
     # every term of the modelled compute scales alike: the per-kernel and per-tick costs too
@@ -37,3 +37,17 @@ def test_refit_leaves_a_fitting_profile_and_unseen_links_alone():
     fitted = refit(profile, [(1.0, 0.0, 1.0), (2.0, 0.0, 2.0)])
     assert fitted.compute_scale == pytest.approx(1.0, abs=0.01) and fitted.link_scale == 1.0
     assert fitted.moved() == ["nothing: the profile already fits the measurements"]
+
+
+def test_refit_leaves_the_links_alone_where_the_steps_do_not_tell_them_apart():
+    """Near-ties whose communication is the same share of each step (auto's best candidates): the
+    measurements, 2% noisy, say how fast the compute is, not the links; a second free scale would fit
+    the noise, so the links stay as they were."""
+    profile = PROFILES["cpu"]
+    noise = (1.02, 0.98, 1.01, 0.99, 1.02, 0.98, 1.0, 1.01)
+    steps = [(1.0 + 0.05 * i, 0.1 * (1.0 + 0.05 * i)) for i in range(8)]
+    points = [(work, talk, (work / 0.8 + talk) * e) for (work, talk), e in zip(steps, noise)]
+    fitted = refit(profile, points)
+    assert fitted.link_scale == 1.0
+    assert fitted.compute_scale == pytest.approx(0.8, rel=0.03)
+    assert any("left as they were" in said for said in fitted.moved())
