@@ -203,8 +203,10 @@ def test_ticks_whose_layers_run_collectives_are_spared_their_cost_on_devices_sha
     layers does that already (`tick_seconds`). `minigpt_3d` (stage 2 x data 2 x model 2) runs Megatron's
     all-reduces over 'model' in every tick's layers: on the cpu profile its ticks are spared, each by
     one of them; `minigpt_pp4` (stage 4 x data 2) runs none and pays its ticks whole; on a GPU profile
-    both pay them whole."""
+    both pay them whole. The compiled tick loops agree: `minigpt_3d`'s holds all-reduces of its own
+    (8 here), `minigpt_pp4`'s none."""
     from shardplan.pipeline.cost import schedule_tables
+    from shardplan.run.hlo import ops_in_loops
 
     cpu, gpu = get_profile("cpu"), get_profile("h200")
     for name, looped_axes in (("minigpt_3d.yaml", {("model",)}), ("minigpt_pp4.yaml", set())):
@@ -213,6 +215,8 @@ def test_ticks_whose_layers_run_collectives_are_spared_their_cost_on_devices_sha
         report, roles = shardplan.check(plan, model), recognise_module(model)
         pipe = plan.pipeline
         ticks = schedule_tables(pipe.schedule, plan.mesh.axes["stage"], pipe.microbatches, 1)[0]
+        hlo = compile_step(plan, _tiny_minigpt(blocks=8), 16, 32).compiled.as_text()
+        assert (ops_in_loops(hlo, "collective-permute", "all-reduce") > 0) == bool(looped_axes), name
         for profile in (cpu, gpu):
             cost = estimate(report, roles, Workload(16, 32), profile)
             looped = [t for t in cost.transfers if t.looped]

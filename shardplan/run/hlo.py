@@ -160,6 +160,37 @@ def loop_trips(hlo_text: str, holding: str) -> list[int]:
     ]
 
 
+def ops_in_loops(hlo_text: str, holding: str, kind: str) -> int:
+    r"""How many ops of `kind` the while loops whose body holds an op of kind `holding` have in their
+    body and every computation it calls (branches, fusions), each counted once, not per trip: whether
+    a pipeline's ticks run collectives of their own (`holding="collective-permute"`).
+
+    >>> text = "\n".join(["%f {", "  %r = f32[4]{0} all-reduce(%x)", "}", "%body {",
+    ...     "  %p = f32[4]{0} collective-permute(%x)", "  %c = f32[4]{0} conditional(%i), branch_computations={%f, %g}",
+    ...     "}", "ENTRY %main {", "  %w = f32[4]{0} while(%x), condition=%c, body=%body", "}"])
+    >>> ops_in_loops(text, "collective-permute", "all-reduce"), ops_in_loops(text, "collective-permute", "all-gather")
+    (1, 0)
+    """
+    ops, calls, computation = collections.defaultdict(str), collections.defaultdict(set), None
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            computation = header.group("name")
+        elif computation:
+            ops[computation] += line + "\n"
+            for callee in _CALLEES.finditer(line):
+                calls[computation].update(re.findall(r"[\w.\-]+", callee.group("names")))
+    held = rf" {re.escape(holding)}(-start)?\("
+    seen: set[str] = set()
+    todo = [body for body in re.findall(r" while\(.*?body=%?([\w.\-]+)", hlo_text) if re.search(held, ops[body])]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += calls.get(name, ())
+    return sum(len(re.findall(rf" {re.escape(kind)}(-start)?\(", ops[name])) for name in seen)
+
+
 def _runs_per_computation(hlo_text: str, branch_share: float = 1.0, op: re.Pattern = _OP) -> dict[str, float]:
     """How often each computation runs per execution of the entry computation.
 
