@@ -146,13 +146,7 @@ def loop_trips(hlo_text: str, holding: str) -> list[int]:
     >>> loop_trips(text, "collective-permute")
     [7]
     """
-    ops, computation = collections.defaultdict(str), None
-    for line in hlo_text.splitlines():
-        header = _COMPUTATION.match(line)
-        if header:
-            computation = header.group("name")
-        elif computation:
-            ops[computation] += line + "\n"
+    ops, _ = _computations(hlo_text)
     return [
         int(trips)
         for body, trips in re.findall(r" while\(.*?body=%?([\w.\-]+).*?" + _TRIPS.pattern, hlo_text)
@@ -171,15 +165,7 @@ def ops_in_loops(hlo_text: str, holding: str, kind: str) -> int:
     >>> ops_in_loops(text, "collective-permute", "all-reduce"), ops_in_loops(text, "collective-permute", "all-gather")
     (1, 0)
     """
-    ops, calls, computation = collections.defaultdict(str), collections.defaultdict(set), None
-    for line in hlo_text.splitlines():
-        header = _COMPUTATION.match(line)
-        if header:
-            computation = header.group("name")
-        elif computation:
-            ops[computation] += line + "\n"
-            for callee in _CALLEES.finditer(line):
-                calls[computation].update(re.findall(r"[\w.\-]+", callee.group("names")))
+    ops, calls = _computations(hlo_text)
     held = rf" {re.escape(holding)}(-start)?\("
     seen: set[str] = set()
     todo = [body for body in re.findall(r" while\(.*?body=%?([\w.\-]+)", hlo_text) if re.search(held, ops[body])]
@@ -189,6 +175,20 @@ def ops_in_loops(hlo_text: str, holding: str, kind: str) -> int:
             seen.add(name)
             todo += calls.get(name, ())
     return sum(len(re.findall(rf" {re.escape(kind)}(-start)?\(", ops[name])) for name in seen)
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, str], dict[str, set[str]]]:
+    """(each computation's text, the computations each one calls) of HLO text."""
+    ops, calls, computation = collections.defaultdict(str), collections.defaultdict(set), None
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            computation = header.group("name")
+        elif computation:
+            ops[computation] += line + "\n"
+            for callee in _CALLEES.finditer(line):
+                calls[computation].update(re.findall(r"[\w.\-]+", callee.group("names")))
+    return ops, calls
 
 
 def _runs_per_computation(hlo_text: str, branch_share: float = 1.0, op: re.Pattern = _OP) -> dict[str, float]:
