@@ -84,6 +84,13 @@ def main() -> None:
         )
     except ValueError as error:
         parser.error(f"--axes takes axis=size pairs, --schedules schedule:microbatches[:chunks] items ({error})")
+    from shardplan.pipeline.schedules import SCHEDULES as KNOWN
+
+    if not {"stage", "data"} <= set(axes):
+        parser.error(f"--axes needs a stage and a data axis, got {args.axes}")
+    unknown = sorted({name for name, _, _ in schedules} - set(KNOWN))
+    if unknown:
+        parser.error(f"unknown schedule(s) {', '.join(unknown)}: one of {', '.join(KNOWN)}")
     shardplan.simulate_cpu_devices(8)
     from shardplan.compose.calibrate import calibrate, profile_text
     from shardplan.compose.measure import compile_step, time_interleaved
