@@ -39,7 +39,7 @@ MAX_ACCUMULATE = 64  # gradient accumulation without a pipeline: counts that div
 # crowd the ranking with twins of the even split (an embedding's few microseconds moving a layer)
 SPLIT_GAIN = 0.01
 V_TABLES = 256  # zb-v offered up to stages x microbatches (its tables take ~0.2 s there)
-REMAT_CHOICES = ("none", "dots", "full")
+REMAT_CHOICES = ("none", "dots", "full")  # and "alternate" where "dots" does not fit (`_every_other_kept`)
 REMAT_POLICY = {"dots": "dots_with_no_batch_dims_saveable", "alternate": "every_other_dot_saveable", "full": "full"}
 # The budget share auto leaves free: the memory model's usual under-estimate against the compiler
 # (within 16% on most plans; -20% on a tied, soft-capped head; benchmarks/cost_model.py) plus
@@ -230,7 +230,12 @@ def search(
             continue
         if cost.peak_bytes > usable:
             rejected.append(Ranked(candidate, None, None, cost, "over the memory budget"))
-            continue
+            candidate = _every_other_kept(candidate, only)
+            if candidate is None or (len(slowest) >= keep and bounds.step(candidate) > -slowest[0]):
+                continue
+            idle, cost = sketch(candidate, roles, rep, workload, profile, input_name=input_name)
+            if idle or cost.peak_bytes > usable:
+                continue
         for candidate, cost in _with_shorter_ends(
             candidate, cost, roles, rep, workload, profile, input_name, usable, only
         ):
@@ -273,6 +278,17 @@ def search(
         else:
             ranked.append(checked)  # in the order above: the full cost equals the one-layer cost (tested)
     return Search(ranked, rejected, params, roles, workload, profile, budget, usable, len(fitting), pruned)
+
+
+def _every_other_kept(candidate: Candidate, only=None) -> Candidate | None:
+    """Where keeping every matmul output (`dots`) does not fit: the same keeping every other one
+    (`every_other_dot_saveable`, torchtitan's selective op), which recomputes half the matmuls where
+    `full` recomputes all of them. Offered only there: where `dots` fits it is faster, and costing it
+    beside every candidate took the search 1.5x as long."""
+    if candidate.remat != "dots":
+        return None
+    kept = dataclasses.replace(candidate, remat="alternate")
+    return kept if only is None or only(kept) else None
 
 
 def _with_shorter_ends(

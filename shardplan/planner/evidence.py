@@ -10,8 +10,9 @@ its count is the same as this one (said at the record). A class is the dense bf1
 gives, and its memory where two classes share a peak (H100 and H200).
 
 Only bf16 (or fp16) runs count: shardplan models no fp8 compute, and an fp8 run's "model TFLOP/s" over
-the bf16 peak says nothing of what a bf16 plan can reach. Classes without a record (B200: no published
-bf16 dense training run was found) are not marked.
+the bf16 peak says nothing of what a bf16 plan can reach. A class with no bf16 run of its own takes the
+record of a class with the same tensor cores (H200 from H100, B200 from GB200), said at the record;
+profiles of other peaks are not marked.
 """
 
 from __future__ import annotations
@@ -47,8 +48,17 @@ def _llama_weights(layers: int, width: int, kv_width: int, hidden: int, vocab: i
     return layers * (2 * width * width + 2 * width * kv_width + 3 * width * hidden) + width * vocab
 
 
-# MPT-7B (FSDP, flash attention) at 10,643 tokens/s per H100 (MosaicML llm-foundry's H100 table, 2023)
-MPT_7B_ON_H100 = dense_decoder_mfu(6.7e9, 32, 4096, 2048, 10643, 989e12)
+# Megatron-Core r0.8.0's weak scaling on H100 (its README, images/model_table.png, 2024-07-15): a 16B GPT
+# (32 layers, hidden 6144, vocabulary 131,072, sequence 4,096) on 192 H100 at tensor 4 x data 48, 489.1
+# teraFLOP/s per GPU by Megatron-Core's `num_floating_point_operations`, which for a GPT block is this count
+# (6 per matmul weight and token, the head's included, and 12 s l h for attention's whole square)
+MEGATRON_CORE_16B_ON_H100 = 489.1e12 / 989e12
+# Llama 3.1 405B in bf16 on 128 GB200 (NVIDIA dgxc-benchmarking, llama3.1/README.md, 2025): tensor 4 x
+# pipeline 8 x context 2 x data 2, batch 64 of 8,192 tokens in 9.347 s; 2.17e16 FLOPs a sequence by its
+# count, 2.151e16 by this one (its count adds 0.9%), against 2.45 PFLOP/s dense bf16
+LLAMA_405B_ON_GB200 = dense_decoder_mfu(
+    _llama_weights(126, 16384, 1024, 53248, 128256), 126, 16384, 8192, 64 * 8192 / 9.347 / 128, 2.45e15
+)
 
 BEST_PUBLISHED = (
     # torchtitan (FSDP2, bf16) on 64 A100 80GB: Llama 2 13B, local batch 2 of 4,096 tokens, no activation
@@ -62,16 +72,15 @@ BEST_PUBLISHED = (
         "torchtitan docs/performance.md (Llama 2 13B, FSDP2 on 64 A100)",
         "2024",
     ),
-    # MPT-7B: (6 x 6.7e9 + 12 x 32 x 4096 x 2048) FLOPs a token. Megatron-Core's README gives "up to 47%" for its 2B-462B weak-scaling runs on up to 6,144
-    # H100s by its own count; Llama 3 405B 38-43% on 8-16K H100 (Dubey et al. 2024, Table 4); NeMo
-    # AutoModel's Llama 3 70B (FSDP, CP 2, 64 H100) 866.77 tokens/s per GPU, 42.8% by this count
+    # above MosaicML's MPT-7B on 8 H100 (46.7%, 2023, the record until 2026-12-07), Llama 3 405B's 38-43%
+    # on 8-16K H100 (Dubey et al. 2024, Table 4) and NeMo AutoModel's Llama 3 70B (42.8% by this count)
     Published(
         "H100",
         989e12,
         80 * 2**30,
-        MPT_7B_ON_H100,
-        "MosaicML llm-foundry's H100 table (MPT-7B on 8 H100)",
-        "2023",
+        MEGATRON_CORE_16B_ON_H100,
+        "Megatron-Core r0.8.0 README (16B GPT on 192 H100)",
+        "2024",
     ),
     # the H200 has the H100 SXM's tensor cores at the same clocks (989 TFLOP/s dense bf16) and more, faster
     # memory; no bf16 training run on H200 above the H100 record was found, so that record stands for it
@@ -79,9 +88,27 @@ BEST_PUBLISHED = (
         "H200",
         989e12,
         141 * 10**9,
-        MPT_7B_ON_H100,
-        "the H100 record (same tensor cores and clocks): MPT-7B on 8 H100",
-        "2023",
+        MEGATRON_CORE_16B_ON_H100,
+        "the H100 record (same tensor cores and clocks): Megatron-Core's 16B GPT on 192 H100",
+        "2024",
+    ),
+    Published(
+        "GB200",
+        2.45e15,
+        186 * 10**9,
+        LLAMA_405B_ON_GB200,
+        "NVIDIA dgxc-benchmarking llama3.1 README (Llama 3.1 405B, bf16, 128 GB200)",
+        "2025",
+    ),
+    # the B200 has the GB200's Blackwell tensor cores at lower clocks (2.25 PFLOP/s dense bf16); the
+    # published B200 runs are fp8 or MoE, so the GB200 record, a share of its own peak, stands for it
+    Published(
+        "B200",
+        2.25e15,
+        180 * 10**9,
+        LLAMA_405B_ON_GB200,
+        "the GB200 record (same Blackwell tensor cores): Llama 3.1 405B in bf16 on 128 GB200",
+        "2025",
     ),
     # MaxText's README, TPU v5e: a 32B model on one v5e-256 slice at 132 TFLOP/s per chip, 66.86% (MaxText
     # counts attention over the whole square, as this count does)

@@ -270,12 +270,18 @@ def recomputed_matmuls(roles: ModelRoles) -> frozenset[str]:
     products the backward runs again, the 2nd, 4th, ... of each layer. The policy counts them in the
     order the layer runs them; here the order they were defined in stands for it (a layer defines
     wq, wk, wv, wo, gate, up, down in the order it calls them)."""
+    if _RECOMPUTED and _RECOMPUTED[0] is roles:  # `auto` costs thousands of candidates of one model
+        return _RECOMPUTED[1]
     by_layer: dict[int, list[str]] = {}
     for path in roles.order:
         role, layer = roles.roles.get(path), roles.layer_of(path)
         if layer is not None and role is not None and role.kind in (COLUMN, ROW, MATMUL):
             by_layer.setdefault(layer, []).append(path)
-    return frozenset(path for paths in by_layer.values() for path in paths[1::2])
+    _RECOMPUTED[:] = [roles, frozenset(path for paths in by_layer.values() for path in paths[1::2])]
+    return _RECOMPUTED[1]
+
+
+_RECOMPUTED: list = []  # [roles, their recomputed matmuls]: the last model asked about
 
 
 def split_axes(p: ParamLayout, dims: tuple[int, ...], exclude: tuple[str, ...] = ()) -> tuple[str, ...]:
