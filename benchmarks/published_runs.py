@@ -57,7 +57,7 @@ modelled as published before any figure of theirs was seen by the model:
   GPU. The table does not say whether it checkpoints activations; without it they would not fit
   (about 100 GB a device), so it is modelled with full recomputation.
 
-A third TEST table, on H100 (`--only megatron-core`), added 2026-12-07, modelled before any figure of the
+A third TEST table, on H100 (`--only h100`), added 2026-12-07, modelled before any figure of the
 model's on it was seen (but for the last four rows, below) and not changed after:
 
 - Megatron-Core r0.8.0's weak scaling (github.com/NVIDIA/Megatron-LM README and images/model_table.png,
@@ -78,9 +78,10 @@ model's on it was seen (but for the last four rows, below) and not changed after
 
 Each row is modelled twice with the hardware written as profile files (profiles/): the published
 configuration itself, and what `auto` picks (bf16 compute, 80 GB per device, 8 devices per host).
-The models are MiniGPT (GPT: layer norms, biases, GELU MLP 4x, untied head) at the published shapes.
+The models are MiniGPT (GPT: layer norms, biases, GELU MLP 4x, untied head) at the published shapes,
+and for the LLaMA rows `minigpt_model.llama:Llama` (RMS norms, grouped keys and values, gated MLP).
 
-    python benchmarks/published_runs.py [--only megatron|mt-nlg|mpt|opt|moe|korthikanti|fsdp|megatron-core]
+    python benchmarks/published_runs.py [--only megatron|mt-nlg|mpt|opt|moe|korthikanti|fsdp|h100]
                                         [--profile FILE] [--terms] [--json out.json]
     python benchmarks/published_runs.py --scaling
 """
@@ -367,7 +368,7 @@ TORCHTITAN_H100 = [
 TORCHTITAN_H100_STACK = dict(overlap=True, memory_bandwidth=2.4e12)
 
 
-def megatron_core_rows():
+def h100_rows():
     h100 = dataclasses.replace(_profile("h100-80gb-sxm.yaml"), **({} if OVERRIDE else MEGATRON_CORE_STACK))
     seq, vocab = 4096, 131072
     for billions, heads, hidden, layers, tensor, pipeline, gpus, batch, tflops in MEGATRON_CORE:
@@ -898,9 +899,7 @@ def _shape(pick) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--only", choices=["megatron", "mt-nlg", "mpt", "opt", "moe", "korthikanti", "fsdp", "megatron-core"]
-    )
+    parser.add_argument("--only", choices=["megatron", "mt-nlg", "mpt", "opt", "moe", "korthikanti", "fsdp", "h100"])
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     parser.add_argument(
         "--profile",
@@ -932,7 +931,7 @@ def main() -> None:
         ("moe", moe_rows, "fit"),
         ("korthikanti", korthikanti_rows, "test"),
         ("fsdp", fsdp_rows, "test (FSDP)"),
-        ("megatron-core", megatron_core_rows, "test (H100)"),
+        ("h100", h100_rows, "test (H100)"),
     ]
     rows = []
     print(
