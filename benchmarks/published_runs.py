@@ -175,27 +175,34 @@ def _mesh(pipeline: int, data: int, tensor: int) -> dict[str, int]:
     return {name: n for name, n in (("stage", pipeline), ("data", data), ("model", tensor)) if n > 1}
 
 
+def _megatron(
+    pipeline: int, data: int, tensor: int, gpus: int, microbatches: int, zero1: bool = False, **options
+) -> auto.Candidate:
+    """Megatron's layout on `gpus`: tensor parallelism over 'model' with the embedding and head split
+    too, 1F1B over `microbatches` where there is a pipeline, bf16 compute over float32 masters; `options`
+    what the run did beyond that (recomputation, sequence parallelism, ZeRO-1, accumulation)."""
+    return auto.Candidate(
+        _mesh(pipeline, data, tensor),
+        _hosts(pipeline, data, gpus),
+        tensor > 1,
+        tensor > 1,
+        False,
+        zero1,
+        "1f1b" if pipeline > 1 else None,
+        microbatches if pipeline > 1 else 1,
+        compute="bfloat16",
+        master=True,
+        **options,
+    )
+
+
 def megatron_rows():
     profile = _profile("a100-80gb-selene.yaml")
     for billions, heads, hidden, layers, tensor, pipeline, gpus, batch, tflops in MEGATRON:
         seq, vocab = 2048, 51200
         per_token = 96 * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
         data = gpus // (tensor * pipeline)
-        published = auto.Candidate(
-            _mesh(pipeline, data, tensor),
-            _hosts(pipeline, data, gpus),
-            tensor > 1,
-            tensor > 1,
-            False,
-            False,
-            "1f1b" if pipeline > 1 else None,
-            batch // data if pipeline > 1 else 1,
-            1,
-            "full",
-            False,
-            "bfloat16",
-            master=True,
-        )
+        published = _megatron(pipeline, data, tensor, gpus, batch // data, remat="full")
         yield (
             f"GPT {billions:g}B",
             _gpt(vocab, seq, hidden, heads, layers),
@@ -222,21 +229,7 @@ def mt_nlg_rows():
     for nodes, tflops in MT_NLG:
         gpus = nodes * 8
         data = gpus // (tensor * pipeline)
-        published = auto.Candidate(
-            {"stage": pipeline, "data": data, "model": tensor},
-            _hosts(pipeline, data, gpus),
-            True,
-            True,
-            False,
-            False,
-            "1f1b",
-            batch // data,
-            1,
-            "full",
-            False,
-            "bfloat16",
-            master=True,
-        )
+        published = _megatron(pipeline, data, tensor, gpus, batch // data, remat="full")
         yield (
             f"MT-NLG {gpus}",
             _gpt(vocab, seq, hidden, heads, layers),
@@ -304,21 +297,15 @@ def korthikanti_rows():
         data = gpus // (tensor * pipeline)
         config = _gpt(vocab, seq, hidden, heads, layers)
         for remat, sequence, seconds in (("full", False, full_s), ("dots", True, selective_s)):
-            published = auto.Candidate(
-                _mesh(pipeline, data, tensor),
-                _hosts(pipeline, data, gpus),
-                True,
-                True,
-                False,
-                False,
-                "1f1b" if pipeline > 1 else None,
-                batch // (data * micro) if pipeline > 1 else 1,
-                1,
-                remat,
-                sequence,
-                "bfloat16",
+            published = _megatron(
+                pipeline,
+                data,
+                tensor,
+                gpus,
+                batch // (data * micro),
+                remat=remat,
+                sequence=sequence,
                 accumulate=1 if pipeline > 1 else batch // (data * micro),
-                master=True,
             )
             yield (
                 f"GPT {billions}B {'sel' if sequence else 'full'}",
@@ -378,19 +365,8 @@ def h100_rows():
         per_token = 12 * layers * hidden**2 * (6 + seq / hidden + vocab / (2 * layers * hidden))
         # the README gives no microbatch size: 1 in the pipelines (Megatron's usual), and without one
         # the fewest accumulation steps at which the data rank's 4 sequences fit (`accumulates`)
-        published = auto.Candidate(
-            _mesh(pipeline, data, tensor),
-            _hosts(pipeline, data, gpus),
-            tensor > 1,
-            tensor > 1,
-            False,
-            True,
-            "1f1b" if pipeline > 1 else None,
-            batch // data if pipeline > 1 else 1,
-            sequence=tensor > 1,
-            overlap=tensor > 1,
-            compute="bfloat16",
-            master=True,
+        published = _megatron(
+            pipeline, data, tensor, gpus, batch // data, zero1=True, sequence=tensor > 1, overlap=tensor > 1
         )
         yield (
             f"MC {billions:g}B",
@@ -880,6 +856,9 @@ def print_terms(rows: list[dict]) -> None:
         theirs = r["published"]
         terms = theirs["terms"]
         if not terms:
+            print(
+                f"{r['model']:10} {r['set']:12} (the published configuration cannot be written: {theirs['unwritable']})"
+            )
             continue
         measured = r["batch"] * r["seq"] / theirs["tokens_per_s_per_device"] / r["devices"]
         matmuls = terms["weight matmuls"] + terms["matmul kernels' fixed cost"]
