@@ -77,7 +77,10 @@ model's on it was seen (but for the last four rows, below) and not changed after
   at two of their modelled figures (with the H100 file as it is: +26% and +28% on the eager rows).
 
 Each row is modelled twice with the hardware written as profile files (profiles/): the published
-configuration itself, and what `auto` picks (bf16 compute, 80 GB per device, 8 devices per host).
+configuration itself, and what `auto` picks (bf16 compute, 80 GB per device, 8 devices per host): with
+the options that run had (`megatron_2021`, `megatron_2022`, `megatron_core_2024`, `fsdp_any`, ...: the
+stack's features of the time and what the row ran, e.g. Korthikanti's rows with full recomputation
+get neither selective recomputation nor sequence parallelism), and with every option.
 The models are MiniGPT (GPT: layer norms, biases, GELU MLP 4x, untied head) at the published shapes,
 and for the LLaMA rows `minigpt_model.llama:Llama` (RMS norms, grouped keys and values, gated MLP).
 
@@ -315,7 +318,7 @@ def korthikanti_rows():
                 profile,
                 published,
                 batch * seq / seconds / gpus,
-                megatron_2022,
+                megatron_2022 if sequence else megatron_2021,
             )
 
 
@@ -462,9 +465,11 @@ def megatron_core_2024(c: auto.Candidate) -> bool:
 
 
 def megatron_2022(c: auto.Candidate) -> bool:
-    """What Megatron-LM had in 2022: tensor and pipeline parallelism, sequence parallelism, full or
-    selective recomputation; no sharded weights or optimizer state."""
-    return not (c.fsdp or c.zero1) and c.remat in ("full", "dots")
+    """What Megatron-LM had in 2022 (Korthikanti et al.): tensor and pipeline parallelism, 1F1B and its
+    interleaved form, sequence parallelism, full or selective recomputation; no sharded weights or
+    optimizer state, no zero-bubble schedules (2023), no tensor-parallel overlap (Transformer Engine's,
+    2023), no uneven stages."""
+    return _megatron_lm(c) and not c.zero1 and c.remat in ("full", "dots")
 
 
 def fsdp_megatron(c: auto.Candidate) -> bool:
@@ -473,10 +478,17 @@ def fsdp_megatron(c: auto.Candidate) -> bool:
 
 
 def megatron_2021(c: auto.Candidate) -> bool:
-    """What Megatron-LM had in 2021: tensor and pipeline parallelism, full recomputation; no
-    sharded weights or optimizer state, no sequence parallelism, no selective recomputation (its
-    runs without a pipeline could accumulate gradients over microbatches)."""
-    return not (c.fsdp or c.zero1 or c.sequence) and c.remat == "full"
+    """What Megatron-LM had in 2021 (Narayanan et al.), and what Korthikanti et al.'s rows with full
+    recomputation ran: tensor and pipeline parallelism, 1F1B and its interleaved form, full
+    recomputation; no sharded weights or optimizer state, no sequence parallelism, no selective
+    recomputation (its runs without a pipeline could accumulate gradients over microbatches)."""
+    return _megatron_lm(c) and not (c.zero1 or c.sequence) and c.remat == "full"
+
+
+def _megatron_lm(c: auto.Candidate) -> bool:
+    """What Megatron-LM's papers of 2021 and 2022 ran with: no sharded weights, the schedules of then
+    (1F1B, interleaved or not), stages of even layers, no tensor-parallel overlap."""
+    return not (c.fsdp or c.overlap or c.ends or c.split) and c.schedule in (None, "1f1b")
 
 
 def fsdp_only(c: auto.Candidate) -> bool:

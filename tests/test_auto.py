@@ -408,6 +408,31 @@ def test_where_keeping_every_matmul_output_does_not_fit_auto_keeps_every_other_o
     assert "every_other_dot_saveable" in _written(tight, tmp_path).model_dump_json()
 
 
+def test_options_that_leave_out_collective_matmul_still_get_sequence_parallelism():
+    """On a GPU, sequence parallelism comes with collective matmul; asked for the options of a stack
+    without it (Megatron-LM of 2022), `auto` offers sequence parallelism alone, not nothing."""
+
+    def sequence(c):
+        return c.sequence and c.axes == {"model": 8}
+
+    def plain_sequence(c):
+        return sequence(c) and not c.overlap
+
+    profile = get_profile("h200")
+    assert profile.overlap
+
+    def build():
+        return minigpt_model.MiniGPT(**MINIGPT, rngs=nnx.Rngs(0))
+
+    overlapped, _, _ = _search(build, only=sequence, profile=profile, keep=50, check=1)
+    assert overlapped.ranked and all(r.candidate.overlap for r in overlapped.ranked)
+    plain, _, _ = _search(build, only=plain_sequence, profile=profile, keep=50, check=1)
+    assert plain.ranked and not any(r.candidate.overlap for r in plain.ranked)
+    assert {repr(dataclasses.replace(r.candidate, overlap=True)) for r in plain.ranked} == {
+        repr(r.candidate) for r in overlapped.ranked
+    }
+
+
 def test_a_context_parallel_plan_is_written_as_it_was_checked():
     """At long sequences auto offers context parallelism; the plan it writes for such a candidate loads
     back to the plan it checked, `context:` section included (it was left out: an internal error at

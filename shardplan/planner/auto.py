@@ -209,6 +209,7 @@ def search(
                         capacity,
                     ),
                     profile,
+                    only,
                 )
             )
             if only is None or only(c)
@@ -464,11 +465,15 @@ def _idle(candidate: Candidate, report) -> str | None:
     return None
 
 
-def _overlapping(found, profile: Profile):
+def _overlapping(found, profile: Profile, only=None):
     """On a device that overlaps collectives (GPU flags, TPUs), sequence parallelism comes with
-    collective matmul (`tensor_overlap`): it only hides communication."""
+    collective matmul (`tensor_overlap`): it only hides communication. Without it where `only` does
+    not take it (a published run's options)."""
     for c in found:
-        yield dataclasses.replace(c, overlap=True) if profile.overlap and c.sequence and c.tensor else c
+        if profile.overlap and c.sequence and c.tensor:
+            overlapped = dataclasses.replace(c, overlap=True)
+            c = overlapped if only is None or only(overlapped) else c
+        yield c
 
 
 def candidates(
