@@ -467,8 +467,8 @@ def megatron_core_2024(c: auto.Candidate) -> bool:
 def megatron_2022(c: auto.Candidate) -> bool:
     """What Megatron-LM had in 2022 (Korthikanti et al.): tensor and pipeline parallelism, 1F1B and its
     interleaved form, sequence parallelism, full or selective recomputation; no sharded weights or
-    optimizer state, no zero-bubble schedules (2023), no tensor-parallel overlap (Transformer Engine's,
-    2023), no uneven stages."""
+    optimizer state, no zero-bubble schedules (2023), no collective matmul (Transformer Engine's
+    `--tp-comm-overlap`, 2023), no uneven stages."""
     return _megatron_lm(c) and not c.zero1 and c.remat in ("full", "dots")
 
 
@@ -487,7 +487,7 @@ def megatron_2021(c: auto.Candidate) -> bool:
 
 def _megatron_lm(c: auto.Candidate) -> bool:
     """What Megatron-LM's papers of 2021 and 2022 ran with: no sharded weights, the schedules of then
-    (1F1B, interleaved or not), stages of even layers, no tensor-parallel overlap."""
+    (1F1B, interleaved or not), stages of even layers, no collective matmul."""
     return not (c.fsdp or c.overlap or c.ends or c.split) and c.schedule in (None, "1f1b")
 
 
