@@ -1,8 +1,10 @@
-"""Explicit mesh axes against the model's own code. Under `mesh.types: explicit` JAX works out each
-operation's output sharding from its operands' types, and on plain model code (an embedding's gather
-on split rows or a batch-split index, a product whose two operands split one axis) it often finds
-none. JAX says so only when the step is first traced; `check` traces the forward once, abstractly, with the
-parameters and inputs typed as the plan places them, and reports the operation before anything runs.
+"""Explicit mesh axes against the model's own code.
+
+Under `mesh.types: explicit` JAX works out each operation's output sharding from its operands' types.
+On plain model code it often finds none: an embedding's gather on split rows or a batch-split index,
+a product whose two operands split one axis. JAX says so only when the step is first traced; `check`
+traces the forward once, abstractly, with the parameters and inputs typed as the plan places them,
+and reports the operation before anything runs.
 """
 
 from __future__ import annotations
